@@ -1,0 +1,437 @@
+"""The typed `"dsv3"` configuration block: presets, validation and the HF `config.json` bridge.
+
+One config flows one way: DeepSpeed JSON -> its `"dsv3"` block -> `DSv3Config` -> each module takes the
+sub-config it needs (`ModelConfig`, `MoEConfig`, `MTPConfig`, ...). Megatron's `TransformerConfig` is
+derived from it by the Megatron adapter; a released `config.json` enters through `DSv3Config.from_hf`.
+
+Every error is a `ConfigError` (a `ValueError`) whose message starts with the dotted path of the key,
+e.g. ``dsv3.moe.top_k: must be <= n_routed_experts (got 9 > 8)``.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+__all__ = [
+    "ConfigError",
+    "ScheduleStep",
+    "RopeScaling",
+    "ModelConfig",
+    "MoEConfig",
+    "MTPConfig",
+    "ParallelConfig",
+    "FP8Config",
+    "MemoryConfig",
+    "TrainConfig",
+    "DSv3Config",
+    "PRESETS",
+    "load_config",
+    "schedule_value",
+]
+
+
+class ConfigError(ValueError):
+    """Invalid `"dsv3"` configuration; the message starts with the dotted key path."""
+
+
+class _Strict(BaseModel):
+    # Unknown keys are errors: a misspelt feature flag must not silently do nothing.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+
+class ScheduleStep(_Strict):
+    """One piece of a piecewise-constant schedule over tokens seen: `value` while tokens < `until_tokens`."""
+
+    until_tokens: Optional[float] = Field(None, ge=0, description="end of this piece (None = forever)")
+    value: float = Field(ge=0)
+
+
+def schedule_value(base: float, steps: list[ScheduleStep], tokens_seen: float) -> float:
+    """Value of a token schedule; `base` when the schedule is empty (paper §4.2: γ=1e-3 then 0, λ=0.3 then 0.1)."""
+    for s in steps:
+        if s.until_tokens is None or tokens_seen < s.until_tokens:
+            return s.value
+    return steps[-1].value if steps else base
+
+
+class RopeScaling(_Strict):
+    """YaRN rope scaling as in the released config.json (`rope_scaling`)."""
+
+    type: Literal["yarn"] = "yarn"
+    factor: float = Field(40.0, gt=0)
+    original_max_position_embeddings: int = Field(4096, gt=0)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 1.0
+
+
+class ModelConfig(_Strict):
+    """Model shape; names follow the released config.json."""
+
+    vocab_size: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
+    intermediate_size: int = Field(gt=0, description="dense FFN width (first_k_dense_replace layers)")
+    num_hidden_layers: int = Field(gt=0)
+    num_attention_heads: int = Field(gt=0)
+    q_lora_rank: Optional[int] = Field(None, gt=0, description="None = plain q_proj (V2-Lite style)")
+    kv_lora_rank: int = Field(gt=0)
+    qk_nope_head_dim: int = Field(gt=0)
+    qk_rope_head_dim: int = Field(gt=0)
+    v_head_dim: int = Field(gt=0)
+    first_k_dense_replace: int = Field(ge=0)
+    rms_norm_eps: float = Field(1e-6, gt=0)
+    rope_theta: float = Field(10000.0, gt=0)
+    rope_scaling: Optional[RopeScaling] = None
+    rope_interleave: bool = True
+    max_position_embeddings: int = Field(4096, gt=0)
+    initializer_range: float = Field(0.006, gt=0, description="paper §4.2: init std 0.006")
+    tie_word_embeddings: bool = False
+
+
+class MoEConfig(_Strict):
+    """DeepSeekMoE routing and balancing (paper eqs. 12-20)."""
+
+    n_routed_experts: int = Field(gt=0)
+    n_shared_experts: int = Field(1, ge=0)
+    intermediate_size: int = Field(gt=0, description="per-expert FFN width (moe_intermediate_size)")
+    top_k: int = Field(gt=0, description="K_r, routed experts per token (num_experts_per_tok)")
+    n_group: int = Field(1, gt=0, description="expert groups = nodes for node-limited routing")
+    topk_group: int = Field(1, gt=0, description="M: groups (= nodes) a token may use; alias max_nodes_per_token")
+    route_scale: float = Field(2.5, gt=0, description="routed_scaling_factor")
+    score_func: Literal["sigmoid"] = "sigmoid"
+    norm_topk_prob: bool = True
+    bias_update_speed: float = Field(0.001, ge=0, description="γ of the aux-loss-free bias update")
+    bias_update_schedule: list[ScheduleStep] = Field(default_factory=list)
+    seq_aux_alpha: float = Field(0.0001, ge=0, description="α of the sequence-wise balance loss; 0 disables")
+    ranks_per_node: int = Field(1, gt=0, description="EP ranks forming one simulated node (contiguous blocks)")
+    dedup_dispatch: bool = Field(True, description="send a token once per node, then forward inside the node")
+
+    def gamma(self, tokens_seen: float) -> float:
+        return schedule_value(self.bias_update_speed, self.bias_update_schedule, tokens_seen)
+
+
+class MTPConfig(_Strict):
+    """Multi-token prediction (paper eqs. 21-25)."""
+
+    depth: int = Field(1, ge=0, description="D; 0 disables MTP")
+    loss_weight: float = Field(0.3, ge=0, description="λ")
+    loss_weight_schedule: list[ScheduleStep] = Field(default_factory=list)
+
+    def lam(self, tokens_seen: float) -> float:
+        return schedule_value(self.loss_weight, self.loss_weight_schedule, tokens_seen)
+
+
+class ParallelConfig(_Strict):
+    ep: int = Field(1, gt=0, description="expert-parallel degree")
+    pp: int = Field(1, gt=0, description="pipeline ranks")
+    schedule: Literal["1f1b", "dualpipe", "dualpipev"] = "1f1b"
+    num_chunks: Optional[int] = Field(None, gt=0, description="micro-batches per pipeline step (default: grad. accumulation)")
+    p2p_timeout_s: float = Field(120.0, gt=0)
+
+
+class FP8Config(_Strict):
+    enabled: bool = False
+    recipe: Literal["blockwise", "tensorwise"] = "blockwise"
+    pow2_scales: bool = False
+    dispatch: bool = Field(False, description="FP8 all-to-all payload (power-of-2 scales), BF16 combine")
+    backend: Literal["auto", "te", "torch", "emulate"] = "auto"
+
+
+class MemoryConfig(_Strict):
+    recompute: Literal["none", "norm_and_mla_up", "full"] = "none"
+    ema: bool = False
+    ema_decay: float = Field(0.999, gt=0, lt=1)
+    bf16_moments: bool = False
+
+
+class TrainConfig(_Strict):
+    """What `dsv3 train` needs beyond DeepSpeed's own keys."""
+
+    seq_len: int = Field(64, gt=1)
+    steps: int = Field(60, gt=0)
+    seed: int = 1234
+    data: Literal["synthetic"] = "synthetic"
+    log_every: int = Field(1, gt=0)
+    save_every: int = Field(0, ge=0, description="0 = save only at the end")
+
+
+class DSv3Config(_Strict):
+    preset: Optional[str] = None
+    model: ModelConfig
+    moe: MoEConfig
+    mtp: MTPConfig = Field(default_factory=MTPConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    fp8: FP8Config = Field(default_factory=FP8Config)
+    memory: MemoryConfig = Field(default_factory=MemoryConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+
+    # --- derived shapes -------------------------------------------------------------------------
+    @property
+    def qk_head_dim(self) -> int:
+        return self.model.qk_nope_head_dim + self.model.qk_rope_head_dim
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return layer_idx >= self.model.first_k_dense_replace
+
+    def to_dict(self) -> dict:
+        return self.model_dump(mode="json")
+
+    # --- HF config.json bridge --------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, hf: dict | str | os.PathLike, **overrides: Any) -> "DSv3Config":
+        """Build from a released `config.json` (dict or path). `overrides` deep-merge on top."""
+        if not isinstance(hf, dict):
+            with open(hf) as f:
+                hf = json.load(f)
+        rs = hf.get("rope_scaling") or hf.get("rope_parameters")
+        rope_theta = hf.get("rope_theta", (rs or {}).get("rope_theta", 10000.0))
+        rope = None
+        if rs and (rs.get("type") or rs.get("rope_type")) == "yarn":
+            rope = {k: rs[k] for k in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                                       "mscale", "mscale_all_dim") if k in rs}
+        d = {
+            "model": {
+                "vocab_size": hf["vocab_size"], "hidden_size": hf["hidden_size"],
+                "intermediate_size": hf["intermediate_size"], "num_hidden_layers": hf["num_hidden_layers"],
+                "num_attention_heads": hf["num_attention_heads"], "q_lora_rank": hf.get("q_lora_rank"),
+                "kv_lora_rank": hf["kv_lora_rank"], "qk_nope_head_dim": hf["qk_nope_head_dim"],
+                "qk_rope_head_dim": hf["qk_rope_head_dim"], "v_head_dim": hf["v_head_dim"],
+                "first_k_dense_replace": hf.get("first_k_dense_replace", 0),
+                "rms_norm_eps": hf.get("rms_norm_eps", 1e-6), "rope_theta": rope_theta, "rope_scaling": rope,
+                "rope_interleave": hf.get("rope_interleave", True),
+                "max_position_embeddings": hf.get("max_position_embeddings", 4096),
+                "initializer_range": hf.get("initializer_range", 0.006),
+                "tie_word_embeddings": hf.get("tie_word_embeddings", False),
+            },
+            "moe": {
+                "n_routed_experts": hf["n_routed_experts"], "n_shared_experts": hf.get("n_shared_experts") or 0,
+                "intermediate_size": hf["moe_intermediate_size"], "top_k": hf["num_experts_per_tok"],
+                "n_group": hf.get("n_group") or 1, "topk_group": hf.get("topk_group") or 1,
+                "route_scale": hf.get("routed_scaling_factor", 1.0),
+                "norm_topk_prob": hf.get("norm_topk_prob", True),
+                # NOTE: released V3 configs omit aux_loss_alpha; the paper's α=1e-4 is used then (not 0).
+                "seq_aux_alpha": hf.get("aux_loss_alpha", 0.0001) if hf.get("seq_aux", True) else 0.0,
+            },
+            "mtp": {"depth": hf.get("num_nextn_predict_layers", 0)},
+        }
+        return _validate(_deep_merge(d, overrides))
+
+    def to_hf(self) -> dict:
+        """The released-format `config.json` dict (what transformers' DeepseekV3Config accepts)."""
+        m, e = self.model, self.moe
+        rope = None
+        if m.rope_scaling is not None:
+            rope = {"type": "yarn", **m.rope_scaling.model_dump(exclude={"type"})}
+        return {
+            "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+            "vocab_size": m.vocab_size, "hidden_size": m.hidden_size, "intermediate_size": m.intermediate_size,
+            "moe_intermediate_size": e.intermediate_size, "num_hidden_layers": m.num_hidden_layers,
+            "num_attention_heads": m.num_attention_heads, "num_key_value_heads": m.num_attention_heads,
+            "n_shared_experts": e.n_shared_experts, "n_routed_experts": e.n_routed_experts,
+            "routed_scaling_factor": e.route_scale, "kv_lora_rank": m.kv_lora_rank, "q_lora_rank": m.q_lora_rank,
+            "qk_rope_head_dim": m.qk_rope_head_dim, "v_head_dim": m.v_head_dim,
+            "qk_nope_head_dim": m.qk_nope_head_dim, "n_group": e.n_group, "topk_group": e.topk_group,
+            "num_experts_per_tok": e.top_k, "first_k_dense_replace": m.first_k_dense_replace,
+            "norm_topk_prob": e.norm_topk_prob, "hidden_act": "silu",
+            "max_position_embeddings": m.max_position_embeddings, "initializer_range": m.initializer_range,
+            "rms_norm_eps": m.rms_norm_eps, "rope_theta": m.rope_theta, "rope_scaling": rope,
+            "rope_interleave": m.rope_interleave, "attention_bias": False, "attention_dropout": 0.0,
+            "tie_word_embeddings": m.tie_word_embeddings, "num_nextn_predict_layers": self.mtp.depth,
+            "topk_method": "noaux_tc", "scoring_func": "sigmoid", "aux_loss_alpha": e.seq_aux_alpha,
+            "seq_aux": e.seq_aux_alpha > 0, "torch_dtype": "bfloat16",
+        }
+
+
+# ------------------------------------------------------------------------------------------------
+# Presets: data, not flags. `v3-671b` matches the released config.json (and paper §4.2 for training).
+_V3 = {
+    "model": {
+        "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432, "num_hidden_layers": 61,
+        "num_attention_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "first_k_dense_replace": 3, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+        "max_position_embeddings": 163840, "initializer_range": 0.006,
+    },
+    "moe": {
+        "n_routed_experts": 256, "n_shared_experts": 1, "intermediate_size": 2048, "top_k": 8,
+        "n_group": 8, "topk_group": 4, "route_scale": 2.5, "bias_update_speed": 0.001,
+        "bias_update_schedule": [{"until_tokens": 14.3e12, "value": 0.001}, {"until_tokens": None, "value": 0.0}],
+        "seq_aux_alpha": 0.0001, "ranks_per_node": 8,
+    },
+    "mtp": {"depth": 1, "loss_weight": 0.3,
+            "loss_weight_schedule": [{"until_tokens": 10e12, "value": 0.3}, {"until_tokens": None, "value": 0.1}]},
+    "parallel": {"ep": 64, "pp": 16, "schedule": "dualpipe"},
+    "train": {"seq_len": 4096},
+}
+
+# A CPU-sized model with every feature on: q_lora, yarn, 1 dense + 2 MoE layers, 4 groups, MTP.
+# hidden 64 (not a multiple of 128) on purpose: ragged FP8 blocks and no 128-alignment assumptions.
+_TINY = {
+    "model": {
+        "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8, "v_head_dim": 16, "first_k_dense_replace": 1, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "rope_scaling": {"type": "yarn", "factor": 4, "original_max_position_embeddings": 64,
+                         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+        "max_position_embeddings": 256, "initializer_range": 0.02,
+    },
+    "moe": {
+        "n_routed_experts": 8, "n_shared_experts": 1, "intermediate_size": 32, "top_k": 2,
+        "n_group": 4, "topk_group": 2, "route_scale": 2.5, "bias_update_speed": 0.001, "seq_aux_alpha": 0.0001,
+    },
+    "mtp": {"depth": 1, "loss_weight": 0.3},
+    "train": {"seq_len": 64, "steps": 60},
+}
+
+PRESETS: dict[str, dict] = {"tiny": _TINY, "v3-671b": _V3}
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+# The same family a few times larger (benches, MoE at the issue's bench shape).
+PRESETS["small"] = _deep_merge(_TINY, {
+    "model": {"vocab_size": 1024, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+              "num_attention_heads": 8, "q_lora_rank": 96, "kv_lora_rank": 64, "qk_nope_head_dim": 32,
+              "qk_rope_head_dim": 16, "v_head_dim": 32},
+    "moe": {"n_routed_experts": 64, "intermediate_size": 128, "top_k": 8, "n_group": 8, "topk_group": 4},
+})
+
+
+def _loc(loc: tuple) -> str:
+    return ".".join(["dsv3", *(str(p) for p in loc)])
+
+
+def _validate(d: dict) -> DSv3Config:
+    try:
+        cfg = DSv3Config.model_validate(d)
+    except ValidationError as e:
+        err = e.errors()[0]
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif err["type"] == "missing":
+            msg = "required key is missing"
+        raise ConfigError(f"{_loc(err['loc'])}: {msg} (got {err.get('input')!r})"
+                          if err["type"] not in ("missing",) else f"{_loc(err['loc'])}: {msg}") from None
+    _check_cross_fields(cfg)
+    return cfg
+
+
+def _fail(path: str, msg: str):
+    raise ConfigError(f"dsv3.{path}: {msg}")
+
+
+def _check_schedule(path: str, steps: list[ScheduleStep]) -> None:
+    last = -math.inf
+    for i, s in enumerate(steps):
+        if s.until_tokens is None:
+            if i != len(steps) - 1:
+                _fail(f"{path}.{i}.until_tokens", "only the last piece may be open-ended (null)")
+            continue
+        if s.until_tokens <= last:
+            _fail(f"{path}.{i}.until_tokens", f"must increase (got {s.until_tokens:g} after {last:g})")
+        last = s.until_tokens
+
+
+def _check_cross_fields(c: DSv3Config) -> None:
+    m, e = c.model, c.moe
+    if e.top_k > e.n_routed_experts:
+        _fail("moe.top_k", f"must be <= n_routed_experts (got {e.top_k} > {e.n_routed_experts})")
+    if e.n_routed_experts % e.n_group:
+        _fail("moe.n_group", f"must divide n_routed_experts (got {e.n_routed_experts} % {e.n_group} != 0)")
+    if e.topk_group > e.n_group:
+        _fail("moe.topk_group", f"must be <= n_group (got {e.topk_group} > {e.n_group})")
+    if e.top_k < e.topk_group:
+        _fail("moe.top_k", f"must be >= topk_group (got {e.top_k} < {e.topk_group})")
+    per_group = e.n_routed_experts // e.n_group
+    if e.n_group > 1 and per_group < 2:
+        _fail("moe.n_group", f"needs >= 2 experts per group for the top-2 group score (got {per_group})")
+    if e.n_group > 1 and e.top_k > e.topk_group * per_group:
+        _fail("moe.top_k", f"must be <= topk_group * experts per group (got {e.top_k} > "
+                           f"{e.topk_group} * {per_group})")
+    if m.first_k_dense_replace > m.num_hidden_layers:
+        _fail("model.first_k_dense_replace",
+              f"must be <= num_hidden_layers (got {m.first_k_dense_replace} > {m.num_hidden_layers})")
+    if m.qk_rope_head_dim % 2:
+        _fail("model.qk_rope_head_dim", f"must be even for RoPE (got {m.qk_rope_head_dim})")
+    _check_schedule("moe.bias_update_schedule", e.bias_update_schedule)
+    _check_schedule("mtp.loss_weight_schedule", c.mtp.loss_weight_schedule)
+    p = c.parallel
+    if e.n_routed_experts % p.ep:
+        _fail("parallel.ep", f"must divide moe.n_routed_experts (got {e.n_routed_experts} % {p.ep} != 0)")
+    if p.ep % e.ranks_per_node:
+        _fail("moe.ranks_per_node", f"must divide parallel.ep (got {p.ep} % {e.ranks_per_node} != 0)")
+    nodes = p.ep // e.ranks_per_node
+    if nodes > 1 and e.n_group not in (1, nodes) and e.n_group % nodes:
+        _fail("moe.n_group", f"must be a multiple of the EP nodes for node-limited routing "
+                             f"(got {e.n_group} groups over {nodes} nodes)")
+    if p.schedule == "dualpipe" and p.pp > 1 and p.pp % 2:
+        _fail("parallel.pp", f"DualPipe needs an even number of pipeline ranks (got {p.pp})")
+    if p.num_chunks is not None and p.pp > 1:
+        need = 2 * p.pp
+        if p.schedule in ("dualpipe", "dualpipev") and p.num_chunks < need:
+            _fail("parallel.num_chunks", f"{p.schedule} needs >= 2*pp micro-batches (got {p.num_chunks} < {need})")
+        if p.schedule == "dualpipe" and p.num_chunks % 2:
+            _fail("parallel.num_chunks", f"DualPipe needs an even number of micro-batches (got {p.num_chunks})")
+    if c.fp8.dispatch and not c.fp8.enabled:
+        _fail("fp8.dispatch", "requires fp8.enabled = true")
+    if c.fp8.recipe == "tensorwise" and c.fp8.dispatch:
+        _fail("fp8.dispatch", "FP8 dispatch uses tile scales; it needs fp8.recipe = 'blockwise'")
+
+
+def load_config(src: "str | os.PathLike | dict | DSv3Config") -> DSv3Config:
+    """Read the `"dsv3"` block of a DeepSpeed JSON (path or dict) or a bare `"dsv3"` dict.
+
+    A `"preset"` key names the base (`tiny`, `small`, `v3-671b`); other keys deep-merge over it.
+    """
+    if isinstance(src, DSv3Config):
+        return src
+    where = "dict"
+    if not isinstance(src, dict):
+        where = os.fspath(src)
+        try:
+            with open(where) as f:
+                src = json.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"dsv3: config file not found: {where}") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"dsv3: {where} is not valid JSON ({e})") from None
+        if not isinstance(src, dict) or "dsv3" not in src:
+            raise ConfigError(f"dsv3: {where} has no \"dsv3\" block")
+    block = src.get("dsv3", src) if "dsv3" in src else src
+    if not isinstance(block, dict):
+        raise ConfigError(f"dsv3: must be an object (got {type(block).__name__})")
+    moe = block.get("moe")
+    if isinstance(moe, dict) and "max_nodes_per_token" in moe:
+        # The paper's M (max nodes per token) is the router's topk_group when groups are nodes.
+        if "topk_group" in moe and moe["topk_group"] != moe["max_nodes_per_token"]:
+            raise ConfigError("dsv3.moe.max_nodes_per_token: conflicts with moe.topk_group (same setting, "
+                              f"got {moe['max_nodes_per_token']} vs {moe['topk_group']})")
+        moe = dict(moe)
+        moe["topk_group"] = moe.pop("max_nodes_per_token")
+        block = {**block, "moe": moe}
+    preset = block.get("preset", "tiny")
+    if preset is None:
+        base = {}
+    elif preset not in PRESETS:
+        raise ConfigError(f"dsv3.preset: unknown preset {preset!r} (choose from {', '.join(PRESETS)})")
+    else:
+        base = PRESETS[preset]
+    return _validate(_deep_merge({**base, "preset": preset}, block))
