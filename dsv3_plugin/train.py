@@ -76,24 +76,22 @@ def _f(x) -> float:
 
 
 def _build_model(cfg, init_from: str | None):
-    from .model import DSv3Model
-    model = DSv3Model(cfg)
     if init_from:
+        # Shape from the released config.json, training knobs from the "dsv3" block (see _init_from_config).
         from .checkpoint.hf import load_pretrained
-        pretrained = load_pretrained(init_from, dtype=torch.float32, device="cpu")
-        missing, unexpected = model.load_state_dict(pretrained.state_dict(), strict=False)
-        if missing or unexpected:
-            from .errors import CheckpointError
-            raise CheckpointError(f"{init_from}: weights do not fit the configured model "
-                                  f"(missing {missing[:4]}, unexpected {unexpected[:4]})")
-        del pretrained
-    return model
+        d = cfg.to_dict()
+        return load_pretrained(init_from, dtype=torch.float32, device="cpu",
+                               **{sec: d[sec] for sec in ("moe", "mtp", "parallel", "fp8", "memory", "train")})
+    from .model import DSv3Model
+    return DSv3Model(cfg)
 
 
 def _init_from_config(ds: dict, init_from: str) -> dict:
     """Model shape from the released config.json; training knobs (γ, λ, α schedules, train.*) from the JSON."""
-    from .config import DSv3Config, load_config
+    from .config import ConfigError, DSv3Config, load_config
     from .errors import CheckpointError
+    if not isinstance(ds.get("dsv3"), dict):
+        raise ConfigError("dsv3: the DeepSpeed JSON has no \"dsv3\" block")
     hf_path = os.path.join(init_from, "config.json")
     if not os.path.isfile(hf_path):
         raise CheckpointError(f"{hf_path}: not found (--init-from needs a released-format checkpoint dir)")
@@ -147,7 +145,10 @@ def _write_png(rows: list[dict], path: str) -> None:
 def train(ds_config: "str | os.PathLike | dict | None" = None, *, steps: int | None = None,
           out: str | None = None, resume: str | None = None, init_from: str | None = None,
           progress: bool = True, echo: bool = True, save: bool = True) -> dict:
-    """Train on this rank (call after, or let it call, `init_distributed()`); returns {"history", "summary"}.
+    """Train on this rank (call after, or let it call, `init_distributed()`).
+
+    Returns {"history": per-step metric dicts, "summary", "router_bias": {buffer name: list},
+    "param_checksum": float64 sum of all parameters} — identical on every rank.
 
     `steps` is the step index to reach (default `dsv3.train.steps`); with `resume` training continues from the
     checkpoint's step. Rank 0 prints one JSON line per step (if `echo`), a tqdm bar on stderr (if `progress`),
@@ -236,7 +237,11 @@ def train(ds_config: "str | os.PathLike | dict | None" = None, *, steps: int | N
     if rank == 0 and echo:
         print(summary["line"], flush=True)
     engine.dsv3.remove()
-    return {"history": history, "summary": summary}
+    # Final state fingerprints (plain Python values, so they can cross process boundaries).
+    with torch.no_grad():
+        biases = {n: b.tolist() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")}
+        checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
+    return {"history": history, "summary": summary, "router_bias": biases, "param_checksum": checksum}
 
 
 def _summary(history: list[dict], world: int, out: str | None, ckpt: str | None) -> dict:
