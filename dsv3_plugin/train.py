@@ -123,6 +123,17 @@ def _prepare(ds_config, steps, init_from):
     return ds, cfg, total
 
 
+def _rewrite_metrics(path: str, keep_until: int) -> None:
+    rows = []
+    if keep_until and os.path.isfile(path):
+        with open(path) as f:
+            rows = [x for x in f if x.strip() and json.loads(x)["step"] <= keep_until]
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(rows)
+    os.replace(tmp, path)
+
+
 def _write_png(rows: list[dict], path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -178,8 +189,10 @@ def train(ds_config: "str | os.PathLike | dict | None" = None, *, steps: int | N
     if rank == 0 and out:
         os.makedirs(out, exist_ok=True)
         metrics_path = os.path.join(out, "metrics.jsonl")
-        if not resume or os.path.abspath(checkpoint_dir(resume)) != os.path.abspath(os.path.join(out, "ckpt")):
-            open(metrics_path, "w").close()  # a fresh run (or a resume into a new dir) starts a new file
+        same_dir = resume and os.path.abspath(checkpoint_dir(resume)) == os.path.abspath(os.path.join(out, "ckpt"))
+        # A fresh run (or a resume into a new dir) starts a new file; a resume into the same dir keeps the
+        # lines up to the checkpoint's step (drops those of an interrupted run past it).
+        _rewrite_metrics(metrics_path, keep_until=start if same_dir else 0)
     if out:
         ckpt = os.path.join(out, "ckpt")
 
