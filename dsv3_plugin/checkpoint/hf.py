@@ -162,6 +162,8 @@ def load_hf_state_into(model: torch.nn.Module, path: str | os.PathLike, dtype: t
         if native is None:
             shared_copies.append((name, fn, expert, t))
             continue
+        if native not in state and t.numel() == 0:
+            continue  # transformers writes empty shared-expert weights when n_shared_experts = 0
         if native not in state:
             raise CheckpointError(f"{where}: unexpected tensor (the config builds no {native})")
         if not t.is_floating_point():
