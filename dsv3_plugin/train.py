@@ -225,17 +225,18 @@ def train(ds_config: "str | os.PathLike | dict | None" = None, *, steps: int | N
                "tokens_per_s": st.last_step_tokens / dt, "tokens_seen": st.tokens_seen,
                "gamma": st.last_gamma, "lr": float(engine.get_lr()[0]), "maxvio_layers": mv}
         history.append(rec)
+        done = step + 1
         if rank == 0:
-            line = json.dumps(rec)
-            if echo:
-                print(line, flush=True)
-            if metrics_path:
-                with open(metrics_path, "a") as f:
-                    f.write(line + "\n")
+            if done % cfg.train.log_every == 0 or done == total:  # dsv3.train.log_every thins the JSON lines
+                line = json.dumps(rec)
+                if echo:
+                    print(line, flush=True)
+                if metrics_path:
+                    with open(metrics_path, "a") as f:
+                        f.write(line + "\n")
             if bar is not None:
                 bar.set_postfix(loss=f"{rec['loss']:.3f}", maxvio=f"{rec['maxvio']:.3f}", refresh=False)
                 bar.update(1)
-        done = step + 1
         if save and ckpt and ((cfg.train.save_every and done % cfg.train.save_every == 0) or done == total):
             engine.save_checkpoint(ckpt, tag=f"step{done}", client_state={"data_step": done})
     if bar is not None:

@@ -101,12 +101,16 @@ def test_train_cli_spawned_then_resumed_under_torchrun(tmp_path):
     assert rows[0]["lm_loss"] == pytest.approx(_reference_first_lm_loss(ck, 16, 5, 2), abs=1e-5)
     assert rows[0]["gamma"] == 0.01 and rows[-1]["tokens_seen"] == 3 * 2 * 2 * 16
 
+    # Resume under torchrun, with dsv3.train.log_every = 2: JSON lines for steps 4 and 6 (6 = the last) only.
+    cfg2 = _write(tmp_path / "c2.json", _ds(moe={"bias_update_speed": 0.01}, train={"seq_len": 16, "seed": 5,
+                                                                                     "log_every": 2}))
     t = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        "-m", "dsv3_plugin", "train", "--config", cfg, "--steps", "5", "--out", out,
+                        "-m", "dsv3_plugin", "train", "--config", cfg2, "--steps", "6", "--out", out,
                         "--resume", out, "--init-from", ck, "--no-progress"],
                        capture_output=True, text=True, env=_env(), timeout=600)
     assert t.returncode == 0, t.stderr[-3000:]
     more = [json.loads(x) for x in t.stdout.strip().splitlines() if x.startswith("{")]
-    assert [r["step"] for r in more] == [4, 5] and more[0]["tokens_seen"] == 4 * 64
+    assert [r["step"] for r in more] == [4, 6] and more[0]["tokens_seen"] == 4 * 64
+    assert t.stdout.strip().splitlines()[-1].startswith("dsv3 train: steps 4-6 on 2 rank(s)")
     with open(os.path.join(out, "metrics.jsonl")) as f:
-        assert [json.loads(x)["step"] for x in f] == [1, 2, 3, 4, 5]
+        assert [json.loads(x)["step"] for x in f] == [1, 2, 3, 4, 6]
