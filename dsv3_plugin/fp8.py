@@ -168,15 +168,16 @@ def fp8_gemm_emulated(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b
     sa = _rows_chunks(a_s, M, Kc, a_kind, tile)                        # [M, Kc]
     sb = _rows_chunks(b_s, N, Kc, b_kind, tile)                        # [N, Kc]
     a32, b32 = a_q.float(), b_q.float()
-    out = torch.zeros(M, N, dtype=torch.float32, device=a_q.device)
+    out = None
     for c in range(Kc):
         lo, hi = c * tile, min(K, (c + 1) * tile)
         if acc_mantissa_bits is None:
             part = a32[:, lo:hi] @ b32[:, lo:hi].t()                   # [M, N] FP32 partial of one chunk
         else:
             part = lowprec_gemm(a32[:, lo:hi], b32[:, lo:hi], acc_mantissa_bits)
-        out += part * sa[:, c, None] * sb[None, :, c]
-    return out
+        part = part * sa[:, c, None] * sb[None, :, c]
+        out = part if out is None else out.add_(part)                  # FP32 accumulator, chunk order
+    return out if out is not None else a_q.new_zeros(M, N, dtype=torch.float32)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from .config import ConfigError, FP8Config
 from .fp8 import (FP8_DTYPE, TILE, fp8_gemm_emulated, quantize_blockwise, quantize_tensorwise,
                   quantize_tilewise)
 
-__all__ = ["Fp8Recipe", "EmulatedBackend", "TorchScaledMMBackend", "TEBackend", "select_backend",
+__all__ = ["Fp8Recipe", "EmulatedBackend", "TorchScaledMMBackend", "TEBackend", "AutoBackend", "select_backend",
            "fp8_linear", "Fp8Linear", "Fp8GroupedSwiGLU", "te_recipe_spec", "to_te_recipe", "Fp8Report",
            "convert_to_fp8"]
 
@@ -220,6 +220,30 @@ def select_backend(cfg: FP8Config, device: torch.device | str = "cpu"):
     return EmulatedBackend(), "emulation (" + "; ".join(reasons) + ")"
 
 
+class AutoBackend:
+    """`select_backend` resolved from the operands' device at the first GEMM (and again if it changes):
+    models are usually built on CPU and moved to their GPU afterwards. Updates `report` when it resolves."""
+
+    def __init__(self, cfg: FP8Config, report: "Optional[Fp8Report]" = None):
+        self.cfg, self.report = cfg, report
+        self.impl, self.device = None, None
+
+    @property
+    def name(self) -> str:
+        return self.impl.name if self.impl is not None else "auto"
+
+    def resolve(self, device: torch.device):
+        if self.impl is None or self.device != device:
+            self.impl, why = select_backend(self.cfg, device)
+            self.device = device
+            if self.report is not None:
+                self.report.backend, self.report.reason = self.impl.name, why
+        return self.impl
+
+    def gemm(self, a_q, *args):
+        return self.resolve(a_q.device).gemm(a_q, *args)
+
+
 # --------------------------------------------------------------------------------------------------
 # The autograd function
 
@@ -275,13 +299,15 @@ class Fp8Linear(nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.backend.linear(self, x) if isinstance(self.backend, TEBackend) else None
+        be = self.backend.resolve(x.device) if isinstance(self.backend, AutoBackend) else self.backend
+        y = be.linear(self, x) if isinstance(be, TEBackend) else None
         if y is None:
-            y = _Fp8LinearFn.apply(x, self.weight, self.recipe, self.backend)
+            y = _Fp8LinearFn.apply(x, self.weight, self.recipe, be)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, fp8={self.recipe.kind}, pow2={self.recipe.pow2}, backend={self.backend.name}"
+        return (f"{super().extra_repr()}, fp8={self.recipe.kind}, pow2={self.recipe.pow2}, "
+                f"backend={self.backend.name}")
 
 
 class Fp8GroupedSwiGLU:
@@ -361,12 +387,13 @@ def convert_to_fp8(model: nn.Module, cfg: FP8Config, device: torch.device | str 
     from .model import DecoderLayer
     from .moe import GroupedExperts
 
+    recipe = Fp8Recipe.from_config(cfg)
+    rep = Fp8Report(backend="auto", reason="", recipe=recipe.kind, pow2_scales=recipe.pow2)
     if device is None:
         p = next(model.parameters(), None)
         device = p.device if p is not None else torch.device("cpu")
-    backend, reason = select_backend(cfg, device)
-    recipe = Fp8Recipe.from_config(cfg)
-    rep = Fp8Report(backend=backend.name, reason=reason, recipe=recipe.kind, pow2_scales=recipe.pow2)
+    backend = AutoBackend(cfg, rep)   # one shared instance: re-resolves if the model moves to another device
+    backend.resolve(torch.device(device))
     layer_prefixes = [n for n, m in model.named_modules() if isinstance(m, DecoderLayer)]
     for name, mod in list(model.named_modules()):
         inside = any(name == p or name.startswith(p + ".") for p in layer_prefixes)
