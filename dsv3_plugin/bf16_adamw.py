@@ -66,6 +66,16 @@ class AdamWBF16Moments(torch.optim.Optimizer):
                     p.copy_(p.float().mul_(1 - lr * wd).add_(upd, alpha=-lr))
         return loss
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        # torch casts loaded floating state to the parameter's dtype (FP32); BF16 -> FP32 -> BF16 is exact
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state.get(p, {})
+                for k in ("exp_avg", "exp_avg_sq"):
+                    if k in st:
+                        st[k] = st[k].to(group["moment_dtype"])
+
     def state_bytes(self) -> int:
         """Bytes held by the moment tensors (the figure BF16 moments halve)."""
         return sum(t.numel() * t.element_size() for s in self.state.values() for k, t in s.items()
