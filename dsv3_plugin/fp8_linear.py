@@ -140,8 +140,11 @@ class TEBackend:
                             device=mod.weight.device)
             lin.weight = mod.weight  # share the master weight: one parameter, one gradient
             object.__setattr__(mod, "_te", lin)  # not a submodule: state_dict keys stay `weight`
-        autocast = getattr(te, "fp8_autocast", None) or te.autocast
-        with autocast(enabled=True, fp8_recipe=self.recipe):
+        if hasattr(te, "autocast"):          # TE >= 2.8 name
+            ctx = te.autocast(enabled=True, recipe=self.recipe)
+        else:
+            ctx = te.fp8_autocast(enabled=True, fp8_recipe=self.recipe)
+        with ctx:
             return mod._te(x)
 
 
