@@ -30,6 +30,7 @@ __all__ = [
     "scale_from_amax", "quantize_tilewise", "dequantize_tilewise", "quantize_blockwise",
     "dequantize_blockwise", "quantize_tensorwise", "truncate_mantissa", "fp8_gemm_emulated",
     "lowprec_gemm", "quantize_dispatch", "dequantize_dispatch", "pack_dispatch", "unpack_dispatch",
+    "fp8_dispatch_qdq", "fp8_combine_grad_qdq",
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -191,6 +192,44 @@ def quantize_dispatch(x_TH: torch.Tensor, tile: int = TILE) -> tuple[torch.Tenso
 def dequantize_dispatch(q_TH: torch.Tensor, s_TC: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
                         tile: int = TILE) -> torch.Tensor:
     return dequantize_tilewise(q_TH, s_TC, tile, dtype)
+
+
+class _DispatchQDQ(torch.autograd.Function):
+    """Forward: what the receiver of an FP8 dispatch sees (pow2 1×128 quantize-dequantize); backward: the
+    gradient goes back through a BF16 all-to-all, unquantized."""
+
+    @staticmethod
+    def forward(ctx, x):
+        q, s = quantize_dispatch(x)
+        return dequantize_dispatch(q, s, x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class _CombineGradQDQ(torch.autograd.Function):
+    """Forward: BF16 combine (identity); backward: the activation gradient before the down-projection is
+    sent in FP8 with pow2 1×128 scales (report §3.3.4)."""
+
+    @staticmethod
+    def forward(ctx, y):
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, g):
+        q, s = quantize_dispatch(g)
+        return dequantize_dispatch(q, s, g.dtype)
+
+
+def fp8_dispatch_qdq(x_NH: torch.Tensor) -> torch.Tensor:
+    """Numerics of `fp8.dispatch` on the expert inputs (idempotent: pow2 re-quantization is exact)."""
+    return _DispatchQDQ.apply(x_NH)
+
+
+def fp8_combine_grad_qdq(y_NH: torch.Tensor) -> torch.Tensor:
+    """Numerics of `fp8.dispatch` on the expert outputs' gradients (backward-only quantization)."""
+    return _CombineGradQDQ.apply(y_NH)
 
 
 def pack_dispatch(x_TH: torch.Tensor, tile: int = TILE) -> torch.Tensor:

@@ -33,8 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ConfigError, FP8Config
-from .fp8 import (FP8_DTYPE, TILE, fp8_gemm_emulated, quantize_blockwise, quantize_tensorwise,
-                  quantize_tilewise)
+from .fp8 import (FP8_DTYPE, TILE, fp8_combine_grad_qdq, fp8_dispatch_qdq, fp8_gemm_emulated,
+                  quantize_blockwise, quantize_tensorwise, quantize_tilewise)
 
 __all__ = ["Fp8Recipe", "EmulatedBackend", "TorchScaledMMBackend", "TEBackend", "AutoBackend", "select_backend",
            "fp8_linear", "Fp8Linear", "Fp8GroupedSwiGLU", "te_recipe_spec", "to_te_recipe", "Fp8Report",
@@ -315,12 +315,21 @@ class Fp8Linear(nn.Linear):
 
 class Fp8GroupedSwiGLU:
     """FP8 replacement for `moe.grouped_swiglu` (installed as `GroupedExperts.swiglu_fn`): each expert's three
-    GEMMs go through `fp8_linear` on its slice of the stacked [E, I, H] / [E, H, I] master weights."""
+    GEMMs go through `fp8_linear` on its slice of the stacked [E, I, H] / [E, H, I] master weights.
+    With `dispatch` (config `fp8.dispatch`) the expert inputs carry the FP8 all-to-all's numerics (pow2 1×128
+    quantize-dequantize) and the gradients of the expert outputs are quantized the same way in backward;
+    the forward combine and the backward of the dispatch stay high precision (report §3.3.4). A real EP
+    all-to-all (`pack_dispatch`) applied on top changes nothing: pow2 re-quantization is exact."""
 
-    def __init__(self, recipe: Fp8Recipe, backend):
-        self.recipe, self.backend = recipe, backend
+    def __init__(self, recipe: Fp8Recipe, backend, dispatch: bool = False):
+        self.recipe, self.backend, self.dispatch = recipe, backend, dispatch
 
     def __call__(self, x_NH, counts, w1_EIH, w3_EIH, w2_EHI):
+        if self.dispatch:
+            return fp8_combine_grad_qdq(self._experts(fp8_dispatch_qdq(x_NH), counts, w1_EIH, w3_EIH, w2_EHI))
+        return self._experts(x_NH, counts, w1_EIH, w3_EIH, w2_EHI)
+
+    def _experts(self, x_NH, counts, w1_EIH, w3_EIH, w2_EHI):
         outs = []
         for e, x_e in enumerate(torch.split(x_NH, counts)):
             if counts[e] == 0:
@@ -375,6 +384,7 @@ class Fp8Report:
     reason: str
     recipe: str
     pow2_scales: bool
+    dispatch: bool = False
     converted: list[str] = field(default_factory=list)       # nn.Linear -> Fp8Linear
     grouped: list[str] = field(default_factory=list)         # GroupedExperts on the FP8 path
     high_precision: list[str] = field(default_factory=list)  # GEMM-bearing modules deliberately kept
@@ -391,7 +401,7 @@ def convert_to_fp8(model: nn.Module, cfg: FP8Config, device: torch.device | str 
     from .moe import GroupedExperts
 
     recipe = Fp8Recipe.from_config(cfg)
-    rep = Fp8Report(backend="auto", reason="", recipe=recipe.kind, pow2_scales=recipe.pow2)
+    rep = Fp8Report(backend="auto", reason="", recipe=recipe.kind, pow2_scales=recipe.pow2, dispatch=cfg.dispatch)
     if device is None:
         p = next(model.parameters(), None)
         device = p.device if p is not None else torch.device("cpu")
@@ -408,7 +418,7 @@ def convert_to_fp8(model: nn.Module, cfg: FP8Config, device: torch.device | str 
             setattr(model.get_submodule(parent_name), attr, Fp8Linear.from_linear(mod, recipe, backend))
             rep.converted.append(name)
         elif isinstance(mod, GroupedExperts) and inside:
-            mod.swiglu_fn = Fp8GroupedSwiGLU(recipe, backend)
+            mod.swiglu_fn = Fp8GroupedSwiGLU(recipe, backend, dispatch=cfg.dispatch)
             rep.grouped.append(name)
         elif isinstance(mod, nn.Embedding) or name.endswith(".gate"):
             rep.high_precision.append(name)

@@ -281,3 +281,22 @@ def test_dispatch_payload_roundtrip_pow2():
     assert torch.equal(unpack_dispatch(p[3:5], 200), y[3:5])             # rows split independently
     with pytest.raises(ValueError, match="unpack_dispatch"):
         unpack_dispatch(p[:, :-1], 200)
+
+
+def test_dispatch_qdq_autograd_and_idempotence():
+    from dsv3_plugin.fp8 import dequantize_dispatch, fp8_combine_grad_qdq, fp8_dispatch_qdq
+    torch.manual_seed(0)
+    x = (torch.randn(9, 300) * torch.logspace(-3, 3, 9)[:, None]).requires_grad_()
+    y = fp8_dispatch_qdq(x)
+    q, s = quantize_dispatch(x.detach())
+    assert torch.equal(y, dequantize_dispatch(q, s, torch.float32))
+    assert torch.equal(fp8_dispatch_qdq(y.detach()), y.detach())      # pow2: re-quantizing is exact
+    g = torch.randn(9, 300)
+    y.backward(g)
+    assert torch.equal(x.grad, g)                                       # dispatch backward: BF16, untouched
+    z = x.detach().clone().requires_grad_()
+    out = fp8_combine_grad_qdq(z)
+    assert torch.equal(out, z)                                          # combine forward: untouched
+    out.backward(g)
+    qg, sg = quantize_dispatch(g)
+    assert torch.equal(z.grad, dequantize_dispatch(qg, sg, torch.float32))

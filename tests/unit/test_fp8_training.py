@@ -84,3 +84,16 @@ def test_fp8_training_200_steps_within_quarter_percent_of_fp32():
     assert abs(final8 - final32) / final32 < 0.0025, (final8, final32)
     assert abs(h8 - h32) / h32 < 0.0025, (h8, h32)
     assert l8 != l32                                                          # and FP8 was really used
+
+
+def test_fp8_dispatch_flag_changes_expert_numerics():
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for dispatch in (False, True):
+        m = DSv3Model(load_config({"preset": "tiny", "fp8": {"enabled": True, "dispatch": dispatch}}))
+        m.reset_parameters(seed=0)
+        assert m.fp8_report.dispatch is dispatch
+        out = m(ids, torch.roll(ids, -1, 1))
+        out.loss.backward()
+        losses.append(out.loss.item())
+    assert losses[0] != losses[1] and abs(losses[0] - losses[1]) < 1e-2 * losses[0]
