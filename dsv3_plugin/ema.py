@@ -46,6 +46,16 @@ class EMA:
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
 
+    @classmethod
+    def from_config(cls, model: nn.Module, cfg, rank: int = 0, world_size: int = 1) -> "Optional[EMA]":
+        """`memory.ema` / `memory.ema_decay` of a DSv3Config; None when disabled. With data parallelism every
+        rank holds the full parameters (ZeRO-1), so the EMA is sharded by name: rank r averages the
+        parameters r, r + world_size, ... (in name order) and checkpoints its own shard."""
+        if not cfg.memory.ema:
+            return None
+        names = sorted(n for n, _ in model.named_parameters())[rank::world_size]
+        return cls(model, cfg.memory.ema_decay, names=names)
+
     # -------------------------------------------------------------------------------- update
     def update(self) -> None:
         """Snapshot the parameters now; average them in (in the background when async)."""

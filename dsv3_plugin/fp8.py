@@ -48,9 +48,15 @@ def scale_from_amax(amax: torch.Tensor, pow2: bool = False) -> torch.Tensor:
     return s
 
 
-def _to_fp8(x32: torch.Tensor) -> torch.Tensor:
-    # |x/s| <= 448 up to one fp32 rounding; saturate like the GPU's satfinite conversion (round-to-nearest-even).
-    return x32.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+def _to_fp8(y32: torch.Tensor) -> torch.Tensor:
+    """`y32` is a fresh temporary (x / s), clamped in place. |x/s| <= 448 up to one fp32 rounding; saturate
+    like the GPU's satfinite conversion, then round-to-nearest-even into E4M3."""
+    return y32.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def _amax(x: torch.Tensor, dims) -> torch.Tensor:
+    # max|x| without materialising |x| (one less full-size temporary)
+    return torch.maximum(x.amax(dim=dims), x.amin(dim=dims).neg())
 
 
 def quantize_tilewise(x: torch.Tensor, tile: int = TILE, pow2: bool = False
@@ -64,7 +70,7 @@ def quantize_tilewise(x: torch.Tensor, tile: int = TILE, pow2: bool = False
     if Kc * tile != K:
         x32 = F.pad(x32, (0, Kc * tile - K))  # zeros never raise a tile's amax
     xt = x32.reshape(*x.shape[:-1], Kc, tile)
-    s = scale_from_amax(xt.abs().amax(dim=-1), pow2)                    # [..., Kc]
+    s = scale_from_amax(_amax(xt, -1), pow2)                    # [..., Kc]
     q = _to_fp8(xt / s.unsqueeze(-1)).reshape(*x.shape[:-1], Kc * tile)
     if Kc * tile != K:
         q = q[..., :K].contiguous()
@@ -91,7 +97,7 @@ def quantize_blockwise(w: torch.Tensor, block: int = TILE, pow2: bool = False
     if (Nc * block, Kc * block) != (N, K):
         w32 = F.pad(w32, (0, Kc * block - K, 0, Nc * block - N))
     wb = w32.reshape(Nc, block, Kc, block)
-    s = scale_from_amax(wb.abs().amax(dim=(1, 3)), pow2)               # [Nc, Kc]
+    s = scale_from_amax(_amax(wb, (1, 3)), pow2)               # [Nc, Kc]
     q = _to_fp8(wb / s[:, None, :, None]).reshape(Nc * block, Kc * block)
     if (Nc * block, Kc * block) != (N, K):
         q = q[:N, :K].contiguous()

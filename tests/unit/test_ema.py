@@ -93,3 +93,14 @@ def test_errors():
     t = torch.ones(3)
     ema_update_(t, torch.zeros(3), 0.5)
     assert t.tolist() == [0.5, 0.5, 0.5]
+
+
+def test_from_config_shards_by_rank():
+    from dsv3_plugin.config import load_config
+    m, _ = _model_and_data()
+    assert EMA.from_config(m, load_config({"preset": "tiny"})) is None
+    cfg = load_config({"preset": "tiny", "memory": {"ema": True, "ema_decay": 0.99}})
+    shards = [EMA.from_config(m, cfg, r, 3) for r in range(3)]
+    names = [set(s.shadow) for s in shards]
+    assert set().union(*names) == {n for n, _ in m.named_parameters()}
+    assert sum(len(n) for n in names) == len(list(m.parameters())) and shards[0].decay == 0.99
