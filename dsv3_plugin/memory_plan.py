@@ -13,7 +13,8 @@ Per rank and pipeline schedule:
 * activations — saved-for-backward bytes per token per layer (`layer_activation_bytes`, the same tensors
                this package's model keeps, checked against a measurement in the tests) × tokens of one
                micro-batch × layers per stage × in-flight micro-batches of the schedule on its worst rank:
-               1F1B: PP; DualPipe: PP+1; DualPipeV: 2PP+1 chunks of half the layers (DualPipe README table).
+               1F1B: PP − r on rank r; DualPipe: PP+1; DualPipeV: 2PP+1 chunks of half the layers (the
+               DualPipe README's per-device bound, used for every rank).
 
 Embedding on the first stage; output head, final norm and the MTP modules on the last stage (with DualPipe
 they share a rank, as in the report). Layers are split as evenly as possible across the stages.
@@ -158,14 +159,14 @@ def plan(cfg: DSv3Config, pp: int, ep: int, dp: int, micro_batch_tokens: int | N
         for n in _split(L, n_stages):
             bounds.append(bounds[-1] + n)
         stages = [list(range(bounds[s], bounds[s + 1])) for s in range(n_stages)]
-        if sched == "1f1b":
-            per_rank, inflight = [[r] for r in range(pp)], pp
+        if sched == "1f1b":   # stage r holds PP - r micro-batches at the 1F1B steady state
+            per_rank, inflight = [[r] for r in range(pp)], [pp - r for r in range(pp)]
         elif sched == "dualpipe":
-            per_rank, inflight = [[r, pp - 1 - r] for r in range(pp)], pp + 1
+            per_rank, inflight = [[r, pp - 1 - r] for r in range(pp)], [pp + 1] * pp
         else:
-            per_rank, inflight = [[r, 2 * pp - 1 - r] for r in range(pp)], 2 * pp + 1
+            per_rank, inflight = [[r, 2 * pp - 1 - r] for r in range(pp)], [2 * pp + 1] * pp
         worst = None
-        for ranks_stages in per_rank:
+        for ranks_stages, n_inflight in zip(per_rank, inflight):
             dense_p = routed_p = 0.0
             act_units = []
             for s in sorted(set(ranks_stages)):
@@ -176,7 +177,7 @@ def plan(cfg: DSv3Config, pp: int, ep: int, dp: int, micro_batch_tokens: int | N
             grads = 4 * (dense_p + routed_p)
             optim = opt_per_param * (dense_p / dp + routed_p / (dp // ep))
             # in-flight micro-batches, each holding one stage's activations (the largest on this rank)
-            acts = inflight * max(act_units)
+            acts = n_inflight * max(act_units)
             total = params + grads + optim + acts
             row = RankMemory(sched, sum(len(stages[s]) for s in ranks_stages), params / GiB, grads / GiB,
                              optim / GiB, acts / GiB, total / GiB)
