@@ -1,6 +1,7 @@
 """Check dsv3-plugin's FP8 GPU backends against its exact CPU-semantics emulation (run on a Hopper GPU).
 
     PYTHONPATH=. python examples/fp8_gpu_check.py            # prints one JSON object; exit 0 = all checks pass
+    PYTHONPATH=. python examples/fp8_gpu_check.py --device cpu   # dry run of the script itself (emulation only)
 
 What it checks (each part is skipped, with the reason, when its backend cannot run here):
   1. backend selection (`auto`) and why;
@@ -28,12 +29,13 @@ def rel(a, b):
 
 def main() -> int:
     res, ok = {"torch": torch.__version__, "cuda": torch.version.cuda}, True
-    if not torch.cuda.is_available():
+    dev = torch.device(sys.argv[sys.argv.index("--device") + 1] if "--device" in sys.argv else "cuda")
+    if dev.type == "cuda" and not torch.cuda.is_available():
         print(json.dumps({**res, "error": "no CUDA device"}))
         return 1
-    dev = torch.device("cuda")
-    res["gpu"] = torch.cuda.get_device_name(dev)
-    res["capability"] = list(torch.cuda.get_device_capability(dev))
+    if dev.type == "cuda":
+        res["gpu"] = torch.cuda.get_device_name(dev)
+        res["capability"] = list(torch.cuda.get_device_capability(dev))
     try:
         import transformer_engine
         res["transformer_engine"] = transformer_engine.__version__
@@ -95,7 +97,7 @@ def main() -> int:
         opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
         ids = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(1)).to(dev)
         ls = []
-        for _ in range(5):
+        for _ in range(5 if dev.type == "cuda" else 2):
             out = m(ids, torch.roll(ids, -1, 1))
             out.loss.backward()
             opt.step()

@@ -61,3 +61,16 @@ def test_recompute_through_config_and_removal(base):
     assert type(m2.layers[0].input_layernorm).__name__ == "RMSNorm"
     with pytest.raises(ConfigError, match=r"dsv3\.memory\.recompute"):
         apply_recompute(m2, "everything")
+
+
+def test_recompute_with_fp8_is_bit_identical():
+    cfg = load_config({"preset": "tiny", "fp8": {"enabled": True}, "mtp": {"depth": 0}})
+    m = DSv3Model(cfg)
+    m.reset_parameters(seed=0)
+    ids = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    ref = _step(copy.deepcopy(m), ids, torch.roll(ids, -1, 1))
+    for mode in ("norm_and_mla_up", "full"):
+        mm = copy.deepcopy(m)
+        apply_recompute(mm, mode)
+        got = _step(mm, ids, torch.roll(ids, -1, 1))
+        assert torch.equal(got[0], ref[0]) and all(torch.equal(got[1][n], ref[1][n]) for n in ref[1]), mode
