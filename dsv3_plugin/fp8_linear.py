@@ -252,13 +252,13 @@ class AutoBackend:
 
 class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, recipe: Fp8Recipe, backend):
+    def forward(ctx, x, weight, recipe: Fp8Recipe, backend, need_wgrad: bool = True):
         K, N = x.shape[-1], weight.shape[0]
         x2 = x.reshape(-1, K)                                            # [M, K]
         qx, sx, kx = recipe.act(x2)                                      # 1×128 along K
         qw, sw, kw = recipe.weight(weight)                               # 128×128
         y = backend.gemm(qx, sx, kx, qw, sw, kw)                         # Fprop [M, N] fp32
-        xt = recipe.act(x2.t()) if weight.requires_grad else (None, None, None)  # Xᵀ 1×128 along M, FP8 cache
+        xt = recipe.act(x2.t()) if need_wgrad else (None, None, None)   # Xᵀ 1×128 along M: the FP8 cache
         ctx.save_for_backward(xt[0], xt[1], qw, sw)
         ctx.meta = (recipe, backend, xt[2], kw, x.shape, x.dtype, weight.dtype)
         return y.to(x.dtype).reshape(*x.shape[:-1], N)
@@ -274,15 +274,20 @@ class _Fp8LinearFn(torch.autograd.Function):
             qg, sg, kg = recipe.act(dy2)                                 # 1×128 along N
             sw_t = sw.t() if kw == "block" else sw                       # blocks of Wᵀ [K, N]
             dx = backend.gemm(qg, sg, kg, qw.t(), sw_t, kw).to(x_dtype).reshape(x_shape)   # Dgrad
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1] and qxt is not None:
             qgt, sgt, kgt = recipe.act(dy2.t())                          # dYᵀ [N, M] 1×128 along M
             dw = backend.gemm(qgt, sgt, kgt, qxt, sxt, kxt).to(w_dtype)  # Wgrad [N, K]
-        return dx, dw, None, None
+        return dx, dw, None, None, None
+
+
+def _wgrad_needed(weight: torch.Tensor) -> bool:
+    # decided outside the Function (grad mode is off inside its forward): no FP8 cache in eval / no_grad
+    return torch.is_grad_enabled() and weight.requires_grad
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe = Fp8Recipe(), backend=None):
     """y = x · weightᵀ with all three GEMMs in FP8 (weight [N, K], x [..., K])."""
-    return _Fp8LinearFn.apply(x, weight, recipe, backend or EmulatedBackend())
+    return _Fp8LinearFn.apply(x, weight, recipe, backend or EmulatedBackend(), _wgrad_needed(weight))
 
 
 class Fp8Linear(nn.Linear):
@@ -305,7 +310,7 @@ class Fp8Linear(nn.Linear):
         be = self.backend.resolve(x.device) if isinstance(self.backend, AutoBackend) else self.backend
         y = be.linear(self, x) if isinstance(be, TEBackend) else None
         if y is None:
-            y = _Fp8LinearFn.apply(x, self.weight, self.recipe, be)
+            y = _Fp8LinearFn.apply(x, self.weight, self.recipe, be, _wgrad_needed(self.weight))
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:

@@ -319,3 +319,17 @@ def test_torch_backend_layouts_pass_torch_checks():
     a, b = tw.act(x), tw.weight(w)
     ref = EmulatedBackend().gemm(*a, *b)
     assert torch.allclose(tb.gemm(*a, *b), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def test_no_fp8_activation_cache_without_grad():
+    from dsv3_plugin.recompute import saved_activation_bytes
+    lin = Fp8Linear(256, 128, bias=False)
+    x = torch.randn(64, 256)
+    with torch.no_grad():
+        y0 = lin(x)
+    y1 = lin(x)
+    assert torch.equal(y0, y1) and y0.grad_fn is None
+    saved = saved_activation_bytes(lin, lambda: lin(x))                  # Xᵀ FP8 cache + FP8 weight for Dgrad
+    lin.weight.requires_grad_(False)
+    saved_no_wgrad = saved_activation_bytes(lin, lambda: lin(x.requires_grad_()))
+    assert saved - saved_no_wgrad == 64 * 256 + 4 * 256                  # 1 byte/elem + one fp32 scale per 128
