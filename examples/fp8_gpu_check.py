@@ -80,16 +80,35 @@ def main() -> int:
     except Exception as e:  # noqa: BLE001
         res["te_linear"] = f"skipped: {e}"
     for name, b in others.items():
-        got = linear_grads(b)
+        try:
+            got = linear_grads(b)
+        except Exception as e:  # noqa: BLE001 — report and continue with the other checks
+            res[f"{name}_linear_error"] = f"{type(e).__name__}: {e}"[:400]
+            ok = False
+            continue
         errs = {k: rel(a, c) for k, a, c in zip(("y", "dx", "dw"), got, ref)}
         res[f"{name}_linear_rel_vs_emulation"] = errs
         ok &= max(errs.values()) < (1e-3 if name == "torch" else 2e-2)
 
+    try:
+        ok &= check_model(dev, res)
+    except Exception as e:  # noqa: BLE001
+        res["model_error"] = f"{type(e).__name__}: {e}"[:400]
+        ok = False
+    if torch_ok:
+        res["gemm_4096x7168x7168"] = gemm_speed(dev, r)
+    res["ok"] = bool(ok)
+    print(json.dumps(res, indent=2))
+    return 0 if ok else 1
+
+
+def check_model(dev, res) -> bool:
+    """A few training steps of the tiny model: the auto-selected GPU backend vs the emulation."""
+    from dsv3_plugin.model import DSv3Model
     cfg = load_config({"preset": "tiny", "fp8": {"enabled": True}})
     losses = {}
     for name, backend in (("auto", "auto"), ("emulate", "emulate")):
         c = load_config({**cfg.to_dict(), "fp8": {"enabled": True, "backend": backend}})
-        from dsv3_plugin.model import DSv3Model
         torch.manual_seed(0)
         m = DSv3Model(c)
         m.reset_parameters(seed=0)
@@ -108,30 +127,28 @@ def main() -> int:
     res["model_losses"] = losses
     e = max(abs(a - b) / abs(b) for a, b in zip(losses["auto"], losses["emulate"]))
     res["model_loss_rel_auto_vs_emulation"] = e
-    ok &= e < 1e-3
+    return e < 1e-3
 
-    if torch_ok:
-        M, K, N = 4096, 7168, 7168
-        a = torch.randn(M, K, device=dev)
-        b = torch.randn(N, K, device=dev) * 0.02
-        qa, sa, ka = r.act(a)
-        qb, sb, kb = r.weight(b)
-        tb, ab, bb = TorchScaledMMBackend(), a.bfloat16(), b.bfloat16()
 
-        def timeit(fn):
+def gemm_speed(dev, r) -> dict:
+    M, K, N = 4096, 7168, 7168
+    a = torch.randn(M, K, device=dev)
+    b = torch.randn(N, K, device=dev) * 0.02
+    qa, sa, ka = r.act(a)
+    qb, sb, kb = r.weight(b)
+    tb, ab, bb = TorchScaledMMBackend(), a.bfloat16(), b.bfloat16()
+
+    def timeit(fn):
+        fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(10):
             fn()
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            for _ in range(10):
-                fn()
-            torch.cuda.synchronize()
-            return (time.perf_counter() - t) / 10
-        t8, t16 = timeit(lambda: tb.gemm(qa, sa, ka, qb, sb, kb)), timeit(lambda: ab @ bb.t())
-        res["gemm_4096x7168x7168"] = {"fp8_blockwise_TFLOPs": 2 * M * K * N / t8 / 1e12,
-                                      "bf16_TFLOPs": 2 * M * K * N / t16 / 1e12, "ratio": t16 / t8}
-    res["ok"] = bool(ok)
-    print(json.dumps(res, indent=2))
-    return 0 if ok else 1
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t) / 10
+    t8, t16 = timeit(lambda: tb.gemm(qa, sa, ka, qb, sb, kb)), timeit(lambda: ab @ bb.t())
+    return {"fp8_blockwise_TFLOPs": 2 * M * K * N / t8 / 1e12, "bf16_TFLOPs": 2 * M * K * N / t16 / 1e12,
+            "ratio": t16 / t8, "note": "times include the scale-layout copies (no operand padding at this shape)"}
 
 
 if __name__ == "__main__":
