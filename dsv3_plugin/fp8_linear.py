@@ -319,8 +319,9 @@ class Fp8Linear(nn.Linear):
 
 
 class Fp8GroupedSwiGLU:
-    """FP8 replacement for `moe.grouped_swiglu` (installed as `GroupedExperts.swiglu_fn`): each expert's three
-    GEMMs go through `fp8_linear` on its slice of the stacked [E, I, H] / [E, H, I] master weights.
+    """FP8 replacement for `moe.grouped_swiglu` (installed as `GroupedExperts.swiglu_fn`): each expert's SwiGLU
+    runs as `fp8_experts.fp8_expert_swiglu` on its slice of the stacked [E, I, H] / [E, H, I] master weights
+    (all GEMMs in FP8; SwiGLU inputs cached in FP8 and the output recomputed in backward).
     With `dispatch` (config `fp8.dispatch`) the expert inputs carry the FP8 all-to-all's numerics (pow2 1×128
     quantize-dequantize) and the gradients of the expert outputs are quantized the same way in backward;
     the forward combine and the backward of the dispatch stay high precision (report §3.3.4). A real EP
@@ -335,13 +336,12 @@ class Fp8GroupedSwiGLU:
         return self._experts(x_NH, counts, w1_EIH, w3_EIH, w2_EHI)
 
     def _experts(self, x_NH, counts, w1_EIH, w3_EIH, w2_EHI):
+        from .fp8_experts import fp8_expert_swiglu   # FP8-cached SwiGLU inputs, output recomputed (§3.3.3)
         outs = []
         for e, x_e in enumerate(torch.split(x_NH, counts)):
             if counts[e] == 0:
                 continue
-            h = (F.silu(fp8_linear(x_e, w1_EIH[e], self.recipe, self.backend))
-                 * fp8_linear(x_e, w3_EIH[e], self.recipe, self.backend))
-            outs.append(fp8_linear(h, w2_EHI[e], self.recipe, self.backend))
+            outs.append(fp8_expert_swiglu(x_e, w1_EIH[e], w3_EIH[e], w2_EHI[e], self.recipe, self.backend))
         if not outs:
             return x_NH.new_zeros(0, w2_EHI.shape[1])
         return torch.cat(outs)

@@ -88,10 +88,13 @@ def layer_activation_bytes(cfg: DSv3Config, moe: bool, recompute: str = "none", 
     b += h * gemm_in                                   # FFN input (normed)
     swiglu = lambda i: 3 * i * act_bytes + i * gemm_in     # noqa: E731  gate out, silu out, up out; down input
     if moe:
-        k = e.top_k
+        k, I = e.top_k, e.intermediate_size
         b += e.n_routed_experts * 4 * 3                # router scores / sigmoid / balance-loss terms (fp32)
         # gathered expert inputs, per-slot SwiGLU, expert outputs before and after the gate weighting, indices
-        b += k * h * gemm_in + k * swiglu(e.intermediate_size) + 2 * k * h * act_bytes + k * 8 * 2
+        if fp8:   # fp8_experts: Xᵀ once + SwiGLU inputs g, u cached in FP8, SwiGLU output recomputed
+            b += k * (h * gemm_in + 2 * I * gemm_in) + 2 * k * h * act_bytes + k * 8 * 2
+        else:
+            b += k * h * gemm_in + k * swiglu(I) + 2 * k * h * act_bytes + k * 8 * 2
         b += swiglu(e.intermediate_size * e.n_shared_experts)
     else:
         b += swiglu(m.intermediate_size)
