@@ -37,6 +37,7 @@ from .fp8 import (FP8_DTYPE, TILE, fp8_combine_grad_qdq, fp8_dispatch_qdq, fp8_g
                   quantize_blockwise, quantize_tensorwise, quantize_tilewise)
 
 __all__ = ["Fp8Recipe", "EmulatedBackend", "TorchScaledMMBackend", "TEBackend", "AutoBackend", "select_backend",
+           "torch_blockwise_available",
            "fp8_linear", "Fp8Linear", "Fp8GroupedSwiGLU", "te_recipe_spec", "to_te_recipe", "Fp8Report",
            "convert_to_fp8"]
 
@@ -148,7 +149,8 @@ class TEBackend:
             return mod._te(x)
 
 
-def _scaled_mm_blockwise_ok(device: torch.device) -> tuple[bool, str]:
+def torch_blockwise_available(device: torch.device) -> tuple[bool, str]:
+    """(usable, why) for `TorchScaledMMBackend` on `device`: SM90 and a passing probe against the emulation."""
     if device.type != "cuda" or not torch.cuda.is_available():
         return False, "no CUDA device"
     cap = torch.cuda.get_device_capability(device)
@@ -209,12 +211,12 @@ def select_backend(cfg: FP8Config, device: torch.device | str = "cpu"):
     if cfg.backend in ("auto", "te"):
         ok, why = _te_ok(device, cfg)
         if ok:
-            fb_ok, _ = _scaled_mm_blockwise_ok(device)
+            fb_ok, _ = torch_blockwise_available(device)
             return TEBackend(cfg, TorchScaledMMBackend() if fb_ok else EmulatedBackend()), why
         if cfg.backend == "te":
             raise ConfigError(f"dsv3.fp8.backend: 'te' cannot run here: {why}")
         reasons.append(f"te: {why}")
-    ok, why = _scaled_mm_blockwise_ok(device)
+    ok, why = torch_blockwise_available(device)
     if ok:
         return TorchScaledMMBackend(), why
     if cfg.backend == "torch":

@@ -20,7 +20,7 @@ import torch
 
 from dsv3_plugin.config import FP8Config, load_config
 from dsv3_plugin.fp8_linear import (EmulatedBackend, Fp8Linear, Fp8Recipe, TorchScaledMMBackend,
-                                    _scaled_mm_blockwise_ok, select_backend)
+                                    torch_blockwise_available, select_backend)
 
 
 def rel(a, b):
@@ -50,7 +50,7 @@ def main() -> int:
     dy = torch.randn(300, 700, generator=g).to(dev)
     r, emu = Fp8Recipe(), EmulatedBackend()
 
-    torch_ok, torch_why = _scaled_mm_blockwise_ok(dev)
+    torch_ok, torch_why = torch_blockwise_available(dev)
     res["torch_scaled_mm"] = {"available": torch_ok, "reason": torch_why}
     if torch_ok:
         tb = TorchScaledMMBackend()
