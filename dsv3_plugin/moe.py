@@ -47,7 +47,10 @@ def grouped_swiglu(x_NH: torch.Tensor, counts: list[int], w1_EIH: torch.Tensor, 
 
 class GroupedExperts(nn.Module):
     """The routed experts of one layer, stacked. Released per-expert keys
-    `mlp.experts.{e}.{gate,up,down}_proj.weight` map to rows e of these tensors."""
+    `mlp.experts.{e}.{gate,up,down}_proj.weight` map to rows e of these tensors.
+    `swiglu_fn` (same signature as `grouped_swiglu`) lets a precision path (FP8) replace the expert GEMMs."""
+
+    swiglu_fn = None
 
     def __init__(self, n_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
@@ -64,7 +67,8 @@ class GroupedExperts(nn.Module):
         order = torch.argsort(flat_idx, stable=True)            # group the (token, slot) pairs by expert
         counts = torch.bincount(flat_idx, minlength=self.n_experts).tolist()
         token_of = order // K                                   # source token of each sorted row
-        y_NH = grouped_swiglu(x_TH[token_of], counts, self.gate_proj, self.up_proj, self.down_proj)
+        swiglu = self.swiglu_fn or grouped_swiglu
+        y_NH = swiglu(x_TH[token_of], counts, self.gate_proj, self.up_proj, self.down_proj)
         y_NH = y_NH * gates_TK.reshape(-1)[order, None].to(y_NH.dtype)
         out_TH = torch.zeros_like(x_TH)
         return out_TH.index_add_(0, token_of, y_NH.to(x_TH.dtype))
