@@ -273,6 +273,7 @@ _V3 = {
 }
 
 # A CPU-sized model with every feature on: q_lora, yarn, 1 dense + 2 MoE layers, 4 groups, MTP.
+# top_k / topk_group = 2, as in V3 (8/4): the group score is then the top-2 sum everywhere (see router.py).
 # hidden 64 (not a multiple of 128) on purpose: ragged FP8 blocks and no 128-alignment assumptions.
 _TINY = {
     "model": {
@@ -285,7 +286,7 @@ _TINY = {
         "max_position_embeddings": 256, "initializer_range": 0.02,
     },
     "moe": {
-        "n_routed_experts": 8, "n_shared_experts": 1, "intermediate_size": 32, "top_k": 2,
+        "n_routed_experts": 16, "n_shared_experts": 1, "intermediate_size": 32, "top_k": 4,
         "n_group": 4, "topk_group": 2, "route_scale": 2.5, "bias_update_speed": 0.001, "seq_aux_alpha": 0.0001,
     },
     "mtp": {"depth": 1, "loss_weight": 0.3},

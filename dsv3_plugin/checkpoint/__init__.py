@@ -1,0 +1,1 @@
+"""Released-format (HF safetensors) checkpoints: loading, key maps, FP8 dequantization, conversion."""
