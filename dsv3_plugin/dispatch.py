@@ -41,6 +41,8 @@ __all__ = [
     "DispatchCodec",
     "IdentityCodec",
     "BF16Codec",
+    "FP8Codec",
+    "codec_from_config",
     "AllToAll",
     "all_to_all",
     "DispatchStats",
@@ -53,12 +55,12 @@ ExpertFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x_NH, local_
 
 class DispatchCodec(Protocol):
     """Encoding of the dispatch payload. `encode(x_NH)` returns row-aligned tensors (leading dim N, any
-    dtype gloo/NCCL can move); `decode(parts, dtype)` rebuilds x_NH; `bytes_per_row(H, elem)` is the wire
+    dtype gloo/NCCL can move); `decode(parts, H, dtype)` rebuilds x_NH; `bytes_per_row(H, elem)` is the wire
     size of one token (used by the copy/byte counters)."""
 
     def encode(self, x_NH: torch.Tensor) -> list[torch.Tensor]: ...
 
-    def decode(self, parts: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor: ...
+    def decode(self, parts: Sequence[torch.Tensor], hidden: int, dtype: torch.dtype) -> torch.Tensor: ...
 
     def bytes_per_row(self, hidden: int, elem_size: int) -> int: ...
 
@@ -69,7 +71,7 @@ class IdentityCodec:
     def encode(self, x_NH):
         return [x_NH]
 
-    def decode(self, parts, dtype):
+    def decode(self, parts, hidden, dtype):
         return parts[0].to(dtype)
 
     def bytes_per_row(self, hidden, elem_size):
@@ -82,11 +84,40 @@ class BF16Codec:
     def encode(self, x_NH):
         return [x_NH.to(torch.bfloat16)]
 
-    def decode(self, parts, dtype):
+    def decode(self, parts, hidden, dtype):
         return parts[0].to(dtype)
 
     def bytes_per_row(self, hidden, elem_size):
         return hidden * 2
+
+
+class FP8Codec:
+    """`fp8.dispatch`: per-token 1x128 tiles in FP8 E4M3 with power-of-2 scales, packed as one uint8 row per
+    token (the FP8 module's `pack_dispatch` / `unpack_dispatch`, paper §3.3.4). Decoded to the activation
+    dtype on arrival; gradients and the combine stay in full precision."""
+
+    def __init__(self):
+        try:
+            from . import fp8
+            self._pack, self._unpack = fp8.pack_dispatch, fp8.unpack_dispatch
+        except (ImportError, AttributeError):
+            from .config import ConfigError
+            raise ConfigError("dsv3.fp8.dispatch: this build has no FP8 dispatch quantizer "
+                              "(dsv3_plugin.fp8.pack_dispatch); set fp8.dispatch = false") from None
+
+    def encode(self, x_NH):
+        return [self._pack(x_NH)]
+
+    def decode(self, parts, hidden, dtype):
+        return self._unpack(parts[0], hidden, dtype)
+
+    def bytes_per_row(self, hidden, elem_size):
+        return hidden + 4 * -(-hidden // 128)
+
+
+def codec_from_config(cfg) -> Optional[DispatchCodec]:
+    """The dispatch payload codec a `DSv3Config` asks for (`fp8.dispatch`), or None (send as is)."""
+    return FP8Codec() if cfg.fp8.dispatch else None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -114,7 +145,7 @@ class AllToAll(torch.autograd.Function):
         if codec is None:
             return _a2a_raw(x, list(out_splits), list(in_splits), group)
         parts = [_a2a_raw(p, list(out_splits), list(in_splits), group) for p in codec.encode(x)]
-        return codec.decode(parts, x.dtype)
+        return codec.decode(parts, x.shape[1], x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
@@ -137,7 +168,7 @@ class _StraightThrough(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, codec):
-        return codec.decode(codec.encode(x), x.dtype)
+        return codec.decode(codec.encode(x), x.shape[1], x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
