@@ -244,6 +244,11 @@ def moe_dispatch_combine(x_TH: torch.Tensor, idx_TK: torch.Tensor, w_TK: torch.T
     return _dispatch_per_expert(x_TH, idx_TK, w_TK, expert_fn, L, g, codec, "dedup" if dedup else "per_expert")
 
 
+def _id_dtype(n: int) -> torch.dtype:
+    """Smallest index dtype every backend can move for values < n (metadata bytes count on the wire)."""
+    return torch.uint8 if n <= 256 else torch.int32
+
+
 def _payload_bytes(codec, x_TH) -> int:
     return (codec or IdentityCodec()).bytes_per_row(x_TH.shape[1], x_TH.element_size())
 
@@ -261,7 +266,8 @@ def _dispatch_per_expert(x_TH, idx_TK, w_TK, expert_fn, L, g: EPGroups, codec, m
     send, recv = send_counts.tolist(), recv_counts.tolist()
 
     x_recv = all_to_all(x_TH[tok], recv, send, g.ep_group, g.ep_size, codec)       # [N_recv, H]
-    e_recv = all_to_all(e_sorted % L, recv, send, g.ep_group, g.ep_size)           # [N_recv] local ids
+    local_ids = (e_sorted % L).to(_id_dtype(L))
+    e_recv = all_to_all(local_ids, recv, send, g.ep_group, g.ep_size).long()      # [N_recv] local ids
     y_recv = expert_fn(x_recv, e_recv)
     y_back = all_to_all(y_recv, send, recv, g.ep_group, g.ep_size)                 # [T*K, H], sorted order
     w_sorted = w_TK.reshape(-1)[order].to(y_back.dtype)
@@ -273,7 +279,7 @@ def _dispatch_per_expert(x_TH, idx_TK, w_TK, expert_fn, L, g: EPGroups, codec, m
     intra_mask = (~cross_mask) & (torch.arange(g.ep_size) != g.ep_rank)
     stats = DispatchStats(mode=mode, tokens=T, copies=T * K, cross_node_copies=cross,
                           cross_node_bytes=cross * _payload_bytes(codec, x_TH),
-                          cross_node_meta_bytes=cross * e_sorted.element_size(),
+                          cross_node_meta_bytes=cross * local_ids.element_size(),
                           intra_node_copies=int(send_counts[intra_mask].sum()))
     return out.to(x_TH.dtype), stats
 
@@ -293,9 +299,12 @@ def _dispatch_dedup(x_TH, idx_TK, w_TK, expert_fn, L, g: EPGroups, codec):
     recv_counts = _exchange_counts(send_counts, g.ep_group, g.ep_size)
     send1, recv1 = send_counts.tolist(), recv_counts.tolist()
 
-    # Routing metadata for the forwarding rank: the token's experts on that node (others masked to -1 / 0).
+    # Routing metadata for the forwarding rank: the token's experts on that node as in-node indices
+    # (e - node*L*R, compact dtype); slots on other nodes carry the sentinel L*R and gate weight 0.
+    LR = L * R
     on_node = node_TK[t_idx] == n_idx[:, None]                     # [C1, K]
-    ids_CK = torch.where(on_node, idx_TK[t_idx], torch.full_like(idx_TK[t_idx], -1))
+    ids_CK = torch.where(on_node, idx_TK[t_idx] - n_idx[:, None] * LR,
+                         torch.full_like(idx_TK[t_idx], LR)).to(_id_dtype(LR + 1))
     w_CK = w_TK[t_idx] * on_node.to(w_TK.dtype)                    # differentiable: gates flow back through it
 
     ep = (g.ep_group, g.ep_size)
@@ -304,16 +313,16 @@ def _dispatch_dedup(x_TH, idx_TK, w_TK, expert_fn, L, g: EPGroups, codec):
     w1 = all_to_all(w_CK, recv1, send1, *ep)                          # [C1r, K]
 
     # Stage 2, inside the node: forward each received token to the owners of its selected experts.
-    j, k = (ids1 >= 0).nonzero(as_tuple=True)
-    e2 = ids1[j, k]
+    j, k = (ids1 < LR).nonzero(as_tuple=True)
+    e2 = ids1[j, k].long()                                         # in-node expert index, owner = e2 // L
     order2 = torch.argsort(e2, stable=True)                       # by expert => by owner rank in the node
     j2, k2, e2 = j[order2], k[order2], e2[order2]
-    send2_counts = torch.bincount((e2 // L) % R, minlength=R)
+    send2_counts = torch.bincount(e2 // L, minlength=R)
     recv2_counts = _exchange_counts(send2_counts, g.node_group, R)
     send2, recv2 = send2_counts.tolist(), recv2_counts.tolist()
     nd = (g.node_group, R)
     x2 = all_to_all(x1[j2], recv2, send2, *nd)
-    le2 = all_to_all(e2 % L, recv2, send2, *nd)
+    le2 = all_to_all((e2 % L).to(_id_dtype(L)), recv2, send2, *nd).long()
     y2 = expert_fn(x2, le2)
     y2_back = all_to_all(y2, send2, recv2, *nd)                       # [C2, H] in order2
     # Combine inside the node first: one weighted partial sum per (token, node) crosses back.
