@@ -15,7 +15,7 @@ from .balancing import seq_balance_loss
 from .config import MoEConfig
 from .router import Router
 
-__all__ = ["DenseMLP", "GroupedExperts", "DeepSeekMoE", "grouped_swiglu"]
+__all__ = ["DenseMLP", "GroupedExperts", "DeepSeekMoE", "grouped_swiglu", "swiglu_rows"]
 
 
 class DenseMLP(nn.Module):
@@ -148,11 +148,17 @@ class GroupedExperts(nn.Module):
     def expert_rows(self, x_NH: torch.Tensor, expert_N: torch.Tensor) -> torch.Tensor:
         """Unweighted SwiGLU of expert `expert_N[n]` on row n, in input row order (what expert-parallel
         dispatch hands to the experts a rank owns)."""
-        order = torch.argsort(expert_N, stable=True)
-        counts = torch.bincount(expert_N, minlength=self.n_experts).tolist()
         swiglu = getattr(self, "swiglu_fn", None) or grouped_swiglu  # a precision path (FP8) may replace it
-        y_sorted = swiglu(x_NH[order], counts, self.gate_proj, self.up_proj, self.down_proj)
-        return torch.empty_like(y_sorted).index_copy_(0, order, y_sorted)
+        return swiglu_rows(x_NH, expert_N, self.gate_proj, self.up_proj, self.down_proj, swiglu)
+
+
+def swiglu_rows(x_NH: torch.Tensor, expert_N: torch.Tensor, w1_EIH: torch.Tensor, w3_EIH: torch.Tensor,
+                w2_EHI: torch.Tensor, swiglu=grouped_swiglu) -> torch.Tensor:
+    """SwiGLU of expert `expert_N[n]` on row n, rows in any order: sort by expert, grouped GEMMs, unsort."""
+    order = torch.argsort(expert_N, stable=True)
+    counts = torch.bincount(expert_N, minlength=w1_EIH.shape[0]).tolist()
+    y_sorted = swiglu(x_NH[order], counts, w1_EIH, w3_EIH, w2_EHI)
+    return torch.empty_like(y_sorted).index_copy_(0, order, y_sorted)
 
 
 class DeepSeekMoE(nn.Module):
