@@ -18,12 +18,12 @@ __all__ = ["add_arguments", "run", "train_balance"]
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--steps", type=int, default=150)
-    p.add_argument("--warmup", type=int, default=50, help="steps excluded from MaxVio_global")
-    p.add_argument("--gamma", type=float, default=0.01, help="bias update speed of the balanced run")
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=60, help="steps excluded from MaxVio_global")
+    p.add_argument("--gamma", type=float, default=0.005, help="bias update speed of the balanced run")
+    p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--zipf", type=float, default=1.2, help="Zipf exponent of the token distribution")
+    p.add_argument("--zipf", type=float, default=0.8, help="Zipf exponent of the token distribution")
     p.add_argument("--out", default="runs/balance", help="directory for metrics.jsonl files and routing.png")
     p.add_argument("--seed", type=int, default=0)
 
@@ -66,7 +66,7 @@ def train_balance(gamma: float, out_dir: str, steps: int, warmup: int, batch: in
             out.loss.backward()
             opt.step()
             stats = update_expert_bias(model, gamma)
-            rec = {"step": step, "loss": float(out.loss), "gamma": gamma, **tel.record(stats)}
+            rec = {"step": step, "loss": float(out.loss.detach()), "gamma": gamma, **tel.record(stats)}
             rec["maxvio"] = rec["maxvio_batch"]
             rows.append(rec)
             f.write(json.dumps(rec) + "\n")

@@ -38,34 +38,38 @@ def plot_routing(run_dirs: list[str], out: str | None = None, layer: str | None 
     from ..telemetry import read_metrics
 
     runs = [(d, read_metrics(d)) for d in run_dirs]
-    first_dir, first = runs[0]
-    with_layers = [r for r in first if r.get("moe_layers")]
-    if not with_layers:
-        raise ConfigError(f"dsv3: {first_dir}: metrics.jsonl has no routing telemetry ('moe_layers')")
-    names = list(with_layers[0]["moe_layers"])
-    layer = layer or names[0]
-    if layer not in names:
-        raise ConfigError(f"dsv3: --layer {layer!r} not in {first_dir} (layers: {', '.join(names)})")
-    loads = np.array([r["moe_layers"][layer]["loads"] for r in with_layers], dtype=float)   # [steps, E]
-    rel = loads / np.maximum(loads.mean(axis=1, keepdims=True), 1e-12)
-    steps = [r["step"] for r in with_layers]
+    heat = []
+    for d, rows in runs[:3]:  # one heatmap per run (at most three)
+        with_layers = [r for r in rows if r.get("moe_layers")]
+        if not with_layers:
+            raise ConfigError(f"dsv3: {d}: metrics.jsonl has no routing telemetry ('moe_layers')")
+        names = list(with_layers[0]["moe_layers"])
+        lay = layer or names[0]
+        if lay not in names:
+            raise ConfigError(f"dsv3: --layer {lay!r} not in {d} (layers: {', '.join(names)})")
+        loads = np.array([r["moe_layers"][lay]["loads"] for r in with_layers], dtype=float)   # [steps, E]
+        heat.append((d, rows, lay, [r["step"] for r in with_layers],
+                     loads / np.maximum(loads.mean(axis=1, keepdims=True), 1e-12)))
+    vmax = max(float(h[4].max()) for h in heat)
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [1.2, 1]})
-    im = a.imshow(rel.T, aspect="auto", origin="lower", cmap="viridis",
-                  extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5, rel.shape[1] - 0.5))
-    fig.colorbar(im, ax=a, label="load / mean load")
-    a.set_xlabel("step"), a.set_ylabel("expert"), a.set_title(f"{_label(first, first_dir)}: {layer} loads")
+    fig, axes = plt.subplots(1, len(heat) + 1, figsize=(6 * (len(heat) + 1), 4.8))
+    for a, (d, rows, lay, steps, rel) in zip(axes, heat):
+        im = a.imshow(rel.T, aspect="auto", origin="lower", cmap="viridis", vmin=0, vmax=vmax,
+                      extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5, rel.shape[1] - 0.5))
+        fig.colorbar(im, ax=a, label="load / mean load")
+        a.set_xlabel("step"), a.set_ylabel("expert"), a.set_title(f"{_label(rows, d)}: {lay} loads")
+    b = axes[-1]
     for i, (d, rows) in enumerate(runs):
         rows = [r for r in rows if r.get("maxvio_batch") is not None]
         x = [r["step"] for r in rows]
         lab = _label(rows, d)
-        b.plot(x, [r["maxvio_batch"] for r in rows], color=f"C{i}", alpha=0.35, lw=1,
+        b.plot(x, [max(r["maxvio_batch"], 1e-3) for r in rows], color=f"C{i}", alpha=0.35, lw=1,
                label=f"{lab} MaxVio_batch")
-        g = [(r["step"], r["maxvio_global"]) for r in rows if r.get("maxvio_global") is not None]
+        g = [(r["step"], max(r["maxvio_global"], 1e-3)) for r in rows if r.get("maxvio_global") is not None]
         if g:
             b.plot(*zip(*g), color=f"C{i}", lw=2, label=f"{lab} MaxVio_global")
     b.axhline(0.05, color="k", ls=":", lw=1, label="0.05")
-    b.set_yscale("symlog", linthresh=0.05)
+    b.set_yscale("log")
     b.set_xlabel("step"), b.set_ylabel("MaxVio (mean over MoE layers)"), b.set_title("load imbalance")
     b.legend(fontsize=7)
     fig.tight_layout()
