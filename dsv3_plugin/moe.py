@@ -40,7 +40,8 @@ class _GroupedSwiGLU(torch.autograd.Function):
     preallocated output (`torch.mm(..., out=...)`), weight gradients go straight into their expert's slab,
     and the element-wise parts (SiLU, product, their derivatives) run once over all rows.
 
-    Saved for backward: x [N, H], g = x·W1ᵀ and u = x·W3ᵀ [N, I]; a = silu(g)·u is recomputed.
+    Saved for backward: x [N, H]; g = x·W1ᵀ, u = x·W3ᵀ, silu(g) and a = silu(g)·u [N, I] (4·N·I floats,
+    what autograd over the plain ops would keep too).
     """
 
     @staticmethod
@@ -53,28 +54,26 @@ class _GroupedSwiGLU(torch.autograd.Function):
         for e, s, t in spans:
             torch.mm(x_NH[s:t], w1_EIH[e].t(), out=g_NI[s:t])
             torch.mm(x_NH[s:t], w3_EIH[e].t(), out=u_NI[s:t])
-        a_NI = F.silu(g_NI) * u_NI
+        silu_NI = F.silu(g_NI)
+        a_NI = silu_NI * u_NI
         y_NH = x_NH.new_empty(N, H)
         for e, s, t in spans:
             torch.mm(a_NI[s:t], w2_EHI[e].t(), out=y_NH[s:t])
-        ctx.save_for_backward(x_NH, g_NI, u_NI, w1_EIH, w3_EIH, w2_EHI)
+        ctx.save_for_backward(x_NH, g_NI, u_NI, silu_NI, a_NI, w1_EIH, w3_EIH, w2_EHI)
         ctx.spans = spans
         return y_NH
 
     @staticmethod
     def backward(ctx, dy_NH):
-        x_NH, g_NI, u_NI, w1_EIH, w3_EIH, w2_EHI = ctx.saved_tensors
+        x_NH, g_NI, u_NI, silu_NI, a_NI, w1_EIH, w3_EIH, w2_EHI = ctx.saved_tensors
         spans = ctx.spans
         dy_NH = dy_NH.contiguous()
         need_x, _, need_w1, need_w3, need_w2 = ctx.needs_input_grad
         da_NI = torch.empty_like(g_NI)
         for e, s, t in spans:
             torch.mm(dy_NH[s:t], w2_EHI[e], out=da_NI[s:t])                 # dL/da = dy·W2
-        sg_NI = torch.sigmoid(g_NI)
-        silu_NI = g_NI * sg_NI
         du_NI = da_NI * silu_NI                                              # dL/du
-        dg_NI = da_NI * u_NI * (sg_NI * (1 + g_NI * (1 - sg_NI)))            # dL/dg, silu' = σ(1 + g(1-σ))
-        a_NI = silu_NI * u_NI
+        dg_NI = torch.ops.aten.silu_backward(da_NI * u_NI, g_NI)             # dL/dg (one fused pass)
         dx = torch.empty_like(x_NH) if need_x else None
         hit = [e for e, _, _ in spans]
 
