@@ -1,4 +1,4 @@
-"""Expert-parallel DeepSeekMoE over 2 and 4 gloo ranks equals the single-process layer (EP = 1) on the same
+"""Expert-parallel DeepSeekMoE on 4 gloo ranks (EP=4 over 4 or 2 nodes, and EP=2 x DP=2) equals the single-process layer (EP = 1) on the same
 tokens and weights: outputs <= 1e-6, gradients <= 1e-5 relative; with and without shared experts, node
 limits and node-deduplicated dispatch; EP = world and EP x DP. Also: router counts, no dropped tokens,
 cross-node copies <= M per token with dedup."""
@@ -101,10 +101,6 @@ def _check(results):
                     assert v <= 1e-5, (key, n, e)
             assert e["counts"] == 0 and e["dropped"] == 0, (key, e)
             assert e["cross_per_token_over_M"] <= 0, (key, e)
-
-
-def test_ep2_equals_ep1():
-    _check(run_ranks(_run, 2, [(2, 1)]))
 
 
 def test_ep4_and_ep2xdp2_equal_ep1():

@@ -46,3 +46,19 @@ def test_grouped_experts_forward_and_no_rows():
                                                 for t in range(7)]) for k in range(2))
     assert torch.allclose(out, ref, atol=1e-6)
     assert grouped_swiglu(x[:0], [0, 0, 0, 0], ge.gate_proj, ge.up_proj, ge.down_proj).shape == (0, 6)
+
+
+def test_bench_pair_is_the_same_layer_as_transformers():
+    """`dsv3 bench moe` compares like with like: same outputs and gradients at a small shape."""
+    from dsv3_plugin.bench.moe import build_pair
+    ours, theirs, x = build_pair(tokens=48, hidden=32, ffn=16, experts=8, top_k=4, groups=4, topk_group=2)
+    gy = torch.randn_like(x)
+    outs = []
+    for m in (ours, theirs):
+        xi = x.clone().requires_grad_(True)
+        y = m(xi)
+        y.backward(gy)
+        outs.append((y.detach(), xi.grad))
+    assert torch.allclose(outs[0][0], outs[1][0], atol=1e-5)
+    assert torch.allclose(outs[0][1], outs[1][1], atol=1e-5)
+    assert torch.allclose(ours.experts.down_proj.grad, theirs.experts.down_proj.grad, atol=1e-5)
