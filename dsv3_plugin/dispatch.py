@@ -223,7 +223,7 @@ def count_cross_node_copies(idx_TK: torch.Tensor, num_experts: int, ep_size: int
         cross = int((node_TK != my_node).sum())
         intra = int(((node_TK == my_node) & (owner != src_rank)).sum())
         return cross, intra
-    hit_TN = torch.zeros(idx_TK.shape[0], ep_size // ranks_per_node, dtype=torch.bool)
+    hit_TN = torch.zeros(idx_TK.shape[0], ep_size // ranks_per_node, dtype=torch.bool, device=idx_TK.device)
     hit_TN.scatter_(1, node_TK, True)
     return int(hit_TN.sum() - hit_TN[:, my_node].sum()), 0
 
@@ -273,14 +273,13 @@ def _dispatch_per_expert(x_TH, idx_TK, w_TK, expert_fn, L, g: EPGroups, codec, m
     w_sorted = w_TK.reshape(-1)[order].to(y_back.dtype)
     out = torch.zeros(T, H, dtype=y_back.dtype, device=x_TH.device).index_add(0, tok, y_back * w_sorted[:, None])
 
-    node_of = torch.arange(g.ep_size) // g.ranks_per_node
-    cross_mask = (node_of != g.node)
-    cross = int(send_counts[cross_mask].sum())
-    intra_mask = (~cross_mask) & (torch.arange(g.ep_size) != g.ep_rank)
+    R = g.ranks_per_node
+    cross = sum(n for r, n in enumerate(send) if r // R != g.node)
+    intra = sum(n for r, n in enumerate(send) if r // R == g.node and r != g.ep_rank)
     stats = DispatchStats(mode=mode, tokens=T, copies=T * K, cross_node_copies=cross,
                           cross_node_bytes=cross * _payload_bytes(codec, x_TH),
                           cross_node_meta_bytes=cross * local_ids.element_size(),
-                          intra_node_copies=int(send_counts[intra_mask].sum()))
+                          intra_node_copies=intra)
     return out.to(x_TH.dtype), stats
 
 
@@ -294,8 +293,8 @@ def _dispatch_dedup(x_TH, idx_TK, w_TK, expert_fn, L, g: EPGroups, codec):
     # One (token, node) pair per selected node, grouped by node: node n's rows go to EP rank n*R + local_index.
     n_idx, t_idx = hit_TN.t().nonzero(as_tuple=True)             # [C1] each, sorted by node
     per_node = torch.bincount(n_idx, minlength=N)
-    send_counts = torch.zeros(g.ep_size, dtype=torch.long)
-    send_counts[torch.arange(N) * R + g.local_index] = per_node
+    send_counts = torch.zeros(g.ep_size, dtype=torch.long, device=x_TH.device)
+    send_counts[torch.arange(N, device=x_TH.device) * R + g.local_index] = per_node
     recv_counts = _exchange_counts(send_counts, g.ep_group, g.ep_size)
     send1, recv1 = send_counts.tolist(), recv_counts.tolist()
 
@@ -331,11 +330,10 @@ def _dispatch_dedup(x_TH, idx_TK, w_TK, expert_fn, L, g: EPGroups, codec):
     z_back = all_to_all(z1, send1, recv1, *ep)                        # [C1, H]
     out = torch.zeros(T, H, dtype=z_back.dtype, device=x_TH.device).index_add(0, t_idx, z_back)
 
-    cross = int(per_node.sum() - per_node[g.node])
-    node_local = torch.arange(R)
-    stats = DispatchStats(mode="dedup", tokens=T, copies=int(per_node.sum()) + int(send2_counts.sum()),
+    cross = sum(send1) - send1[g.node * R + g.local_index]
+    stats = DispatchStats(mode="dedup", tokens=T, copies=sum(send1) + sum(send2),
                           cross_node_copies=cross, cross_node_bytes=cross * _payload_bytes(codec, x_TH),
                           cross_node_meta_bytes=cross * K * (ids_CK.element_size() + w_CK.element_size()),
-                          intra_node_copies=int(send2_counts[node_local != g.local_index].sum()),
-                          extra={"forwarded_rows": int(send2_counts.sum())})
+                          intra_node_copies=sum(send2) - send2[g.local_index],
+                          extra={"forwarded_rows": sum(send2)})
     return out.to(x_TH.dtype), stats

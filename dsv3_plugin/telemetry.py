@@ -54,7 +54,12 @@ class RoutingTelemetry:
         rows = [[float(m.dispatch_counters[k]) if h else 0.0 for k in keys] for m, h in zip(self.layers, have)]
         c = torch.tensor(rows, dtype=torch.float64)
         if dist.is_available() and dist.is_initialized():
+            # NCCL reduces device tensors only: use the device the routers live on
+            dev = next((m.gate.e_score_correction_bias.device for m in self.layers if m is not None),
+                       torch.device("cpu"))
+            c = c.to(dev)
             dist.all_reduce(c, group=self.group)
+            c = c.cpu()
         for m, h in zip(self.layers, have):
             if h:
                 m.reset_dispatch_counters()
