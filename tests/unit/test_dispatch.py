@@ -59,3 +59,34 @@ def test_shape_mismatch_is_an_error():
     W, x, idx, w = _setup()
     with pytest.raises(ValueError, match="disagree"):
         moe_dispatch_combine(x, idx, w[:, :2], _expert(W), E)
+
+
+def test_fp8_dispatch_codec_from_config():
+    """`fp8.dispatch = true` selects the FP8 payload codec: FP8-rounded activations reach the experts and the
+    gradient flows straight through; a build without the FP8 quantizer refuses the key by name."""
+    from dsv3_plugin.config import ConfigError, load_config
+    from dsv3_plugin.dispatch import FP8Codec, codec_from_config
+    cfg = load_config({"preset": "tiny", "fp8": {"enabled": True, "dispatch": True}})
+    assert codec_from_config(load_config({"preset": "tiny"})) is None
+    try:
+        from dsv3_plugin import fp8
+        have = hasattr(fp8, "pack_dispatch")
+    except ImportError:
+        have = False
+    if not have:
+        with pytest.raises(ConfigError, match=r"^dsv3\.fp8\.dispatch"):
+            codec_from_config(cfg)
+        return
+    codec = codec_from_config(cfg)
+    assert isinstance(codec, FP8Codec)
+    W, x, idx, w = _setup()
+    x32 = x.detach().float().requires_grad_(True)
+    W32 = W.detach().float()
+    out, st = moe_dispatch_combine(x32, idx, w.detach().float(), _expert(W32), E, codec=codec)
+    xq = fp8.unpack_dispatch(fp8.pack_dispatch(x32.detach()), H, torch.float32)
+    ref = (torch.tanh(torch.einsum("th,tkhj->tkj", xq, W32[idx])) * w.detach().float()[..., None]).sum(1)
+    assert torch.allclose(out, ref, atol=1e-6)
+    assert not torch.equal(xq, x32.detach())                 # the payload really was quantized
+    gx, = torch.autograd.grad(out.sum(), x32)
+    assert gx.abs().sum() > 0
+    assert codec.bytes_per_row(H, 4) == H + 4                 # H bytes of FP8 + one fp32 scale per 128
