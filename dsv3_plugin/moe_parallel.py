@@ -67,7 +67,9 @@ class ExpertParallelMoE(DeepSeekMoE):
                    codec: Optional[DispatchCodec] = None) -> "ExpertParallelMoE":
         """Shard a full DeepSeekMoE: copy router, bias and shared experts, keep this rank's experts."""
         hidden = moe.gate.weight.shape[1]
-        ep = cls(hidden, moe.cfg, groups, dedup, codec).to(moe.gate.weight.device)
+        w = moe.experts.gate_proj
+        # the model's dtype (the Router keeps itself fp32 whatever .to() it gets)
+        ep = cls(hidden, moe.cfg, groups, dedup, codec).to(device=w.device, dtype=w.dtype)
         ep.gate.load_state_dict(moe.gate.state_dict())
         ep.gate.tokens_per_expert.copy_(moe.gate.tokens_per_expert)
         if moe.shared_experts is not None:

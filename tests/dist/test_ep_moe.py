@@ -82,9 +82,39 @@ def _one(ep, rpn, shared, M, dedup):
     return errs
 
 
+def _model_level(ep, rpn):
+    """Whole tiny model (MoE layers incl. the MTP block's) with expert_parallel: same loss and logits as EP=1,
+    dense-parameter gradients equal after summing over the EP group."""
+    from dsv3_plugin.config import load_config
+    from dsv3_plugin.model import DSv3Model
+    from dsv3_plugin.moe_parallel import expert_parallel
+    rank = dist.get_rank()
+    groups = build_ep_groups(ep, rpn)
+    cfg = load_config({"preset": "tiny", "parallel": {"ep": ep}, "moe": {"ranks_per_node": rpn}})
+    ref = DSv3Model(cfg)
+    ref.reset_parameters(seed=5)
+    par = DSv3Model(cfg)
+    par.load_state_dict(ref.state_dict())
+    expert_parallel(par, groups)
+    ref_loss = {}
+    for r in groups.ep_ranks:
+        ids = torch.randint(0, cfg.model.vocab_size, (2, 9), generator=torch.Generator().manual_seed(70 + r))
+        out = ref(ids[:, :-1], labels=ids[:, 1:])
+        out.loss.backward()
+        ref_loss[r] = (float(out.loss.detach()), out.logits.detach())
+    ids = torch.randint(0, cfg.model.vocab_size, (2, 9), generator=torch.Generator().manual_seed(70 + rank))
+    out = par(ids[:, :-1], labels=ids[:, 1:])
+    out.loss.backward()
+    g = par.embed_tokens.weight.grad.clone()
+    dist.all_reduce(g, group=groups.ep_group)
+    return {"loss": abs(float(out.loss.detach()) - ref_loss[rank][0]),
+            "logits": float((out.logits.detach() - ref_loss[rank][1]).abs().max()),
+            "embed_grad": _rel(g, ref.embed_tokens.weight.grad)}
+
+
 def _run(layouts):
     init_distributed()
-    out = []
+    out = [(("model", 4, 2), _model_level(4, 2))]
     for ep, rpn in layouts:
         for shared in (1, 0):
             for M, dedup in ((2, True), (2, False), (4, True)):  # M=4 of 4 groups: no node limit
@@ -95,6 +125,9 @@ def _run(layouts):
 def _check(results):
     for rank_res in results:
         for key, e in rank_res:
+            if key[0] == "model":
+                assert e["loss"] <= 1e-6 and e["logits"] <= 1e-5 and e["embed_grad"] <= 1e-5, e
+                continue
             assert e["out"] <= 1e-6, (key, e)
             for n, v in e.items():
                 if n not in ("out", "counts", "dropped", "cross_per_token_over_M"):
