@@ -154,8 +154,10 @@ class GroupedExperts(nn.Module):
 def swiglu_rows(x_NH: torch.Tensor, expert_N: torch.Tensor, w1_EIH: torch.Tensor, w3_EIH: torch.Tensor,
                 w2_EHI: torch.Tensor, swiglu=grouped_swiglu) -> torch.Tensor:
     """SwiGLU of expert `expert_N[n]` on row n, rows in any order: sort by expert, grouped GEMMs, unsort."""
-    order = torch.argsort(expert_N, stable=True)
     counts = torch.bincount(expert_N, minlength=w1_EIH.shape[0]).tolist()
+    if expert_N.numel() < 2 or bool((expert_N[1:] >= expert_N[:-1]).all()):
+        return swiglu(x_NH, counts, w1_EIH, w3_EIH, w2_EHI)   # already grouped (EP = 1, one source rank)
+    order = torch.argsort(expert_N, stable=True)
     y_sorted = swiglu(x_NH[order], counts, w1_EIH, w3_EIH, w2_EHI)
     return torch.empty_like(y_sorted).index_copy_(0, order, y_sorted)
 
