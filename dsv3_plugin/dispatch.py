@@ -320,7 +320,8 @@ def _dispatch_dedup(x_TH, idx_TK, w_TK, expert_fn, L, g: EPGroups, codec):
     recv2_counts = _exchange_counts(send2_counts, g.node_group, R)
     send2, recv2 = send2_counts.tolist(), recv2_counts.tolist()
     nd = (g.node_group, R)
-    x2 = all_to_all(x1[j2], recv2, send2, *nd)
+    # the in-node hop carries the encoded payload too (re-encoding a decoded pow2-scaled tile is exact)
+    x2 = all_to_all(x1[j2], recv2, send2, *nd, codec=codec)
     le2 = all_to_all((e2 % L).to(_id_dtype(L)), recv2, send2, *nd).long()
     y2 = expert_fn(x2, le2)
     y2_back = all_to_all(y2, send2, recv2, *nd)                       # [C2, H] in order2
