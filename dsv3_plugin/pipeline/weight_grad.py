@@ -1,0 +1,145 @@
+"""Deferred weight gradients: the B / W split of zero-bubble pipelining (Qi et al. 2023, §2; DeepSeek-V3
+§3.2.1 "backward for weights", Fig. 4).
+
+A backward is split into I (gradients w.r.t. the stage *input*, needed by the previous stage now) and W
+(gradients w.r.t. the *weights*, needed only by the optimizer). The schedule runs I inside
+`WeightGradQueue.deferring()`; every GEMM that opts in (`deferrable_linear`, `DeferrableLinear`,
+`split_weight_grads(module)`) then computes its input gradient at once and queues a closure that computes
+and accumulates its weight gradient; the schedule's W op runs one I's closures later, in FIFO order.
+Modules that do not opt in compute their weight gradients inside I: still correct, just no deferral.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["WeightGradQueue", "deferrable_linear", "DeferrableLinear", "split_weight_grads", "active_queue"]
+
+_ACTIVE: list["WeightGradQueue"] = []
+
+
+def active_queue() -> "WeightGradQueue | None":
+    """The queue collecting weight-grad work right now (inside an I op), else None."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+class WeightGradQueue:
+    """FIFO of weight-gradient jobs; one job = all closures queued during one I op."""
+
+    def __init__(self):
+        self._jobs: deque[tuple[object, list[Callable[[], None]]]] = deque()
+        self._collecting: list[Callable[[], None]] | None = None
+
+    def put(self, fn: Callable[[], None]) -> None:
+        assert self._collecting is not None, "put() outside deferring()"
+        self._collecting.append(fn)
+
+    @contextlib.contextmanager
+    def deferring(self, tag: object = None):
+        """Run a backward whose opted-in weight grads are queued as one job named `tag`."""
+        self._collecting = []
+        _ACTIVE.append(self)
+        try:
+            yield
+        finally:
+            _ACTIVE.pop()
+            self._jobs.append((tag, self._collecting))
+            self._collecting = None
+
+    def pop(self, expect_tag: object = None) -> int:
+        """Run the oldest job; returns the number of closures run."""
+        if not self._jobs:
+            raise RuntimeError("weight-grad queue is empty: the schedule has a W without a preceding I")
+        tag, fns = self._jobs.popleft()
+        if expect_tag is not None and tag != expect_tag:
+            raise RuntimeError(f"weight-grad queue out of order: next job is {tag}, schedule expects {expect_tag}")
+        for fn in fns:
+            fn()
+        return len(fns)
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def clear(self) -> None:
+        self._jobs.clear()
+
+
+def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad += grad
+
+
+class _DeferrableLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None   # [..., in]
+
+        def weight_grads():
+            g_NO = grad_out.reshape(-1, grad_out.shape[-1])               # [N, out]
+            x_NI = x.reshape(-1, x.shape[-1])                             # [N, in]
+            gw = g_NO.t() @ x_NI                                          # [out, in]
+            gb = g_NO.sum(0) if ctx.has_bias else None
+            return gw, gb
+
+        q = active_queue()
+        if q is None:
+            gw, gb = weight_grads()
+            return grad_x, (gw if ctx.needs_input_grad[1] else None), (gb if ctx.needs_input_grad[2] else None)
+        # Deferred: the closure holds the activations until W runs; parameters get .grad directly there
+        # (AccumulateGrad is bypassed, so hooks registered on it do not fire for these grads).
+        w_param, b_param = ctx.weight_param, ctx.bias_param
+
+        def job():
+            gw, gb = weight_grads()
+            if w_param is not None and w_param.requires_grad:
+                _accumulate(w_param, gw)
+            if gb is not None and b_param is not None and b_param.requires_grad:
+                _accumulate(b_param, gb)
+
+        q.put(job)
+        return grad_x, None, None
+
+
+def deferrable_linear(x: torch.Tensor, weight: nn.Parameter, bias: nn.Parameter | None = None) -> torch.Tensor:
+    """F.linear whose weight gradient is deferred to the W op when run inside an I op. `weight` (and `bias`)
+    must be leaf parameters: the deferred job writes their `.grad`."""
+    if not torch.is_grad_enabled() or not (weight.requires_grad or (bias is not None and bias.requires_grad)):
+        return F.linear(x, weight, bias)
+    fn = _DeferrableLinearFn
+    out = fn.apply(x, weight, bias)
+    node = out.grad_fn
+    node.weight_param = weight     # the ctx of a custom Function is its grad_fn node
+    node.bias_param = bias
+    return out
+
+
+class DeferrableLinear(nn.Linear):
+    """nn.Linear with the deferred weight gradient; same parameters and state_dict keys."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return deferrable_linear(x, self.weight, self.bias)
+
+
+def split_weight_grads(module: nn.Module) -> int:
+    """Opt every nn.Linear inside `module` into the deferred weight gradient (in place, by class swap, so
+    parameters, hooks and state_dict are untouched). Returns how many were converted."""
+    n = 0
+    for m in module.modules():
+        if type(m) is nn.Linear:
+            m.__class__ = DeferrableLinear
+            n += 1
+    return n
