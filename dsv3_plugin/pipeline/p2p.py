@@ -110,8 +110,10 @@ class P2P:
         err = self.check_outgoing(msg, dst, tensors)
         header = _encode(msg, tensors).to(self.device)
         peer = self.rank_map[dst]
-        self._sends.append((dist.isend(header, peer, group=self.group), header, msg, dst))
+        work = dist.isend(header, peer, group=self.group)
+        self._sends.append((work, header, msg, dst))
         if err:
+            self._wait(work, f"sending {msg} to pipeline rank {dst} (global {peer})")   # let the receiver see it, then fail
             raise PipelineError(err)
         for t in tensors:
             t = t.detach().contiguous()
@@ -119,14 +121,14 @@ class P2P:
 
     def wait_sends(self) -> None:
         for work, _, msg, dst in self._sends:
-            self._wait(work, f"sending {msg} to pipeline rank {dst}")
+            self._wait(work, f"sending {msg} to pipeline rank {dst} (global {self.rank_map[dst]})")
         self._sends.clear()
 
     # -- receiving ------------------------------------------------------------------------------------
     def recv(self, msg: Message, src: int) -> list[torch.Tensor]:
         peer = self.rank_map[src]
         header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-        self._wait(dist.irecv(header, peer, group=self.group), f"waiting for {msg} from pipeline rank {src}")
+        self._wait(dist.irecv(header, peer, group=self.group), f"waiting for {msg} from pipeline rank {src} (global {peer})")
         (kind, mb, chunk), metas = _decode(header.cpu())
         if (kind, mb, chunk) != msg.key():
             raise PipelineError(f"pipeline rank {self.me}: expected {msg} from rank {src}, got "
@@ -141,7 +143,7 @@ class P2P:
         out = []
         for dtype, rg, shape in metas:
             t = torch.empty(shape, dtype=dtype, device=self.device)
-            self._wait(dist.irecv(t, peer, group=self.group), f"waiting for {msg} data from pipeline rank {src}")
+            self._wait(dist.irecv(t, peer, group=self.group), f"waiting for {msg} data from pipeline rank {src} (global {peer})")
             out.append(t.requires_grad_(rg) if rg and dtype.is_floating_point else t)
         return out
 

@@ -8,7 +8,7 @@ import torch
 from dsv3_plugin.distributed import init_distributed
 from dsv3_plugin.pipeline import DualPipe, DualPipeV, OneFOneB, ZeroBubble1P
 from helpers import run_ranks
-from pipeline_stages import OverlapStage, criterion, make_batch, make_stages, reference, rel_err
+from pipeline_stages import MLPStage, OverlapStage, criterion, make_batch, make_stages, reference, rel_err
 
 RUNTIMES = {"1f1b": OneFOneB, "zb1p": ZeroBubble1P, "dualpipe": DualPipe, "dualpipev": DualPipeV}
 
@@ -21,12 +21,12 @@ def _local_stage_ids(name, P, r):
     return [r, 2 * P - 1 - r]
 
 
-def _check(name, P, r, C, stage_cls, seed):
+def _check(name, P, r, C, stage_cls, seed, group=None, mapping=None):
     n_stages = 2 * P if name == "dualpipev" else P
     full = make_stages(n_stages, seed, stage_cls)
     ids = _local_stage_ids(name, P, r)
     local = [copy.deepcopy(full[i]) for i in ids]
-    rt = RUNTIMES[name](local, timeout_s=60)
+    rt = RUNTIMES[name](local, process_group=group, rank_mapping=mapping, timeout_s=60)
     report = {}
     for it in range(2):                         # two steps: no state may leak between them
         for m in local:
@@ -52,18 +52,30 @@ def _check(name, P, r, C, stage_cls, seed):
     return report
 
 
-def _worker(P, cases):
+def _worker(cases4, cases_a, cases_b):
+    """4 ranks: PP=4 on the world group; then PP=2 on {0, 1} and, concurrently, on {2, 3} with the
+    pipeline ranks reversed (rank_mapping) to exercise sub-groups and the mapping."""
     r, world = init_distributed()
-    assert world == P
+    assert world == 4
+    pair_a = torch.distributed.new_group([0, 1])
+    pair_b = torch.distributed.new_group([2, 3])
     out = {}
-    for name, C, overlap in cases:
-        stage_cls = OverlapStage if overlap else None
+    _run_cases(4, r, cases4, None, None, out, "pp4")
+    if r < 2:
+        _run_cases(2, r, cases_a, pair_a, None, out, "pp2a")
+    else:
+        _run_cases(2, 3 - r, cases_b, pair_b, [1, 0], out, "pp2b")
+    return out
+
+
+def _run_cases(P, r, cases, group, mapping, out, tag):
+    for i, (name, C, overlap) in enumerate(cases):
         OverlapStage.calls = 0
-        rep = _check(name, P, r, C, stage_cls or __import__("pipeline_stages").MLPStage, seed=len(out) + 1)
+        rep = _check(name, P, r, C, OverlapStage if overlap else MLPStage, seed=i + 1, group=group,
+                     mapping=mapping)
         if overlap:
             rep["overlap_calls"] = OverlapStage.calls
-        out[f"{name}/C={C}/overlap={overlap}"] = rep
-    return out
+        out[f"{tag}/{name}/C={C}/overlap={overlap}"] = rep
 
 
 def _assert_reports(results):
@@ -73,21 +85,17 @@ def _assert_reports(results):
                 if k.startswith("grad_err"):
                     assert v <= 1e-6, (r, case, k, v)
                 elif k == "overlap_calls":
-                    if "dualpipe" in case:
-                        assert v > 0, (r, case, "overlap hook never called")
+                    assert v > 0, (r, case, "overlap hook never called")
                 else:
                     assert v is True, (r, case, k, v)
 
 
 @pytest.mark.dist
-def test_pipeline_pp2_exact():
-    cases = [("1f1b", 4, False), ("zb1p", 4, False), ("dualpipe", 4, False), ("dualpipe", 6, True),
-             ("dualpipev", 4, False), ("dualpipev", 5, True)]
-    _assert_reports(run_ranks(_worker, 2, 2, cases, timeout_s=240))
-
-
-@pytest.mark.dist
-def test_pipeline_pp4_exact():
-    cases = [("1f1b", 4, False), ("zb1p", 6, False), ("dualpipe", 8, True), ("dualpipev", 8, False),
-             ("dualpipev", 10, True)]
-    _assert_reports(run_ranks(_worker, 4, 4, cases, timeout_s=240))
+def test_pipeline_schedules_match_single_process():
+    cases4 = [("1f1b", 4, False), ("zb1p", 6, False), ("dualpipe", 8, True), ("dualpipev", 8, False),
+              ("dualpipev", 10, True)]
+    cases_a = [("1f1b", 3, False), ("dualpipe", 4, False), ("dualpipev", 5, True)]
+    cases_b = [("zb1p", 4, False), ("dualpipe", 6, True), ("dualpipev", 4, False)]
+    results = run_ranks(_worker, 4, cases4, cases_a, cases_b, timeout_s=300)
+    assert sum(len(r) for r in results) == 4 * len(cases4) + 2 * len(cases_a) + 2 * len(cases_b)
+    _assert_reports(results)
