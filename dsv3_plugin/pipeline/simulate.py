@@ -154,16 +154,19 @@ def published_formula(name: str, P: int, d: Durations) -> tuple[float | None, fl
     if name == "dualpipev":
         v = (P - 1) * (FB + B - 3 * W)     # PP = 2P stages
         return (v if unit else None), v, "(PP/2-1)(F&B+B-3W), PP = 2*ranks stages"
-    raise ValueError(f"no published formula for {name!r}")
+    return None, None, "n/a"
 
 
 TABLE_CASES = [
     # (label, F, B, W, F&B)
     ("unit cell F=B-W=W=1, no overlap", 1.0, 2.0, 1.0, None),
-    ("unit cell, F&B=1.5", 1.0, 2.0, 1.0, 1.5),
-    ("F > B-W (F=2, B=3, W=1)", 2.0, 3.0, 1.0, None),
+    ("unit cell, overlap F&B=2.5", 1.0, 2.0, 1.0, 2.5),
+    ("unit cell, full overlap F&B=max(F,B)=2", 1.0, 2.0, 1.0, 2.0),
+    ("F=2, B=4, W=2 (F=B-W), F&B=5", 2.0, 4.0, 2.0, 5.0),
+    ("F > B-W (F=2, B=2, W=1)", 2.0, 2.0, 1.0, None),
     ("F < B-W (F=1, B=3, W=1)", 1.0, 3.0, 1.0, None),
     ("W > F (F=1, B=3, W=2)", 1.0, 3.0, 2.0, None),
+    ("unphysical F&B=1.5 < B", 1.0, 2.0, 1.0, 1.5),
 ]
 
 
@@ -210,8 +213,14 @@ def plot_timeline(res: SimResult, path: str) -> str:
     for ev in res.timeline:
         y = P - 1 - ev["rank"]
         w = ev["end"] - ev["start"]
-        ax.barh(y, w, left=ev["start"], height=0.8, color=_COLORS[ev["kind"]], edgecolor="black", linewidth=0.4)
-        label = str(ev["mb"]) if ev["kind"] != "FB" else ev["op"].split("&")[0][1:].split(".")[1]
+        # chunk 1 (the reverse direction / the second stage of the rank) is drawn lighter
+        ax.barh(y, w, left=ev["start"], height=0.8, color=_COLORS[ev["kind"]], edgecolor="black", linewidth=0.4,
+                alpha=1.0 if ev["chunk"] == 0 else 0.6)
+        if ev["kind"] == "FB":      # "F0.3&B1.5" -> "3|5": forward micro-batch | backward micro-batch
+            f, b = ev["op"].split("&")
+            label = f"{f.split('.')[1]}|{b.split('.')[1]}"
+        else:
+            label = str(ev["mb"])
         if w >= 0.6:
             ax.text(ev["start"] + w / 2, y, label, ha="center", va="center", fontsize=6,
                     color="white" if ev["kind"] in ("F", "FB") else "black")
@@ -225,7 +234,8 @@ def plot_timeline(res: SimResult, path: str) -> str:
     ax.legend(handles=[Patch(color=c, label=k) for k, c in
                        [("F", _COLORS["F"]), ("B", _COLORS["B"]), ("B input (I)", _COLORS["I"]),
                         ("W", _COLORS["W"]), ("F&B overlapped", _COLORS["FB"])]],
-              loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=5, fontsize=7)
+              loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=5, fontsize=7,
+              title="lighter: the rank's second chunk (reverse direction / stage 2P-1-r)", title_fontsize=7)
     fig.tight_layout()
     d = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(suffix=".png", dir=d)
