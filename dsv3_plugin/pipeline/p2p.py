@@ -11,6 +11,7 @@ NCCL's in-order matching needs, and every wait has a timeout: a dead or stuck pe
 """
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 from typing import Sequence
 
@@ -91,6 +92,7 @@ class P2P:
         self.timeout_s = timeout_s
         self.expected = expected            # declared activation metas, checked on both ends
         self._sends: list = []
+        self.blocked_s = 0.0                # time spent waiting for peers (bench: idle vs compute)
 
     # -- sending --------------------------------------------------------------------------------------
     def check_outgoing(self, msg: Message, dst: int, tensors: Sequence[torch.Tensor]) -> str | None:
@@ -148,11 +150,14 @@ class P2P:
         return out
 
     def _wait(self, work, what: str) -> None:
+        t0 = time.perf_counter()
         try:
             ok = work.wait(self.timeout)
         except Exception as e:  # gloo: connection closed / timeout; NCCL: watchdog errors
             raise PipelineError(f"pipeline rank {self.me}: {what} failed within {self.timeout_s:g}s "
                                 f"(peer dead or stuck): {type(e).__name__}: {str(e).splitlines()[0][:300]}") from e
+        finally:
+            self.blocked_s += time.perf_counter() - t0
         if ok is False:
             raise PipelineError(f"pipeline rank {self.me}: {what} timed out after {self.timeout_s:g}s "
                                 "(peer dead or stuck)")

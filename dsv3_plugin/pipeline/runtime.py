@@ -20,6 +20,7 @@ rank that holds the loss (`loss_rank`: the last rank for 1F1B/ZB1P, rank 0 for D
 """
 from __future__ import annotations
 
+import time
 from typing import Callable, NamedTuple, Sequence
 
 import torch
@@ -78,7 +79,8 @@ class PipelineRuntime:
         m0 = self.modules[0]
         self._overlap = (len(self.modules) == 2 and type(self.modules[1]) is type(m0)
                          and callable(getattr(type(m0), "overlapped_forward_backward", None)))
-        self.op_seconds: dict[str, float] = {}           # compute time per op kind of the last step
+        self.op_seconds: dict[str, float] = {}           # time per op kind of the last step
+        self.last_step: dict[str, float] = {}
 
     # -- schedule -------------------------------------------------------------------------------------
     def _min_chunks(self) -> int:
@@ -120,7 +122,6 @@ class PipelineRuntime:
     # -- the step -------------------------------------------------------------------------------------
     def step(self, *inputs: torch.Tensor, num_chunks: int, criterion: Callable | None = None,
              labels: Sequence[torch.Tensor] = (), return_outputs: bool = False) -> StepOutput:
-        import time
         training = torch.is_grad_enabled()
         spec = self.spec(num_chunks, training)
         me, C = self.rank, num_chunks
@@ -149,17 +150,21 @@ class PipelineRuntime:
         self._mb_in, self._mb_lab = mb_in, mb_lab
         self.op_seconds = {}
         self.wq.clear()
+        t_step, blocked0 = time.perf_counter(), self.p2p.blocked_s
         try:
             for op in spec.ops[me]:
                 t0 = time.perf_counter()
                 self._run(op)
                 self.op_seconds[op.kind] = self.op_seconds.get(op.kind, 0.0) + time.perf_counter() - t0
+            compute_s = sum(self.op_seconds.values()) - (self.p2p.blocked_s - blocked0)
             if len(self.wq):
                 raise PipelineError(f"{self.schedule_name}: {len(self.wq)} weight-grad jobs left after the step")
             losses, outputs = self._collect(C, gather, return_outputs)
             self.p2p.wait_sends()
             if training and self.schedule_name == "dualpipe" and self.mirror_grad_sync and self.P > 1:
                 self._mirror_sync()
+            # compute_s: time in stage compute (P2P waits excluded), for idle-fraction measurements
+            self.last_step = {"wall_s": time.perf_counter() - t_step, "compute_s": compute_s}
         finally:
             self._state.clear()
             self._mailbox.clear()

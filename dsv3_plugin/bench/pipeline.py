@@ -1,0 +1,97 @@
+"""Pipeline schedules on 4 gloo ranks: wall time and per-rank idle fraction of 1F1B vs DualPipeV vs DualPipe.
+
+The same model (`--blocks` compute-bound MLP blocks, weight grads deferrable) is cut into 4 stages for 1F1B
+and DualPipe (DualPipe holds each stage twice, mirror pairs synchronised) and into 8 half-size stages for
+DualPipeV, and each schedule runs the same micro-batches. A rank's idle fraction is 1 - (time inside stage
+compute) / (step wall time), where P2P waits count as idle. `ratio` is 1F1B's wall time over DualPipeV's
+(> 1: DualPipeV faster); `idle_ratio` is 1F1B's mean idle fraction over DualPipeV's. The simulator's bubble
+fraction for the measured F/B/W durations is reported next to each measurement.
+"""
+from __future__ import annotations
+
+import statistics
+
+import torch
+from torch import nn
+
+RANKS = 4
+
+
+def add_arguments(p):
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--tokens", type=int, default=128, help="tokens per micro-batch")
+    p.add_argument("--blocks", type=int, default=8, help="MLP blocks in the whole model (multiple of 8)")
+    p.add_argument("--chunks", type=int, default=8, help="micro-batches per step (>= 8 for DualPipe(V) on 4 ranks)")
+    p.add_argument("--steps", type=int, default=3, help="measured steps per schedule (after one warm-up)")
+
+
+class _Block(nn.Module):
+    def __init__(self, h: int):
+        super().__init__()
+        from ..pipeline.weight_grad import DeferrableLinear
+        self.up = DeferrableLinear(h, 4 * h, bias=False)
+        self.down = DeferrableLinear(4 * h, h, bias=False)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def _stages(n_stages: int, blocks: int, h: int, seed: int = 0) -> list[nn.Module]:
+    torch.manual_seed(seed)
+    per = blocks // n_stages
+    return [nn.Sequential(*[_Block(h) for _ in range(per)]) for _ in range(n_stages)]
+
+
+def _criterion(out, y):
+    return ((out - y) ** 2).mean()
+
+
+def _rank_main(args_d: dict) -> dict:
+    from ..distributed import init_distributed
+    from ..pipeline import DualPipe, DualPipeV, OneFOneB
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    r, world = init_distributed("gloo")
+    h, T, C, blocks, steps = args_d["hidden"], args_d["tokens"], args_d["chunks"], args_d["blocks"], args_d["steps"]
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(C, T, h, generator=g)
+    y = torch.randn(C, T, h, generator=g)
+    out = {}
+    for name in ("1f1b", "dualpipev", "dualpipe"):
+        if name == "1f1b":
+            st = _stages(RANKS, blocks, h)
+            rt = OneFOneB([st[r]])
+        elif name == "dualpipe":
+            st = _stages(RANKS, blocks, h)
+            rt = DualPipe([st[r], st[RANKS - 1 - r]])
+        else:
+            st = _stages(2 * RANKS, blocks, h)
+            rt = DualPipeV([st[r], st[2 * RANKS - 1 - r]])
+        walls, computes, kinds = [], [], []
+        for i in range(steps + 1):
+            dist.barrier()
+            rt.step(x, num_chunks=C, criterion=_criterion, labels=(y,))
+            for m in rt.modules:
+                m.zero_grad(set_to_none=True)
+            if i:
+                walls.append(rt.last_step["wall_s"])
+                computes.append(rt.last_step["compute_s"])
+                kinds.append(dict(rt.op_seconds))
+        out[name] = {"wall_s": statistics.median(walls), "compute_s": statistics.median(computes)}
+    return out
+
+
+def run(args) -> dict:
+    from ..distributed import spawn
+    if args.blocks % (2 * RANKS):
+        raise SystemExit(f"--blocks must be a multiple of {2 * RANKS} (got {args.blocks})")
+    a = {k: getattr(args, k) for k in ("hidden", "tokens", "blocks", "chunks", "steps")}
+    per_rank = spawn(_rank_main, RANKS, a, timeout_s=1800)
+    res: dict = {"ranks": RANKS, **a}
+    for name in ("1f1b", "dualpipe", "dualpipev"):
+        wall = max(pr[name]["wall_s"] for pr in per_rank)
+        idle = [max(0.0, 1.0 - pr[name]["compute_s"] / wall) for pr in per_rank]
+        res[name] = {"wall_s": wall, "idle_fraction": idle, "idle_fraction_mean": sum(idle) / len(idle)}
+    res["ratio"] = res["1f1b"]["wall_s"] / res["dualpipev"]["wall_s"]
+    res["idle_ratio"] = res["1f1b"]["idle_fraction_mean"] / max(res["dualpipev"]["idle_fraction_mean"], 1e-9)
+    return res
