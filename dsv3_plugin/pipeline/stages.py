@@ -22,7 +22,8 @@ from torch import nn
 from ..model import DSv3Model
 from ..mtp import mtp_depth_loss
 
-__all__ = ["split_layers", "DSv3Stage", "build_stages", "stage_ids_for_rank", "n_stages_of", "DSv3PipelineLoss"]
+__all__ = ["split_layers", "DSv3Stage", "build_stages", "stage_ids_for_rank", "n_stages_of", "DSv3PipelineLoss",
+           "sync_tied_embedding"]
 
 
 def split_layers(n_layers: int, n_stages: int) -> list[range]:
@@ -65,6 +66,7 @@ class DSv3Stage(nn.Module):
         where = {id(m): j for j, m in enumerate(moe)}
         self.moe_slot = [where.get(id(layer.mlp), -1) for layer in self.layers]
         self.rotary = model.rotary
+        self.mtp_reuses_embedding = len(model.mtp) > 0
         if first or (last and len(model.mtp)):
             self.embed_tokens = model.embed_tokens
         if last:
@@ -146,3 +148,26 @@ class DSv3PipelineLoss:
                              "mtp_loss": None if mtp_loss is None else mtp_loss.detach(),
                              "balance_loss": None if balance is None else balance.detach()})
         return loss * self.scale if self.scale != 1.0 else loss
+
+
+def sync_tied_embedding(runtime, stages: Sequence[DSv3Stage]) -> bool:
+    """1F1B / ZB1P with MTP: the embedding lives on the first *and* the last pipeline rank (MTP reuses it,
+    §2.2), as two copies; sum their gradients (own + peer's: the same IEEE sum on both ranks, so the copies
+    stay identical). DualPipe(V) need nothing here: both uses sit on rank 0, one parameter. Call after
+    `runtime.step(...)` in training. Returns True if this rank took part."""
+    import torch.distributed as dist
+    if runtime.schedule_name not in ("1f1b", "zb1p") or runtime.P == 1 or not stages[0].mtp_reuses_embedding:
+        return False
+    last = runtime.P - 1
+    if runtime.rank not in (0, last):
+        return False
+    weight = stages[0].embed_tokens.weight
+    grad = weight.grad if weight.grad is not None else torch.zeros_like(weight)
+    other = torch.empty_like(grad)
+    peer = runtime.pipe_to_global[last if runtime.rank == 0 else 0]
+    works = [dist.isend(grad.contiguous(), peer, group=runtime.group),
+             dist.irecv(other, peer, group=runtime.group)]
+    for w in works:
+        runtime.p2p._wait(w, "tied-embedding gradient sync between the first and last pipeline ranks")
+    weight.grad = grad + other
+    return True

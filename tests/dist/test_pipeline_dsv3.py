@@ -1,5 +1,6 @@
-"""DSv3Model through DualPipeV (PP=2, 4 stages) and DualPipe (PP=2) on gloo: per-micro-batch losses
-bit-identical to the single-process model, gradients within 1e-6, the embedding shared on rank 0."""
+"""DSv3Model through DualPipeV (PP=2, 4 stages), DualPipe (PP=2), then 1F1B and ZB1P (with deferred
+weight grads in every nn.Linear) on gloo: per-micro-batch losses bit-identical to the single-process model,
+gradients within 1e-6, the embedding shared on rank 0 (DualPipe(V)) or synchronised (1F1B/ZB1P + MTP)."""
 import copy
 
 import pytest
@@ -9,8 +10,9 @@ import torch.distributed as dist
 from dsv3_plugin.config import load_config
 from dsv3_plugin.distributed import init_distributed
 from dsv3_plugin.model import DSv3Model
-from dsv3_plugin.pipeline import DualPipe, DualPipeV
-from dsv3_plugin.pipeline.stages import DSv3PipelineLoss, build_stages, n_stages_of, stage_ids_for_rank
+from dsv3_plugin.pipeline import DualPipe, DualPipeV, OneFOneB, ZeroBubble1P, split_weight_grads
+from dsv3_plugin.pipeline.stages import (DSv3PipelineLoss, build_stages, n_stages_of, stage_ids_for_rank,
+                                         sync_tied_embedding)
 from helpers import run_ranks
 
 C = 4
@@ -31,7 +33,12 @@ def _data():
 def _worker():
     r, _ = init_distributed()
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    schedule, cls = ("dualpipev", DualPipeV) if r < 2 else ("dualpipe", DualPipe)
+    first = _run(r, groups, *(("dualpipev", DualPipeV) if r < 2 else ("dualpipe", DualPipe)), split=False)
+    second = _run(r, groups, *(("1f1b", OneFOneB) if r < 2 else ("zb1p", ZeroBubble1P)), split=True)
+    return first, second
+
+
+def _run(r, groups, schedule, cls, split):
     pr = r % 2
     ids, labels = _data()
     model = _model()
@@ -42,12 +49,17 @@ def _worker():
         out.loss.backward()
         ref_losses.append(out.loss.detach())
     stages = build_stages(model, n_stages_of(schedule, 2), stage_ids_for_rank(schedule, 2, pr))
+    if split:
+        for st in stages:
+            split_weight_grads(st)
     rt = cls(stages, process_group=groups[r // 2], timeout_s=60)
     crit = DSv3PipelineLoss(model)
     losses, _ = rt.step(ids, num_chunks=C, criterion=crit, labels=(labels,))
-    rep = {"schedule": schedule, "pipeline_rank": pr}
+    rep = {"schedule": schedule, "pipeline_rank": pr, "loss_rank": rt.loss_rank,
+           "tied_sync": sync_tied_embedding(rt, stages)}
     if pr == rt.loss_rank:
         rep["loss_equal"] = bool(torch.equal(losses, torch.stack(ref_losses)))
+    if len(stages) == 2 and pr == 0:
         rep["shared_embedding"] = stages[0].embed_tokens.weight is stages[1].embed_tokens.weight
     ref_params = dict(ref.named_parameters())
     errs = {}
@@ -67,11 +79,15 @@ def _worker():
 
 @pytest.mark.dist
 def test_dsv3_model_through_dualpipev_and_dualpipe():
-    reps = run_ranks(_worker, 4, timeout_s=300)
+    out = run_ranks(_worker, 4, timeout_s=300)
+    reps = [rep for pair in out for rep in pair]
+    assert sorted({rep["schedule"] for rep in reps}) == ["1f1b", "dualpipe", "dualpipev", "zb1p"]
     for rep in reps:
         assert rep["max_grad_err"] <= 1e-6, rep
-        if rep["pipeline_rank"] == 0:
+        if rep["pipeline_rank"] == rep["loss_rank"]:
             assert rep["loss_equal"] is True, rep
+        if "shared_embedding" in rep:
             assert rep["shared_embedding"] is True, rep
+        assert rep["tied_sync"] is (rep["schedule"] in ("1f1b", "zb1p")), rep
     n_total = len(list(_model().parameters()))
-    assert reps[0]["n_params"] + reps[1]["n_params"] == n_total   # DualPipeV: each parameter on one rank
+    assert out[0][0]["n_params"] + out[1][0]["n_params"] == n_total   # DualPipeV: each parameter on one rank
