@@ -20,10 +20,10 @@ RANKS = 4
 
 def add_arguments(p):
     p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--tokens", type=int, default=128, help="tokens per micro-batch")
+    p.add_argument("--tokens", type=int, default=256, help="tokens per micro-batch")
     p.add_argument("--blocks", type=int, default=8, help="MLP blocks in the whole model (multiple of 8)")
     p.add_argument("--chunks", type=int, default=8, help="micro-batches per step (>= 8 for DualPipe(V) on 4 ranks)")
-    p.add_argument("--steps", type=int, default=3, help="measured steps per schedule (after one warm-up)")
+    p.add_argument("--steps", type=int, default=4, help="measured steps per schedule (after one warm-up)")
 
 
 class _Block(nn.Module):
@@ -57,27 +57,30 @@ def _rank_main(args_d: dict) -> dict:
     g = torch.Generator().manual_seed(1)
     x = torch.randn(C, T, h, generator=g)
     y = torch.randn(C, T, h, generator=g)
-    out = {}
+    runtimes = {}
     for name in ("1f1b", "dualpipev", "dualpipe"):
         if name == "1f1b":
             st = _stages(RANKS, blocks, h)
-            rt = OneFOneB([st[r]])
+            runtimes[name] = OneFOneB([st[r]])
         elif name == "dualpipe":
             st = _stages(RANKS, blocks, h)
-            rt = DualPipe([st[r], st[RANKS - 1 - r]])
+            runtimes[name] = DualPipe([st[r], st[RANKS - 1 - r]])
         else:
             st = _stages(2 * RANKS, blocks, h)
-            rt = DualPipeV([st[r], st[2 * RANKS - 1 - r]])
-        walls, computes = [], []
-        for i in range(steps + 1):
+            runtimes[name] = DualPipeV([st[r], st[2 * RANKS - 1 - r]])
+    samples = {name: ([], []) for name in runtimes}
+    # Rounds interleave the schedules so that load drift on a shared machine hits all of them alike.
+    for i in range(steps + 1):
+        for name, rt in runtimes.items():
             dist.barrier()
             rt.step(x, num_chunks=C, criterion=_criterion, labels=(y,))
             for m in rt.modules:
                 m.zero_grad(set_to_none=True)
             if i:
-                walls.append(rt.last_step["wall_s"])
-                computes.append(rt.last_step["compute_s"])
-        out[name] = {"wall_s": statistics.median(walls), "compute_s": statistics.median(computes)}
+                samples[name][0].append(rt.last_step["wall_s"])
+                samples[name][1].append(rt.last_step["compute_s"])
+    out = {name: {"wall_s": statistics.median(w), "compute_s": statistics.median(c)}
+           for name, (w, c) in samples.items()}
     return out
 
 
