@@ -1,6 +1,8 @@
 """The patched Megatron `get_forward_backward_func` drives our DSv3 stages with DualPipeV on 2 gloo ranks
 (Megatron calling convention: model chunks with set_input_tensor, forward_step_func, loss_func) and
-returns the same per-micro-batch losses as Megatron's native no-pipelining schedule on the whole model."""
+returns the same per-micro-batch losses as Megatron's native no-pipelining schedule on the whole model.
+The patch's version guard, config choice and exact revert are checked in the same processes (Megatron's
+import is the slow part)."""
 import copy
 import functools
 
@@ -58,8 +60,45 @@ def _forward_step(crit, data_iterator, model):
     return model(tokens), functools.partial(_loss_func, crit, labels)
 
 
+def _patch_checks():
+    """Version guard, config-driven choice, idempotence and exact revert of patches/megatron_dualpipe.py."""
+    import megatron.core.pipeline_parallel as pp_pkg
+    from megatron.core import package_info
+    from megatron.core.pipeline_parallel import schedules
+    from dsv3_plugin.config import ConfigError
+    from dsv3_plugin.megatron.schedules import forward_backward_dualpipev
+    from patches import megatron_dualpipe as mdp
+    original = schedules.get_forward_backward_func
+    out = {}
+    assert mdp.apply(CFG) is True and mdp.apply(CFG) is False
+    out["pp2"] = pp_pkg.get_forward_backward_func(pp_size=2, vp_size=None) is forward_backward_dualpipev
+    out["pp1"] = pp_pkg.get_forward_backward_func(pp_size=1, vp_size=None) is schedules.forward_backward_no_pipelining
+    out["reverted"] = mdp.revert() is True and schedules.get_forward_backward_func is original \
+        and pp_pkg.get_forward_backward_func is original and mdp.revert() is False
+    with mdp.dualpipe_schedule({"preset": "tiny", "parallel": {"pp": 2, "schedule": "1f1b"}}):
+        out["1f1b_native"] = (pp_pkg.get_forward_backward_func(pp_size=2, vp_size=None)
+                              is schedules.forward_backward_pipelining_without_interleaving)
+    saved = package_info.__version__
+    package_info.__version__ = "0.99.0"
+    try:
+        mdp.apply(CFG)
+        out["untested"] = None
+    except RuntimeError as e:
+        out["untested"] = str(e)
+    finally:
+        package_info.__version__ = saved
+    try:
+        mdp.apply({"preset": "tiny", "parallel": {"pp": 2, "schedule": "dualpipe"}})
+        out["dualpipe"] = None
+    except ConfigError as e:
+        out["dualpipe"] = str(e)
+    out["clean"] = not mdp.is_applied() and pp_pkg.get_forward_backward_func is original
+    return out
+
+
 def _worker():
     r, _ = init_distributed()
+    checks = _patch_checks() if r == 1 else None
     from megatron.core import parallel_state
     from megatron.core.transformer.transformer_config import TransformerConfig
     import megatron.core.pipeline_parallel as pp_pkg
@@ -98,7 +137,7 @@ def _worker():
         ref_store = native(forward_step_func=functools.partial(_forward_step, DSv3PipelineLoss(cfg)),
                            data_iterator=iter(data), model=[full], num_microbatches=C, seq_length=T,
                            micro_batch_size=1)
-    rep = {"native": native.__name__, "reverted": reverted, "n_store": len(store)}
+    rep = {"native": native.__name__, "reverted": reverted, "n_store": len(store), "patch_checks": checks}
     if r == 0:
         rep["losses_equal"] = all(torch.equal(a["lm loss"], b["lm loss"]) for a, b in zip(store, ref_store))
         rep["n_ref"] = len(ref_store)
@@ -122,3 +161,7 @@ def test_patched_megatron_runs_dualpipev_like_native():
     for rep in reps:
         assert rep["reverted"] is True
         assert rep["grad_err"] <= 1e-6, rep
+    c = reps[1]["patch_checks"]
+    assert c["pp2"] and c["pp1"] and c["reverted"] and c["1f1b_native"] and c["clean"], c
+    assert c["untested"] is not None and "megatron-core 0.99.0 is untested" in c["untested"], c
+    assert c["dualpipe"] is not None and c["dualpipe"].startswith("dsv3.parallel.schedule"), c
