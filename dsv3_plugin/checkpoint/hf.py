@@ -168,6 +168,9 @@ def load_hf_state_into(model: torch.nn.Module, path: str | os.PathLike, dtype: t
             raise CheckpointError(f"{where}: unexpected tensor (the config builds no {native})")
         if not t.is_floating_point():
             raise CheckpointError(f"{where}: dtype {t.dtype} is not a floating-point weight")
+        if expert is not None and expert >= state[native].shape[0]:
+            raise CheckpointError(f"{where}: unexpected tensor (expert {expert} but the config has "
+                                  f"{state[native].shape[0]} routed experts)")
         dst = state[native] if expert is None else state[native][expert]
         if tuple(t.shape) != tuple(dst.shape):
             raise CheckpointError(f"{where}: shape {tuple(t.shape)} does not match the config's {tuple(dst.shape)}")
