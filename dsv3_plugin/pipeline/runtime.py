@@ -363,7 +363,9 @@ class PipelineRuntime:
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
         peer = self.pipe_to_global[mirror]
         other = torch.empty_like(flat)
-        works = [dist.isend(flat, peer, group=self.group), dist.irecv(other, peer, group=self.group)]
+        # one batched pair: a plain send-then-recv on both sides can block each other under NCCL
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, flat, peer, group=self.group),
+                                        dist.P2POp(dist.irecv, other, peer, group=self.group)])
         for w in works:
             self.p2p._wait(w, f"mirror gradient sync with pipeline rank {mirror}")
         total = flat + other

@@ -165,8 +165,8 @@ def sync_tied_embedding(runtime, stages: Sequence[DSv3Stage]) -> bool:
     grad = weight.grad if weight.grad is not None else torch.zeros_like(weight)
     other = torch.empty_like(grad)
     peer = runtime.pipe_to_global[last if runtime.rank == 0 else 0]
-    works = [dist.isend(grad.contiguous(), peer, group=runtime.group),
-             dist.irecv(other, peer, group=runtime.group)]
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, grad.contiguous(), peer, group=runtime.group),
+                                    dist.P2POp(dist.irecv, other, peer, group=runtime.group)])
     for w in works:
         runtime.p2p._wait(w, "tied-embedding gradient sync between the first and last pipeline ranks")
     weight.grad = grad + other
