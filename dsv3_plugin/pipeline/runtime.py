@@ -49,7 +49,8 @@ class PipelineRuntime:
     def __init__(self, modules: nn.Module | Sequence[nn.Module], *, process_group=None,
                  rank_mapping: Sequence[int] | None = None, batch_dim: int = 0, timeout_s: float = 300.0,
                  p2p_shapes: list[tuple[Sequence[int], torch.dtype]] | None = None,
-                 mirror_grad_sync: bool = True, device: torch.device | str | None = None):
+                 mirror_grad_sync: bool = True, device: torch.device | str | None = None,
+                 p2p_order: str | None = None):
         self.modules = list(modules) if isinstance(modules, (list, tuple)) else [modules]
         self.group = process_group
         self.P = dist.get_world_size(process_group) if dist.is_initialized() else 1
@@ -71,6 +72,16 @@ class PipelineRuntime:
             device = p.device if p is not None else torch.device("cpu")
         self.device = torch.device(device)
         self.p2p = P2P(process_group, self.pipe_to_global, self.rank, self.device, timeout_s, p2p_shapes)
+        # "sender": post each send at once, receive in the sender's order when needed (gloo: sends are
+        # asynchronous). "pairwise": issue each pair's sends and receives in one order both ends share, for
+        # backends whose sends block until the receive is posted (NCCL). Default by backend.
+        if p2p_order is None:
+            backend = dist.get_backend(process_group) if dist.is_initialized() else "gloo"
+            p2p_order = "pairwise" if str(backend).lower() == "nccl" else "sender"
+        if p2p_order not in ("sender", "pairwise"):
+            raise ValueError(f"p2p_order must be 'sender' or 'pairwise' (got {p2p_order!r})")
+        self.p2p_order = p2p_order
+        self._orders: dict = {}
         self.wq = WeightGradQueue()
         self._specs: dict[tuple[int, bool], ScheduleSpec] = {}
         need = build_schedule(self.schedule_name, max(self.P, 1), self._min_chunks()).chunks_per_rank
@@ -98,26 +109,54 @@ class PipelineRuntime:
         return self.P - 1 if self.schedule_name in ("1f1b", "zb1p") else 0
 
     def _sends_of(self, spec: ScheduleSpec, rank: int, training: bool, gather: tuple[bool, bool]):
-        """(dst, Message) in the order `rank` sends them; receivers replay this to post receives in order."""
+        """(op index, dst, Message) in the order `rank` sends them; receivers replay this to post receives
+        in order. The end-of-step gather (DualPipe) has op index len(ops)."""
         out = []
-        for op in spec.ops[rank]:
+        for i, op in enumerate(spec.ops[rank]):
             parts = [("F", op.chunk, op.mb), ("B", op.chunk2, op.mb2)] if op.kind == "FB" else \
                 [(op.kind, op.chunk, op.mb)]
             for kind, c, m in parts:
                 if kind == "F":
                     nxt = spec.next_hop(m, rank, c)
                     if nxt is not None and nxt[0] != rank:
-                        out.append((nxt[0], Message("act", m, nxt[1])))
+                        out.append((i, nxt[0], Message("act", m, nxt[1])))
                 elif kind in ("B", "I") and training:
                     prv = spec.prev_hop(m, rank, c)
                     if prv is not None and prv[0] != rank:
-                        out.append((prv[0], Message("grad", m, prv[1])))
+                        out.append((i, prv[0], Message("grad", m, prv[1])))
         if self.schedule_name == "dualpipe" and rank == self.P - 1 and self.P > 1:
+            end = len(spec.ops[rank])
             if gather[0]:
-                out.append((0, Message("loss", 0, 0)))
+                out.append((end, 0, Message("loss", 0, 0)))
             if gather[1]:
-                out.append((0, Message("out", 0, 0)))
+                out.append((end, 0, Message("out", 0, 0)))
         return out
+
+    def _pair_orders(self, spec: ScheduleSpec, training: bool, gather) -> dict[int, list]:
+        """For each peer: every message between this rank and the peer, both directions, in one order both
+        ends derive alike: by the simulated time its producing op ends (unit durations), then sender rank,
+        then the sender's own order. That order is consistent with causality (a message is produced before
+        anything that needs it), so issuing each pair's operations strictly in it cannot deadlock even when
+        a send blocks until its receive is posted (NCCL)."""
+        from .simulate import Durations, simulate
+        res = simulate(spec, Durations(1.0, 2.0, 1.0))
+        ends: dict[tuple[int, int], float] = {}
+        count = [0] * self.P
+        for ev in res.timeline:
+            ends[(ev["rank"], count[ev["rank"]])] = ev["end"]
+            count[ev["rank"]] += 1
+        me = self.rank
+        orders: dict[int, list] = {p: [] for p in range(self.P) if p != me}
+        for src in range(self.P):
+            for seq, (i, dst, msg) in enumerate(self._sends_of(spec, src, training, gather)):
+                if src != me and dst != me:
+                    continue
+                peer = dst if src == me else src
+                t = ends.get((src, i), res.makespan + 1.0)
+                orders[peer].append((t, src, seq, src == me, msg))
+        for peer in orders:
+            orders[peer].sort(key=lambda e: e[:3])
+        return orders
 
     # -- the step -------------------------------------------------------------------------------------
     def step(self, *inputs: torch.Tensor, num_chunks: int, criterion: Callable | None = None,
@@ -138,7 +177,16 @@ class PipelineRuntime:
         else:
             gather = (False, False)
         self._expect_sends = iter(self._sends_of(spec, me, training, gather))
-        self._order = {src: self._sends_of(spec, src, training, gather) for src in range(self.P) if src != me}
+        key = (C, training, gather)
+        if self.p2p_order == "pairwise":
+            if key not in self._orders:
+                self._orders[key] = self._pair_orders(spec, training, gather)
+            self._order = {p: [(mine, m) for _, _, _, mine, m in o] for p, o in self._orders[key].items()}
+        else:
+            # the peer's sends only: (False, msg) for messages to this rank, (None, msg) for other ranks'
+            self._order = {src: [(False if dst == me else None, m)
+                                 for _, dst, m in self._sends_of(spec, src, training, gather)]
+                           for src in range(self.P) if src != me}
         self._pos = {src: 0 for src in self._order}
         self._mailbox: dict = {}
         self._local_act: dict = {}
@@ -188,22 +236,42 @@ class PipelineRuntime:
     # -- messages -------------------------------------------------------------------------------------
     def _send(self, dst: int, msg: Message, tensors) -> None:
         want = next(self._expect_sends, None)
-        if want is None or want[0] != dst or want[1].key() != msg.key():
+        if want is None or want[1] != dst or want[2].key() != msg.key():
             raise PipelineError(f"internal: pipeline rank {self.rank} sends {msg} to {dst}, schedule says {want}")
+        if self.p2p_order == "pairwise":
+            self._advance(dst, (True, msg.key()))
         self.p2p.send(msg, dst, tensors)
 
     def _recv(self, src: int, msg: Message) -> list[torch.Tensor]:
         key = (src, msg.key())
-        order = self._order[src]
-        while key not in self._mailbox:
-            i = self._pos[src]
-            if i >= len(order):
-                raise PipelineError(f"internal: pipeline rank {self.rank} waits for {msg} that rank {src} never sends")
-            dst, m = order[i]
-            self._pos[src] = i + 1
-            if dst == self.rank:
-                self._mailbox[(src, m.key())] = self.p2p.recv(m, src)
+        if key not in self._mailbox:
+            self._advance(src, (False, msg.key()))
         return self._mailbox.pop(key)
+
+    def _advance(self, peer: int, until: tuple) -> None:
+        """Walk the message order shared with `peer` up to `until` = (sent by me?, message key), receiving
+        every message from the peer on the way into the mailbox. In "sender" order the list holds only the
+        peer's sends (entries (None, msg) are for other ranks and skipped); in "pairwise" order it holds both
+        directions, and `until` a send of mine stops there (the caller sends it)."""
+        order = self._order[peer]
+        while True:
+            i = self._pos[peer]
+            if i >= len(order):
+                raise PipelineError(f"internal: pipeline rank {self.rank} waits for {until} that rank {peer} "
+                                    "never sends")
+            mine, m = order[i]
+            if until[0] and mine and m.key() == until[1]:
+                self._pos[peer] = i + 1
+                return
+            if mine:
+                raise PipelineError(f"internal: pipeline rank {self.rank}: pairwise order expects its own send "
+                                    f"{m} to rank {peer} before {until}")
+            self._pos[peer] = i + 1
+            if mine is None:
+                continue
+            self._mailbox[(peer, m.key())] = self.p2p.recv(m, peer)
+            if not until[0] and m.key() == until[1]:
+                return
 
     # -- ops ------------------------------------------------------------------------------------------
     def _run(self, op: Op) -> None:

@@ -29,10 +29,11 @@ from pipeline_stages import H, MLPStage, OverlapStage, criterion, make_batch, ma
 
 RUNTIMES = {"1f1b": OneFOneB, "zb1p": ZeroBubble1P, "dualpipe": DualPipe, "dualpipev": DualPipeV}
 TIMEOUT = 3.0
+# (schedule, micro-batches, overlap hook[, p2p_order]); "pairwise" is the NCCL-safe issue order
 CASES4 = [("1f1b", 4, False), ("zb1p", 6, False), ("dualpipe", 8, True), ("dualpipev", 8, False),
-          ("dualpipev", 10, True)]
+          ("dualpipev", 10, True), ("dualpipe", 8, False, "pairwise"), ("dualpipev", 9, False, "pairwise")]
 CASES_A = [("1f1b", 3, False), ("dualpipe", 4, False), ("dualpipev", 5, True)]
-CASES_B = [("zb1p", 4, False), ("dualpipe", 6, True), ("dualpipev", 4, False)]
+CASES_B = [("zb1p", 4, False), ("dualpipe", 6, True), ("dualpipev", 4, False, "pairwise")]
 
 
 # ---- 1. generic stages ------------------------------------------------------------------------------
@@ -44,13 +45,13 @@ def _local_stage_ids(name, P, r):
     return [r, 2 * P - 1 - r]
 
 
-def _check(name, P, r, C, stage_cls, seed, group=None, mapping=None):
+def _check(name, P, r, C, stage_cls, seed, group=None, mapping=None, order=None):
     n_stages = 2 * P if name == "dualpipev" else P
     full = make_stages(n_stages, seed, stage_cls)
     ids = _local_stage_ids(name, P, r)
     local = [copy.deepcopy(full[i]) for i in ids]
-    rt = RUNTIMES[name](local, process_group=group, rank_mapping=mapping, timeout_s=60)
-    report = {}
+    rt = RUNTIMES[name](local, process_group=group, rank_mapping=mapping, timeout_s=60, p2p_order=order)
+    report = {"order": rt.p2p_order == (order or "sender")}
     for it in range(2):                         # two steps: no state may leak between them
         for m in local:
             m.zero_grad(set_to_none=True)
@@ -76,13 +77,13 @@ def _check(name, P, r, C, stage_cls, seed, group=None, mapping=None):
 
 
 def _run_cases(P, r, cases, group, mapping, out, tag):
-    for i, (name, C, overlap) in enumerate(cases):
+    for i, (name, C, overlap, *order) in enumerate(cases):
         OverlapStage.calls = 0
         rep = _check(name, P, r, C, OverlapStage if overlap else MLPStage, seed=i + 1, group=group,
-                     mapping=mapping)
+                     mapping=mapping, order=order[0] if order else None)
         if overlap:
             rep["overlap_calls"] = OverlapStage.calls
-        out[f"{tag}/{name}/C={C}/overlap={overlap}"] = rep
+        out[f"{tag}/{name}/C={C}/overlap={overlap}/{order}"] = rep
 
 
 # ---- 2. DeepSeek-V3 stages --------------------------------------------------------------------------
