@@ -18,7 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["WeightGradQueue", "deferrable_linear", "DeferrableLinear", "split_weight_grads", "active_queue"]
+from ..moe import GroupedExperts
+
+__all__ = ["WeightGradQueue", "deferrable_linear", "DeferrableLinear", "split_weight_grads", "active_queue",
+           "deferrable_expert_linear", "DeferrableGroupedExperts"]
 
 _ACTIVE: list["WeightGradQueue"] = []
 
@@ -134,12 +137,81 @@ class DeferrableLinear(nn.Linear):
         return deferrable_linear(x, self.weight, self.bias)
 
 
+class _ExpertLinearFn(torch.autograd.Function):
+    """y = x @ w_EOK[e].t() for one expert's rows; the weight gradient lands in rows e of w_EOK.grad."""
+
+    @staticmethod
+    def forward(ctx, x_NK, w_EOK, e):
+        ctx.save_for_backward(x_NK, w_EOK)
+        ctx.e = e
+        return x_NK @ w_EOK[e].t()                                        # [N, O]
+
+    @staticmethod
+    def backward(ctx, g_NO):
+        x_NK, w_EOK = ctx.saved_tensors
+        e = ctx.e
+        grad_x = g_NO @ w_EOK[e] if ctx.needs_input_grad[0] else None    # [N, K]
+        w_param = ctx.w_param
+        if w_param is not None and w_param.requires_grad:
+            def job():
+                gw_OK = g_NO.t() @ x_NK
+                if w_param.grad is None:
+                    w_param.grad = torch.zeros_like(w_param)
+                w_param.grad[e] += gw_OK
+            q = active_queue()
+            # NOTE: the stacked expert weight gets its rows written directly (deferred or not): returning a
+            # full [E, O, K] gradient per expert would cost E times the memory traffic.
+            q.put(job) if q is not None else job()
+        return grad_x, None, None
+
+
+def deferrable_expert_linear(x_NK: torch.Tensor, w_EOK: nn.Parameter, e: int) -> torch.Tensor:
+    """x @ w_EOK[e].t() with expert e's weight gradient deferrable to the W op (inside an I op)."""
+    if not torch.is_grad_enabled() or not w_EOK.requires_grad:
+        return x_NK @ w_EOK[e].t()
+    out = _ExpertLinearFn.apply(x_NK, w_EOK, e)
+    out.grad_fn.w_param = w_EOK
+    return out
+
+
+def _grouped_swiglu(x_NH, counts, w1_EIH, w3_EIH, w2_EHI):
+    outs = []
+    for e, x_e in enumerate(torch.split(x_NH, counts)):
+        if counts[e] == 0:
+            continue
+        h = F.silu(deferrable_expert_linear(x_e, w1_EIH, e)) * deferrable_expert_linear(x_e, w3_EIH, e)
+        outs.append(deferrable_expert_linear(h, w2_EHI, e))
+    if not outs:
+        return x_NH.new_zeros(0, w2_EHI.shape[1])
+    return torch.cat(outs)
+
+
+class DeferrableGroupedExperts(GroupedExperts):
+    """GroupedExperts whose per-expert GEMMs defer their weight gradients (same forward math and parameters;
+    the routing/sorting steps mirror `GroupedExperts.forward`)."""
+
+    def forward(self, x_TH, topk_idx_TK, gates_TK):
+        T, K = topk_idx_TK.shape
+        flat_idx = topk_idx_TK.reshape(-1)
+        order = torch.argsort(flat_idx, stable=True)
+        counts = torch.bincount(flat_idx, minlength=self.n_experts).tolist()
+        token_of = order // K
+        y_NH = _grouped_swiglu(x_TH[token_of], counts, self.gate_proj, self.up_proj, self.down_proj)
+        y_NH = y_NH * gates_TK.reshape(-1)[order, None].to(y_NH.dtype)
+        out_TH = torch.zeros_like(x_TH)
+        return out_TH.index_add_(0, token_of, y_NH.to(x_TH.dtype))
+
+
 def split_weight_grads(module: nn.Module) -> int:
-    """Opt every nn.Linear inside `module` into the deferred weight gradient (in place, by class swap, so
-    parameters, hooks and state_dict are untouched). Returns how many were converted."""
+    """Opt every nn.Linear and every routed-expert block (`GroupedExperts`) inside `module` into the deferred
+    weight gradient (in place, by class swap: parameters, hooks and state_dict are untouched). Returns how
+    many modules were converted."""
     n = 0
     for m in module.modules():
         if type(m) is nn.Linear:
             m.__class__ = DeferrableLinear
+            n += 1
+        elif type(m) is GroupedExperts:
+            m.__class__ = DeferrableGroupedExperts
             n += 1
     return n

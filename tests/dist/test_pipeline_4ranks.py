@@ -5,7 +5,7 @@
    single-process run of the same stages, gradients within 1e-6 relative (after DualPipe's mirror sync),
    the overlap hook called, two steps (no state leaks), inference losses and outputs torch.equal.
 2. DeepSeek-V3 stages (MLA, MoE + balance loss, MTP): DualPipeV (4 stages on 2 ranks) and DualPipe, then
-   1F1B and ZB1P with every nn.Linear deferring its weight grads: losses bit-identical to DSv3Model,
+   1F1B and ZB1P with every nn.Linear and expert GEMM deferring its weight grads: losses bit-identical to DSv3Model,
    gradients within 1e-6, the embedding shared on rank 0 or synchronised (1F1B/ZB1P + MTP).
 3. Failures, last: a wrong shape raises on both sides; a stuck peer raises after the timeout; a dead peer
    raises when its connection drops — all as PipelineError, no hang.

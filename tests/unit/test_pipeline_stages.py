@@ -47,3 +47,31 @@ def test_stages_compose_to_the_model(n_stages):
         assert torch.allclose(p.grad, q.grad, rtol=1e-6, atol=1e-9), n
     # the first and last stage share the one embedding (MTP reuses it)
     assert stages[0].embed_tokens.weight is stages[-1].embed_tokens.weight
+
+
+def test_split_weight_grads_defers_linear_and_expert_gemms():
+    from dsv3_plugin.pipeline.weight_grad import (DeferrableGroupedExperts, DeferrableLinear, WeightGradQueue,
+                                                  split_weight_grads)
+    torch.manual_seed(0)
+    model = DSv3Model(tiny(3))
+    model.train()
+    ref = copy.deepcopy(model)
+    ids, labels = torch.randint(0, 256, (2, 12)), torch.randint(0, 256, (2, 12))
+    ref(ids, labels).loss.backward()
+    n = split_weight_grads(model)
+    n_exp = sum(isinstance(m, DeferrableGroupedExperts) for m in model.modules())
+    n_lin = sum(isinstance(m, DeferrableLinear) for m in model.modules())
+    assert n_exp == 3 and n == n_exp + n_lin                      # 2 MoE layers + the MTP layer
+    assert model.state_dict().keys() == ref.state_dict().keys()
+    q = WeightGradQueue()
+    out = model(ids, labels)
+    with q.deferring("mb0"):
+        out.loss.backward()
+    assert torch.equal(out.loss, ref(ids, labels).loss)
+    params = dict(model.named_parameters())
+    # input grads flowed (the embedding has no GEMM of ours), weight GEMMs waited for W
+    assert params["embed_tokens.weight"].grad is not None
+    assert params["layers.1.mlp.experts.gate_proj"].grad is None and params["lm_head.weight"].grad is None
+    q.pop("mb0")
+    for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
+        assert torch.allclose(p.grad, r.grad, rtol=1e-6, atol=1e-9), name
