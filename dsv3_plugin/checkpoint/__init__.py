@@ -1,0 +1,1 @@
+"""Released checkpoints: reading (FP8 dequantization), HF key maps, streaming conversion."""
