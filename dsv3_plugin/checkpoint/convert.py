@@ -29,6 +29,7 @@ from ..errors import CheckpointError
 from .megatron_layout import MegatronLayout, released_names
 from .reader import INDEX_NAME, CheckpointReader, read_safetensors_header
 from .safetensors_writer import StreamingSafetensorsWriter
+from .synthetic import released_shapes
 
 __all__ = ["convert", "load_megatron_rank", "atomic_output_dir", "LAYOUT_NAME", "DTYPES"]
 
@@ -80,6 +81,28 @@ def _target_dtype(stored: torch.dtype, is_fp8: bool, dtype: torch.dtype) -> torc
     return stored
 
 
+class _OutBuffers:
+    """Two reusable output buffers for dequantized tensors (no page faults on fresh allocations). Safe with
+    `StreamingSafetensorsWriter`, whose `write` returns only after the previous write finished."""
+
+    def __init__(self):
+        self._bufs = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
+        self._k = 0
+
+    def take(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        n = torch.Size(shape).numel() * dtype.itemsize
+        self._k ^= 1
+        if self._bufs[self._k].numel() < n:
+            self._bufs[self._k] = torch.empty(n, dtype=torch.uint8)
+        return self._bufs[self._k][:n].view(dtype).view(shape)
+
+
+def _get(reader: CheckpointReader, name: str, dtype: torch.dtype, bufs: _OutBuffers) -> torch.Tensor:
+    if reader.is_fp8(name):
+        return reader.get(name, dtype, out=bufs.take(reader.shape(name), dtype))
+    return reader.get(name, dtype)
+
+
 def _progress(total: int, enabled: bool, desc: str):
     from tqdm import tqdm
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, file=sys.stderr,
@@ -111,6 +134,11 @@ def _check_names(reader: CheckpointReader) -> None:
     if extra:
         raise CheckpointError(f"{extra[0]} in {reader.info(extra[0]).file}: unexpected tensor "
                               f"({len(extra)} unexpected)")
+    shapes = released_shapes(reader.config)
+    for n in reader.names():
+        if tuple(reader.shape(n)) != shapes[n]:
+            raise CheckpointError(f"{n} in {reader.info(n).file}: shape {list(reader.shape(n))}, config.json implies "
+                                  f"{list(shapes[n])}")
 
 
 def _write_json(path: str, obj: dict) -> None:
@@ -123,7 +151,7 @@ def _write_json(path: str, obj: dict) -> None:
 def _to_hf_from_released(reader: CheckpointReader, out: str, dtype: torch.dtype, progress: bool) -> dict:
     """Dequantized released format: same shard names and tensor names, scales dropped, new index."""
     by_file = reader.names_by_file()
-    weight_map, total = {}, 0
+    weight_map, total, bufs = {}, 0, _OutBuffers()
     bar = _progress(sum(reader.input_bytes(n) for n in reader.names()), progress, "convert hf")
     with bar:
         for src_file, names in by_file.items():
@@ -132,7 +160,7 @@ def _to_hf_from_released(reader: CheckpointReader, out: str, dtype: torch.dtype,
                       reader.shape(n)) for n in names]
             with StreamingSafetensorsWriter(os.path.join(out, fn), specs, {"format": "pt"}) as w:
                 for n, dt, _ in specs:
-                    w.write(n, reader.get(n, dt))
+                    w.write(n, _get(reader, n, dt, bufs))
                     bar.update(reader.input_bytes(n))
                     weight_map[n] = fn
                 total += w.total_bytes
@@ -153,7 +181,7 @@ def _to_megatron(reader: CheckpointReader, out: str, pp: int, ep: int, dtype: to
             parts.sort()
             if [k for k, _ in parts] != list(range(len(parts))) or len(parts) not in (1, 2):
                 raise CheckpointError(f"{mc}: needs gate and up projections, found only {[h for _, h in parts]}")
-    meta_files = {}
+    meta_files, bufs = {}, _OutBuffers()
     bar = _progress(sum(reader.input_bytes(n) for n in reader.names()), progress, "convert megatron")
     total = 0
     with bar:
@@ -174,7 +202,7 @@ def _to_megatron(reader: CheckpointReader, out: str, pp: int, ep: int, dtype: to
             with StreamingSafetensorsWriter(os.path.join(out, fn), specs, {"format": "pt"}) as w:
                 for mc, dt, hfs in plan:
                     for h in hfs:  # dim-0 concatenation = consecutive byte ranges
-                        w.write(mc, reader.get(h, dt))
+                        w.write(mc, _get(reader, h, dt, bufs))
                         bar.update(reader.input_bytes(h))
                 total += w.total_bytes
             meta_files[fn] = {"stage": s, "ep_rank": r,

@@ -227,8 +227,11 @@ class CheckpointReader:
     `get(name, dtype)` returns one tensor, dequantized when stored as FP8.
     """
 
-    def __init__(self, path: str | os.PathLike, require_config: bool = True):
+    def __init__(self, path: str | os.PathLike, require_config: bool = True, max_open_files: int = 1):
         self.path = os.fspath(path)
+        # safe_open memory-maps a shard; the pages read stay resident (and count in RSS) until the handle is
+        # closed, so at most `max_open_files` shards are kept open (LRU) to bound memory by one shard.
+        self.max_open_files = max(1, max_open_files)
         if not os.path.isdir(self.path):
             raise CheckpointError(f"{self.path}: not a checkpoint directory")
         cfg_path = os.path.join(self.path, "config.json")
@@ -360,14 +363,16 @@ class CheckpointReader:
 
     # -- data ------------------------------------------------------------------------------------
     def _handle(self, file: str):
-        h = self._handles.get(file)
+        h = self._handles.pop(file, None)
         if h is None:
             from safetensors import safe_open
+            while len(self._handles) >= self.max_open_files:
+                self._handles.pop(next(iter(self._handles)))
             try:
                 h = safe_open(file, framework="pt", device="cpu")
             except Exception as e:  # SafetensorError is not exported under a stable name
                 raise CheckpointError(f"{file}: cannot open safetensors file ({e})") from None
-            self._handles[file] = h
+        self._handles[file] = h  # (re)inserted last: most recently used
         return h
 
     def raw(self, name: str) -> torch.Tensor:

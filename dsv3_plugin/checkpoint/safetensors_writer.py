@@ -2,6 +2,9 @@
 are appended as they are produced, so a shard is never held in memory as a whole (peak memory = the
 tensor being written). Tensors may arrive in row blocks (a dim-0 slice of a row-major tensor is a
 contiguous byte range), which lets converters concatenate or split along dim 0 without a copy.
+Writes go to a background thread one tensor deep, so producing the next tensor (dequantization) overlaps
+with writing the previous one; `write` returns once the previous write has finished, so a caller that
+alternates two output buffers may reuse a buffer two writes later.
 
 File format (safetensors spec): u64 little-endian header length N, N bytes of JSON
 `{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}` padded with spaces
@@ -12,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional
 
 import torch
@@ -49,6 +53,8 @@ class StreamingSafetensorsWriter:
         self._f = open(path, "wb")
         self._f.write(struct.pack("<Q", len(raw)))
         self._f.write(raw)
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="safetensors-write")
+        self._pending: Optional[Future] = None
         self._k = 0          # index of the tensor being written
         self._done = 0       # bytes of it written so far
 
@@ -64,8 +70,9 @@ class StreamingSafetensorsWriter:
         if tuple(t.shape[1:]) != tuple(shape[1:]) and tuple(t.shape) != tuple(shape):
             raise CheckpointError(f"{name}: block shape {list(t.shape)} does not fit declared {list(shape)}")
         b = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        self._wait()
         if b.numel():
-            self._f.write(memoryview(b.numpy()))
+            self._pending = self._io.submit(self._f.write, memoryview(b.numpy()))
         self._done += b.numel()
         if self._done > self.nbytes[self._k]:
             raise CheckpointError(f"{name}: more data than its declared shape {list(shape)} in {self.path}")
@@ -73,11 +80,22 @@ class StreamingSafetensorsWriter:
             self._k += 1
             self._done = 0
 
-    def close(self) -> None:
-        if self._k != len(self.specs):
+    def _wait(self) -> None:
+        if self._pending is not None:
+            p, self._pending = self._pending, None
+            p.result()
+
+    def _shutdown(self) -> None:
+        try:
+            self._wait()
+        finally:
+            self._io.shutdown(wait=True)
             self._f.close()
+
+    def close(self) -> None:
+        self._shutdown()
+        if self._k != len(self.specs):
             raise CheckpointError(f"{self.specs[self._k][0]}: never written to {self.path}")
-        self._f.close()
 
     def __enter__(self) -> "StreamingSafetensorsWriter":
         return self
@@ -86,5 +104,5 @@ class StreamingSafetensorsWriter:
         if exc_type is None:
             self.close()
         else:
-            self._f.close()
+            self._shutdown()
 
