@@ -32,6 +32,7 @@ __all__ = [
     "PRESETS",
     "load_config",
     "schedule_value",
+    "reference_table",
 ]
 
 
@@ -74,40 +75,40 @@ class RopeScaling(_Strict):
 class ModelConfig(_Strict):
     """Model shape; names follow the released config.json."""
 
-    vocab_size: int = Field(gt=0)
-    hidden_size: int = Field(gt=0)
+    vocab_size: int = Field(gt=0, description="vocabulary size")
+    hidden_size: int = Field(gt=0, description="d, model width")
     intermediate_size: int = Field(gt=0, description="dense FFN width (first_k_dense_replace layers)")
-    num_hidden_layers: int = Field(gt=0)
-    num_attention_heads: int = Field(gt=0)
+    num_hidden_layers: int = Field(gt=0, description="decoder layers (MTP layers come after)")
+    num_attention_heads: int = Field(gt=0, description="n_h")
     q_lora_rank: Optional[int] = Field(None, gt=0, description="None = plain q_proj (V2-Lite style)")
-    kv_lora_rank: int = Field(gt=0)
-    qk_nope_head_dim: int = Field(gt=0)
-    qk_rope_head_dim: int = Field(gt=0)
-    v_head_dim: int = Field(gt=0)
-    first_k_dense_replace: int = Field(ge=0)
-    rms_norm_eps: float = Field(1e-6, gt=0)
-    rope_theta: float = Field(10000.0, gt=0)
-    rope_scaling: Optional[RopeScaling] = None
-    rope_interleave: bool = True
-    max_position_embeddings: int = Field(4096, gt=0)
+    kv_lora_rank: int = Field(gt=0, description="d_c, MLA KV compression")
+    qk_nope_head_dim: int = Field(gt=0, description="d_h, per-head q/k without RoPE")
+    qk_rope_head_dim: int = Field(gt=0, description="d_h^R, decoupled RoPE dim")
+    v_head_dim: int = Field(gt=0, description="per-head value dim")
+    first_k_dense_replace: int = Field(ge=0, description="the first k layers use a dense FFN")
+    rms_norm_eps: float = Field(1e-6, gt=0, description="RMSNorm epsilon")
+    rope_theta: float = Field(10000.0, gt=0, description="RoPE base")
+    rope_scaling: Optional[RopeScaling] = Field(None, description="YaRN (type, factor, original_max_position_embeddings, beta_fast/slow, mscale, mscale_all_dim); null = plain RoPE")
+    rope_interleave: bool = Field(True, description="RoPE dims stored as interleaved pairs (released weights)")
+    max_position_embeddings: int = Field(4096, gt=0, description="longest supported context")
     initializer_range: float = Field(0.006, gt=0, description="paper §4.2: init std 0.006")
-    tie_word_embeddings: bool = False
+    tie_word_embeddings: bool = Field(False, description="share lm_head with the embedding (V3: false)")
 
 
 class MoEConfig(_Strict):
     """DeepSeekMoE routing and balancing (paper eqs. 12-20)."""
 
-    n_routed_experts: int = Field(gt=0)
-    n_shared_experts: int = Field(1, ge=0)
+    n_routed_experts: int = Field(gt=0, description="N_r, routed experts per MoE layer")
+    n_shared_experts: int = Field(1, ge=0, description="N_s, shared experts (one MLP of N_s x intermediate_size)")
     intermediate_size: int = Field(gt=0, description="per-expert FFN width (moe_intermediate_size)")
     top_k: int = Field(gt=0, description="K_r, routed experts per token (num_experts_per_tok)")
     n_group: int = Field(1, gt=0, description="expert groups = nodes for node-limited routing")
     topk_group: int = Field(1, gt=0, description="M: groups (= nodes) a token may use; alias max_nodes_per_token")
     route_scale: float = Field(2.5, gt=0, description="routed_scaling_factor")
-    score_func: Literal["sigmoid"] = "sigmoid"
-    norm_topk_prob: bool = True
+    score_func: Literal["sigmoid"] = Field("sigmoid", description="affinity function (eq. 15)")
+    norm_topk_prob: bool = Field(True, description="normalize gates over the selected K_r (eq. 13)")
     bias_update_speed: float = Field(0.001, ge=0, description="γ of the aux-loss-free bias update")
-    bias_update_schedule: list[ScheduleStep] = Field(default_factory=list)
+    bias_update_schedule: list[ScheduleStep] = Field(default_factory=list, description="γ by tokens seen: [{until_tokens, value}, ...]; empty = constant bias_update_speed")
     seq_aux_alpha: float = Field(0.0001, ge=0, description="α of the sequence-wise balance loss; 0 disables")
     ranks_per_node: int = Field(1, gt=0, description="EP ranks forming one simulated node (contiguous blocks)")
     dedup_dispatch: bool = Field(True, description="send a token once per node, then forward inside the node")
@@ -121,7 +122,7 @@ class MTPConfig(_Strict):
 
     depth: int = Field(1, ge=0, description="D; 0 disables MTP")
     loss_weight: float = Field(0.3, ge=0, description="λ")
-    loss_weight_schedule: list[ScheduleStep] = Field(default_factory=list)
+    loss_weight_schedule: list[ScheduleStep] = Field(default_factory=list, description="λ by tokens seen (V3: 0.3 to 10T, then 0.1)")
 
     def lam(self, tokens_seen: float) -> float:
         return schedule_value(self.loss_weight, self.loss_weight_schedule, tokens_seen)
@@ -130,34 +131,34 @@ class MTPConfig(_Strict):
 class ParallelConfig(_Strict):
     ep: int = Field(1, gt=0, description="expert-parallel degree")
     pp: int = Field(1, gt=0, description="pipeline ranks")
-    schedule: Literal["1f1b", "dualpipe", "dualpipev"] = "1f1b"
+    schedule: Literal["1f1b", "dualpipe", "dualpipev"] = Field("1f1b", description="pipeline schedule when pp > 1")
     num_chunks: Optional[int] = Field(None, gt=0, description="micro-batches per pipeline step (default: grad. accumulation)")
-    p2p_timeout_s: float = Field(120.0, gt=0)
+    p2p_timeout_s: float = Field(120.0, gt=0, description="a pipeline peer silent this long is an error, not a hang")
 
 
 class FP8Config(_Strict):
-    enabled: bool = False
-    recipe: Literal["blockwise", "tensorwise"] = "blockwise"
-    pow2_scales: bool = False
+    enabled: bool = Field(False, description="FP8 GEMMs in decoder-layer Linears and experts")
+    recipe: Literal["blockwise", "tensorwise"] = Field("blockwise", description="1x128 activation tiles / 128x128 weight blocks, or per-tensor (for comparison)")
+    pow2_scales: bool = Field(False, description="round scales up to powers of 2 (ue8m0)")
     dispatch: bool = Field(False, description="FP8 all-to-all payload (power-of-2 scales), BF16 combine")
-    backend: Literal["auto", "te", "torch", "emulate"] = "auto"
+    backend: Literal["auto", "te", "torch", "emulate"] = Field("auto", description="TE Float8BlockScaling / torch scaled_mm / exact emulation")
 
 
 class MemoryConfig(_Strict):
-    recompute: Literal["none", "norm_and_mla_up", "full"] = "none"
-    ema: bool = False
-    ema_decay: float = Field(0.999, gt=0, lt=1)
-    bf16_moments: bool = False
+    recompute: Literal["none", "norm_and_mla_up", "full"] = Field("none", description="activation recompute in backward (paper §3.2.3)")
+    ema: bool = Field(False, description="EMA of parameters in CPU memory, updated asynchronously")
+    ema_decay: float = Field(0.999, gt=0, lt=1, description="EMA decay")
+    bf16_moments: bool = Field(False, description="AdamW moments stored in BF16 (paper §3.3)")
 
 
 class TrainConfig(_Strict):
     """What `dsv3 train` needs beyond DeepSpeed's own keys."""
 
-    seq_len: int = Field(64, gt=1)
-    steps: int = Field(60, gt=0)
-    seed: int = 1234
-    data: Literal["synthetic"] = "synthetic"
-    log_every: int = Field(1, gt=0)
+    seq_len: int = Field(64, gt=1, description="tokens per sequence")
+    steps: int = Field(60, gt=0, description="optimizer steps of `dsv3 train` (CLI --steps overrides)")
+    seed: int = Field(1234, description="seed of weights and synthetic data")
+    data: Literal["synthetic"] = Field("synthetic", description="data source")
+    log_every: int = Field(1, gt=0, description="JSON line every N steps")
     save_every: int = Field(0, ge=0, description="0 = save only at the end")
 
 
@@ -273,6 +274,7 @@ _V3 = {
 }
 
 # A CPU-sized model with every feature on: q_lora, yarn, 1 dense + 2 MoE layers, 4 groups, MTP.
+# top_k / topk_group = 2, as in V3 (8/4): the group score is then the top-2 sum everywhere (see router.py).
 # hidden 64 (not a multiple of 128) on purpose: ragged FP8 blocks and no 128-alignment assumptions.
 _TINY = {
     "model": {
@@ -285,7 +287,7 @@ _TINY = {
         "max_position_embeddings": 256, "initializer_range": 0.02,
     },
     "moe": {
-        "n_routed_experts": 8, "n_shared_experts": 1, "intermediate_size": 32, "top_k": 2,
+        "n_routed_experts": 16, "n_shared_experts": 1, "intermediate_size": 32, "top_k": 4,
         "n_group": 4, "topk_group": 2, "route_scale": 2.5, "bias_update_speed": 0.001, "seq_aux_alpha": 0.0001,
     },
     "mtp": {"depth": 1, "loss_weight": 0.3},
@@ -435,3 +437,23 @@ def load_config(src: "str | os.PathLike | dict | DSv3Config") -> DSv3Config:
     else:
         base = PRESETS[preset]
     return _validate(_deep_merge({**base, "preset": preset}, block))
+
+
+def reference_table() -> str:
+    """Markdown table of every `"dsv3"` key (type, tiny default, meaning), generated from the schema."""
+    tiny = load_config({"preset": "tiny"}).to_dict()
+    rows = ["| key | type | tiny | meaning |", "|---|---|---|---|",
+            "| `preset` | str | `tiny` | base preset: " + ", ".join(f"`{p}`" for p in PRESETS) + " |"]
+    sections = {"model": ModelConfig, "moe": MoEConfig, "mtp": MTPConfig, "parallel": ParallelConfig,
+                "fp8": FP8Config, "memory": MemoryConfig, "train": TrainConfig}
+    for sec, cls in sections.items():
+        for name, f in cls.model_fields.items():
+            ann = str(f.annotation).replace("typing.", "").replace("dsv3_plugin.config.", "")
+            if ann.startswith("<class"):
+                ann = f.annotation.__name__
+            if ann.startswith(("Literal[", "Optional[")):
+                ann = ann.replace("Literal[", "one of ").replace("Optional[", "optional ")[:-1]
+            ann = ann.replace("|", "\\|")
+            val = json.dumps(tiny[sec][name])
+            rows.append(f"| `{sec}.{name}` | {ann} | `{val}` | {f.description or ''} |")
+    return "\n".join(rows)

@@ -3,10 +3,103 @@ from __future__ import annotations
 
 from dsv3_plugin.distributed import spawn
 
-__all__ = ["run_ranks"]
+__all__ = ["run_ranks", "hf_config", "make_tiny_hf_checkpoint"]
 
 
 def run_ranks(fn, nproc: int, *args, timeout_s: float = 300.0):
     """Run module-level `fn(*args)` on `nproc` gloo ranks; `fn` calls `init_distributed()` itself.
     Returns the list of per-rank return values (rank order)."""
     return spawn(fn, nproc, *args, timeout_s=timeout_s)
+
+
+def hf_config(cfg):
+    """transformers' DeepseekV3Config for our DSv3Config (fp32, eager-free SDPA attention)."""
+    from transformers import DeepseekV3Config
+    d = cfg.to_hf()
+    rope = d.pop("rope_scaling")
+    d["rope_parameters"] = ({"rope_type": "yarn", "rope_theta": d["rope_theta"],
+                             **{k: v for k, v in rope.items() if k != "type"}}
+                            if rope else {"rope_type": "default", "rope_theta": d["rope_theta"]})
+    for k in ("architectures", "model_type", "torch_dtype", "topk_method", "scoring_func", "aux_loss_alpha",
+              "seq_aux", "num_nextn_predict_layers", "rope_theta"):
+        d.pop(k, None)
+    hc = DeepseekV3Config(**d)
+    hc.num_nextn_predict_layers = cfg.mtp.depth
+    return hc
+
+
+def make_tiny_hf_checkpoint(path, cfg, seed: int = 0, bias_scale: float = 0.05, shard_bytes: int | None = None,
+                            dtype=None):
+    """Write a released-format checkpoint for `cfg` made with transformers' `save_pretrained` (per-expert
+    names), then add the MTP layer(s) at index num_hidden_layers (+k) as the released files do.
+    Router biases are set nonzero (seeded) so bias-aware selection is exercised. Returns the HF model.
+    """
+    import json
+    import os
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import DeepseekV3ForCausalLM
+
+    from dsv3_plugin.checkpoint.hf import native_state_to_hf
+    from dsv3_plugin.model import DSv3Model
+
+    torch.manual_seed(seed)
+    hc = hf_config(cfg)
+    hf = DeepseekV3ForCausalLM(hc).float().eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+            else:
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
+        for name, b in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=gen) * bias_scale)
+    if dtype is not None:
+        hf = hf.to(dtype)
+    kw = {} if shard_bytes is None else {"max_shard_size": shard_bytes}
+    hf.save_pretrained(path, safe_serialization=True, **kw)
+    # MTP layer(s): random weights of the right shapes, named as in the released files.
+    if cfg.mtp.depth:
+        ours = DSv3Model(cfg)
+        ours.reset_parameters(seed=seed + 1)
+        with torch.no_grad():
+            for n, b in ours.named_buffers():
+                if n.endswith("e_score_correction_bias"):
+                    b.copy_(torch.randn(b.shape, generator=gen) * bias_scale)
+            for n, p in ours.named_parameters():
+                if n.startswith("mtp.") and p.dim() == 1:
+                    p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
+                elif n.startswith("mtp."):
+                    p.mul_(0.05 / cfg.model.initializer_range)
+            ours.embed_tokens.weight.copy_(hf.model.embed_tokens.weight)
+            ours.lm_head.weight.copy_(hf.lm_head.weight)
+        L = cfg.model.num_hidden_layers
+        full = native_state_to_hf(ours.state_dict(), cfg)
+        mtp = {k: v.contiguous().clone() for k, v in full.items()
+               if k.startswith("model.layers.") and int(k.split(".")[2]) >= L}
+        if dtype is not None:
+            mtp = {k: (v if k.endswith("e_score_correction_bias") else v.to(dtype)) for k, v in mtp.items()}
+        fn = "model-mtp.safetensors"
+        save_file(mtp, os.path.join(path, fn), metadata={"format": "pt"})
+        index_path = os.path.join(path, "model.safetensors.index.json")
+        if os.path.exists(index_path):
+            with open(index_path) as f:
+                index = json.load(f)
+        else:  # single file: turn it into an index so the extra shard is found
+            from safetensors import safe_open
+            with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
+                index = {"metadata": {}, "weight_map": {k: "model.safetensors" for k in f.keys()}}
+        index["weight_map"].update({k: fn for k in mtp})
+        with open(index_path, "w") as f:
+            json.dump(index, f, indent=2)
+    # The released config.json fields transformers doesn't keep.
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path) as f:
+        c = json.load(f)
+    c["num_nextn_predict_layers"] = cfg.mtp.depth
+    with open(cfg_path, "w") as f:
+        json.dump(c, f, indent=2)
+    return hf

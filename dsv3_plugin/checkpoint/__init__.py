@@ -1,1 +1,1 @@
-"""Released checkpoints: reading (FP8 dequantization), HF key maps, streaming conversion."""
+"""Released-format (HF safetensors) checkpoints: loading, key maps, FP8 dequantization, conversion."""

@@ -44,6 +44,7 @@ __all__ = [
     "dequantize_fp8_blockwise",
     "dequantize_fp8_reference",
     "scale_grid_shape",
+    "iter_dequantized_tensors",
 ]
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -420,3 +421,14 @@ class CheckpointReader:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def iter_dequantized_tensors(path: str | os.PathLike, dtype: torch.dtype = torch.float32
+                             ) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """(name, file, tensor) for every logical tensor of a released-format directory, file by file; FP8
+    weights dequantized block-wise to `dtype` (fp32 by default: the exact product of the formula), other
+    tensors as stored. Used by `checkpoint.hf.load_pretrained`."""
+    with CheckpointReader(path) as r:
+        for file, names in r.names_by_file().items():
+            for n in names:
+                yield n, file, (r.get(n, dtype) if r.is_fp8(n) else r.get(n))

@@ -1,0 +1,84 @@
+"""Load balancing for DeepSeekMoE: the auxiliary-loss-free bias update and the sequence-wise balance loss.
+
+Aux-loss-free (paper §2.1.2, Algorithm in §4.2): at the end of each step, for every expert i,
+    b_i <- b_i + γ · sign(mean_load - load_i)
+where load_i counts the tokens routed to expert i over the *whole global batch* of the step.
+
+NOTE on when and over what the counts are taken:
+- Routers count in forward, in training mode only (`Router.tokens_per_expert`), and the counts accumulate
+  over all micro-batches of a gradient-accumulation window; `update_expert_bias` runs once per optimizer
+  step (not per micro-batch), so with accumulation 4 the bias moves once, from the 4 micro-batches' sum.
+- The counts are all-reduced (sum) over the data-parallel group (and EP ranks, which see different
+  tokens) before the sign step, so every rank applies the same update and holds the same bias.
+- Activation recompute re-runs the forward in backward: recompute code wraps it in
+  `router.skip_counting()` so loads are not counted twice (torchtitan halves the counts instead).
+- Unlike torchtitan we do not subtract the mean of the update (paper's rule as written; torchtitan#1506).
+
+Sequence-wise balance loss (eqs. 17-20): per sequence of T tokens,
+    f_i = N_r/(K_r·T) · Σ_t 1[s_{i,t} ∈ TopK(s_t, K_r)]   (plain top-k: no bias, no groups)
+    P_i = 1/T · Σ_t s_{i,t} / Σ_j s_{j,t}                 (normalized over all N_r experts)
+    L_Bal = α Σ_i f_i P_i,  averaged over the sequences of the batch.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["seq_balance_loss", "update_expert_bias", "maxvio", "routers_of", "reset_counts"]
+
+
+def seq_balance_loss(scores_BTE: torch.Tensor, top_k: int, alpha: float) -> torch.Tensor:
+    """α Σ_i f_i P_i per sequence (eqs. 17-20), mean over the B sequences. scores are the unbiased sigmoids."""
+    B, T, E = scores_BTE.shape
+    with torch.no_grad():
+        plain_idx_BTK = scores_BTE.topk(top_k, dim=-1).indices
+        hits_BE = torch.zeros(B, E, dtype=scores_BTE.dtype, device=scores_BTE.device)
+        hits_BE.scatter_add_(1, plain_idx_BTK.reshape(B, -1), torch.ones_like(plain_idx_BTK.reshape(B, -1), dtype=scores_BTE.dtype))
+        f_BE = hits_BE * (E / (top_k * T))
+    p_BE = (scores_BTE / scores_BTE.sum(dim=-1, keepdim=True)).mean(dim=1)
+    return alpha * (f_BE * p_BE).sum(dim=-1).mean()
+
+
+def maxvio(loads_E: torch.Tensor) -> float:
+    """MaxVio = max_i load_i / mean load − 1 (paper §4.5.2); 0 for a perfectly balanced batch."""
+    mean = loads_E.float().mean()
+    return float(loads_E.float().max() / mean - 1) if mean > 0 else 0.0
+
+
+def routers_of(model: nn.Module) -> list[nn.Module]:
+    """Every module holding an aux-loss-free bias, in module order (stable across ranks)."""
+    return [m for m in model.modules() if hasattr(m, "e_score_correction_bias") and hasattr(m, "tokens_per_expert")]
+
+
+def reset_counts(model: nn.Module) -> None:
+    for r in routers_of(model):
+        r.tokens_per_expert.zero_()
+
+
+@torch.no_grad()
+def update_expert_bias(model: nn.Module | Iterable[nn.Module], gamma: float,
+                       group: dist.ProcessGroup | None = None) -> list[dict]:
+    """Apply b <- b + γ·sign(mean − load) once, from the counts summed since the last call.
+
+    Counts of all routers are stacked and all-reduced in one collective over `group` (default: the world
+    when torch.distributed is initialized). Returns per-router stats: `loads` (list), `maxvio`.
+    """
+    routers = routers_of(model) if isinstance(model, nn.Module) else list(model)
+    if not routers:
+        return []
+    counts_LE = torch.stack([r.tokens_per_expert.float() for r in routers])  # [L, E]
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(counts_LE, op=dist.ReduceOp.SUM, group=group)
+    stats = []
+    for r, load_E in zip(routers, counts_LE):
+        if gamma:
+            delta = torch.sign(load_E.mean() - load_E) * gamma
+            # In place on the fp32 buffer: an out-of-place update is lost by modules holding references
+            # (torchtitan#1222 saved zeros); the buffer stays fp32 (Megatron-LM#1482).
+            r.e_score_correction_bias.add_(delta.to(r.e_score_correction_bias.dtype))
+        r.tokens_per_expert.zero_()
+        stats.append({"loads": load_E.tolist(), "maxvio": maxvio(load_E)})
+    return stats
