@@ -188,7 +188,9 @@ def _to_megatron(reader: CheckpointReader, out: str, pp: int, ep: int, dtype: to
         for (s, r), parts_by_name in files.items():
             fn = layout.file_name(s, r)
             specs, plan = [], []
-            for mc, parts in parts_by_name.items():
+            # In source-shard order, so each input shard is opened once per output file, not once per tensor.
+            order = sorted(parts_by_name.items(), key=lambda kv: reader.info(kv[1][0][1]).file)
+            for mc, parts in order:
                 hfs = [h for _, h in parts]
                 dts = {_target_dtype(reader.info(h).torch_dtype, reader.is_fp8(h), dtype) for h in hfs}
                 shapes = [reader.shape(h) for h in hfs]
