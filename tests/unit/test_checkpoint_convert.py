@@ -68,10 +68,12 @@ def test_megatron_pp2_ep2_places_every_tensor_once_and_round_trips(tmp_path):
     meg = tmp_path / "meg"
     convert(str(bf16), str(meg), "megatron", pp=2, ep=2, progress=False)
     cfg = tiny_hf_cfg()
+    E = cfg["n_routed_experts"]
+    assert cfg["num_hidden_layers"] == 3 and E % 2 == 0
     with open(meg / "layout.json") as f:
         lay = json.load(f)
-    assert lay["stages"] == [[0, 1], [2]] and lay["mtp_stage"] == 1 and lay["expert_ranks"] == [[0, 1, 2, 3],
-                                                                                                   [4, 5, 6, 7]]
+    assert lay["stages"] == [[0, 1], [2]] and lay["mtp_stage"] == 1
+    assert lay["expert_ranks"] == [list(range(E // 2)), list(range(E // 2, E))]
     placed = [hf for fm in lay["files"].values() for parts in fm["tensors"].values() for hf, _ in parts]
     names = CheckpointReader(str(bf16)).names()
     assert sorted(placed) == sorted(names) and len(placed) == len(set(placed))  # every tensor exactly once
@@ -88,10 +90,10 @@ def test_megatron_pp2_ep2_places_every_tensor_once_and_round_trips(tmp_path):
                     assert s == (1 if g >= 2 else 0)  # layer 2 and the MTP layer (3) sit with the head
                     me = re.search(r"experts\.(\d+)\.", hf)
                     if me:
-                        assert e == int(me.group(1)) // 4
+                        assert e == int(me.group(1)) // (E // 2)
     assert "embedding.word_embeddings.weight" in files[(0, 0)] and "output_layer.weight" in files[(1, 0)]
     assert "mtp.layers.0.eh_proj.weight" in files[(1, 0)]
-    assert "mtp.layers.0.transformer_layer.mlp.experts.local_experts.3.linear_fc2.weight" in files[(1, 0)]
+    assert f"mtp.layers.0.transformer_layer.mlp.experts.local_experts.{E // 2 - 1}.linear_fc2.weight" in files[(1, 0)]
     fc1 = files[(0, 0)]["decoder.layers.0.mlp.linear_fc1.weight"]
     assert [h for h, _ in fc1] == ["model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"]
     sd = load_megatron_rank(str(meg), 1, 1)
@@ -111,11 +113,11 @@ def test_megatron_pp2_ep2_places_every_tensor_once_and_round_trips(tmp_path):
 def test_layout_split_rules():
     assert stage_layers(61, 16)[0] == [0, 1, 2, 3] and len(stage_layers(61, 16)[-1]) == 3
     assert sum(map(len, stage_layers(61, 16))) == 61
-    lay = MegatronLayout(tiny_hf_cfg(), pp=1, ep=4)
+    lay = MegatronLayout(tiny_hf_cfg(n_routed_experts=8), pp=1, ep=4)
     p = lay.place("model.layers.2.mlp.experts.7.up_proj.weight")
     assert (p.stage, p.ep_rank, p.name, p.part) == (0, 3, "decoder.layers.2.mlp.experts.local_experts.1.linear_fc1.weight", 1)
     with pytest.raises(ValueError, match="--ep 3: must divide n_routed_experts"):
-        MegatronLayout(tiny_hf_cfg(), pp=1, ep=3)
+        MegatronLayout(tiny_hf_cfg(n_routed_experts=8), pp=1, ep=3)
     with pytest.raises(ValueError, match="model.layers.0.foo.weight: unexpected tensor"):
         lay.place("model.layers.0.foo.weight")
 
@@ -158,7 +160,8 @@ def test_corrupt_inputs_exit_2_and_leave_nothing(tmp_path, capsys, corruption):
         os.remove(p)
     else:
         # a whole tensor absent from (or extra in) both the shard and the index
-        name = "model.layers.1.mlp.experts.5.down_proj.weight" if corruption == "missing_tensor" else "model.layers.1.mlp.experts.8.down_proj.weight"
+        E = tiny_hf_cfg()["n_routed_experts"]
+        name = f"model.layers.1.mlp.experts.{5 if corruption == 'missing_tensor' else E}.down_proj.weight"
         fn = _shard_of(src, "model.layers.1.mlp.experts.5.down_proj.weight")
         idx = os.path.join(src, "model.safetensors.index.json")
         with open(idx) as f:
