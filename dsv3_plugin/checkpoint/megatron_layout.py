@@ -26,7 +26,7 @@ when the copies differ.
 from __future__ import annotations
 
 import re
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 from ..errors import CheckpointError
 
@@ -176,9 +176,6 @@ class MegatronLayout:
             base, part = name.split("#")
             return Placement(stage, r, base, int(part), 2)
         return Placement(stage, r, name, 0, 1)
-
-    def stage_of_layer(self, g: int) -> Optional[int]:
-        return self.local[g][0] if g in self.local else (self.pp - 1 if g >= self.L else None)
 
     def describe(self) -> dict:
         """The placement facts written to layout.json."""

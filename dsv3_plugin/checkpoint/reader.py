@@ -228,11 +228,16 @@ class CheckpointReader:
     `get(name, dtype)` returns one tensor, dequantized when stored as FP8.
     """
 
-    def __init__(self, path: str | os.PathLike, require_config: bool = True, max_open_files: int = 1):
+    def __init__(self, path: str | os.PathLike, require_config: bool = True, max_open_files: int = 1,
+                 max_mapped_bytes: int = 256 * 2**20):
         self.path = os.fspath(path)
         # safe_open memory-maps a shard; the pages read stay resident (and count in RSS) until the handle is
-        # closed, so at most `max_open_files` shards are kept open (LRU) to bound memory by one shard.
+        # closed. So at most `max_open_files` shards are open (LRU), and a handle is dropped once
+        # `max_mapped_bytes` were read through it: resident mapped pages stay below that bound plus the
+        # tensors still referenced, whatever the shard size.
         self.max_open_files = max(1, max_open_files)
+        self.max_mapped_bytes = max_mapped_bytes
+        self._mapped: dict[str, int] = {}
         if not os.path.isdir(self.path):
             raise CheckpointError(f"{self.path}: not a checkpoint directory")
         cfg_path = os.path.join(self.path, "config.json")
@@ -368,7 +373,8 @@ class CheckpointReader:
         if h is None:
             from safetensors import safe_open
             while len(self._handles) >= self.max_open_files:
-                self._handles.pop(next(iter(self._handles)))
+                self._mapped.pop(evicted := next(iter(self._handles)), None)
+                self._handles.pop(evicted)
             try:
                 h = safe_open(file, framework="pt", device="cpu")
             except Exception as e:  # SafetensorError is not exported under a stable name
@@ -380,11 +386,16 @@ class CheckpointReader:
         """The stored tensor as is (FP8 stays FP8)."""
         info = self.info(name)
         try:
-            return self._handle(info.file).get_tensor(name)
+            t = self._handle(info.file).get_tensor(name)
         except CheckpointError:
             raise
         except Exception as e:
             raise CheckpointError(f"{name} in {info.file}: cannot read ({e})") from None
+        self._mapped[info.file] = self._mapped.get(info.file, 0) + info.nbytes
+        if self._mapped[info.file] >= self.max_mapped_bytes:
+            self._handles.pop(info.file, None)  # unmapped once `t` (which holds the mapping) is freed
+            self._mapped[info.file] = 0
+        return t
 
     def out_dtype(self, name: str, dtype: Optional[torch.dtype]) -> torch.dtype:
         """The dtype `get(name, dtype)` returns: FP8 -> `dtype` (default bf16); others -> `dtype` if given."""

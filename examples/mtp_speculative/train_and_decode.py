@@ -74,11 +74,18 @@ def main() -> int:
         identical &= plain.tokens == spec.tokens
         acc, drafts = acc + spec.accepted, drafts + spec.drafts
         fwd_spec, fwd_plain, ntok = fwd_spec + spec.forward_passes, fwd_plain + plain.forward_passes, ntok + len(spec.tokens)
+    # Acceptance on held-out *data* prefixes (not only on greedy continuations): how often the MTP head's
+    # guess for token i+2 equals the main model's greedy choice there, given the true token i+1.
+    with torch.no_grad():
+        ids, _ = data.batch(20_000, 0, 0, 16)
+        out = fp8(ids)
+        agree = (out.mtp_logits[0][:, :-1].argmax(-1) == out.logits[:, 1:-1].argmax(-1)).float().mean()
     print(json.dumps({
         "steps": args.steps, "first_losses": first, "last_losses": last,
         "entropy_rate_nats": data.entropy_rate,
         "checkpoint": "FP8 released format (128x128 blocks)" + (f" at {path}" if args.out else ""),
         "acceptance_rate": acc / max(1, drafts), "drafts": drafts,
+        "acceptance_on_data_prefixes": float(agree),
         "chance_acceptance": 1.0 / cfg.model.vocab_size,
         "tokens_per_forward_speculative": ntok / fwd_spec, "tokens_per_forward_plain": ntok / fwd_plain,
         "speculative_equals_plain_greedy": identical,
