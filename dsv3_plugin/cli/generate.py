@@ -16,6 +16,7 @@ def register(sub) -> None:
     p.add_argument("--speculative", choices=["mtp"], default=None,
                    help="self-speculative decoding with the depth-1 MTP module")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="compute dtype")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -33,7 +34,8 @@ def run(args) -> int:
         raise ConfigError(f"--prompt-ids: expected comma-separated integers (got {args.prompt_ids!r})") from None
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens: must be >= 1 (got {args.max_new_tokens})")
-    model = load_pretrained(args.model, dtype=torch.float32 if args.dtype == "fp32" else torch.bfloat16)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_pretrained(args.model, dtype=torch.float32 if args.dtype == "fp32" else torch.bfloat16, device=device)
     try:
         res = greedy_generate(model, prompt, args.max_new_tokens, speculative=args.speculative)
     except ValueError as e:
