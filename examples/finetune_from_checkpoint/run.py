@@ -17,7 +17,6 @@ import shutil
 import subprocess
 import sys
 
-import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))

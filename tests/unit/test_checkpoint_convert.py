@@ -10,7 +10,6 @@ import time
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from dsv3_plugin.checkpoint.convert import convert, load_megatron_rank
 from dsv3_plugin.checkpoint.megatron_layout import MegatronLayout, stage_layers
