@@ -68,6 +68,9 @@ def test_fp8_logits_match_transformers_on_dequantized_weights(tmp_path, name):
     torch.testing.assert_close(out.logits, ref, rtol=0, atol=1e-5)
     if name == "tiny_block32":
         _check_mtp(cfg, deq, hf, ids, out.mtp_logits)
+        # the requested dtype: bf16 = the fp32 dequantization rounded once
+        bf = load_pretrained(fp8, dtype=torch.bfloat16)
+        assert all(torch.equal(p, q.to(torch.bfloat16)) for p, q in zip(bf.parameters(), ours.parameters()))
 
 
 def _check_mtp(cfg, deq, hf, ids, got):

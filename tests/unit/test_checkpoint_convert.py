@@ -216,3 +216,30 @@ def test_kill_9_leaves_no_dst_and_rerun_works(tmp_path):
     convert(str(dst), str(back), "hf", progress=False)
     r, b = CheckpointReader(src), CheckpointReader(str(back))
     assert torch.equal(b.get(KV), r.get(KV, torch.float32))
+
+
+def test_streaming_writer_matches_safetensors_and_checks_order(tmp_path):
+    from safetensors.torch import load_file
+
+    from dsv3_plugin.checkpoint.safetensors_writer import StreamingSafetensorsWriter
+    a = torch.randn(5, 3).to(torch.bfloat16)
+    b = torch.arange(7, dtype=torch.float32)
+    e = torch.zeros(0, 4)
+    p = str(tmp_path / "x.safetensors")
+    with StreamingSafetensorsWriter(p, [("a", torch.bfloat16, (5, 3)), ("e", torch.float32, (0, 4)),
+                                        ("b", torch.float32, (7,))]) as w:
+        w.write("a", a[:2])   # row blocks of one tensor
+        w.write("a", a[2:])
+        w.write("e", e)
+        w.write("b", b)
+    got = load_file(p)
+    assert torch.equal(got["a"], a) and torch.equal(got["b"], b) and got["e"].shape == (0, 4)
+    with pytest.raises(ValueError, match="b: written out of order"):
+        with StreamingSafetensorsWriter(p, [("a", torch.float32, (2,)), ("b", torch.float32, (2,))]) as w:
+            w.write("b", torch.zeros(2))
+    with pytest.raises(ValueError, match="a: dtype torch.bfloat16 does not match"):
+        with StreamingSafetensorsWriter(p, [("a", torch.float32, (2,))]) as w:
+            w.write("a", torch.zeros(2, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="b: never written"):
+        with StreamingSafetensorsWriter(p, [("a", torch.float32, (2,)), ("b", torch.float32, (2,))]) as w:
+            w.write("a", torch.zeros(2))
