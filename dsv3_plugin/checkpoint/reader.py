@@ -137,6 +137,7 @@ def dequantize_fp8_reference(w_fp8: torch.Tensor, scale_inv: torch.Tensor, block
     return (w_fp8.to(torch.float32) * s).to(dtype)
 
 
+_CHUNK_ELEMS = 1 << 21
 _POOL: Optional[ThreadPoolExecutor] = None
 _POOL_LOCK = threading.Lock()
 _TLS = threading.local()
@@ -207,14 +208,15 @@ def dequantize_fp8_blockwise(w_fp8: torch.Tensor, scale_inv: torch.Tensor, block
     if is_e4m3:
         s = s * 256.0
     cols_NI = s.repeat_interleave(block[1], 1)[:, :I].contiguous()
-    starts = range(0, O, block[0])
-    jobs = [(r0, min(r0 + block[0], O)) for r0 in starts]
+    # Jobs of at most _CHUNK_ELEMS elements inside one row block: their int16/fp32 buffers stay in cache.
+    step = max(1, min(block[0], _CHUNK_ELEMS // max(1, I)))
+    jobs = [(r0 // block[0], r0, min(r0 + step, (r0 // block[0] + 1) * block[0], O))
+            for b0 in range(0, O, block[0]) for r0 in range(b0, min(b0 + block[0], O), step)]
     if O * I < (1 << 20) or len(jobs) == 1:
-        for k, (r0, r1) in enumerate(jobs):
+        for k, r0, r1 in jobs:
             _dequant_rows(w_fp8, cols_NI[k], out, r0, r1, is_e4m3)
     else:
-        futs = [_pool().submit(_dequant_rows, w_fp8, cols_NI[k], out, r0, r1, is_e4m3)
-                for k, (r0, r1) in enumerate(jobs)]
+        futs = [_pool().submit(_dequant_rows, w_fp8, cols_NI[k], out, r0, r1, is_e4m3) for k, r0, r1 in jobs]
         for f in futs:
             f.result()
     return out
