@@ -137,7 +137,7 @@ def dequantize_fp8_reference(w_fp8: torch.Tensor, scale_inv: torch.Tensor, block
     return (w_fp8.to(torch.float32) * s).to(dtype)
 
 
-_CHUNK_ELEMS = 1 << 21
+_CHUNK_ELEMS = 1 << 20  # measured best on 2 cores: 2^18 0.51, 2^20 0.83, 2^21 0.58 G elem/s
 _POOL: Optional[ThreadPoolExecutor] = None
 _POOL_LOCK = threading.Lock()
 _TLS = threading.local()
