@@ -1,0 +1,123 @@
+"""Our FFNs (dense SwiGLU for the first k layers, DeepSeekMoE after, paper eq. 12) as Megatron's MLP submodule.
+
+Megatron-Core 0.16/0.17 builds a layer's MLP as `Module(config=..., **spec.params)` and afterwards calls
+`set_layer_number(n)` (integration_facts.md); it calls `mlp(hidden [s, b, h], padding_mask=...)` and expects
+`(output, bias)`. One layer spec serves every layer (that is what `--spec module name` hands to Megatron-LM), so
+`DSv3FFN` decides dense vs. MoE when it learns its layer number: layers 1..first_k_dense_replace are dense,
+later ones (and the MTP layers, numbered after the decoder's) are DeepSeekMoE.
+
+Aux-loss-free balancing through Megatron's own hook: `MegatronRouter` is our `Router` with the attribute names
+Megatron's `finalize_model_grads` looks for — `expert_bias` (= `e_score_correction_bias`) and
+`local_tokens_per_expert` (= `tokens_per_expert`), the same tensors, updated in place — so with
+`moe_router_enable_expert_bias` Megatron applies b <- b + rate·sign(mean − load) over TP×DP×CP and zeroes the
+counts, exactly our `balancing.update_expert_bias`.
+
+The sequence-wise balance loss α·L_Bal is attached to the output with Megatron's `MoEAuxLossAutoScaler`
+(its gradient joins backward scaled like the main loss, as Megatron's own MoE layers do).
+
+MTP layer k sees the sequence rolled by k with zeros in the last k positions (Megatron's `roll_tensor`). Those
+k positions do not exist in the paper's MTP (eq. 22 runs on T−k tokens): they are cut off before routing, so
+expert loads, the balance loss and every real position equal our standalone model's; their FFN output is 0.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+from ..moe import DeepSeekMoE, DenseMLP
+from ..router import Router
+from .config import dsv3_config_of
+
+__all__ = ["MegatronRouter", "DSv3FFN", "ffn_kind"]
+
+
+class MegatronRouter(Router):
+    """`Router` under the names Megatron-Core's expert-bias update reads (no copies: the same tensors)."""
+
+    @property
+    def expert_bias(self) -> torch.Tensor:
+        return self.e_score_correction_bias
+
+    @property
+    def local_tokens_per_expert(self) -> torch.Tensor:
+        return self.tokens_per_expert
+
+
+def ffn_kind(cfg, layer_number: int) -> str:
+    """'dense' or 'moe' for Megatron's 1-based global `layer_number` (MTP layers follow the decoder's)."""
+    return "moe" if cfg.is_moe_layer(layer_number - 1) else "dense"
+
+
+class DSv3FFN(MegatronModule):
+    """Megatron MLP submodule wrapping `DenseMLP` (`self.dense`) or `DeepSeekMoE` (`self.moe`).
+
+    Built in two steps because Megatron 0.16/0.17 passes no layer number to the MLP's constructor: the
+    parameters are created in `set_layer_number`, which `TransformerLayer.__init__` calls right after.
+    """
+
+    def __init__(self, config, submodules=None, layer_number: Optional[int] = None, pg_collection=None,
+                 is_mtp_layer: bool = False, **kwargs):
+        super().__init__(config=config)
+        self.cfg = dsv3_config_of(config)
+        self.pg_collection = pg_collection
+        self.layer_number: Optional[int] = None
+        self.kind: Optional[str] = None
+        if config.sequence_parallel or getattr(config, "context_parallel_size", 1) > 1:
+            raise ValueError("DSv3FFN: sequence_parallel / context_parallel_size > 1 are not supported")
+        if layer_number is not None:
+            self.set_layer_number(layer_number)
+
+    def set_layer_number(self, layer_number: int) -> None:
+        if self.kind is not None:
+            if layer_number != self.layer_number:
+                raise RuntimeError(f"DSv3FFN: built for layer {self.layer_number}, renumbered to {layer_number}")
+            return
+        self.layer_number = layer_number
+        self.kind = ffn_kind(self.cfg, layer_number)
+        m = self.cfg.model
+        if self.kind == "dense":
+            self.dense = DenseMLP(m.hidden_size, m.intermediate_size)
+        else:
+            self.moe = DeepSeekMoE(m.hidden_size, self.cfg.moe)
+            self.moe.gate = MegatronRouter(m.hidden_size, self.cfg.moe)
+        self._init_weights()
+
+    @torch.no_grad()
+    def _init_weights(self) -> None:
+        # Megatron's init (normal, init_method_std) under its RNG tracker, like its own MLPs; router bias 0.
+        from megatron.core import tensor_parallel
+        dtype = self.config.params_dtype
+        with tensor_parallel.get_cuda_rng_tracker().fork():
+            for name, p in self.named_parameters():
+                if name.endswith("gate.weight"):
+                    self.config.init_method(p)         # the router stays fp32
+                else:
+                    p.data = p.data.to(dtype)
+                    self.config.init_method(p) if p.dim() > 1 else p.fill_(1.0)
+
+    @property
+    def num_mtp_shift(self) -> int:
+        """k for the k-th MTP layer (its last k positions are padding), 0 for decoder layers."""
+        return max(0, self.layer_number - self.cfg.model.num_hidden_layers)
+
+    def forward(self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor] = None, **kwargs):
+        if self.kind is None:
+            raise RuntimeError("DSv3FFN: set_layer_number() was never called (not built by a TransformerLayer)")
+        if padding_mask is not None and bool(padding_mask.any()):
+            raise ValueError("DSv3FFN: padding_mask with padded positions is not supported (pack the sequences)")
+        x_SBH = hidden_states
+        if self.kind == "dense":
+            return self.dense(x_SBH), None
+        S = x_SBH.shape[0]
+        valid = S - self.num_mtp_shift
+        x_BSH = x_SBH[:valid].transpose(0, 1)                 # [b, s', h]: per-sequence balance loss
+        y_SBH = self.moe(x_BSH).transpose(0, 1)               # [s', b, h]
+        if valid < S:
+            pad = y_SBH.new_zeros((S - valid,) + tuple(y_SBH.shape[1:]))
+            y_SBH = torch.cat([y_SBH, pad], dim=0)
+        if self.moe.aux_loss is not None and self.training:
+            y_SBH = MoEAuxLossAutoScaler.apply(y_SBH, self.moe.aux_loss)
+        return y_SBH.contiguous(), None
