@@ -10,7 +10,12 @@ What is patched, and why (megatron-core 0.16.1, the only version tested):
    in many places (YaRN RoPE buffers, the global memory buffer, MTP roll, DDP grad buffers).
 2. The CUDA RNG tracker (`megatron.core.tensor_parallel.random._CUDA_RNG_STATE_TRACKER`) -> `CPURNGStatesTracker`,
    the same named-state fork semantics on the CPU generator (weight init and dropout fork it).
-3. `megatron.core.transformer.multi_latent_attention.HAVE_TE` -> False. Without Transformer Engine Megatron's
+3. Functions of Megatron's optimizer that allocate with a literal `device='cuda'` (`FP32Optimizer` /
+   `MixedPrecisionOptimizer` constructors, the grad scalers, `clip_grads.get_grad_norm_fp32` /
+   `count_zeros_fp32`) run under `_CudaLiteralsOnCPU`, a torch function mode that turns such device arguments
+   (and `Tensor.cuda()`) into CPU ones for the duration of the call; `clip_grad_by_total_norm_fp32` (which
+   asserts CUDA tensor types) is replaced by the same in-place fp32 scaling written for any device.
+4. `megatron.core.transformer.multi_latent_attention.HAVE_TE` -> False. Without Transformer Engine Megatron's
    import fallbacks leave `HAVE_TE = True` with `TELinear` a MagicMock, and `MLASelfAttention.__init__` then fails
    at `isinstance(self.linear_proj, TELinear)`.
 
@@ -20,6 +25,8 @@ try anyway).
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
 import logging
 
 import torch
@@ -49,6 +56,71 @@ def check_version(what: str, force: bool = False) -> str:
 
 def _cpu_current_device() -> torch.device:
     return torch.device("cpu")
+
+
+def _is_cuda(dev) -> bool:
+    return (isinstance(dev, str) and dev.startswith("cuda")) or (isinstance(dev, torch.device) and dev.type == "cuda")
+
+
+class _CudaLiteralsOnCPU(torch.overrides.TorchFunctionMode):
+    """Inside this mode `device='cuda'` arguments become CPU and `Tensor.cuda()` is the identity."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+def _on_cpu(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with _CudaLiteralsOnCPU():
+            return fn(*args, **kwargs)
+    wrapper.__wrapped_by_megatron_cpu__ = True
+    return wrapper
+
+
+# (module, attribute path) of Megatron functions with literal 'cuda' allocations that the optimizer path runs.
+_CUDA_LITERAL_SITES = (
+    ("megatron.core.optimizer.optimizer", "FP32Optimizer.__init__"),
+    ("megatron.core.optimizer.optimizer", "MixedPrecisionOptimizer.__init__"),
+    ("megatron.core.optimizer.optimizer", "get_grad_norm_fp32"),
+    ("megatron.core.optimizer.optimizer", "count_zeros_fp32"),
+    ("megatron.core.optimizer.clip_grads", "get_grad_norm_fp32"),
+    ("megatron.core.optimizer.clip_grads", "count_zeros_fp32"),
+    ("megatron.core.optimizer.grad_scaler", "MegatronGradScaler.__init__"),
+    ("megatron.core.optimizer.grad_scaler", "DynamicGradScaler.__init__"),
+)
+
+
+def _clip_grad_by_total_norm_fp32_cpu(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """Megatron's in-place fp32 grad clipping without its CUDA-type assertion and CUDA overflow buffer."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = [getattr(p, attr).detach() for p in parameters if getattr(p, attr, None) is not None]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0:
+        for g in grads:
+            g.mul_(clip_coeff)
+
+
+# (module, attribute) replaced outright on CPU.
+_REPLACED_SITES = (
+    ("megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32"),
+    ("megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32"),
+)
+
+
+def _resolve(module: str, path: str):
+    obj = importlib.import_module(module)
+    *owners, attr = path.split(".")
+    for o in owners:
+        obj = getattr(obj, o)
+    return obj, attr
 
 
 _TRACKER_CLS = None
@@ -124,7 +196,17 @@ def apply(force: bool = False) -> bool:
         "tracker": mrandom._CUDA_RNG_STATE_TRACKER,
         "tracker_init": mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED,
         "mla_have_te": mla.HAVE_TE,
+        "sites": [],
     }
+    for module, path in _CUDA_LITERAL_SITES:
+        owner, attr = _resolve(module, path)
+        orig = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+        _saved["sites"].append((owner, attr, orig))
+        setattr(owner, attr, _on_cpu(orig))
+    for module, path in _REPLACED_SITES:
+        owner, attr = _resolve(module, path)
+        _saved["sites"].append((owner, attr, getattr(owner, attr)))
+        setattr(owner, attr, _clip_grad_by_total_norm_fp32_cpu)
     torch.cuda.current_device = _cpu_current_device
     mrandom._CUDA_RNG_STATE_TRACKER = _tracker_class()()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
@@ -144,6 +226,8 @@ def revert() -> None:
     mrandom._CUDA_RNG_STATE_TRACKER = _saved["tracker"]
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = _saved["tracker_init"]
     mla.HAVE_TE = _saved["mla_have_te"]
+    for owner, attr, orig in reversed(_saved["sites"]):
+        setattr(owner, attr, orig)
     _saved = None
 
 
