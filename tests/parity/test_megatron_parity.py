@@ -1,0 +1,75 @@
+"""Megatron-Core GPTModel built from the dsv3_plugin spec (CPU, patches/megatron_cpu.py) vs transformers and vs
+our standalone model, on the same released-format checkpoint (fp32).
+
+All cases run in one spawned gloo process (Megatron's parallel state is process-global), then each case is
+asserted separately.
+"""
+import pytest
+import torch
+
+from helpers import make_tiny_hf_checkpoint, run_ranks
+
+CASES = {
+    # every feature: q_lora, YaRN, 1 dense + 2 MoE layers, 4 groups, MTP; sharded safetensors
+    "tiny": {},
+    "no_q_lora_no_yarn": {"model": {"q_lora_rank": None, "rope_scaling": None}},
+    "dense_only_no_mtp": {"model": {"first_k_dense_replace": 3}, "mtp": {"depth": 0}},
+    "shared_x2_two_dense": {"model": {"first_k_dense_replace": 2, "num_hidden_layers": 4},
+                            "moe": {"n_shared_experts": 2}},
+}
+
+
+def _worker(root):
+    import os
+
+    from dsv3_plugin import load_pretrained
+    from dsv3_plugin.config import load_config
+    from dsv3_plugin.megatron.gpt import build_gpt_model, forward_logits
+    from dsv3_plugin.megatron.runtime import init_megatron, shutdown_megatron
+    from dsv3_plugin.megatron.weights import load_hf_checkpoint
+
+    init_megatron()
+    out = {}
+    for name, over in CASES.items():
+        d = os.path.join(root, name)
+        cfg = load_config({"preset": "tiny", **over})
+        hf = make_tiny_hf_checkpoint(d, cfg, seed=3, bias_scale=0.1, shard_bytes=40_000 if name == "tiny" else None)
+        model = build_gpt_model(cfg).eval()
+        load_hf_checkpoint(model, d)
+        ours = load_pretrained(d).eval()
+        ids = torch.randint(0, cfg.model.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            ref = hf(ids).logits
+            got, got_mtp = forward_logits(model, ids)
+            o = ours(ids)
+        out[name] = {
+            "shape": (tuple(got.shape), tuple(ref.shape)),
+            "hf": (got - ref).abs().max().item(),
+            "scale": ref.abs().mean().item(),
+            "mtp_shapes": ([tuple(t.shape) for t in got_mtp], [tuple(t.shape) for t in o.mtp_logits]),
+            "mtp": [(a - b).abs().max().item() for a, b in zip(got_mtp, o.mtp_logits)],
+            "depth": cfg.mtp.depth,
+        }
+    shutdown_megatron()
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_ranks(_worker, 1, str(tmp_path_factory.mktemp("mega_parity")))[0]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_logits_match_transformers(results, name):
+    r = results[name]
+    assert r["shape"][0] == r["shape"][1]
+    assert r["scale"] > 0.05           # real logits, not a degenerate model
+    assert r["hf"] <= 1e-5, r          # the issue asks 1e-4; the ops are the same, so we hold 1e-5
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_mtp_logits_match_standalone(results, name):
+    r = results[name]
+    assert len(r["mtp"]) == r["depth"]
+    assert r["mtp_shapes"][0] == r["mtp_shapes"][1]
+    assert all(d <= 1e-5 for d in r["mtp"]), r
