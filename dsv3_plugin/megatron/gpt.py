@@ -16,7 +16,8 @@ from ..config import ConfigError, DSv3Config, load_config
 from .config import DSv3TransformerConfig, to_transformer_config
 from .spec import get_layer_spec, get_mtp_block_spec
 
-__all__ = ["build_gpt_model", "gpt_builder", "transformer_config_from_args", "forward_logits", "causal_inputs"]
+__all__ = ["build_gpt_model", "gpt_builder", "transformer_config_from_args", "forward_logits", "causal_inputs",
+           "add_dsv3_args", "select_builder", "check_megatron_version", "TESTED_MEGATRON_LM"]
 
 
 def build_gpt_model(cfg: DSv3Config | dict | str | DSv3TransformerConfig, pre_process: bool = True,
@@ -73,9 +74,11 @@ def transformer_config_from_args(args, base_config=None) -> DSv3TransformerConfi
 
 def gpt_builder(args, pre_process, post_process, vp_stage=None, config=None, pg_collection=None):
     """Drop-in for Megatron-LM's `gpt_builders.gpt_builder` (see patches/pretrain_gpt.diff)."""
-    if config is None or not isinstance(config, DSv3TransformerConfig):
-        from megatron.training.arguments import core_transformer_config_from_args
-        config = transformer_config_from_args(args, config or core_transformer_config_from_args(args))
+    if not isinstance(config, DSv3TransformerConfig):
+        if config is None:  # Megatron-LM's own config from its flags, for the parallel/precision fields
+            from megatron.training.arguments import core_transformer_config_from_args
+            config = core_transformer_config_from_args(args)
+        config = transformer_config_from_args(args, config)
     use_te = getattr(args, "transformer_impl", "local") == "transformer_engine"
     return build_gpt_model(config, pre_process=pre_process, post_process=post_process, use_te=use_te,
                            vp_stage=vp_stage, pg_collection=pg_collection)
@@ -113,3 +116,42 @@ def forward_logits(model, input_ids: torch.Tensor) -> tuple[torch.Tensor, list[t
         outs.append(lg.transpose(0, 1).contiguous())               # [b, s, V]
     T = input_ids.shape[1]
     return outs[0], [outs[k][:, :T - k] for k in range(1, D + 1)]
+
+
+# --- Megatron-LM integration (patches/pretrain_gpt.diff calls these) -----------------------------------------
+
+TESTED_MEGATRON_LM = ("0.16.1",)
+
+
+def check_megatron_version(what: str = "patches/pretrain_gpt.diff") -> str:
+    """Refuse an untested megatron-core (set DSV3_ALLOW_UNTESTED_MEGATRON=1 to try anyway)."""
+    import os
+
+    from megatron.core.package_info import __version__ as v
+    if v not in TESTED_MEGATRON_LM and os.environ.get("DSV3_ALLOW_UNTESTED_MEGATRON") != "1":
+        raise RuntimeError(f"{what}: megatron-core {v} is untested (tested: {', '.join(TESTED_MEGATRON_LM)}); "
+                           "set DSV3_ALLOW_UNTESTED_MEGATRON=1 to run it anyway")
+    return v
+
+
+def add_dsv3_args(parser, other=None):
+    """Megatron-LM `extra_args_provider`: adds `--dsv3-config`; chains `other` (e.g. modelopt's) if given."""
+    if other is not None:
+        parser = other(parser)
+    group = parser.add_argument_group(title="dsv3_plugin")
+    group.add_argument("--dsv3-config", type=str, default=None,
+                       help="JSON file with a \"dsv3\" block: build the DeepSeek-V3 model (MLA, DeepSeekMoE, MTP) "
+                            "from dsv3_plugin instead of Megatron's GPT layers")
+    return parser
+
+
+def select_builder(default_builder):
+    """The model builder Megatron-LM should use: ours when `--dsv3-config` was given, else `default_builder`."""
+    def builder(args, pre_process, post_process, vp_stage=None, config=None, pg_collection=None):
+        if getattr(args, "dsv3_config", None):
+            check_megatron_version()
+            return gpt_builder(args, pre_process, post_process, vp_stage=vp_stage, config=config,
+                               pg_collection=pg_collection)
+        return default_builder(args, pre_process, post_process, vp_stage=vp_stage, config=config,
+                               pg_collection=pg_collection)
+    return builder

@@ -139,3 +139,32 @@ def test_megatron_lm_args_must_agree_with_dsv3_config(tmp_path):
     assert ok.num_layers == 3
     with pytest.raises(ConfigError, match=r"^--hidden-size: 128 contradicts"):
         transformer_config_from_args(argparse.Namespace(dsv3_config=str(p), hidden_size=128))
+
+
+def test_spec_reachable_the_way_megatron_lm_imports_it():
+    from megatron.core.transformer.spec_utils import import_module
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from dsv3_plugin.megatron.attention import SDPACoreAttention
+    spec = import_module(("dsv3_plugin.megatron", "layer_spec"))      # what `--spec dsv3_plugin.megatron layer_spec` does
+    assert spec is not None and spec.module is TransformerLayer
+    assert spec.submodules.self_attention.submodules.core_attention is SDPACoreAttention
+
+
+def test_pretrain_gpt_diff_applies_to_megatron_lm_layout():
+    import os
+    text = open(os.path.join(os.path.dirname(__file__), "..", "..", "patches", "pretrain_gpt.diff")).read()
+    assert text.startswith("--- a/pretrain_gpt.py\n+++ b/pretrain_gpt.py\n")
+    added = [l[1:] for l in text.splitlines() if l.startswith("+") and not l.startswith("+++")]
+    assert any("select_builder(gpt_builder)" in l for l in added)
+    assert any("add_dsv3_args" in l and "extra_args_provider" in l for l in added)
+
+
+def test_megatron_lm_integration_refuses_untested_version(monkeypatch):
+    import megatron.core.package_info as pi
+
+    from dsv3_plugin.megatron.gpt import check_megatron_version
+    monkeypatch.delenv("DSV3_ALLOW_UNTESTED_MEGATRON", raising=False)
+    monkeypatch.setattr(pi, "__version__", "0.18.0")
+    with pytest.raises(RuntimeError, match=r"megatron-core 0\.18\.0 is untested"):
+        check_megatron_version()
