@@ -5,7 +5,8 @@
   attention is Megatron's `MLASelfAttention` with local (torch) linears, torch RMSNorm for the q/kv latents and
   our `SDPACoreAttention`; with TE it is Megatron's own TE MLA spec with our FFN swapped in.
 - `get_mtp_block_spec(config, use_te=None)`: Megatron's MTP block around the same layer spec (enorm, hnorm,
-  eh_proj, the layer, final_layernorm — the released `shared_head.norm`).
+  eh_proj, the layer, final_layernorm — the released `shared_head.norm`), with `mtp.DSv3MTPLayer` handing
+  depth k+1 the paper's h^k.
 - `layer_spec`: the spec object for Megatron-LM's `--spec dsv3_plugin.megatron layer_spec` (Megatron-LM
   imports a module attribute, it does not call it); `dsv3_plugin.megatron` creates it on first access.
 
@@ -117,15 +118,19 @@ def get_mtp_block_spec(config, use_te: bool | None = None):
     if not config.mtp_num_layers:
         return None
     use_te = have_te() if use_te is None else use_te
+    from .mtp import DSv3MTPLayer
     if use_te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
-        return get_gpt_mtp_block_spec(config, get_layer_spec(True), use_transformer_engine=True)
+        block = get_gpt_mtp_block_spec(config, get_layer_spec(True), use_transformer_engine=True)
+        for layer in block.layer_specs:
+            layer.module = DSv3MTPLayer
+        return block
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
     from megatron.core.transformer.multi_token_prediction import (
-        MultiTokenPredictionBlockSubmodules, MultiTokenPredictionLayer, MultiTokenPredictionLayerSubmodules)
+        MultiTokenPredictionBlockSubmodules, MultiTokenPredictionLayerSubmodules)
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
-    layer = ModuleSpec(module=MultiTokenPredictionLayer, submodules=MultiTokenPredictionLayerSubmodules(
+    layer = ModuleSpec(module=DSv3MTPLayer, submodules=MultiTokenPredictionLayerSubmodules(
         enorm=WrappedTorchNorm, hnorm=WrappedTorchNorm, eh_proj=ColumnParallelLinear,
         transformer_layer=get_layer_spec(False), layer_norm=WrappedTorchNorm))
     return MultiTokenPredictionBlockSubmodules(layer_specs=[layer] * config.mtp_num_layers)

@@ -12,7 +12,7 @@ from helpers import make_tiny_hf_checkpoint, run_ranks
 CASES = {
     # every feature: q_lora, YaRN, 1 dense + 2 MoE layers, 4 groups, MTP; sharded safetensors
     "tiny": {},
-    "no_q_lora_no_yarn": {"model": {"q_lora_rank": None, "rope_scaling": None}},
+    "no_q_lora_no_yarn_two_mtp": {"model": {"q_lora_rank": None, "rope_scaling": None}, "mtp": {"depth": 2}},
     "dense_only_no_mtp": {"model": {"first_k_dense_replace": 3}, "mtp": {"depth": 0}},
     "shared_x2_two_dense": {"model": {"first_k_dense_replace": 2, "num_hidden_layers": 4},
                             "moe": {"n_shared_experts": 2}},
