@@ -46,6 +46,27 @@ class MegatronRouter(Router):
         return self.tokens_per_expert
 
 
+def _megatron_ep_groups(cfg):
+    """Our EP groups on top of Megatron's expert-model-parallel / expert-data-parallel groups; None for EP = 1.
+
+    Megatron (TP = CP = 1) lays EP out as contiguous rank blocks inside DP, the layout of
+    `dsv3_plugin.parallel_groups` (EP rank j owns experts [j·E/P, (j+1)·E/P)), so its groups are used as they are.
+    """
+    from megatron.core import parallel_state as ps
+    if not ps.model_parallel_is_initialized() or ps.get_expert_model_parallel_world_size() == 1:
+        return None
+    try:
+        from ..parallel_groups import build_ep_groups
+    except ImportError as e:  # pragma: no cover - depends on the expert-parallel core being installed
+        raise ValueError("DSv3FFN: expert_model_parallel_size > 1 needs dsv3_plugin.parallel_groups / "
+                         "moe_parallel (expert-parallel DeepSeekMoE)") from e
+    if ps.get_tensor_model_parallel_world_size() > 1 or ps.get_expert_tensor_parallel_world_size() > 1:
+        raise ValueError("DSv3FFN: expert parallelism with tensor parallelism > 1 is not supported")
+    return build_ep_groups(ps.get_expert_model_parallel_world_size(), cfg.moe.ranks_per_node,
+                           ep_group=ps.get_expert_model_parallel_group(),
+                           edp_group=ps.get_expert_data_parallel_group())
+
+
 def ffn_kind(cfg, layer_number: int) -> str:
     """'dense' or 'moe' for Megatron's 1-based global `layer_number` (MTP layers follow the decoder's)."""
     return "moe" if cfg.is_moe_layer(layer_number - 1) else "dense"
@@ -81,7 +102,15 @@ class DSv3FFN(MegatronModule):
         if self.kind == "dense":
             self.dense = DenseMLP(m.hidden_size, m.intermediate_size)
         else:
-            self.moe = DeepSeekMoE(m.hidden_size, self.cfg.moe)
+            groups = _megatron_ep_groups(self.cfg)
+            if groups is None:
+                self.moe = DeepSeekMoE(m.hidden_size, self.cfg.moe)
+            else:
+                from ..moe_parallel import ExpertParallelMoE
+                self.moe = ExpertParallelMoE(m.hidden_size, self.cfg.moe, groups)
+                # Megatron's DDP reduces these over the expert-data-parallel group, not the whole DP group.
+                for p in self.moe.experts.parameters():
+                    p.allreduce = False
             self.moe.gate = MegatronRouter(m.hidden_size, self.cfg.moe)
         self._init_weights()
 
