@@ -2,10 +2,14 @@
 the SDPA core attention and the DSv3Config -> Megatron config bridge. Single process, no process group."""
 import importlib
 import math
+import os
+import sys
 
 import pytest
 import torch
 
+# `patches/` is a top-level directory of the checkout, not part of the installed package.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 megatron_cpu = importlib.import_module("patches.megatron_cpu")
 
 
