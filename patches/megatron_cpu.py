@@ -15,7 +15,9 @@ What is patched, and why (megatron-core 0.16.1, the only version tested):
    `count_zeros_fp32`) run under `_CudaLiteralsOnCPU`, a torch function mode that turns such device arguments
    (and `Tensor.cuda()`) into CPU ones for the duration of the call; `clip_grad_by_total_norm_fp32` (which
    asserts CUDA tensor types) is replaced by the same in-place fp32 scaling written for any device.
-4. `megatron.core.transformer.multi_latent_attention.HAVE_TE` -> False. Without Transformer Engine Megatron's
+4. `tensor_parallel.random._get_cuda_rng_state` / `_set_cuda_rng_state` -> the CPU generator's state, so
+   Megatron's activation recompute (`tensor_parallel.checkpoint`) can save and restore RNG states.
+5. `megatron.core.transformer.multi_latent_attention.HAVE_TE` -> False. Without Transformer Engine Megatron's
    import fallbacks leave `HAVE_TE = True` with `TELinear` a MagicMock, and `MLASelfAttention.__init__` then fails
    at `isinstance(self.linear_proj, TELinear)`.
 
@@ -108,10 +110,21 @@ def _clip_grad_by_total_norm_fp32_cpu(parameters, max_norm, total_norm, use_deco
             g.mul_(clip_coeff)
 
 
-# (module, attribute) replaced outright on CPU.
+def _get_device_rng_state_cpu(device="cuda", clone=False, graph_safe=False):
+    return torch.get_rng_state()
+
+
+def _set_device_rng_state_cpu(new_state, device=-1, graph_safe=False):
+    torch.set_rng_state(new_state)
+
+
+# (module, attribute, replacement) replaced outright on CPU.
 _REPLACED_SITES = (
-    ("megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32"),
-    ("megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32"),
+    ("megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32", _clip_grad_by_total_norm_fp32_cpu),
+    ("megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32", _clip_grad_by_total_norm_fp32_cpu),
+    # Activation recompute saves/restores the "CUDA" RNG state around the re-run forward: the CPU one here.
+    ("megatron.core.tensor_parallel.random", "_get_cuda_rng_state", _get_device_rng_state_cpu),
+    ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state", _set_device_rng_state_cpu),
 )
 
 
@@ -203,10 +216,10 @@ def apply(force: bool = False) -> bool:
         orig = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
         _saved["sites"].append((owner, attr, orig))
         setattr(owner, attr, _on_cpu(orig))
-    for module, path in _REPLACED_SITES:
+    for module, path, replacement in _REPLACED_SITES:
         owner, attr = _resolve(module, path)
         _saved["sites"].append((owner, attr, getattr(owner, attr)))
-        setattr(owner, attr, _clip_grad_by_total_norm_fp32_cpu)
+        setattr(owner, attr, replacement)
     torch.cuda.current_device = _cpu_current_device
     mrandom._CUDA_RNG_STATE_TRACKER = _tracker_class()()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True

@@ -21,14 +21,16 @@ expert loads, the balance loss and every real position equal our standalone mode
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
+from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from ..moe import DeepSeekMoE, DenseMLP
-from ..router import Router
+from ..router import Router, skip_counting
 from .config import dsv3_config_of
 
 __all__ = ["MegatronRouter", "DSv3FFN", "ffn_kind"]
@@ -116,16 +118,30 @@ class DSv3FFN(MegatronModule):
 
     @torch.no_grad()
     def _init_weights(self) -> None:
-        # Megatron's init (normal, init_method_std) under its RNG tracker, like its own MLPs; router bias 0.
-        from megatron.core import tensor_parallel
+        """Megatron's init (normal, init_method_std) under its RNG tracker, like its own MLPs: replicated
+        parameters from the model-parallel stream (identical on every DP/EP rank), routed experts from the
+        expert-parallel stream (different per EP rank, as Megatron seeds it). The router stays fp32."""
+        from megatron.core.tensor_parallel.random import get_expert_parallel_rng_tracker_name
         dtype = self.config.params_dtype
-        with tensor_parallel.get_cuda_rng_tracker().fork():
-            for name, p in self.named_parameters():
-                if name.endswith("gate.weight"):
-                    self.config.init_method(p)         # the router stays fp32
+        tracker = tensor_parallel.get_cuda_rng_tracker()
+        params = list(self.named_parameters())
+        for name, p in params:
+            if not name.endswith("gate.weight"):
+                p.data = p.data.to(dtype)
+        if not self.config.perform_initialization:
+            return
+        with tracker.fork():
+            for name, p in params:
+                if ".experts." in name:
+                    continue
+                if p.dim() > 1:
+                    self.config.init_method(p)
                 else:
-                    p.data = p.data.to(dtype)
-                    self.config.init_method(p) if p.dim() > 1 else p.fill_(1.0)
+                    p.fill_(1.0)
+        with tracker.fork(get_expert_parallel_rng_tracker_name()):
+            for name, p in params:
+                if ".experts." in name:
+                    self.config.init_method(p)
 
     @property
     def num_mtp_shift(self) -> int:
@@ -143,7 +159,11 @@ class DSv3FFN(MegatronModule):
         S = x_SBH.shape[0]
         valid = S - self.num_mtp_shift
         x_BSH = x_SBH[:valid].transpose(0, 1)                 # [b, s', h]: per-sequence balance loss
-        y_SBH = self.moe(x_BSH).transpose(0, 1)               # [s', b, h]
+        # Megatron's activation recompute runs the forward under no_grad, then again with grad in backward
+        # (both while `is_checkpointing()`): count the loads in the first pass only.
+        recompute_pass = tensor_parallel.random.is_checkpointing() and torch.is_grad_enabled()
+        with skip_counting() if recompute_pass else contextlib.nullcontext():
+            y_SBH = self.moe(x_BSH).transpose(0, 1)           # [s', b, h]
         if valid < S:
             pad = y_SBH.new_zeros((S - valid,) + tuple(y_SBH.shape[1:]))
             y_SBH = torch.cat([y_SBH, pad], dim=0)
