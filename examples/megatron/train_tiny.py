@@ -6,7 +6,8 @@ and `finalize_model_grads` (which also applies the aux-loss-free bias update to 
 
 CPU (gloo, with patches/megatron_cpu.py applied automatically) or GPU (NCCL, unpatched). Prints one JSON line per
 step: step, loss (LM loss; Megatron adds λ·MTP and α·balance through its loss auto-scalers in backward),
-maxvio (mean over MoE layers of max load / mean load − 1), bias_update_rate.
+maxvio (mean over MoE layers of max load / mean load − 1), bias_update_rate; then the LM loss on a held-out
+batch before and after training.
 """
 from __future__ import annotations
 
@@ -51,6 +52,19 @@ def train(args) -> list[dict]:
                                                  use_distributed_optimizer=False), [ddp])
     routers = [m for m in model.modules() if hasattr(m, "expert_bias")]
     seq, bsz = args.seq_len, args.micro_batch
+
+    def held_out_loss() -> float:
+        """LM loss on a fixed batch no step trains on (mean over ranks)."""
+        data = synthetic_batch(0, 10_000 + rank, bsz, seq, cfg.model.vocab_size).to(device)
+        ddp.eval()
+        with torch.no_grad():
+            val = ddp(data[:, :-1], *causal_inputs(data[:, :-1]), labels=data[:, 1:]).float().mean()
+        if world > 1:
+            torch.distributed.all_reduce(val)
+            val /= world
+        return round(float(val), 6)
+
+    eval_before = held_out_loss()
     lines = []
     for step in range(1, args.steps + 1):
         tokens_seen = (step - 1) * seq * bsz * world
@@ -80,6 +94,10 @@ def train(args) -> list[dict]:
         lines.append(line)
         if rank == 0:
             print(json.dumps(line), flush=True)
+    summary = {"held_out_loss_before": eval_before, "held_out_loss_after": held_out_loss(), "steps": args.steps}
+    lines.append(summary)
+    if rank == 0:
+        print(json.dumps(summary), flush=True)
     shutdown_megatron()
     return lines
 
