@@ -57,10 +57,25 @@ class _Target:
     """Where one source tensor goes: parameter/buffer `name`, optionally row `index` (stacked expert) and a
     dim-0 slice `part` of `nparts` (fused gate|up in Megatron's layout)."""
 
-    __slots__ = ("name", "index", "part", "nparts", "shared")
+    __slots__ = ("name", "index", "part", "nparts", "shared", "stage_local")
 
-    def __init__(self, name, index=None, part=0, nparts=1, shared=False):
+    def __init__(self, name, index=None, part=0, nparts=1, shared=False, stage_local=False):
         self.name, self.index, self.part, self.nparts, self.shared = name, index, part, nparts, shared
+        self.stage_local = stage_local  # exists only on some pipeline stages: skipped where the model lacks it
+
+
+# Transformer Engine's MLA spec fuses the latent norms into the up-projections.
+_TE_ALIASES = {"self_attention.q_layernorm.weight": "self_attention.linear_q_up_proj.layer_norm_weight",
+               "self_attention.kv_layernorm.weight": "self_attention.linear_kv_up_proj.layer_norm_weight"}
+
+
+def _resolve_name(name: str, state: dict) -> str:
+    if name in state:
+        return name
+    for ours, te in _TE_ALIASES.items():
+        if name.endswith(ours) and name[: -len(ours)] + te in state:
+            return name[: -len(ours)] + te
+    return name
 
 
 def _model_geometry(model):
@@ -82,11 +97,11 @@ def hf_to_megatron_name(hf: str, L: int, offset: int, n_local: int, n_experts: i
     """Target of released tensor `hf` in this rank's model, None if it belongs to another stage / EP rank.
     CheckpointError for a name outside the released format."""
     if hf == "model.embed_tokens.weight":
-        return _Target("embedding.word_embeddings.weight")
+        return _Target("embedding.word_embeddings.weight", stage_local=True)
     if hf == "model.norm.weight":
-        return _Target("decoder.final_layernorm.weight")
+        return _Target("decoder.final_layernorm.weight", stage_local=True)
     if hf == "lm_head.weight":
-        return _Target("output_layer.weight")
+        return _Target("output_layer.weight", stage_local=True)
     m = _LAYER_RE.match(hf)
     if not m:
         raise CheckpointError(f"{hf}: unexpected tensor (not part of the released DeepSeek-V3 format)")
@@ -160,6 +175,9 @@ def _assign(model, items: Iterable[tuple[str, _Target, torch.Tensor]]) -> None:
         if tgt.shared:
             shared_checks.append((src, tgt.name, t))
             continue
+        tgt.name = _resolve_name(tgt.name, state)
+        if tgt.name not in state and tgt.stage_local:
+            continue                                   # held by another pipeline stage
         if tgt.name not in state:
             raise CheckpointError(f"{src}: maps to {tgt.name}, which this model does not have "
                                   "(model built for a different config?)")
