@@ -23,6 +23,15 @@ def _megatron_state():
             cg.get_grad_norm_fp32)
 
 
+def test_importing_the_package_does_not_import_megatron():
+    import subprocess
+    code = ("import sys, dsv3_plugin.megatron as m; assert 'megatron' not in sys.modules, 'megatron imported'; "
+            "assert 'patches.megatron_cpu' not in sys.modules")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root,
+                   env={**os.environ, "PYTHONPATH": root})
+
+
 def test_importing_the_plugin_changes_nothing():
     before = _megatron_state()
     import dsv3_plugin.megatron as plugin
