@@ -29,7 +29,8 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from ..config import ConfigError, DSv3Config, load_config
 
-__all__ = ["DSv3TransformerConfig", "to_transformer_config", "dsv3_config_of", "set_bias_update_rate"]
+__all__ = ["DSv3TransformerConfig", "to_transformer_config", "dsv3_config_of", "apply_schedules",
+           "set_bias_update_rate", "follow_schedules"]
 
 
 @dataclasses.dataclass
@@ -82,11 +83,11 @@ def to_transformer_config(cfg: DSv3Config | dict | str, tokens_seen: float = 0.0
         params_dtype=torch.float32,
         dsv3_config=cfg,
     )
-    _MODEL_KEYS = {"num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "q_lora_rank",
+    model_keys = {"num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "q_lora_rank",
                    "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "num_moe_experts",
                    "moe_router_topk", "moe_ffn_hidden_size", "mtp_num_layers"}
     for key, val in overrides.items():
-        if key in _MODEL_KEYS and val is not None and val != fields[key]:
+        if key in model_keys and val is not None and val != fields[key]:
             raise ConfigError(f"megatron.{key}: {val!r} contradicts the dsv3 config ({fields[key]!r}); "
                               "change the dsv3 config instead")
     fields.update(overrides)
@@ -103,9 +104,27 @@ def dsv3_config_of(config) -> DSv3Config:
     return load_config(cfg)
 
 
-def set_bias_update_rate(config, tokens_seen: float) -> float:
-    """Follow the γ schedule (paper §4.2: 1e-3, then 0 for the last 500B tokens): Megatron reads the rate from
-    `config.moe_router_bias_update_rate` at every `finalize_model_grads`. Call once per step."""
-    gamma = dsv3_config_of(config).moe.gamma(tokens_seen)
+def apply_schedules(config, tokens_seen: float) -> tuple[float, float]:
+    """Set the schedules' current values on the Megatron config (paper §4.2: γ = 1e-3 then 0 for the last 500B
+    tokens; λ = 0.3 for the first 10T tokens then 0.1): Megatron reads `moe_router_bias_update_rate` at every
+    `finalize_model_grads` and `mtp_loss_scaling_factor` at every forward. Returns (γ, λ)."""
+    cfg = dsv3_config_of(config)
+    gamma, lam = cfg.moe.gamma(tokens_seen), cfg.mtp.lam(tokens_seen)
     config.moe_router_bias_update_rate = gamma
-    return gamma
+    if config.mtp_num_layers:
+        config.mtp_loss_scaling_factor = lam
+    return gamma, lam
+
+
+def set_bias_update_rate(config, tokens_seen: float) -> float:
+    """γ only (see `apply_schedules`)."""
+    return apply_schedules(config, tokens_seen)[0]
+
+
+def follow_schedules(model, tokens_seen_fn) -> None:
+    """Keep γ and λ on schedule without touching the training loop: before every forward of `model` (a GPTModel
+    built from our spec), read `tokens_seen_fn()` and `apply_schedules`. Used for Megatron-LM runs, where
+    tokens seen = consumed samples × sequence length."""
+    def hook(module, args, kwargs=None):
+        apply_schedules(module.config, float(tokens_seen_fn()))
+    model.register_forward_pre_hook(hook)

@@ -13,7 +13,7 @@ from typing import Any, Optional
 import torch
 
 from ..config import ConfigError, DSv3Config, load_config
-from .config import DSv3TransformerConfig, to_transformer_config
+from .config import DSv3TransformerConfig, follow_schedules, to_transformer_config
 from .spec import get_layer_spec, get_mtp_block_spec
 
 __all__ = ["build_gpt_model", "gpt_builder", "transformer_config_from_args", "forward_logits", "causal_inputs",
@@ -80,8 +80,15 @@ def gpt_builder(args, pre_process, post_process, vp_stage=None, config=None, pg_
             config = core_transformer_config_from_args(args)
         config = transformer_config_from_args(args, config)
     use_te = getattr(args, "transformer_impl", "local") == "transformer_engine"
-    return build_gpt_model(config, pre_process=pre_process, post_process=post_process, use_te=use_te,
-                           vp_stage=vp_stage, pg_collection=pg_collection)
+    model = build_gpt_model(config, pre_process=pre_process, post_process=post_process, use_te=use_te,
+                            vp_stage=vp_stage, pg_collection=pg_collection)
+    follow_schedules(model, lambda: _megatron_lm_tokens_seen(args))
+    return model
+
+
+def _megatron_lm_tokens_seen(args) -> float:
+    """Tokens consumed so far in a Megatron-LM run (its `args` is updated by the training loop)."""
+    return float(getattr(args, "consumed_train_samples", 0) or 0) * float(getattr(args, "seq_length", 0) or 0)
 
 
 def causal_inputs(input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -35,7 +35,7 @@ def train(args) -> list[dict]:
 
     from dsv3_plugin.balancing import maxvio
     from dsv3_plugin.config import load_config
-    from dsv3_plugin.megatron.config import set_bias_update_rate
+    from dsv3_plugin.megatron.config import apply_schedules
     from dsv3_plugin.megatron.gpt import build_gpt_model, causal_inputs
     from dsv3_plugin.megatron.runtime import init_megatron, shutdown_megatron, wrap_ddp
     from dsv3_plugin.megatron.weights import load_hf_checkpoint
@@ -68,7 +68,7 @@ def train(args) -> list[dict]:
     lines = []
     for step in range(1, args.steps + 1):
         tokens_seen = (step - 1) * seq * bsz * world
-        rate = set_bias_update_rate(model.config, tokens_seen)
+        rate, _ = apply_schedules(model.config, tokens_seen)
         ddp.train()
         ddp.zero_grad_buffer()
         opt.zero_grad()

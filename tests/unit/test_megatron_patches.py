@@ -181,3 +181,37 @@ def test_megatron_lm_integration_refuses_untested_version(monkeypatch):
     monkeypatch.setattr(pi, "__version__", "0.18.0")
     with pytest.raises(RuntimeError, match=r"megatron-core 0\.18\.0 is untested"):
         check_megatron_version()
+
+
+def test_schedules_follow_tokens_seen():
+    import argparse
+
+    from dsv3_plugin.config import load_config
+    from dsv3_plugin.megatron.config import apply_schedules, follow_schedules, to_transformer_config
+    from dsv3_plugin.megatron.gpt import _megatron_lm_tokens_seen
+    cfg = load_config({"preset": "tiny",
+                       "moe": {"bias_update_schedule": [{"until_tokens": 1000, "value": 0.001},
+                                                        {"until_tokens": None, "value": 0.0}]},
+                       "mtp": {"loss_weight_schedule": [{"until_tokens": 500, "value": 0.3},
+                                                        {"until_tokens": None, "value": 0.1}]}})
+    tc = to_transformer_config(cfg)
+    assert (tc.moe_router_bias_update_rate, tc.mtp_loss_scaling_factor) == (0.001, 0.3)
+    assert apply_schedules(tc, 600) == (0.001, 0.1) and tc.mtp_loss_scaling_factor == 0.1
+    assert apply_schedules(tc, 2000) == (0.0, 0.1) and tc.moe_router_bias_update_rate == 0.0
+
+    class Fake(torch.nn.Module):          # stands in for the GPTModel: the hook only reads `.config`
+        def __init__(self):
+            super().__init__()
+            self.config = to_transformer_config(cfg)
+
+        def forward(self, x):
+            return x
+
+    args = argparse.Namespace(consumed_train_samples=0, seq_length=64)
+    m = Fake()
+    follow_schedules(m, lambda: _megatron_lm_tokens_seen(args))
+    m(torch.zeros(1))
+    assert m.config.moe_router_bias_update_rate == 0.001
+    args.consumed_train_samples = 20                  # 1280 tokens
+    m(torch.zeros(1))
+    assert (m.config.moe_router_bias_update_rate, m.config.mtp_loss_scaling_factor) == (0.0, 0.1)
