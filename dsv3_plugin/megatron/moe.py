@@ -114,6 +114,8 @@ class DSv3FFN(MegatronModule):
                 for p in self.moe.experts.parameters():
                     p.allreduce = False
             self.moe.gate = MegatronRouter(m.hidden_size, self.cfg.moe)
+        if torch.cuda.is_available() and not self.config.use_cpu_initialization:
+            self.to(torch.cuda.current_device())   # where Megatron puts its own parameters
         self._init_weights()
 
     @torch.no_grad()
