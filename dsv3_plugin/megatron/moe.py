@@ -153,11 +153,13 @@ class DSv3FFN(MegatronModule):
     def forward(self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor] = None, **kwargs):
         if self.kind is None:
             raise RuntimeError("DSv3FFN: set_layer_number() was never called (not built by a TransformerLayer)")
-        if padding_mask is not None and bool(padding_mask.any()):
-            raise ValueError("DSv3FFN: padding_mask with padded positions is not supported (pack the sequences)")
         x_SBH = hidden_states
         if self.kind == "dense":
             return self.dense(x_SBH), None
+        if padding_mask is not None and bool(padding_mask.any()):
+            # Padded tokens would be routed and counted in the expert loads the bias update uses.
+            raise ValueError("DSv3FFN: padding_mask with padded positions is not supported by the DeepSeekMoE "
+                             "layers (pack the sequences)")
         S = x_SBH.shape[0]
         valid = S - self.num_mtp_shift
         x_BSH = x_SBH[:valid].transpose(0, 1)                 # [b, s', h]: per-sequence balance loss

@@ -215,3 +215,44 @@ def test_schedules_follow_tokens_seen():
     args.consumed_train_samples = 20                  # 1280 tokens
     m(torch.zeros(1))
     assert (m.config.moe_router_bias_update_rate, m.config.mtp_loss_scaling_factor) == (0.0, 0.1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="uses the CPU shims")
+def test_ffn_adapter_through_the_018_builder_protocol():
+    """What TransformerLayer does from core 0.18 on: `mlp = builder(config=, pg_collection=, is_mtp_layer=,
+    name=)`, then `set_layer_number(n)`, then `mlp(hidden [s, b, h], padding_mask=...) -> (out, None)`."""
+    import megatron.core.tensor_parallel.random as mrandom
+
+    from dsv3_plugin.config import load_config
+    from dsv3_plugin.megatron.config import to_transformer_config
+    from dsv3_plugin.megatron.spec import _build_ffn
+    cfg = load_config({"preset": "tiny"})
+    tc = to_transformer_config(cfg)
+    with megatron_cpu.cpu_shims():
+        tracker = mrandom._CUDA_RNG_STATE_TRACKER
+        tracker.add("model-parallel-rng", 11)
+        tracker.add(mrandom.get_expert_parallel_rng_tracker_name(), 12)
+        dense = _build_ffn(config=tc, pg_collection=None, is_mtp_layer=False, name="decoder.layers.0.mlp")
+        dense.set_layer_number(1)
+        moe = _build_ffn(config=tc, pg_collection=None, is_mtp_layer=False, name="decoder.layers.1.mlp")
+        moe.set_layer_number(2)
+        mtp = _build_ffn(config=tc, pg_collection=None, is_mtp_layer=True, name="mtp.layers.0.mlp")
+        mtp.set_layer_number(4)
+    assert (dense.kind, moe.kind, mtp.kind, mtp.num_mtp_shift) == ("dense", "moe", "moe", 1)
+    x_SBH = torch.randn(6, 2, cfg.model.hidden_size, generator=torch.Generator().manual_seed(0))
+    out, bias = dense(x_SBH, padding_mask=None)
+    assert bias is None
+    torch.testing.assert_close(out, dense.dense(x_SBH))
+    moe.eval()
+    out, _ = moe(x_SBH)
+    torch.testing.assert_close(out, moe.moe(x_SBH.transpose(0, 1)).transpose(0, 1))
+    mtp.train()
+    out, _ = mtp(x_SBH)
+    assert torch.equal(out[-1], torch.zeros_like(out[-1]))                    # the rolled-in padding row
+    assert float(mtp.moe.gate.local_tokens_per_expert.sum()) == 5 * 2 * cfg.moe.top_k
+    assert mtp.moe.gate.expert_bias is mtp.moe.gate.e_score_correction_bias
+    pad = torch.zeros(2, 6, dtype=torch.bool)
+    torch.testing.assert_close(dense(x_SBH, padding_mask=pad | True)[0], dense.dense(x_SBH))
+    torch.testing.assert_close(moe(x_SBH, padding_mask=pad)[0], moe(x_SBH)[0])
+    with pytest.raises(ValueError, match="padding_mask"):
+        moe(x_SBH, padding_mask=pad | True)
