@@ -90,6 +90,30 @@ def _worker(root):
         "grads": max((runs[0][1][n] - g).abs().max().item() for n, g in runs[1][1].items()),
     }
 
+    # Megatron's own finalize_model_grads steps our routers' bias like balancing.update_expert_bias (1 rank here;
+    # tests/dist/test_megatron_parallel.py repeats it on 2 ranks, where the counts are all-reduced over DP).
+    from megatron.core.distributed import finalize_model_grads
+
+    from dsv3_plugin.balancing import routers_of, update_expert_bias
+    from dsv3_plugin.megatron.runtime import wrap_ddp
+    m = build_gpt_model(cfg)
+    load_hf_checkpoint(m, os.path.join(root, "tiny"))
+    ddp = wrap_ddp(m)
+    ddp.train()
+    ddp(ids, pos, mask, labels=ids.roll(-1, 1)).mean().backward()
+    routers = [r for r in m.modules() if hasattr(r, "expert_bias")]
+    before = [r.expert_bias.clone() for r in routers]
+    finalize_model_grads([ddp])
+    standalone = load_pretrained(os.path.join(root, "tiny")).train()
+    standalone(ids)
+    update_expert_bias(standalone, cfg.moe.gamma(0.0))
+    out["bias_update"] = {
+        "vs_standalone": [(r.expert_bias - s.e_score_correction_bias).abs().max().item()
+                          for r, s in zip(routers, routers_of(standalone))],
+        "moved": [(r.expert_bias - b).abs().max().item() for r, b in zip(routers, before)],
+        "zeroed": all(float(r.local_tokens_per_expert.abs().sum()) == 0 for r in routers),
+        "n": len(routers), "gamma": cfg.moe.gamma(0.0)}
+
     # Loader errors name the tensor: a checkpoint for another config, and a checkpoint missing a tensor.
     from dsv3_plugin.errors import CheckpointError
     errors = {}
@@ -123,6 +147,14 @@ def test_logits_match_transformers(results, name):
     assert r["shape"][0] == r["shape"][1]
     assert r["scale"] > 0.05           # real logits, not a degenerate model
     assert r["hf"] <= 1e-5, r          # the issue asks 1e-4; the ops are the same, so we hold 1e-5
+
+
+def test_finalize_model_grads_updates_our_router_bias(results):
+    r = results["bias_update"]
+    assert r["n"] == 3                                       # 2 MoE decoder layers + the MTP layer
+    assert all(d <= 1e-7 for d in r["vs_standalone"]), r
+    assert all(abs(m - r["gamma"]) < 1e-6 for m in r["moved"]), r
+    assert r["zeroed"]
 
 
 def test_activation_recompute_counts_loads_once(results):
