@@ -1,0 +1,164 @@
+"""Building a Megatron-Core `GPTModel` for a `DSv3Config`, and reading its logits (main and MTP heads).
+
+`build_gpt_model(cfg)` is the Python entry point; `gpt_builder(args, pre_process, post_process, ...)` has the
+signature of Megatron-LM's `gpt_builders.gpt_builder` and is what `patches/pretrain_gpt.diff` swaps in when
+`--dsv3-config ds.json` is given (Megatron-LM's parallel/precision flags are kept, the model shape comes from
+the dsv3 config, and a contradicting shape flag is an error naming it).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+
+from ..config import ConfigError, DSv3Config, load_config
+from .config import DSv3TransformerConfig, follow_schedules, to_transformer_config
+from .spec import get_layer_spec, get_mtp_block_spec
+
+__all__ = ["build_gpt_model", "gpt_builder", "transformer_config_from_args", "forward_logits", "causal_inputs",
+           "add_dsv3_args", "select_builder", "check_megatron_version", "TESTED_MEGATRON_LM"]
+
+
+def build_gpt_model(cfg: DSv3Config | dict | str | DSv3TransformerConfig, pre_process: bool = True,
+                    post_process: bool = True, use_te: Optional[bool] = None, vp_stage: Optional[int] = None,
+                    pg_collection=None, **overrides: Any):
+    """A `GPTModel` with MLA + our FFNs (+ Megatron's MTP block around our layer) for `cfg`.
+    Megatron's model-parallel state must be initialized (`parallel_state.initialize_model_parallel`)."""
+    from megatron.core.models.gpt import GPTModel
+    config = cfg if isinstance(cfg, DSv3TransformerConfig) else to_transformer_config(cfg, **overrides)
+    m = config.dsv3_config.model
+    mtp_spec = get_mtp_block_spec(config, use_te) if post_process else None
+    return GPTModel(
+        config=config, transformer_layer_spec=get_layer_spec(use_te), vocab_size=m.vocab_size,
+        max_sequence_length=m.max_position_embeddings, pre_process=pre_process, post_process=post_process,
+        parallel_output=True, share_embeddings_and_output_weights=m.tie_word_embeddings,
+        position_embedding_type="none",  # MLA applies its own (YaRN) RoPE inside attention
+        mtp_block_spec=mtp_spec, vp_stage=vp_stage, pg_collection=pg_collection)
+
+
+# Megatron-LM flags that fix the model shape: they must agree with the dsv3 config (or be left unset).
+_ARG_CHECKS = {
+    "num_layers": lambda c: c.model.num_hidden_layers, "hidden_size": lambda c: c.model.hidden_size,
+    "ffn_hidden_size": lambda c: c.model.intermediate_size,
+    "num_attention_heads": lambda c: c.model.num_attention_heads,
+    "num_experts": lambda c: c.moe.n_routed_experts, "moe_router_topk": lambda c: c.moe.top_k,
+    "mtp_num_layers": lambda c: c.mtp.depth or None,
+}
+# Megatron-LM config fields kept from its own flags (parallelism, precision, recompute, ...).
+_KEEP = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+         "expert_model_parallel_size", "expert_tensor_parallel_size", "context_parallel_size",
+         "sequence_parallel", "fp16", "bf16", "params_dtype", "pipeline_dtype", "autocast_dtype",
+         "recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules",
+         "distribute_saved_activations", "timers", "barrier_with_L1_time", "deterministic_mode",
+         "gradient_accumulation_fusion", "async_tensor_model_parallel_allreduce", "use_cpu_initialization",
+         "perform_initialization", "calculate_per_token_loss", "num_layers_in_first_pipeline_stage",
+         "num_layers_in_last_pipeline_stage", "account_for_embedding_in_pipeline_split",
+         "account_for_loss_in_pipeline_split", "variable_seq_lengths", "moe_token_dispatcher_type")
+
+
+def transformer_config_from_args(args, base_config=None) -> DSv3TransformerConfig:
+    """Megatron-LM `args` (+ the config it built from them) -> our config for `args.dsv3_config`."""
+    cfg = load_config(args.dsv3_config)
+    for key, want in _ARG_CHECKS.items():
+        got = getattr(args, key, None)
+        if got is not None and got != want(cfg):
+            raise ConfigError(f"--{key.replace('_', '-')}: {got} contradicts {args.dsv3_config} ({want(cfg)}); "
+                              "drop the flag or change the dsv3 config")
+    keep = {}
+    if base_config is not None:
+        names = {f.name for f in dataclasses.fields(base_config)}
+        keep = {k: getattr(base_config, k) for k in _KEEP if k in names}
+    return to_transformer_config(cfg, **keep)
+
+
+def gpt_builder(args, pre_process, post_process, vp_stage=None, config=None, pg_collection=None):
+    """Drop-in for Megatron-LM's `gpt_builders.gpt_builder` (see patches/pretrain_gpt.diff)."""
+    if not isinstance(config, DSv3TransformerConfig):
+        if config is None:  # Megatron-LM's own config from its flags, for the parallel/precision fields
+            from megatron.training.arguments import core_transformer_config_from_args
+            config = core_transformer_config_from_args(args)
+        config = transformer_config_from_args(args, config)
+    use_te = getattr(args, "transformer_impl", "local") == "transformer_engine"
+    model = build_gpt_model(config, pre_process=pre_process, post_process=post_process, use_te=use_te,
+                            vp_stage=vp_stage, pg_collection=pg_collection)
+    follow_schedules(model, lambda: _megatron_lm_tokens_seen(args))
+    return model
+
+
+def _megatron_lm_tokens_seen(args) -> float:
+    """Tokens consumed so far in a Megatron-LM run (its `args` is updated by the training loop)."""
+    return float(getattr(args, "consumed_train_samples", 0) or 0) * float(getattr(args, "seq_length", 0) or 0)
+
+
+def causal_inputs(input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """position_ids [B, T] and the causal `attention_mask` [1, 1, T, T] (True = masked) for `GPTModel`."""
+    B, T = input_ids.shape
+    pos = torch.arange(T, device=input_ids.device).unsqueeze(0).expand(B, T)
+    mask = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).triu(1)[None, None]
+    return pos, mask
+
+
+def forward_logits(model, input_ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(logits [B, T, V], MTP logits: k-th [B, T−k, V], row i predicting token i+k+1) — the layout of our
+    `DSv3Output`. Megatron's GPTModel returns MTP logits only through its loss, so this runs it with dummy
+    labels and reads the MTP block's hidden states with a forward hook."""
+    model_config = model.config
+    pos, mask = causal_inputs(input_ids)
+    D = model_config.mtp_num_layers or 0
+    if not D:
+        logits = model(input_ids, pos, mask)
+        return logits, []
+    captured = {}
+    handle = model.mtp.register_forward_hook(lambda mod, inp, out: captured.__setitem__("h", out))
+    try:
+        model(input_ids, pos, mask, labels=torch.zeros_like(input_ids))
+    finally:
+        handle.remove()
+    chunks = torch.chunk(captured["h"], 1 + D, dim=0)               # [(1+D)·s, b, h] -> 1+D × [s, b, h]
+    weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
+    outs = []
+    for h_SBH in chunks:
+        lg, _ = model.output_layer(h_SBH, weight=weight)
+        outs.append(lg.transpose(0, 1).contiguous())               # [b, s, V]
+    T = input_ids.shape[1]
+    return outs[0], [outs[k][:, :T - k] for k in range(1, D + 1)]
+
+
+# --- Megatron-LM integration (patches/pretrain_gpt.diff calls these) -----------------------------------------
+
+TESTED_MEGATRON_LM = ("0.16.1",)
+
+
+def check_megatron_version(what: str = "patches/pretrain_gpt.diff") -> str:
+    """Refuse an untested megatron-core (set DSV3_ALLOW_UNTESTED_MEGATRON=1 to try anyway)."""
+    import os
+
+    from megatron.core.package_info import __version__ as v
+    if v not in TESTED_MEGATRON_LM and os.environ.get("DSV3_ALLOW_UNTESTED_MEGATRON") != "1":
+        raise RuntimeError(f"{what}: megatron-core {v} is untested (tested: {', '.join(TESTED_MEGATRON_LM)}); "
+                           "set DSV3_ALLOW_UNTESTED_MEGATRON=1 to run it anyway")
+    return v
+
+
+def add_dsv3_args(parser, other=None):
+    """Megatron-LM `extra_args_provider`: adds `--dsv3-config`; chains `other` (e.g. modelopt's) if given."""
+    if other is not None:
+        parser = other(parser)
+    group = parser.add_argument_group(title="dsv3_plugin")
+    group.add_argument("--dsv3-config", type=str, default=None,
+                       help="JSON file with a \"dsv3\" block: build the DeepSeek-V3 model (MLA, DeepSeekMoE, MTP) "
+                            "from dsv3_plugin instead of Megatron's GPT layers")
+    return parser
+
+
+def select_builder(default_builder):
+    """The model builder Megatron-LM should use: ours when `--dsv3-config` was given, else `default_builder`."""
+    def builder(args, pre_process, post_process, vp_stage=None, config=None, pg_collection=None):
+        if getattr(args, "dsv3_config", None):
+            check_megatron_version()
+            return gpt_builder(args, pre_process, post_process, vp_stage=vp_stage, config=config,
+                               pg_collection=pg_collection)
+        return default_builder(args, pre_process, post_process, vp_stage=vp_stage, config=config,
+                               pg_collection=pg_collection)
+    return builder

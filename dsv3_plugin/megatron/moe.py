@@ -1,0 +1,176 @@
+"""Our FFNs (dense SwiGLU for the first k layers, DeepSeekMoE after, paper eq. 12) as Megatron's MLP submodule.
+
+Megatron-Core 0.16/0.17 builds a layer's MLP as `Module(config=..., **spec.params)` and afterwards calls
+`set_layer_number(n)` (integration_facts.md); it calls `mlp(hidden [s, b, h], padding_mask=...)` and expects
+`(output, bias)`. One layer spec serves every layer (that is what `--spec module name` hands to Megatron-LM), so
+`DSv3FFN` decides dense vs. MoE when it learns its layer number: layers 1..first_k_dense_replace are dense,
+later ones (and the MTP layers, numbered after the decoder's) are DeepSeekMoE.
+
+Aux-loss-free balancing through Megatron's own hook: `MegatronRouter` is our `Router` with the attribute names
+Megatron's `finalize_model_grads` looks for — `expert_bias` (= `e_score_correction_bias`) and
+`local_tokens_per_expert` (= `tokens_per_expert`), the same tensors, updated in place — so with
+`moe_router_enable_expert_bias` Megatron applies b <- b + rate·sign(mean − load) over TP×DP×CP and zeroes the
+counts, exactly our `balancing.update_expert_bias`.
+
+The sequence-wise balance loss α·L_Bal is attached to the output with Megatron's `MoEAuxLossAutoScaler`
+(its gradient joins backward scaled like the main loss, as Megatron's own MoE layers do).
+
+MTP layer k sees the sequence rolled by k with zeros in the last k positions (Megatron's `roll_tensor`). Those
+k positions do not exist in the paper's MTP (eq. 22 runs on T−k tokens): they are cut off before routing, so
+expert loads, the balance loss and every real position equal our standalone model's; their FFN output is 0.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+from ..moe import DeepSeekMoE, DenseMLP
+from ..router import Router, skip_counting
+from .config import dsv3_config_of
+
+__all__ = ["MegatronRouter", "DSv3FFN", "ffn_kind"]
+
+
+class MegatronRouter(Router):
+    """`Router` under the names Megatron-Core's expert-bias update reads (no copies: the same tensors)."""
+
+    @property
+    def expert_bias(self) -> torch.Tensor:
+        return self.e_score_correction_bias
+
+    @property
+    def local_tokens_per_expert(self) -> torch.Tensor:
+        return self.tokens_per_expert
+
+
+def _megatron_ep_groups(cfg):
+    """Our EP groups on top of Megatron's expert-model-parallel / expert-data-parallel groups; None for EP = 1.
+
+    Megatron (TP = CP = 1) lays EP out as contiguous rank blocks inside DP, the layout of
+    `dsv3_plugin.parallel_groups` (EP rank j owns experts [j·E/P, (j+1)·E/P)), so its groups are used as they are.
+    """
+    from megatron.core import parallel_state as ps
+    if not ps.model_parallel_is_initialized() or ps.get_expert_model_parallel_world_size() == 1:
+        return None
+    try:
+        from ..parallel_groups import build_ep_groups
+    except ImportError as e:  # pragma: no cover - depends on the expert-parallel core being installed
+        raise ValueError("DSv3FFN: expert_model_parallel_size > 1 needs dsv3_plugin.parallel_groups / "
+                         "moe_parallel (expert-parallel DeepSeekMoE)") from e
+    if ps.get_tensor_model_parallel_world_size() > 1 or ps.get_expert_tensor_parallel_world_size() > 1:
+        raise ValueError("DSv3FFN: expert parallelism with tensor parallelism > 1 is not supported")
+    return build_ep_groups(ps.get_expert_model_parallel_world_size(), cfg.moe.ranks_per_node,
+                           ep_group=ps.get_expert_model_parallel_group(),
+                           edp_group=ps.get_expert_data_parallel_group())
+
+
+def ffn_kind(cfg, layer_number: int) -> str:
+    """'dense' or 'moe' for Megatron's 1-based global `layer_number` (MTP layers follow the decoder's)."""
+    return "moe" if cfg.is_moe_layer(layer_number - 1) else "dense"
+
+
+class DSv3FFN(MegatronModule):
+    """Megatron MLP submodule wrapping `DenseMLP` (`self.dense`) or `DeepSeekMoE` (`self.moe`).
+
+    Built in two steps because Megatron 0.16/0.17 passes no layer number to the MLP's constructor: the
+    parameters are created in `set_layer_number`, which `TransformerLayer.__init__` calls right after.
+    """
+
+    def __init__(self, config, submodules=None, layer_number: Optional[int] = None, pg_collection=None,
+                 is_mtp_layer: bool = False, **kwargs):
+        super().__init__(config=config)
+        self.cfg = dsv3_config_of(config)
+        self.pg_collection = pg_collection
+        self.layer_number: Optional[int] = None
+        self.kind: Optional[str] = None
+        if config.sequence_parallel or getattr(config, "context_parallel_size", 1) > 1:
+            raise ValueError("DSv3FFN: sequence_parallel / context_parallel_size > 1 are not supported")
+        if layer_number is not None:
+            self.set_layer_number(layer_number)
+
+    def set_layer_number(self, layer_number: int) -> None:
+        if self.kind is not None:
+            if layer_number != self.layer_number:
+                raise RuntimeError(f"DSv3FFN: built for layer {self.layer_number}, renumbered to {layer_number}")
+            return
+        self.layer_number = layer_number
+        self.kind = ffn_kind(self.cfg, layer_number)
+        m = self.cfg.model
+        if self.kind == "dense":
+            self.dense = DenseMLP(m.hidden_size, m.intermediate_size)
+        else:
+            groups = _megatron_ep_groups(self.cfg)
+            if groups is None:
+                self.moe = DeepSeekMoE(m.hidden_size, self.cfg.moe)
+            else:
+                from ..moe_parallel import ExpertParallelMoE
+                self.moe = ExpertParallelMoE(m.hidden_size, self.cfg.moe, groups)
+                # Megatron's DDP reduces these over the expert-data-parallel group, not the whole DP group.
+                for p in self.moe.experts.parameters():
+                    p.allreduce = False
+            self.moe.gate = MegatronRouter(m.hidden_size, self.cfg.moe)
+        if torch.cuda.is_available() and not self.config.use_cpu_initialization:
+            self.to(torch.cuda.current_device())   # where Megatron puts its own parameters
+        self._init_weights()
+
+    @torch.no_grad()
+    def _init_weights(self) -> None:
+        """Megatron's init (normal, init_method_std) under its RNG tracker, like its own MLPs: replicated
+        parameters from the model-parallel stream (identical on every DP/EP rank), routed experts from the
+        expert-parallel stream (different per EP rank, as Megatron seeds it). The router stays fp32."""
+        from megatron.core.tensor_parallel.random import get_expert_parallel_rng_tracker_name
+        dtype = self.config.params_dtype
+        tracker = tensor_parallel.get_cuda_rng_tracker()
+        params = list(self.named_parameters())
+        for name, p in params:
+            if not name.endswith("gate.weight"):
+                p.data = p.data.to(dtype)
+        if not self.config.perform_initialization:
+            return
+        with tracker.fork():
+            for name, p in params:
+                if ".experts." in name:
+                    continue
+                if p.dim() > 1:
+                    self.config.init_method(p)
+                else:
+                    p.fill_(1.0)
+        with tracker.fork(get_expert_parallel_rng_tracker_name()):
+            for name, p in params:
+                if ".experts." in name:
+                    self.config.init_method(p)
+
+    @property
+    def num_mtp_shift(self) -> int:
+        """k for the k-th MTP layer (its last k positions are padding), 0 for decoder layers."""
+        return max(0, self.layer_number - self.cfg.model.num_hidden_layers)
+
+    def forward(self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor] = None, **kwargs):
+        if self.kind is None:
+            raise RuntimeError("DSv3FFN: set_layer_number() was never called (not built by a TransformerLayer)")
+        x_SBH = hidden_states
+        if self.kind == "dense":
+            return self.dense(x_SBH), None
+        if padding_mask is not None and bool(padding_mask.any()):
+            # Padded tokens would be routed and counted in the expert loads the bias update uses.
+            raise ValueError("DSv3FFN: padding_mask with padded positions is not supported by the DeepSeekMoE "
+                             "layers (pack the sequences)")
+        S = x_SBH.shape[0]
+        valid = S - self.num_mtp_shift
+        x_BSH = x_SBH[:valid].transpose(0, 1)                 # [b, s', h]: per-sequence balance loss
+        # Megatron's activation recompute runs the forward under no_grad, then again with grad in backward
+        # (both while `is_checkpointing()`): count the loads in the first pass only.
+        recompute_pass = tensor_parallel.random.is_checkpointing() and torch.is_grad_enabled()
+        with skip_counting() if recompute_pass else contextlib.nullcontext():
+            y_SBH = self.moe(x_BSH).transpose(0, 1)           # [s', b, h]
+        if valid < S:
+            pad = y_SBH.new_zeros((S - valid,) + tuple(y_SBH.shape[1:]))
+            y_SBH = torch.cat([y_SBH, pad], dim=0)
+        if self.moe.aux_loss is not None and self.training:
+            y_SBH = MoEAuxLossAutoScaler.apply(y_SBH, self.moe.aux_loss)
+        return y_SBH.contiguous(), None

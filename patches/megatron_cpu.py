@@ -1,0 +1,255 @@
+"""Runtime shims that let the parts of Megatron-Core used by `dsv3_plugin.megatron` run on CPU with gloo.
+
+For CI and laptop debugging only: `apply()` does nothing (returns False) when CUDA is available, so the same
+driver code runs unpatched on GPUs. Importing this module changes nothing; `apply()` / `revert()` (or the
+`cpu_shims()` context manager) switch the shims on and off, restoring the exact original objects.
+
+What is patched, and why (megatron-core 0.16.1, the only version tested):
+
+1. `torch.cuda.current_device` -> the CPU device. Megatron allocates with `device=torch.cuda.current_device()`
+   in many places (YaRN RoPE buffers, the global memory buffer, MTP roll, DDP grad buffers).
+2. The CUDA RNG tracker (`megatron.core.tensor_parallel.random._CUDA_RNG_STATE_TRACKER`) -> `CPURNGStatesTracker`,
+   the same named-state fork semantics on the CPU generator (weight init and dropout fork it).
+3. Functions of Megatron's optimizer that allocate with a literal `device='cuda'` (`FP32Optimizer` /
+   `MixedPrecisionOptimizer` constructors, the grad scalers, `clip_grads.get_grad_norm_fp32` /
+   `count_zeros_fp32`) run under `_CudaLiteralsOnCPU`, a torch function mode that turns such device arguments
+   (and `Tensor.cuda()`) into CPU ones for the duration of the call; `clip_grad_by_total_norm_fp32` (which
+   asserts CUDA tensor types) is replaced by the same in-place fp32 scaling written for any device.
+4. `tensor_parallel.random._get_cuda_rng_state` / `_set_cuda_rng_state` -> the CPU generator's state, so
+   Megatron's activation recompute (`tensor_parallel.checkpoint`) can save and restore RNG states.
+5. `megatron.core.transformer.multi_latent_attention.HAVE_TE` -> False. Without Transformer Engine Megatron's
+   import fallbacks leave `HAVE_TE = True` with `TELinear` a MagicMock, and `MLASelfAttention.__init__` then fails
+   at `isinstance(self.linear_proj, TELinear)`.
+
+Each patch refuses an untested Megatron-Core version with an error naming the version (pass `force=True` to
+try anyway).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import logging
+
+import torch
+
+__all__ = ["TESTED_VERSIONS", "CPURNGStatesTracker", "apply", "revert", "is_applied", "cpu_shims",
+           "megatron_core_version", "check_version"]
+
+TESTED_VERSIONS = ("0.16.1",)
+
+_saved: dict | None = None  # originals while applied
+
+
+def megatron_core_version() -> str:
+    from megatron.core.package_info import __version__
+    return __version__
+
+
+def check_version(what: str, force: bool = False) -> str:
+    """Raise RuntimeError unless the installed megatron-core is one this patch was tested with."""
+    v = megatron_core_version()
+    if v not in TESTED_VERSIONS and not force:
+        raise RuntimeError(
+            f"{what}: megatron-core {v} is untested (tested: {', '.join(TESTED_VERSIONS)}); refusing to patch it. "
+            "Check the patched attributes against that version and add it to TESTED_VERSIONS, or pass force=True.")
+    return v
+
+
+def _cpu_current_device() -> torch.device:
+    return torch.device("cpu")
+
+
+def _is_cuda(dev) -> bool:
+    return (isinstance(dev, str) and dev.startswith("cuda")) or (isinstance(dev, torch.device) and dev.type == "cuda")
+
+
+class _CudaLiteralsOnCPU(torch.overrides.TorchFunctionMode):
+    """Inside this mode `device='cuda'` arguments become CPU and `Tensor.cuda()` is the identity."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+def _on_cpu(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with _CudaLiteralsOnCPU():
+            return fn(*args, **kwargs)
+    wrapper.__wrapped_by_megatron_cpu__ = True
+    return wrapper
+
+
+# (module, attribute path) of Megatron functions with literal 'cuda' allocations that the optimizer path runs.
+_CUDA_LITERAL_SITES = (
+    ("megatron.core.optimizer.optimizer", "FP32Optimizer.__init__"),
+    ("megatron.core.optimizer.optimizer", "MixedPrecisionOptimizer.__init__"),
+    ("megatron.core.optimizer.optimizer", "get_grad_norm_fp32"),
+    ("megatron.core.optimizer.optimizer", "count_zeros_fp32"),
+    ("megatron.core.optimizer.clip_grads", "get_grad_norm_fp32"),
+    ("megatron.core.optimizer.clip_grads", "count_zeros_fp32"),
+    ("megatron.core.optimizer.grad_scaler", "MegatronGradScaler.__init__"),
+    ("megatron.core.optimizer.grad_scaler", "DynamicGradScaler.__init__"),
+)
+
+
+def _clip_grad_by_total_norm_fp32_cpu(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """Megatron's in-place fp32 grad clipping without its CUDA-type assertion and CUDA overflow buffer."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = [getattr(p, attr).detach() for p in parameters if getattr(p, attr, None) is not None]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0:
+        for g in grads:
+            g.mul_(clip_coeff)
+
+
+def _get_device_rng_state_cpu(device="cuda", clone=False, graph_safe=False):
+    return torch.get_rng_state()
+
+
+def _set_device_rng_state_cpu(new_state, device=-1, graph_safe=False):
+    torch.set_rng_state(new_state)
+
+
+# (module, attribute, replacement) replaced outright on CPU.
+_REPLACED_SITES = (
+    ("megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32", _clip_grad_by_total_norm_fp32_cpu),
+    ("megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32", _clip_grad_by_total_norm_fp32_cpu),
+    # Activation recompute saves/restores the "CUDA" RNG state around the re-run forward: the CPU one here.
+    ("megatron.core.tensor_parallel.random", "_get_cuda_rng_state", _get_device_rng_state_cpu),
+    ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state", _set_device_rng_state_cpu),
+)
+
+
+def _resolve(module: str, path: str):
+    obj = importlib.import_module(module)
+    *owners, attr = path.split(".")
+    for o in owners:
+        obj = getattr(obj, o)
+    return obj, attr
+
+
+_TRACKER_CLS = None
+
+
+def _tracker_class():
+    global _TRACKER_CLS
+    if _TRACKER_CLS is not None:
+        return _TRACKER_CLS
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+
+    class CPURNGStatesTracker(CudaRNGStatesTracker):
+        """Megatron's named RNG states, kept for the CPU generator instead of the CUDA one."""
+
+        def add(self, name, seed):
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            self.seeds_.add(seed)
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            orig = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+        @contextlib.contextmanager
+        def fork(self, name="model-parallel-rng"):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            orig = torch.get_rng_state()
+            outer = self._current_state_name
+            if outer != "default-rng":
+                self.states_[outer] = orig
+            torch.set_rng_state(self.states_[name])
+            self._current_state_name = name
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(self.states_[outer] if outer != "default-rng" else orig)
+                self._current_state_name = outer
+
+    _TRACKER_CLS = CPURNGStatesTracker
+    return _TRACKER_CLS
+
+
+def __getattr__(name):  # the tracker class needs Megatron; build it lazily (importing us stays side-effect free)
+    if name == "CPURNGStatesTracker":
+        return _tracker_class()
+    raise AttributeError(name)
+
+
+def is_applied() -> bool:
+    return _saved is not None
+
+
+def apply(force: bool = False) -> bool:
+    """Install the CPU shims. Returns True if installed now or already, False when CUDA is available
+    (nothing is patched then). Raises RuntimeError on an untested megatron-core version."""
+    global _saved
+    if torch.cuda.is_available():
+        logging.getLogger(__name__).info("megatron_cpu: CUDA is available, CPU shims not applied")
+        return False
+    if _saved is not None:
+        return True
+    check_version("patches.megatron_cpu", force)
+    import megatron.core.tensor_parallel.random as mrandom
+    import megatron.core.transformer.multi_latent_attention as mla
+
+    _saved = {
+        "current_device": torch.cuda.current_device,
+        "tracker": mrandom._CUDA_RNG_STATE_TRACKER,
+        "tracker_init": mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED,
+        "mla_have_te": mla.HAVE_TE,
+        "sites": [],
+    }
+    for module, path in _CUDA_LITERAL_SITES:
+        owner, attr = _resolve(module, path)
+        orig = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+        _saved["sites"].append((owner, attr, orig))
+        setattr(owner, attr, _on_cpu(orig))
+    for module, path, replacement in _REPLACED_SITES:
+        owner, attr = _resolve(module, path)
+        _saved["sites"].append((owner, attr, getattr(owner, attr)))
+        setattr(owner, attr, replacement)
+    torch.cuda.current_device = _cpu_current_device
+    mrandom._CUDA_RNG_STATE_TRACKER = _tracker_class()()
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    mla.HAVE_TE = False
+    return True
+
+
+def revert() -> None:
+    """Restore every patched attribute to the object it held before `apply()`."""
+    global _saved
+    if _saved is None:
+        return
+    import megatron.core.tensor_parallel.random as mrandom
+    import megatron.core.transformer.multi_latent_attention as mla
+
+    torch.cuda.current_device = _saved["current_device"]
+    mrandom._CUDA_RNG_STATE_TRACKER = _saved["tracker"]
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = _saved["tracker_init"]
+    mla.HAVE_TE = _saved["mla_have_te"]
+    for owner, attr, orig in reversed(_saved["sites"]):
+        setattr(owner, attr, orig)
+    _saved = None
+
+
+@contextlib.contextmanager
+def cpu_shims(force: bool = False):
+    """`with cpu_shims(): ...` applies the shims (on CPU-only machines) and reverts them on exit."""
+    applied_here = not is_applied() and apply(force)
+    try:
+        yield
+    finally:
+        if applied_here:
+            revert()

@@ -1,0 +1,135 @@
+"""The plugin's GPTModel under Megatron-Core's parallel_state on 2 gloo ranks (DP = 2), in one spawned job:
+
+A. EP = 1: Megatron's `finalize_model_grads` updates our routers' bias (decoder MoE layers + the MTP layer) exactly
+   like our standalone `balancing.update_expert_bias` on the same per-rank batches; loads before the update equal
+   the standalone model's (the MTP layer's padded positions are not counted); counts are zeroed after.
+B. EP = 2 (experts sharded over Megatron's expert-parallel group) equals EP = 1: per-rank logits, MTP logits and
+   loss; gradients after `finalize_model_grads` (dense, and each rank's expert shard against the matching rows of
+   the EP = 1 gradient); the bias update.
+C. Checkpoints written by `dsv3 convert --to megatron` (ep 1 and ep 2) load into the model built from our spec and
+   give the released-format checkpoint's logits.
+"""
+import pytest
+import torch
+
+from helpers import make_tiny_hf_checkpoint, run_ranks
+
+pytestmark = pytest.mark.dist
+
+
+def _phase(ckpt, converted, ep, rank, world):
+    from megatron.core.distributed import finalize_model_grads
+
+    from dsv3_plugin import load_pretrained
+    from dsv3_plugin.balancing import routers_of, update_expert_bias
+    from dsv3_plugin.megatron.gpt import build_gpt_model, causal_inputs, forward_logits
+    from dsv3_plugin.megatron.runtime import init_megatron, shutdown_megatron, wrap_ddp
+    from dsv3_plugin.megatron.weights import load_hf_checkpoint, load_megatron_checkpoint
+
+    init_megatron(ep=ep)
+    ours = load_pretrained(ckpt)
+    cfg = ours.cfg
+    ids = torch.randint(0, cfg.model.vocab_size, (2 * world, 16), generator=torch.Generator().manual_seed(1))
+    ids = ids[2 * rank: 2 * rank + 2]
+
+    from_converted = build_gpt_model(cfg).eval()
+    load_megatron_checkpoint(from_converted, converted)
+    model = build_gpt_model(cfg)
+    load_hf_checkpoint(model, ckpt)
+    model.eval()
+    with torch.no_grad():
+        logits, mtp = forward_logits(model, ids)
+        conv_logits, conv_mtp = forward_logits(from_converted, ids)
+        ref_logits = ours.eval()(ids).logits
+    out = {"n_local": model.decoder.layers[1].mlp.moe.experts.gate_proj.shape[0],
+           "logits": logits, "mtp": mtp, "loss": None,
+           "converted": max([(conv_logits - logits).abs().max().item()]
+                            + [(a - b).abs().max().item() for a, b in zip(conv_mtp, mtp)]),
+           "vs_standalone": (logits - ref_logits).abs().max().item()}
+
+    ddp = wrap_ddp(model)
+    ddp.train()
+    pos, mask = causal_inputs(ids)
+    loss = ddp(ids, pos, mask, labels=ids.roll(-1, 1)).mean()
+    loss.backward()
+    routers = [m for m in model.modules() if hasattr(m, "expert_bias")]
+    loads = [r.local_tokens_per_expert.clone() for r in routers]
+    before = [r.expert_bias.clone() for r in routers]
+    finalize_model_grads([ddp])
+    after = [r.expert_bias.clone() for r in routers]
+    out["zeroed"] = all(float(r.local_tokens_per_expert.abs().sum()) == 0 for r in routers)
+    out["loss"] = loss.detach()
+    out["grads"] = {n: p.main_grad.clone() for n, p in model.named_parameters()}
+    out["bias"] = after
+    out["moved"] = [(a - b).abs().max().item() for a, b in zip(after, before)]
+
+    ours.train()
+    ours(ids)
+    ours_loads = [r.tokens_per_expert.clone() for r in routers_of(ours)]
+    update_expert_bias(ours, cfg.moe.gamma(0.0))             # all-reduce over the world (= DP)
+    out["loads_vs_standalone"] = [(a - b).abs().max().item() for a, b in zip(loads, ours_loads)]
+    out["bias_vs_standalone"] = [(a - b).abs().max().item()
+                                 for a, b in zip(after, [r.e_score_correction_bias for r in routers_of(ours)])]
+    out["gamma"] = cfg.moe.gamma(0.0)
+    shutdown_megatron()
+    return out
+
+
+def _worker(ckpt, conv1, conv2):
+    from dsv3_plugin.distributed import init_distributed
+    rank, world = init_distributed()
+    one = _phase(ckpt, conv1, 1, rank, world)
+    two = _phase(ckpt, conv2, 2, rank, world)
+    res = {k: one[k] for k in ("zeroed", "moved", "loads_vs_standalone", "bias_vs_standalone", "gamma",
+                                "vs_standalone")}
+    res["converted"] = (one["converted"], two["converted"])
+    res["n_local"] = (one["n_local"], two["n_local"])
+    res["ep_logits"] = (one["logits"] - two["logits"]).abs().max().item()
+    res["ep_mtp"] = max((a - b).abs().max().item() for a, b in zip(one["mtp"], two["mtp"]))
+    res["ep_loss"] = abs(one["loss"].item() - two["loss"].item())
+    res["ep_bias"] = max((a - b).abs().max().item() for a, b in zip(one["bias"], two["bias"]))
+    worst, n_expert, lo = 0.0, 0, rank * two["n_local"]
+    for n, g2 in two["grads"].items():
+        g1 = one["grads"][n]
+        if ".mlp.moe.experts." in n:
+            g1 = g1[lo: lo + two["n_local"]]
+            n_expert += 1
+        worst = max(worst, (g1 - g2).abs().max().item() / (g1.abs().max().item() + 1e-12))
+    res["ep_grad_rel"], res["n_expert_grads"] = worst, n_expert
+    return res
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    from dsv3_plugin.checkpoint.convert import convert
+    from dsv3_plugin.config import load_config
+    root = tmp_path_factory.mktemp("mega_parallel")
+    ckpt = root / "hf"
+    make_tiny_hf_checkpoint(ckpt, load_config({"preset": "tiny"}), seed=11, bias_scale=0.05)
+    for ep in (1, 2):
+        convert(str(ckpt), str(root / f"mega_ep{ep}"), "megatron", ep=ep, dtype="fp32", progress=False)
+    return run_ranks(_worker, 2, str(ckpt), str(root / "mega_ep1"), str(root / "mega_ep2"))
+
+
+def test_finalize_model_grads_updates_our_router_bias(results):
+    for r in results:
+        assert r["vs_standalone"] <= 1e-5
+        assert r["loads_vs_standalone"] == [0.0, 0.0, 0.0]      # 2 MoE decoder layers + the MTP layer
+        assert all(d <= 1e-7 for d in r["bias_vs_standalone"]), r
+        assert all(abs(m - r["gamma"]) < 1e-6 for m in r["moved"]), r
+        assert r["zeroed"]
+
+
+def test_ep2_equals_ep1_through_megatron_parallel_state(results):
+    for r in results:
+        assert r["n_local"] == (16, 8)
+        assert r["n_expert_grads"] == 9                           # (gate, up, down) x 3 MoE layers
+        assert r["ep_logits"] <= 1e-5 and r["ep_mtp"] <= 1e-5, r
+        assert r["ep_loss"] <= 1e-6, r
+        assert r["ep_grad_rel"] <= 1e-4, r
+        assert r["ep_bias"] == 0.0, r
+
+
+def test_converted_megatron_checkpoint_loads(results):
+    for r in results:
+        assert r["converted"] == (0.0, 0.0), r
