@@ -119,7 +119,11 @@ class PipelinedEngine:
     data-parallel rank's gas x micro-batch sequences (the same on every rank of a pipeline)."""
 
     def __init__(self, model, ds_config: dict, cfg, groups: PipelineGroups | None = None, timeout_s: float = 300.0):
-        import deepspeed
+        try:   # the adapter's import applies its CPU patch (no JIT build of an inference-only comm op)
+            from .engine import _import_deepspeed
+            deepspeed = _import_deepspeed()
+        except ImportError:
+            import deepspeed
 
         from ..pipeline import DualPipe, DualPipeV, OneFOneB, ZeroBubble1P
         from ..pipeline.stages import build_stages, n_stages_of, stage_ids_for_rank
@@ -174,4 +178,10 @@ class PipelinedEngine:
         if self.schedule == "dualpipe":
             raise NotImplementedError("dualpipe + bias update: counts must also be summed over the mirror pair")
         with torch.no_grad():
-            return update_expert_bias(self.module, gamma, group=self.g.dp_group)
+            stats = update_expert_bias(self.module, gamma, group=self.g.dp_group)
+        # which of the model's MoE layers each entry is (routers are visited in module order: each stage's
+        # layers, then its MTP blocks), so that callers can put the pipeline's layers back in model order
+        slots = [s for st in self.stages for s in st.moe_slot + getattr(st, "mtp_slot", []) if s >= 0]
+        for st, slot in zip(stats, slots):
+            st["moe_index"] = slot
+        return stats
