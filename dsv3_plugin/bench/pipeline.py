@@ -86,8 +86,17 @@ def _rank_main(args_d: dict) -> dict:
 
 def run(args) -> dict:
     from ..distributed import spawn
-    if args.blocks % (2 * RANKS):
-        raise SystemExit(f"--blocks must be a multiple of {2 * RANKS} (got {args.blocks})")
+    import sys
+    bad = None
+    if args.blocks < 2 * RANKS or args.blocks % (2 * RANKS):
+        bad = f"--blocks must be a positive multiple of {2 * RANKS} (got {args.blocks})"
+    elif args.chunks < 2 * RANKS or args.chunks % 2:
+        bad = f"--chunks must be even and >= {2 * RANKS} for DualPipe(V) on {RANKS} ranks (got {args.chunks})"
+    elif min(args.hidden, args.tokens, args.steps) < 1:
+        bad = "--hidden, --tokens and --steps must be >= 1"
+    if bad:
+        print(f"error: {bad}", file=sys.stderr)
+        raise SystemExit(2)
     a = {k: getattr(args, k) for k in ("hidden", "tokens", "blocks", "chunks", "steps")}
     per_rank = spawn(_rank_main, RANKS, a, timeout_s=1800)
     res: dict = {"ranks": RANKS, **a}
