@@ -75,7 +75,11 @@ def _worker(local_rank: int, world: int, port: int, fn: Callable, args: tuple, q
                        "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     try:
         out = fn(*args)
-        queue.put((local_rank, "ok", out))
+        # Pickle here: tensors would otherwise travel as shared memory of a process that is about to exit.
+        import io
+        buf = io.BytesIO()
+        torch.save(out, buf)
+        queue.put((local_rank, "ok", buf.getvalue()))
     except BaseException as e:  # report, then re-raise so the process exits non-zero
         queue.put((local_rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         raise
@@ -107,7 +111,8 @@ def spawn(fn: Callable[..., Any], nproc: int, *args: Any, env: dict | None = Non
         if not queue.empty():
             r, status, out = queue.get()
             if status == "ok":
-                results[r] = out
+                import io
+                results[r] = torch.load(io.BytesIO(out), weights_only=False)  # our own child's result
             else:
                 errors.append(f"rank {r}: {out}")
                 break

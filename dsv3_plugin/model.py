@@ -69,6 +69,12 @@ class DSv3Model(nn.Module):
             for k in range(cfg.mtp.depth))
         self.rotary = RotaryEmbedding(m)
         self.reset_parameters()
+        if cfg.fp8.enabled:  # report §3.3: decoder-layer GEMMs in FP8 (names and parameters unchanged)
+            from .fp8_linear import convert_to_fp8
+            convert_to_fp8(self, cfg.fp8)
+        if cfg.memory.recompute != "none":  # report §3.2.3: recompute norms / MLA up-projections in backward
+            from .recompute import apply_recompute
+            apply_recompute(self, cfg.memory.recompute)
 
     @torch.no_grad()
     def reset_parameters(self, seed: int | None = None) -> None:

@@ -15,7 +15,7 @@ from .balancing import seq_balance_loss
 from .config import MoEConfig
 from .router import Router
 
-__all__ = ["DenseMLP", "GroupedExperts", "DeepSeekMoE", "grouped_swiglu"]
+__all__ = ["DenseMLP", "GroupedExperts", "DeepSeekMoE", "grouped_swiglu", "swiglu_rows"]
 
 
 class DenseMLP(nn.Module):
@@ -31,23 +31,101 @@ class DenseMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class _GroupedSwiGLU(torch.autograd.Function):
+    """SwiGLU of every expert over its contiguous slice of expert-sorted rows, with a hand-written backward.
+
+    Why not autograd over a Python loop: indexing `w[e]` in a loop makes autograd materialise a zero
+    gradient of the *whole* [E, I, H] weight per expert (E² work: 64 experts -> 64 full-size fills and adds),
+    and each slice's outputs get concatenated again. Here every GEMM writes straight into its rows of a
+    preallocated output (`torch.mm(..., out=...)`), weight gradients go straight into their expert's slab,
+    and the element-wise parts (SiLU, product, their derivatives) run once over all rows.
+
+    Saved for backward: x [N, H]; g = x·W1ᵀ, u = x·W3ᵀ, silu(g) and a = silu(g)·u [N, I] (4·N·I floats,
+    what autograd over the plain ops would keep too).
+    """
+
+    @staticmethod
+    def forward(ctx, x_NH, counts, w1_EIH, w3_EIH, w2_EHI):
+        N, I, H = x_NH.shape[0], w1_EIH.shape[1], w2_EHI.shape[1]
+        x_NH = x_NH.contiguous()
+        g_NI = x_NH.new_empty(N, I)
+        u_NI = x_NH.new_empty(N, I)
+        spans = _spans(counts)
+        for e, s, t in spans:
+            torch.mm(x_NH[s:t], w1_EIH[e].t(), out=g_NI[s:t])
+            torch.mm(x_NH[s:t], w3_EIH[e].t(), out=u_NI[s:t])
+        silu_NI = F.silu(g_NI)
+        a_NI = silu_NI * u_NI
+        y_NH = x_NH.new_empty(N, H)
+        for e, s, t in spans:
+            torch.mm(a_NI[s:t], w2_EHI[e].t(), out=y_NH[s:t])
+        ctx.save_for_backward(x_NH, g_NI, u_NI, silu_NI, a_NI, w1_EIH, w3_EIH, w2_EHI)
+        ctx.spans = spans
+        return y_NH
+
+    @staticmethod
+    def backward(ctx, dy_NH):
+        x_NH, g_NI, u_NI, silu_NI, a_NI, w1_EIH, w3_EIH, w2_EHI = ctx.saved_tensors
+        spans = ctx.spans
+        dy_NH = dy_NH.contiguous()
+        need_x, _, need_w1, need_w3, need_w2 = ctx.needs_input_grad
+        da_NI = torch.empty_like(g_NI)
+        for e, s, t in spans:
+            torch.mm(dy_NH[s:t], w2_EHI[e], out=da_NI[s:t])                 # dL/da = dy·W2
+        du_NI = da_NI * silu_NI                                              # dL/du
+        dg_NI = torch.ops.aten.silu_backward(da_NI * u_NI, g_NI)             # dL/dg (one fused pass)
+        dx = torch.empty_like(x_NH) if need_x else None
+        hit = [e for e, _, _ in spans]
+
+        def wgrad(w, need):
+            if not need:
+                return None
+            gw = torch.empty_like(w)
+            if len(hit) < w.shape[0]:  # experts that got no rows have zero gradient
+                miss = torch.ones(w.shape[0], dtype=torch.bool, device=w.device)
+                miss[hit] = False
+                gw[miss] = 0
+            return gw
+
+        dw1, dw3, dw2 = wgrad(w1_EIH, need_w1), wgrad(w3_EIH, need_w3), wgrad(w2_EHI, need_w2)
+        for e, s, t in spans:
+            if dw2 is not None:
+                torch.mm(dy_NH[s:t].t(), a_NI[s:t], out=dw2[e])              # [H, I]
+            if dw1 is not None:
+                torch.mm(dg_NI[s:t].t(), x_NH[s:t], out=dw1[e])              # [I, H]
+            if dw3 is not None:
+                torch.mm(du_NI[s:t].t(), x_NH[s:t], out=dw3[e])
+            if dx is not None:
+                torch.mm(dg_NI[s:t], w1_EIH[e], out=dx[s:t])
+                dx[s:t].addmm_(du_NI[s:t], w3_EIH[e])
+        return dx, None, dw1, dw3, dw2
+
+
+def _spans(counts: list[int]) -> list[tuple[int, int, int]]:
+    """(expert, first row, end row) of every expert with rows."""
+    out, s = [], 0
+    for e, n in enumerate(counts):
+        if n:
+            out.append((e, s, s + n))
+        s += n
+    return out
+
+
 def grouped_swiglu(x_NH: torch.Tensor, counts: list[int], w1_EIH: torch.Tensor, w3_EIH: torch.Tensor,
                    w2_EHI: torch.Tensor) -> torch.Tensor:
     """SwiGLU per expert over rows already sorted by expert; `counts[e]` rows belong to expert e."""
-    outs = []
-    for e, x_e in enumerate(torch.split(x_NH, counts)):
-        if counts[e] == 0:
-            continue
-        h = F.silu(x_e @ w1_EIH[e].t()) * (x_e @ w3_EIH[e].t())
-        outs.append(h @ w2_EHI[e].t())
-    if not outs:
-        return x_NH.new_zeros(0, w2_EHI.shape[1])
-    return torch.cat(outs)
+    if sum(counts) != x_NH.shape[0]:
+        raise ValueError(f"grouped_swiglu: counts sum to {sum(counts)} but there are {x_NH.shape[0]} rows")
+    dt = torch.promote_types(x_NH.dtype, w1_EIH.dtype)
+    return _GroupedSwiGLU.apply(x_NH.to(dt), counts, w1_EIH.to(dt), w3_EIH.to(dt), w2_EHI.to(dt))
 
 
 class GroupedExperts(nn.Module):
     """The routed experts of one layer, stacked. Released per-expert keys
-    `mlp.experts.{e}.{gate,up,down}_proj.weight` map to rows e of these tensors."""
+    `mlp.experts.{e}.{gate,up,down}_proj.weight` map to rows e of these tensors.
+    `swiglu_fn` (same signature as `grouped_swiglu`) lets a precision path (FP8) replace the expert GEMMs."""
+
+    swiglu_fn = None
 
     def __init__(self, n_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
@@ -64,10 +142,28 @@ class GroupedExperts(nn.Module):
         order = torch.argsort(flat_idx, stable=True)            # group the (token, slot) pairs by expert
         counts = torch.bincount(flat_idx, minlength=self.n_experts).tolist()
         token_of = order // K                                   # source token of each sorted row
-        y_NH = grouped_swiglu(x_TH[token_of], counts, self.gate_proj, self.up_proj, self.down_proj)
+        swiglu = self.swiglu_fn or grouped_swiglu
+        y_NH = swiglu(x_TH[token_of], counts, self.gate_proj, self.up_proj, self.down_proj)
         y_NH = y_NH * gates_TK.reshape(-1)[order, None].to(y_NH.dtype)
         out_TH = torch.zeros_like(x_TH)
         return out_TH.index_add_(0, token_of, y_NH.to(x_TH.dtype))
+
+    def expert_rows(self, x_NH: torch.Tensor, expert_N: torch.Tensor) -> torch.Tensor:
+        """Unweighted SwiGLU of expert `expert_N[n]` on row n, in input row order (what expert-parallel
+        dispatch hands to the experts a rank owns)."""
+        swiglu = getattr(self, "swiglu_fn", None) or grouped_swiglu  # a precision path (FP8) may replace it
+        return swiglu_rows(x_NH, expert_N, self.gate_proj, self.up_proj, self.down_proj, swiglu)
+
+
+def swiglu_rows(x_NH: torch.Tensor, expert_N: torch.Tensor, w1_EIH: torch.Tensor, w3_EIH: torch.Tensor,
+                w2_EHI: torch.Tensor, swiglu=grouped_swiglu) -> torch.Tensor:
+    """SwiGLU of expert `expert_N[n]` on row n, rows in any order: sort by expert, grouped GEMMs, unsort."""
+    counts = torch.bincount(expert_N, minlength=w1_EIH.shape[0]).tolist()
+    if expert_N.numel() < 2 or bool((expert_N[1:] >= expert_N[:-1]).all()):
+        return swiglu(x_NH, counts, w1_EIH, w3_EIH, w2_EHI)   # already grouped (EP = 1, one source rank)
+    order = torch.argsort(expert_N, stable=True)
+    y_sorted = swiglu(x_NH[order], counts, w1_EIH, w3_EIH, w2_EHI)
+    return torch.empty_like(y_sorted).index_copy_(0, order, y_sorted)
 
 
 class DeepSeekMoE(nn.Module):
@@ -91,7 +187,11 @@ class DeepSeekMoE(nn.Module):
             self.aux_loss = seq_balance_loss(r.scores_TE.view(B, T, -1), self.cfg.top_k, self.cfg.seq_aux_alpha)
         else:
             self.aux_loss = None
-        y_TH = self.experts(x_TH, r.topk_idx_TK, r.gates_TK)
+        y_TH = self.routed(x_TH, r)
         if self.shared_experts is not None:
             y_TH = y_TH + self.shared_experts(x_TH)
         return y_TH.view(B, T, H)
+
+    def routed(self, x_TH: torch.Tensor, r) -> torch.Tensor:
+        """Σ_k g_{t,k} FFN_{e_{t,k}}(x_t) over the routed experts (expert parallelism overrides this)."""
+        return self.experts(x_TH, r.topk_idx_TK, r.gates_TK)

@@ -1,0 +1,353 @@
+"""Streaming checkpoint conversion: released FP8/BF16 format -> dequantized released format, -> Megatron
+per-(pp, ep)-rank layout, and back.
+
+- Streaming: every input tensor is read lazily and written straight into a safetensors file whose header
+  was computed up front (`StreamingSafetensorsWriter`), so peak memory is about one tensor (plus its fp32
+  dequantization block), whatever the model size: well inside "largest output shard + 1 GiB".
+- Atomic: output goes to a hidden sibling `.<DST>.partial-<pid>` that is renamed to DST at the end. Any
+  failure removes it; a run killed with -9 leaves only that hidden directory, which the next run removes
+  (its pid is dead) before starting, so DST either is complete or does not exist.
+- Validation happens before anything is written: the reader checks every header, FP8 scale pairing and
+  grid, and the tensor set against the names the config implies (missing or unexpected tensors).
+
+dtype rule (`dtype`, default bf16): FP8 weights are dequantized to `dtype`; other floating tensors are
+upcast to `dtype` when narrower, and never downcast (the fp32 router bias stays fp32). So BF16 sources
+round-trip bit-exactly through the Megatron layout with the default.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import sys
+from typing import Iterator, Optional
+
+import torch
+
+from ..errors import CheckpointError
+from .megatron_layout import MegatronLayout, released_names
+from .reader import INDEX_NAME, CheckpointReader, read_safetensors_header
+from .safetensors_writer import StreamingSafetensorsWriter
+from .synthetic import released_shapes
+
+__all__ = ["convert", "load_megatron_rank", "atomic_output_dir", "LAYOUT_NAME", "DTYPES"]
+
+LAYOUT_NAME = "layout.json"
+LAYOUT_FORMAT = "dsv3-megatron"
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+_DTYPE_JSON = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+# --------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def atomic_output_dir(dst: str) -> Iterator[str]:
+    """Yield a fresh hidden sibling of `dst`; rename it to `dst` on success, delete it on any failure."""
+    dst = os.path.abspath(dst)
+    if os.path.exists(dst):
+        raise CheckpointError(f"{dst}: output already exists (refusing to overwrite)")
+    parent, base = os.path.dirname(dst), os.path.basename(dst)
+    os.makedirs(parent, exist_ok=True)
+    prefix = f".{base}.partial-"
+    for stale in os.listdir(parent):  # leftovers of killed runs whose process is gone
+        if stale.startswith(prefix) and stale[len(prefix):].isdigit() and not _alive(int(stale[len(prefix):])):
+            shutil.rmtree(os.path.join(parent, stale), ignore_errors=True)
+    tmp = os.path.join(parent, f"{prefix}{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        yield tmp
+        os.rename(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _target_dtype(stored: torch.dtype, is_fp8: bool, dtype: torch.dtype) -> torch.dtype:
+    if is_fp8:
+        return dtype
+    if stored.is_floating_point and stored.itemsize < dtype.itemsize:
+        return dtype
+    return stored
+
+
+class _OutBuffers:
+    """Two reusable output buffers for dequantized tensors (no page faults on fresh allocations). Safe with
+    `StreamingSafetensorsWriter`, whose `write` returns only after the previous write finished."""
+
+    def __init__(self):
+        self._bufs = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
+        self._k = 0
+
+    def take(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        n = torch.Size(shape).numel() * dtype.itemsize
+        self._k ^= 1
+        if self._bufs[self._k].numel() < n:
+            self._bufs[self._k] = torch.empty(n, dtype=torch.uint8)
+        return self._bufs[self._k][:n].view(dtype).view(shape)
+
+
+def _get(reader: CheckpointReader, name: str, dtype: torch.dtype, bufs: _OutBuffers) -> torch.Tensor:
+    if reader.is_fp8(name):
+        return reader.get(name, dtype, out=bufs.take(reader.shape(name), dtype))
+    return reader.get(name, dtype)
+
+
+def _progress(total: int, enabled: bool, desc: str):
+    from tqdm import tqdm
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, file=sys.stderr,
+                disable=not enabled, dynamic_ncols=True)
+
+
+def _copy_side_files(src: str, dst: str, skip: set[str]) -> None:
+    """Tokenizer files and the like travel with the weights (never executed, only copied)."""
+    for fn in sorted(os.listdir(src)):
+        p = os.path.join(src, fn)
+        if fn in skip or fn.endswith(".safetensors") or fn.startswith(".") or not os.path.isfile(p):
+            continue
+        shutil.copyfile(p, os.path.join(dst, fn))
+
+
+def _out_config(cfg: dict, dtype: torch.dtype) -> dict:
+    out = {k: v for k, v in cfg.items() if k != "quantization_config"}
+    out["torch_dtype"] = _DTYPE_JSON[dtype]
+    return out
+
+
+def _check_names(reader: CheckpointReader) -> None:
+    req, opt = released_names(reader.config)
+    have = set(reader.names())
+    missing = sorted(req - have)
+    if missing:
+        raise CheckpointError(f"{missing[0]}: missing from {reader.path} ({len(missing)} tensors missing)")
+    extra = sorted(have - req - opt)
+    if extra:
+        raise CheckpointError(f"{extra[0]} in {reader.info(extra[0]).file}: unexpected tensor "
+                              f"({len(extra)} unexpected)")
+    shapes = released_shapes(reader.config)
+    for n in reader.names():
+        if tuple(reader.shape(n)) != shapes[n]:
+            raise CheckpointError(f"{n} in {reader.info(n).file}: shape {list(reader.shape(n))}, config.json implies "
+                                  f"{list(shapes[n])}")
+
+
+def _write_json(path: str, obj: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
+
+
+# --------------------------------------------------------------------------------------------------
+def _to_hf_from_released(reader: CheckpointReader, out: str, dtype: torch.dtype, progress: bool) -> dict:
+    """Dequantized released format: same shard names and tensor names, scales dropped, new index."""
+    by_file = reader.names_by_file()
+    weight_map, total, bufs = {}, 0, _OutBuffers()
+    bar = _progress(sum(reader.input_bytes(n) for n in reader.names()), progress, "convert hf")
+    with bar:
+        for src_file, names in by_file.items():
+            fn = os.path.basename(src_file)
+            specs = [(n, reader.out_dtype(n, _target_dtype(reader.info(n).torch_dtype, reader.is_fp8(n), dtype)),
+                      reader.shape(n)) for n in names]
+            with StreamingSafetensorsWriter(os.path.join(out, fn), specs, {"format": "pt"}) as w:
+                for n, dt, _ in specs:
+                    w.write(n, _get(reader, n, dt, bufs))
+                    bar.update(reader.input_bytes(n))
+                    weight_map[n] = fn
+                total += w.total_bytes
+    if os.path.exists(os.path.join(reader.path, INDEX_NAME)):
+        _write_json(os.path.join(out, INDEX_NAME), {"metadata": {"total_size": total}, "weight_map": weight_map})
+    return {"tensors": len(weight_map), "files": len(by_file), "output_bytes": total}
+
+
+def _to_megatron(reader: CheckpointReader, out: str, pp: int, ep: int, dtype: torch.dtype, progress: bool) -> dict:
+    layout = MegatronLayout(reader.config, pp, ep)
+    # files[(stage, ep)][mcore] = [(part, hf), ...]
+    files: dict[tuple[int, int], dict[str, list[tuple[int, str]]]] = {(s, r): {} for s in range(pp) for r in range(ep)}
+    for hf in reader.names():
+        p = layout.place(hf)
+        files[(p.stage, p.ep_rank)].setdefault(p.name, []).append((p.part, hf))
+    for parts_by_name in files.values():
+        for mc, parts in parts_by_name.items():
+            parts.sort()
+            if [k for k, _ in parts] != list(range(len(parts))) or len(parts) not in (1, 2):
+                raise CheckpointError(f"{mc}: needs gate and up projections, found only {[h for _, h in parts]}")
+    meta_files, bufs = {}, _OutBuffers()
+    bar = _progress(sum(reader.input_bytes(n) for n in reader.names()), progress, "convert megatron")
+    total = 0
+    with bar:
+        for (s, r), parts_by_name in files.items():
+            fn = layout.file_name(s, r)
+            specs, plan = [], []
+            # In source-shard order, so each input shard is opened once per output file, not once per tensor.
+            order = sorted(parts_by_name.items(), key=lambda kv: reader.info(kv[1][0][1]).file)
+            for mc, parts in order:
+                hfs = [h for _, h in parts]
+                dts = {_target_dtype(reader.info(h).torch_dtype, reader.is_fp8(h), dtype) for h in hfs}
+                shapes = [reader.shape(h) for h in hfs]
+                if len(dts) != 1 or len({sh[1:] for sh in shapes}) != 1:
+                    raise CheckpointError(f"{hfs[0]} in {reader.info(hfs[0]).file}: cannot be fused with {hfs[1]} "
+                                          f"into {mc} (shapes {shapes}, dtypes {sorted(map(str, dts))})")
+                dt = dts.pop()
+                shape = (sum(sh[0] for sh in shapes),) + tuple(shapes[0][1:])
+                specs.append((mc, dt, shape))
+                plan.append((mc, dt, hfs))
+            with StreamingSafetensorsWriter(os.path.join(out, fn), specs, {"format": "pt"}) as w:
+                for mc, dt, hfs in plan:
+                    for h in hfs:  # dim-0 concatenation = consecutive byte ranges
+                        w.write(mc, _get(reader, h, dt, bufs))
+                        bar.update(reader.input_bytes(h))
+                total += w.total_bytes
+            meta_files[fn] = {"stage": s, "ep_rank": r,
+                              "tensors": {mc: [[h, reader.shape(h)[0]] for h in hfs] for mc, _, hfs in plan}}
+    _write_json(os.path.join(out, LAYOUT_NAME), {"format": LAYOUT_FORMAT, "version": 1, "dtype": _DTYPE_JSON[dtype],
+                                                 **layout.describe(), "files": meta_files})
+    return {"tensors": len(reader.names()), "files": len(files), "output_bytes": total}
+
+
+def _read_layout(src: str) -> dict:
+    p = os.path.join(src, LAYOUT_NAME)
+    try:
+        with open(p) as f:
+            lay = json.load(f)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{p}: not valid JSON ({e})") from None
+    if lay.get("format") != LAYOUT_FORMAT or not isinstance(lay.get("files"), dict):
+        raise CheckpointError(f"{p}: not a {LAYOUT_FORMAT} layout file")
+    return lay
+
+
+def _check_megatron_files(src: str, lay: dict) -> dict[str, dict]:
+    headers = {}
+    for fn, fmeta in lay["files"].items():
+        fp = os.path.join(src, fn)
+        if os.path.basename(fn) != fn:
+            raise CheckpointError(f"{src}/{LAYOUT_NAME}: file name {fn!r} is not a plain file name")
+        if not os.path.exists(fp):
+            first = next(iter(fmeta["tensors"]), "<no tensors>")
+            raise CheckpointError(f"{first}: {LAYOUT_NAME} points to missing file {fp}")
+        infos, _ = read_safetensors_header(fp)
+        for mc, parts in fmeta["tensors"].items():
+            if mc not in infos:
+                raise CheckpointError(f"{mc}: listed in {LAYOUT_NAME} but missing from {fp}")
+            if sum(rows for _, rows in parts) != (infos[mc].shape[0] if infos[mc].shape else 1):
+                raise CheckpointError(f"{mc} in {fp}: {infos[mc].shape} does not hold the rows of {parts}")
+        extra = sorted(set(infos) - set(fmeta["tensors"]))
+        if extra:
+            raise CheckpointError(f"{extra[0]} in {fp}: unexpected tensor, not listed in {LAYOUT_NAME}")
+        headers[fn] = infos
+    return headers
+
+
+def _to_hf_from_megatron(src: str, out: str, dtype: Optional[torch.dtype], progress: bool) -> dict:
+    from safetensors import safe_open
+    lay = _read_layout(src)
+    headers = _check_megatron_files(src, lay)
+    nonempty = [fn for fn in lay["files"] if lay["files"][fn]["tensors"]]
+    weight_map, total = {}, 0
+    bar = _progress(sum(i.nbytes for h in headers.values() for i in h.values()), progress, "convert hf")
+    with bar:
+        for k, fn in enumerate(nonempty):
+            infos = headers[fn]
+            out_fn = f"model-{k + 1:05d}-of-{len(nonempty):05d}.safetensors"
+            specs, plan = [], []
+            for mc, parts in lay["files"][fn]["tensors"].items():
+                info = infos[mc]
+                dt = _target_dtype(info.torch_dtype, False, dtype) if dtype is not None else info.torch_dtype
+                r0 = 0
+                for hf, rows in parts:
+                    shape = (rows,) + tuple(info.shape[1:]) if len(parts) > 1 else tuple(info.shape)
+                    if hf in weight_map:
+                        raise CheckpointError(f"{hf}: stored twice ({weight_map[hf]} and {fn})")
+                    weight_map[hf] = out_fn
+                    specs.append((hf, dt, shape))
+                    plan.append((hf, mc, r0, r0 + rows, len(parts) > 1, dt))
+                    r0 += rows
+            with safe_open(os.path.join(src, fn), framework="pt", device="cpu") as f, \
+                    StreamingSafetensorsWriter(os.path.join(out, out_fn), specs, {"format": "pt"}) as w:
+                for hf, mc, r0, r1, split, dt in plan:
+                    t = f.get_slice(mc)[r0:r1] if split else f.get_tensor(mc)
+                    w.write(hf, t.to(dt))
+                    bar.update(t.numel() * infos[mc].torch_dtype.itemsize)
+                total += w.total_bytes
+    _write_json(os.path.join(out, INDEX_NAME), {"metadata": {"total_size": total}, "weight_map": weight_map})
+    return {"tensors": len(weight_map), "files": len(nonempty), "output_bytes": total}
+
+
+# --------------------------------------------------------------------------------------------------
+def convert(src: str, dst: str, to: str, pp: int = 1, ep: int = 1, dtype: Optional[str] = None,
+            progress: bool = True) -> dict:
+    """Convert checkpoint directory `src` into new directory `dst` (see module docstring); returns a summary.
+
+    to = "hf-bf16" | "hf": released format (from a released source: FP8 dequantized to `dtype`, which must
+    be bf16 for "hf-bf16"; from a Megatron-layout source: the exact inverse). to = "megatron": the
+    per-(pp, ep)-rank layout of docs/checkpoints.md.
+    """
+    if to not in ("hf-bf16", "hf", "megatron"):
+        raise ValueError(f"--to {to!r}: choose hf-bf16, hf or megatron")
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r}: choose bf16 or fp32")
+    if to == "hf-bf16" and dtype not in (None, "bf16"):
+        raise ValueError("--dtype: --to hf-bf16 writes bf16 (use --to hf --dtype fp32 for fp32)")
+    tdt = DTYPES[dtype or "bf16"]
+    src = os.path.abspath(src)
+    is_megatron = os.path.exists(os.path.join(src, LAYOUT_NAME))
+    if is_megatron:
+        if to == "megatron":
+            raise CheckpointError(f"{src}: already in the Megatron layout (convert --to hf first to re-split)")
+        if pp != 1 or ep != 1:
+            raise ValueError("--pp/--ep: only meaningful with --to megatron")
+        _check_megatron_files(src, _read_layout(src))
+        with atomic_output_dir(dst) as tmp:
+            summary = _to_hf_from_megatron(src, tmp, DTYPES[dtype] if dtype else None, progress)
+            with open(os.path.join(src, "config.json")) as f:
+                cfg = json.load(f)
+            if dtype:
+                cfg["torch_dtype"] = _DTYPE_JSON[tdt]
+            _write_json(os.path.join(tmp, "config.json"), cfg)
+            _copy_side_files(src, tmp, {LAYOUT_NAME, "config.json", INDEX_NAME})
+        return {"to": to, "src": src, "dst": os.path.abspath(dst), **summary}
+
+    reader = CheckpointReader(src)
+    _check_names(reader)
+    with reader, atomic_output_dir(dst) as tmp:
+        if to == "megatron":
+            summary = _to_megatron(reader, tmp, pp, ep, tdt, progress)
+        else:
+            if pp != 1 or ep != 1:
+                raise ValueError("--pp/--ep: only meaningful with --to megatron")
+            summary = _to_hf_from_released(reader, tmp, tdt, progress)
+        _write_json(os.path.join(tmp, "config.json"), _out_config(reader.config, tdt))
+        _copy_side_files(src, tmp, {"config.json", INDEX_NAME, LAYOUT_NAME})
+    return {"to": to, "src": src, "dst": os.path.abspath(dst), **summary}
+
+
+def load_megatron_rank(path: str, stage: int, ep_rank: int, shared: bool = True) -> dict[str, torch.Tensor]:
+    """State dict of pipeline stage `stage`, expert rank `ep_rank`: its experts plus (if `shared`) the
+    stage's non-expert tensors, which live in the stage's ep-rank-0 file (docs/checkpoints.md)."""
+    from safetensors.torch import load_file
+    lay = _read_layout(path)
+    by_rank = {(m["stage"], m["ep_rank"]): fn for fn, m in lay["files"].items()}
+    if (stage, ep_rank) not in by_rank:
+        raise CheckpointError(f"{path}: no file for stage {stage}, ep rank {ep_rank} in {LAYOUT_NAME}")
+    own = load_file(os.path.join(path, by_rank[(stage, ep_rank)]))
+    if ep_rank != 0:
+        if any(".local_experts." not in n for n in own):
+            bad = next(n for n in own if ".local_experts." not in n)
+            raise CheckpointError(f"{bad}: non-expert tensor in ep rank {ep_rank}'s file {by_rank[(stage, ep_rank)]}")
+        if shared:
+            zero = load_file(os.path.join(path, by_rank[(stage, 0)]))
+            own.update({n: t for n, t in zero.items() if ".local_experts." not in n})
+    elif not shared:
+        own = {n: t for n, t in own.items() if ".local_experts." in n}
+    return own
+

@@ -1,0 +1,48 @@
+"""`dsv3 memory-plan`: per-rank memory (params, grads, optimizer, activations) for each pipeline schedule."""
+import json
+
+
+def register(sub):
+    p = sub.add_parser("memory-plan", help="estimate per-rank training memory for each pipeline schedule")
+    p.add_argument("--preset", default=None, help="tiny / small / v3-671b (default: the config's, else v3-671b)")
+    p.add_argument("--config", default=None, help="DeepSpeed JSON with a \"dsv3\" block")
+    p.add_argument("--pp", type=int, default=None, help="pipeline ranks (default: dsv3.parallel.pp)")
+    p.add_argument("--ep", type=int, default=None, help="expert-parallel ranks (default: dsv3.parallel.ep)")
+    p.add_argument("--dp", type=int, required=True, help="data-parallel replicas per stage (EP is carved from DP)")
+    p.add_argument("--micro-batch-tokens", type=int, default=None, help="tokens per micro-batch (default seq_len)")
+    p.add_argument("--recompute", choices=["none", "norm_and_mla_up", "full"], default=None)
+    p.add_argument("--fp8", dest="fp8", action="store_true", default=None, help="FP8 GEMM input caching")
+    p.add_argument("--no-fp8", dest="fp8", action="store_false")
+    p.add_argument("--bf16-moments", dest="bf16_moments", action="store_true", default=None)
+    p.add_argument("--fp32-moments", dest="bf16_moments", action="store_false")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from dataclasses import asdict
+
+    from ..config import load_config
+    from ..memory_plan import format_table, plan
+    if args.config and args.preset:
+        from ..config import ConfigError
+        raise ConfigError("dsv3.preset: give either --preset or --config (whose \"dsv3\" block names its preset)")
+    if args.config:
+        cfg = load_config(args.config)
+    else:
+        cfg = load_config({"preset": args.preset or "v3-671b"})
+    pp = args.pp or cfg.parallel.pp
+    ep = args.ep or cfg.parallel.ep
+    rows = plan(cfg, pp, ep, args.dp, args.micro_batch_tokens, args.recompute, args.fp8, args.bf16_moments)
+    head = {"preset": cfg.preset, "pp": pp, "ep": ep, "dp": args.dp, "world_size": pp * args.dp,
+            "micro_batch_tokens": args.micro_batch_tokens or cfg.train.seq_len,
+            "recompute": args.recompute or cfg.memory.recompute,
+            "fp8": cfg.fp8.enabled if args.fp8 is None else args.fp8,
+            "bf16_moments": cfg.memory.bf16_moments if args.bf16_moments is None else args.bf16_moments}
+    if args.json:
+        print(json.dumps({**head, "ranks": [asdict(r) for r in rows]}))
+    else:
+        print(" ".join(f"{k}={v}" for k, v in head.items()))
+        print(format_table(rows))
+        print("(worst rank per schedule, GiB; activations = in-flight micro-batches x saved bytes per token)")
+    return 0

@@ -1,0 +1,15 @@
+"""DeepSpeed adapter (thin): ZeRO-1 engine with DeepSeek-V3's bias update, loss schedules and checkpoint state.
+
+Usage::
+
+    from dsv3_plugin.deepspeed import initialize
+    engine, optimizer, _, scheduler = initialize(model, "ds_config.json")   # JSON with a "dsv3" block
+    out = engine(input_ids, labels=labels)          # loss = LM + λ/D·ΣMTP + α·balance
+    engine.backward(out.loss)
+    engine.step()                                   # at the accumulation boundary: optimizer step + bias update
+
+DeepSpeed is imported only when `initialize` runs. See docs/deepspeed.md.
+"""
+from .engine import DEFAULT_GRADIENT_CLIPPING, DSv3TrainState, initialize, quiet_deepspeed_logs, split_ds_config
+
+__all__ = ["initialize", "split_ds_config", "DSv3TrainState", "quiet_deepspeed_logs", "DEFAULT_GRADIENT_CLIPPING"]

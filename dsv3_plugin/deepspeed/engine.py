@@ -1,0 +1,269 @@
+"""DeepSpeed ZeRO-1 adapter: `initialize(model, config)` = `deepspeed.initialize` + DeepSeek-V3's training state.
+
+What it adds to the engine DeepSpeed returns (and why):
+- Aux-loss-free balancing (paper §2.1.2, eq. 16 with b_i <- b_i + γ·sign(mean load − load_i)): the bias update
+  runs once per *optimizer* step, i.e. after `engine.step()` at a gradient-accumulation boundary, on the
+  expert counts summed over every micro-batch of that step and all-reduced over all data-parallel ranks
+  (`dsv3_plugin.balancing.update_expert_bias`). Because the counts are all-reduced, every rank applies the
+  same update and the fp32 bias stays identical everywhere — which DeepSpeed relies on: it saves module
+  buffers from rank 0 only and loads them on every rank.
+- Token schedules: γ = `cfg.moe.gamma(tokens_seen)` and the MTP weight λ = `cfg.mtp.lam(tokens_seen)` (the
+  model reads λ from the `tokens_seen` keyword, injected into every forward that does not pass it).
+  `tokens_seen` counts input tokens of all ranks; it advances at each optimizer step, so both schedules see
+  the tokens trained *before* the current step.
+- Checkpoints: `engine.save_checkpoint` / `engine.load_checkpoint` carry, under `client_state["dsv3"]`,
+  tokens seen, optimizer steps, every rank's RNG state (all-gathered: DeepSpeed writes client_state from rank
+  0 only) and the resolved "dsv3" block; router biases are persistent buffers and travel in the module state.
+  Together with the caller's data position (its own `client_state` keys) that makes resume bit-exact on CPU.
+- DeepSpeed JSON hygiene: ZeRO stage 1 (the default when absent; other stages are refused), and
+  `gradient_clipping` written explicitly (DeepSpeed otherwise applies a silent default of 1.0).
+
+DeepSpeed is imported lazily (only here), never by the core.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..config import ConfigError, DSv3Config, load_config
+from ..errors import CheckpointError
+
+__all__ = ["initialize", "split_ds_config", "DSv3TrainState", "quiet_deepspeed_logs", "DEFAULT_GRADIENT_CLIPPING"]
+
+# NOTE: the paper (§4.2) clips the gradient norm at 1.0; we write it into the DeepSpeed config explicitly when the
+# JSON has no `gradient_clipping`, so the behaviour is visible in the resolved config rather than implied.
+DEFAULT_GRADIENT_CLIPPING = 1.0
+SUPPORTED_ZERO_STAGES = (1,)
+
+
+def _import_deepspeed():
+    if not torch.cuda.is_available():
+        # DeepSpeed picks its accelerator at import time; without CUDA it must be told to use the CPU one.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    from patches import deepspeed_shm_comm
+    deepspeed_shm_comm.apply()  # CPU: no JIT build of an inference-only op, no print on stdout
+    return deepspeed
+
+
+def quiet_deepspeed_logs(level: int | None = None) -> None:
+    """Send DeepSpeed's log lines to stderr (its handler writes to stdout, which `dsv3 train` keeps for JSON)."""
+    import logging
+    import sys
+    _import_deepspeed()
+    from deepspeed.utils import logger
+    for h in logger.handlers:
+        if isinstance(h, logging.StreamHandler):
+            h.setStream(sys.stderr)
+    logger.setLevel(level if level is not None else logging.WARNING)
+
+
+def split_ds_config(config: "str | os.PathLike | dict") -> tuple[dict, DSv3Config]:
+    """DeepSpeed JSON (path or dict) -> (DeepSpeed's part without "dsv3", validated `DSv3Config`).
+
+    Errors are `ConfigError`s whose message starts with the offending key.
+    """
+    if isinstance(config, dict):
+        raw = copy.deepcopy(config)
+        where = "config"
+    else:
+        where = os.fspath(config)
+        try:
+            with open(where) as f:
+                raw = json.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"dsv3: config file not found: {where}") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"dsv3: {where} is not valid JSON ({e})") from None
+    if not isinstance(raw, dict) or "dsv3" not in raw:
+        raise ConfigError(f"dsv3: {where} has no \"dsv3\" block")
+    cfg = load_config({"dsv3": raw.pop("dsv3")})
+    zero = raw.setdefault("zero_optimization", {"stage": 1})
+    if not isinstance(zero, dict):
+        raise ConfigError(f"zero_optimization: must be an object (got {type(zero).__name__})")
+    stage = zero.setdefault("stage", 1)
+    if stage not in SUPPORTED_ZERO_STAGES:
+        raise ConfigError(f"zero_optimization.stage: the dsv3 DeepSpeed path runs ZeRO stage 1 (got {stage!r})")
+    clip = raw.setdefault("gradient_clipping", DEFAULT_GRADIENT_CLIPPING)
+    if not isinstance(clip, (int, float)) or isinstance(clip, bool) or clip < 0:
+        raise ConfigError(f"gradient_clipping: must be a number >= 0, 0 disables (got {clip!r})")
+    if cfg.parallel.pp != 1:
+        raise ConfigError(f"dsv3.parallel.pp: the DeepSpeed path has no pipeline parallelism (got {cfg.parallel.pp})")
+    return raw, cfg
+
+
+def _check_model_matches(model: torch.nn.Module, cfg: DSv3Config) -> None:
+    """The model must be built from the same "dsv3" block (its forward reads α, λ, route scale from it)."""
+    mcfg = getattr(model, "cfg", None)
+    if not isinstance(mcfg, DSv3Config):
+        return
+    built, asked = mcfg.to_dict(), cfg.to_dict()
+    for section in ("model", "moe", "mtp"):
+        for key in asked[section]:
+            if built[section].get(key) != asked[section][key]:
+                raise ConfigError(f"dsv3.{section}.{key}: the model was built with {built[section].get(key)!r} "
+                                  f"but the config says {asked[section][key]!r} (build the model from the same "
+                                  f"\"dsv3\" block)")
+
+
+@dataclass
+class DSv3TrainState:
+    """Training state that is not a parameter (saved in `client_state["dsv3"]`)."""
+
+    tokens_seen: int = 0  # input tokens of all ranks trained in completed optimizer steps
+    optimizer_steps: int = 0
+    pending_tokens: int = 0  # this rank's tokens in the current accumulation window
+    last_gamma: float = 0.0
+    last_step_tokens: int = 0
+    last_stats: Any = None  # what update_expert_bias returned at the last step (per-layer loads / maxvio)
+
+
+class _DSv3Hooks:
+    """Everything `initialize` attaches to the engine; reachable as `engine.dsv3`."""
+
+    def __init__(self, engine, model: torch.nn.Module, cfg: DSv3Config, group=None):
+        self.engine, self.model, self.cfg, self.group = engine, model, cfg, group
+        self.state = DSv3TrainState()
+        self._orig_step = engine.step
+        self._orig_save = engine.save_checkpoint
+        self._orig_load = engine.load_checkpoint
+        self._hook = model.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
+        engine.step = self.step
+        engine.save_checkpoint = self.save_checkpoint
+        engine.load_checkpoint = self.load_checkpoint
+
+    # --- forward: schedule input and token count ------------------------------------------------
+    def _pre_forward(self, module, args, kwargs):
+        if "tokens_seen" not in kwargs:
+            kwargs = {**kwargs, "tokens_seen": float(self.state.tokens_seen)}
+        if module.training and torch.is_grad_enabled():
+            ids = args[0] if args else kwargs.get("input_ids")
+            if ids is not None:
+                self.state.pending_tokens += int(ids.numel())
+        return args, kwargs
+
+    @property
+    def gamma(self) -> float:
+        return self.cfg.moe.gamma(float(self.state.tokens_seen))
+
+    @property
+    def lam(self) -> float:
+        return self.cfg.mtp.lam(float(self.state.tokens_seen))
+
+    def _device(self) -> torch.device:
+        for b in self.model.buffers():
+            return b.device
+        return torch.device("cpu")
+
+    # --- optimizer step: the once-per-step bias update --------------------------------------------
+    def step(self, *args, **kwargs):
+        before = self.engine.global_steps
+        out = self._orig_step(*args, **kwargs)
+        if self.engine.global_steps != before:  # an optimizer step (boundary) happened, applied or skipped
+            self.after_optimizer_step()
+        return out
+
+    def after_optimizer_step(self) -> None:
+        from ..balancing import update_expert_bias
+        gamma = self.gamma
+        n_TK = torch.tensor([self.state.pending_tokens], dtype=torch.int64, device=self._device())
+        if dist.is_initialized():
+            dist.all_reduce(n_TK, group=self.group)
+        with torch.no_grad():
+            stats = update_expert_bias(self.model, gamma, group=self.group)
+        s = self.state
+        s.last_step_tokens = int(n_TK.item())
+        s.tokens_seen += s.last_step_tokens
+        s.pending_tokens = 0
+        s.optimizer_steps += 1
+        s.last_gamma = gamma
+        s.last_stats = stats
+
+    # --- checkpoints ----------------------------------------------------------------------------
+    def _rng_state(self) -> dict:
+        st = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        if torch.cuda.is_available():
+            st["cuda"] = torch.cuda.get_rng_state()
+        return st
+
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, **kwargs):
+        if self.state.pending_tokens:
+            raise RuntimeError("save_checkpoint: called inside a gradient-accumulation window "
+                               f"({self.state.pending_tokens} tokens not yet stepped); save after engine.step() "
+                               "at the boundary")
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        rngs = [None] * world
+        if dist.is_initialized():
+            dist.all_gather_object(rngs, self._rng_state())
+        else:
+            rngs[0] = self._rng_state()
+        cs = dict(client_state or {})
+        cs["dsv3"] = {"tokens_seen": self.state.tokens_seen, "optimizer_steps": self.state.optimizer_steps,
+                      "world_size": world, "rng": rngs, "config": self.cfg.to_dict()}
+        return self._orig_save(save_dir, tag=tag, client_state=cs, save_latest=save_latest, **kwargs)
+
+    def load_checkpoint(self, load_dir, tag=None, **kwargs):
+        load_dir = os.fspath(load_dir)
+        if tag is None and not os.path.isfile(os.path.join(load_dir, "latest")):
+            raise CheckpointError(f"{load_dir}: no DeepSpeed checkpoint (no 'latest' file; pass a tag)")
+        path, client_state = self._orig_load(load_dir, tag=tag, **kwargs)
+        if path is None:
+            raise CheckpointError(f"{load_dir}: DeepSpeed could not load checkpoint tag {tag!r}")
+        client_state = dict(client_state or {})
+        st = client_state.pop("dsv3", None)
+        if kwargs.get("load_module_only"):
+            return path, client_state
+        if st is None:
+            raise CheckpointError(f"{path}: client_state has no 'dsv3' entry (not saved by dsv3_plugin.deepspeed)")
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if st["world_size"] != world:
+            raise CheckpointError(f"{path}: saved with {st['world_size']} ranks, resuming on {world}; per-rank RNG "
+                                  "and ZeRO-1 optimizer partitions need the same data-parallel size")
+        self.state.tokens_seen = int(st["tokens_seen"])
+        self.state.optimizer_steps = int(st["optimizer_steps"])
+        self.state.pending_tokens = 0
+        rng = st["rng"][dist.get_rank() if dist.is_initialized() else 0]
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+        for m in self.model.modules():  # counts of an interrupted window must not leak into the next update
+            if hasattr(m, "tokens_per_expert"):
+                m.tokens_per_expert.zero_()
+        return path, client_state
+
+    def remove(self) -> None:
+        """Detach the hooks (the engine goes back to plain DeepSpeed behaviour)."""
+        self._hook.remove()
+        self.engine.step, self.engine.save_checkpoint, self.engine.load_checkpoint = (
+            self._orig_step, self._orig_save, self._orig_load)
+
+
+def initialize(model: torch.nn.Module, config: "str | os.PathLike | dict", *, model_parameters=None,
+               optimizer=None, lr_scheduler=None, training_data=None, group=None, **kwargs):
+    """`deepspeed.initialize` for a `DSv3Model` with ZeRO-1 and the DeepSeek-V3 training state.
+
+    `config` is a DeepSpeed JSON (path or dict) with a `"dsv3"` block; the model must be built from that block.
+    `group` is the process group the expert counts are all-reduced over (default: all ranks, which is the
+    data-parallel group here). Returns DeepSpeed's usual `(engine, optimizer, dataloader, lr_scheduler)`;
+    `engine.dsv3` holds the hooks and `engine.dsv3.state` the non-parameter training state.
+    """
+    ds_config, cfg = split_ds_config(config)
+    _check_model_matches(model, cfg)
+    if not any(hasattr(m, "e_score_correction_bias") for m in model.modules()):
+        raise ConfigError("dsv3.moe: the model has no router with an 'e_score_correction_bias' buffer")
+    deepspeed = _import_deepspeed()
+    if model_parameters is None and optimizer is None:
+        model_parameters = [p for p in model.parameters() if p.requires_grad]
+    engine, opt, loader, sched = deepspeed.initialize(
+        model=model, model_parameters=model_parameters, optimizer=optimizer, lr_scheduler=lr_scheduler,
+        training_data=training_data, config=ds_config, **kwargs)
+    engine.dsv3 = _DSv3Hooks(engine, model, cfg, group=group)
+    return engine, opt, loader, sched

@@ -1,0 +1,153 @@
+"""DeepSpeed ZeRO-1 with expert parallelism: expert parameters reduced over the expert-data-parallel group,
+dense parameters over the whole data-parallel group, using DeepSpeed's own MoE conventions.
+
+What DeepSpeed 0.19 needs (observed, see the project's integration notes):
+- the engine treats parameters as expert parameters only if it finds a module that is an instance of
+  `deepspeed.moe.layer.MoE`; it then calls `set_deepspeed_parallelism()` on it, and ZeRO-1 reduces params
+  with `allreduce = False` over the expert-data-parallel group named by their `group_name`;
+- the optimizer's param groups must be split with `split_params_into_different_moe_groups_for_optimizer`
+  (the engine does it itself when the JSON has an "optimizer"; `moe_param_groups` does it otherwise);
+- `save_checkpoint` writes one file per expert from the keys `<MoE module>.deepspeed_moe.experts.
+  deepspeed_experts.<local id>.*` and drops every other key containing "expert" under that module from the
+  model state: so the MoE module here holds the routed experts *only* (router and shared experts stay in the
+  parent `ExpertParallelMoE`, with their released names).
+
+`DeepSpeedExperts` subclasses DeepSpeed's `MoE` without running its constructor (which would build
+DeepSpeed's own gate and capacity-based dispatch); it holds this rank's E/P experts as separate modules
+(DeepSpeed's checkpoint layout) and computes them grouped (`moe.swiglu_rows`). Dispatch/combine stays ours.
+
+Gradient scaling: ZeRO divides every gradient by the data-parallel world size W and all-reduces expert
+gradients over the EDP group (W/P ranks). An expert's gradient already sums its EP group's tokens (the
+all-to-all backward brings them), so the result is the same mean over all W ranks' losses as for dense
+parameters.
+
+Hook for the engine: `prepare_model(model, cfg)` before `deepspeed.initialize` (idempotent).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..config import ConfigError, DSv3Config
+from ..dispatch import codec_from_config
+from ..moe import swiglu_rows
+from ..moe_parallel import ExpertParallelMoE, expert_parallel
+from ..parallel_groups import build_ep_groups
+
+__all__ = ["prepare_model", "moe_param_groups", "expert_group_name", "deepspeed_experts_class"]
+
+
+def expert_group_name(ep_size: int) -> str:
+    """DeepSpeed's name for the EP/EDP group pair of expert-parallel degree `ep_size`."""
+    return f"ep_size_{ep_size}"
+
+
+class _Expert(nn.Module):
+    """One SwiGLU expert in DeepSpeed's per-expert checkpoint layout (released names, weights only)."""
+
+    def __init__(self, hidden: int, inter: int, dtype=None):
+        super().__init__()
+        self.gate_proj = nn.Parameter(torch.empty(inter, hidden, dtype=dtype))
+        self.up_proj = nn.Parameter(torch.empty(inter, hidden, dtype=dtype))
+        self.down_proj = nn.Parameter(torch.empty(hidden, inter, dtype=dtype))
+
+
+class _ExpertList(nn.Module):
+    def __init__(self, n_local: int, hidden: int, inter: int, group_name: str, dtype=None):
+        super().__init__()
+        self.deepspeed_experts = nn.ModuleList(_Expert(hidden, inter, dtype) for _ in range(n_local))
+        for p in self.deepspeed_experts.parameters():
+            p.allreduce = False          # not reduced over the whole DP group ...
+            p.group_name = group_name    # ... but over this EP degree's expert-data-parallel group
+
+
+@functools.lru_cache(maxsize=None)
+def deepspeed_experts_class():
+    """The `deepspeed.moe.layer.MoE` subclass (built on first use: DeepSpeed is imported lazily)."""
+    from deepspeed.moe.layer import MoE
+
+    class DeepSpeedExperts(MoE):
+        """This rank's routed experts as a DeepSpeed MoE module (see the module docstring)."""
+
+        def __init__(self, num_experts: int, ep_size: int, ep_ranks: list[int], hidden: int, inter: int,
+                     dtype=None):
+            nn.Module.__init__(self)  # NOTE: not MoE.__init__ (it builds DeepSpeed's own gate/dispatcher)
+            self.num_experts = num_experts
+            self.ep_size = ep_size
+            self.num_local_experts = num_experts // ep_size
+            self.expert_group_name = expert_group_name(ep_size)
+            self.use_residual = False
+            self.enable_expert_tensor_parallelism = False
+            self.ep_ranks = list(ep_ranks)
+            self.deepspeed_moe = nn.Module()
+            self.deepspeed_moe.experts = _ExpertList(self.num_local_experts, hidden, inter,
+                                                     self.expert_group_name, dtype)
+
+        def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False, **_) -> None:
+            from deepspeed.utils import groups
+            if use_data_before_expert_parallel_:
+                raise ConfigError("use_data_before_expert_parallel_: unsupported with dsv3 expert parallelism "
+                                  "(EP groups must be contiguous rank blocks)")
+            if self.expert_group_name not in groups._get_expert_parallel_group_dict():
+                groups._create_expert_and_data_parallel(self.ep_size)
+            ds_ranks = dist.get_process_group_ranks(groups._get_expert_parallel_group(self.expert_group_name))
+            if sorted(ds_ranks) != sorted(self.ep_ranks):
+                raise RuntimeError(f"DeepSpeed's EP group {ds_ranks} differs from dsv3's {self.ep_ranks}: "
+                                   "expert gradients would be reduced over the wrong ranks")
+
+        def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            ex = self.deepspeed_moe.experts.deepspeed_experts
+            return (torch.stack([e.gate_proj for e in ex]), torch.stack([e.up_proj for e in ex]),
+                    torch.stack([e.down_proj for e in ex]))
+
+        def expert_rows(self, x_NH: torch.Tensor, expert_N: torch.Tensor) -> torch.Tensor:
+            return swiglu_rows(x_NH, expert_N, *self.weights())
+
+        def forward(self, x_NH: torch.Tensor, expert_N: torch.Tensor) -> torch.Tensor:
+            return self.expert_rows(x_NH, expert_N)
+
+    return DeepSpeedExperts
+
+
+@torch.no_grad()
+def _to_deepspeed_experts(layer: ExpertParallelMoE) -> None:
+    old = layer.experts
+    _, inter, hidden = old.gate_proj.shape
+    cls = deepspeed_experts_class()
+    new = cls(layer.cfg.n_routed_experts, layer.groups.ep_size, layer.groups.ep_ranks, hidden, inter,
+              dtype=old.gate_proj.dtype).to(old.gate_proj.device)
+    for i, e in enumerate(new.deepspeed_moe.experts.deepspeed_experts):
+        e.gate_proj.copy_(old.gate_proj[i])
+        e.up_proj.copy_(old.up_proj[i])
+        e.down_proj.copy_(old.down_proj[i])
+    layer.experts = new
+
+
+def prepare_model(model: nn.Module, cfg: DSv3Config) -> nn.Module:
+    """Shard the routed experts of every MoE layer over `parallel.ep` (EP groups as DeepSpeed lays them out),
+    with dispatch from `moe.dedup_dispatch` / `moe.ranks_per_node` / `fp8.dispatch`, and expose them to
+    DeepSpeed as MoE modules. Call before `deepspeed.initialize`; weights must already be initialised or
+    loaded (each rank keeps its slice). At EP = 1 the layers stay plain (dense reduction is then exact)."""
+    ep = cfg.parallel.ep
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world % ep:
+        raise ConfigError(f"dsv3.parallel.ep: must divide the number of ranks (got ep={ep}, world={world})")
+    groups = build_ep_groups(ep, cfg.moe.ranks_per_node)
+    expert_parallel(model, groups, dedup=cfg.moe.dedup_dispatch, codec=codec_from_config(cfg))
+    if ep > 1:
+        cls = deepspeed_experts_class()
+        for m in model.modules():
+            if isinstance(m, ExpertParallelMoE) and not isinstance(m.experts, cls):
+                _to_deepspeed_experts(m)
+    return model
+
+
+def moe_param_groups(model: nn.Module, name: str = "dense", **group_options) -> list[dict]:
+    """Optimizer param groups with expert parameters split out per EDP group (for a client optimizer; the
+    engine does the same itself when the DeepSpeed JSON has an "optimizer")."""
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+    params = [p for p in model.parameters() if p.requires_grad]
+    return split_params_into_different_moe_groups_for_optimizer({"params": params, "name": name, **group_options})

@@ -1,0 +1,187 @@
+"""Pipeline x data parallelism with DeepSpeed ZeRO-1: our schedules over the pipeline group, ZeRO-1 over
+the data-parallel group.
+
+Layout: a pipeline is `pp` consecutive ranks (global rank = dp_rank * pp + pp_rank); ranks with the same
+pp_rank form a data-parallel group. Each rank builds the model, keeps only its stages
+(`dsv3_plugin.pipeline.stages`) and hands their parameters to `deepspeed.initialize` with an `mpu` that
+names the data-parallel group (ZeRO-1 partitions the optimizer state and averages gradients there) and the
+pipeline group as the "model-parallel" group (so the gradient norm for clipping sums over all stages).
+
+One optimizer step = one pipeline step over all `gradient_accumulation_steps` micro-batches of the JSON:
+the criterion scales each micro-batch loss by 1/gas (what `engine.backward` does), the schedule runs the
+forwards and backwards, then ZeRO-1 reduces the gradients (`engine.allreduce_gradients`, the path DeepSpeed's
+own pipeline engine uses) and `engine.step()` applies the optimizer. DeepSpeed itself therefore runs with
+gradient_accumulation_steps = 1 and micro-batch = gas x micro-batch.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["PipelineGroups", "pipeline_groups", "PipelineMPU", "PipelinedEngine"]
+
+
+@dataclass
+class PipelineGroups:
+    pp: int
+    dp: int
+    pp_rank: int
+    dp_rank: int
+    pp_group: object
+    dp_group: object
+    pp_ranks: list[int]
+    dp_ranks: list[int]
+
+
+def pipeline_groups(pp: int) -> PipelineGroups:
+    """Create every pipeline and data-parallel group (all ranks must call this, in the same order)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if pp < 1 or world % pp:
+        from ..config import ConfigError
+        raise ConfigError(f"dsv3.parallel.pp: must divide the world size (got pp={pp}, world={world})")
+    dp = world // pp
+    mine = {}
+    for d in range(dp):
+        ranks = [d * pp + p for p in range(pp)]
+        g = dist.new_group(ranks)
+        if rank in ranks:
+            mine["pp"] = (g, ranks)
+    for p in range(pp):
+        ranks = [d * pp + p for d in range(dp)]
+        g = dist.new_group(ranks)
+        if rank in ranks:
+            mine["dp"] = (g, ranks)
+    return PipelineGroups(pp, dp, rank % pp, rank // pp, mine["pp"][0], mine["dp"][0], mine["pp"][1], mine["dp"][1])
+
+
+class PipelineMPU:
+    """The model-parallel-unit interface DeepSpeed reads: data parallel = dp group; model parallel = the
+    pipeline group (DeepSpeed sums gradient norms over it)."""
+
+    def __init__(self, g: PipelineGroups):
+        self.g = g
+
+    def get_data_parallel_group(self):
+        return self.g.dp_group
+
+    def get_data_parallel_rank(self):
+        return self.g.dp_rank
+
+    def get_data_parallel_world_size(self):
+        return self.g.dp
+
+    def get_data_parallel_group_ranks(self):
+        return list(self.g.dp_ranks)
+
+    def get_model_parallel_group(self):
+        return self.g.pp_group
+
+    def get_model_parallel_rank(self):
+        return self.g.pp_rank
+
+    def get_model_parallel_world_size(self):
+        return self.g.pp
+
+    def get_pipeline_model_parallel_world_size(self):
+        return self.g.pp
+
+    def get_pipeline_model_parallel_rank(self):
+        return self.g.pp_rank
+
+    def get_pipeline_model_parallel_group(self):
+        return self.g.pp_group
+
+    def get_tensor_model_parallel_world_size(self):
+        return 1
+
+    def get_tensor_model_parallel_rank(self):
+        return 0
+
+
+class _LocalStages(nn.Module):
+    """The stages of this rank as one module for DeepSpeed (a module shared by two stages counts once)."""
+
+    def __init__(self, stages):
+        super().__init__()
+        self.stages = nn.ModuleList(stages)
+
+    def forward(self, *args):  # never called: the pipeline runtime calls the stages
+        raise RuntimeError("PipelinedEngine: call train_step(), not the module")
+
+
+class PipelinedEngine:
+    """`dsv3 train` with "parallel": {"pp": P, "schedule": ...}: build with the full model and the DeepSpeed
+    JSON (its "dsv3" block gives the schedule), then call `train_step(ids, labels, tokens_seen)` with this
+    data-parallel rank's gas x micro-batch sequences (the same on every rank of a pipeline)."""
+
+    def __init__(self, model, ds_config: dict, cfg, groups: PipelineGroups | None = None, timeout_s: float = 300.0):
+        try:   # the adapter's import applies its CPU patch (no JIT build of an inference-only comm op)
+            from .engine import _import_deepspeed
+            deepspeed = _import_deepspeed()
+        except ImportError:
+            import deepspeed
+
+        from ..pipeline import DualPipe, DualPipeV, OneFOneB, ZeroBubble1P
+        from ..pipeline.stages import build_stages, n_stages_of, stage_ids_for_rank
+        self.cfg = cfg
+        self.schedule = cfg.parallel.schedule
+        self.g = groups or pipeline_groups(cfg.parallel.pp)
+        ds = copy.deepcopy(ds_config)
+        self.gas = int(ds.get("gradient_accumulation_steps", 1))
+        mbs = int(ds.get("train_micro_batch_size_per_gpu", 1))
+        self.micro_batch = mbs
+        ds["gradient_accumulation_steps"] = 1
+        ds["train_micro_batch_size_per_gpu"] = mbs * self.gas
+        ds.pop("train_batch_size", None)
+        ds.pop("dsv3", None)
+        ids = stage_ids_for_rank(self.schedule, self.g.pp, self.g.pp_rank)
+        self.stages = build_stages(model, n_stages_of(self.schedule, self.g.pp), ids)
+        self.module = _LocalStages(self.stages)
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        self.engine, self.optimizer, _, self.lr_scheduler = deepspeed.initialize(
+            model=self.module, model_parameters=params, config=ds, mpu=PipelineMPU(self.g))
+        # Gradients are produced outside engine.backward (by the schedule): reduce them like DeepSpeed's own
+        # pipeline engine does.
+        self.engine.pipeline_parallelism = True
+        cls = {"1f1b": OneFOneB, "zb1p": ZeroBubble1P, "dualpipe": DualPipe, "dualpipev": DualPipeV}[self.schedule]
+        self.runtime = cls(self.stages, process_group=self.g.pp_group, timeout_s=timeout_s)
+
+    def train_step(self, ids_NT: torch.Tensor, labels_NT: torch.Tensor, tokens_seen: float = 0.0) -> dict:
+        """One optimizer step over gas micro-batches (N = gas x micro-batch rows). Returns the loss terms
+        averaged over micro-batches and data-parallel ranks (identical on every rank)."""
+        from ..pipeline.stages import DSv3PipelineLoss, sync_tied_embedding
+        crit = DSv3PipelineLoss(self.cfg, tokens_seen, scale=1.0 / self.gas)
+        self.engine.train()
+        self.runtime.step(ids_NT, num_chunks=self.gas, criterion=crit, labels=(labels_NT,))
+        sync_tied_embedding(self.runtime, self.stages)
+        self.engine.allreduce_gradients()
+        self.engine.step()
+        sums_4 = torch.zeros(4, dtype=torch.float64)
+        for rec in crit.records:
+            sums_4 += torch.tensor([float(rec[k]) if rec[k] is not None else 0.0
+                                    for k in ("loss", "lm_loss", "mtp_loss", "balance_loss")], dtype=torch.float64)
+        # the loss rank of each pipeline has the sums: share them with the pipeline, then average over DP
+        src = self.g.pp_ranks[self.runtime.loss_rank]
+        dist.broadcast(sums_4, src=src, group=self.g.pp_group)
+        dist.all_reduce(sums_4, group=self.g.dp_group)
+        means = (sums_4 / (self.gas * self.g.dp)).tolist()
+        return dict(zip(("loss", "lm_loss", "mtp_loss", "balance_loss"), means))
+
+    def update_expert_bias(self, gamma: float):
+        """Aux-loss-free bias update for this rank's routers: counts summed over the data-parallel group
+        (for DualPipe also over the mirror rank, which saw the other half of the micro-batches)."""
+        from ..balancing import update_expert_bias
+        if self.schedule == "dualpipe":
+            raise NotImplementedError("dualpipe + bias update: counts must also be summed over the mirror pair")
+        with torch.no_grad():
+            stats = update_expert_bias(self.module, gamma, group=self.g.dp_group)
+        # which of the model's MoE layers each entry is (routers are visited in module order: each stage's
+        # layers, then its MTP blocks), so that callers can put the pipeline's layers back in model order
+        slots = [s for st in self.stages for s in st.moe_slot + getattr(st, "mtp_slot", []) if s >= 0]
+        for st, slot in zip(stats, slots):
+            st["moe_index"] = slot
+        return stats

@@ -1,0 +1,116 @@
+"""`dsv3 train` end to end: self-spawned (--nproc 2) from a released-format checkpoint (--init-from), then
+resumed under torchrun; JSON lines on stdout, metrics.jsonl, PNG, checkpoint, summary; bad input exits 2."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dsv3_plugin.cli import main
+from dsv3_plugin.config import load_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+KEYS = {"step", "loss", "lm_loss", "mtp_loss", "balance_loss", "maxvio", "tokens_per_s", "tokens_seen", "gamma", "lr"}
+
+
+def _ds(**dsv3):
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "steps_per_print": 10**9,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+            "dsv3": {"preset": "tiny", "train": {"seq_len": 16, "seed": 5}, **dsv3}}
+
+
+def _write(path, obj):
+    with open(path, "w") as f:
+        json.dump(obj, f)
+    return str(path)
+
+
+def _env():
+    return {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+
+
+def test_example_config_is_the_default():
+    from dsv3_plugin.train import DEFAULT_DS_CONFIG
+    with open(os.path.join(ROOT, "examples", "deepspeed", "ds_config.json")) as f:
+        assert json.load(f) == DEFAULT_DS_CONFIG
+    assert main(["check-config", os.path.join(ROOT, "examples", "deepspeed", "ds_config.json")]) == 0
+
+
+@pytest.mark.parametrize("mutate, needle", [
+    (lambda d: d["dsv3"].update(moe={"top_k": 9}), "dsv3.moe.top_k"),
+    (lambda d: d.update(zero_optimization={"stage": 3}), "zero_optimization.stage"),
+    (lambda d: d.update(gradient_clipping=-1), "gradient_clipping"),
+    (lambda d: d["dsv3"].update(parallel={"pp": 2}), "dsv3.parallel.pp"),
+    (lambda d: d.pop("dsv3"), "\"dsv3\" block"),
+    (lambda d: d["dsv3"]["train"].update(stepz=3), "dsv3.train.stepz"),
+])
+def test_bad_config_exits_2(tmp_path, capsys, mutate, needle):
+    d = _ds()
+    mutate(d)
+    assert main(["train", "--config", _write(tmp_path / "c.json", d), "--out", str(tmp_path / "o")]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_bad_paths_exit_2(tmp_path, capsys):
+    cfg = _write(tmp_path / "c.json", _ds())
+    assert main(["train", "--config", cfg, "--resume", str(tmp_path / "nothing")]) == 2
+    assert "no DeepSpeed checkpoint" in capsys.readouterr().err
+    assert main(["train", "--config", cfg, "--init-from", str(tmp_path)]) == 2
+    assert "config.json" in capsys.readouterr().err
+    assert main(["train", "--config", cfg, "--steps", "0"]) == 2
+    assert "dsv3.train.steps" in capsys.readouterr().err
+
+
+def _reference_first_lm_loss(ck, seq_len, seed, mbs):
+    """Mean over both ranks of the loaded model's LM loss on each rank's first micro-batch."""
+    from dsv3_plugin import load_pretrained
+    from dsv3_plugin.data import MarkovData
+    model = load_pretrained(ck)
+    data = MarkovData(model.cfg.model.vocab_size, seq_len, seed=seed)
+    losses = []
+    with torch.no_grad():
+        for rank in range(2):
+            ids, labels = data.batch(0, 0, rank, mbs)
+            losses.append(float(model(ids, labels=labels).lm_loss))
+    return sum(losses) / 2
+
+
+def test_train_cli_spawned_then_resumed_under_torchrun(tmp_path):
+    from helpers import make_tiny_hf_checkpoint
+    ck = str(tmp_path / "hf")
+    make_tiny_hf_checkpoint(ck, load_config({"preset": "tiny"}), seed=1)
+    cfg = _write(tmp_path / "c.json", _ds(moe={"bias_update_speed": 0.01}))
+    out = str(tmp_path / "run")
+
+    p = subprocess.run([sys.executable, "-m", "dsv3_plugin", "train", "--config", cfg, "--nproc", "2", "--steps", "3",
+                        "--out", out, "--init-from", ck], capture_output=True, text=True, env=_env(), timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = p.stdout.strip().splitlines()
+    rows = [json.loads(x) for x in lines[:-1]]
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(KEYS <= set(r) for r in rows)
+    assert lines[-1].startswith("dsv3 train: steps 1-3 on 2 rank(s)")
+    assert "dsv3 train" in p.stderr  # tqdm bar
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        assert [json.loads(x) for x in f] == rows
+    assert os.path.getsize(os.path.join(out, "train.png")) > 1000
+    assert os.path.isfile(os.path.join(out, "ckpt", "latest"))
+    # the weights really came from the checkpoint: step 1's LM loss is the loaded model's
+    assert rows[0]["lm_loss"] == pytest.approx(_reference_first_lm_loss(ck, 16, 5, 2), abs=1e-5)
+    assert rows[0]["gamma"] == 0.01 and rows[-1]["tokens_seen"] == 3 * 2 * 2 * 16
+
+    # Resume under torchrun, with dsv3.train.log_every = 2: JSON lines for steps 4 and 6 (6 = the last) only.
+    cfg2 = _write(tmp_path / "c2.json", _ds(moe={"bias_update_speed": 0.01}, train={"seq_len": 16, "seed": 5,
+                                                                                     "log_every": 2}))
+    t = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        "-m", "dsv3_plugin", "train", "--config", cfg2, "--steps", "6", "--out", out,
+                        "--resume", out, "--init-from", ck, "--no-progress"],
+                       capture_output=True, text=True, env=_env(), timeout=600)
+    assert t.returncode == 0, t.stderr[-3000:]
+    more = [json.loads(x) for x in t.stdout.strip().splitlines() if x.startswith("{")]
+    assert [r["step"] for r in more] == [4, 6] and more[0]["tokens_seen"] == 4 * 64
+    assert t.stdout.strip().splitlines()[-1].startswith("dsv3 train: steps 4-6 on 2 rank(s)")
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        assert [json.loads(x)["step"] for x in f] == [1, 2, 3, 4, 6]

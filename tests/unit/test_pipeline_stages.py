@@ -1,0 +1,77 @@
+"""DSv3Model cut into pipeline stages: composing the stages gives the model's loss bit for bit."""
+import copy
+
+import pytest
+import torch
+
+from dsv3_plugin.config import load_config
+from dsv3_plugin.model import DSv3Model
+from dsv3_plugin.pipeline.stages import DSv3PipelineLoss, build_stages, split_layers, stage_ids_for_rank
+
+
+def tiny(layers=4):
+    return load_config({"preset": "tiny", "model": {"num_hidden_layers": layers}})
+
+
+def test_split_layers_and_rank_layout():
+    assert [list(r) for r in split_layers(5, 3)] == [[0, 1], [2, 3], [4]]
+    assert [len(r) for r in split_layers(3, 4)] == [1, 1, 1, 0]
+    assert stage_ids_for_rank("dualpipev", 2, 0) == [0, 3] and stage_ids_for_rank("dualpipe", 4, 1) == [1, 2]
+    with pytest.raises(ValueError, match="parallel.schedule"):
+        stage_ids_for_rank("gpipe", 2, 0)
+
+
+@pytest.mark.parametrize("n_stages", [1, 2, 4, 5])
+def test_stages_compose_to_the_model(n_stages):
+    torch.manual_seed(0)
+    model = DSv3Model(tiny())
+    model.train()
+    ids = torch.randint(0, 256, (2, 12))
+    labels = torch.randint(0, 256, (2, 12))
+    ref = copy.deepcopy(model)
+    out = ref(ids, labels, tokens_seen=0.0)
+    out.loss.backward()
+
+    stages = build_stages(model, n_stages)
+    crit = DSv3PipelineLoss(model)
+    msg = (ids,)
+    for s in stages:
+        msg = s(*msg)
+    loss = crit(*msg, labels)
+    loss.backward()
+    assert torch.equal(loss, out.loss)
+    rec = crit.records[0]
+    assert torch.equal(rec["lm_loss"], out.lm_loss) and torch.equal(rec["mtp_loss"], out.mtp_loss)
+    assert torch.equal(rec["balance_loss"], out.balance_loss)
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-6, atol=1e-9), n
+    # the first and last stage share the one embedding (MTP reuses it)
+    assert stages[0].embed_tokens.weight is stages[-1].embed_tokens.weight
+
+
+def test_split_weight_grads_defers_linear_and_expert_gemms():
+    from dsv3_plugin.pipeline.weight_grad import (DeferrableGroupedExperts, DeferrableLinear, WeightGradQueue,
+                                                  split_weight_grads)
+    torch.manual_seed(0)
+    model = DSv3Model(tiny(3))
+    model.train()
+    ref = copy.deepcopy(model)
+    ids, labels = torch.randint(0, 256, (2, 12)), torch.randint(0, 256, (2, 12))
+    ref(ids, labels).loss.backward()
+    n = split_weight_grads(model)
+    n_exp = sum(isinstance(m, DeferrableGroupedExperts) for m in model.modules())
+    n_lin = sum(isinstance(m, DeferrableLinear) for m in model.modules())
+    assert n_exp == 3 and n == n_exp + n_lin                      # 2 MoE layers + the MTP layer
+    assert model.state_dict().keys() == ref.state_dict().keys()
+    q = WeightGradQueue()
+    out = model(ids, labels)
+    with q.deferring("mb0"):
+        out.loss.backward()
+    assert torch.equal(out.loss, ref(ids, labels).loss)
+    params = dict(model.named_parameters())
+    # input grads flowed (the embedding has no GEMM of ours), weight GEMMs waited for W
+    assert params["embed_tokens.weight"].grad is not None
+    assert params["layers.1.mlp.experts.gate_proj"].grad is None and params["lm_head.weight"].grad is None
+    q.pop("mb0")
+    for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
+        assert torch.allclose(p.grad, r.grad, rtol=1e-6, atol=1e-9), name
