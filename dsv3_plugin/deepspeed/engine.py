@@ -102,6 +102,10 @@ def split_ds_config(config: "str | os.PathLike | dict") -> tuple[dict, DSv3Confi
                               f"the step's micro-batches through the pipeline and needs >= {need} (got {gas!r})")
         if cfg.parallel.schedule == "dualpipe" and gas % 2:
             raise ConfigError(f"gradient_accumulation_steps: dualpipe needs an even number (got {gas})")
+        if cfg.parallel.num_chunks is not None and cfg.parallel.num_chunks != gas:
+            raise ConfigError(f"dsv3.parallel.num_chunks: the DeepSpeed path runs gradient_accumulation_steps "
+                              f"micro-batches per pipeline step; set them equal (got {cfg.parallel.num_chunks} "
+                              f"vs {gas})")
     return raw, cfg
 
 
