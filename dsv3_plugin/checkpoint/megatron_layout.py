@@ -30,11 +30,12 @@ from typing import NamedTuple
 
 from ..errors import CheckpointError
 
-__all__ = ["Placement", "MegatronLayout", "stage_layers", "released_names"]
+__all__ = ["Placement", "MegatronLayout", "stage_layers", "released_names", "MLA_NAME_MAP"]
 
 # Decoder-layer sub-names: released -> Megatron-Core (local spec). Values with "#0"/"#1" are the gate/up
 # halves of a fused linear_fc1.
-_LAYER_MAP = {
+# Released attention/norm sub-names -> Megatron-Core's MLA names (shared with the Megatron weight loader).
+MLA_NAME_MAP = {
     "input_layernorm.weight": "input_layernorm.weight",
     "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
     "self_attn.q_proj.weight": "self_attention.linear_q_proj.weight",
@@ -45,6 +46,9 @@ _LAYER_MAP = {
     "self_attn.kv_a_layernorm.weight": "self_attention.kv_layernorm.weight",
     "self_attn.kv_b_proj.weight": "self_attention.linear_kv_up_proj.weight",
     "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
+}
+_LAYER_MAP = {
+    **MLA_NAME_MAP,
     "mlp.gate_proj.weight": "mlp.linear_fc1.weight#0",
     "mlp.up_proj.weight": "mlp.linear_fc1.weight#1",
     "mlp.down_proj.weight": "mlp.linear_fc2.weight",

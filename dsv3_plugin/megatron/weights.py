@@ -20,22 +20,14 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
+from ..checkpoint.megatron_layout import MLA_NAME_MAP
 from ..errors import CheckpointError
 
 __all__ = ["hf_to_megatron_name", "load_hf_checkpoint", "load_megatron_checkpoint", "megatron_layout_to_ours"]
 
 # Released decoder-layer sub-names -> ours (Megatron MLA names; our FFN below `mlp.`).
 _LAYER = {
-    "input_layernorm.weight": "input_layernorm.weight",
-    "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
-    "self_attn.q_proj.weight": "self_attention.linear_q_proj.weight",
-    "self_attn.q_a_proj.weight": "self_attention.linear_q_down_proj.weight",
-    "self_attn.q_a_layernorm.weight": "self_attention.q_layernorm.weight",
-    "self_attn.q_b_proj.weight": "self_attention.linear_q_up_proj.weight",
-    "self_attn.kv_a_proj_with_mqa.weight": "self_attention.linear_kv_down_proj.weight",
-    "self_attn.kv_a_layernorm.weight": "self_attention.kv_layernorm.weight",
-    "self_attn.kv_b_proj.weight": "self_attention.linear_kv_up_proj.weight",
-    "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
+    **MLA_NAME_MAP,
     "mlp.gate_proj.weight": "mlp.dense.gate_proj.weight",
     "mlp.up_proj.weight": "mlp.dense.up_proj.weight",
     "mlp.down_proj.weight": "mlp.dense.down_proj.weight",
