@@ -176,7 +176,9 @@ class PipelinedEngine:
         (for DualPipe also over the mirror rank, which saw the other half of the micro-batches)."""
         from ..balancing import update_expert_bias
         if self.schedule == "dualpipe":
-            raise NotImplementedError("dualpipe + bias update: counts must also be summed over the mirror pair")
+            from ..config import ConfigError
+            raise ConfigError("dsv3.parallel.schedule: 'dualpipe' with MoE bias updates is not supported on the "
+                              "DeepSpeed path (counts would also need summing over the mirror rank); use 'dualpipev'")
         with torch.no_grad():
             stats = update_expert_bias(self.module, gamma, group=self.g.dp_group)
         # which of the model's MoE layers each entry is (routers are visited in module order: each stage's

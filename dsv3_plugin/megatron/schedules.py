@@ -76,7 +76,7 @@ def forward_backward_dualpipev(*, forward_step_func, data_iterator, model, num_m
     if len(chunks) != 2:
         raise ValueError(f"dualpipev: each pipeline rank needs 2 model chunks (stages r and 2P-1-r), got {len(chunks)}")
     if collect_non_loss_data:
-        raise NotImplementedError("dualpipev: collect_non_loss_data is not supported")
+        raise ValueError("dualpipev: collect_non_loss_data=True is not supported by this schedule")
     if isinstance(data_iterator, (list, tuple)):
         if len(data_iterator) != 2:
             raise ValueError(f"dualpipev: need one data iterator per model chunk (2), got {len(data_iterator)}")
