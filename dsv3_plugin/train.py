@@ -176,7 +176,11 @@ def train(ds_config: "str | os.PathLike | dict | None" = None, *, steps: int | N
     quiet_deepspeed_logs()  # stdout carries only the JSON lines and the summary
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
     model = _build_model(cfg, init_from)
+    from .deepspeed.moe_layer import prepare_model  # experts sharded over parallel.ep (DeepSpeed MoE groups)
+    from .telemetry import RoutingTelemetry
+    prepare_model(model, cfg)
     engine, _, _, _ = initialize(model, ds)
+    telemetry = RoutingTelemetry(model)  # loads, MaxVio_batch/global, cross-node copies, dropped tokens
     device = engine.device
     start = 0
     if resume:
@@ -223,7 +227,8 @@ def train(ds_config: "str | os.PathLike | dict | None" = None, *, steps: int | N
         rec = {"step": step + 1, "loss": means[0], "lm_loss": means[1], "mtp_loss": means[2],
                "balance_loss": means[3], "maxvio": sum(mv) / len(mv) if mv else 0.0,
                "tokens_per_s": st.last_step_tokens / dt, "tokens_seen": st.tokens_seen,
-               "gamma": st.last_gamma, "lr": float(engine.get_lr()[0]), "maxvio_layers": mv}
+               "gamma": st.last_gamma, "lr": float(engine.get_lr()[0]), "maxvio_layers": mv,
+               **telemetry.record(st.last_stats)}  # collective: every rank records
         history.append(rec)
         done = step + 1
         if rank == 0:
