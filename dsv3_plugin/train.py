@@ -176,6 +176,13 @@ def train(ds_config: "str | os.PathLike | dict | None" = None, *, steps: int | N
     quiet_deepspeed_logs()  # stdout carries only the JSON lines and the summary
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
     model = _build_model(cfg, init_from)
+    if cfg.parallel.pp > 1:
+        if cfg.parallel.ep > 1:
+            from .config import ConfigError
+            raise ConfigError(f"dsv3.parallel.ep: expert parallelism together with pipeline parallelism "
+                              f"(pp = {cfg.parallel.pp}) is not supported by dsv3 train (got ep = {cfg.parallel.ep})")
+        return _train_pipelined(model, ds, cfg, total, rank, world, out=out, resume=resume, progress=progress,
+                                echo=echo, save=save)
     from .deepspeed.moe_layer import prepare_model  # experts sharded over parallel.ep (DeepSpeed MoE groups)
     from .telemetry import RoutingTelemetry
     prepare_model(model, cfg)
@@ -260,6 +267,84 @@ def train(ds_config: "str | os.PathLike | dict | None" = None, *, steps: int | N
     with torch.no_grad():
         biases = {n: b.tolist() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")}
         checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
+    return {"history": history, "summary": summary, "router_bias": biases, "param_checksum": checksum}
+
+
+def _train_pipelined(model, ds: dict, cfg, total: int, rank: int, world: int, *, out, resume, progress, echo,
+                     save) -> dict:
+    """`"parallel": {"pp": P > 1, "schedule": ...}`: pipelines of P consecutive ranks, ZeRO-1 over the
+    data-parallel group (`dsv3_plugin.deepspeed.pipeline.PipelinedEngine`); one pipeline step over the JSON's
+    gradient_accumulation_steps micro-batches per optimizer step; the data of a step belongs to the
+    data-parallel rank, so every rank of a pipeline reads the same micro-batches."""
+    from .config import ConfigError
+    from .data import MarkovData
+    from .deepspeed.pipeline import PipelinedEngine
+    if resume:
+        raise ConfigError("dsv3.parallel.pp: --resume with pipeline parallelism is not supported yet")
+    pe = PipelinedEngine(model, ds, cfg)
+    data = MarkovData(cfg.model.vocab_size, cfg.train.seq_len, seed=cfg.train.seed)
+    mbs, gas, g = pe.micro_batch, pe.gas, pe.g
+    metrics_path = ckpt = None
+    if rank == 0 and out:
+        os.makedirs(out, exist_ok=True)
+        metrics_path = os.path.join(out, "metrics.jsonl")
+        _rewrite_metrics(metrics_path, keep_until=0)
+    if out:
+        ckpt = os.path.join(out, "ckpt")
+    bar = None
+    if progress and rank == 0:
+        from tqdm import tqdm
+        bar = tqdm(total=total, desc=f"dsv3 train (pp={g.pp}, {cfg.parallel.schedule})", unit="step",
+                   file=sys.stderr, dynamic_ncols=True)
+    history: list[dict] = []
+    tokens_seen = 0
+    for step in range(total):
+        t0 = time.perf_counter()
+        parts = [data.batch(step, micro, g.dp_rank, mbs) for micro in range(gas)]
+        ids = torch.cat([p[0] for p in parts])
+        labels = torch.cat([p[1] for p in parts])
+        m = pe.train_step(ids, labels, tokens_seen=float(tokens_seen))
+        gamma = cfg.moe.gamma(float(tokens_seen))
+        stats = pe.update_expert_bias(gamma)
+        step_tokens = ids.numel() * g.dp            # every rank of a pipeline trains on the same tokens
+        tokens_seen += step_tokens
+        per_rank = [None] * g.pp                    # (MoE layer index, MaxVio) of every local MoE layer
+        torch.distributed.all_gather_object(per_rank, [(s["moe_index"], float(s["maxvio"])) for s in stats],
+                                            group=g.pp_group)
+        mv = [v for _, v in sorted(x for xs in per_rank for x in xs)]   # model order
+        dt = time.perf_counter() - t0
+        rec = {"step": step + 1, **m, "maxvio": sum(mv) / len(mv) if mv else 0.0,
+               "tokens_per_s": step_tokens / dt, "tokens_seen": tokens_seen, "gamma": gamma,
+               "lr": float(pe.engine.get_lr()[0]), "maxvio_layers": mv}
+        history.append(rec)
+        done = step + 1
+        if rank == 0:
+            if done % cfg.train.log_every == 0 or done == total:
+                line = json.dumps(rec)
+                if echo:
+                    print(line, flush=True)
+                if metrics_path:
+                    with open(metrics_path, "a") as f:
+                        f.write(line + "\n")
+            if bar is not None:
+                bar.set_postfix(loss=f"{rec['loss']:.3f}", maxvio=f"{rec['maxvio']:.3f}", refresh=False)
+                bar.update(1)
+        if save and ckpt and ((cfg.train.save_every and done % cfg.train.save_every == 0) or done == total):
+            pe.engine.save_checkpoint(ckpt, tag=f"step{done}", client_state={"data_step": done,
+                                                                           "tokens_seen": tokens_seen})
+    if bar is not None:
+        bar.close()
+    summary = _summary(history, world, out, ckpt if save else None)
+    if rank == 0 and out and metrics_path:
+        with open(metrics_path) as f:
+            rows = [json.loads(x) for x in f if x.strip()]
+        if rows:
+            _write_png(rows, os.path.join(out, "train.png"))
+    if rank == 0 and echo:
+        print(summary["line"], flush=True)
+    with torch.no_grad():
+        biases = {n: b.tolist() for n, b in pe.module.named_buffers() if n.endswith("e_score_correction_bias")}
+        checksum = float(sum(p.detach().double().sum() for p in pe.module.parameters()))
     return {"history": history, "summary": summary, "router_bias": biases, "param_checksum": checksum}
 
 

@@ -94,8 +94,18 @@ def split_ds_config(config: "str | os.PathLike | dict") -> tuple[dict, DSv3Confi
     clip = raw.setdefault("gradient_clipping", DEFAULT_GRADIENT_CLIPPING)
     if not isinstance(clip, (int, float)) or isinstance(clip, bool) or clip < 0:
         raise ConfigError(f"gradient_clipping: must be a number >= 0, 0 disables (got {clip!r})")
-    if cfg.parallel.pp != 1:
-        raise ConfigError(f"dsv3.parallel.pp: the DeepSpeed path has no pipeline parallelism (got {cfg.parallel.pp})")
+    if cfg.parallel.pp > 1:   # dsv3_plugin.deepspeed.pipeline: one pipeline step per optimizer step
+        gas = raw.get("gradient_accumulation_steps", 1)
+        need = 2 * cfg.parallel.pp if cfg.parallel.schedule in ("dualpipe", "dualpipev") else 1
+        if not isinstance(gas, int) or gas < need:
+            raise ConfigError(f"gradient_accumulation_steps: {cfg.parallel.schedule} with pp={cfg.parallel.pp} runs "
+                              f"the step's micro-batches through the pipeline and needs >= {need} (got {gas!r})")
+        if cfg.parallel.schedule == "dualpipe" and gas % 2:
+            raise ConfigError(f"gradient_accumulation_steps: dualpipe needs an even number (got {gas})")
+        if cfg.parallel.num_chunks is not None and cfg.parallel.num_chunks != gas:
+            raise ConfigError(f"dsv3.parallel.num_chunks: the DeepSpeed path runs gradient_accumulation_steps "
+                              f"micro-batches per pipeline step; set them equal (got {cfg.parallel.num_chunks} "
+                              f"vs {gas})")
     return raw, cfg
 
 

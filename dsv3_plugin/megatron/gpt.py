@@ -74,6 +74,10 @@ def transformer_config_from_args(args, base_config=None) -> DSv3TransformerConfi
 
 def gpt_builder(args, pre_process, post_process, vp_stage=None, config=None, pg_collection=None):
     """Drop-in for Megatron-LM's `gpt_builders.gpt_builder` (see patches/pretrain_gpt.diff)."""
+    spec = getattr(args, "spec", None)
+    if spec and tuple(spec) != ("dsv3_plugin.megatron", "layer_spec"):
+        raise ConfigError(f"--spec {' '.join(spec)}: with --dsv3-config the layer spec is "
+                          "`dsv3_plugin.megatron layer_spec` (or leave --spec out)")
     if not isinstance(config, DSv3TransformerConfig):
         if config is None:  # Megatron-LM's own config from its flags, for the parallel/precision fields
             from megatron.training.arguments import core_transformer_config_from_args

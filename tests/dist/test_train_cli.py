@@ -43,7 +43,9 @@ def test_example_config_is_the_default():
     (lambda d: d["dsv3"].update(moe={"top_k": 9}), "dsv3.moe.top_k"),
     (lambda d: d.update(zero_optimization={"stage": 3}), "zero_optimization.stage"),
     (lambda d: d.update(gradient_clipping=-1), "gradient_clipping"),
-    (lambda d: d["dsv3"].update(parallel={"pp": 2}), "dsv3.parallel.pp"),
+    (lambda d: d["dsv3"].update(parallel={"pp": 2, "schedule": "dualpipev"}), "gradient_accumulation_steps"),
+    (lambda d: d.update(gradient_accumulation_steps=4) or d["dsv3"].update(
+        parallel={"pp": 2, "schedule": "dualpipev", "num_chunks": 8}), "dsv3.parallel.num_chunks"),
     (lambda d: d.pop("dsv3"), "\"dsv3\" block"),
     (lambda d: d["dsv3"]["train"].update(stepz=3), "dsv3.train.stepz"),
 ])

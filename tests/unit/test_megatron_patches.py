@@ -152,6 +152,9 @@ def test_megatron_lm_args_must_agree_with_dsv3_config(tmp_path):
     assert ok.num_layers == 3
     with pytest.raises(ConfigError, match=r"^--hidden-size: 128 contradicts"):
         transformer_config_from_args(argparse.Namespace(dsv3_config=str(p), hidden_size=128))
+    from dsv3_plugin.megatron.gpt import gpt_builder
+    with pytest.raises(ConfigError, match=r"^--spec other.module layer_spec"):
+        gpt_builder(argparse.Namespace(dsv3_config=str(p), spec=["other.module", "layer_spec"]), True, True)
 
 
 def test_spec_reachable_the_way_megatron_lm_imports_it():
