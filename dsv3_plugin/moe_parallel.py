@@ -64,16 +64,26 @@ class ExpertParallelMoE(DeepSeekMoE):
     @classmethod
     @torch.no_grad()
     def from_dense(cls, moe: DeepSeekMoE, groups: EPGroups, dedup: Optional[bool] = None,
-                   codec: Optional[DispatchCodec] = None) -> "ExpertParallelMoE":
-        """Shard a full DeepSeekMoE: copy router, bias and shared experts, keep this rank's experts."""
+                   codec: Optional[DispatchCodec] = None, share: bool = False) -> "ExpertParallelMoE":
+        """Shard a full DeepSeekMoE, keeping this rank's experts. `share=False` copies router, bias and shared
+        experts (the source stays usable, e.g. as a reference); `share=True` takes over the source's router
+        and shared-expert modules themselves, whatever their class (FP8 linears, a Megatron router)."""
         hidden = moe.gate.weight.shape[1]
         w = moe.experts.gate_proj
         # the model's dtype (the Router keeps itself fp32 whatever .to() it gets)
         ep = cls(hidden, moe.cfg, groups, dedup, codec).to(device=w.device, dtype=w.dtype)
-        ep.gate.load_state_dict(moe.gate.state_dict())
-        ep.gate.tokens_per_expert.copy_(moe.gate.tokens_per_expert)
-        if moe.shared_experts is not None:
-            ep.shared_experts.load_state_dict(moe.shared_experts.state_dict())
+        if share:
+            ep.gate = moe.gate
+            ep.shared_experts = moe.shared_experts
+        else:
+            ep.gate.load_state_dict(moe.gate.state_dict())
+            ep.gate.tokens_per_expert.copy_(moe.gate.tokens_per_expert)
+            if moe.shared_experts is not None:
+                ep.shared_experts.load_state_dict(moe.shared_experts.state_dict())
+        if isinstance(moe.experts, GroupedExperts) and type(moe.experts) is not GroupedExperts:
+            ep.experts.__class__ = type(moe.experts)  # keep a GroupedExperts subclass (same parameters)
+        if getattr(moe.experts, "swiglu_fn", None) is not None:  # a precision path (FP8) installed on the experts
+            ep.experts.swiglu_fn = moe.experts.swiglu_fn
         sl = slice(ep.local_experts.start, ep.local_experts.stop)
         for name in ("gate_proj", "up_proj", "down_proj"):
             src = getattr(moe.experts, name)
@@ -110,7 +120,7 @@ def expert_parallel(model: nn.Module, groups: EPGroups, dedup: Optional[bool] = 
     targets = [(name, mod) for name, mod in model.named_modules()
                if isinstance(mod, DeepSeekMoE) and not isinstance(mod, ExpertParallelMoE)]
     for name, mod in targets:
-        ep = ExpertParallelMoE.from_dense(mod, groups, dedup, codec)
+        ep = ExpertParallelMoE.from_dense(mod, groups, dedup, codec, share=True)
         parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
         setattr(parent, name.rsplit(".", 1)[-1], ep)
     return model

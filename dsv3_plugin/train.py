@@ -177,9 +177,17 @@ def train(ds_config: "str | os.PathLike | dict | None" = None, *, steps: int | N
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
     model = _build_model(cfg, init_from)
     if cfg.parallel.pp > 1:
+        if cfg.parallel.ep > 1:
+            from .config import ConfigError
+            raise ConfigError(f"dsv3.parallel.ep: expert parallelism together with pipeline parallelism "
+                              f"(pp = {cfg.parallel.pp}) is not supported by dsv3 train (got ep = {cfg.parallel.ep})")
         return _train_pipelined(model, ds, cfg, total, rank, world, out=out, resume=resume, progress=progress,
                                 echo=echo, save=save)
+    from .deepspeed.moe_layer import prepare_model  # experts sharded over parallel.ep (DeepSpeed MoE groups)
+    from .telemetry import RoutingTelemetry
+    prepare_model(model, cfg)
     engine, _, _, _ = initialize(model, ds)
+    telemetry = RoutingTelemetry(model)  # loads, MaxVio_batch/global, cross-node copies, dropped tokens
     device = engine.device
     start = 0
     if resume:
@@ -226,7 +234,8 @@ def train(ds_config: "str | os.PathLike | dict | None" = None, *, steps: int | N
         rec = {"step": step + 1, "loss": means[0], "lm_loss": means[1], "mtp_loss": means[2],
                "balance_loss": means[3], "maxvio": sum(mv) / len(mv) if mv else 0.0,
                "tokens_per_s": st.last_step_tokens / dt, "tokens_seen": st.tokens_seen,
-               "gamma": st.last_gamma, "lr": float(engine.get_lr()[0]), "maxvio_layers": mv}
+               "gamma": st.last_gamma, "lr": float(engine.get_lr()[0]), "maxvio_layers": mv,
+               **telemetry.record(st.last_stats)}  # collective: every rank records
         history.append(rec)
         done = step + 1
         if rank == 0:

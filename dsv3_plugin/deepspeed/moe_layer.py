@@ -33,7 +33,7 @@ from torch import nn
 
 from ..config import ConfigError, DSv3Config
 from ..dispatch import codec_from_config
-from ..moe import swiglu_rows
+from ..moe import grouped_swiglu, swiglu_rows
 from ..moe_parallel import ExpertParallelMoE, expert_parallel
 from ..parallel_groups import build_ep_groups
 
@@ -103,8 +103,10 @@ def deepspeed_experts_class():
             return (torch.stack([e.gate_proj for e in ex]), torch.stack([e.up_proj for e in ex]),
                     torch.stack([e.down_proj for e in ex]))
 
+        swiglu_fn = None  # a precision path (FP8) may replace the grouped SwiGLU, as on GroupedExperts
+
         def expert_rows(self, x_NH: torch.Tensor, expert_N: torch.Tensor) -> torch.Tensor:
-            return swiglu_rows(x_NH, expert_N, *self.weights())
+            return swiglu_rows(x_NH, expert_N, *self.weights(), self.swiglu_fn or grouped_swiglu)
 
         def forward(self, x_NH: torch.Tensor, expert_N: torch.Tensor) -> torch.Tensor:
             return self.expert_rows(x_NH, expert_N)
@@ -123,6 +125,8 @@ def _to_deepspeed_experts(layer: ExpertParallelMoE) -> None:
         e.gate_proj.copy_(old.gate_proj[i])
         e.up_proj.copy_(old.up_proj[i])
         e.down_proj.copy_(old.down_proj[i])
+    if getattr(old, "swiglu_fn", None) is not None:
+        new.swiglu_fn = old.swiglu_fn
     layer.experts = new
 
 
