@@ -254,20 +254,8 @@ def train(ds_config: "str | os.PathLike | dict | None" = None, *, steps: int | N
     if bar is not None:
         bar.close()
 
-    summary = _summary(history, world, out, ckpt if save else None)
-    if rank == 0 and out and metrics_path:
-        with open(metrics_path) as f:
-            rows = [json.loads(x) for x in f if x.strip()]
-        if rows:
-            _write_png(rows, os.path.join(out, "train.png"))
-    if rank == 0 and echo:
-        print(summary["line"], flush=True)
     engine.dsv3.remove()
-    # Final state fingerprints (plain Python values, so they can cross process boundaries).
-    with torch.no_grad():
-        biases = {n: b.tolist() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")}
-        checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
-    return {"history": history, "summary": summary, "router_bias": biases, "param_checksum": checksum}
+    return _finish(model, history, rank, world, out, metrics_path, ckpt if save else None, echo)
 
 
 def _train_pipelined(model, ds: dict, cfg, total: int, rank: int, world: int, *, out, resume, progress, echo,
@@ -334,7 +322,13 @@ def _train_pipelined(model, ds: dict, cfg, total: int, rank: int, world: int, *,
                                                                            "tokens_seen": tokens_seen})
     if bar is not None:
         bar.close()
-    summary = _summary(history, world, out, ckpt if save else None)
+    return _finish(pe.module, history, rank, world, out, metrics_path, ckpt if save else None, echo)
+
+
+def _finish(model, history: list[dict], rank: int, world: int, out, metrics_path, ckpt, echo: bool) -> dict:
+    """End of a run (both loops): summary line, loss PNG, and final-state fingerprints (plain Python values,
+    so they can cross process boundaries)."""
+    summary = _summary(history, world, out, ckpt)
     if rank == 0 and out and metrics_path:
         with open(metrics_path) as f:
             rows = [json.loads(x) for x in f if x.strip()]
@@ -343,8 +337,8 @@ def _train_pipelined(model, ds: dict, cfg, total: int, rank: int, world: int, *,
     if rank == 0 and echo:
         print(summary["line"], flush=True)
     with torch.no_grad():
-        biases = {n: b.tolist() for n, b in pe.module.named_buffers() if n.endswith("e_score_correction_bias")}
-        checksum = float(sum(p.detach().double().sum() for p in pe.module.parameters()))
+        biases = {n: b.tolist() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")}
+        checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
     return {"history": history, "summary": summary, "router_bias": biases, "param_checksum": checksum}
 
 
