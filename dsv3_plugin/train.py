@@ -65,6 +65,27 @@ def checkpoint_dir(path: "str | os.PathLike") -> str:
     return sub if os.path.isfile(os.path.join(sub, "latest")) else path
 
 
+def _ema_path(ckpt: str, tag: str | None, rank: int) -> str:
+    """Where rank `rank` keeps its EMA shard inside DeepSpeed checkpoint `tag` (None: the `latest` one)."""
+    from .errors import CheckpointError
+    if tag is not None:
+        return os.path.join(ckpt, tag, f"ema_rank{rank}.pt")
+    latest = os.path.join(ckpt, "latest")
+    if not os.path.isfile(latest):
+        raise CheckpointError(f"{latest}: missing; cannot find the EMA shard to resume")
+    with open(latest) as f:
+        path = os.path.join(ckpt, f.read().strip(), f"ema_rank{rank}.pt")
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: missing (the run was saved without dsv3.memory.ema)")
+    return path
+
+
+def _atomic_save(obj, path: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
 def maxvio_of(stats: Any) -> list[float]:
     """Per-MoE-layer MaxVio from what `balancing.update_expert_bias` returned."""
     return [float(s["maxvio"]) for s in (stats or [])]
@@ -175,8 +196,15 @@ def train(ds_config: "str | os.PathLike | dict | None" = None, *, steps: int | N
     from .data import MarkovData
     quiet_deepspeed_logs()  # stdout carries only the JSON lines and the summary
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
+    if cfg.memory.bf16_moments:
+        from .config import ConfigError
+        raise ConfigError("dsv3.memory.bf16_moments: not wired into dsv3 train's DeepSpeed optimizer yet; "
+                          "use dsv3_plugin.bf16_adamw.make_optimizer as a client optimizer (docs/fp8.md)")
     model = _build_model(cfg, init_from)
     if cfg.parallel.pp > 1:
+        if cfg.memory.ema:
+            from .config import ConfigError
+            raise ConfigError("dsv3.memory.ema: not supported together with parallel.pp > 1 in dsv3 train")
         if cfg.parallel.ep > 1:
             from .config import ConfigError
             raise ConfigError(f"dsv3.parallel.ep: expert parallelism together with pipeline parallelism "
@@ -188,11 +216,15 @@ def train(ds_config: "str | os.PathLike | dict | None" = None, *, steps: int | N
     prepare_model(model, cfg)
     engine, _, _, _ = initialize(model, ds)
     telemetry = RoutingTelemetry(model)  # loads, MaxVio_batch/global, cross-node copies, dropped tokens
+    from .ema import EMA
+    ema = EMA.from_config(model, cfg, rank, world)  # memory.ema: CPU shadow, updated after each step
     device = engine.device
     start = 0
     if resume:
         _, client = engine.load_checkpoint(checkpoint_dir(resume))
         start = int(client.get("data_step", engine.dsv3.state.optimizer_steps))
+        if ema is not None:
+            ema.load_state_dict(torch.load(_ema_path(checkpoint_dir(resume), None, rank), weights_only=True))
     data = MarkovData(cfg.model.vocab_size, cfg.train.seq_len, seed=cfg.train.seed)
     mbs, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
 
@@ -228,6 +260,8 @@ def train(ds_config: "str | os.PathLike | dict | None" = None, *, steps: int | N
             torch.distributed.all_reduce(sums_4)
             sums_4 = sums_4.cpu()
         means = (sums_4 / (gas * world)).tolist()
+        if ema is not None:
+            ema.update()  # after the optimizer step; the copy to CPU overlaps the next step
         dt = time.perf_counter() - t0
         st = engine.dsv3.state
         mv = maxvio_of(st.last_stats)

@@ -16,7 +16,7 @@ DS = {
     "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 3e-4, "warmup_max_lr": 3e-3,
                                                  "warmup_num_steps": 30}},
     # γ switches schedule piece mid-run (after 12 steps' tokens) and λ too: schedule state must resume.
-    "dsv3": {"preset": "tiny", "train": {"seq_len": 16, "seed": 3},
+    "dsv3": {"preset": "tiny", "train": {"seq_len": 16, "seed": 3}, "memory": {"ema": True, "ema_decay": 0.9},
              "moe": {"bias_update_schedule": [{"until_tokens": 12 * 128, "value": 0.01},
                                               {"until_tokens": None, "value": 0.003}]},
              "mtp": {"loss_weight_schedule": [{"until_tokens": 25 * 128, "value": 0.3},
@@ -26,7 +26,7 @@ DS = {
 
 def _first_leg(tmp):
     from dsv3_plugin.train import train
-    full = train(copy.deepcopy(DS), steps=40, out=f"{tmp}/full", progress=False, echo=False, save=False)
+    full = train(copy.deepcopy(DS), steps=40, out=f"{tmp}/full", progress=False, echo=False)
     half = train(copy.deepcopy(DS), steps=20, out=f"{tmp}/half", progress=False, echo=False)
     return {"full": full, "half": half, "rng": _rng_roundtrip(f"{tmp}/rng")}
 
@@ -88,3 +88,15 @@ def test_per_rank_rng_state_restored(legs):
     r0, r1 = first[0]["rng"], first[1]["rng"]
     assert r0["got"] == r0["expected"] and r1["got"] == r1["expected"]
     assert r0["expected"] != r1["expected"]  # ranks really had different states
+
+
+def test_ema_shards_resume_bit_exact(legs):
+    """memory.ema in dsv3 train: each rank's CPU EMA shard after 20+20 resumed steps = after 40 straight."""
+    _, _, tmp = legs
+    for rank in range(2):
+        a = torch.load(f"{tmp}/full/ckpt/step40/ema_rank{rank}.pt", weights_only=True)
+        b = torch.load(f"{tmp}/half/ckpt/step40/ema_rank{rank}.pt", weights_only=True)
+        assert a["num_updates"] == b["num_updates"] == 40
+        assert a["shadow"].keys() == b["shadow"].keys() and len(a["shadow"]) > 0
+        for n in a["shadow"]:
+            assert torch.equal(a["shadow"][n], b["shadow"][n]), n
