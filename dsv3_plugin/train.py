@@ -285,9 +285,12 @@ def train(ds_config: "str | os.PathLike | dict | None" = None, *, steps: int | N
                 bar.update(1)
         if save and ckpt and ((cfg.train.save_every and done % cfg.train.save_every == 0) or done == total):
             engine.save_checkpoint(ckpt, tag=f"step{done}", client_state={"data_step": done})
+            if ema is not None:  # each rank its own shard (DeepSpeed's client_state is written by rank 0 only)
+                _atomic_save(ema.state_dict(), _ema_path(ckpt, f"step{done}", rank))
     if bar is not None:
         bar.close()
-
+    if ema is not None:
+        ema.close()
     engine.dsv3.remove()
     return _finish(model, history, rank, world, out, metrics_path, ckpt if save else None, echo)
 
