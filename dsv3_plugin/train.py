@@ -273,16 +273,7 @@ def train(ds_config: "str | os.PathLike | dict | None" = None, *, steps: int | N
         history.append(rec)
         done = step + 1
         if rank == 0:
-            if done % cfg.train.log_every == 0 or done == total:  # dsv3.train.log_every thins the JSON lines
-                line = json.dumps(rec)
-                if echo:
-                    print(line, flush=True)
-                if metrics_path:
-                    with open(metrics_path, "a") as f:
-                        f.write(line + "\n")
-            if bar is not None:
-                bar.set_postfix(loss=f"{rec['loss']:.3f}", maxvio=f"{rec['maxvio']:.3f}", refresh=False)
-                bar.update(1)
+            _log_step(rec, done, total, cfg.train.log_every, echo, metrics_path, bar)
         if save and ckpt and ((cfg.train.save_every and done % cfg.train.save_every == 0) or done == total):
             engine.save_checkpoint(ckpt, tag=f"step{done}", client_state={"data_step": done})
             if ema is not None:  # each rank its own shard (DeepSpeed's client_state is written by rank 0 only)
@@ -344,22 +335,27 @@ def _train_pipelined(model, ds: dict, cfg, total: int, rank: int, world: int, *,
         history.append(rec)
         done = step + 1
         if rank == 0:
-            if done % cfg.train.log_every == 0 or done == total:
-                line = json.dumps(rec)
-                if echo:
-                    print(line, flush=True)
-                if metrics_path:
-                    with open(metrics_path, "a") as f:
-                        f.write(line + "\n")
-            if bar is not None:
-                bar.set_postfix(loss=f"{rec['loss']:.3f}", maxvio=f"{rec['maxvio']:.3f}", refresh=False)
-                bar.update(1)
+            _log_step(rec, done, total, cfg.train.log_every, echo, metrics_path, bar)
         if save and ckpt and ((cfg.train.save_every and done % cfg.train.save_every == 0) or done == total):
             pe.engine.save_checkpoint(ckpt, tag=f"step{done}", client_state={"data_step": done,
                                                                            "tokens_seen": tokens_seen})
     if bar is not None:
         bar.close()
     return _finish(pe.module, history, rank, world, out, metrics_path, ckpt if save else None, echo)
+
+
+def _log_step(rec: dict, done: int, total: int, log_every: int, echo: bool, metrics_path, bar) -> None:
+    """Rank 0: one JSON line every `dsv3.train.log_every` steps (and the last) to stdout and metrics.jsonl."""
+    if done % log_every == 0 or done == total:
+        line = json.dumps(rec)
+        if echo:
+            print(line, flush=True)
+        if metrics_path:
+            with open(metrics_path, "a") as f:
+                f.write(line + "\n")
+    if bar is not None:
+        bar.set_postfix(loss=f"{rec['loss']:.3f}", maxvio=f"{rec['maxvio']:.3f}", refresh=False)
+        bar.update(1)
 
 
 def _finish(model, history: list[dict], rank: int, world: int, out, metrics_path, ckpt, echo: bool) -> dict:
