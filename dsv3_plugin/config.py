@@ -31,6 +31,7 @@ __all__ = [
     "DSv3Config",
     "PRESETS",
     "load_config",
+    "read_ds_json",
     "schedule_value",
     "reference_table",
 ]
@@ -398,6 +399,21 @@ def _check_cross_fields(c: DSv3Config) -> None:
         _fail("fp8.dispatch", "FP8 dispatch uses tile scales; it needs fp8.recipe = 'blockwise'")
 
 
+def read_ds_json(path: "str | os.PathLike") -> dict:
+    """A DeepSpeed JSON file as a dict that has a "dsv3" block; `ConfigError` naming the file otherwise."""
+    where = os.fspath(path)
+    try:
+        with open(where) as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"dsv3: config file not found: {where}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"dsv3: {where} is not valid JSON ({e})") from None
+    if not isinstance(raw, dict) or "dsv3" not in raw:
+        raise ConfigError(f"dsv3: {where} has no \"dsv3\" block")
+    return raw
+
+
 def load_config(src: "str | os.PathLike | dict | DSv3Config") -> DSv3Config:
     """Read the `"dsv3"` block of a DeepSpeed JSON (path or dict) or a bare `"dsv3"` dict.
 
@@ -405,18 +421,8 @@ def load_config(src: "str | os.PathLike | dict | DSv3Config") -> DSv3Config:
     """
     if isinstance(src, DSv3Config):
         return src
-    where = "dict"
     if not isinstance(src, dict):
-        where = os.fspath(src)
-        try:
-            with open(where) as f:
-                src = json.load(f)
-        except FileNotFoundError:
-            raise ConfigError(f"dsv3: config file not found: {where}") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"dsv3: {where} is not valid JSON ({e})") from None
-        if not isinstance(src, dict) or "dsv3" not in src:
-            raise ConfigError(f"dsv3: {where} has no \"dsv3\" block")
+        src = read_ds_json(src)
     block = src.get("dsv3", src) if "dsv3" in src else src
     if not isinstance(block, dict):
         raise ConfigError(f"dsv3: must be an object (got {type(block).__name__})")

@@ -13,16 +13,17 @@ import os
 import sys
 
 import torch
+from . import positive_int
 
 __all__ = ["add_arguments", "run", "train_balance"]
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--steps", type=positive_int, default=200)
     p.add_argument("--warmup", type=int, default=60, help="steps excluded from MaxVio_global")
     p.add_argument("--gamma", type=float, default=0.005, help="bias update speed of the balanced run")
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--batch", type=positive_int, default=16)
+    p.add_argument("--seq", type=positive_int, default=64)
     p.add_argument("--zipf", type=float, default=0.8, help="Zipf exponent of the token distribution")
     p.add_argument("--out", default="runs/balance", help="directory for metrics.jsonl files and routing.png")
     p.add_argument("--seed", type=int, default=0)

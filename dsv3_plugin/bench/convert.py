@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from . import positive_int
 
 __all__ = ["add_arguments", "run", "make_synthetic_checkpoint"]
 
@@ -34,7 +35,7 @@ _H, _HEADS, _QL, _KVL, _NOPE, _ROPE, _V, _MI = 7168, 128, 1536, 512, 128, 64, 12
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes-gb", default="0.6,1.8", help="input sizes (GB of FP8 checkpoint), comma-separated; "
                                                        "throughput is measured at the largest")
-    p.add_argument("--shard-mb", type=int, default=256, help="input shard size (MiB)")
+    p.add_argument("--shard-mb", type=positive_int, default=256, help="input shard size (MiB)")
     p.add_argument("--dir", default=None, help="where to create the temporary checkpoints (default: $TMPDIR)")
     p.add_argument("--skip-baseline-small", action="store_true", help="run the baseline only at the largest size")
 

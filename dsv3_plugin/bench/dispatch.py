@@ -11,18 +11,19 @@ from __future__ import annotations
 import sys
 
 import torch
+from . import positive_int
 
 __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--nodes", type=int, default=8)
-    p.add_argument("--ranks-per-node", type=int, default=1)
-    p.add_argument("--tokens", type=int, default=1024, help="tokens per rank")
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--max-nodes", type=int, default=4, help="M, nodes per token (router topk_group)")
+    p.add_argument("--nodes", type=positive_int, default=8)
+    p.add_argument("--ranks-per-node", type=positive_int, default=1)
+    p.add_argument("--tokens", type=positive_int, default=1024, help="tokens per rank")
+    p.add_argument("--hidden", type=positive_int, default=256)
+    p.add_argument("--experts", type=positive_int, default=64)
+    p.add_argument("--top-k", type=positive_int, default=8)
+    p.add_argument("--max-nodes", type=positive_int, default=4, help="M, nodes per token (router topk_group)")
     p.add_argument("--seed", type=int, default=0)
 
 

@@ -11,14 +11,15 @@ import statistics
 import time
 
 import torch
+from . import positive_int
 
 
 def add_arguments(p):
-    p.add_argument("--tokens", type=int, default=2048, help="rows of the activation matrix")
-    p.add_argument("--hidden", type=int, default=7168, help="columns (V3 hidden size by default)")
+    p.add_argument("--tokens", type=positive_int, default=2048, help="rows of the activation matrix")
+    p.add_argument("--hidden", type=positive_int, default=7168, help="columns (V3 hidden size by default)")
     p.add_argument("--outlier-scale", type=float, default=1000.0)
-    p.add_argument("--repeat", type=int, default=5)
-    p.add_argument("--gemm", type=int, nargs=3, default=[4096, 7168, 7168], metavar=("M", "K", "N"),
+    p.add_argument("--repeat", type=positive_int, default=5)
+    p.add_argument("--gemm", type=positive_int, nargs=3, default=[4096, 7168, 7168], metavar=("M", "K", "N"),
                    help="GEMM shape on GPU (CPU uses a 256x1024x1024 emulation check)")
     p.add_argument("--device", default=None, help="cpu / cuda (default: cuda if available)")
 

@@ -12,22 +12,23 @@ import sys
 import time
 
 import torch
+from . import positive_int
 
 __all__ = ["add_arguments", "run", "build_pair", "moe_flops"]
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--tokens", type=int, default=2048)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--ffn", type=int, default=128, help="expert FFN width (moe_intermediate_size)")
-    p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--groups", type=int, default=8, help="n_group (node-limited routing)")
-    p.add_argument("--topk-group", type=int, default=4)
-    p.add_argument("--shared", type=int, default=1, help="n_shared_experts")
-    p.add_argument("--repeats", type=int, default=7, help="timed forward+backward passes per side")
+    p.add_argument("--tokens", type=positive_int, default=2048)
+    p.add_argument("--hidden", type=positive_int, default=256)
+    p.add_argument("--ffn", type=positive_int, default=128, help="expert FFN width (moe_intermediate_size)")
+    p.add_argument("--experts", type=positive_int, default=64)
+    p.add_argument("--top-k", type=positive_int, default=8)
+    p.add_argument("--groups", type=positive_int, default=8, help="n_group (node-limited routing)")
+    p.add_argument("--topk-group", type=positive_int, default=4)
+    p.add_argument("--shared", type=positive_int, default=1, help="n_shared_experts")
+    p.add_argument("--repeats", type=positive_int, default=7, help="timed forward+backward passes per side")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
-    p.add_argument("--gemm", type=int, default=2048, help="size n of the n×n×n reference GEMM")
+    p.add_argument("--gemm", type=positive_int, default=2048, help="size n of the n×n×n reference GEMM")
     p.add_argument("--seed", type=int, default=0)
 
 

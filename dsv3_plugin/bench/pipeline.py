@@ -14,16 +14,17 @@ import statistics
 
 import torch
 from torch import nn
+from . import positive_int
 
 RANKS = 4
 
 
 def add_arguments(p):
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--tokens", type=int, default=256, help="tokens per micro-batch")
-    p.add_argument("--blocks", type=int, default=8, help="MLP blocks in the whole model (multiple of 8)")
-    p.add_argument("--chunks", type=int, default=8, help="micro-batches per step (>= 8 for DualPipe(V) on 4 ranks)")
-    p.add_argument("--steps", type=int, default=4, help="measured steps per schedule (after one warm-up)")
+    p.add_argument("--hidden", type=positive_int, default=256)
+    p.add_argument("--tokens", type=positive_int, default=256, help="tokens per micro-batch")
+    p.add_argument("--blocks", type=positive_int, default=8, help="MLP blocks in the whole model (multiple of 8)")
+    p.add_argument("--chunks", type=positive_int, default=8, help="micro-batches per step (>= 8 for DualPipe(V) on 4 ranks)")
+    p.add_argument("--steps", type=positive_int, default=4, help="measured steps per schedule (after one warm-up)")
 
 
 class _Block(nn.Module):

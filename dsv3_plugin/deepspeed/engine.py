@@ -23,7 +23,6 @@ DeepSpeed is imported lazily (only here), never by the core.
 from __future__ import annotations
 
 import copy
-import json
 import os
 import random
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..config import ConfigError, DSv3Config, load_config
+from ..config import ConfigError, DSv3Config, load_config, read_ds_json
 from ..errors import CheckpointError
 
 __all__ = ["initialize", "split_ds_config", "DSv3TrainState", "quiet_deepspeed_logs", "DEFAULT_GRADIENT_CLIPPING"]
@@ -72,18 +71,10 @@ def split_ds_config(config: "str | os.PathLike | dict") -> tuple[dict, DSv3Confi
     """
     if isinstance(config, dict):
         raw = copy.deepcopy(config)
-        where = "config"
+        if "dsv3" not in raw:
+            raise ConfigError("dsv3: the DeepSpeed config has no \"dsv3\" block")
     else:
-        where = os.fspath(config)
-        try:
-            with open(where) as f:
-                raw = json.load(f)
-        except FileNotFoundError:
-            raise ConfigError(f"dsv3: config file not found: {where}") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"dsv3: {where} is not valid JSON ({e})") from None
-    if not isinstance(raw, dict) or "dsv3" not in raw:
-        raise ConfigError(f"dsv3: {where} has no \"dsv3\" block")
+        raw = read_ds_json(config)
     cfg = load_config({"dsv3": raw.pop("dsv3")})
     zero = raw.setdefault("zero_optimization", {"stage": 1})
     if not isinstance(zero, dict):
