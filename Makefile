@@ -12,12 +12,18 @@ export PYTHONDONTWRITEBYTECODE = 1
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml requirements.txt
+$(STAMP): pyproject.toml requirements.txt requirements-te-recipe.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip install -q --no-deps -e .
+# TE recipe wheels for the tests: downloaded, not installed (see requirements-te-recipe.txt); one pip call
+# per line, since pip will not fetch two versions of one package in one call
+	grep '^transformer-engine==' requirements-te-recipe.txt | while read -r req; do \
+	  echo "$$req" > $(VENV)/te-req.txt && \
+	  $(PY) -m pip download -q --no-deps --only-binary=:all: --require-hashes -d $(VENV)/te-wheels \
+	    -r $(VENV)/te-req.txt || exit 1; done
 	touch $(STAMP)
 
 demo: venv

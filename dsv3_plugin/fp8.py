@@ -6,7 +6,8 @@ Semantics implemented here, element for element:
 * E4M3 (`torch.float8_e4m3fn`, max 448) for every operand, forward and backward (no E5M2).
 * A group (1×128 tile or 128×128 block) is scaled online by its own max-abs:
   ``amax = max(max|x|, 1e-4)``, ``s = amax / 448``, optionally rounded up to a power of two
-  (``s = 2^ceil(log2 s)``, "ue8m0"), and stored as ``q = fp8(x / s)``; dequantization is ``q · s``.
+  (``s = 2^ceil(log2 s)``, "ue8m0", computed exactly from the float's bits), and stored as
+  ``q = fp8(x / s)``; dequantization is ``q · s``. A group holding Inf/NaN gets a NaN scale.
   ``s`` is the *decode* scale ("scale_inv" in released checkpoints).
 * Activations and activation gradients: 1×128 tiles along the contraction dim; weights: 128×128 blocks.
   Ragged edges (K or N not a multiple of 128) form smaller groups, exactly as zero padding would.
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 
 __all__ = [
     "FP8_DTYPE", "FP8_MAX", "AMAX_EPS", "TILE",
-    "scale_from_amax", "quantize_tilewise", "dequantize_tilewise", "quantize_blockwise",
+    "ceil_pow2", "scale_from_amax", "quantize_tilewise", "dequantize_tilewise", "quantize_blockwise",
     "dequantize_blockwise", "quantize_tensorwise", "truncate_mantissa", "fp8_gemm_emulated",
     "lowprec_gemm", "quantize_dispatch", "dequantize_dispatch", "pack_dispatch", "unpack_dispatch",
     "fp8_dispatch_qdq", "fp8_combine_grad_qdq",
@@ -39,13 +40,39 @@ AMAX_EPS = 1e-4          # amax clamp of the reference `act_quant`: an all-zero 
 TILE = 128               # N_C: group size along K and the promotion interval
 
 
+def ceil_pow2(s: torch.Tensor) -> torch.Tensor:
+    """Smallest power of two ``>= s`` for positive fp32 ``s`` in [2^-126, 2^127], computed exactly from the
+    bits (ue8m0 rounding up: biased exponent, plus one if any mantissa bit is set).
+
+    NOTE: not ``exp2(ceil(log2(s)))``: float32 ``log2`` of a value a few ulps above 2^k rounds to exactly k,
+    which would round the scale *down* and clamp the group's largest element. Same rule as DeepGEMM's
+    ``ceil_to_ue8m0`` and TE's power-of-2 scales (TE masks the mantissa of 448/amax, i.e. rounds the encode
+    scale down). +Inf stays +Inf; callers handle NaN (its bits would not give a power of two).
+    """
+    bits = s.float().contiguous().view(torch.int32)                    # sign bit 0 for s > 0
+    exp = (bits >> 23) + ((bits & 0x7FFFFF) != 0).to(torch.int32)    # biased exponent of the ceiling
+    return (exp << 23).view(torch.float32)
+
+
 def scale_from_amax(amax: torch.Tensor, pow2: bool = False) -> torch.Tensor:
-    """Decode scale of a group from its max-abs (fp32): ``max(amax, 1e-4) / 448``, or its power-of-2
-    ceiling (ue8m0) so that re-tiling and dequantization are exact multiplications by 2^k."""
-    s = amax.float().clamp(min=AMAX_EPS) / FP8_MAX
+    """Decode scale of a group from its max-abs: ``max(amax, 1e-4) / 448`` in fp32, or its power-of-2
+    ceiling (ue8m0, `ceil_pow2`) so that re-tiling and dequantization are exact multiplications by 2^k.
+
+    Every quantizer here, the FP8 dispatch payload included, takes its scales from this one function.
+    With ``pow2`` the scale ``s`` satisfies ``s >= max(amax, 1e-4)/448 > s/2`` exactly, so ``amax / s <= 448``
+    and the group's largest element is never clamped.
+
+    * amax = 0 (an all-zero group): clamped to 1e-4, a finite scale (1e-4/448, or 2^-22 with ``pow2``).
+    * amax = Inf or NaN (the group holds an Inf or a NaN): the scale is NaN, so the whole group dequantizes
+      to NaN and the non-finite input reaches the GEMM output, the loss and the gradients, where a training
+      loop's overflow check sees it. NOTE: TE's kernels use scale 1 for such a group instead; we do not
+      saturate an Inf to ±448·s, which would train on a silently clipped value.
+    """
+    a = amax.float()
+    s = a.clamp(min=AMAX_EPS) / FP8_MAX        # in [2.2e-7, 7.6e35]: a normal fp32, so ceil_pow2 is exact
     if pow2:
-        s = torch.exp2(torch.ceil(torch.log2(s)))
-    return s
+        s = ceil_pow2(s)
+    return torch.where(torch.isfinite(a), s, torch.full_like(s, float("nan")))
 
 
 def _to_fp8(y32: torch.Tensor) -> torch.Tensor:

@@ -353,7 +353,10 @@ class Fp8GroupedSwiGLU:
 # Transformer Engine recipe bridge
 
 def te_recipe_spec(cfg: FP8Config) -> tuple[str, dict]:
-    """Our config in TE's words: (recipe class name, constructor fields). QParams are given as dicts."""
+    """Our config in TE's words: (recipe class name, {attribute: value}). QParams are given as dicts.
+
+    These are the values the TE recipe object must hold, whether TE takes them as constructor fields or not
+    (`to_te_recipe` sets and checks them). `use_power_2_scales` (tensorwise) is set only where TE has it."""
     from .fp8 import AMAX_EPS
     q = {"power_2_scale": cfg.pow2_scales, "amax_epsilon": AMAX_EPS}
     fields = {"fp8_format": "E4M3", "fp8_quant_fwd_inp": dict(q), "fp8_quant_fwd_weight": dict(q),
@@ -362,24 +365,61 @@ def te_recipe_spec(cfg: FP8Config) -> tuple[str, dict]:
         # x 1×128, w 128×128, grad 1×128 (App. B.2); split (FP32) accumulation is TE's fixed default here.
         fields.update(x_block_scaling_dim=1, w_block_scaling_dim=2, grad_block_scaling_dim=1)
         return "Float8BlockScaling", fields
+    # recent TE (e.g. 2.20) builds current-scaling quantizers from this flag, then applies fp8_quant_* per tensor
+    fields["use_power_2_scales"] = cfg.pow2_scales
     return "Float8CurrentScaling", fields
 
 
+_TE_OPTIONAL = {"use_power_2_scales"}   # absent from some TE versions: nothing there reads it
+
+
+def _te_view(got, want):
+    """What `got` holds of `want` (QParams: only the fields we set, not TE's other defaults)."""
+    if isinstance(want, dict):
+        return {k: getattr(got, k, "<missing>") for k in want}
+    return got
+
+
 def to_te_recipe(cfg: FP8Config):
-    """Build the TE recipe object (needs transformer_engine >= 2.3 for blockwise)."""
+    """Build the TE recipe object (needs transformer_engine >= 2.3 for blockwise) holding every value of
+    `te_recipe_spec`, and check that it does.
+
+    NOTE: TE declares `fp8_quant_fwd_inp` / `fp8_quant_fwd_weight` / `fp8_quant_bwd_grad` as un-annotated
+    class attributes of a pydantic dataclass, so they are not constructor fields: a keyword argument is
+    silently dropped. Constructor fields go to the constructor (its `__post_init__` validates them); every
+    other value is assigned on the instance, which is where TE's quantizers read them. Each value is read
+    back, and a TE that drops or rewrites one is a RuntimeError naming the attribute.
+    """
     try:
+        import transformer_engine
         from transformer_engine.common import recipe as te_recipe
     except ImportError as e:
         raise RuntimeError("to_te_recipe: transformer_engine is not installed") from e
-    name, fields = te_recipe_spec(cfg)
-    if not hasattr(te_recipe, name):
-        raise RuntimeError(f"to_te_recipe: this transformer_engine has no {name} (blockwise needs TE >= 2.3)")
-    kw = dict(fields)
-    kw["fp8_format"] = getattr(te_recipe.Format, fields["fp8_format"])
-    for k, v in fields.items():
-        if isinstance(v, dict):
-            kw[k] = te_recipe.QParams(**v)
-    return getattr(te_recipe, name)(**kw)
+    ver = getattr(transformer_engine, "__version__", "?")
+    name, spec = te_recipe_spec(cfg)
+    cls = getattr(te_recipe, name, None)
+    if cls is None:
+        raise RuntimeError(f"to_te_recipe: transformer_engine {ver} has no {name} (blockwise needs TE >= 2.3)")
+    want = dict(spec)
+    want["fp8_format"] = getattr(te_recipe.Format, spec["fp8_format"])
+    for k in _TE_OPTIONAL & set(want):
+        if not hasattr(cls, k):
+            del want[k]
+    init_fields = {f.name for f in dataclasses.fields(cls) if f.init}
+    build = {k: (te_recipe.QParams(**v) if isinstance(v, dict) else v) for k, v in want.items()}
+    recipe = cls(**{k: v for k, v in build.items() if k in init_fields})
+    for k, v in build.items():
+        if k not in init_fields:
+            if not hasattr(cls, k):
+                raise RuntimeError(f"to_te_recipe: transformer_engine {ver} {name} has no attribute {k!r}; "
+                                   f"cannot apply it (supported: TE >= 2.3)")
+            setattr(recipe, k, v)
+    for k, v in want.items():
+        got = _te_view(getattr(recipe, k, "<missing>"), v)
+        if got != v:
+            raise RuntimeError(f"to_te_recipe: transformer_engine {ver} {name}.{k} is {got!r} after setting "
+                               f"{v!r}; TE would not run the requested dsv3.fp8 settings")
+    return recipe
 
 
 # --------------------------------------------------------------------------------------------------
