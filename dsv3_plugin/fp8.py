@@ -285,12 +285,16 @@ def unpack_dispatch(payload: torch.Tensor, hidden: int, dtype: torch.dtype = tor
     return dequantize_dispatch(q, s, dtype, tile)
 
 
-_LINEAR_API = {"Fp8Recipe", "Fp8Linear", "fp8_linear", "Fp8GroupedSwiGLU", "convert_to_fp8", "select_backend",
+_LINEAR_API = {"Fp8Recipe", "Fp8Linear", "Fp8LinearKernel", "fp8_linear", "convert_to_fp8", "select_backend",
                "to_te_recipe", "te_recipe_spec", "Fp8Report"}
+_EXPERT_API = {"Fp8ExpertKernel", "Fp8GroupedSwiGLU", "fp8_expert_swiglu"}
 
 
-def __getattr__(name):  # the training-side API lives in fp8_linear; re-exported here for one import path
+def __getattr__(name):  # the training-side API lives in fp8_linear / fp8_experts; re-exported here for one path
     if name in _LINEAR_API:
         from . import fp8_linear
         return getattr(fp8_linear, name)
+    if name in _EXPERT_API:
+        from . import fp8_experts
+        return getattr(fp8_experts, name)
     raise AttributeError(name)

@@ -18,9 +18,10 @@ Backends (`select_backend`, reported in `Fp8Report`):
     emulation before it is used;
   * `emulate`: `fp8.fp8_gemm_emulated`, exact FP8 quantization and per-128 FP32 promotion on any device.
 
-`convert_to_fp8(model, cfg.fp8)` swaps the decoder layers' nn.Linear GEMMs for `Fp8Linear` and installs the
-FP8 grouped-expert path; embedding, output head, router (`gate`), norms, MTP's eh_proj and the attention
-core stay in high precision (§3.3.1).
+`convert_to_fp8(model, cfg.fp8)` swaps the decoder layers' nn.Linear GEMMs for `Fp8Linear` and sets the routed
+experts' kernel to `fp8_experts.Fp8ExpertKernel` (layers that already have a kernel seam get their innermost
+kernel replaced, wrappers such as the weight-gradient deferral kept); embedding, output head, router (`gate`),
+norms, MTP's eh_proj and the attention core stay in high precision (§3.3.1).
 """
 from __future__ import annotations
 
@@ -33,12 +34,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ConfigError, FP8Config
-from .fp8 import (FP8_DTYPE, TILE, fp8_combine_grad_qdq, fp8_dispatch_qdq, fp8_gemm_emulated,
-                  quantize_blockwise, quantize_tensorwise, quantize_tilewise)
+from .fp8 import FP8_DTYPE, TILE, fp8_gemm_emulated, quantize_blockwise, quantize_tensorwise, quantize_tilewise
+from .kernels import KernelLinear, SplitKernel, apply_split, base_kernel, rebase
 
 __all__ = ["Fp8Recipe", "EmulatedBackend", "TorchScaledMMBackend", "TEBackend", "AutoBackend", "select_backend",
            "torch_blockwise_available",
-           "fp8_linear", "Fp8Linear", "Fp8GroupedSwiGLU", "te_recipe_spec", "to_te_recipe", "Fp8Report",
+           "fp8_linear", "Fp8Linear", "Fp8LinearKernel", "te_recipe_spec", "to_te_recipe", "Fp8Report",
            "convert_to_fp8"]
 
 
@@ -131,22 +132,25 @@ class TEBackend:
     def gemm(self, *args):
         return self.fallback.gemm(*args)
 
-    def linear(self, mod: "Fp8Linear", x: torch.Tensor) -> Optional[torch.Tensor]:
+    def linear(self, owner, x: torch.Tensor, weight: torch.Tensor) -> Optional[torch.Tensor]:
+        """y = x · weightᵀ by a `te.pytorch.Linear` cached on `owner` (the calling kernel), or None when TE
+        cannot run the shape."""
         import transformer_engine.pytorch as te
         M = x.numel() // x.shape[-1]
-        if M % 16 or mod.in_features % 16 or mod.out_features % 16:
+        out_features, in_features = weight.shape
+        if M % 16 or in_features % 16 or out_features % 16:
             return None
-        if getattr(mod, "_te", None) is None:
-            lin = te.Linear(mod.in_features, mod.out_features, bias=False, params_dtype=mod.weight.dtype,
-                            device=mod.weight.device)
-            lin.weight = mod.weight  # share the master weight: one parameter, one gradient
-            object.__setattr__(mod, "_te", lin)  # not a submodule: state_dict keys stay `weight`
+        lin = getattr(owner, "_te", None)
+        if lin is None or lin.weight is not weight:
+            lin = te.Linear(in_features, out_features, bias=False, params_dtype=weight.dtype, device=weight.device)
+            lin.weight = weight  # share the master weight: one parameter, one gradient
+            owner._te = lin      # on the kernel, not the module: state_dict keys stay `weight`
         if hasattr(te, "autocast"):          # TE >= 2.8 name
             ctx = te.autocast(enabled=True, recipe=self.recipe)
         else:
             ctx = te.fp8_autocast(enabled=True, fp8_recipe=self.recipe)
         with ctx:
-            return mod._te(x)
+            return lin(x)
 
 
 def torch_blockwise_available(device: torch.device) -> tuple[bool, str]:
@@ -250,56 +254,90 @@ class AutoBackend:
 
 
 # --------------------------------------------------------------------------------------------------
-# The autograd function
+# The FP8 linear kernel
 
-class _Fp8LinearFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, recipe: Fp8Recipe, backend, need_wgrad: bool = True):
+def _resolved(backend, device: torch.device):
+    return backend.resolve(device) if isinstance(backend, AutoBackend) else backend
+
+
+class Fp8LinearKernel(SplitKernel):
+    """`kernels.LinearKernel` with Fprop, Dgrad and Wgrad in FP8 (tile orientations in the module docstring).
+
+    Saved for backward: Xᵀ in FP8 (1×128 along M; only when the weight needs a gradient) and the FP8 weight.
+    With a TE backend the layer runs as a `te.pytorch.Linear` (which does its own backward) unless the
+    weight gradient is deferred. NOTE: TE's Linear cannot split its backward, so under deferral (pipeline
+    B/W split) the GEMMs run on the TE backend's fallback (torch `_scaled_mm` or the emulation), same recipe."""
+
+    def __init__(self, recipe: Fp8Recipe = Fp8Recipe(), backend=None):
+        self.recipe = recipe
+        self.backend = backend or EmulatedBackend()
+
+    def call(self, via, x, weight, bias=None):
+        be = _resolved(self.backend, x.device)
+        if isinstance(be, TEBackend) and not via.defers_weight_grads:
+            y = be.linear(self, x, weight)
+            if y is not None:
+                return y if bias is None else y + bias.to(y.dtype)
+        return apply_split(via, be, x, weight, bias)
+
+    def forward(self, backend, x, weights, need_w):
+        weight, bias = weights
+        r = self.recipe
         K, N = x.shape[-1], weight.shape[0]
         x2 = x.reshape(-1, K)                                            # [M, K]
-        qx, sx, kx = recipe.act(x2)                                      # 1×128 along K
-        qw, sw, kw = recipe.weight(weight)                               # 128×128
+        qx, sx, kx = r.act(x2)                                           # 1×128 along K
+        qw, sw, kw = r.weight(weight)                                    # 128×128
         y = backend.gemm(qx, sx, kx, qw, sw, kw)                         # Fprop [M, N] fp32
-        xt = recipe.act(x2.t()) if need_wgrad else (None, None, None)   # Xᵀ 1×128 along M: the FP8 cache
-        ctx.save_for_backward(xt[0], xt[1], qw, sw)
-        ctx.meta = (recipe, backend, xt[2], kw, x.shape, x.dtype, weight.dtype)
-        return y.to(x.dtype).reshape(*x.shape[:-1], N)
+        xt = r.act(x2.t()) if need_w[0] else (None, None, None)         # Xᵀ 1×128 along M: the FP8 cache
+        y = y.to(x.dtype).reshape(*x.shape[:-1], N)
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        meta = (backend, xt[2], kw, x.shape, x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return y, (xt[0], xt[1], qw, sw), meta
 
-    @staticmethod
-    def backward(ctx, dy):
-        qxt, sxt, qw, sw = ctx.saved_tensors
-        recipe, backend, kxt, kw, x_shape, x_dtype, w_dtype = ctx.meta
-        N = dy.shape[-1]
-        dy2 = dy.reshape(-1, N)                                          # [M, N]
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            qg, sg, kg = recipe.act(dy2)                                 # 1×128 along N
+    def input_grad(self, saved, meta, dy, need):
+        qxt, _, qw, sw = saved
+        backend, _, kw, x_shape, x_dtype, _, _ = meta
+        r = self.recipe
+        dy2 = dy.reshape(-1, dy.shape[-1])                               # [M, N]
+        dx = None
+        if need[0]:
+            qg, sg, kg = r.act(dy2)                                      # 1×128 along N
             sw_t = sw.t() if kw == "block" else sw                       # blocks of Wᵀ [K, N]
             dx = backend.gemm(qg, sg, kg, qw.t(), sw_t, kw).to(x_dtype).reshape(x_shape)   # Dgrad
-        if ctx.needs_input_grad[1] and qxt is not None:
-            qgt, sgt, kgt = recipe.act(dy2.t())                          # dYᵀ [N, M] 1×128 along M
-            dw = backend.gemm(qgt, sgt, kgt, qxt, sxt, kxt).to(w_dtype)  # Wgrad [N, K]
-        return dx, dw, None, None, None
+        # W's operand dYᵀ (1×128 along M) is quantized here: a deferred W then holds 1 byte per element
+        dyt = r.act(dy2.t()) if need[1] and qxt is not None else None
+        return dx, (dyt, dy if need[2] else None)
 
+    def weight_grads(self, saved, meta, carry, need_w):
+        qxt, sxt, _, _ = saved
+        backend, kxt, _, _, _, w_dtype, b_dtype = meta
+        dyt, dy = carry
+        dw = db = None
+        if dyt is not None:
+            dw = backend.gemm(*dyt, qxt, sxt, kxt).to(w_dtype)          # Wgrad [N, K]
+        if need_w[1]:
+            db = dy.sum_to_size(dy.shape[-1:]).to(b_dtype)               # as autograd's broadcast add gives
+        return dw, db
 
-def _wgrad_needed(weight: torch.Tensor) -> bool:
-    # decided outside the Function (grad mode is off inside its forward): no FP8 cache in eval / no_grad
-    return torch.is_grad_enabled() and weight.requires_grad
+    def __repr__(self) -> str:
+        return f"Fp8LinearKernel({self.recipe.kind}, pow2={self.recipe.pow2}, backend={self.backend.name})"
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe = Fp8Recipe(), backend=None):
-    """y = x · weightᵀ with all three GEMMs in FP8 (weight [N, K], x [..., K])."""
-    return _Fp8LinearFn.apply(x, weight, recipe, backend or EmulatedBackend(), _wgrad_needed(weight))
+    """y = x · weightᵀ with all three GEMMs in FP8 (weight [N, K], x [..., K]); never through TE's Linear."""
+    k = Fp8LinearKernel(recipe, backend)
+    return apply_split(k, _resolved(k.backend, x.device), x, weight, None)
 
 
-class Fp8Linear(nn.Linear):
-    """Drop-in nn.Linear (same `weight`/`bias` names and parameters) whose GEMMs run in FP8."""
+class Fp8Linear(KernelLinear):
+    """Drop-in nn.Linear (same `weight`/`bias` names and parameters) whose GEMMs run in FP8: a `KernelLinear`
+    whose kernel is an `Fp8LinearKernel` (possibly wrapped, e.g. by the weight-gradient deferral)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, recipe: Fp8Recipe = Fp8Recipe(),
                  backend=None, device=None, dtype=None):
-        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
-        self.recipe = recipe
-        self.backend = backend or EmulatedBackend()
+        super().__init__(in_features, out_features, bias, Fp8LinearKernel(recipe, backend), device=device,
+                         dtype=dtype)
 
     @classmethod
     def from_linear(cls, lin: nn.Linear, recipe: Fp8Recipe, backend) -> "Fp8Linear":
@@ -308,45 +346,17 @@ class Fp8Linear(nn.Linear):
         new.bias = lin.bias
         return new
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        be = self.backend.resolve(x.device) if isinstance(self.backend, AutoBackend) else self.backend
-        y = be.linear(self, x) if isinstance(be, TEBackend) else None
-        if y is None:
-            y = _Fp8LinearFn.apply(x, self.weight, self.recipe, be, _wgrad_needed(self.weight))
-        return y if self.bias is None else y + self.bias.to(y.dtype)
+    @property
+    def recipe(self) -> Fp8Recipe:
+        return base_kernel(self.kernel).recipe
+
+    @property
+    def backend(self):
+        return base_kernel(self.kernel).backend
 
     def extra_repr(self) -> str:
-        return (f"{super().extra_repr()}, fp8={self.recipe.kind}, pow2={self.recipe.pow2}, "
-                f"backend={self.backend.name}")
-
-
-class Fp8GroupedSwiGLU:
-    """FP8 replacement for `moe.grouped_swiglu` (installed as `GroupedExperts.swiglu_fn`): each expert's SwiGLU
-    runs as `fp8_experts.fp8_expert_swiglu` on its slice of the stacked [E, I, H] / [E, H, I] master weights
-    (all GEMMs in FP8; SwiGLU inputs cached in FP8 and the output recomputed in backward).
-    With `dispatch` (config `fp8.dispatch`) the expert inputs carry the FP8 all-to-all's numerics (pow2 1×128
-    quantize-dequantize) and the gradients of the expert outputs are quantized the same way in backward;
-    the forward combine and the backward of the dispatch stay high precision (report §3.3.4). A real EP
-    all-to-all (`pack_dispatch`) applied on top changes nothing: pow2 re-quantization is exact."""
-
-    def __init__(self, recipe: Fp8Recipe, backend, dispatch: bool = False):
-        self.recipe, self.backend, self.dispatch = recipe, backend, dispatch
-
-    def __call__(self, x_NH, counts, w1_EIH, w3_EIH, w2_EHI):
-        if self.dispatch:
-            return fp8_combine_grad_qdq(self._experts(fp8_dispatch_qdq(x_NH), counts, w1_EIH, w3_EIH, w2_EHI))
-        return self._experts(x_NH, counts, w1_EIH, w3_EIH, w2_EHI)
-
-    def _experts(self, x_NH, counts, w1_EIH, w3_EIH, w2_EHI):
-        from .fp8_experts import fp8_expert_swiglu   # FP8-cached SwiGLU inputs, output recomputed (§3.3.3)
-        outs = []
-        for e, x_e in enumerate(torch.split(x_NH, counts)):
-            if counts[e] == 0:
-                continue
-            outs.append(fp8_expert_swiglu(x_e, w1_EIH[e], w3_EIH[e], w2_EHI[e], self.recipe, self.backend))
-        if not outs:
-            return x_NH.new_zeros(0, w2_EHI.shape[1])
-        return torch.cat(outs)
+        return (f"{nn.Linear.extra_repr(self)}, fp8={self.recipe.kind}, pow2={self.recipe.pow2}, "
+                f"backend={self.backend.name}, kernel={self.kernel!r}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -444,6 +454,7 @@ def convert_to_fp8(model: nn.Module, cfg: FP8Config, device: torch.device | str 
     """Swap the decoder layers' Linear GEMMs (MLA projections, dense/shared-expert MLPs) for `Fp8Linear`
     and put the routed experts on the FP8 path, in place. Returns (and stores as `model.fp8_report`) what
     was converted, what was kept in high precision and which backend runs the GEMMs."""
+    from .fp8_experts import Fp8ExpertKernel
     from .model import DecoderLayer
     from .moe import GroupedExperts
 
@@ -457,15 +468,21 @@ def convert_to_fp8(model: nn.Module, cfg: FP8Config, device: torch.device | str 
     layer_prefixes = [n for n, m in model.named_modules() if isinstance(m, DecoderLayer)]
     for name, mod in list(model.named_modules()):
         inside = any(name == p or name.startswith(p + ".") for p in layer_prefixes)
-        if type(mod) is nn.Linear:
-            if not inside:
-                rep.high_precision.append(name)   # lm_head, MTP eh_proj
-                continue
+        if isinstance(mod, nn.Linear) and not inside:
+            rep.high_precision.append(name)       # lm_head, MTP eh_proj
+        elif type(mod) is nn.Linear:
             parent_name, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent_name), attr, Fp8Linear.from_linear(mod, recipe, backend))
             rep.converted.append(name)
+        elif isinstance(mod, KernelLinear):       # a seam already installed (e.g. by the W split): keep wrappers
+            if not isinstance(base_kernel(mod.kernel), Fp8LinearKernel):
+                mod.kernel = rebase(mod.kernel, Fp8LinearKernel(recipe, backend))
+            rep.converted.append(name)
+        elif isinstance(mod, nn.Linear):
+            raise TypeError(f"convert_to_fp8: {name} is a {type(mod).__name__} (an nn.Linear subclass without a "
+                            "kernel seam): it cannot be put on the FP8 path")
         elif isinstance(mod, GroupedExperts) and inside:
-            mod.swiglu_fn = Fp8GroupedSwiGLU(recipe, backend, dispatch=cfg.dispatch)
+            mod.kernel = rebase(mod.kernel, Fp8ExpertKernel(recipe, backend, dispatch=cfg.dispatch))
             rep.grouped.append(name)
         elif isinstance(mod, nn.Embedding) or name.endswith(".gate"):
             rep.high_precision.append(name)

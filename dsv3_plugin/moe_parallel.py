@@ -23,6 +23,7 @@ from torch import nn
 
 from .config import ConfigError, MoEConfig
 from .dispatch import DispatchCodec, moe_dispatch_combine
+from .kernels import ExpertKernel
 from .moe import DeepSeekMoE, DenseMLP, GroupedExperts
 from .parallel_groups import EPGroups
 from .router import Router, counting_enabled
@@ -46,7 +47,7 @@ class ExpertParallelMoE(DeepSeekMoE):
     [j·E/P, (j+1)·E/P)). Parameter names are DeepSeekMoE's; `experts.*` hold the local slab only."""
 
     def __init__(self, hidden_size: int, cfg: MoEConfig, groups: EPGroups, dedup: Optional[bool] = None,
-                 codec: Optional[DispatchCodec] = None):
+                 codec: Optional[DispatchCodec] = None, kernel: Optional[ExpertKernel] = None):
         nn.Module.__init__(self)  # not DeepSeekMoE.__init__: it would allocate all E experts on every rank
         check_node_limit_config(cfg, groups)
         self.cfg = cfg
@@ -55,7 +56,7 @@ class ExpertParallelMoE(DeepSeekMoE):
         self.codec = codec
         self.local_experts = groups.local_expert_range(cfg.n_routed_experts)
         self.gate = Router(hidden_size, cfg)
-        self.experts = GroupedExperts(len(self.local_experts), hidden_size, cfg.intermediate_size)
+        self.experts = GroupedExperts(len(self.local_experts), hidden_size, cfg.intermediate_size, kernel)
         self.shared_experts = (DenseMLP(hidden_size, cfg.intermediate_size * cfg.n_shared_experts)
                                if cfg.n_shared_experts > 0 else None)
         self.aux_loss: torch.Tensor | None = None
@@ -67,11 +68,13 @@ class ExpertParallelMoE(DeepSeekMoE):
                    codec: Optional[DispatchCodec] = None, share: bool = False) -> "ExpertParallelMoE":
         """Shard a full DeepSeekMoE, keeping this rank's experts. `share=False` copies router, bias and shared
         experts (the source stays usable, e.g. as a reference); `share=True` takes over the source's router
-        and shared-expert modules themselves, whatever their class (FP8 linears, a Megatron router)."""
+        and shared-expert modules themselves, whatever their class (FP8 linears, a Megatron router). The local
+        experts run the source experts' kernel (precision, W deferral: the one expert-kernel seam)."""
         hidden = moe.gate.weight.shape[1]
         w = moe.experts.gate_proj
         # the model's dtype (the Router keeps itself fp32 whatever .to() it gets)
-        ep = cls(hidden, moe.cfg, groups, dedup, codec).to(device=w.device, dtype=w.dtype)
+        ep = cls(hidden, moe.cfg, groups, dedup, codec, kernel=moe.experts.kernel)
+        ep = ep.to(device=w.device, dtype=w.dtype)
         if share:
             ep.gate = moe.gate
             ep.shared_experts = moe.shared_experts
@@ -80,10 +83,6 @@ class ExpertParallelMoE(DeepSeekMoE):
             ep.gate.tokens_per_expert.copy_(moe.gate.tokens_per_expert)
             if moe.shared_experts is not None:
                 ep.shared_experts.load_state_dict(moe.shared_experts.state_dict())
-        if isinstance(moe.experts, GroupedExperts) and type(moe.experts) is not GroupedExperts:
-            ep.experts.__class__ = type(moe.experts)  # keep a GroupedExperts subclass (same parameters)
-        if getattr(moe.experts, "swiglu_fn", None) is not None:  # a precision path (FP8) installed on the experts
-            ep.experts.swiglu_fn = moe.experts.swiglu_fn
         sl = slice(ep.local_experts.start, ep.local_experts.stop)
         for name in ("gate_proj", "up_proj", "down_proj"):
             src = getattr(moe.experts, name)

@@ -14,7 +14,8 @@ What DeepSpeed 0.19 needs (observed, see the project's integration notes):
 
 `DeepSpeedExperts` subclasses DeepSpeed's `MoE` without running its constructor (which would build
 DeepSpeed's own gate and capacity-based dispatch); it holds this rank's E/P experts as separate modules
-(DeepSpeed's checkpoint layout) and computes them grouped (`moe.swiglu_rows`). Dispatch/combine stays ours.
+(DeepSpeed's checkpoint layout) and computes them grouped (`moe.swiglu_rows`) with the expert kernel it is
+built with (`kernels.ExpertKernel`: the dense experts' one, so FP8 carries over). Dispatch/combine stays ours.
 
 Gradient scaling: ZeRO divides every gradient by the data-parallel world size W and all-reduces expert
 gradients over the EDP group (W/P ranks). An expert's gradient already sums its EP group's tokens (the
@@ -33,7 +34,8 @@ from torch import nn
 
 from ..config import ConfigError, DSv3Config
 from ..dispatch import codec_from_config
-from ..moe import grouped_swiglu, swiglu_rows
+from ..kernels import ExpertKernel, UsesKernel
+from ..moe import GroupedSwiGLUKernel, swiglu_rows
 from ..moe_parallel import ExpertParallelMoE, expert_parallel
 from ..parallel_groups import build_ep_groups
 
@@ -69,12 +71,15 @@ def deepspeed_experts_class():
     """The `deepspeed.moe.layer.MoE` subclass (built on first use: DeepSpeed is imported lazily)."""
     from deepspeed.moe.layer import MoE
 
-    class DeepSpeedExperts(MoE):
+    class DeepSpeedExperts(MoE, UsesKernel):
         """This rank's routed experts as a DeepSpeed MoE module (see the module docstring)."""
 
+        leaf_kernel_weights = False   # the kernel gets the per-expert parameters stacked each call
+
         def __init__(self, num_experts: int, ep_size: int, ep_ranks: list[int], hidden: int, inter: int,
-                     dtype=None):
+                     dtype=None, kernel: ExpertKernel | None = None):
             nn.Module.__init__(self)  # NOTE: not MoE.__init__ (it builds DeepSpeed's own gate/dispatcher)
+            self.kernel = kernel if kernel is not None else GroupedSwiGLUKernel()
             self.num_experts = num_experts
             self.ep_size = ep_size
             self.num_local_experts = num_experts // ep_size
@@ -103,10 +108,8 @@ def deepspeed_experts_class():
             return (torch.stack([e.gate_proj for e in ex]), torch.stack([e.up_proj for e in ex]),
                     torch.stack([e.down_proj for e in ex]))
 
-        swiglu_fn = None  # a precision path (FP8) may replace the grouped SwiGLU, as on GroupedExperts
-
         def expert_rows(self, x_NH: torch.Tensor, expert_N: torch.Tensor) -> torch.Tensor:
-            return swiglu_rows(x_NH, expert_N, *self.weights(), self.swiglu_fn or grouped_swiglu)
+            return swiglu_rows(x_NH, expert_N, *self.weights(), self.kernel)
 
         def forward(self, x_NH: torch.Tensor, expert_N: torch.Tensor) -> torch.Tensor:
             return self.expert_rows(x_NH, expert_N)
@@ -117,16 +120,17 @@ def deepspeed_experts_class():
 @torch.no_grad()
 def _to_deepspeed_experts(layer: ExpertParallelMoE) -> None:
     old = layer.experts
+    if getattr(old.kernel, "defers_weight_grads", False):
+        raise TypeError("prepare_model: the experts defer their weight gradients (split_weight_grads ran first); "
+                        "DeepSpeed's per-expert parameters are stacked each call, so W could not write their .grad")
     _, inter, hidden = old.gate_proj.shape
     cls = deepspeed_experts_class()
     new = cls(layer.cfg.n_routed_experts, layer.groups.ep_size, layer.groups.ep_ranks, hidden, inter,
-              dtype=old.gate_proj.dtype).to(old.gate_proj.device)
+              dtype=old.gate_proj.dtype, kernel=old.kernel).to(old.gate_proj.device)
     for i, e in enumerate(new.deepspeed_moe.experts.deepspeed_experts):
         e.gate_proj.copy_(old.gate_proj[i])
         e.up_proj.copy_(old.up_proj[i])
         e.down_proj.copy_(old.down_proj[i])
-    if getattr(old, "swiglu_fn", None) is not None:
-        new.swiglu_fn = old.swiglu_fn
     layer.experts = new
 
 

@@ -3,10 +3,14 @@
 
 A backward is split into I (gradients w.r.t. the stage *input*, needed by the previous stage now) and W
 (gradients w.r.t. the *weights*, needed only by the optimizer). The schedule runs I inside
-`WeightGradQueue.deferring()`; every GEMM that opts in (`deferrable_linear`, `DeferrableLinear`,
-`split_weight_grads(module)`) then computes its input gradient at once and queues a closure that computes
-and accumulates its weight gradient; the schedule's W op runs one I's closures later, in FIFO order.
-Modules that do not opt in compute their weight gradients inside I: still correct, just no deferral.
+`WeightGradQueue.deferring()`; every GEMM that opts in then computes its input gradient at once and queues a
+closure that computes and accumulates its weight gradient; the schedule's W op runs one I's closures later,
+in FIFO order. Modules that do not opt in compute their weight gradients inside I: still correct, just no
+deferral.
+
+Opting in is a kernel wrapper (`DeferredWeightGrads`, see `kernels.py`) around whatever kernel a module's GEMMs
+run (FP32/BF16 or FP8, Linear or routed experts), so precision and deferral compose: `split_weight_grads(module)`
+wraps every kernel in a module; `DeferrableLinear` and `deferrable_linear` are the plain Linear, deferred.
 """
 from __future__ import annotations
 
@@ -15,13 +19,12 @@ from collections import deque
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ..moe import GroupedExperts
+from ..kernels import KernelLinear, KernelWrapper, PlainLinearKernel, SplitKernel, UsesKernel, find_wrapper
 
-__all__ = ["WeightGradQueue", "deferrable_linear", "DeferrableLinear", "split_weight_grads", "active_queue",
-           "deferrable_expert_linear", "DeferrableGroupedExperts"]
+__all__ = ["WeightGradQueue", "DeferredWeightGrads", "defer_weight_grads", "deferrable_linear", "DeferrableLinear",
+           "split_weight_grads", "active_queue"]
 
 _ACTIVE: list["WeightGradQueue"] = []
 
@@ -79,139 +82,85 @@ def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
         param.grad += grad
 
 
-class _DeferrableLinearFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return F.linear(x, weight, bias)
+class DeferredWeightGrads(KernelWrapper):
+    """A kernel that wraps another (`kernels.SplitKernel`: plain, FP8, ...) and defers its weight gradients:
+    inside an I op (`WeightGradQueue.deferring()`) the backward computes the input gradient at once and
+    queues W, which then runs the inner kernel's own weight-gradient GEMMs and adds the results to the
+    parameters' `.grad`. Outside an I op it is the inner kernel. Same numbers as the inner kernel, bit for
+    bit: only *when* W runs changes.
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
-        grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None   # [..., in]
+    NOTE: deferred gradients are written to `.grad` directly (AccumulateGrad is bypassed, so hooks
+    registered on it do not fire for them); the weights must therefore be the leaf parameters themselves."""
 
-        def weight_grads():
-            g_NO = grad_out.reshape(-1, grad_out.shape[-1])               # [N, out]
-            x_NI = x.reshape(-1, x.shape[-1])                             # [N, in]
-            gw = g_NO.t() @ x_NI                                          # [out, in]
-            gb = g_NO.sum(0) if ctx.has_bias else None
-            return gw, gb
+    defers_weight_grads = True
 
+    def run_weight_grads(self, job, weights, need_w):
         q = active_queue()
         if q is None:
-            gw, gb = weight_grads()
-            return grad_x, (gw if ctx.needs_input_grad[1] else None), (gb if ctx.needs_input_grad[2] else None)
-        # Deferred: the closure holds the activations until W runs; parameters get .grad directly there
-        # (AccumulateGrad is bypassed, so hooks registered on it do not fire for these grads).
-        w_param, b_param = ctx.weight_param, ctx.bias_param
+            return self.inner.run_weight_grads(job, weights, need_w)
+        for w, n in zip(weights, need_w):
+            if n and not w.is_leaf:
+                raise RuntimeError(f"deferred weight gradient: a {tuple(w.shape)} weight reaching the kernel is not "
+                                   "a leaf tensor (built from parameters each call), so W cannot write its .grad")
+        inner = self.inner
 
-        def job():
-            gw, gb = weight_grads()
-            if w_param is not None and w_param.requires_grad:
-                _accumulate(w_param, gw)
-            if gb is not None and b_param is not None and b_param.requires_grad:
-                _accumulate(b_param, gb)
+        @torch.no_grad()   # as inside a backward: W's GEMMs build no graph (saved inputs may require grad)
+        def w_job():
+            for w, g in zip(weights, inner.run_weight_grads(job, weights, need_w)):
+                if g is not None:
+                    _accumulate(w, g)
 
-        q.put(job)
-        return grad_x, None, None
+        q.put(w_job)
+        return (None,) * len(weights)
+
+
+def defer_weight_grads(kernel):
+    """`kernel` wrapped in `DeferredWeightGrads` (unchanged if it already defers)."""
+    return kernel if find_wrapper(kernel, DeferredWeightGrads) is not None else DeferredWeightGrads(kernel)
+
+
+_DEFERRED_LINEAR = DeferredWeightGrads(PlainLinearKernel())
 
 
 def deferrable_linear(x: torch.Tensor, weight: nn.Parameter, bias: nn.Parameter | None = None) -> torch.Tensor:
     """F.linear whose weight gradient is deferred to the W op when run inside an I op. `weight` (and `bias`)
     must be leaf parameters: the deferred job writes their `.grad`."""
-    if not torch.is_grad_enabled() or not (weight.requires_grad or (bias is not None and bias.requires_grad)):
-        return F.linear(x, weight, bias)
-    fn = _DeferrableLinearFn
-    out = fn.apply(x, weight, bias)
-    node = out.grad_fn
-    node.weight_param = weight     # the ctx of a custom Function is its grad_fn node
-    node.bias_param = bias
-    return out
+    return _DEFERRED_LINEAR(x, weight, bias)
 
 
-class DeferrableLinear(nn.Linear):
-    """nn.Linear with the deferred weight gradient; same parameters and state_dict keys."""
+class DeferrableLinear(KernelLinear):
+    """nn.Linear with the deferred weight gradient (a `KernelLinear` whose kernel is the plain one wrapped in
+    `DeferredWeightGrads`); same parameters and state_dict keys."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return deferrable_linear(x, self.weight, self.bias)
-
-
-class _ExpertLinearFn(torch.autograd.Function):
-    """y = x @ w_EOK[e].t() for one expert's rows; the weight gradient lands in rows e of w_EOK.grad."""
-
-    @staticmethod
-    def forward(ctx, x_NK, w_EOK, e):
-        ctx.save_for_backward(x_NK, w_EOK)
-        ctx.e = e
-        return x_NK @ w_EOK[e].t()                                        # [N, O]
-
-    @staticmethod
-    def backward(ctx, g_NO):
-        x_NK, w_EOK = ctx.saved_tensors
-        e = ctx.e
-        grad_x = g_NO @ w_EOK[e] if ctx.needs_input_grad[0] else None    # [N, K]
-        w_param = ctx.w_param
-        if w_param is not None and w_param.requires_grad:
-            def job():
-                gw_OK = g_NO.t() @ x_NK
-                if w_param.grad is None:
-                    w_param.grad = torch.zeros_like(w_param)
-                w_param.grad[e] += gw_OK
-            q = active_queue()
-            # NOTE: the stacked expert weight gets its rows written directly (deferred or not): returning a
-            # full [E, O, K] gradient per expert would cost E times the memory traffic.
-            q.put(job) if q is not None else job()
-        return grad_x, None, None
-
-
-def deferrable_expert_linear(x_NK: torch.Tensor, w_EOK: nn.Parameter, e: int) -> torch.Tensor:
-    """x @ w_EOK[e].t() with expert e's weight gradient deferrable to the W op (inside an I op)."""
-    if not torch.is_grad_enabled() or not w_EOK.requires_grad:
-        return x_NK @ w_EOK[e].t()
-    out = _ExpertLinearFn.apply(x_NK, w_EOK, e)
-    out.grad_fn.w_param = w_EOK
-    return out
-
-
-def _grouped_swiglu(x_NH, counts, w1_EIH, w3_EIH, w2_EHI):
-    outs = []
-    for e, x_e in enumerate(torch.split(x_NH, counts)):
-        if counts[e] == 0:
-            continue
-        h = F.silu(deferrable_expert_linear(x_e, w1_EIH, e)) * deferrable_expert_linear(x_e, w3_EIH, e)
-        outs.append(deferrable_expert_linear(h, w2_EHI, e))
-    if not outs:
-        return x_NH.new_zeros(0, w2_EHI.shape[1])
-    return torch.cat(outs)
-
-
-class DeferrableGroupedExperts(GroupedExperts):
-    """GroupedExperts whose per-expert GEMMs defer their weight gradients (same forward math and parameters;
-    the routing/sorting steps mirror `GroupedExperts.forward`)."""
-
-    def forward(self, x_TH, topk_idx_TK, gates_TK):
-        T, K = topk_idx_TK.shape
-        flat_idx = topk_idx_TK.reshape(-1)
-        order = torch.argsort(flat_idx, stable=True)
-        counts = torch.bincount(flat_idx, minlength=self.n_experts).tolist()
-        token_of = order // K
-        y_NH = _grouped_swiglu(x_TH[token_of], counts, self.gate_proj, self.up_proj, self.down_proj)
-        y_NH = y_NH * gates_TK.reshape(-1)[order, None].to(y_NH.dtype)
-        out_TH = torch.zeros_like(x_TH)
-        return out_TH.index_add_(0, token_of, y_NH.to(x_TH.dtype))
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None):
+        super().__init__(in_features, out_features, bias, DeferredWeightGrads(PlainLinearKernel()), device=device,
+                         dtype=dtype)
 
 
 def split_weight_grads(module: nn.Module) -> int:
-    """Opt every nn.Linear and every routed-expert block (`GroupedExperts`) inside `module` into the deferred
-    weight gradient (in place, by class swap: parameters, hooks and state_dict are untouched). Returns how
-    many modules were converted."""
+    """Defer the weight gradients of every GEMM-bearing module inside `module`, in place: every module with a
+    kernel seam (`kernels.UsesKernel`: routed experts, `KernelLinear`, `Fp8Linear`, ...) gets its kernel wrapped
+    in `DeferredWeightGrads`, whatever its precision; a plain `nn.Linear` first gets the seam (its class becomes
+    `KernelLinear`: parameters, hooks, state_dict and the object's identity are kept, which matters because
+    pipeline stages share modules). An nn.Linear subclass without a seam is an error, not silently skipped.
+    Returns how many modules were newly set to defer."""
+    for name, m in module.named_modules():       # check everything before changing anything
+        where = f"split_weight_grads: {name or type(module).__name__}"
+        if isinstance(m, nn.Linear) and type(m) is not nn.Linear and not isinstance(m, UsesKernel):
+            raise TypeError(f"{where} is a {type(m).__name__}, an nn.Linear subclass without a kernel seam "
+                            "(kernels.KernelLinear): its weight gradient cannot be deferred")
+        if isinstance(m, UsesKernel) and not m.leaf_kernel_weights:
+            raise TypeError(f"{where} ({type(m).__name__}) passes its kernel tensors built from its parameters, "
+                            "so a deferred W could not write their .grad")
+        if isinstance(m, UsesKernel) and not isinstance(m.kernel, SplitKernel):
+            raise TypeError(f"{where}: its kernel {m.kernel!r} is not a kernels.SplitKernel, so its weight "
+                            "gradients cannot be split off and deferred")
     n = 0
     for m in module.modules():
         if type(m) is nn.Linear:
-            m.__class__ = DeferrableLinear
-            n += 1
-        elif type(m) is GroupedExperts:
-            m.__class__ = DeferrableGroupedExperts
+            m.__class__ = KernelLinear
+            m.kernel = PlainLinearKernel()
+        if isinstance(m, UsesKernel) and find_wrapper(m.kernel, DeferredWeightGrads) is None:
+            m.kernel = DeferredWeightGrads(m.kernel)
             n += 1
     return n

@@ -50,8 +50,9 @@ def test_stages_compose_to_the_model(n_stages):
 
 
 def test_split_weight_grads_defers_linear_and_expert_gemms():
-    from dsv3_plugin.pipeline.weight_grad import (DeferrableGroupedExperts, DeferrableLinear, WeightGradQueue,
-                                                  split_weight_grads)
+    from dsv3_plugin.kernels import KernelLinear, UsesKernel, find_wrapper
+    from dsv3_plugin.moe import GroupedExperts
+    from dsv3_plugin.pipeline.weight_grad import DeferredWeightGrads, WeightGradQueue, split_weight_grads
     torch.manual_seed(0)
     model = DSv3Model(tiny(3))
     model.train()
@@ -59,9 +60,12 @@ def test_split_weight_grads_defers_linear_and_expert_gemms():
     ids, labels = torch.randint(0, 256, (2, 12)), torch.randint(0, 256, (2, 12))
     ref(ids, labels).loss.backward()
     n = split_weight_grads(model)
-    n_exp = sum(isinstance(m, DeferrableGroupedExperts) for m in model.modules())
-    n_lin = sum(isinstance(m, DeferrableLinear) for m in model.modules())
-    assert n_exp == 3 and n == n_exp + n_lin                      # 2 MoE layers + the MTP layer
+    deferred = [m for m in model.modules()
+                if isinstance(m, UsesKernel) and find_wrapper(m.kernel, DeferredWeightGrads) is not None]
+    n_exp = sum(isinstance(m, GroupedExperts) for m in deferred)
+    n_lin = sum(isinstance(m, KernelLinear) for m in deferred)
+    assert n_exp == 3 and n == n_exp + n_lin == len(deferred)     # 2 MoE layers + the MTP layer
+    assert not any(type(m) is torch.nn.Linear for m in model.modules())
     assert model.state_dict().keys() == ref.state_dict().keys()
     q = WeightGradQueue()
     out = model(ids, labels)
