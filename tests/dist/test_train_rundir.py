@@ -165,14 +165,17 @@ def test_second_run_into_the_same_out_fails_at_once(tmp_path):
                              stderr=subprocess.PIPE, text=True, env=_env())
     lock = os.path.join(out, ".dsv3.lock")
     try:
-        deadline = time.monotonic() + 300  # a wait for the first run to start, not a timing assertion
+        deadline = time.monotonic() + 300  # a wait for the first run to train, not a timing assertion
         holder = None
         while holder is None and time.monotonic() < deadline and first.poll() is None:
             try:
-                holder = json.load(open(lock))["pid"]
-            except (OSError, ValueError, KeyError):
+                with open(os.path.join(out, "metrics.jsonl")) as f:
+                    assert f.readline().endswith("\n")   # a first step is logged
+                with open(lock) as f:
+                    holder = json.load(f)["pid"]
+            except (OSError, ValueError, KeyError, AssertionError):
                 time.sleep(0.2)
-        assert holder is not None, first.stderr.read()[-3000:] if first.poll() is not None else "no lock"
+        assert holder is not None, first.stderr.read()[-3000:] if first.poll() is not None else "not started"
         second = _dsv3("train", "--config", cfg, "--out", out, "--steps", "3", "--no-progress")
         _one_error(second, f"--out {out}: in use by another dsv3 train (pid {holder} ")
         resumed = _dsv3("train", "--config", cfg, "--out", out, "--resume", out, "--steps", "3", "--no-progress")
@@ -191,4 +194,4 @@ def test_second_run_into_the_same_out_fails_at_once(tmp_path):
             time.sleep(0.2)
     with open(os.path.join(out, "metrics.jsonl")) as f:  # one run's lines only, in order
         steps = [json.loads(x)["step"] for x in f if x.endswith("\n")]
-    assert steps == list(range(1, len(steps) + 1))
+    assert steps and steps == list(range(1, len(steps) + 1))
