@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml requirements.txt requirements-te-recipe.txt
 	touch $(STAMP)
 
 demo: venv
-	$(VENV)/bin/dsv3 train --nproc 2 --steps 30 --out runs/demo
+	OMP_NUM_THREADS=1 $(VENV)/bin/dsv3 train --nproc 2 --config examples/deepspeed/demo.json --out runs/demo --overwrite
 
 test: venv
 	$(PY) -m pytest tests

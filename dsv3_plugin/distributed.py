@@ -22,6 +22,7 @@ __all__ = [
     "init_distributed",
     "default_backend",
     "spawn",
+    "first_failure",
     "rank",
     "world_size",
 ]
@@ -69,10 +70,66 @@ def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> tu
     return dist.get_rank(), dist.get_world_size()
 
 
-def _worker(local_rank: int, world: int, port: int, fn: Callable, args: tuple, queue, env: dict) -> None:
+def _is_input_error(e: BaseException) -> bool:
+    """ConfigError / CheckpointError: bad user input, reported as one line and exit code 2 (DESIGN.md)."""
+    from .config import ConfigError
+    from .errors import CheckpointError
+    return isinstance(e, (ConfigError, CheckpointError))
+
+
+def first_failure(code: int) -> tuple[bool, int]:
+    """For a rank of an externally launched job that is about to exit with `code`: (whether it is the first rank
+    of the job to fail, the exit code to use). A counter in the process group's store picks the first, so that
+    a failure every rank runs into is reported once; the others exit quietly with the first one's code (a peer
+    that dies makes the others fail in their next collective, and the launcher reports whichever exit it sees
+    first). Under torchrun the store lives in the agent; under the deepspeed launcher in rank 0's process — if
+    that is gone, rank 0 failed first and reported, so this rank stays quiet. Without a process group:
+    (True, code)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return True, code
+    import sys
+    sys.stderr.flush()
+    saved = os.dup(2)
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)  # a store whose host is gone makes c10d log a C++ stack trace: not this rank's news
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(timedelta(seconds=10))
+        if store.add("dsv3/failed_ranks", 1) == 1:
+            store.set("dsv3/exit_code", str(code))
+            return True, code
+        return False, int(store.get("dsv3/exit_code"))
+    except Exception:
+        import time
+        time.sleep(5)  # the first failure's process is gone: let the launcher see its exit code first
+        return False, code
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved), os.close(null)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: the kernel kills this rank when the spawning process dies (kill -9 included), so no rank outlives
+    it holding a run directory's lock or a port. Elsewhere a no-op."""
+    try:
+        import ctypes
+        import signal
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:  # the parent died before the call above took effect
+        os._exit(1)
+
+
+def _worker(local_rank: int, world: int, port: int, fn: Callable, args: tuple, queue, env: dict,
+            parent_pid: int | None = None) -> None:
+    if parent_pid is not None:
+        _die_with_parent(parent_pid)
     os.environ.update(env)
     os.environ.update({"RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world),
                        "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    code = 0
     try:
         out = fn(*args)
         # Pickle here: tensors would otherwise travel as shared memory of a process that is about to exit.
@@ -80,12 +137,31 @@ def _worker(local_rank: int, world: int, port: int, fn: Callable, args: tuple, q
         buf = io.BytesIO()
         torch.save(out, buf)
         queue.put((local_rank, "ok", buf.getvalue()))
-    except BaseException as e:  # report, then re-raise so the process exits non-zero
-        queue.put((local_rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-        raise
+    except BaseException as e:
+        # Report to the parent and exit without printing: the parent prints the one message that matters
+        # (a rank's traceback printed here would repeat on every rank that hit the same input).
+        if _is_input_error(e):
+            queue.put((local_rank, "input", (type(e).__name__, str(e))))
+            code = 2
+        else:
+            queue.put((local_rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+            code = 1
     finally:
         if dist.is_initialized():
-            dist.destroy_process_group()
+            try:
+                dist.destroy_process_group()
+            except Exception:  # a peer already gone: nothing left to tear down cleanly
+                pass
+    if code:
+        import sys
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(code)  # skip interpreter teardown: threads of a broken process group can block it
+
+
+def _input_error(name: str, message: str) -> ValueError:
+    from .config import ConfigError
+    from .errors import CheckpointError
+    return {"ConfigError": ConfigError, "CheckpointError": CheckpointError}[name](message)
 
 
 def spawn(fn: Callable[..., Any], nproc: int, *args: Any, env: dict | None = None,
@@ -93,47 +169,67 @@ def spawn(fn: Callable[..., Any], nproc: int, *args: Any, env: dict | None = Non
     """Run `fn(*args)` on `nproc` loopback ranks (each sets the torchrun env vars); return results by rank.
 
     `fn` must be picklable (module level). It should call `init_distributed()` itself, exactly as it
-    would under torchrun. A failure on any rank raises here with that rank's traceback.
+    would under torchrun. Ranks print no tracebacks of their own. A `ConfigError` / `CheckpointError` on any
+    rank is raised here again (same type and message, once, whichever rank found it first); any other failure
+    raises `RuntimeError` with that rank's traceback. The other ranks are stopped.
     """
+    import time
     port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
-    procs = [ctx.Process(target=_worker, args=(r, nproc, port, fn, args, queue, env), daemon=False)
+    procs = [ctx.Process(target=_worker, args=(r, nproc, port, fn, args, queue, env, os.getpid()), daemon=False)
              for r in range(nproc)]
-    for p in procs:
-        p.start()
     results: dict[int, Any] = {}
-    errors: list[str] = []
-    import time
-    deadline = time.monotonic() + timeout_s
-    while len(results) + len(errors) < nproc:
-        if not queue.empty():
-            r, status, out = queue.get()
-            if status == "ok":
-                import io
-                results[r] = torch.load(io.BytesIO(out), weights_only=False)  # our own child's result
-            else:
-                errors.append(f"rank {r}: {out}")
-                break
-        elif any(p.exitcode not in (None, 0) for p in procs) and queue.empty():
-            time.sleep(0.2)
-            if queue.empty():
-                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                errors.append(f"rank(s) {dead} died (exit codes {[procs[i].exitcode for i in dead]})")
-                break
-        elif time.monotonic() > deadline:
-            errors.append(f"timed out after {timeout_s:.0f}s")
-            break
-        else:
-            time.sleep(0.02)
-    if errors:
+    done = False
+    try:
         for p in procs:
-            if p.is_alive():
+            p.start()
+        failures: list[tuple[int, str, Any]] = []
+        deadline = time.monotonic() + timeout_s
+        while len(results) < nproc and not failures:
+            if not queue.empty():
+                r, status, out = queue.get()
+                if status == "ok":
+                    import io
+                    results[r] = torch.load(io.BytesIO(out), weights_only=False)  # our own child's result
+                else:
+                    failures.append((r, status, out))
+            elif any(p.exitcode not in (None, 0) for p in procs):
+                time.sleep(0.2)
+                if queue.empty():
+                    dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                    failures.append((dead[0], "error", f"rank(s) {dead} died (exit codes "
+                                                       f"{[procs[i].exitcode for i in dead]})"))
+            elif time.monotonic() > deadline:
+                failures.append((-1, "error", f"timed out after {timeout_s:.0f}s"))
+            else:
+                time.sleep(0.02)
+        if failures:
+            # Other ranks often fail right after the first (same bad input, or a peer gone from a collective):
+            # give them a moment so that an input error wins over the broken-pipe errors it causes.
+            grace = time.monotonic() + 1.0
+            while time.monotonic() < grace and any(p.is_alive() for p in procs):
+                while not queue.empty():
+                    r, status, out = queue.get()
+                    if status != "ok":
+                        failures.append((r, status, out))
+                time.sleep(0.05)
+            while not queue.empty():
+                r, status, out = queue.get()
+                if status != "ok":
+                    failures.append((r, status, out))
+            first_input = next((f for f in failures if f[1] == "input"), None)
+            if first_input is not None:
+                raise _input_error(*first_input[2])
+            r, _, out = failures[0]
+            raise RuntimeError(f"spawned run failed:\nrank {r}: {out}" if r >= 0 else f"spawned run failed: {out}")
+        done = True
+    finally:  # also on KeyboardInterrupt: no rank outlives the call
+        for p in procs:
+            if p.pid is not None and not done and p.is_alive():
                 p.kill()
         for p in procs:
-            p.join(5)
-        raise RuntimeError("spawned run failed:\n" + "\n".join(errors))
-    for p in procs:
-        p.join(30)
+            if p.pid is not None:
+                p.join(30 if done else 5)
     return [results[r] for r in range(nproc)]

@@ -45,6 +45,21 @@ class RoutingTelemetry:
         self.layer_names = [n.rsplit(".gate", 1)[0] if n.endswith(".gate") else n for n in self.router_names]
         self.global_loads: Optional[torch.Tensor] = None  # [L, E], summed after warm-up
 
+    def state_dict(self) -> dict:
+        """The running totals (steps recorded, loads summed since warm-up): saved with a checkpoint so that
+        MaxVio_global after a resume is the uninterrupted run's."""
+        return {"steps": self.steps, "warmup_steps": self.warmup_steps, "router_names": list(self.router_names),
+                "global_loads": None if self.global_loads is None else self.global_loads.tolist()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["router_names"] != self.router_names:
+            from .errors import CheckpointError
+            raise CheckpointError(f"telemetry state: saved for routers {state['router_names']}, "
+                                  f"this model has {self.router_names}")
+        self.steps, self.warmup_steps = int(state["steps"]), int(state["warmup_steps"])
+        g = state["global_loads"]
+        self.global_loads = None if g is None else torch.tensor(g, dtype=torch.float64)  # [L, E]
+
     def _dispatch_counters(self) -> Optional[torch.Tensor]:
         """[L, 4]: tokens, routed rows, processed rows, cross-node copies (summed over `group`), or None."""
         keys = ("tokens", "routed_rows", "processed_rows", "cross_node_copies")
@@ -98,20 +113,13 @@ class RoutingTelemetry:
 
 
 def read_metrics(run_dir: str) -> list[dict]:
-    """The JSON lines of a run (`RUN_DIR/metrics.jsonl`, or RUN_DIR itself if it is a file)."""
-    import json
+    """The JSON lines of a run (`RUN_DIR/metrics.jsonl`, or RUN_DIR itself if it is a file). A torn last line
+    (a run killed mid-write, or one still writing) is skipped; a bad line before it is a ConfigError."""
     import os
+
+    from .run_dir import read_jsonl
     path = run_dir if os.path.isfile(run_dir) else os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         from .config import ConfigError
         raise ConfigError(f"dsv3: {path}: no metrics.jsonl (run `dsv3 train --out RUN_DIR` first)")
-    rows = []
-    with open(path) as f:
-        for ln, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    from .config import ConfigError
-                    raise ConfigError(f"dsv3: {path}:{ln}: not a JSON line ({e})") from None
-    return rows
+    return read_jsonl(path)[0]

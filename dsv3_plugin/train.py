@@ -23,7 +23,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["DEFAULT_DS_CONFIG", "train", "resolve_ds_config", "checkpoint_dir", "maxvio_of"]
+from .run_dir import RunDir, checkpoint_dir
+
+__all__ = ["DEFAULT_DS_CONFIG", "train", "resolve_ds_config", "checkpoint_dir", "maxvio_of", "window_maxvio"]
 
 # What `dsv3 train` runs with no --config (kept equal to examples/deepspeed/ds_config.json by a test).
 DEFAULT_DS_CONFIG: dict = {
@@ -56,13 +58,6 @@ def resolve_ds_config(config: "str | os.PathLike | dict | None") -> dict:
         raise ConfigError(f"dsv3: config file not found: {path}") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"dsv3: {path} is not valid JSON ({e})") from None
-
-
-def checkpoint_dir(path: "str | os.PathLike") -> str:
-    """A run's OUT dir or its `ckpt/` dir -> the DeepSpeed checkpoint dir (the one with `latest`)."""
-    path = os.fspath(path)
-    sub = os.path.join(path, "ckpt")
-    return sub if os.path.isfile(os.path.join(sub, "latest")) else path
 
 
 def _ema_path(ckpt: str, tag: str | None, rank: int) -> str:
@@ -144,57 +139,43 @@ def _prepare(ds_config, steps, init_from):
     return ds, cfg, total
 
 
-def _rewrite_metrics(path: str, keep_until: int) -> None:
-    rows = []
-    if keep_until and os.path.isfile(path):
-        with open(path) as f:
-            rows = [x for x in f if x.strip() and json.loads(x)["step"] <= keep_until]
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.writelines(rows)
-    os.replace(tmp, path)
-
-
-def _write_png(rows: list[dict], path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    steps = [r["step"] for r in rows]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
-    a.plot(steps, [r["loss"] for r in rows], label="loss")
-    a.plot(steps, [r["lm_loss"] for r in rows], label="lm_loss")
-    a.plot(steps, [r["mtp_loss"] for r in rows], label="mtp_loss")
-    a.set_xlabel("step"), a.set_ylabel("nats"), a.legend(), a.set_title("losses")
-    b.plot(steps, [r["maxvio"] for r in rows], color="C3")
-    b.set_xlabel("step"), b.set_ylabel("MaxVio (mean over MoE layers)"), b.set_title("expert load imbalance")
-    fig.tight_layout()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    os.replace(tmp, path)
-
-
 def train(ds_config: "str | os.PathLike | dict | None" = None, *, steps: int | None = None,
           out: str | None = None, resume: str | None = None, init_from: str | None = None,
-          progress: bool = True, echo: bool = True, save: bool = True) -> dict:
+          progress: bool = True, echo: bool = False, summary: bool = False, save: bool = True,
+          overwrite: bool = False) -> dict:
     """Train on this rank (call after, or let it call, `init_distributed()`).
 
     Returns {"history": per-step metric dicts, "summary", "router_bias": {buffer name: list},
-    "param_checksum": float64 sum of all parameters} — identical on every rank.
+    "param_checksum": float64 sum of all parameters} — identical on every rank — and "notes" (what rank 0 said
+    on stderr about the run directory: a resume that fell back to an older tag, a dropped torn metrics line).
 
     `steps` is the step index to reach (default `dsv3.train.steps`); with `resume` training continues from the
-    checkpoint's step. Rank 0 prints one JSON line per step (if `echo`), a tqdm bar on stderr (if `progress`),
-    appends the lines to OUT/metrics.jsonl, saves the DeepSpeed checkpoint in OUT/ckpt and a PNG of the curves.
+    checkpoint's step. Rank 0 shows a tqdm bar on stderr (if `progress`), appends one JSON line per logged step
+    to OUT/metrics.jsonl, saves the DeepSpeed checkpoint in OUT/ckpt, and at the end writes OUT/train.png and
+    OUT/routing.png. `echo`: the JSON lines and a JSON summary also go to stdout; `summary`: a short human summary
+    (stdout, or stderr with `echo`). OUT is locked for the call; a fresh run into an OUT holding a previous run
+    is refused unless `overwrite` (which deletes that run's files).
     """
     from .distributed import init_distributed
     rank, world = init_distributed()
     ds, cfg, total = _prepare(ds_config, steps, init_from)
+    run = RunDir(out, resume, cfg, rank, world, overwrite, save)
+    try:
+        return _train(run, ds, cfg, total, rank, world, init_from=init_from, progress=progress, echo=echo,
+                      summary=summary)
+    finally:
+        run.close()
+
+
+def _train(run: RunDir, ds: dict, cfg, total: int, rank: int, world: int, *, init_from, progress, echo,
+           summary) -> dict:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     torch.manual_seed(cfg.train.seed)
 
     from .deepspeed import initialize, quiet_deepspeed_logs
     from .data import MarkovData
     quiet_deepspeed_logs()  # stdout carries only the JSON lines and the summary
+    _drop_startup_warning()
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
     if cfg.memory.bf16_moments:
         from .config import ConfigError
@@ -209,8 +190,8 @@ def train(ds_config: "str | os.PathLike | dict | None" = None, *, steps: int | N
             from .config import ConfigError
             raise ConfigError(f"dsv3.parallel.ep: expert parallelism together with pipeline parallelism "
                               f"(pp = {cfg.parallel.pp}) is not supported by dsv3 train (got ep = {cfg.parallel.ep})")
-        return _train_pipelined(model, ds, cfg, total, rank, world, out=out, resume=resume, progress=progress,
-                                echo=echo, save=save)
+        return _train_pipelined(model, run, ds, cfg, total, rank, world, progress=progress, echo=echo,
+                                summary=summary)
     from .deepspeed.moe_layer import prepare_model  # experts sharded over parallel.ep (DeepSpeed MoE groups)
     from .telemetry import RoutingTelemetry
     prepare_model(model, cfg)
@@ -220,31 +201,21 @@ def train(ds_config: "str | os.PathLike | dict | None" = None, *, steps: int | N
     ema = EMA.from_config(model, cfg, rank, world)  # memory.ema: CPU shadow, updated after each step
     device = engine.device
     start = 0
-    if resume:
-        _, client = engine.load_checkpoint(checkpoint_dir(resume))
+    if run.resume_tag:
+        _, client = engine.load_checkpoint(run.resume_ckpt, tag=run.resume_tag)
         start = int(client.get("data_step", engine.dsv3.state.optimizer_steps))
+        if "telemetry" in client:  # running totals (MaxVio_global): metrics continue as if uninterrupted
+            telemetry.load_state_dict(client["telemetry"])
         if ema is not None:
-            ema.load_state_dict(torch.load(_ema_path(checkpoint_dir(resume), None, rank), weights_only=True))
+            ema.load_state_dict(torch.load(_ema_path(run.resume_ckpt, run.resume_tag, rank), weights_only=True))
     data = MarkovData(cfg.model.vocab_size, cfg.train.seq_len, seed=cfg.train.seed)
     mbs, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    run.start_metrics(start)
 
-    metrics_path = ckpt = None
-    if rank == 0 and out:
-        os.makedirs(out, exist_ok=True)
-        metrics_path = os.path.join(out, "metrics.jsonl")
-        same_dir = resume and os.path.abspath(checkpoint_dir(resume)) == os.path.abspath(os.path.join(out, "ckpt"))
-        # A fresh run (or a resume into a new dir) starts a new file; a resume into the same dir keeps the
-        # lines up to the checkpoint's step (drops those of an interrupted run past it).
-        _rewrite_metrics(metrics_path, keep_until=start if same_dir else 0)
-    if out:
-        ckpt = os.path.join(out, "ckpt")
-
-    bar = None
-    if progress and rank == 0:
-        from tqdm import tqdm
-        bar = tqdm(total=total, initial=start, desc="dsv3 train", unit="step", file=sys.stderr, dynamic_ncols=True)
+    bar = _bar(progress and rank == 0, total, start, "dsv3 train")
     history: list[dict] = []
     engine.train()
+    t_run = time.perf_counter()
     for step in range(start, total):
         t0 = time.perf_counter()
         sums_4 = torch.zeros(4, dtype=torch.float64)  # loss, lm, mtp, balance summed over micro-batches
@@ -273,21 +244,46 @@ def train(ds_config: "str | os.PathLike | dict | None" = None, *, steps: int | N
         history.append(rec)
         done = step + 1
         if rank == 0:
-            _log_step(rec, done, total, cfg.train.log_every, echo, metrics_path, bar)
-        if save and ckpt and ((cfg.train.save_every and done % cfg.train.save_every == 0) or done == total):
-            engine.save_checkpoint(ckpt, tag=f"step{done}", client_state={"data_step": done})
+            _log_step(rec, done, total, cfg.train.log_every, echo, run.metrics_path, bar)
+        if run.ckpt and ((cfg.train.save_every and done % cfg.train.save_every == 0) or done == total):
+            tag = f"step{done}"
+            engine.save_checkpoint(run.ckpt, tag=tag,
+                                   client_state={"data_step": done, "telemetry": telemetry.state_dict()})
             if ema is not None:  # each rank its own shard (DeepSpeed's client_state is written by rank 0 only)
-                _atomic_save(ema.state_dict(), _ema_path(ckpt, f"step{done}", rank))
+                _atomic_save(ema.state_dict(), _ema_path(run.ckpt, tag, rank))
+            run.saved(tag, done)
+    wall = time.perf_counter() - t_run
     if bar is not None:
         bar.close()
     if ema is not None:
         ema.close()
     engine.dsv3.remove()
-    return _finish(model, history, rank, world, out, metrics_path, ckpt if save else None, echo)
+    return _finish(model, history, run, world, wall, data.entropy_rate, echo, summary)
 
 
-def _train_pipelined(model, ds: dict, cfg, total: int, rank: int, world: int, *, out, resume, progress, echo,
-                     save) -> dict:
+def _drop_startup_warning() -> None:
+    """WarmupLR's constructor asks itself for a learning rate before step 0 and logs a warning about it, once per
+    rank and run; the schedule is right (the first step uses warmup_min_lr). Drop only that record."""
+    import logging
+
+    from deepspeed.utils import logger
+    msg = "Attempting to get learning rate from scheduler before it has started"
+    if not any(getattr(f, "dsv3_msg", None) == msg for f in logger.filters):
+        f = logging.Filter()
+        f.dsv3_msg = msg
+        f.filter = lambda record: not str(record.msg).startswith(msg)
+        logger.addFilter(f)
+
+
+def _bar(show: bool, total: int, start: int, desc: str):
+    if not show:
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total, initial=start, desc=desc, unit="step", file=sys.stderr, dynamic_ncols=True)
+
+
+def _train_pipelined(model, run: RunDir, ds: dict, cfg, total: int, rank: int, world: int, *, progress, echo,
+                     summary) -> dict:
     """`"parallel": {"pp": P > 1, "schedule": ...}`: pipelines of P consecutive ranks, ZeRO-1 over the
     data-parallel group (`dsv3_plugin.deepspeed.pipeline.PipelinedEngine`); one pipeline step over the JSON's
     gradient_accumulation_steps micro-batches per optimizer step; the data of a step belongs to the
@@ -295,25 +291,16 @@ def _train_pipelined(model, ds: dict, cfg, total: int, rank: int, world: int, *,
     from .config import ConfigError
     from .data import MarkovData
     from .deepspeed.pipeline import PipelinedEngine
-    if resume:
+    if run.resume_tag:
         raise ConfigError("dsv3.parallel.pp: --resume with pipeline parallelism is not supported yet")
     pe = PipelinedEngine(model, ds, cfg)
     data = MarkovData(cfg.model.vocab_size, cfg.train.seq_len, seed=cfg.train.seed)
     mbs, gas, g = pe.micro_batch, pe.gas, pe.g
-    metrics_path = ckpt = None
-    if rank == 0 and out:
-        os.makedirs(out, exist_ok=True)
-        metrics_path = os.path.join(out, "metrics.jsonl")
-        _rewrite_metrics(metrics_path, keep_until=0)
-    if out:
-        ckpt = os.path.join(out, "ckpt")
-    bar = None
-    if progress and rank == 0:
-        from tqdm import tqdm
-        bar = tqdm(total=total, desc=f"dsv3 train (pp={g.pp}, {cfg.parallel.schedule})", unit="step",
-                   file=sys.stderr, dynamic_ncols=True)
+    run.start_metrics(0)
+    bar = _bar(progress and rank == 0, total, 0, f"dsv3 train (pp={g.pp}, {cfg.parallel.schedule})")
     history: list[dict] = []
     tokens_seen = 0
+    t_run = time.perf_counter()
     for step in range(total):
         t0 = time.perf_counter()
         parts = [data.batch(step, micro, g.dp_rank, mbs) for micro in range(gas)]
@@ -335,17 +322,20 @@ def _train_pipelined(model, ds: dict, cfg, total: int, rank: int, world: int, *,
         history.append(rec)
         done = step + 1
         if rank == 0:
-            _log_step(rec, done, total, cfg.train.log_every, echo, metrics_path, bar)
-        if save and ckpt and ((cfg.train.save_every and done % cfg.train.save_every == 0) or done == total):
-            pe.engine.save_checkpoint(ckpt, tag=f"step{done}", client_state={"data_step": done,
-                                                                           "tokens_seen": tokens_seen})
+            _log_step(rec, done, total, cfg.train.log_every, echo, run.metrics_path, bar)
+        if run.ckpt and ((cfg.train.save_every and done % cfg.train.save_every == 0) or done == total):
+            pe.engine.save_checkpoint(run.ckpt, tag=f"step{done}", client_state={"data_step": done,
+                                                                               "tokens_seen": tokens_seen})
+            run.saved(f"step{done}", done)
+    wall = time.perf_counter() - t_run
     if bar is not None:
         bar.close()
-    return _finish(pe.module, history, rank, world, out, metrics_path, ckpt if save else None, echo)
+    return _finish(pe.module, history, run, world, wall, data.entropy_rate, echo, summary)
 
 
 def _log_step(rec: dict, done: int, total: int, log_every: int, echo: bool, metrics_path, bar) -> None:
-    """Rank 0: one JSON line every `dsv3.train.log_every` steps (and the last) to stdout and metrics.jsonl."""
+    """Rank 0: one JSON line every `dsv3.train.log_every` steps (and the last) to metrics.jsonl (flushed per line,
+    so a crash tears at most the last line) and, with `echo`, to stdout."""
     if done % log_every == 0 or done == total:
         line = json.dumps(rec)
         if echo:
@@ -358,34 +348,103 @@ def _log_step(rec: dict, done: int, total: int, log_every: int, echo: bool, metr
         bar.update(1)
 
 
-def _finish(model, history: list[dict], rank: int, world: int, out, metrics_path, ckpt, echo: bool) -> dict:
-    """End of a run (both loops): summary line, loss PNG, and final-state fingerprints (plain Python values,
-    so they can cross process boundaries)."""
-    summary = _summary(history, world, out, ckpt)
-    if rank == 0 and out and metrics_path:
-        with open(metrics_path) as f:
-            rows = [json.loads(x) for x in f if x.strip()]
+def _finish(model, history: list[dict], run: RunDir, world: int, wall_s: float, loss_floor: float, echo: bool,
+            summary: bool) -> dict:
+    """End of a run (both loops): PNGs, summary (JSON with `echo`, human with `summary`), and final-state
+    fingerprints (plain Python values, so they can cross process boundaries)."""
+    out = run.out
+    files = []
+    if run.rank == 0 and out and run.metrics_path:
+        from .telemetry import read_metrics
+        rows = read_metrics(run.metrics_path)
+        files.append(run.metrics_path)
         if rows:
             _write_png(rows, os.path.join(out, "train.png"))
-    if rank == 0 and echo:
-        print(summary["line"], flush=True)
+            files.append(os.path.join(out, "train.png"))
+            if any(r.get("moe_layers") for r in rows):  # routing telemetry (the pipelined loop has none yet)
+                from .cli.plot_routing import plot_routing
+                files.append(plot_routing([out], os.path.join(out, "routing.png")))
+    if run.ckpt and history:
+        files.append(os.path.join(run.ckpt, f"step{history[-1]['step']}"))
+    summ = _summary(history, world, wall_s, loss_floor, files)
+    if run.rank == 0:
+        if echo:
+            print(json.dumps({"summary": {k: v for k, v in summ.items() if k != "text"}}), flush=True)
+        if summary:
+            print(summ["text"], file=sys.stderr if echo else sys.stdout, flush=True)
     with torch.no_grad():
         biases = {n: b.tolist() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")}
         checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
-    return {"history": history, "summary": summary, "router_bias": biases, "param_checksum": checksum}
+    return {"history": history, "summary": summ, "router_bias": biases, "param_checksum": checksum,
+            "notes": list(run.notes)}
 
 
-def _summary(history: list[dict], world: int, out: str | None, ckpt: str | None) -> dict:
+def window_maxvio(rows: list[dict]) -> float | None:
+    """MaxVio_global over a window of steps: per MoE layer, max/mean − 1 of the expert loads summed over `rows`
+    (the same definition as the running `maxvio_global`, over a fixed number of steps), averaged over layers."""
+    from .balancing import maxvio
+    rows = [r for r in rows if r.get("moe_layers")]
+    if not rows:
+        return None
+    vals = []
+    for name in rows[0]["moe_layers"]:
+        loads_E = torch.tensor([r["moe_layers"][name]["loads"] for r in rows], dtype=torch.float64).sum(0)
+        vals.append(maxvio(loads_E))
+    return sum(vals) / len(vals)
+
+
+def _summary(history: list[dict], world: int, wall_s: float, loss_floor: float, files: list[str]) -> dict:
     if not history:
-        return {"steps": 0, "line": "dsv3 train: nothing to do (already at the requested step)"}
+        text = "dsv3 train: nothing to do (already at the requested step)"
+        return {"steps": 0, "line": text, "text": text}
     first, last = history[0], history[-1]
-    tail = history[-min(10, len(history)):]
+    n = len(history)
+    k = max(1, min(10, n // 2))                     # window: up to 10 steps at each end, never overlapping
+    head, tail = history[:k], history[-k:]
     tps = sum(r["tokens_per_s"] for r in tail) / len(tail)
-    line = (f"dsv3 train: steps {first['step']}-{last['step']} on {world} rank(s): loss {first['loss']:.3f} -> "
-            f"{last['loss']:.3f}, maxvio {first['maxvio']:.3f} -> {last['maxvio']:.3f}, "
-            f"{tps:,.0f} tokens/s" + (f", checkpoint {ckpt}" if ckpt else "") +
-            (f", metrics {os.path.join(out, 'metrics.jsonl')}" if out else ""))
+    mv_first, mv_last = window_maxvio(head), window_maxvio(tail)
+    dropped = [r.get("tokens_dropped") for r in history if r.get("tokens_dropped") is not None]
+    line = (f"dsv3 train: steps {first['step']}-{last['step']} on {world} rank(s) in {wall_s:.1f} s "
+            f"({tps:,.0f} tokens/s)")
+    lines = [line,
+             f"  loss           {first['loss']:.3f} -> {last['loss']:.3f}   (LM {first['lm_loss']:.3f} -> "
+             f"{last['lm_loss']:.3f}; the data's floor is {loss_floor:.2f})"]
+    if mv_first is not None and n > 1:
+        s0, s1 = (f"steps {w[0]['step']}-{w[-1]['step']}" if k > 1 else f"step {w[0]['step']}" for w in (head, tail))
+        lines.append(f"  MaxVio_global  {mv_first:.3f} over {s0} -> {mv_last:.3f} over {s1}   "
+                     f"(max expert load / mean - 1; 0 = balanced)")
+        lines.append(f"                 {last['maxvio_global']:.3f} over the whole run; per-step batches "
+                     f"(MaxVio_batch) {first['maxvio_batch']:.3f} -> {last['maxvio_batch']:.3f}")
+    else:
+        lines.append(f"  MaxVio         {first['maxvio']:.3f} -> {last['maxvio']:.3f}   "
+                     f"(per step, mean over MoE layers; 0 = balanced)")
+    if dropped:
+        lines.append(f"  tokens dropped {sum(dropped)}")
+    if files:
+        lines.append("  wrote " + ", ".join(files))
     ok = all(math.isfinite(r["loss"]) for r in history)
-    return {"steps": len(history), "first_loss": first["loss"], "last_loss": last["loss"],
-            "first_maxvio": first["maxvio"], "last_maxvio": last["maxvio"], "tokens_per_s": tps,
-            "finite": ok, "line": line}
+    return {"steps": n, "first_step": first["step"], "last_step": last["step"], "wall_s": wall_s,
+            "first_loss": first["loss"], "last_loss": last["loss"], "first_maxvio": first["maxvio"],
+            "last_maxvio": last["maxvio"], "window": k, "maxvio_global_first_window": mv_first,
+            "maxvio_global_last_window": mv_last, "maxvio_global_run": last.get("maxvio_global"),
+            "tokens_dropped": sum(dropped) if dropped else None, "tokens_per_s": tps, "finite": ok,
+            "files": files, "line": line, "text": "\n".join(lines)}
+
+
+def _write_png(rows: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    steps = [r["step"] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    a.plot(steps, [r["loss"] for r in rows], label="loss")
+    a.plot(steps, [r["lm_loss"] for r in rows], label="lm_loss")
+    a.plot(steps, [r["mtp_loss"] for r in rows], label="mtp_loss")
+    a.set_xlabel("step"), a.set_ylabel("nats"), a.legend(), a.set_title("losses")
+    b.plot(steps, [r["maxvio"] for r in rows], color="C3")
+    b.set_xlabel("step"), b.set_ylabel("MaxVio (mean over MoE layers)"), b.set_title("expert load imbalance")
+    fig.tight_layout()
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, path)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dsv3_plugin.distributed import spawn
 
-__all__ = ["run_ranks", "hf_config", "make_tiny_hf_checkpoint"]
+__all__ = ["run_ranks", "hf_config", "make_tiny_hf_checkpoint", "make_truncated_checkpoint"]
 
 
 def run_ranks(fn, nproc: int, *args, timeout_s: float = 300.0):
@@ -103,3 +103,17 @@ def make_tiny_hf_checkpoint(path, cfg, seed: int = 0, bias_scale: float = 0.05, 
     with open(cfg_path, "w") as f:
         json.dump(c, f, indent=2)
     return hf
+
+
+def make_truncated_checkpoint(ck):
+    """A released-format checkpoint in 3+ shards, the first one cut short by 66 bytes -> (dir, shard name)."""
+    import os
+
+    from dsv3_plugin.config import load_config
+    make_tiny_hf_checkpoint(ck, load_config({"preset": "tiny"}), seed=1, shard_bytes=300_000)
+    shards = sorted(f for f in os.listdir(ck) if f.endswith(".safetensors"))
+    assert len(shards) >= 3
+    path = os.path.join(ck, shards[0])
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 66)
+    return ck, shards[0]

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
+import re
 import sys
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "strip_launcher_args"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,10 +27,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_LOCAL_RANK = re.compile(r"^--local[-_]rank(?:=(\d+))?$")
+
+
+def strip_launcher_args(argv: list[str]) -> list[str]:
+    """Drop the `--local_rank=N` / `--local-rank N` that launchers insert (the deepspeed launcher puts it right
+    after the script, i.e. before the sub-command; torch.distributed.launch does the same) from anywhere in
+    `argv`, exporting it as LOCAL_RANK if the launcher did not (it normally does)."""
+    out, i = [], 0
+    while i < len(argv):
+        m = _LOCAL_RANK.match(argv[i])
+        if m is None:
+            out.append(argv[i])
+            i += 1
+            continue
+        value = m.group(1)
+        if value is None and i + 1 < len(argv) and argv[i + 1].isdigit():
+            value, i = argv[i + 1], i + 1
+        if value is not None:
+            os.environ.setdefault("LOCAL_RANK", value)
+        i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = strip_launcher_args(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("dsv3: interrupted", file=sys.stderr)
+        return 130
     except ValueError as e:  # ConfigError, CheckpointError: bad input, message names the key/tensor
         from ..config import ConfigError
         from ..errors import CheckpointError

@@ -73,7 +73,8 @@ def plot_routing(run_dirs: list[str], out: str | None = None, layer: str | None 
     b.set_xlabel("step"), b.set_ylabel("MaxVio (mean over MoE layers)"), b.set_title("load imbalance")
     b.legend(fontsize=7)
     fig.tight_layout()
-    out = out or os.path.join(first_dir, "routing.png")
+    out = out or os.path.join(run_dirs[0] if os.path.isdir(run_dirs[0]) else os.path.dirname(run_dirs[0]),
+                              "routing.png")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     tmp = out + ".tmp.png"
     fig.savefig(tmp, dpi=110)

@@ -1,16 +1,21 @@
 """`dsv3 train`: DeepSpeed ZeRO-1 training of a DeepSeek-V3 model on synthetic data (see `dsv3_plugin.train`).
 
     dsv3 train [--config FILE] [--nproc N] [--steps N] [--out DIR] [--resume DIR] [--init-from DIR]
+               [--json] [--overwrite] [--no-progress]
 
 No --config: the built-in DeepSpeed JSON (`tiny` preset; equal to examples/deepspeed/ds_config.json).
 Self-spawns N gloo/NCCL ranks with --nproc (default 2) unless launched by torchrun / the deepspeed launcher,
-in which case RANK / WORLD_SIZE / MASTER_* come from the environment. stdout: one JSON object per optimizer
-step, then a one-line summary; stderr: progress bar and logs. Exit 2 on bad config/checkpoint input.
+in which case RANK / WORLD_SIZE / MASTER_* come from the environment (the deepspeed launcher's `--local_rank=N`
+is accepted wherever it lands, see `dsv3_plugin.cli.main`).
+
+Output: a progress bar on stderr and a short summary on stdout; every step's JSON line goes to OUT/metrics.jsonl,
+and to stdout as well with --json (then stdout is JSON only: one object per logged step, then {"summary": ...};
+the human summary moves to stderr). Exit 2 on bad config/checkpoint/--out input with one `error:` line,
+whichever rank found it; 1 for other failures.
 """
 from __future__ import annotations
 
 import os
-import re
 import sys
 
 
@@ -20,44 +25,78 @@ def register(sub):
     p.add_argument("--nproc", type=int, help="ranks to self-spawn (default 2; ignored under torchrun/deepspeed)")
     p.add_argument("--steps", type=int, help="train up to this step (default dsv3.train.steps); with --resume "
                                              "it is the step to reach, not a number to add")
-    p.add_argument("--out", default="runs/train", help="metrics.jsonl, train.png and ckpt/ go here")
+    p.add_argument("--out", default="runs/train", help="metrics.jsonl, train.png, routing.png and ckpt/ go here "
+                                                       "(locked while the run lasts)")
     p.add_argument("--resume", metavar="DIR", help="a previous --out dir (or its ckpt/ dir) to continue from")
     p.add_argument("--init-from", metavar="DIR", help="released-format HF checkpoint dir to start from")
+    p.add_argument("--json", action="store_true", help="also print every JSON line and a JSON summary on stdout")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start over in an --out that holds a previous run (deletes its metrics and checkpoints)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar on stderr")
     p.set_defaults(func=run)
 
 
-def _worker(config, steps, out, resume, init_from, progress):
+def _worker(config, steps, out, resume, init_from, progress, echo, overwrite):
     from ..train import train
-    train(config, steps=steps, out=out, resume=resume, init_from=init_from, progress=progress)
+    train(config, steps=steps, out=out, resume=resume, init_from=init_from, progress=progress, echo=echo,
+          summary=True, overwrite=overwrite)
 
 
-_INPUT_ERROR = re.compile(r"^(ConfigError|CheckpointError): (.*)$", re.M)
+def _precheck(args):
+    """What can be refused before any rank starts (fast; the ranks check again under the run-dir lock)."""
+    from .. import run_dir as rd
+    from ..train import _prepare
+    _, cfg, _ = _prepare(args.config, args.steps, args.init_from)
+    if args.out:
+        rd.check_out_path(args.out)
+        rd.probe_lock(args.out)
+    if args.resume:
+        rd.resume_source(args.resume, cfg)
+    same_dir = bool(args.resume and args.out) and (
+        os.path.realpath(rd.checkpoint_dir(args.resume)) == os.path.realpath(os.path.join(args.out, "ckpt")))
+    prev = rd.previous_run(args.out) if args.out and not same_dir else None
+    if prev and not args.overwrite:
+        from ..config import ConfigError
+        raise ConfigError(f"--out {args.out}: holds a previous run ({prev}); continue it with --resume "
+                          f"{args.out}, replace it with --overwrite, or pick another --out")
 
 
 def run(args) -> int:
     from ..distributed import launched_externally, spawn
-    from ..errors import CheckpointError
-    from ..train import _prepare, checkpoint_dir
+    wargs = (args.config, args.steps, args.out, args.resume, args.init_from, not args.no_progress, args.json,
+             args.overwrite)
+    if launched_externally():
+        return _run_launched(wargs)
     if args.nproc is not None and args.nproc < 1:
         print(f"error: --nproc: must be >= 1 (got {args.nproc})", file=sys.stderr)
         return 2
-    _prepare(args.config, args.steps, args.init_from)  # bad input -> ConfigError/CheckpointError -> exit 2
-    if args.resume:
-        ck = checkpoint_dir(args.resume)
-        if not os.path.isfile(os.path.join(ck, "latest")):
-            raise CheckpointError(f"{args.resume}: no DeepSpeed checkpoint here (no 'latest' in it or in ckpt/)")
-    wargs = (args.config, args.steps, args.out, args.resume, args.init_from, not args.no_progress)
-    if launched_externally():
-        _worker(*wargs)
-        return 0
+    _precheck(args)  # bad input -> ConfigError/CheckpointError -> exit 2 (dsv3_plugin.cli.main)
     try:
         spawn(_worker, args.nproc or 2, *wargs, timeout_s=24 * 3600.0)
-    except RuntimeError as e:
-        m = _INPUT_ERROR.search(str(e))
-        if m:  # a rank rejected its input (e.g. checkpoint tensors): same exit code as in-process checks
-            print(f"error: {m.group(2)}", file=sys.stderr)
-            return 2
+    except RuntimeError as e:  # input errors come back as ConfigError/CheckpointError (exit 2 in main)
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _run_launched(wargs) -> int:
+    """One rank of a torchrun / deepspeed-launcher job. Every rank may hit the same bad input; the first to fail
+    reports it (one `error:` line, or one traceback for a bug) and the others exit without a word — the
+    launcher stops the job on the first non-zero exit."""
+    import traceback
+
+    from ..distributed import _is_input_error, first_failure, init_distributed
+    try:
+        init_distributed()
+        _worker(*wargs)
+        return 0
+    except KeyboardInterrupt:
+        code, msg = 130, None
+    except Exception as e:
+        code = 2 if _is_input_error(e) else 1
+        msg = f"error: {e}" if code == 2 else traceback.format_exc()
+    first, code = first_failure(code)
+    if first and msg:
+        print(msg, file=sys.stderr, end="" if msg.endswith("\n") else "\n")
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(code)  # no interpreter teardown: a process group with a dead peer can block it

@@ -61,7 +61,7 @@ def main() -> int:
     dsv3("convert", fp8, meg, "--to", "megatron", "--pp", "2", "--ep", "2")
     r = dsv3("train", "--config", os.path.join(REPO, "examples", "deepspeed", "ds_config.json"),
              "--init-from", bf16, "--nproc", "2", "--steps", str(args.steps), "--out", os.path.join(args.out, "train"),
-             "--no-progress")
+             "--json", "--no-progress")
     lines = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     steps = [line for line in lines if "step" in line]
     print(json.dumps({"steps": len(steps), "first_loss": steps[0]["loss"], "last_loss": steps[-1]["loss"],

@@ -88,16 +88,19 @@ def test_train_cli_spawned_then_resumed_under_torchrun(tmp_path):
     out = str(tmp_path / "run")
 
     p = subprocess.run([sys.executable, "-m", "dsv3_plugin", "train", "--config", cfg, "--nproc", "2", "--steps", "3",
-                        "--out", out, "--init-from", ck], capture_output=True, text=True, env=_env(), timeout=600)
+                        "--out", out, "--init-from", ck, "--json"], capture_output=True, text=True, env=_env(),
+                       timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
-    lines = p.stdout.strip().splitlines()
-    rows = [json.loads(x) for x in lines[:-1]]
+    lines = [json.loads(x) for x in p.stdout.strip().splitlines()]  # --json: stdout is JSON only
+    rows, summary = lines[:-1], lines[-1]["summary"]
     assert [r["step"] for r in rows] == [1, 2, 3] and all(KEYS <= set(r) for r in rows)
-    assert lines[-1].startswith("dsv3 train: steps 1-3 on 2 rank(s)")
-    assert "dsv3 train" in p.stderr  # tqdm bar
+    assert summary["line"].startswith("dsv3 train: steps 1-3 on 2 rank(s)") and summary["last_loss"] == rows[-1]["loss"]
+    assert "dsv3 train: steps 1-3 on 2 rank(s)" in p.stderr  # the human summary moves to stderr with --json
+    assert "dsv3 train:" in p.stderr and "step/s" in p.stderr  # tqdm bar
     with open(os.path.join(out, "metrics.jsonl")) as f:
         assert [json.loads(x) for x in f] == rows
     assert os.path.getsize(os.path.join(out, "train.png")) > 1000
+    assert os.path.getsize(os.path.join(out, "routing.png")) > 1000
     assert os.path.isfile(os.path.join(out, "ckpt", "latest"))
     # the weights really came from the checkpoint: step 1's LM loss is the loaded model's
     assert rows[0]["lm_loss"] == pytest.approx(_reference_first_lm_loss(ck, 16, 5, 2), abs=1e-5)
@@ -108,11 +111,35 @@ def test_train_cli_spawned_then_resumed_under_torchrun(tmp_path):
                                                                                      "log_every": 2}))
     t = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                         "-m", "dsv3_plugin", "train", "--config", cfg2, "--steps", "6", "--out", out,
-                        "--resume", out, "--init-from", ck, "--no-progress"],
+                        "--resume", out, "--init-from", ck, "--no-progress", "--json"],
                        capture_output=True, text=True, env=_env(), timeout=600)
     assert t.returncode == 0, t.stderr[-3000:]
-    more = [json.loads(x) for x in t.stdout.strip().splitlines() if x.startswith("{")]
-    assert [r["step"] for r in more] == [4, 6] and more[0]["tokens_seen"] == 4 * 64
-    assert t.stdout.strip().splitlines()[-1].startswith("dsv3 train: steps 4-6 on 2 rank(s)")
+    more = [json.loads(x) for x in t.stdout.strip().splitlines()]
+    assert [r["step"] for r in more[:-1]] == [4, 6] and more[0]["tokens_seen"] == 4 * 64
+    assert more[-1]["summary"]["line"].startswith("dsv3 train: steps 4-6 on 2 rank(s)")
     with open(os.path.join(out, "metrics.jsonl")) as f:
         assert [json.loads(x)["step"] for x in f] == [1, 2, 3, 4, 6]
+
+
+def test_terminal_output_is_a_bar_and_a_short_summary(tmp_path):
+    """Without --json: stdout is a short human summary (no JSON), stderr the bar; the JSON lines are all in
+    metrics.jsonl, and the summary's MaxVio_global figures are those of the loads in it; routing.png is written."""
+    from dsv3_plugin.train import window_maxvio
+    cfg = _write(tmp_path / "c.json", _ds(moe={"bias_update_speed": 0.01}))
+    out = str(tmp_path / "run")
+    p = subprocess.run([sys.executable, "-m", "dsv3_plugin", "train", "--config", cfg, "--nproc", "2", "--steps",
+                        "12", "--out", out], capture_output=True, text=True, env=_env(), timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    shown = p.stdout.splitlines()
+    assert 3 <= len(shown) <= 10 and not any(x.lstrip().startswith("{") for x in shown), p.stdout
+    assert len(p.stdout.splitlines()) + len(p.stderr.splitlines()) <= 40, p.stdout + p.stderr
+    assert shown[0].startswith("dsv3 train: steps 1-12 on 2 rank(s)")
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        rows = [json.loads(x) for x in f]
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    first, last = window_maxvio(rows[:6]), window_maxvio(rows[6:])
+    assert f"MaxVio_global  {first:.3f} over steps 1-6 -> {last:.3f} over steps 7-12" in p.stdout
+    assert f"{rows[-1]['maxvio_global']:.3f} over the whole run" in p.stdout
+    with open(os.path.join(out, "routing.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert main(["check-config", os.path.join(ROOT, "examples", "deepspeed", "demo.json")]) == 0

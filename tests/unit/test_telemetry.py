@@ -72,3 +72,26 @@ def test_plot_routing_png(tmp_path, capsys):
     with pytest.raises(ConfigError, match="--layer"):
         from dsv3_plugin.cli.plot_routing import plot_routing
         plot_routing([str(tmp_path / "on")], str(out), layer="nope")
+    # default output: FIRST_RUN_DIR/routing.png
+    assert cli_main(["plot-routing", str(tmp_path / "on")]) == 0
+    assert (tmp_path / "on" / "routing.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_running_totals_survive_a_state_dict_round_trip():
+    """What a checkpoint carries: a fresh telemetry loaded from step 2's state records step 3 as the original."""
+    model, cfg = _model()
+    tel = RoutingTelemetry(model, warmup_steps=1)
+    batches = [torch.randint(0, cfg.model.vocab_size, (2, 8), generator=torch.Generator().manual_seed(s))
+               for s in range(3)]
+    for ids in batches[:2]:
+        model(ids)
+        tel.record(update_expert_bias(model, 0.0))
+    state = json.loads(json.dumps(tel.state_dict()))  # plain values
+    model(batches[2])
+    stats = update_expert_bias(model, 0.0)
+    fresh = RoutingTelemetry(model)
+    fresh.load_state_dict(state)
+    assert fresh.record(stats) == tel.record(stats)
+    assert RoutingTelemetry(model).record(stats) != tel.record(stats)  # without the state the totals differ
+    with pytest.raises(ValueError, match="saved for routers"):
+        RoutingTelemetry(model).load_state_dict({**state, "router_names": ["x"]})
