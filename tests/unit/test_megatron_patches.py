@@ -35,7 +35,7 @@ def test_importing_the_package_does_not_import_megatron():
 def test_importing_the_plugin_changes_nothing():
     before = _megatron_state()
     import dsv3_plugin.megatron as plugin
-    for mod in ("spec", "moe", "attention", "config", "gpt", "weights", "runtime"):
+    for mod in ("spec", "moe", "attention", "config", "gpt", "weights", "runtime", "pretrain_gpt"):
         importlib.import_module(f"dsv3_plugin.megatron.{mod}")
     plugin.get_layer_spec(False)
     assert _megatron_state() == before
