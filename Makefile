@@ -44,10 +44,13 @@ $(STAMP19): pyproject.toml requirements-mcore19.txt
 demo: venv
 	$(VENV)/bin/dsv3 train --nproc 2 --steps 30 --out runs/demo
 
-# Two pytest runs: everything on .venv (megatron-core 0.16.1), then the Megatron tests on .venv-mcore19 (0.19.x).
+# Two pytest runs: everything on .venv (megatron-core 0.16.1), then the Megatron tests on .venv-mcore19 (0.19.x);
+# the second runs even when the first fails, and `make test` fails if either did.
 test: venv venv-mcore19
-	$(PY) -m pytest tests
-	$(PY19) -m pytest $(MEGATRON_TESTS)
+	rc=0; $(PY) -m pytest tests || rc=$$?; \
+	echo "== Megatron tests on megatron-core 0.19 ($(VENV19)) =="; \
+	$(PY19) -m pytest $(MEGATRON_TESTS) || rc=$$?; \
+	exit $$rc
 
 test-mcore19: venv-mcore19
 	$(PY19) -m pytest $(MEGATRON_TESTS)
