@@ -40,7 +40,7 @@ import torch
 from ..config import ConfigError, DSv3Config, load_config
 from .gpt import OUR_SPEC, add_dsv3_args, gpt_builder
 
-__all__ = ["main", "parse_megatron_args", "reconcile_args", "dsv3_arg_values", "model_provider", "forward_step",
+__all__ = ["main", "parse_megatron_args", "set_megatron_globals", "reconcile_args", "dsv3_arg_values", "model_provider", "forward_step",
            "train_valid_test_datasets_provider", "MIN_MEGATRON_CORE", "MEGATRON_MOE_ONLY_FLAGS"]
 
 MIN_MEGATRON_CORE = (0, 19)
@@ -272,13 +272,19 @@ def parse_megatron_args(argv: list[str], world_size: Optional[int] = None, on_cp
         notes += adapt_to_cpu(args, parser, explicit)
     margs.validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
     if set_globals:
-        from megatron.training.global_vars import set_global_variables
-        set_global_variables(args)
-        vocab = getattr(args, "padded_vocab_size", None)
-        if vocab is not None and vocab < cfg.model.vocab_size:
-            raise ConfigError(f"tokenizer vocabulary (padded: {vocab}) is smaller than {args.dsv3_config} "
-                              f"dsv3.model.vocab_size = {cfg.model.vocab_size}")
+        set_megatron_globals(args)
     return args, notes
+
+
+def set_megatron_globals(args) -> None:
+    """Megatron's global args, tokenizer (-> padded vocabulary), timers; the tokenizer must cover the model."""
+    from megatron.training.global_vars import set_global_variables
+    set_global_variables(args)
+    cfg = load_config(args.dsv3_config)
+    vocab = getattr(args, "padded_vocab_size", None)
+    if vocab is not None and vocab < cfg.model.vocab_size:
+        raise ConfigError(f"tokenizer vocabulary (padded: {vocab}) is smaller than {args.dsv3_config} "
+                          f"dsv3.model.vocab_size = {cfg.model.vocab_size}")
 
 
 # --- what Megatron-LM's pretrain_gpt.py provides to pretrain() --------------------------------------------------
@@ -405,28 +411,35 @@ def _patches():
 
 
 def run(argv: list[str]) -> int:
-    """One rank of the training run (launched by torchrun, or by `--nproc`)."""
+    """One rank of the training run (launched by torchrun, or by `--nproc`). Bad flags fail before anything is
+    patched; the patches applied here are reverted on the way out (an in-process call leaves Megatron as it was)."""
     _require_megatron_training()
     megatron_cpu, training_cpu, dataset_helpers = _patches()
     on_cpu = not torch.cuda.is_available()
-    dataset_helpers.apply()
-    if on_cpu:
-        megatron_cpu.apply()
-        training_cpu.apply()
-    args, notes = parse_megatron_args(argv, on_cpu=on_cpu)
-    if args.rank == 0:
-        for n in notes:
-            print(f"dsv3_plugin: {n}", flush=True)
-    from megatron.core.enums import ModelType
-    from megatron.training import pretrain
-    from megatron.training.argument_utils import pretrain_cfg_container_from_args
-    cfg_container = pretrain_cfg_container_from_args(args, None)
-    import contextlib
-    metrics = _MetricsRecorder(args.dsv3_metrics) if args.dsv3_metrics else contextlib.nullcontext()
-    loop = training_cpu.cuda_literals_on_cpu() if on_cpu else contextlib.nullcontext()
-    with metrics, loop:
-        pretrain(cfg_container, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step,
-                 model_provider=model_provider)
+    args, notes = parse_megatron_args(argv, on_cpu=on_cpu, set_globals=False)
+    applied = []
+    try:
+        for mod, wanted in ((dataset_helpers, True), (megatron_cpu, on_cpu), (training_cpu, on_cpu)):
+            if wanted and not mod.is_applied() and mod.apply():
+                applied.append(mod)
+        set_megatron_globals(args)
+        if args.rank == 0:
+            for n in notes:
+                print(f"dsv3_plugin: {n}", flush=True)
+        import contextlib
+
+        from megatron.core.enums import ModelType
+        from megatron.training import pretrain
+        from megatron.training.argument_utils import pretrain_cfg_container_from_args
+        cfg_container = pretrain_cfg_container_from_args(args, None)
+        metrics = _MetricsRecorder(args.dsv3_metrics) if args.dsv3_metrics else contextlib.nullcontext()
+        loop = training_cpu.cuda_literals_on_cpu() if on_cpu else contextlib.nullcontext()
+        with metrics, loop:
+            pretrain(cfg_container, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step,
+                     model_provider=model_provider)
+    finally:
+        for mod in reversed(applied):
+            mod.revert()
     return 0
 
 
