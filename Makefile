@@ -1,4 +1,5 @@
-# The README's two commands: `make demo` and `make test`. Both create/reuse .venv in the repo root.
+# The README's two commands: `make demo` and `make test`. Both create/reuse .venv in the repo root; `make test`
+# also creates/reuses .venv-mcore19 (Python >= 3.12, megatron-core 0.19.x) and runs the Megatron tests there too.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -8,7 +9,16 @@ export DS_ACCELERATOR ?= cpu
 export OMP_NUM_THREADS ?= 2
 export PYTHONDONTWRITEBYTECODE = 1
 
-.PHONY: venv demo test clean
+# Second environment: megatron-core 0.19.x needs Python >= 3.12 (first interpreter found: python3.12/3.13 on PATH,
+# then pyenv's); override with `make PYTHON312=/path/to/python3.12`.
+PYTHON312 ?= $(firstword $(shell for p in python3.12 python3.13; do $$p -c 'import sys; assert sys.version_info >= (3, 12)' >/dev/null 2>&1 && command -v $$p; done) $(wildcard $(or $(PYENV_ROOT),$(HOME)/.pyenv)/versions/3.12*/bin/python3.12))
+VENV19  := .venv-mcore19
+PY19    := $(VENV19)/bin/python
+STAMP19 := $(VENV19)/.installed
+# The Megatron tests: every one runs on megatron-core 0.16.1 (.venv) and again on 0.19.x (.venv-mcore19).
+MEGATRON_TESTS := tests/megatron $(sort $(wildcard tests/*/test_megatron_*.py))
+
+.PHONY: venv venv-mcore19 demo test test-mcore19 clean
 
 venv: $(STAMP)
 
@@ -26,11 +36,30 @@ $(STAMP): pyproject.toml requirements.txt requirements-te-recipe.txt
 	    -r $(VENV)/te-req.txt || exit 1; done
 	touch $(STAMP)
 
+venv-mcore19: $(STAMP19)
+
+$(STAMP19): pyproject.toml requirements-mcore19.txt
+	@test -n "$(PYTHON312)" || { echo "Python >= 3.12 not found (megatron-core 0.19 needs it): make PYTHON312=/path/to/python3.12"; exit 2; }
+	test -x $(PY19) || $(PYTHON312) -m venv $(VENV19)
+	$(PY19) -m pip install -q --upgrade pip
+	$(PY19) -m pip install -q $(TORCH)
+	$(PY19) -m pip install -q -r requirements-mcore19.txt
+	$(PY19) -m pip install -q --no-deps -e .
+	touch $(STAMP19)
+
 demo: venv
 	OMP_NUM_THREADS=1 $(VENV)/bin/dsv3 train --nproc 2 --config examples/deepspeed/demo.json --out runs/demo --overwrite
 
-test: venv
-	$(PY) -m pytest tests
+# Two pytest runs: everything on .venv (megatron-core 0.16.1), then the Megatron tests on .venv-mcore19 (0.19.x);
+# the second runs even when the first fails, and `make test` fails if either did.
+test: venv venv-mcore19
+	rc=0; $(PY) -m pytest tests || rc=$$?; \
+	echo "== Megatron tests on megatron-core 0.19 ($(VENV19)) =="; \
+	$(PY19) -m pytest $(MEGATRON_TESTS) || rc=$$?; \
+	exit $$rc
+
+test-mcore19: venv-mcore19
+	$(PY19) -m pytest $(MEGATRON_TESTS)
 
 clean:
 	rm -rf runs .pytest_cache

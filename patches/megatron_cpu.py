@@ -4,7 +4,7 @@ For CI and laptop debugging only: `apply()` does nothing (returns False) when CU
 driver code runs unpatched on GPUs. Importing this module changes nothing; `apply()` / `revert()` (or the
 `cpu_shims()` context manager) switch the shims on and off, restoring the exact original objects.
 
-What is patched, and why (megatron-core 0.16.1, the only version tested):
+What is patched, and why (megatron-core 0.16.1 and 0.19.2, the versions tested):
 
 1. `torch.cuda.current_device` -> the CPU device. Megatron allocates with `device=torch.cuda.current_device()`
    in many places (YaRN RoPE buffers, the global memory buffer, MTP roll, DDP grad buffers).
@@ -21,6 +21,10 @@ What is patched, and why (megatron-core 0.16.1, the only version tested):
    import fallbacks leave `HAVE_TE = True` with `TELinear` a MagicMock, and `MLASelfAttention.__init__` then fails
    at `isinstance(self.linear_proj, TELinear)`.
 
+6. `torch.cuda.current_stream` / `Stream` / `stream` / `synchronize` -> a no-op CPU stream. Megatron-Core 0.19's
+   DDP grad sync orders its all-reduce against `torch.cuda.current_stream()` even without overlap (CPU ops are
+   synchronous, so a stream that waits for nothing is exact).
+
 Each patch refuses an untested Megatron-Core version with an error naming the version (pass `force=True` to
 try anyway).
 """
@@ -36,14 +40,15 @@ import torch
 __all__ = ["TESTED_VERSIONS", "CPURNGStatesTracker", "apply", "revert", "is_applied", "cpu_shims",
            "megatron_core_version", "check_version"]
 
-TESTED_VERSIONS = ("0.16.1",)
+TESTED_VERSIONS = ("0.16.1", "0.19.2")
 
 _saved: dict | None = None  # originals while applied
 
 
 def megatron_core_version() -> str:
     from megatron.core.package_info import __version__
-    return __version__
+    # NOTE: megatron-core appends "+<git hash>" when its install lies inside a git checkout (a venv in this repo).
+    return __version__.split("+")[0]
 
 
 def check_version(what: str, force: bool = False) -> str:
@@ -54,6 +59,11 @@ def check_version(what: str, force: bool = False) -> str:
             f"{what}: megatron-core {v} is untested (tested: {', '.join(TESTED_VERSIONS)}); refusing to patch it. "
             "Check the patched attributes against that version and add it to TESTED_VERSIONS, or pass force=True.")
     return v
+
+
+def _version_tuple(v: str) -> tuple[int, int]:
+    major, minor = v.split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
 
 
 def _cpu_current_device() -> torch.device:
@@ -95,6 +105,8 @@ _CUDA_LITERAL_SITES = (
     ("megatron.core.optimizer.clip_grads", "count_zeros_fp32"),
     ("megatron.core.optimizer.grad_scaler", "MegatronGradScaler.__init__"),
     ("megatron.core.optimizer.grad_scaler", "DynamicGradScaler.__init__"),
+    # 0.19: flag tensor all-reduced to find which ranks hold a grad-norm group
+    ("megatron.core.optimizer.optimizer", "MegatronOptimizer.has_grad_norm_group", (0, 19)),
 )
 
 
@@ -108,6 +120,54 @@ def _clip_grad_by_total_norm_fp32_cpu(parameters, max_norm, total_norm, use_deco
     if clip_coeff < 1.0:
         for g in grads:
             g.mul_(clip_coeff)
+
+
+class _CPUStream:
+    """Stands in for `torch.cuda.Stream` on CPU: every wait/record is a no-op (CPU kernels run in program order)."""
+
+    def __init__(self, device=None, priority=0, **kwargs):
+        self.device = torch.device("cpu")
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+_CURRENT_STREAM = _CPUStream()
+
+
+def _cpu_current_stream(device=None) -> _CPUStream:
+    return _CURRENT_STREAM
+
+
+@contextlib.contextmanager
+def _cpu_stream_context(stream=None):
+    yield stream
+
+
+def _cpu_synchronize(device=None) -> None:
+    pass
+
+
+# torch.cuda attributes replaced while the shims are on (name -> CPU replacement).
+_TORCH_CUDA_SITES = {
+    "current_device": _cpu_current_device,
+    "current_stream": _cpu_current_stream,
+    "Stream": _CPUStream,
+    "stream": _cpu_stream_context,
+    "synchronize": _cpu_synchronize,
+}
 
 
 def _get_device_rng_state_cpu(device="cuda", clone=False, graph_safe=False):
@@ -205,13 +265,15 @@ def apply(force: bool = False) -> bool:
     import megatron.core.transformer.multi_latent_attention as mla
 
     _saved = {
-        "current_device": torch.cuda.current_device,
+        "torch_cuda": {name: getattr(torch.cuda, name) for name in _TORCH_CUDA_SITES},
         "tracker": mrandom._CUDA_RNG_STATE_TRACKER,
         "tracker_init": mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED,
         "mla_have_te": mla.HAVE_TE,
         "sites": [],
     }
-    for module, path in _CUDA_LITERAL_SITES:
+    for module, path, *since in _CUDA_LITERAL_SITES:
+        if since and _version_tuple(megatron_core_version()) < since[0]:
+            continue
         owner, attr = _resolve(module, path)
         orig = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
         _saved["sites"].append((owner, attr, orig))
@@ -220,7 +282,8 @@ def apply(force: bool = False) -> bool:
         owner, attr = _resolve(module, path)
         _saved["sites"].append((owner, attr, getattr(owner, attr)))
         setattr(owner, attr, replacement)
-    torch.cuda.current_device = _cpu_current_device
+    for name, replacement in _TORCH_CUDA_SITES.items():
+        setattr(torch.cuda, name, replacement)
     mrandom._CUDA_RNG_STATE_TRACKER = _tracker_class()()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     mla.HAVE_TE = False
@@ -235,7 +298,8 @@ def revert() -> None:
     import megatron.core.tensor_parallel.random as mrandom
     import megatron.core.transformer.multi_latent_attention as mla
 
-    torch.cuda.current_device = _saved["current_device"]
+    for name, orig in _saved["torch_cuda"].items():
+        setattr(torch.cuda, name, orig)
     mrandom._CUDA_RNG_STATE_TRACKER = _saved["tracker"]
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = _saved["tracker_init"]
     mla.HAVE_TE = _saved["mla_have_te"]

@@ -26,7 +26,7 @@ _saved: dict | None = None
 
 def _version() -> str:
     from megatron.core.package_info import __version__
-    return __version__
+    return __version__.split("+")[0]      # without the "+<git hash>" megatron-core adds inside a git checkout
 
 
 def _schedule_of(cfg) -> str:

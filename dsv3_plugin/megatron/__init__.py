@@ -1,8 +1,10 @@
 """Megatron-Core adapter: DeepSeek-V3 layer specs (MLA + our DeepSeekMoE / MTP), config bridge, weight loading.
 
 Importing this package imports nothing from Megatron and patches nothing; the submodules import Megatron-Core
-when first used. Megatron-LM usage: `--spec dsv3_plugin.megatron layer_spec` (the attribute is created on
-first access), or `--dsv3-config ds.json` with `patches/pretrain_gpt.diff` applied. See docs/megatron.md.
+when first used. Megatron-LM usage: `python -m dsv3_plugin.megatron.pretrain_gpt <flags> --dsv3-config ds.json`
+(megatron-core >= 0.19), or Megatron-LM 0.16's `pretrain_gpt.py` with `patches/pretrain_gpt.diff` applied;
+`--spec dsv3_plugin.megatron layer_spec` names our layer spec (the attribute is created on first access).
+See docs/megatron.md.
 """
 from __future__ import annotations
 

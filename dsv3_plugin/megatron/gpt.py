@@ -1,9 +1,11 @@
 """Building a Megatron-Core `GPTModel` for a `DSv3Config`, and reading its logits (main and MTP heads).
 
 `build_gpt_model(cfg)` is the Python entry point; `gpt_builder(args, pre_process, post_process, ...)` has the
-signature of Megatron-LM's `gpt_builders.gpt_builder` and is what `patches/pretrain_gpt.diff` swaps in when
-`--dsv3-config ds.json` is given (Megatron-LM's parallel/precision flags are kept, the model shape comes from
-the dsv3 config, and a contradicting shape flag is an error naming it).
+signature of Megatron-LM's `gpt_builders.gpt_builder`: `python -m dsv3_plugin.megatron.pretrain_gpt` (megatron-core
+>= 0.19) builds its model with it, and `patches/pretrain_gpt.diff` swaps it into Megatron-LM 0.16's
+`pretrain_gpt.py` when `--dsv3-config ds.json` is given. Megatron-LM's parallel/precision flags are kept, the model
+shape comes from the dsv3 config (a contradicting shape flag is an error naming it), the layers from `--spec`,
+the vocabulary is Megatron's padded one.
 """
 from __future__ import annotations
 
@@ -14,23 +16,31 @@ import torch
 
 from ..config import ConfigError, DSv3Config, load_config
 from .config import DSv3TransformerConfig, follow_schedules, to_transformer_config
-from .spec import get_layer_spec, get_mtp_block_spec
+from .spec import get_layer_spec, get_mtp_block_spec, have_te
 
-__all__ = ["build_gpt_model", "gpt_builder", "transformer_config_from_args", "forward_logits", "causal_inputs",
+__all__ = ["build_gpt_model", "gpt_builder", "selected_layer_spec", "transformer_config_from_args", "forward_logits", "causal_inputs",
            "add_dsv3_args", "select_builder", "check_megatron_version", "TESTED_MEGATRON_LM"]
 
 
 def build_gpt_model(cfg: DSv3Config | dict | str | DSv3TransformerConfig, pre_process: bool = True,
                     post_process: bool = True, use_te: Optional[bool] = None, vp_stage: Optional[int] = None,
-                    pg_collection=None, **overrides: Any):
+                    pg_collection=None, layer_spec=None, vocab_size: Optional[int] = None, **overrides: Any):
     """A `GPTModel` with MLA + our FFNs (+ Megatron's MTP block around our layer) for `cfg`.
-    Megatron's model-parallel state must be initialized (`parallel_state.initialize_model_parallel`)."""
+
+    `layer_spec`: the decoder layer (or block) spec, default ours (`get_layer_spec(use_te)`); the MTP layers use
+    the same layer. `vocab_size`: the embedding/output rows, default the config's; Megatron-LM passes its padded
+    vocabulary (>= the config's). Megatron's model-parallel state must be initialized."""
     from megatron.core.models.gpt import GPTModel
     config = cfg if isinstance(cfg, DSv3TransformerConfig) else to_transformer_config(cfg, **overrides)
     m = config.dsv3_config.model
-    mtp_spec = get_mtp_block_spec(config, use_te) if post_process else None
+    if vocab_size is not None and vocab_size < m.vocab_size:
+        raise ConfigError(f"megatron vocabulary {vocab_size} is smaller than dsv3.model.vocab_size "
+                          f"{m.vocab_size}; the tokenizer must cover the model's vocabulary")
+    spec = get_layer_spec(use_te) if layer_spec is None else layer_spec
+    mtp_layer = spec.layer_specs[-1] if hasattr(spec, "layer_specs") else spec
+    mtp_spec = get_mtp_block_spec(config, use_te, layer_spec=mtp_layer) if post_process else None
     return GPTModel(
-        config=config, transformer_layer_spec=get_layer_spec(use_te), vocab_size=m.vocab_size,
+        config=config, transformer_layer_spec=spec, vocab_size=vocab_size or m.vocab_size,
         max_sequence_length=m.max_position_embeddings, pre_process=pre_process, post_process=post_process,
         parallel_output=True, share_embeddings_and_output_weights=m.tie_word_embeddings,
         position_embedding_type="none",  # MLA applies its own (YaRN) RoPE inside attention
@@ -72,20 +82,52 @@ def transformer_config_from_args(args, base_config=None) -> DSv3TransformerConfi
     return to_transformer_config(cfg, **keep)
 
 
-def gpt_builder(args, pre_process, post_process, vp_stage=None, config=None, pg_collection=None):
-    """Drop-in for Megatron-LM's `gpt_builders.gpt_builder` (see patches/pretrain_gpt.diff)."""
+OUR_SPEC = ("dsv3_plugin.megatron", "layer_spec")
+
+
+def selected_layer_spec(args, config, use_te: bool, vp_stage: Optional[int] = None):
+    """The layer spec Megatron-LM's `--spec MODULE NAME` names (ours when absent).
+
+    `--spec dsv3_plugin.megatron layer_spec` is ours for the `--transformer-impl` given. Any other spec is
+    imported the way Megatron does it (`import_module`); a callable (not a `ModuleSpec`) is called with the
+    config (and `vp_stage` if it takes one), as Megatron-Core 0.19's GPT builder does."""
     spec = getattr(args, "spec", None)
-    if spec and tuple(spec) != ("dsv3_plugin.megatron", "layer_spec"):
-        raise ConfigError(f"--spec {' '.join(spec)}: with --dsv3-config the layer spec is "
-                          "`dsv3_plugin.megatron layer_spec` (or leave --spec out)")
+    if not spec or tuple(spec) == OUR_SPEC:
+        return get_layer_spec(use_te)
+    import inspect
+
+    from megatron.core.transformer.spec_utils import ModuleSpec, import_module
+    try:
+        obj = import_module(tuple(spec))
+    except (ImportError, AttributeError) as e:
+        obj, why = None, f" ({e})"
+    else:
+        why = ""
+    if obj is None:   # Megatron's import_module logs the failure and returns None
+        raise ConfigError(f"--spec {' '.join(spec)}: cannot import it{why}")
+    if callable(obj) and not isinstance(obj, ModuleSpec):
+        params = inspect.signature(obj).parameters
+        obj = obj(config, vp_stage=vp_stage) if "vp_stage" in params else obj(config)
+    return obj
+
+
+def gpt_builder(args, pre_process, post_process, vp_stage=None, config=None, pg_collection=None):
+    """Drop-in for Megatron-LM's `gpt_builders.gpt_builder` (patches/pretrain_gpt.diff) and the model builder of
+    `python -m dsv3_plugin.megatron.pretrain_gpt`: the model shape from `--dsv3-config`, the layers from
+    `--spec` (ours by default), the vocabulary padded as Megatron pads it (`args.padded_vocab_size`)."""
     if not isinstance(config, DSv3TransformerConfig):
         if config is None:  # Megatron-LM's own config from its flags, for the parallel/precision fields
             from megatron.training.arguments import core_transformer_config_from_args
             config = core_transformer_config_from_args(args)
         config = transformer_config_from_args(args, config)
     use_te = getattr(args, "transformer_impl", "local") == "transformer_engine"
+    if use_te and not have_te():
+        raise ConfigError("--transformer-impl transformer_engine: Transformer Engine is not installed "
+                          "(pass --transformer-impl local)")
+    spec = selected_layer_spec(args, config, use_te, vp_stage)
     model = build_gpt_model(config, pre_process=pre_process, post_process=post_process, use_te=use_te,
-                            vp_stage=vp_stage, pg_collection=pg_collection)
+                            vp_stage=vp_stage, pg_collection=pg_collection, layer_spec=spec,
+                            vocab_size=getattr(args, "padded_vocab_size", None))
     follow_schedules(model, lambda: _megatron_lm_tokens_seen(args))
     return model
 
@@ -138,7 +180,8 @@ def check_megatron_version(what: str = "patches/pretrain_gpt.diff") -> str:
     """Refuse an untested megatron-core (set DSV3_ALLOW_UNTESTED_MEGATRON=1 to try anyway)."""
     import os
 
-    from megatron.core.package_info import __version__ as v
+    from megatron.core.package_info import __version__
+    v = __version__.split("+")[0]      # without the "+<git hash>" megatron-core adds inside a git checkout
     if v not in TESTED_MEGATRON_LM and os.environ.get("DSV3_ALLOW_UNTESTED_MEGATRON") != "1":
         raise RuntimeError(f"{what}: megatron-core {v} is untested (tested: {', '.join(TESTED_MEGATRON_LM)}); "
                            "set DSV3_ALLOW_UNTESTED_MEGATRON=1 to run it anyway")

@@ -1,10 +1,11 @@
 """Our FFNs (dense SwiGLU for the first k layers, DeepSeekMoE after, paper eq. 12) as Megatron's MLP submodule.
 
-Megatron-Core 0.16/0.17 builds a layer's MLP as `Module(config=..., **spec.params)` and afterwards calls
-`set_layer_number(n)` (integration_facts.md); it calls `mlp(hidden [s, b, h], padding_mask=...)` and expects
-`(output, bias)`. One layer spec serves every layer (that is what `--spec module name` hands to Megatron-LM), so
-`DSv3FFN` decides dense vs. MoE when it learns its layer number: layers 1..first_k_dense_replace are dense,
-later ones (and the MTP layers, numbered after the decoder's) are DeepSeekMoE.
+Megatron-Core 0.16/0.17 builds a layer's MLP as `Module(config=..., **spec.params)`, 0.18+ through a builder
+`mlp(config=, pg_collection=, is_mtp_layer=, name=)`; both then call `set_layer_number(n)`, call
+`mlp(hidden [s, b, h], padding_mask=...)` and expect `(output, bias)`. One layer spec serves every layer (that
+is what `--spec module name` hands to Megatron-LM), so `DSv3FFN` decides dense vs. MoE when it learns its layer
+number: layers 1..first_k_dense_replace are dense, later ones and the MTP layers are DeepSeekMoE (MTP layers
+are numbered after the decoder's up to 0.18, 1..D with `is_mtp_layer` from 0.19; both map to L+k here).
 
 Aux-loss-free balancing through Megatron's own hook: `MegatronRouter` is our `Router` with the attribute names
 Megatron's `finalize_model_grads` looks for — `expert_bias` (= `e_score_correction_bias`) and
@@ -86,6 +87,7 @@ class DSv3FFN(MegatronModule):
         super().__init__(config=config)
         self.cfg = dsv3_config_of(config)
         self.pg_collection = pg_collection
+        self.is_mtp_layer = bool(is_mtp_layer)
         self.layer_number: Optional[int] = None
         self.kind: Optional[str] = None
         if config.sequence_parallel or getattr(config, "context_parallel_size", 1) > 1:
@@ -95,9 +97,13 @@ class DSv3FFN(MegatronModule):
 
     def set_layer_number(self, layer_number: int) -> None:
         if self.kind is not None:
-            if layer_number != self.layer_number:
+            if layer_number + (self.cfg.model.num_hidden_layers if self.is_mtp_layer else 0) != self.layer_number:
                 raise RuntimeError(f"DSv3FFN: built for layer {self.layer_number}, renumbered to {layer_number}")
             return
+        # Megatron <= 0.18 numbers MTP layers after the decoder's (L+1..L+D); 0.19 numbers them 1..D and says
+        # `is_mtp_layer`. `layer_number` here is always the global one.
+        if self.is_mtp_layer:
+            layer_number += self.cfg.model.num_hidden_layers
         self.layer_number = layer_number
         self.kind = ffn_kind(self.cfg, layer_number)
         m = self.cfg.model

@@ -11,24 +11,60 @@
   imports a module attribute, it does not call it); `dsv3_plugin.megatron` creates it on first access.
 
 The MLP is plugged in the way Megatron-Core 0.15–0.17 builds it (`build_module(spec, config=...)`); from
-0.18 on a layer's `mlp` is a builder callable `mlp(config=, pg_collection=, is_mtp_layer=, name=)`, which
-`DSv3FFN.build` provides (written for that API from its description, not run here: only 0.16.1 is tested).
+0.18 on a layer's `mlp` is a builder callable `mlp(config=, pg_collection=, is_mtp_layer=, name=)` (the
+`MlpBuilder` protocol), which `_build_ffn` provides. Tested: 0.16.1 and 0.19.2. From 0.19 the MTP layer's inner
+layer is `mtp_model_layer` (was `transformer_layer`) and is numbered 1..D with `is_mtp_layer=True`.
 """
 from __future__ import annotations
 
 import functools
 
-from megatron.core.package_info import __version__ as MCORE_VERSION
+from megatron.core.package_info import __version__
+
+MCORE_VERSION = __version__.split("+")[0]   # megatron-core adds "+<git hash>" when installed inside a git checkout
+
+import dataclasses
+
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
 from .attention import SDPACoreAttention
 from .moe import DSv3FFN
 
-__all__ = ["get_layer_spec", "get_mtp_block_spec", "have_te", "mlp_submodule", "MCORE_VERSION"]
+
+class LatentMLASelfAttention(MLASelfAttention):
+    """Megatron's `MLASelfAttention`, told by the config whether the query has a latent (and so a q norm).
+
+    One layer spec must serve every config (`--spec module name` hands Megatron a single object); the q-latent
+    RMSNorm exists only when `q_lora_rank` is set, and Megatron-Core 0.19 rejects a q norm without it.
+    """
+
+    def __init__(self, config, submodules, *args, **kwargs):
+        if config.q_lora_rank is None and submodules.q_layernorm not in (None, IdentityOp):
+            submodules = dataclasses.replace(submodules, q_layernorm=IdentityOp)
+        super().__init__(config, submodules, *args, **kwargs)
+
+    def _resolve_qk_norm_config(self, submodules):
+        """Megatron-Core >= 0.19 only (older versions never call it). Its resolver reads `qk_layernorm` without a
+        query latent as "fuse a norm into linear_q_proj"; DeepSeek's MLA without a query latent has no query
+        norm (only the kv latent is normed), so the spec's plain linear_q_proj is kept."""
+        classes = super()._resolve_qk_norm_config(submodules)
+        if self.config.q_lora_rank is None:
+            classes["linear_q_proj"] = submodules.linear_q_proj
+        return classes
+
+__all__ = ["LatentMLASelfAttention", "get_layer_spec", "get_mtp_block_spec", "have_te", "mlp_submodule", "mtp_inner_layer_name",
+           "MCORE_VERSION", "mcore_version_tuple"]
 
 
 def _version_tuple(v: str) -> tuple[int, int]:
     major, minor = v.split(".")[:2]
     return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+def mcore_version_tuple() -> tuple[int, int]:
+    """(major, minor) of the installed megatron-core."""
+    return _version_tuple(MCORE_VERSION)
 
 
 def have_te() -> bool:
@@ -57,7 +93,7 @@ def _local_layer_spec():
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.enums import AttnMaskType
-    from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttentionSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
@@ -68,7 +104,7 @@ def _local_layer_spec():
         submodules=TransformerLayerSubmodules(
             input_layernorm=WrappedTorchNorm,
             self_attention=ModuleSpec(
-                module=MLASelfAttention,
+                module=LatentMLASelfAttention,
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=MLASelfAttentionSubmodules(
                     linear_q_proj=ColumnParallelLinear,
@@ -112,16 +148,24 @@ def get_layer_spec(use_te: bool | None = None):
     return _cached(bool(use_te))
 
 
-def get_mtp_block_spec(config, use_te: bool | None = None):
-    """Megatron's MTP block around our layer spec (None when the config has no MTP): per depth enorm, hnorm,
-    eh_proj, the layer, final_layernorm (= released `shared_head.norm`)."""
+def mtp_inner_layer_name() -> str:
+    """Attribute (and state-dict) name of the transformer layer inside Megatron's MTP layer:
+    `transformer_layer` up to 0.18, `mtp_model_layer` from 0.19 on."""
+    from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayerSubmodules
+    fields = MultiTokenPredictionLayerSubmodules.__dataclass_fields__
+    return "mtp_model_layer" if "mtp_model_layer" in fields else "transformer_layer"
+
+
+def get_mtp_block_spec(config, use_te: bool | None = None, layer_spec=None):
+    """Megatron's MTP block around `layer_spec` (default: ours; None when the config has no MTP): per depth
+    enorm, hnorm, eh_proj, the layer, final_layernorm (= released `shared_head.norm`)."""
     if not config.mtp_num_layers:
         return None
     use_te = have_te() if use_te is None else use_te
     from .mtp import DSv3MTPLayer
     if use_te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
-        block = get_gpt_mtp_block_spec(config, get_layer_spec(True), use_transformer_engine=True)
+        block = get_gpt_mtp_block_spec(config, layer_spec or get_layer_spec(True), use_transformer_engine=True)
         for layer in block.layer_specs:
             layer.module = DSv3MTPLayer
         return block
@@ -132,5 +176,5 @@ def get_mtp_block_spec(config, use_te: bool | None = None):
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     layer = ModuleSpec(module=DSv3MTPLayer, submodules=MultiTokenPredictionLayerSubmodules(
         enorm=WrappedTorchNorm, hnorm=WrappedTorchNorm, eh_proj=ColumnParallelLinear,
-        transformer_layer=get_layer_spec(False), layer_norm=WrappedTorchNorm))
+        layer_norm=WrappedTorchNorm, **{mtp_inner_layer_name(): layer_spec or get_layer_spec(False)}))
     return MultiTokenPredictionBlockSubmodules(layer_specs=[layer] * config.mtp_num_layers)

@@ -108,7 +108,7 @@ def hf_to_megatron_name(hf: str, L: int, offset: int, n_local: int, n_experts: i
             return _Target(_MTP_SHARED[sub], shared=True)
         if sub in _MTP_OWN:
             return _Target(f"mtp.layers.{k}.{_MTP_OWN[sub]}")
-        prefix = f"mtp.layers.{k}.transformer_layer"
+        prefix = f"mtp.layers.{k}.{_mtp_inner()}"
     e = _EXPERT_RE.match(sub)
     if e:
         idx, proj = int(e.group(1)), e.group(2)
@@ -134,8 +134,16 @@ _MCORE_FFN = {
 _MCORE_EXPERT_RE = re.compile(r"^(.*)\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
 
 
+def _mtp_inner() -> str:
+    from .spec import mtp_inner_layer_name
+    return mtp_inner_layer_name()
+
+
 def megatron_layout_to_ours(name: str) -> list[_Target]:
     """Targets of one tensor of the converter's Megatron-Core layout (a fused fc1 has two: gate, up rows)."""
+    if name.startswith("mtp.layers.") and ".transformer_layer." in name:
+        # The file layout keeps Megatron's checkpoint name; the module is `mtp_model_layer` from core 0.19 on.
+        name = name.replace(".transformer_layer.", f".{_mtp_inner()}.", 1)
     if name.startswith("mtp.layers.") and name.endswith((".embed_tokens.weight", ".output_layer.weight")):
         return [_Target("embedding.word_embeddings.weight" if "embed_tokens" in name else "output_layer.weight",
                         shared=True)]

@@ -66,7 +66,12 @@ def _worker(root):
             args = argparse.Namespace(dsv3_config=ds, num_layers=3, hidden_size=64, transformer_impl="local")
             lm_config = MLATransformerConfig(num_layers=3, hidden_size=64, num_attention_heads=4)
             never = lambda *a, **k: (_ for _ in ()).throw(AssertionError("default builder used"))
-            lm_model = select_builder(never)(args, True, True, None, config=lm_config).eval()
+            # 0.16: the builder patches/pretrain_gpt.diff installs; 0.19: the one dsv3_plugin.megatron.pretrain_gpt
+            # gives Megatron's pretrain() (the diff is for Megatron-LM 0.16 only).
+            from dsv3_plugin.megatron.gpt import gpt_builder
+            from dsv3_plugin.megatron.spec import mcore_version_tuple
+            builder = select_builder(never) if mcore_version_tuple() < (0, 19) else gpt_builder
+            lm_model = builder(args, True, True, None, config=lm_config).eval()
             load_hf_checkpoint(lm_model, d)
             with torch.no_grad():
                 out[name]["megatron_lm_builder"] = (forward_logits(lm_model, ids)[0] - got).abs().max().item()

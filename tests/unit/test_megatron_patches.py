@@ -35,7 +35,7 @@ def test_importing_the_package_does_not_import_megatron():
 def test_importing_the_plugin_changes_nothing():
     before = _megatron_state()
     import dsv3_plugin.megatron as plugin
-    for mod in ("spec", "moe", "attention", "config", "gpt", "weights", "runtime"):
+    for mod in ("spec", "moe", "attention", "config", "gpt", "weights", "runtime", "pretrain_gpt"):
         importlib.import_module(f"dsv3_plugin.megatron.{mod}")
     plugin.get_layer_spec(False)
     assert _megatron_state() == before
@@ -152,9 +152,27 @@ def test_megatron_lm_args_must_agree_with_dsv3_config(tmp_path):
     assert ok.num_layers == 3
     with pytest.raises(ConfigError, match=r"^--hidden-size: 128 contradicts"):
         transformer_config_from_args(argparse.Namespace(dsv3_config=str(p), hidden_size=128))
-    from dsv3_plugin.megatron.gpt import gpt_builder
-    with pytest.raises(ConfigError, match=r"^--spec other.module layer_spec"):
-        gpt_builder(argparse.Namespace(dsv3_config=str(p), spec=["other.module", "layer_spec"]), True, True)
+
+
+
+def test_spec_flag_selects_the_layer_spec():
+    """Megatron-LM's `--spec MODULE NAME` is resolved, not just validated: ours by default (for the
+    --transformer-impl given), any importable spec otherwise; a callable is called with the config."""
+    import argparse
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from dsv3_plugin.config import ConfigError
+    from dsv3_plugin.megatron.gpt import selected_layer_spec
+    from dsv3_plugin.megatron.spec import get_layer_spec
+    ours = get_layer_spec(False)
+    assert selected_layer_spec(argparse.Namespace(spec=None), None, False) is ours
+    assert selected_layer_spec(argparse.Namespace(spec=["dsv3_plugin.megatron", "layer_spec"]), None, False) is ours
+    other = selected_layer_spec(argparse.Namespace(
+        spec=["megatron.core.models.gpt.gpt_layer_specs", "get_gpt_layer_local_spec"]), None, False)
+    assert isinstance(other, ModuleSpec) and other is not ours       # Megatron's own local spec, called
+    with pytest.raises(ConfigError, match=r"^--spec other.module layer_spec: cannot import"):
+        selected_layer_spec(argparse.Namespace(spec=["other.module", "layer_spec"]), None, False)
 
 
 def test_spec_reachable_the_way_megatron_lm_imports_it():
@@ -165,15 +183,6 @@ def test_spec_reachable_the_way_megatron_lm_imports_it():
     spec = import_module(("dsv3_plugin.megatron", "layer_spec"))      # what `--spec dsv3_plugin.megatron layer_spec` does
     assert spec is not None and spec.module is TransformerLayer
     assert spec.submodules.self_attention.submodules.core_attention is SDPACoreAttention
-
-
-def test_pretrain_gpt_diff_applies_to_megatron_lm_layout():
-    import os
-    text = open(os.path.join(os.path.dirname(__file__), "..", "..", "patches", "pretrain_gpt.diff")).read()
-    assert text.startswith("--- a/pretrain_gpt.py\n+++ b/pretrain_gpt.py\n")
-    added = [l[1:] for l in text.splitlines() if l.startswith("+") and not l.startswith("+++")]
-    assert any("select_builder(gpt_builder)" in l for l in added)
-    assert any("add_dsv3_args" in l and "extra_args_provider" in l for l in added)
 
 
 def test_megatron_lm_integration_refuses_untested_version(monkeypatch):
@@ -222,7 +231,7 @@ def test_schedules_follow_tokens_seen():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="uses the CPU shims")
 def test_ffn_adapter_through_the_018_builder_protocol():
-    """What TransformerLayer does from core 0.18 on: `mlp = builder(config=, pg_collection=, is_mtp_layer=,
+    """What TransformerLayer does from core 0.18 on (run for real by the 0.19 tests): `mlp = builder(config=, pg_collection=, is_mtp_layer=,
     name=)`, then `set_layer_number(n)`, then `mlp(hidden [s, b, h], padding_mask=...) -> (out, None)`."""
     import megatron.core.tensor_parallel.random as mrandom
 
@@ -240,7 +249,7 @@ def test_ffn_adapter_through_the_018_builder_protocol():
         moe = _build_ffn(config=tc, pg_collection=None, is_mtp_layer=False, name="decoder.layers.1.mlp")
         moe.set_layer_number(2)
         mtp = _build_ffn(config=tc, pg_collection=None, is_mtp_layer=True, name="mtp.layers.0.mlp")
-        mtp.set_layer_number(4)
+        mtp.set_layer_number(1)                       # 0.19 numbers MTP layers 1..D (is_mtp_layer=True)
     assert (dense.kind, moe.kind, mtp.kind, mtp.num_mtp_shift) == ("dense", "moe", "moe", 1)
     x_SBH = torch.randn(6, 2, cfg.model.hidden_size, generator=torch.Generator().manual_seed(0))
     out, bias = dense(x_SBH, padding_mask=None)

@@ -1,0 +1,478 @@
+"""Megatron-LM's GPT pretraining loop with the DeepSeek-V3 model from this plugin — no patch to apply.
+
+    torchrun --nproc-per-node 8 -m dsv3_plugin.megatron.pretrain_gpt <your Megatron-LM flags> --dsv3-config ds.json
+    python -m dsv3_plugin.megatron.pretrain_gpt --nproc 2 <flags> --dsv3-config ds.json     # self-spawned ranks
+
+Built on megatron-core's own `megatron.training.pretrain` (shipped in the megatron-core wheel from 0.19 on; 0.16's
+wheel has only `megatron.core`: there, apply `patches/pretrain_gpt.diff` to Megatron-LM's `pretrain_gpt.py`).
+What it adds to Megatron-LM's flags:
+
+- `--dsv3-config FILE`: JSON with a "dsv3" block, the source of the model shape and of the MoE/MTP settings.
+  Megatron-LM's own model flags are *mapped* from it: a flag left out takes the dsv3 value (so Megatron's
+  validation, FLOP counts and logging see the real model); a flag given must agree, else a `ConfigError` naming
+  both (`--moe-router-topk 2 contradicts ds.json dsv3.moe.top_k = 8`). Flags that only act on Megatron's own
+  MoE layer (`--moe-grouped-gemm`, ...) are refused while our layers are in use, instead of being ignored.
+- `--spec MODULE NAME` selects the decoder layer spec (Megatron's semantics); left out, or
+  `--spec dsv3_plugin.megatron layer_spec`, it is ours (MLA + DeepSeekMoE), for the `--transformer-impl` given.
+- The vocabulary is Megatron's padded one (`--make-vocab-size-divisible-by`, the tokenizer's extra ids).
+- `--dsv3-metrics FILE`: one JSON line per iteration on rank 0 (iteration, the data-parallel mean of each loss
+  Megatron reduces, the sum of |router bias| over all routers) at full precision, for tests and plots.
+- `--nproc N`: spawn N local ranks instead of being launched by torchrun.
+
+On a machine without CUDA it runs on CPU/gloo: `patches/megatron_cpu.py` (model, optimizer, DDP) and
+`patches/megatron_training_cpu.py` (the training loop) are applied, and Megatron defaults that need CUDA
+(`--distributed-backend nccl`, gradient-accumulation fusion, Transformer Engine) are switched to their CPU
+counterparts with a printed note; the same flags given explicitly are refused with the reason. With CUDA nothing
+is patched except `patches/megatron_dataset_helpers.py` (the wheel ships the dataset helpers compiled but
+`pretrain()` tries to rebuild them with a Makefile the wheel does not have).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from functools import partial
+from typing import Any, Optional
+
+import torch
+
+from ..config import ConfigError, DSv3Config, load_config
+from .gpt import OUR_SPEC, add_dsv3_args, gpt_builder
+
+__all__ = ["main", "parse_megatron_args", "set_megatron_globals", "reconcile_args", "dsv3_arg_values", "model_provider", "forward_step",
+           "train_valid_test_datasets_provider", "MIN_MEGATRON_CORE", "MEGATRON_MOE_ONLY_FLAGS"]
+
+MIN_MEGATRON_CORE = (0, 19)
+
+# Megatron-LM flags that configure Megatron's own MoELayer / router implementation; our DeepSeekMoE ignores them.
+MEGATRON_MOE_ONLY_FLAGS = ("moe_grouped_gemm", "moe_router_fusion", "moe_permute_fusion", "moe_shared_expert_overlap",
+                           "moe_router_pre_softmax", "moe_token_dispatcher_type", "moe_expert_capacity_factor",
+                           "moe_pad_expert_input_to_capacity", "moe_use_legacy_grouped_gemm")
+
+
+def _require_megatron_training() -> None:
+    from megatron.core.package_info import __version__ as v
+
+    from .spec import mcore_version_tuple
+    try:
+        import megatron.training  # noqa: F401
+    except ImportError as e:
+        raise RuntimeError(
+            f"dsv3_plugin.megatron.pretrain_gpt: megatron-core {v} has no megatron.training (its wheel ships it from "
+            f"{MIN_MEGATRON_CORE[0]}.{MIN_MEGATRON_CORE[1]} on). Install megatron-core>=0.19, or use Megatron-LM's "
+            "pretrain_gpt.py with patches/pretrain_gpt.diff (core_v0.16.x)") from e
+    if mcore_version_tuple() < MIN_MEGATRON_CORE:
+        raise RuntimeError(f"dsv3_plugin.megatron.pretrain_gpt: needs megatron-core >= 0.19 (its pretrain() API); "
+                           f"found {v}. With Megatron-LM 0.16 use patches/pretrain_gpt.diff")
+
+
+# --- Megatron-LM flags <-> the "dsv3" block -------------------------------------------------------------------
+
+def dsv3_arg_values(cfg: DSv3Config) -> list[tuple[str, str, Any]]:
+    """(Megatron-LM argument dest, dsv3 key it comes from, value) for every model flag the dsv3 block fixes."""
+    m, e, t = cfg.model, cfg.moe, cfg.mtp
+    L, k, rs = m.num_hidden_layers, m.first_k_dense_replace, m.rope_scaling
+    vals = [
+        ("num_layers", "model.num_hidden_layers", L),
+        ("hidden_size", "model.hidden_size", m.hidden_size),
+        ("ffn_hidden_size", "model.intermediate_size", m.intermediate_size),
+        ("num_attention_heads", "model.num_attention_heads", m.num_attention_heads),
+        ("max_position_embeddings", "model.max_position_embeddings", m.max_position_embeddings),
+        ("init_method_std", "model.initializer_range", m.initializer_range),
+        ("multi_latent_attention", "model (MLA)", True),
+        ("q_lora_rank", "model.q_lora_rank", m.q_lora_rank),
+        ("kv_lora_rank", "model.kv_lora_rank", m.kv_lora_rank),
+        ("qk_head_dim", "model.qk_nope_head_dim", m.qk_nope_head_dim),
+        ("qk_pos_emb_head_dim", "model.qk_rope_head_dim", m.qk_rope_head_dim),
+        ("v_head_dim", "model.v_head_dim", m.v_head_dim),
+        ("rotary_base", "model.rope_theta", m.rope_theta),
+        ("rope_type", "model.rope_scaling", "yarn" if rs is not None else "rope"),
+        ("rotary_scaling_factor", "model.rope_scaling.factor", rs.factor if rs is not None else 1.0),
+        ("mscale", "model.rope_scaling.mscale", rs.mscale if rs is not None else 1.0),
+        ("mscale_all_dim", "model.rope_scaling.mscale_all_dim", rs.mscale_all_dim if rs is not None else 0.0),
+        ("normalization", "model (RMSNorm)", "RMSNorm"),
+        ("layernorm_epsilon", "model.rms_norm_eps", m.rms_norm_eps),
+        ("swiglu", "model (SwiGLU)", True),
+        ("add_bias_linear", "model (no linear biases)", False),
+        ("untie_embeddings_and_output_weights", "model.tie_word_embeddings", not m.tie_word_embeddings),
+        ("position_embedding_type", "model (RoPE inside MLA)", "none"),
+        ("qk_layernorm", "model (q/kv latent RMSNorm)", True),
+        ("hidden_dropout", "model (no dropout)", 0.0),
+        ("attention_dropout", "model (no dropout)", 0.0),
+        ("num_experts", "moe.n_routed_experts", e.n_routed_experts),
+        ("moe_router_topk", "moe.top_k", e.top_k),
+        ("moe_ffn_hidden_size", "moe.intermediate_size", e.intermediate_size),
+        ("moe_shared_expert_intermediate_size", "moe.n_shared_experts x moe.intermediate_size",
+         e.intermediate_size * e.n_shared_experts if e.n_shared_experts else None),
+        ("moe_layer_freq", "model.first_k_dense_replace", [0] * k + [1] * (L - k)),
+        ("moe_router_score_function", "moe (sigmoid gates)", "sigmoid"),
+        ("moe_router_enable_expert_bias", "moe (aux-loss-free bias)", True),
+        ("moe_router_bias_update_rate", "moe.bias_update_speed", e.gamma(0.0)),
+        ("moe_router_num_groups", "moe.n_group", e.n_group if e.n_group > 1 else None),
+        ("moe_router_group_topk", "moe.topk_group", e.topk_group if e.n_group > 1 else None),
+        ("moe_router_topk_scaling_factor", "moe.route_scale", e.route_scale),
+        ("moe_router_load_balancing_type", "moe.seq_aux_alpha", "seq_aux_loss" if e.seq_aux_alpha > 0 else "none"),
+        ("moe_aux_loss_coeff", "moe.seq_aux_alpha", e.seq_aux_alpha),
+        ("moe_router_dtype", "moe (fp32 router)", "fp32"),
+        ("mtp_num_layers", "mtp.depth", t.depth or None),
+        ("mtp_loss_scaling_factor", "mtp.loss_weight", t.lam(0.0)),
+    ]
+    par = cfg.parallel
+    if "ep" in par.model_fields_set:
+        vals.append(("expert_model_parallel_size", "parallel.ep", par.ep))
+    if "pp" in par.model_fields_set:
+        vals.append(("pipeline_model_parallel_size", "parallel.pp", par.pp))
+    return vals
+
+
+def _norm(dest: str, v: Any, L: int) -> Any:
+    if dest == "moe_layer_freq" and isinstance(v, int):       # Megatron: every v-th layer is MoE
+        return [1 if i % v == 0 else 0 for i in range(L)]
+    if dest != "moe_layer_freq" and isinstance(v, (list, tuple)) and len(v) == 1:
+        return v[0]                                            # nargs="+" flags (load balancing type, coeff)
+    return v
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return math.isclose(float(a), float(b), rel_tol=1e-12, abs_tol=0.0)
+    return a == b
+
+
+def _flag(parser, dest: str) -> str:
+    for a in parser._actions:
+        if a.dest == dest and a.option_strings:
+            return a.option_strings[0]
+    return "--" + dest.replace("_", "-")
+
+
+def _setting(parser, dest: str, value: Any) -> str:
+    """How a user would write `dest = value` on the command line (`--swiglu`, `--disable-bias-linear`, `--x 3`)."""
+    for a in parser._actions:
+        if a.dest == dest and a.option_strings and a.nargs == 0 and a.const == value:
+            return a.option_strings[0]
+    shown = " ".join(map(str, value)) if isinstance(value, (list, tuple)) else value
+    return f"{_flag(parser, dest)} {shown}"
+
+
+def explicit_dests(parser, argv: list[str]) -> set[str]:
+    """Argument dests the command line sets (so a default can be told from a value the user asked for)."""
+    out = set()
+    for tok in argv:
+        if tok.startswith("--"):
+            action = parser._option_string_actions.get(tok.split("=", 1)[0])
+            if action is not None:
+                out.add(action.dest)
+    return out
+
+
+def reconcile_args(args, parser, explicit: set[str], cfg: DSv3Config, where: str) -> list[str]:
+    """Fill Megatron-LM's model flags from the dsv3 block, refuse contradictions (ConfigError naming both), refuse
+    flags that would do nothing with our layers. Returns notes on what was filled."""
+    L = cfg.model.num_hidden_layers
+    notes = []
+    for dest, key, want in dsv3_arg_values(cfg):
+        if not hasattr(args, dest):
+            continue
+        got = getattr(args, dest)
+        if dest in explicit:
+            if not _same(_norm(dest, got, L), want):
+                raise ConfigError(f"{_setting(parser, dest, got)}: contradicts {where} dsv3.{key} = {want!r}; "
+                                  "drop the flag or change the dsv3 block")
+        elif not _same(_norm(dest, got, L), want):
+            setattr(args, dest, want)
+            notes.append(f"{_setting(parser, dest, want)} (from dsv3.{key})")
+    if cfg.fp8.enabled:
+        raise ConfigError(f"{where} dsv3.fp8.enabled: the plugin's FP8 path runs under `dsv3 train`/DeepSpeed; with "
+                          "Megatron use its Transformer Engine recipes (--fp8-format e4m3 --fp8-recipe blockwise)")
+    if cfg.parallel.schedule != "1f1b" and getattr(args, "pipeline_model_parallel_size", 1) > 1:
+        raise ConfigError(f"{where} dsv3.parallel.schedule = {cfg.parallel.schedule!r}: this entry point runs "
+                          "Megatron's own pipeline schedule (1F1B); set \"schedule\": \"1f1b\" (DualPipeV as "
+                          "Megatron's schedule is not wired into pretrain() yet)")
+    spec = getattr(args, "spec", None)
+    if not spec or tuple(spec) == OUR_SPEC:
+        for dest in MEGATRON_MOE_ONLY_FLAGS:
+            if dest in explicit and hasattr(args, dest) and getattr(args, dest) != parser.get_default(dest):
+                raise ConfigError(f"{_flag(parser, dest)}: configures Megatron's own MoE layer, which the dsv3 layer "
+                                  "spec replaces with DeepSeekMoE; drop the flag (or pass a Megatron --spec)")
+    if getattr(args, "tokenizer_type", None) == "NullTokenizer":
+        if "vocab_size" in explicit and args.vocab_size != cfg.model.vocab_size:
+            raise ConfigError(f"--vocab-size {args.vocab_size}: contradicts {where} dsv3.model.vocab_size = "
+                              f"{cfg.model.vocab_size}; drop the flag or change the dsv3 block")
+        if args.vocab_size is None:
+            args.vocab_size = cfg.model.vocab_size
+            notes.append(f"--vocab-size {cfg.model.vocab_size} (from dsv3.model.vocab_size)")
+    return notes
+
+
+# What Megatron defaults to that needs CUDA, and its CPU counterpart: (dest, CPU value, why).
+_CPU_DEFAULTS = (
+    ("distributed_backend", "gloo", "NCCL needs CUDA"),
+    ("gradient_accumulation_fusion", False, "the fused weight-gradient kernel is CUDA-only"),
+    ("transformer_impl", "local", "Transformer Engine layers need CUDA"),
+)
+_CPU_REFUSED = (
+    ("bf16", "Megatron's mixed-precision optimizer asserts CUDA tensors"),
+    ("fp16", "Megatron's mixed-precision optimizer asserts CUDA tensors"),
+    ("fp8", "FP8 runs through Transformer Engine on GPUs"),
+)
+
+
+def adapt_to_cpu(args, parser, explicit: set[str]) -> list[str]:
+    notes = []
+    for dest, cpu_value, why in _CPU_DEFAULTS:
+        if not hasattr(args, dest) or getattr(args, dest) == cpu_value:
+            continue
+        if dest in explicit:
+            raise ConfigError(f"{_flag(parser, dest)} {getattr(args, dest)}: no CUDA on this machine ({why})")
+        setattr(args, dest, cpu_value)
+        notes.append(f"{_setting(parser, dest, cpu_value)} on CPU ({why})")
+    for dest, why in _CPU_REFUSED:
+        if getattr(args, dest, None):
+            raise ConfigError(f"{_flag(parser, dest)}: not on CPU ({why})")
+    return notes
+
+
+def parse_megatron_args(argv: list[str], world_size: Optional[int] = None, on_cpu: Optional[bool] = None,
+                        set_globals: bool = True):
+    """Megatron-LM's argument parsing + ours + Megatron's `validate_args`, as `pretrain()` expects them.
+    Returns (args, notes). `world_size` overrides WORLD_SIZE (checking a launch script without starting it)."""
+    from megatron.training import arguments as margs
+
+    captured = {}
+
+    def provider(parser):
+        parser = add_dsv3_args(parser)
+        parser.add_argument("--dsv3-metrics", type=str, default=None,
+                            help="append one JSON line per iteration (rank 0): losses, sum of |router bias|")
+        captured["parser"] = parser
+        return parser
+
+    saved_argv, saved_ws = sys.argv, os.environ.get("WORLD_SIZE")
+    try:
+        sys.argv = [saved_argv[0] if saved_argv else "pretrain_gpt"] + list(argv)
+        if world_size is not None:
+            os.environ["WORLD_SIZE"] = str(world_size)
+        args = margs.parse_args(provider)
+    finally:
+        sys.argv = saved_argv
+        if world_size is not None:
+            if saved_ws is None:
+                os.environ.pop("WORLD_SIZE", None)
+            else:
+                os.environ["WORLD_SIZE"] = saved_ws
+    parser = captured["parser"]
+    if not args.dsv3_config:
+        raise ConfigError("--dsv3-config: required (a JSON file with a \"dsv3\" block)")
+    explicit = explicit_dests(parser, argv)
+    cfg = load_config(args.dsv3_config)
+    notes = reconcile_args(args, parser, explicit, cfg, args.dsv3_config)
+    if on_cpu if on_cpu is not None else not torch.cuda.is_available():
+        notes += adapt_to_cpu(args, parser, explicit)
+    margs.validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
+    if set_globals:
+        set_megatron_globals(args)
+    return args, notes
+
+
+def set_megatron_globals(args) -> None:
+    """Megatron's global args, tokenizer (-> padded vocabulary), timers; the tokenizer must cover the model."""
+    from megatron.training.global_vars import set_global_variables
+    set_global_variables(args)
+    cfg = load_config(args.dsv3_config)
+    vocab = getattr(args, "padded_vocab_size", None)
+    if vocab is not None and vocab < cfg.model.vocab_size:
+        raise ConfigError(f"tokenizer vocabulary (padded: {vocab}) is smaller than {args.dsv3_config} "
+                          f"dsv3.model.vocab_size = {cfg.model.vocab_size}")
+
+
+# --- what Megatron-LM's pretrain_gpt.py provides to pretrain() --------------------------------------------------
+
+def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
+    from megatron.training import get_args
+    return gpt_builder(get_args(), pre_process, post_process, vp_stage=vp_stage, pg_collection=pg_collection)
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def get_batch(data_iterator, vp_stage=None):
+    """tokens, labels, loss_mask, attention_mask, position_ids of this rank's micro-batch (None on middle
+    pipeline stages, which receive activations instead). TP = 1: every rank reads its own iterator."""
+    from megatron.training.utils import is_first_or_last_pipeline_stage
+    if not is_first_or_last_pipeline_stage(vp_stage):
+        return None, None, None, None, None
+    batch = next(data_iterator)
+    dev = _device()
+    get = lambda key: batch[key].to(dev, non_blocking=True) if batch.get(key) is not None else None  # noqa: E731
+    return get("tokens"), get("labels"), get("loss_mask"), get("attention_mask"), get("position_ids")
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Summed masked per-token LM loss, its token count, and the report Megatron averages over data parallel."""
+    losses = output_tensor.view(-1).float()
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().clone().detach().to(torch.int)
+    return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+
+
+def forward_step(data_iterator, model, return_schedule_plan: bool = False):
+    from megatron.training import get_timers
+    from megatron.core.utils import get_attr_wrapped_model
+    if return_schedule_plan:
+        raise ConfigError("--overlap-moe-expert-parallel-comm: not supported with the dsv3 layers")
+    timers = get_timers()
+    timers("batch-generator", log_level=2).start()
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(
+        data_iterator, get_attr_wrapped_model(model, "vp_stage"))
+    timers("batch-generator").stop()
+    output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
+    return output, partial(loss_func, loss_mask)
+
+
+def _is_dataset_built_on_rank(vp_stage=None) -> bool:
+    from megatron.core import parallel_state as ps
+    from megatron.training.utils import is_first_or_last_pipeline_stage
+    return ps.get_tensor_model_parallel_rank() == 0 and is_first_or_last_pipeline_stage(vp_stage)
+
+
+def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
+    """Megatron's GPT datasets: `--mock-data` (MockGPTDataset) or `--data-path`/`--*-data-path` (GPTDataset)."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+    from megatron.training import get_args, get_tokenizer
+    from megatron.training.utils import get_blend_and_blend_per_split
+    args = get_args()
+    blend, blend_per_split = get_blend_and_blend_per_split(args)
+    config = GPTDatasetConfig(
+        random_seed=args.seed, sequence_length=args.seq_length, blend=blend, blend_per_split=blend_per_split,
+        split=args.split, path_to_cache=args.data_cache_path, mmap_bin_files=args.mmap_bin_files,
+        tokenizer=get_tokenizer(), reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.create_attention_mask_in_dataloader)
+    cls = MockGPTDataset if args.mock_data else GPTDataset
+    return BlendedMegatronDatasetBuilder(cls, train_val_test_num_samples,
+                                         partial(_is_dataset_built_on_rank, vp_stage), config).build()
+
+
+train_valid_test_datasets_provider.is_distributed = True
+
+
+# --- metrics ---------------------------------------------------------------------------------------------------
+
+class _MetricsRecorder:
+    """Wraps Megatron's `train_step` to write one JSON line per iteration (rank 0): the losses Megatron reduced
+    over data parallel, and the sum over routers of |expert bias| (Megatron's finalize_model_grads steps it)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._orig = None
+
+    def __enter__(self):
+        import megatron.training.training as tr
+        self._orig = tr.train_step
+        orig = self._orig
+        path = self.path
+
+        def train_step(forward_step_func, data_iterator, model, *a, **kw):
+            out = orig(forward_step_func, data_iterator, model, *a, **kw)
+            if torch.distributed.get_rank() == 0:
+                from megatron.training import get_args
+                loss_dict = out[0]
+                routers = [m for chunk in model for m in chunk.modules() if hasattr(m, "expert_bias")]
+                line = {"iteration": get_args().curr_iteration + 1,
+                        **{k.replace(" ", "_"): float(v) for k, v in loss_dict.items()},
+                        "router_bias_abs_sum": float(sum(r.expert_bias.detach().abs().sum() for r in routers)),
+                        "routers": len(routers)}
+                with open(path, "a") as f:
+                    f.write(json.dumps(line) + "\n")
+            return out
+
+        tr.train_step = train_step
+        return self
+
+    def __exit__(self, *exc):
+        import megatron.training.training as tr
+        tr.train_step = self._orig
+
+
+# --- entry point -----------------------------------------------------------------------------------------------
+
+def _patches():
+    try:
+        from patches import megatron_cpu, megatron_dataset_helpers, megatron_training_cpu
+    except ImportError as e:
+        raise RuntimeError("patches/ not importable: run from the dsv3-plugin checkout root or put it on "
+                           "PYTHONPATH") from e
+    return megatron_cpu, megatron_training_cpu, megatron_dataset_helpers
+
+
+def run(argv: list[str]) -> int:
+    """One rank of the training run (launched by torchrun, or by `--nproc`). Bad flags fail before anything is
+    patched; the patches applied here are reverted on the way out (an in-process call leaves Megatron as it was)."""
+    _require_megatron_training()
+    megatron_cpu, training_cpu, dataset_helpers = _patches()
+    on_cpu = not torch.cuda.is_available()
+    args, notes = parse_megatron_args(argv, on_cpu=on_cpu, set_globals=False)
+    applied = []
+    try:
+        for mod, wanted in ((dataset_helpers, True), (megatron_cpu, on_cpu), (training_cpu, on_cpu)):
+            if wanted and not mod.is_applied() and mod.apply():
+                applied.append(mod)
+        set_megatron_globals(args)
+        if args.rank == 0:
+            for n in notes:
+                print(f"dsv3_plugin: {n}", flush=True)
+        import contextlib
+
+        from megatron.core.enums import ModelType
+        from megatron.training import pretrain
+        from megatron.training.argument_utils import pretrain_cfg_container_from_args
+        cfg_container = pretrain_cfg_container_from_args(args, None)
+        metrics = _MetricsRecorder(args.dsv3_metrics) if args.dsv3_metrics else contextlib.nullcontext()
+        loop = training_cpu.cuda_literals_on_cpu() if on_cpu else contextlib.nullcontext()
+        with metrics, loop:
+            pretrain(cfg_container, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step,
+                     model_provider=model_provider)
+    finally:
+        for mod in reversed(applied):
+            mod.revert()
+    return 0
+
+
+def _spawned(argv: list[str]) -> int:
+    # A spawned rank inherits the "spawn" start method; Megatron's data-loader workers (a local
+    # worker_init_fn) need "fork", which is what they get under torchrun.
+    import multiprocessing
+    multiprocessing.set_start_method("fork", force=True)
+    try:
+        return run(argv)
+    except SystemExit as e:            # Megatron ends --exit-interval / --exit-duration runs with sys.exit(0)
+        if e.code in (0, None):
+            return 0
+        raise
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    nproc = None
+    if "--nproc" in argv:
+        i = argv.index("--nproc")
+        nproc = int(argv[i + 1])
+        del argv[i:i + 2]
+    try:
+        if nproc:
+            from ..distributed import spawn
+            spawn(_spawned, nproc, argv, timeout_s=float(os.environ.get("DSV3_SPAWN_TIMEOUT_S", "3600")))
+            return 0
+        return run(argv)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""Runtime shims that let megatron-core's own training loop (`megatron.training.pretrain`) run on CPU with gloo.
+
+For CI and laptops only: `apply()` does nothing (returns False) when CUDA is available. It builds on
+`patches/megatron_cpu.py` (model, optimizer, DDP; apply that first). Importing this module changes nothing;
+`apply()` / `revert()` restore the exact original objects. Tested with megatron-core 0.19.2 (the first wheel that
+ships `megatron.training`); other versions are refused with a message naming the version (`force=True` overrides).
+
+What is patched, and why:
+1. `megatron.training.training.initialize_megatron` is called with `allow_no_cuda=True` (it asserts
+   "Megatron requires CUDA." otherwise).
+2. `megatron.training.initialize._initialize_distributed`: Megatron creates its model-parallel groups only when
+   `torch.cuda.device_count() > 0`; after the original ran, the same `initialize_model_parallel` call is made
+   from the same arguments when the groups do not exist yet.
+3. `megatron.training.initialize._set_random_seed`: likewise it seeds the model-parallel RNG tracker only with a
+   GPU; after the original ran, `model_parallel_cuda_manual_seed` is called with Megatron's own seed formula
+   (seed + 100 × pipeline rank [+ 10 × data-parallel rank]) on the CPU tracker of `megatron_cpu`.
+4. `torch.cuda.get_rng_state` / `set_rng_state` -> the CPU generator's, so `--save` / `--load` store and restore
+   the RNG state as on GPUs (the checkpoint's `cuda_rng_state` holds the CPU state).
+5. `cuda_literals_on_cpu()`: a context for the `pretrain()` call under which tensors allocated with a literal
+   `device="cuda"` in the training loop (start-time all-reduce, loss/timer reductions, ...) are allocated on CPU
+   (a torch function mode; the model's own tensors are already CPU).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+__all__ = ["TESTED_VERSIONS", "apply", "revert", "is_applied", "cuda_literals_on_cpu"]
+
+TESTED_VERSIONS = ("0.19.2",)
+_saved: dict | None = None
+
+
+def is_applied() -> bool:
+    return _saved is not None
+
+
+def _init_model_parallel_like_megatron(args, get_embedding_ranks=None, get_position_embedding_ranks=None):
+    """The `initialize_model_parallel` call of `megatron.training.initialize._initialize_distributed` (0.19.2)."""
+    from datetime import timedelta  # noqa: F401  (Megatron passes minutes)
+
+    from megatron.core import mpu
+    mpu.initialize_model_parallel(
+        args.tensor_model_parallel_size,
+        args.pipeline_model_parallel_size,
+        args.virtual_pipeline_model_parallel_size,
+        pipeline_model_parallel_comm_backend=args.pipeline_model_parallel_comm_backend,
+        context_parallel_size=args.context_parallel_size,
+        hierarchical_context_parallel_sizes=args.hierarchical_context_parallel_sizes,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        distributed_timeout_minutes=args.distributed_timeout_minutes,
+        order="tp-cp-ep-dp-pp" if not args.use_tp_pp_dp_mapping else "tp-cp-ep-pp-dp",
+        get_embedding_ranks=get_embedding_ranks,
+        get_position_embedding_ranks=get_position_embedding_ranks,
+        create_gloo_process_groups=args.use_gloo_process_groups,
+    )
+
+
+def _wrap_initialize_distributed(orig):
+    @functools.wraps(orig)
+    def wrapper(get_embedding_ranks, get_position_embedding_ranks, store, skip_model_parallel_init=False):
+        orig(get_embedding_ranks, get_position_embedding_ranks, store,
+             skip_model_parallel_init=skip_model_parallel_init)
+        from megatron.core import mpu
+        from megatron.training import get_args
+        if not skip_model_parallel_init and not mpu.model_parallel_is_initialized():
+            _init_model_parallel_like_megatron(get_args(), get_embedding_ranks, get_position_embedding_ranks)
+    return wrapper
+
+
+def _wrap_set_random_seed(orig):
+    @functools.wraps(orig)
+    def wrapper(seed_, data_parallel_random_init=False, *args, **kwargs):
+        orig(seed_, data_parallel_random_init, *args, **kwargs)
+        from megatron.core import mpu, tensor_parallel
+        seed = seed_ + 100 * mpu.get_pipeline_model_parallel_rank()
+        if data_parallel_random_init:
+            seed += 10 * mpu.get_data_parallel_rank()
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return wrapper
+
+
+def _cpu_get_rng_state(device="cuda"):
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state, device="cuda"):
+    torch.set_rng_state(new_state)
+
+
+def apply(force: bool = False) -> bool:
+    """Install the shims. Returns True if installed now or already, False when CUDA is available."""
+    global _saved
+    if torch.cuda.is_available():
+        return False
+    if _saved is not None:
+        return True
+    from megatron.core.package_info import __version__
+    v = __version__.split("+")[0]      # without the "+<git hash>" megatron-core adds inside a git checkout
+    if v not in TESTED_VERSIONS and not force:
+        raise RuntimeError(f"patches.megatron_training_cpu: megatron-core {v} is untested (tested: "
+                           f"{', '.join(TESTED_VERSIONS)}); refusing to patch it (force=True to try anyway)")
+    import megatron.training.initialize as init
+    import megatron.training.training as tr
+    _saved = {
+        (tr, "initialize_megatron"): tr.initialize_megatron,
+        (init, "_initialize_distributed"): init._initialize_distributed,
+        (init, "_set_random_seed"): init._set_random_seed,
+        (torch.cuda, "get_rng_state"): torch.cuda.get_rng_state,
+        (torch.cuda, "set_rng_state"): torch.cuda.set_rng_state,
+    }
+    tr.initialize_megatron = functools.partial(_saved[(tr, "initialize_megatron")], allow_no_cuda=True)
+    init._initialize_distributed = _wrap_initialize_distributed(_saved[(init, "_initialize_distributed")])
+    init._set_random_seed = _wrap_set_random_seed(_saved[(init, "_set_random_seed")])
+    torch.cuda.get_rng_state = _cpu_get_rng_state
+    torch.cuda.set_rng_state = _cpu_set_rng_state
+    return True
+
+
+def revert() -> None:
+    global _saved
+    if _saved is None:
+        return
+    for (owner, attr), orig in _saved.items():
+        setattr(owner, attr, orig)
+    _saved = None
+
+
+@contextlib.contextmanager
+def cuda_literals_on_cpu():
+    """Run the enclosed code (Megatron's `pretrain()`) with `device="cuda"` allocations made on CPU."""
+    from patches.megatron_cpu import _CudaLiteralsOnCPU
+    with _CudaLiteralsOnCPU():
+        yield
