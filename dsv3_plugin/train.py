@@ -157,9 +157,10 @@ def train(ds_config: "str | os.PathLike | dict | None" = None, *, steps: int | N
     (stdout, or stderr with `echo`). OUT is locked for the call; a fresh run into an OUT holding a previous run
     is refused unless `overwrite` (which deletes that run's files).
     """
-    from .distributed import init_distributed
+    from .distributed import init_distributed, set_peer_timeout
     rank, world = init_distributed()
     ds, cfg, total = _prepare(ds_config, steps, init_from)
+    set_peer_timeout(cfg.parallel.p2p_timeout_s)  # every later collective on the world group waits at most this
     run = RunDir(out, resume, cfg, rank, world, overwrite, save)
     try:
         return _train(run, ds, cfg, total, rank, world, init_from=init_from, progress=progress, echo=echo,
@@ -312,9 +313,8 @@ def _train_pipelined(model, run: RunDir, ds: dict, cfg, total: int, rank: int, w
         stats = pe.update_expert_bias(gamma)
         step_tokens = ids.numel() * g.dp            # every rank of a pipeline trains on the same tokens
         tokens_seen += step_tokens
-        per_rank = [None] * g.pp                    # (MoE layer index, MaxVio) of every local MoE layer
-        torch.distributed.all_gather_object(per_rank, [(s["moe_index"], float(s["maxvio"])) for s in stats],
-                                            group=g.pp_group)
+        # (MoE layer index, MaxVio) of every local MoE layer of every pipeline rank
+        per_rank = pe.gather_pipeline([(s["moe_index"], float(s["maxvio"])) for s in stats])
         mv = [v for _, v in sorted(x for xs in per_rank for x in xs)]   # model order
         dt = time.perf_counter() - t0
         rec = {"step": step + 1, **m, "maxvio": sum(mv) / len(mv) if mv else 0.0,
