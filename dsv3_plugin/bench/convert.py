@@ -8,7 +8,9 @@ conversion only, not interpreter start-up):
 - ours: `dsv3_plugin.checkpoint.convert(..., to="hf-bf16")` (streaming, fast exact dequantization);
 - baseline: load every shard (`safetensors.torch.load_file`), dequantize with DeepSeek's per-block formula
   written plainly in torch (expand the scale grid, multiply in fp32, cast), then `save_file` per shard;
-- copy: read + write of the same files (16 MiB chunks), the I/O ceiling.
+- copy: read + write of the same files (16 MiB chunks), the I/O ceiling;
+- ours_unchecked (largest size only): ours with `allow_non_finite=True`, i.e. without the NaN/Inf checks of
+  weights and scales; `finite_check_cost` = 1 - ours / ours_unchecked is what those checks cost.
 
 Figures are GB/s of input bytes. `ratio` = ours / baseline at the largest size; `fraction_of_copy` =
 ours / copy. Peak RSS is reported at every size (ours should stay flat, bounded by the largest output
@@ -131,6 +133,8 @@ def _child(approach: str, src: str, dst: str) -> None:
     t0 = time.perf_counter()
     if approach == "ours":
         convert(src, dst, "hf-bf16", progress=False)
+    elif approach == "ours_unchecked":
+        convert(src, dst, "hf-bf16", progress=False, allow_non_finite=True)
     elif approach == "baseline":
         _baseline(src, dst)
     else:
@@ -162,8 +166,9 @@ def run(args) -> dict:
     shard = args.shard_mb * 2**20
     runs = []
     with tempfile.TemporaryDirectory(prefix="dsv3-bench-convert-", dir=args.dir) as tmp:
-        steps = [(s, a) for s in sizes for a in ("copy", "ours", "baseline")
-                 if not (args.skip_baseline_small and a == "baseline" and s != sizes[-1])]
+        steps = [(s, a) for s in sizes for a in ("copy", "ours", "ours_unchecked", "baseline")
+                 if not (args.skip_baseline_small and a == "baseline" and s != sizes[-1])
+                 and not (a == "ours_unchecked" and s != sizes[-1])]
         bar = tqdm(total=len(steps), desc="bench convert", file=sys.stderr)
         for size in sizes:
             src = os.path.join(tmp, f"src-{size}")
@@ -191,6 +196,8 @@ def run(args) -> dict:
         "copy_gbps": big["copy"]["gbps"],
         "ratio": big["ours"]["gbps"] / big["baseline"]["gbps"],
         "fraction_of_copy": big["ours"]["gbps"] / big["copy"]["gbps"],
+        "ours_unchecked_gbps": big["ours_unchecked"]["gbps"],
+        "finite_check_cost": 1.0 - big["ours"]["gbps"] / big["ours_unchecked"]["gbps"],
         "ours_peak_rss_bytes": big["ours"]["peak_rss_bytes"],
         "baseline_peak_rss_bytes": big["baseline"]["peak_rss_bytes"],
         "rss_bound_bytes": bound,
