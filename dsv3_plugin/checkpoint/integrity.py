@@ -22,15 +22,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from typing import Any
 
 import torch
 
 from ..errors import CheckpointError
 
-__all__ = ["load_json", "check_finite", "nonfinite_counts", "check_scale", "check_released_config",
-           "ALLOW_HINT", "FP8_MAX"]
+__all__ = ["parse_json", "load_json", "is_finite", "check_finite", "nonfinite_counts", "fp8_special_codes",
+           "check_scale", "check_released_config", "ALLOW_HINT", "FP8_MAX"]
 
 ALLOW_HINT = "pass --allow-non-finite (allow_non_finite=True) to load it anyway"
 # Largest finite magnitude of each FP8 format (E4M3: 448, S.1111.110; E5M2: 57344).
@@ -105,7 +104,7 @@ def is_finite(t: torch.Tensor) -> bool:
 
 
 def nonfinite_counts(t: torch.Tensor) -> tuple[int, int, int]:
-    """(NaN, +Inf, -Inf) counts and is only called once a tensor failed (full pass, temporaries allowed)."""
+    """(NaN, +Inf, -Inf) counts of a tensor that failed the check (a second full pass: failure path only)."""
     if t.element_size() == 1:
         return fp8_special_codes(t), 0, 0
     nan = pinf = ninf = 0
