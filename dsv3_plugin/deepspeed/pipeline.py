@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import re
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -25,6 +26,9 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = ["PipelineGroups", "pipeline_groups", "PipelineMPU", "PipelinedEngine"]
+
+# What gloo / NCCL / c10d say when a peer is gone or silent past the group's timeout.
+_COMM_FAILURE = re.compile(r"gloo|nccl|timed? ?out|connection (closed|reset|refused)|broken pipe", re.I)
 
 
 @dataclass
@@ -175,6 +179,8 @@ class PipelinedEngine:
         except PipelineError:
             raise
         except RuntimeError as e:  # torch.distributed's DistBackendError and gloo's errors are RuntimeErrors
+            if not (isinstance(e, dist.DistError) or _COMM_FAILURE.search(str(e))):
+                raise  # not a communication failure (e.g. a DeepSpeed config error): leave it as it is
             first = (str(e).splitlines() or [""])[0][:300]
             raise PipelineError(
                 f"global rank {dist.get_rank()}: {op} over global ranks {ranks} failed (peer dead, or silent longer "
