@@ -25,6 +25,7 @@ __all__ = [
     "first_failure",
     "rank",
     "world_size",
+    "set_peer_timeout",
 ]
 
 
@@ -68,6 +69,14 @@ def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> tu
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
+
+
+def set_peer_timeout(timeout_s: float) -> None:
+    """Bound every later operation on the default (world) group by `timeout_s`, whoever initialised it
+    (`init_distributed`, the launcher path, a test): a dead or stopped peer then fails the waiting rank instead
+    of hanging it. Groups created later take their own `timeout=` (see `deepspeed.pipeline.pipeline_groups`)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.group.WORLD.set_timeout(timedelta(seconds=timeout_s))
 
 
 def _is_input_error(e: BaseException) -> bool:

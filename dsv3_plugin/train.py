@@ -91,12 +91,12 @@ def _f(x) -> float:
     return 0.0 if x is None else float(x.detach())
 
 
-def _build_model(cfg, init_from: str | None):
+def _build_model(cfg, init_from: str | None, allow_non_finite: bool = False):
     if init_from:
         # Shape from the released config.json, training knobs from the "dsv3" block (see _init_from_config).
         from .checkpoint.hf import load_pretrained
         d = cfg.to_dict()
-        return load_pretrained(init_from, dtype=torch.float32, device="cpu",
+        return load_pretrained(init_from, dtype=torch.float32, device="cpu", allow_non_finite=allow_non_finite,
                                **{sec: d[sec] for sec in ("moe", "mtp", "parallel", "fp8", "memory", "train")})
     from .model import DSv3Model
     return DSv3Model(cfg)
@@ -104,7 +104,8 @@ def _build_model(cfg, init_from: str | None):
 
 def _init_from_config(ds: dict, init_from: str) -> dict:
     """Model shape from the released config.json; training knobs (γ, λ, α schedules, train.*) from the JSON."""
-    from .config import ConfigError, DSv3Config, load_config
+    from .checkpoint.hf import pretrained_config
+    from .config import ConfigError, load_config
     from .errors import CheckpointError
     if not isinstance(ds.get("dsv3"), dict):
         raise ConfigError("dsv3: the DeepSpeed JSON has no \"dsv3\" block")
@@ -113,7 +114,7 @@ def _init_from_config(ds: dict, init_from: str) -> dict:
         raise CheckpointError(f"{hf_path}: not found (--init-from needs a released-format checkpoint dir)")
     asked = load_config({"dsv3": ds["dsv3"]})
     user = ds["dsv3"]
-    hf = DSv3Config.from_hf(hf_path).to_dict()
+    hf = pretrained_config(init_from).to_dict()  # config.json, index, headers, tensor set: CheckpointError
     block = {"preset": None, "model": hf["model"], "moe": hf["moe"], "mtp": hf["mtp"]}
     for sec in ("moe", "mtp"):  # training-time knobs the user set explicitly win over the released file
         for k, v in (user.get(sec) or {}).items():
@@ -142,7 +143,7 @@ def _prepare(ds_config, steps, init_from):
 def train(ds_config: "str | os.PathLike | dict | None" = None, *, steps: int | None = None,
           out: str | None = None, resume: str | None = None, init_from: str | None = None,
           progress: bool = True, echo: bool = False, summary: bool = False, save: bool = True,
-          overwrite: bool = False) -> dict:
+          overwrite: bool = False, allow_non_finite: bool = False) -> dict:
     """Train on this rank (call after, or let it call, `init_distributed()`).
 
     Returns {"history": per-step metric dicts, "summary", "router_bias": {buffer name: list},
@@ -156,19 +157,20 @@ def train(ds_config: "str | os.PathLike | dict | None" = None, *, steps: int | N
     (stdout, or stderr with `echo`). OUT is locked for the call; a fresh run into an OUT holding a previous run
     is refused unless `overwrite` (which deletes that run's files).
     """
-    from .distributed import init_distributed
+    from .distributed import init_distributed, set_peer_timeout
     rank, world = init_distributed()
     ds, cfg, total = _prepare(ds_config, steps, init_from)
+    set_peer_timeout(cfg.parallel.p2p_timeout_s)  # every later collective on the world group waits at most this
     run = RunDir(out, resume, cfg, rank, world, overwrite, save)
     try:
         return _train(run, ds, cfg, total, rank, world, init_from=init_from, progress=progress, echo=echo,
-                      summary=summary)
+                      summary=summary, allow_non_finite=allow_non_finite)
     finally:
         run.close()
 
 
 def _train(run: RunDir, ds: dict, cfg, total: int, rank: int, world: int, *, init_from, progress, echo,
-           summary) -> dict:
+           summary, allow_non_finite=False) -> dict:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     torch.manual_seed(cfg.train.seed)
 
@@ -181,7 +183,7 @@ def _train(run: RunDir, ds: dict, cfg, total: int, rank: int, world: int, *, ini
         from .config import ConfigError
         raise ConfigError("dsv3.memory.bf16_moments: not wired into dsv3 train's DeepSpeed optimizer yet; "
                           "use dsv3_plugin.bf16_adamw.make_optimizer as a client optimizer (docs/fp8.md)")
-    model = _build_model(cfg, init_from)
+    model = _build_model(cfg, init_from, allow_non_finite)
     if cfg.parallel.pp > 1:
         if cfg.memory.ema:
             from .config import ConfigError
@@ -311,9 +313,8 @@ def _train_pipelined(model, run: RunDir, ds: dict, cfg, total: int, rank: int, w
         stats = pe.update_expert_bias(gamma)
         step_tokens = ids.numel() * g.dp            # every rank of a pipeline trains on the same tokens
         tokens_seen += step_tokens
-        per_rank = [None] * g.pp                    # (MoE layer index, MaxVio) of every local MoE layer
-        torch.distributed.all_gather_object(per_rank, [(s["moe_index"], float(s["maxvio"])) for s in stats],
-                                            group=g.pp_group)
+        # (MoE layer index, MaxVio) of every local MoE layer of every pipeline rank
+        per_rank = pe.gather_pipeline([(s["moe_index"], float(s["maxvio"])) for s in stats])
         mv = [v for _, v in sorted(x for xs in per_rank for x in xs)]   # model order
         dt = time.perf_counter() - t0
         rec = {"step": step + 1, **m, "maxvio": sum(mv) / len(mv) if mv else 0.0,

@@ -8,7 +8,10 @@ conversion only, not interpreter start-up):
 - ours: `dsv3_plugin.checkpoint.convert(..., to="hf-bf16")` (streaming, fast exact dequantization);
 - baseline: load every shard (`safetensors.torch.load_file`), dequantize with DeepSeek's per-block formula
   written plainly in torch (expand the scale grid, multiply in fp32, cast), then `save_file` per shard;
-- copy: read + write of the same files (16 MiB chunks), the I/O ceiling.
+- copy: read + write of the same files (16 MiB chunks), the I/O ceiling;
+- ours_unchecked (largest size only): ours with `allow_non_finite=True`, i.e. without the NaN/Inf checks of
+  weights and scales; `finite_check_cost` = 1 - ours / ours_unchecked (GB/s) is what those checks cost,
+  `finite_check_cpu_cost` the same in CPU seconds (user + sys: less disturbed by other jobs' I/O).
 
 Figures are GB/s of input bytes. `ratio` = ours / baseline at the largest size; `fraction_of_copy` =
 ours / copy. Peak RSS is reported at every size (ours should stay flat, bounded by the largest output
@@ -127,16 +130,21 @@ def _copy(src: str, dst: str) -> None:
 def _child(approach: str, src: str, dst: str) -> None:
     import torch  # noqa: F401  (imported before the clock and the RSS base, as in every approach)
     from ..checkpoint.convert import convert
-    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    ru0 = resource.getrusage(resource.RUSAGE_SELF)
+    rss0 = ru0.ru_maxrss * 1024
     t0 = time.perf_counter()
     if approach == "ours":
         convert(src, dst, "hf-bf16", progress=False)
+    elif approach == "ours_unchecked":
+        convert(src, dst, "hf-bf16", progress=False, allow_non_finite=True)
     elif approach == "baseline":
         _baseline(src, dst)
     else:
         _copy(src, dst)
     wall = time.perf_counter() - t0
-    print(json.dumps({"wall_s": wall, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    ru1 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
+    print(json.dumps({"wall_s": wall, "cpu_s": cpu, "peak_rss_bytes": ru1.ru_maxrss * 1024,
                       "rss_after_imports_bytes": rss0}))
 
 
@@ -162,8 +170,9 @@ def run(args) -> dict:
     shard = args.shard_mb * 2**20
     runs = []
     with tempfile.TemporaryDirectory(prefix="dsv3-bench-convert-", dir=args.dir) as tmp:
-        steps = [(s, a) for s in sizes for a in ("copy", "ours", "baseline")
-                 if not (args.skip_baseline_small and a == "baseline" and s != sizes[-1])]
+        steps = [(s, a) for s in sizes for a in ("copy", "ours", "ours_unchecked", "baseline")
+                 if not (args.skip_baseline_small and a == "baseline" and s != sizes[-1])
+                 and not (a == "ours_unchecked" and s != sizes[-1])]
         bar = tqdm(total=len(steps), desc="bench convert", file=sys.stderr)
         for size in sizes:
             src = os.path.join(tmp, f"src-{size}")
@@ -191,6 +200,10 @@ def run(args) -> dict:
         "copy_gbps": big["copy"]["gbps"],
         "ratio": big["ours"]["gbps"] / big["baseline"]["gbps"],
         "fraction_of_copy": big["ours"]["gbps"] / big["copy"]["gbps"],
+        "ours_unchecked_gbps": big["ours_unchecked"]["gbps"],
+        "finite_check_cost": 1.0 - big["ours"]["gbps"] / big["ours_unchecked"]["gbps"],
+        # CPU seconds (user + sys) are less disturbed than wall time by other jobs' I/O on a shared machine
+        "finite_check_cpu_cost": big["ours"]["cpu_s"] / big["ours_unchecked"]["cpu_s"] - 1.0,
         "ours_peak_rss_bytes": big["ours"]["peak_rss_bytes"],
         "baseline_peak_rss_bytes": big["baseline"]["peak_rss_bytes"],
         "rss_bound_bytes": bound,

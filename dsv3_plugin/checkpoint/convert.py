@@ -27,6 +27,8 @@ import torch
 
 from ..errors import CheckpointError
 from .megatron_layout import MegatronLayout, released_names
+from .hf import model_config
+from .integrity import check_finite, load_json
 from .reader import INDEX_NAME, CheckpointReader, read_safetensors_header
 from .safetensors_writer import StreamingSafetensorsWriter
 from .synthetic import released_shapes
@@ -216,13 +218,20 @@ def _to_megatron(reader: CheckpointReader, out: str, pp: int, ep: int, dtype: to
 
 def _read_layout(src: str) -> dict:
     p = os.path.join(src, LAYOUT_NAME)
-    try:
-        with open(p) as f:
-            lay = json.load(f)
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{p}: not valid JSON ({e})") from None
+    lay = load_json(p, what=f"{LAYOUT_FORMAT} layout file")
     if lay.get("format") != LAYOUT_FORMAT or not isinstance(lay.get("files"), dict):
         raise CheckpointError(f"{p}: not a {LAYOUT_FORMAT} layout file")
+    for fn, fmeta in lay["files"].items():
+        tensors = fmeta.get("tensors") if isinstance(fmeta, dict) else None
+        if not isinstance(tensors, dict) or not all(
+                isinstance(parts, list) and parts and all(
+                    isinstance(x, list) and len(x) == 2 and isinstance(x[0], str) and isinstance(x[1], int)
+                    and not isinstance(x[1], bool) and x[1] >= 0 for x in parts)
+                for parts in tensors.values()):
+            raise CheckpointError(f"{p}: entry for {fn!r} must be {{\"tensors\": {{name: [[released name, rows], ...]}}}}")
+        if not all(isinstance(fmeta.get(k), int) and not isinstance(fmeta.get(k), bool) and fmeta[k] >= 0
+                   for k in ("stage", "ep_rank")):
+            raise CheckpointError(f"{p}: entry for {fn!r} needs non-negative integer \"stage\" and \"ep_rank\"")
     return lay
 
 
@@ -230,7 +239,7 @@ def _check_megatron_files(src: str, lay: dict) -> dict[str, dict]:
     headers = {}
     for fn, fmeta in lay["files"].items():
         fp = os.path.join(src, fn)
-        if os.path.basename(fn) != fn:
+        if os.path.basename(fn) != fn or fn in ("", ".", ".."):
             raise CheckpointError(f"{src}/{LAYOUT_NAME}: file name {fn!r} is not a plain file name")
         if not os.path.exists(fp):
             first = next(iter(fmeta["tensors"]), "<no tensors>")
@@ -241,6 +250,9 @@ def _check_megatron_files(src: str, lay: dict) -> dict[str, dict]:
                 raise CheckpointError(f"{mc}: listed in {LAYOUT_NAME} but missing from {fp}")
             if sum(rows for _, rows in parts) != (infos[mc].shape[0] if infos[mc].shape else 1):
                 raise CheckpointError(f"{mc} in {fp}: {infos[mc].shape} does not hold the rows of {parts}")
+            if infos[mc].dtype not in ("F32", "BF16", "F16", "F64"):
+                raise CheckpointError(f"{mc} in {fp}: dtype {infos[mc].dtype} (the Megatron layout holds "
+                                      "floating-point weights)")
         extra = sorted(set(infos) - set(fmeta["tensors"]))
         if extra:
             raise CheckpointError(f"{extra[0]} in {fp}: unexpected tensor, not listed in {LAYOUT_NAME}")
@@ -248,7 +260,8 @@ def _check_megatron_files(src: str, lay: dict) -> dict[str, dict]:
     return headers
 
 
-def _to_hf_from_megatron(src: str, out: str, dtype: Optional[torch.dtype], progress: bool) -> dict:
+def _to_hf_from_megatron(src: str, out: str, dtype: Optional[torch.dtype], progress: bool,
+                         allow_non_finite: bool) -> dict:
     from safetensors import safe_open
     lay = _read_layout(src)
     headers = _check_megatron_files(src, lay)
@@ -276,6 +289,7 @@ def _to_hf_from_megatron(src: str, out: str, dtype: Optional[torch.dtype], progr
                     StreamingSafetensorsWriter(os.path.join(out, out_fn), specs, {"format": "pt"}) as w:
                 for hf, mc, r0, r1, split, dt in plan:
                     t = f.get_slice(mc)[r0:r1] if split else f.get_tensor(mc)
+                    check_finite(t, f"{mc} (rows of {hf}) in {os.path.join(src, fn)}", allow_non_finite)
                     w.write(hf, t.to(dt))
                     bar.update(t.numel() * infos[mc].torch_dtype.itemsize)
                 total += w.total_bytes
@@ -285,12 +299,15 @@ def _to_hf_from_megatron(src: str, out: str, dtype: Optional[torch.dtype], progr
 
 # --------------------------------------------------------------------------------------------------
 def convert(src: str, dst: str, to: str, pp: int = 1, ep: int = 1, dtype: Optional[str] = None,
-            progress: bool = True) -> dict:
+            progress: bool = True, allow_non_finite: bool = False) -> dict:
     """Convert checkpoint directory `src` into new directory `dst` (see module docstring); returns a summary.
 
     to = "hf-bf16" | "hf": released format (from a released source: FP8 dequantized to `dtype`, which must
     be bf16 for "hf-bf16"; from a Megatron-layout source: the exact inverse). to = "megatron": the
     per-(pp, ep)-rank layout of docs/checkpoints.md.
+
+    NaN/Inf in weights or scales (FP8 NaN codes included) raise `CheckpointError` naming tensor and file,
+    unless `allow_non_finite` (copies them through, e.g. to inspect a damaged file).
     """
     if to not in ("hf-bf16", "hf", "megatron"):
         raise ValueError(f"--to {to!r}: choose hf-bf16, hf or megatron")
@@ -307,17 +324,18 @@ def convert(src: str, dst: str, to: str, pp: int = 1, ep: int = 1, dtype: Option
         if pp != 1 or ep != 1:
             raise ValueError("--pp/--ep: only meaningful with --to megatron")
         _check_megatron_files(src, _read_layout(src))
+        cfg = load_json(os.path.join(src, "config.json"), what="released config.json")
+        model_config(cfg, os.path.join(src, "config.json"))  # the file must describe a model we can build
         with atomic_output_dir(dst) as tmp:
-            summary = _to_hf_from_megatron(src, tmp, DTYPES[dtype] if dtype else None, progress)
-            with open(os.path.join(src, "config.json")) as f:
-                cfg = json.load(f)
+            summary = _to_hf_from_megatron(src, tmp, DTYPES[dtype] if dtype else None, progress, allow_non_finite)
             if dtype:
                 cfg["torch_dtype"] = _DTYPE_JSON[tdt]
             _write_json(os.path.join(tmp, "config.json"), cfg)
             _copy_side_files(src, tmp, {LAYOUT_NAME, "config.json", INDEX_NAME})
         return {"to": to, "src": src, "dst": os.path.abspath(dst), **summary}
 
-    reader = CheckpointReader(src)
+    reader = CheckpointReader(src, allow_non_finite=allow_non_finite)
+    model_config(reader.config, reader.config_path)  # one reading of config.json for convert, load and train
     _check_names(reader)
     with reader, atomic_output_dir(dst) as tmp:
         if to == "megatron":
@@ -331,23 +349,33 @@ def convert(src: str, dst: str, to: str, pp: int = 1, ep: int = 1, dtype: Option
     return {"to": to, "src": src, "dst": os.path.abspath(dst), **summary}
 
 
-def load_megatron_rank(path: str, stage: int, ep_rank: int, shared: bool = True) -> dict[str, torch.Tensor]:
+def load_megatron_rank(path: str, stage: int, ep_rank: int, shared: bool = True,
+                       allow_non_finite: bool = False) -> dict[str, torch.Tensor]:
     """State dict of pipeline stage `stage`, expert rank `ep_rank`: its experts plus (if `shared`) the
-    stage's non-expert tensors, which live in the stage's ep-rank-0 file (docs/checkpoints.md)."""
+    stage's non-expert tensors, which live in the stage's ep-rank-0 file (docs/checkpoints.md). Headers are
+    checked against layout.json first; NaN/Inf values raise unless `allow_non_finite`."""
     from safetensors.torch import load_file
     lay = _read_layout(path)
+    _check_megatron_files(path, lay)
     by_rank = {(m["stage"], m["ep_rank"]): fn for fn, m in lay["files"].items()}
     if (stage, ep_rank) not in by_rank:
         raise CheckpointError(f"{path}: no file for stage {stage}, ep rank {ep_rank} in {LAYOUT_NAME}")
-    own = load_file(os.path.join(path, by_rank[(stage, ep_rank)]))
+
+    def load(fn: str) -> dict[str, torch.Tensor]:
+        sd = load_file(os.path.join(path, fn))
+        for n, t in sd.items():
+            check_finite(t, f"{n} in {os.path.join(path, fn)}", allow_non_finite)
+        return sd
+    own = load(by_rank[(stage, ep_rank)])
     if ep_rank != 0:
         if any(".local_experts." not in n for n in own):
             bad = next(n for n in own if ".local_experts." not in n)
             raise CheckpointError(f"{bad}: non-expert tensor in ep rank {ep_rank}'s file {by_rank[(stage, ep_rank)]}")
         if shared:
-            zero = load_file(os.path.join(path, by_rank[(stage, 0)]))
+            if (stage, 0) not in by_rank:
+                raise CheckpointError(f"{path}: no file for stage {stage}, ep rank 0 in {LAYOUT_NAME}")
+            zero = load(by_rank[(stage, 0)])
             own.update({n: t for n, t in zero.items() if ".local_experts." not in n})
     elif not shared:
         own = {n: t for n, t in own.items() if ".local_experts." in n}
     return own
-

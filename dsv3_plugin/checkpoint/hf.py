@@ -9,20 +9,21 @@ check that the file's copies agree). transformers drops that layer; we load it.
 """
 from __future__ import annotations
 
-import json
+import math
 import os
 import re
 from collections import defaultdict
 from typing import Iterator
 
 import torch
-from safetensors import safe_open
 
 from ..config import DSv3Config
 from ..errors import CheckpointError
+from .integrity import check_finite
+from .reader import CheckpointReader
 
 __all__ = ["hf_to_native", "native_to_hf", "native_state_to_hf", "list_checkpoint_files",
-           "iter_checkpoint_tensors", "load_pretrained", "load_hf_state_into"]
+           "iter_checkpoint_tensors", "load_pretrained", "load_hf_state_into", "pretrained_config", "model_config"]
 
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
@@ -104,121 +105,153 @@ def native_state_to_hf(state: dict[str, torch.Tensor], cfg: DSv3Config) -> dict[
 
 
 def list_checkpoint_files(path: str | os.PathLike) -> dict[str, str]:
-    """{tensor name: safetensors file} for a single-file or index-sharded checkpoint directory."""
-    path = os.fspath(path)
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        try:
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
-        files = {n: os.path.join(path, fn) for n, fn in weight_map.items()}
-        for fn in sorted(set(files.values())):
-            if not os.path.exists(fn):
-                raise CheckpointError(f"{index}: points to missing file {os.path.basename(fn)}")
-        return files
-    single = os.path.join(path, "model.safetensors")
-    if not os.path.exists(single):
-        raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json")
-    with safe_open(single, framework="pt") as f:
-        return {n: single for n in f.keys()}
+    """{stored tensor name: safetensors file} of a single-file or index-sharded directory (FP8 scales included),
+    after the reader's checks of every header and of the index."""
+    with CheckpointReader(path, require_config=False) as r:
+        return {n: info.file for n, info in r.stored.items()}
 
 
-def iter_checkpoint_tensors(path: str | os.PathLike) -> Iterator[tuple[str, str, torch.Tensor]]:
-    """Yield (name, file, tensor) lazily, file by file. FP8 tensors come with their `_scale_inv` applied
-    by `checkpoint.reader` when available; here plain float tensors are passed through."""
-    by_file: dict[str, list[str]] = defaultdict(list)
-    for name, fn in list_checkpoint_files(path).items():
-        by_file[fn].append(name)
-    for fn, names in sorted(by_file.items()):
-        try:
-            with safe_open(fn, framework="pt") as f:
-                present = set(f.keys())
-                for name in sorted(names):
-                    if name not in present:
-                        raise CheckpointError(f"{name}: listed in the index but not in {os.path.basename(fn)}")
-                    yield name, fn, f.get_tensor(name)
-        except CheckpointError:
-            raise
-        except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
-            raise CheckpointError(f"{fn}: cannot read safetensors ({type(e).__name__}: {e})") from None
+def iter_checkpoint_tensors(path: str | os.PathLike, allow_non_finite: bool = False
+                            ) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """Yield every stored tensor as (name, file, tensor) lazily, file by file, as stored: FP8 weights stay FP8
+    and their `_scale_inv` come as tensors of their own (use `checkpoint.reader.CheckpointReader.get` for
+    dequantized weights). Headers are checked first; NaN/Inf values (FP8 NaN codes included) raise
+    `CheckpointError` unless `allow_non_finite`."""
+    with CheckpointReader(path, require_config=False, allow_non_finite=allow_non_finite) as r:
+        by_file: dict[str, list[str]] = defaultdict(list)
+        for n, info in r.stored.items():
+            by_file[info.file].append(n)
+        for fn, names in by_file.items():
+            for name in names:
+                t = r.raw(name)
+                check_finite(t, f"{name} in {os.path.basename(fn)}", allow_non_finite)
+                yield name, fn, t
 
 
-def load_hf_state_into(model: torch.nn.Module, path: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
-    """Copy every released tensor of `path` into `model` (a DSv3Model); complain about anything missing,
-    unexpected, mis-shaped or non-floating."""
-    cfg: DSv3Config = model.cfg
-    L = cfg.model.num_hidden_layers
-    state = model.state_dict()
+def _load_plan(names_shapes: Iterator[tuple[str, str, tuple, bool]], state_shapes: dict[str, tuple], L: int,
+               where_dir: str) -> tuple[list[tuple[str, str, int | None]], list[tuple[str, str]]]:
+    """Match stored tensors (name, file, shape, is_float) to the model's state (native name -> shape) from the
+    headers alone: raises on anything unexpected, mis-shaped, non-floating or missing. Returns
+    ([(name, native, expert)], [(name, native of a shared MTP copy)])."""
+    plan: list[tuple[str, str, int | None]] = []
+    shared: list[tuple[str, str]] = []
     seen: dict[str, set] = defaultdict(set)
-    shared_copies: list[tuple[str, str, str, torch.Tensor]] = []
-    for name, fn, t in _tensors(path):
+    for name, fn, shape, is_float in names_shapes:
         where = f"{name} in {os.path.basename(fn)}"
         try:
             native, expert = hf_to_native(name, L)
         except KeyError:
             raise CheckpointError(f"{where}: unexpected tensor (not part of a DeepSeek-V3 model)") from None
         if native is None:
-            shared_copies.append((name, fn, expert, t))
+            want = state_shapes[expert]
+            if tuple(shape) != tuple(want):
+                raise CheckpointError(f"{where}: shape {tuple(shape)} does not match the config's {tuple(want)}")
+            shared.append((name, expert))
             continue
-        if native not in state and t.numel() == 0:
+        if native not in state_shapes and math.prod(shape) == 0:
             continue  # transformers writes empty shared-expert weights when n_shared_experts = 0
-        if native not in state:
+        if native not in state_shapes:
             raise CheckpointError(f"{where}: unexpected tensor (the config builds no {native})")
-        if not t.is_floating_point():
-            raise CheckpointError(f"{where}: dtype {t.dtype} is not a floating-point weight")
-        if expert is not None and expert >= state[native].shape[0]:
+        if not is_float:
+            raise CheckpointError(f"{where}: not a floating-point weight")
+        full = tuple(state_shapes[native])
+        if expert is not None and expert >= full[0]:
             raise CheckpointError(f"{where}: unexpected tensor (expert {expert} but the config has "
-                                  f"{state[native].shape[0]} routed experts)")
-        dst = state[native] if expert is None else state[native][expert]
-        if tuple(t.shape) != tuple(dst.shape):
-            raise CheckpointError(f"{where}: shape {tuple(t.shape)} does not match the config's {tuple(dst.shape)}")
-        with torch.no_grad():
-            dst.copy_(t.to(dst.dtype))
+                                  f"{full[0]} routed experts)")
+        want = full if expert is None else full[1:]
+        if tuple(shape) != want:
+            raise CheckpointError(f"{where}: shape {tuple(shape)} does not match the config's {want}")
         seen[native].add(expert)
+        plan.append((name, native, expert))
     missing = []
-    for native, t in state.items():
+    for native, shape in state_shapes.items():
         if native.endswith("tokens_per_expert"):
             continue
         got = seen.get(native, set())
         if re.search(r"\.mlp\.experts\.(gate_proj|up_proj|down_proj)$", native):
-            missing += [native_to_hf(native, L, e) for e in range(t.shape[0]) if e not in got]
+            missing += [native_to_hf(native, L, e) for e in range(shape[0]) if e not in got]
         elif not got:
             missing.append(native_to_hf(native, L))
     if missing:
-        raise CheckpointError(f"{missing[0]}: missing from {os.fspath(path)}"
+        raise CheckpointError(f"{missing[0]}: missing from {where_dir}"
                               + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-    for name, fn, native, t in shared_copies:
-        if not torch.equal(t.to(state[native].dtype), state[native]):
-            raise CheckpointError(f"{name} in {os.path.basename(fn)}: differs from {native_to_hf(native, L)}; "
-                                  "the MTP module shares the main embedding/head physically (paper §3.2.3)")
+    return plan, shared
 
 
-def _tensors(path):
-    try:  # FP8-aware reader (dequantizes `weight_scale_inv` blocks) when present
-        from .reader import iter_dequantized_tensors
-    except ImportError:
-        iter_dequantized_tensors = None
-    if iter_dequantized_tensors is not None:
-        yield from iter_dequantized_tensors(path)
-        return
-    for name, fn, t in iter_checkpoint_tensors(path):
-        if t.element_size() == 1 and t.is_floating_point():
-            raise CheckpointError(f"{name} in {os.path.basename(fn)}: FP8 weights need checkpoint.reader")
-        yield name, fn, t
+def _reader_plan(reader: CheckpointReader, state_shapes: dict[str, tuple], L: int):
+    items = ((n, reader.info(n).file, reader.shape(n), reader.is_fp8(n) or reader.info(n).torch_dtype.is_floating_point)
+             for n in reader.names())
+    return _load_plan(items, state_shapes, L, reader.path)
+
+
+def _load_from_reader(model: torch.nn.Module, reader: CheckpointReader) -> None:
+    L = model.cfg.model.num_hidden_layers
+    state = model.state_dict()
+    plan, shared = _reader_plan(reader, {k: tuple(v.shape) for k, v in state.items()}, L)
+    with torch.no_grad():
+        for name, native, expert in plan:
+            # FP8 -> fp32: the exact product of DeepSeek's formula, then the model's dtype
+            t = reader.get(name, torch.float32 if reader.is_fp8(name) else None)
+            dst = state[native] if expert is None else state[native][expert]
+            dst.copy_(t.to(dst.dtype))
+        for name, native in shared:
+            t = reader.get(name, torch.float32 if reader.is_fp8(name) else None)
+            if not torch.equal(t.to(state[native].dtype), state[native]):
+                raise CheckpointError(f"{name} in {os.path.basename(reader.info(name).file)}: differs from "
+                                      f"{native_to_hf(native, L)}; the MTP module shares the main embedding/head "
+                                      "physically (paper §3.2.3)")
+
+
+def load_hf_state_into(model: torch.nn.Module, path: str | os.PathLike, dtype: torch.dtype | None = None,
+                       allow_non_finite: bool = False) -> None:
+    """Copy every released tensor of `path` into `model` (a DSv3Model); complain about anything missing,
+    unexpected, mis-shaped, non-floating or (unless `allow_non_finite`) NaN/Inf — all but the last from the
+    headers, before any data is read."""
+    with CheckpointReader(path, allow_non_finite=allow_non_finite) as reader:
+        _load_from_reader(model, reader)
+
+
+def model_config(hf_config: dict, cfg_path: str, overrides: dict | None = None) -> DSv3Config:
+    """`DSv3Config.from_hf` of a released config.json's dict: the file's own defects raise `CheckpointError`
+    naming `cfg_path`; the caller's `overrides` (validated afterwards) raise `ConfigError` naming their keys."""
+    try:
+        cfg = DSv3Config.from_hf(hf_config)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        msg = f"missing key {e}" if isinstance(e, KeyError) else str(e)
+        raise CheckpointError(f"{cfg_path}: {msg}") from None
+    return DSv3Config.from_hf(hf_config, **overrides) if overrides else cfg
+
+
+def _config_of(reader: CheckpointReader, overrides: dict) -> DSv3Config:
+    return model_config(reader.config, reader.config_path, overrides)
+
+
+def _state_shapes(cfg: DSv3Config) -> dict[str, tuple]:
+    from ..model import DSv3Model
+    with torch.device("meta"):  # shapes only: no memory, no initialisation
+        return {k: tuple(v.shape) for k, v in DSv3Model(cfg).state_dict().items()}
+
+
+def pretrained_config(path: str | os.PathLike, **config_overrides) -> DSv3Config:
+    """The `DSv3Config` a released directory builds, after checking everything that can be checked without
+    reading tensor data: config.json, index, every safetensors header, FP8 scale pairing, and the tensor set
+    and shapes against the model the config implies. Raises `CheckpointError` naming file and tensor/key."""
+    with CheckpointReader(path) as reader:
+        cfg = _config_of(reader, config_overrides)
+        _reader_plan(reader, _state_shapes(cfg), cfg.model.num_hidden_layers)
+    return cfg
 
 
 def load_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                    **config_overrides) -> "torch.nn.Module":
+                    allow_non_finite: bool = False, **config_overrides) -> "torch.nn.Module":
     """Build a `DSv3Model` from a released-format directory and load its weights (MTP included).
 
-    `config_overrides` deep-merge into the derived `DSv3Config` (e.g. `parallel={"ep": 2}`)."""
+    `config_overrides` deep-merge into the derived `DSv3Config` (e.g. `parallel={"ep": 2}`). NaN/Inf in
+    weights or scales raise `CheckpointError` unless `allow_non_finite` (to inspect such a file)."""
     from ..model import DSv3Model
-    cfg_path = os.path.join(os.fspath(path), "config.json")
-    if not os.path.exists(cfg_path):
-        raise CheckpointError(f"{cfg_path}: missing")
-    cfg = DSv3Config.from_hf(cfg_path, **config_overrides)
-    model = DSv3Model(cfg)
-    load_hf_state_into(model, path)
+    with CheckpointReader(path, allow_non_finite=allow_non_finite) as reader:
+        cfg = _config_of(reader, config_overrides)
+        _reader_plan(reader, _state_shapes(cfg), cfg.model.num_hidden_layers)  # before allocating the model
+        model = DSv3Model(cfg)
+        _load_from_reader(model, reader)
     return model.to(device=device, dtype=dtype)

@@ -12,19 +12,23 @@ FP8 tensors are detected by dtype (1 byte per element), never by module name: wh
 differs between model families (`eh_proj` is BF16 in V3's release).
 
 Every header is parsed and checked when the reader opens (truncation, index vs. files, scale pairing and
-grid shapes, dtypes), so a bad checkpoint fails before anything is converted, with a `CheckpointError`
-naming the tensor and the file. Tensor data is read lazily, one tensor at a time (`safe_open`).
+grid shapes, dtypes, `config.json`; see `integrity.py`), so a bad checkpoint fails before anything is
+converted, with a `CheckpointError` naming the tensor and the file. Tensor data is read lazily, one tensor
+at a time (`safe_open`), and checked as it streams: NaN/Inf weights, non-finite or overflowing scales and
+FP8 NaN codes raise, unless the reader was opened with `allow_non_finite=True`.
 
 Speed: on CPU, torch's float8 -> float cast is a scalar loop (~0.15 G elem/s per core here). E4M3 is
 re-encoded to FP16 with three integer ops instead (sign-extend to int16, shift left by 7, clear bit 14:
 E4M3's 4-bit exponent and 3-bit mantissa land in FP16's fields and subnormals stay exact), and the 2^8
 exponent-bias difference is folded into the per-block scale (a power-of-two factor, so each product
 rounds exactly as in the reference formula). The work runs per 128-row block in cache-sized, reused
-buffers on a small thread pool (torch ops release the GIL).
+buffers on a small thread pool (torch ops release the GIL). E4M3's NaN code (S.1111.111) is found per
+cache-hot block by `max(byte | 0x80) == 255` and those elements (which re-encode to +-1.875, above every
+finite code's 1.75) are set to NaN: the result equals the formula's `float(w_fp8) * scale` bit for bit, NaN
+included.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import struct
@@ -35,6 +39,8 @@ from typing import Iterator, Optional
 import torch
 
 from ..errors import CheckpointError
+from .integrity import (ALLOW_HINT, check_finite, check_released_config, check_scale, fp8_special_codes, load_json,
+                        parse_json)
 
 __all__ = [
     "CheckpointReader",
@@ -78,7 +84,8 @@ class TensorInfo:
 
 
 def read_safetensors_header(path: str) -> tuple[dict[str, TensorInfo], dict]:
-    """Parse and check one safetensors header: {name: TensorInfo}, metadata. Detects truncated files."""
+    """Parse and check one safetensors header: {name: TensorInfo}, metadata. Detects truncated files, absurd
+    header lengths, malformed entries (dtype, shape, offsets), duplicate names and overlapping or gappy data."""
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
@@ -92,20 +99,32 @@ def read_safetensors_header(path: str) -> tuple[dict[str, TensorInfo], dict]:
             raw = f.read(n)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file not found") from None
-    try:
-        hdr = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
+    except IsADirectoryError:
+        raise CheckpointError(f"{path}: is a directory, expected a safetensors file") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
+    hdr = parse_json(raw, f"{path} (safetensors header)")
+    if not isinstance(hdr, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header (a JSON {type(hdr).__name__}, not an object)")
     meta = hdr.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise CheckpointError(f"{path}: corrupt safetensors header (__metadata__ must map strings to strings)")
     out: dict[str, TensorInfo] = {}
     data_len = size - 8 - n
-    end_max = 0
+    spans = []
     for name, h in hdr.items():
+        if not isinstance(h, dict):
+            raise CheckpointError(f"{name} in {path}: corrupt header entry {h!r}")
         dt = h.get("dtype")
         if dt not in SAFETENSORS_DTYPES:
             raise CheckpointError(f"{name} in {path}: unsupported dtype {dt!r}")
-        shape = tuple(int(s) for s in h["shape"])
-        b, e = (int(x) for x in h["data_offsets"])
+        shape, offs = h.get("shape"), h.get("data_offsets")
+        if not (isinstance(shape, list) and all(_is_int(s) and 0 <= s < 2**48 for s in shape) and len(shape) <= 8):
+            raise CheckpointError(f"{name} in {path}: corrupt header, shape {shape!r}")
+        if not (isinstance(offs, list) and len(offs) == 2 and all(_is_int(x) and x >= 0 for x in offs)):
+            raise CheckpointError(f"{name} in {path}: corrupt header, data_offsets {offs!r}")
+        shape = tuple(shape)
+        b, e = offs
         nbytes = math.prod(shape) * SAFETENSORS_DTYPES[dt].itemsize
         if e - b != nbytes:
             raise CheckpointError(f"{name} in {path}: header says {e - b} bytes for {dt} {list(shape)} "
@@ -113,12 +132,23 @@ def read_safetensors_header(path: str) -> tuple[dict[str, TensorInfo], dict]:
         if e > data_len:
             raise CheckpointError(f"{name} in {path}: data ends at byte {e} but the file holds {data_len} "
                                   "data bytes (truncated safetensors file)")
-        end_max = max(end_max, e)
+        spans.append((b, e, name))
         out[name] = TensorInfo(name, path, dt, shape, nbytes)
-    if end_max != data_len:
-        raise CheckpointError(f"{path}: {data_len - end_max} trailing bytes after the last tensor "
+    end = 0
+    for b, e, name in sorted(spans):
+        if b != end:  # the format packs tensors back to back: a gap or an overlap is corruption
+            raise CheckpointError(f"{name} in {path}: data starts at byte {b}, expected {end} "
+                                  f"({'overlaps the previous tensor' if b < end else 'gap before it'}; "
+                                  "corrupt safetensors file)")
+        end = e
+    if end != data_len:
+        raise CheckpointError(f"{path}: {data_len - end} trailing bytes after the last tensor "
                               "(corrupt safetensors file)")
     return out, meta
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def scale_grid_shape(shape: tuple, block: tuple[int, int]) -> tuple[int, int]:
@@ -154,17 +184,19 @@ def _pool() -> ThreadPoolExecutor:
         return _POOL
 
 
-def _buffers(numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _buffers(numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     b = getattr(_TLS, "bufs", None)
     if b is None or b[0].numel() < numel:
-        b = (torch.empty(numel, dtype=torch.int16), torch.empty(numel, dtype=torch.float32))
+        b = (torch.empty(numel, dtype=torch.int16), torch.empty(numel, dtype=torch.float32),
+             torch.empty(numel, dtype=torch.uint8))
         _TLS.bufs = b
     return b
 
 
 def _dequant_rows(w_fp8: torch.Tensor, scale_cols: torch.Tensor, out: torch.Tensor, r0: int, r1: int,
-                  is_e4m3: bool) -> None:
-    """out[r0:r1] = w_fp8[r0:r1] * scale_cols (one row-block: scale_cols [in] already expanded per column)."""
+                  is_e4m3: bool) -> bool:
+    """out[r0:r1] = w_fp8[r0:r1] * scale_cols (one row-block: scale_cols [in] already expanded per column).
+    Returns True if the rows hold NaN/Inf codes (decoded as NaN/Inf, as `float(w_fp8)` does)."""
     rows, cols = r1 - r0, w_fp8.shape[1]
     src = w_fp8[r0:r1]
     if out.dtype == torch.float32:
@@ -172,32 +204,47 @@ def _dequant_rows(w_fp8: torch.Tensor, scale_cols: torch.Tensor, out: torch.Tens
     else:
         f32 = _buffers(rows * cols)[1][: rows * cols].view(rows, cols)
     if is_e4m3:
+        # NaN codes are 0x7F / 0xFF: (byte | 0x80) reaches 255 only for them. One OR and one max over the
+        # cache-hot bytes (~1/5 of the block's work measured; an fp32 min/max pass costs ~1/2).
+        u8 = _buffers(rows * cols)[2][: rows * cols].view(rows, cols)
+        special = int(torch.bitwise_or(src.view(torch.uint8), 0x80, out=u8).max()) == 255
         # E4M3 (s eeee mmm) -> FP16 (s eeeee mmmmmmmmmm) with value / 2^8: sign-extend, << 7, clear bit 14.
         i16 = _buffers(rows * cols)[0][: rows * cols].view(rows, cols)
         i16.copy_(src.view(torch.int8))
         i16.mul_(128)
         i16.bitwise_and_(-16512)  # 0xBF80
         f32.copy_(i16.view(torch.float16))
+        if special:  # the NaN code re-encodes to +-1.875, above every finite code (448 / 2^8 = 1.75)
+            f32.masked_fill_(f32.abs() > 1.75, float("nan"))
     else:
-        f32.copy_(src)
+        f32.copy_(src)  # torch's cast: E5M2's Inf and NaN codes decode as Inf and NaN
+        lo, hi = torch.aminmax(f32)
+        special = not (math.isfinite(float(lo)) and math.isfinite(float(hi)))
     f32.mul_(scale_cols)
     if f32.data_ptr() != out[r0:r1].data_ptr():
         out[r0:r1].copy_(f32)
+    return special
 
 
 def dequantize_fp8_blockwise(w_fp8: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
                              dtype: torch.dtype = torch.bfloat16, out: Optional[torch.Tensor] = None,
-                             name: str = "<tensor>") -> torch.Tensor:
-    """Fast, exact equivalent of `dequantize_fp8_reference` (bitwise equal for finite inputs).
+                             name: str = "<tensor>", check_finite: bool = False,
+                             file: Optional[str] = None) -> torch.Tensor:
+    """Fast, exact equivalent of `dequantize_fp8_reference` (bitwise equal, NaN/Inf codes included).
 
     `w_fp8` [O, I] float8_e4m3fn/e5m2, `scale_inv` [ceil(O/b0), ceil(I/b1)] fp32 -> [O, I] `dtype`.
+    With `check_finite`, a non-finite or overflowing scale, or NaN/Inf codes in the data, raise
+    `CheckpointError` naming `name` (and `file`) instead of producing non-finite weights.
     """
+    where = f"{name} in {file}" if file else name
     if w_fp8.dim() != 2:
-        raise CheckpointError(f"{name}: FP8 weight must be 2-D for block scaling (got {list(w_fp8.shape)})")
+        raise CheckpointError(f"{where}: FP8 weight must be 2-D for block scaling (got {list(w_fp8.shape)})")
     grid = scale_grid_shape(tuple(w_fp8.shape), block)
     if tuple(scale_inv.shape) != grid:
         raise CheckpointError(f"{name}{SCALE_SUFFIX}: scale grid {list(scale_inv.shape)} does not match weight "
                               f"{list(w_fp8.shape)} with {block[0]}x{block[1]} blocks (expected {list(grid)})")
+    if check_finite:  # finite data codes x a scale below this bound give finite products: no output pass
+        check_scale(scale_inv, w_fp8.dtype, dtype, f"{name}{SCALE_SUFFIX}" + (f" in {file}" if file else ""))
     O, I = w_fp8.shape
     w_fp8 = w_fp8.contiguous()
     if out is None:
@@ -213,12 +260,15 @@ def dequantize_fp8_blockwise(w_fp8: torch.Tensor, scale_inv: torch.Tensor, block
     jobs = [(r0 // block[0], r0, min(r0 + step, (r0 // block[0] + 1) * block[0], O))
             for b0 in range(0, O, block[0]) for r0 in range(b0, min(b0 + block[0], O), step)]
     if O * I < (1 << 20) or len(jobs) == 1:
-        for k, r0, r1 in jobs:
-            _dequant_rows(w_fp8, cols_NI[k], out, r0, r1, is_e4m3)
+        special = [_dequant_rows(w_fp8, cols_NI[k], out, r0, r1, is_e4m3) for k, r0, r1 in jobs]
     else:
         futs = [_pool().submit(_dequant_rows, w_fp8, cols_NI[k], out, r0, r1, is_e4m3) for k, r0, r1 in jobs]
-        for f in futs:
-            f.result()
+        special = [f.result() for f in futs]
+    if check_finite and any(special):
+        n = fp8_special_codes(w_fp8)
+        kind = "NaN codes (S.1111.111)" if is_e4m3 else "Inf/NaN codes (S.11111.xx)"
+        raise CheckpointError(f"{where}: {n} FP8 {kind} among {w_fp8.numel()} values (non-finite weights); "
+                              f"{ALLOW_HINT}")
     return out
 
 
@@ -231,7 +281,7 @@ class CheckpointReader:
     """
 
     def __init__(self, path: str | os.PathLike, require_config: bool = True, max_open_files: int = 1,
-                 max_mapped_bytes: int = 256 * 2**20):
+                 max_mapped_bytes: int = 256 * 2**20, allow_non_finite: bool = False):
         self.path = os.fspath(path)
         # safe_open memory-maps a shard; the pages read stay resident (and count in RSS) until the handle is
         # closed. So at most `max_open_files` shards are open (LRU), and a handle is dropped once
@@ -239,48 +289,55 @@ class CheckpointReader:
         # tensors still referenced, whatever the shard size.
         self.max_open_files = max(1, max_open_files)
         self.max_mapped_bytes = max_mapped_bytes
+        # NaN/Inf in weights or scales -> CheckpointError unless explicitly allowed (integrity.py).
+        self.allow_non_finite = allow_non_finite
         self._mapped: dict[str, int] = {}
+        self._handles: dict[str, object] = {}
         if not os.path.isdir(self.path):
             raise CheckpointError(f"{self.path}: not a checkpoint directory")
         cfg_path = os.path.join(self.path, "config.json")
+        self.config_path = cfg_path
         self.config: dict = {}
-        if os.path.exists(cfg_path):
-            try:
-                with open(cfg_path) as f:
-                    self.config = json.load(f)
-            except json.JSONDecodeError as e:
-                raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from None
+        if os.path.lexists(cfg_path):
+            self.config = load_json(cfg_path, what="released config.json")
         elif require_config:
             raise CheckpointError(f"{cfg_path}: missing config.json")
         qc = self.config.get("quantization_config") or {}
-        self.block: tuple[int, int] = tuple(qc.get("weight_block_size") or (128, 128))  # type: ignore[assignment]
-        if len(self.block) != 2 or min(self.block) <= 0:
+        bs = qc.get("weight_block_size") if isinstance(qc, dict) else None
+        bs = [128, 128] if bs is None else bs
+        if not (isinstance(bs, list) and len(bs) == 2 and all(_is_int(b) and b > 0 for b in bs)):
             raise CheckpointError(f"{cfg_path}: quantization_config.weight_block_size must be two positive "
-                                  f"ints (got {self.block})")
+                                  f"ints (got {bs!r})")
+        self.block: tuple[int, int] = (bs[0], bs[1])
         self.stored: dict[str, TensorInfo] = {}
         self.metadata: dict[str, dict] = {}
         self._open_files(cfg_path)
         self._pair_scales()
-        self._handles: dict[str, object] = {}
+        if require_config:
+            check_released_config(self.config, cfg_path, len(self.names()))
 
     # -- discovery and validation ----------------------------------------------------------------
     def _open_files(self, cfg_path: str) -> None:
         idx_path = os.path.join(self.path, INDEX_NAME)
         single = os.path.join(self.path, SINGLE_NAME)
-        if os.path.exists(idx_path):
-            try:
-                with open(idx_path) as f:
-                    weight_map = json.load(f)["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise CheckpointError(f"{idx_path}: not a valid index (need a \"weight_map\" object: {e})") from None
+        if os.path.lexists(idx_path):
+            index = load_json(idx_path, what="safetensors index")
+            weight_map = index.get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{idx_path}: not a valid index (need a \"weight_map\" object mapping tensor "
+                                      f"names to shard files, got {type(weight_map).__name__})")
+            if not weight_map:
+                raise CheckpointError(f"{idx_path}: \"weight_map\" is empty (no tensors)")
             files: dict[str, list[str]] = {}
             for name, fn in weight_map.items():
+                if not isinstance(fn, str):
+                    raise CheckpointError(f"{name}: {idx_path} maps it to {fn!r}, not a shard file name")
+                if os.path.basename(fn) != fn or fn in ("", ".", ".."):
+                    raise CheckpointError(f"{idx_path}: shard name {fn!r} (of tensor {name}) is not a plain "
+                                          "file name inside the checkpoint directory")
                 files.setdefault(fn, []).append(name)
             for fn, names in files.items():
                 fp = os.path.join(self.path, fn)
-                if os.path.basename(fn) != fn:
-                    raise CheckpointError(f"{idx_path}: shard name {fn!r} (of tensor {names[0]}) is not a plain "
-                                          "file name")
                 if not os.path.exists(fp):
                     raise CheckpointError(f"{names[0]}: index {idx_path} points to missing file {fp}")
                 infos, meta = read_safetensors_header(fp)
@@ -293,12 +350,14 @@ class CheckpointReader:
                         raise CheckpointError(f"{n} in {fp}: unexpected tensor, not listed for this file in "
                                               f"{idx_path}")
                     self.stored[n] = info
-        elif os.path.exists(single):
+        elif os.path.lexists(single):
             infos, meta = read_safetensors_header(single)
             self.metadata[single] = meta
             self.stored.update(infos)
         else:
             raise CheckpointError(f"{self.path}: no {INDEX_NAME} and no {SINGLE_NAME}")
+        if not self.stored:
+            raise CheckpointError(f"{self.path}: the checkpoint holds no tensors")
 
     def _pair_scales(self) -> None:
         self.scale_of: dict[str, str] = {}
@@ -406,15 +465,19 @@ class CheckpointReader:
         return torch.bfloat16 if name in self.scale_of else self.info(name).torch_dtype
 
     def get(self, name: str, dtype: Optional[torch.dtype] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """One logical tensor; FP8 weights are dequantized block-wise (fp32 math) to `dtype` (default bf16)."""
+        """One logical tensor; FP8 weights are dequantized block-wise (fp32 math) to `dtype` (default bf16).
+        Non-finite values (NaN/Inf weights, scales or FP8 codes) raise unless `allow_non_finite`."""
         if name not in self:
             raise CheckpointError(f"{name}: missing from checkpoint {self.path}")
         t = self.raw(name)
+        info = self.stored[name]
         if name in self.scale_of:
             s = self.raw(self.scale_of[name])
-            return dequantize_fp8_blockwise(t, s, self.block, self.out_dtype(name, dtype), out=out, name=name)
+            return dequantize_fp8_blockwise(t, s, self.block, self.out_dtype(name, dtype), out=out, name=name,
+                                            check_finite=not self.allow_non_finite, file=info.file)
         if dtype is not None and t.dtype != dtype:
-            t = t.to(dtype)
+            t = t.to(dtype)  # upcasts are exact; a downcast may overflow, so the check looks at the result
+        check_finite(t, f"{name} in {info.file}", self.allow_non_finite)
         if out is not None:
             out.copy_(t)
             return out
@@ -426,6 +489,12 @@ class CheckpointReader:
             for n in names:
                 yield n, self.get(n, dtype)
 
+    def iter_logical(self, fp8_dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, str, torch.Tensor]]:
+        """(name, file, tensor) file by file: FP8 weights dequantized to `fp8_dtype`, others as stored."""
+        for file, names in self.names_by_file().items():
+            for n in names:
+                yield n, file, (self.get(n, fp8_dtype) if self.is_fp8(n) else self.get(n))
+
     def close(self) -> None:
         self._handles.clear()
 
@@ -436,12 +505,10 @@ class CheckpointReader:
         self.close()
 
 
-def iter_dequantized_tensors(path: str | os.PathLike, dtype: torch.dtype = torch.float32
-                             ) -> Iterator[tuple[str, str, torch.Tensor]]:
+def iter_dequantized_tensors(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+                             allow_non_finite: bool = False) -> Iterator[tuple[str, str, torch.Tensor]]:
     """(name, file, tensor) for every logical tensor of a released-format directory, file by file; FP8
     weights dequantized block-wise to `dtype` (fp32 by default: the exact product of the formula), other
-    tensors as stored. Used by `checkpoint.hf.load_pretrained`."""
-    with CheckpointReader(path) as r:
-        for file, names in r.names_by_file().items():
-            for n in names:
-                yield n, file, (r.get(n, dtype) if r.is_fp8(n) else r.get(n))
+    tensors as stored. Non-finite values raise unless `allow_non_finite`."""
+    with CheckpointReader(path, allow_non_finite=allow_non_finite) as r:
+        yield from r.iter_logical(dtype)

@@ -1,4 +1,4 @@
-"""`dsv3 convert SRC DST --to {hf-bf16,hf,megatron} [--pp N] [--ep N] [--dtype bf16|fp32]`."""
+"""`dsv3 convert SRC DST --to {hf-bf16,hf,megatron} [--pp N] [--ep N] [--dtype bf16|fp32] [--allow-non-finite]`."""
 from __future__ import annotations
 
 import json
@@ -19,6 +19,9 @@ def register(sub) -> None:
     p.add_argument("--dtype", choices=["bf16", "fp32"], default=None,
                    help="dtype of dequantized FP8 weights; narrower floats are upcast to it (default bf16)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--allow-non-finite", action="store_true",
+                   help="copy NaN/Inf weights and scales (and FP8 NaN codes, as NaN) through instead of refusing "
+                        "them with exit 2; for inspecting damaged files")
     p.set_defaults(func=run)
 
 
@@ -27,7 +30,7 @@ def run(args) -> int:
     from ..errors import CheckpointError
     try:
         out = convert(args.src, args.dst, args.to, pp=args.pp, ep=args.ep, dtype=args.dtype,
-                      progress=not args.no_progress)
+                      progress=not args.no_progress, allow_non_finite=args.allow_non_finite)
     except ValueError as e:
         if isinstance(e, CheckpointError):
             raise

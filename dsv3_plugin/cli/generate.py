@@ -18,6 +18,8 @@ def register(sub) -> None:
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="compute dtype")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--allow-non-finite", action="store_true",
+                   help="load NaN/Inf weights and scales instead of refusing them with exit 2 (for inspection)")
     p.set_defaults(func=run)
 
 
@@ -35,7 +37,8 @@ def run(args) -> int:
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens: must be >= 1 (got {args.max_new_tokens})")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_pretrained(args.model, dtype=torch.float32 if args.dtype == "fp32" else torch.bfloat16, device=device)
+    model = load_pretrained(args.model, dtype=torch.float32 if args.dtype == "fp32" else torch.bfloat16, device=device,
+                            allow_non_finite=args.allow_non_finite)
     try:
         res = greedy_generate(model, prompt, args.max_new_tokens, speculative=args.speculative)
     except ValueError as e:

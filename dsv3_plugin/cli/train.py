@@ -33,13 +33,15 @@ def register(sub):
     p.add_argument("--overwrite", action="store_true",
                    help="start over in an --out that holds a previous run (deletes its metrics and checkpoints)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar on stderr")
+    p.add_argument("--allow-non-finite", action="store_true",
+                   help="--init-from: load NaN/Inf weights and scales instead of refusing them (exit 2)")
     p.set_defaults(func=run)
 
 
-def _worker(config, steps, out, resume, init_from, progress, echo, overwrite):
+def _worker(config, steps, out, resume, init_from, progress, echo, overwrite, allow_non_finite=False):
     from ..train import train
     train(config, steps=steps, out=out, resume=resume, init_from=init_from, progress=progress, echo=echo,
-          summary=True, overwrite=overwrite)
+          summary=True, overwrite=overwrite, allow_non_finite=allow_non_finite)
 
 
 def _precheck(args):
@@ -64,7 +66,7 @@ def _precheck(args):
 def run(args) -> int:
     from ..distributed import launched_externally, spawn
     wargs = (args.config, args.steps, args.out, args.resume, args.init_from, not args.no_progress, args.json,
-             args.overwrite)
+             args.overwrite, args.allow_non_finite)
     if launched_externally():
         return _run_launched(wargs)
     if args.nproc is not None and args.nproc < 1:

@@ -15,14 +15,20 @@ gradient_accumulation_steps = 1 and micro-batch = gas x micro-batch.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import re
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 __all__ = ["PipelineGroups", "pipeline_groups", "PipelineMPU", "PipelinedEngine"]
+
+# What gloo / NCCL / c10d say when a peer is gone or silent past the group's timeout.
+_COMM_FAILURE = re.compile(r"gloo|nccl|timed? ?out|connection (closed|reset|refused)|broken pipe", re.I)
 
 
 @dataclass
@@ -37,22 +43,26 @@ class PipelineGroups:
     dp_ranks: list[int]
 
 
-def pipeline_groups(pp: int) -> PipelineGroups:
-    """Create every pipeline and data-parallel group (all ranks must call this, in the same order)."""
+def pipeline_groups(pp: int, timeout_s: float | None = None) -> PipelineGroups:
+    """Create every pipeline and data-parallel group (all ranks must call this, in the same order).
+
+    `timeout_s` bounds every collective on these groups (torch's default for a new group is 30 minutes,
+    not the world group's timeout)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     if pp < 1 or world % pp:
         from ..config import ConfigError
         raise ConfigError(f"dsv3.parallel.pp: must divide the world size (got pp={pp}, world={world})")
     dp = world // pp
     mine = {}
+    kw = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
     for d in range(dp):
         ranks = [d * pp + p for p in range(pp)]
-        g = dist.new_group(ranks)
+        g = dist.new_group(ranks, **kw)
         if rank in ranks:
             mine["pp"] = (g, ranks)
     for p in range(pp):
         ranks = [d * pp + p for d in range(dp)]
-        g = dist.new_group(ranks)
+        g = dist.new_group(ranks, **kw)
         if rank in ranks:
             mine["dp"] = (g, ranks)
     return PipelineGroups(pp, dp, rank % pp, rank // pp, mine["pp"][0], mine["dp"][0], mine["pp"][1], mine["dp"][1])
@@ -116,9 +126,15 @@ class _LocalStages(nn.Module):
 class PipelinedEngine:
     """`dsv3 train` with "parallel": {"pp": P, "schedule": ...}: build with the full model and the DeepSpeed
     JSON (its "dsv3" block gives the schedule), then call `train_step(ids, labels, tokens_seen)` with this
-    data-parallel rank's gas x micro-batch sequences (the same on every rank of a pipeline)."""
+    data-parallel rank's gas x micro-batch sequences (the same on every rank of a pipeline).
 
-    def __init__(self, model, ds_config: dict, cfg, groups: PipelineGroups | None = None, timeout_s: float = 300.0):
+    Every wait on a peer is bounded by `timeout_s` (default: the config's `parallel.p2p_timeout_s`): the
+    pipeline's sends/receives, and the collectives over the pipeline and data-parallel groups, which are
+    created with that timeout. A dead or stuck peer raises `PipelineError` naming the operation, the ranks
+    and the timeout, instead of hanging."""
+
+    def __init__(self, model, ds_config: dict, cfg, groups: PipelineGroups | None = None,
+                 timeout_s: float | None = None):
         try:   # the adapter's import applies its CPU patch (no JIT build of an inference-only comm op)
             from .engine import _import_deepspeed
             deepspeed = _import_deepspeed()
@@ -129,7 +145,8 @@ class PipelinedEngine:
         from ..pipeline.stages import build_stages, n_stages_of, stage_ids_for_rank
         self.cfg = cfg
         self.schedule = cfg.parallel.schedule
-        self.g = groups or pipeline_groups(cfg.parallel.pp)
+        self.timeout_s = float(cfg.parallel.p2p_timeout_s if timeout_s is None else timeout_s)
+        self.g = groups or pipeline_groups(cfg.parallel.pp, self.timeout_s)
         ds = copy.deepcopy(ds_config)
         self.gas = int(ds.get("gradient_accumulation_steps", 1))
         mbs = int(ds.get("train_micro_batch_size_per_gpu", 1))
@@ -142,13 +159,32 @@ class PipelinedEngine:
         self.stages = build_stages(model, n_stages_of(self.schedule, self.g.pp), ids)
         self.module = _LocalStages(self.stages)
         params = [p for p in self.module.parameters() if p.requires_grad]
-        self.engine, self.optimizer, _, self.lr_scheduler = deepspeed.initialize(
-            model=self.module, model_parameters=params, config=ds, mpu=PipelineMPU(self.g))
+        with self._peers("deepspeed.initialize (parameter broadcast)", self.g.dp_ranks):
+            self.engine, self.optimizer, _, self.lr_scheduler = deepspeed.initialize(
+                model=self.module, model_parameters=params, config=ds, mpu=PipelineMPU(self.g))
         # Gradients are produced outside engine.backward (by the schedule): reduce them like DeepSpeed's own
         # pipeline engine does.
         self.engine.pipeline_parallelism = True
         cls = {"1f1b": OneFOneB, "zb1p": ZeroBubble1P, "dualpipe": DualPipe, "dualpipev": DualPipeV}[self.schedule]
-        self.runtime = cls(self.stages, process_group=self.g.pp_group, timeout_s=timeout_s)
+        self.runtime = cls(self.stages, process_group=self.g.pp_group, timeout_s=self.timeout_s,
+                           timeout_name="parallel.p2p_timeout_s")
+
+    @contextlib.contextmanager
+    def _peers(self, op: str, ranks: list[int]):
+        """Turn a collective's failure (gloo: "Timed out waiting ...ms", "Connection closed by peer"; NCCL: the
+        watchdog's error) into a `PipelineError` that says which operation over which ranks, and the limit."""
+        from ..pipeline.p2p import PipelineError
+        try:
+            yield
+        except PipelineError:
+            raise
+        except RuntimeError as e:  # torch.distributed's DistBackendError and gloo's errors are RuntimeErrors
+            if not (isinstance(e, dist.DistError) or _COMM_FAILURE.search(str(e))):
+                raise  # not a communication failure (e.g. a DeepSpeed config error): leave it as it is
+            first = (str(e).splitlines() or [""])[0][:300]
+            raise PipelineError(
+                f"global rank {dist.get_rank()}: {op} over global ranks {ranks} failed (peer dead, or silent longer "
+                f"than parallel.p2p_timeout_s = {self.timeout_s:g}s): {type(e).__name__}: {first}") from e
 
     def train_step(self, ids_NT: torch.Tensor, labels_NT: torch.Tensor, tokens_seen: float = 0.0) -> dict:
         """One optimizer step over gas micro-batches (N = gas x micro-batch rows). Returns the loss terms
@@ -158,18 +194,30 @@ class PipelinedEngine:
         self.engine.train()
         self.runtime.step(ids_NT, num_chunks=self.gas, criterion=crit, labels=(labels_NT,))
         sync_tied_embedding(self.runtime, self.stages)
-        self.engine.allreduce_gradients()
-        self.engine.step()
+        with self._peers("gradient all-reduce (ZeRO-1)", self.g.dp_ranks):
+            self.engine.allreduce_gradients()
+        with self._peers("optimizer step (gradient norm over the pipeline, ZeRO-1 all-gather)",
+                         sorted(set(self.g.pp_ranks) | set(self.g.dp_ranks))):
+            self.engine.step()
         sums_4 = torch.zeros(4, dtype=torch.float64)
         for rec in crit.records:
             sums_4 += torch.tensor([float(rec[k]) if rec[k] is not None else 0.0
                                     for k in ("loss", "lm_loss", "mtp_loss", "balance_loss")], dtype=torch.float64)
         # the loss rank of each pipeline has the sums: share them with the pipeline, then average over DP
         src = self.g.pp_ranks[self.runtime.loss_rank]
-        dist.broadcast(sums_4, src=src, group=self.g.pp_group)
-        dist.all_reduce(sums_4, group=self.g.dp_group)
+        with self._peers("loss broadcast from the loss rank", self.g.pp_ranks):
+            dist.broadcast(sums_4, src=src, group=self.g.pp_group)
+        with self._peers("loss all-reduce", self.g.dp_ranks):
+            dist.all_reduce(sums_4, group=self.g.dp_group)
         means = (sums_4 / (self.gas * self.g.dp)).tolist()
         return dict(zip(("loss", "lm_loss", "mtp_loss", "balance_loss"), means))
+
+    def gather_pipeline(self, obj) -> list:
+        """`obj` of every rank of this pipeline, in pipeline-rank order (time-limited like every other wait)."""
+        out = [None] * self.g.pp
+        with self._peers("all_gather_object over the pipeline", self.g.pp_ranks):
+            dist.all_gather_object(out, obj, group=self.g.pp_group)
+        return out
 
     def update_expert_bias(self, gamma: float):
         """Aux-loss-free bias update for this rank's routers: counts summed over the data-parallel group
@@ -179,7 +227,7 @@ class PipelinedEngine:
             from ..config import ConfigError
             raise ConfigError("dsv3.parallel.schedule: 'dualpipe' with MoE bias updates is not supported on the "
                               "DeepSpeed path (counts would also need summing over the mirror rank); use 'dualpipev'")
-        with torch.no_grad():
+        with torch.no_grad(), self._peers("expert-load all-reduce (bias update)", self.g.dp_ranks):
             stats = update_expert_bias(self.module, gamma, group=self.g.dp_group)
         # which of the model's MoE layers each entry is (routers are visited in module order: each stage's
         # layers, then its MTP blocks), so that callers can put the pipeline's layers back in model order

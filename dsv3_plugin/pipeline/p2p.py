@@ -83,13 +83,14 @@ class P2P:
     """Sends and ordered, checked, time-limited receives for one rank of a pipeline group."""
 
     def __init__(self, group, rank_map: Sequence[int], my_rank: int, device: torch.device, timeout_s: float,
-                 expected: list[tuple[tuple[int, ...], torch.dtype]] | None = None):
+                 expected: list[tuple[tuple[int, ...], torch.dtype]] | None = None, timeout_name: str = "timeout_s"):
         self.group = group
         self.rank_map = list(rank_map)      # pipeline rank -> global rank
         self.me = my_rank
         self.device = device
         self.timeout = timedelta(seconds=timeout_s)
         self.timeout_s = timeout_s
+        self.timeout_name = timeout_name    # named in errors: the user should know which setting to change
         self.expected = expected            # declared activation metas, checked on both ends
         self._sends: list = []
         self.blocked_s = 0.0                # time spent waiting for peers (bench: idle vs compute)
@@ -154,10 +155,11 @@ class P2P:
         try:
             ok = work.wait(self.timeout)
         except Exception as e:  # gloo: connection closed / timeout; NCCL: watchdog errors
-            raise PipelineError(f"pipeline rank {self.me}: {what} failed within {self.timeout_s:g}s "
-                                f"(peer dead or stuck): {type(e).__name__}: {str(e).splitlines()[0][:300]}") from e
+            first = (str(e).splitlines() or [""])[0][:300]
+            raise PipelineError(f"pipeline rank {self.me}: {what} failed within {self.timeout_name} = "
+                                f"{self.timeout_s:g}s (peer dead or stuck): {type(e).__name__}: {first}") from e
         finally:
             self.blocked_s += time.perf_counter() - t0
         if ok is False:
-            raise PipelineError(f"pipeline rank {self.me}: {what} timed out after {self.timeout_s:g}s "
-                                "(peer dead or stuck)")
+            raise PipelineError(f"pipeline rank {self.me}: {what} timed out after {self.timeout_name} = "
+                                f"{self.timeout_s:g}s (peer dead or stuck)")

@@ -50,7 +50,7 @@ class PipelineRuntime:
                  rank_mapping: Sequence[int] | None = None, batch_dim: int = 0, timeout_s: float = 300.0,
                  p2p_shapes: list[tuple[Sequence[int], torch.dtype]] | None = None,
                  mirror_grad_sync: bool = True, device: torch.device | str | None = None,
-                 p2p_order: str | None = None):
+                 p2p_order: str | None = None, timeout_name: str = "timeout_s"):
         self.modules = list(modules) if isinstance(modules, (list, tuple)) else [modules]
         self.group = process_group
         self.P = dist.get_world_size(process_group) if dist.is_initialized() else 1
@@ -71,7 +71,9 @@ class PipelineRuntime:
             p = next((p for m in self.modules for p in m.parameters()), None)
             device = p.device if p is not None else torch.device("cpu")
         self.device = torch.device(device)
-        self.p2p = P2P(process_group, self.pipe_to_global, self.rank, self.device, timeout_s, p2p_shapes)
+        # `timeout_name`: what the error message calls the limit (e.g. the config key it came from)
+        self.p2p = P2P(process_group, self.pipe_to_global, self.rank, self.device, timeout_s, p2p_shapes,
+                       timeout_name=timeout_name)
         # "sender": post each send at once, receive in the sender's order when needed (gloo: sends are
         # asynchronous). "pairwise": issue each pair's sends and receives in one order both ends share, for
         # backends whose sends block until the receive is posted (NCCL). Default by backend.
