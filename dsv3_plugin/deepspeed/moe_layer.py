@@ -142,7 +142,7 @@ def prepare_model(model: nn.Module, cfg: DSv3Config) -> nn.Module:
     ep = cfg.parallel.ep
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world % ep:
-        raise ConfigError(f"dsv3.parallel.ep: must divide the number of ranks (got ep={ep}, world={world})")
+        raise ConfigError(f"dsv3.parallel.ep: must divide the world size (got ep={ep}, world={world})")
     groups = build_ep_groups(ep, cfg.moe.ranks_per_node)
     expert_parallel(model, groups, dedup=cfg.moe.dedup_dispatch, codec=codec_from_config(cfg))
     if ep > 1:
