@@ -205,7 +205,7 @@ class DSv3Config(_Strict):
             where = os.fspath(hf)
             hf = read_json(where, ConfigError)
             if not isinstance(hf, dict):
-                raise ConfigError(f"{where}: must hold a JSON object (got a {json_type(hf)})")
+                raise ConfigError(f"{where}: must hold a JSON object (got {got(hf)})")
         try:
             d = cls._hf_to_block(hf, where)
         except KeyError as e:
@@ -363,6 +363,14 @@ def json_type(x: Any) -> str:
     return type(x).__name__
 
 
+def got(x: Any) -> str:
+    """`"4", a string` / `[1], an array` / `null`: the offending value and its JSON type, for messages."""
+    if x is None:
+        return "null"
+    t = json_type(x)
+    return f"{show(x)}, {'an' if t[0] in 'aeiou' else 'a'} {t}"
+
+
 def show(x: Any, limit: int = 60) -> str:
     """A short JSON-like rendering of an offending value (long inputs are cut)."""
     try:
@@ -380,25 +388,25 @@ _TYPE_WORDS = {"int_type": "must be an integer", "float_type": "must be a number
 
 
 def _pydantic_message(err: dict) -> str:
-    where, kind, got = _loc(err["loc"]), err["type"], err.get("input")
+    where, kind, value = _loc(err["loc"]), err["type"], err.get("input")
     if kind == "missing":
         return f"{where}: required key is missing"
     if kind == "extra_forbidden":
-        return f"{where}: unknown key (got {show(got)})"
+        return f"{where}: unknown key (got {show(value)})"
     if kind in _TYPE_WORDS:
-        return f"{where}: {_TYPE_WORDS[kind]} (got {show(got)}, a {json_type(got)})"
+        return f"{where}: {_TYPE_WORDS[kind]} (got {got(value)})"
     ctx = err.get("ctx") or {}
     for key, op in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")):
         if kind.startswith(("greater_than", "less_than")) and key in ctx:
-            return f"{where}: must be {op} {ctx[key]:g} (got {show(got)})"
-    return f"{where}: {err['msg']} (got {show(got)})"
+            return f"{where}: must be {op} {ctx[key]:g} (got {show(value)})"
+    return f"{where}: {err['msg']} (got {show(value)})"
 
 
 def check_numbers(obj: Any, prefix: tuple = ("dsv3",)) -> None:
     """No NaN/inf anywhere and no integer beyond +-10^36: `ConfigError` naming the dotted key. Runs before
     the schema so that the first error is about the key that is wrong."""
     from .json_input import check_tree
-    check_tree(obj, ".".join(prefix), ConfigError, prefix=prefix)
+    check_tree(obj, ".".join(str(p) for p in prefix) or "the DeepSpeed config", ConfigError, prefix=prefix)
     stack = [(prefix, obj)]
     while stack:
         path, x = stack.pop()
@@ -491,7 +499,7 @@ def read_ds_json(path: "str | os.PathLike") -> dict:
     where = os.fspath(path)
     raw = read_json(where, ConfigError)
     if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: must hold a JSON object (got a {json_type(raw)})")
+        raise ConfigError(f"{where}: must hold a JSON object (got {got(raw)})")
     if "dsv3" not in raw:
         raise ConfigError(f"{where}: has no \"dsv3\" block")
     return raw
@@ -508,14 +516,14 @@ def load_config(src: "str | os.PathLike | dict | DSv3Config") -> DSv3Config:
         src = read_ds_json(src)
     block = src.get("dsv3", src) if "dsv3" in src else src
     if not isinstance(block, dict):
-        raise ConfigError(f"dsv3: must be an object (got {show(block)}, a {json_type(block)})")
+        raise ConfigError(f"dsv3: must be an object (got {got(block)})")
     check_numbers(block)
     moe = block.get("moe")
     if isinstance(moe, dict) and "max_nodes_per_token" in moe:
         # The paper's M (max nodes per token) is the router's topk_group when groups are nodes.
         m = moe["max_nodes_per_token"]
         if not isinstance(m, int) or isinstance(m, bool):
-            raise ConfigError(f"dsv3.moe.max_nodes_per_token: must be an integer (got {show(m)}, a {json_type(m)})")
+            raise ConfigError(f"dsv3.moe.max_nodes_per_token: must be an integer (got {got(m)})")
         if "topk_group" in moe and moe["topk_group"] != m:
             raise ConfigError("dsv3.moe.max_nodes_per_token: conflicts with moe.topk_group (same setting, "
                               f"got {show(m)} vs {show(moe['topk_group'])})")

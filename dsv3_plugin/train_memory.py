@@ -104,11 +104,14 @@ def estimate_train_memory(cfg: DSv3Config, mbs: int = 1, world: int = 1, ranks_o
 
 
 def _driver(cfg: DSv3Config, mbs: int, world: int, ranks: int, total: float) -> tuple[str, str]:
-    """(dotted key, its value) of the size whose reduction to the tiny preset's value shrinks the estimate most."""
+    """(dotted key, its value) of the size whose reduction to the tiny preset's value shrinks the estimate most
+    ("dsv3.model" when every size is already at most the tiny preset's)."""
     tiny = PRESETS["tiny"]
-    best, best_ratio = (_MBS, str(mbs)), 1.0
+    best, best_ratio = ("dsv3.model", "this shape"), 1.0
     if mbs > 1:
-        best_ratio = total / max(_estimate(cfg, 1, world, ranks).host_bytes, 1.0)
+        ratio = total / max(_estimate(cfg, 1, world, ranks).host_bytes, 1.0)
+        if ratio > best_ratio:
+            best, best_ratio = (_MBS, str(mbs)), ratio
     for sec, name in _SIZE_KEYS:
         cur = getattr(getattr(cfg, sec), name)
         base = tiny[sec].get(name, 1)
@@ -129,6 +132,9 @@ def check_memory(cfg: DSv3Config, ds: dict, world: int, ranks_on_host: int, budg
     est = _estimate(cfg, mbs, world, ranks_on_host)
     est.budget_bytes = budget
     if est.host_bytes > budget:
+        if est.per_rank_bytes <= budget:   # one rank fits: the number of ranks sharing the host is the problem
+            raise ConfigError(f"--nproc: {ranks_on_host} ranks on one host need at least {est.line()} -- more "
+                              f"than the {format_bytes(budget)} of this host; use fewer ranks per host")
         key, val = _driver(cfg, mbs, world, ranks_on_host, est.host_bytes)
         raise ConfigError(f"{key}: dsv3 train needs at least {est.line()} -- more than the {format_bytes(budget)} "
                           f"of this host; {key} = {val} drives the estimate")

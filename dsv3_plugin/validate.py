@@ -52,10 +52,10 @@ class CheckedConfig:
 
 def _read(config) -> dict:
     if isinstance(config, dict):
-        raw = copy.deepcopy(config)
-        if "dsv3" not in raw:
+        if "dsv3" not in config:
             raise ConfigError("dsv3: the DeepSpeed config has no \"dsv3\" block")
-        return raw
+        check_numbers(config, prefix=())   # iterative: a hostile depth is refused before deepcopy recurses
+        return copy.deepcopy(config)
     if isinstance(config, (str, os.PathLike)):
         return read_ds_json(config)
     raise ConfigError(f"dsv3: a DeepSpeed config must be a path or a dict (got {type(config).__name__})")

@@ -31,16 +31,18 @@ def run(args) -> int:
     if args.host_memory_gib is not None and not 0 < args.host_memory_gib < 2 ** 60:
         raise ConfigError(f"--host-memory-gib: must be a positive number of GiB (got {args.host_memory_gib})")
     memory = (int(args.host_memory_gib * 1024 ** 3) if args.host_memory_gib is not None else host_memory_bytes())
+    train = args.target == "train"   # the memory bound is dsv3 train's (the engine gets a model already built)
     checked = validate_ds_config(args.file, target=args.target, world_size=args.nproc,
-                                 ranks_on_host=args.ranks_per_host or args.nproc or 1, host_memory=memory)
+                                 ranks_on_host=args.ranks_per_host or args.nproc or 1,
+                                 host_memory=memory if train else None)
     cfg = checked.cfg
     if args.print:
         print(json.dumps({**checked.ds, "dsv3": cfg.to_dict()}, indent=2))
         return 0
     world = (f"world-size rules checked for {args.nproc} rank(s)" if args.nproc is not None
              else "world-size rules not checked (pass --nproc N)")
+    mem = (f"; dsv3 train needs >= {format_bytes(checked.memory.host_bytes)} of the host's {format_bytes(memory)}"
+           if checked.memory else "; checked as the engine sees it")
     print(f"ok: {args.file} (preset {cfg.preset}, {cfg.model.num_hidden_layers} layers, "
-          f"{cfg.moe.n_routed_experts} experts, top-{cfg.moe.top_k}, MTP depth {cfg.mtp.depth}; {world}; "
-          f"dsv3 train needs >= {format_bytes(checked.memory.host_bytes)} of the host's "
-          f"{format_bytes(memory)})")
+          f"{cfg.moe.n_routed_experts} experts, top-{cfg.moe.top_k}, MTP depth {cfg.mtp.depth}; {world}{mem})")
     return 0

@@ -28,7 +28,7 @@ import copy
 import inspect
 from typing import Optional
 
-from ..config import ConfigError, json_type, show
+from ..config import ConfigError, got, show
 
 __all__ = ["check_deepspeed_keys", "resolve_batch", "micro_batch", "SUPPORTED_ZERO_STAGES", "DEFAULT_GRADIENT_CLIPPING"]
 
@@ -49,8 +49,8 @@ def _is_num(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def _bad(key: str, want: str, got) -> ConfigError:
-    return ConfigError(f"{key}: {want} (got {show(got)}, a {json_type(got)})")
+def _bad(key: str, want: str, value) -> ConfigError:
+    return ConfigError(f"{key}: {want} (got {got(value)})")
 
 
 def _pos_int(ds: dict, key: str) -> None:
