@@ -13,7 +13,8 @@ DeepSpeed itself coerces or ignores bad values until deep inside `deepspeed.init
 - `optimizer`: `type` a DeepSpeed optimizer name or a `torch.optim` class; `params` with numeric `lr`, `eps`,
   `weight_decay`, `betas`; built once on a dummy parameter when it is a `torch.optim` class (what ZeRO-1 wraps),
   so that its constructor's own checks run; an untested one needs `zero_allow_untested_optimizer` (ZeRO's rule);
-  fused kernels without a CPU implementation (Lamb, Lion) are refused without a GPU. `dsv3 train` passes no
+  fused kernels without a CPU implementation (Lamb, Lion) are refused without a GPU, and so is Adam(W) without
+  `torch_adam` (DeepSpeed would JIT-compile its fused Adam inside `initialize`). `dsv3 train` passes no
   client optimizer, so for it the section is required (ZeRO stage 1 asserts otherwise).
 - `scheduler`: `type` a DeepSpeed LR schedule (or a `torch.optim.lr_scheduler` class), `params` an object
   matching its constructor, which is run once on a dummy optimizer.
@@ -157,6 +158,11 @@ def _check_optimizer(ds: dict, train: bool) -> None:
     low = name.lower()
     cls = None  # the torch.optim class DeepSpeed will build, when it builds one
     if low in DEEPSPEED_OPTIMIZERS:
+        if low in ("adam", "adamw") and not params.get("torch_adam", False) and not offload \
+                and not torch.cuda.is_available():
+            raise ConfigError("optimizer.params.torch_adam: must be true without a GPU: otherwise DeepSpeed "
+                              "JIT-compiles its fused Adam kernel for the CPU inside initialize (minutes on a small "
+                              "machine, needs a C++ compiler; looks like a hang)")
         if low in ("adam", "adamw") and params.get("torch_adam", False):
             cls = torch.optim.AdamW if (low == "adamw" or params.get("adam_w_mode", True)) else torch.optim.Adam
         elif low == "adagrad" and not offload:
@@ -214,12 +220,18 @@ def _check_scheduler(ds: dict) -> None:
     for k, v in params.items():
         if k not in sig.parameters or k in ("self", "optimizer"):
             raise ConfigError(f"scheduler.params.{k}: unknown parameter of {name} (accepted: {', '.join(accepted)})")
-        default = sig.parameters[k].default
-        if _is_num(default) and not _is_num(v):
+        # the type the constructor declares (or its default's); None only where the default is None
+        par = sig.parameters[k]
+        want = par.annotation if par.annotation in (int, float, bool, str) else type(par.default)
+        if v is None and par.default is None:
+            continue
+        if want in (int, float) and not _is_num(v):
+            # NOTE: DeepSpeed also takes per-param-group lists here; dsv3 train's group count is internal
+            # (it depends on parallel.ep), so only one number for all groups is accepted.
             raise _bad(f"scheduler.params.{k}", "must be a number", v)
-        if isinstance(default, bool) and not isinstance(v, bool):
+        if want is bool and not isinstance(v, bool):
             raise _bad(f"scheduler.params.{k}", "must be true or false", v)
-        if isinstance(default, str) and not isinstance(v, str):
+        if want is str and not isinstance(v, str):
             raise _bad(f"scheduler.params.{k}", "must be a string", v)
         if _is_num(v) and v < 0 and ("lr" in k or "step" in k or "size" in k):
             raise ConfigError(f"scheduler.params.{k}: must be >= 0 (got {show(v)})")

@@ -63,6 +63,8 @@ CASES = [
     ("optimizer-lr", _with({"optimizer": {"type": "AdamW", "params": {"lr": "fast", "torch_adam": True}}}), 2,
      "optimizer.params.lr", None),
     ("optimizer-type", _with({"optimizer": {"type": "Adamm", "params": {}}}), 2, "optimizer.type", None),
+    ("adam-jit-build", _with({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}), 2,
+     "optimizer.params.torch_adam", "a GPU is present" if torch.cuda.is_available() else None),
     ("scheduler-param", _with({"scheduler": {"type": "WarmupLR", "params": {"warmup_steps": 10}}}), 2,
      "scheduler.params.warmup_steps", None),
     ("fp16-on-cpu", _with({"fp16": {"enabled": True}}), 2, "fp16.enabled",

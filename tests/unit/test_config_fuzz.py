@@ -21,7 +21,7 @@ from dsv3_plugin.train import DEFAULT_DS_CONFIG, _prepare
 
 SEED = int(os.environ.get("DSV3_FUZZ_SEED", "20261201"))
 N_MUTATIONS = 240
-N_SUBPROCESS = 4
+N_SUBPROCESS = 3
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
