@@ -29,7 +29,7 @@ import os
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from .config import ConfigError, DSv3Config, check_numbers, load_config, read_ds_json
+from .config import ConfigError, DSv3Config, check_numbers, got, load_config, read_ds_json
 from .train_memory import MemoryEstimate, check_memory
 
 __all__ = ["validate_ds_config", "CheckedConfig", "pipeline_microbatch_rule"]
@@ -78,8 +78,14 @@ def pipeline_microbatch_rule(cfg: DSv3Config, gas: int) -> None:
                           f"micro-batches per pipeline step; set them equal (got {p.num_chunks} vs {gas})")
 
 
-def _deepspeed_path_rules(cfg: DSv3Config) -> None:
+def _deepspeed_path_rules(cfg: DSv3Config, ds: dict) -> None:
     m = cfg.model
+    topo = ds.get("use_data_before_expert_parallelism", False)
+    if not isinstance(topo, bool):
+        raise ConfigError(f"use_data_before_expert_parallelism: must be true or false (got {got(topo)})")
+    if topo and cfg.parallel.ep > 1:   # dsv3_plugin.deepspeed.moe_layer lays EP groups out as contiguous blocks
+        raise ConfigError("use_data_before_expert_parallelism: unsupported with dsv3 expert parallelism "
+                          "(EP groups must be contiguous rank blocks)")
     if m.first_k_dense_replace >= m.num_hidden_layers and cfg.mtp.depth == 0:
         raise ConfigError(f"dsv3.model.first_k_dense_replace: leaves no MoE layer (= num_hidden_layers = "
                           f"{m.num_hidden_layers}, and mtp.depth = 0); the DeepSpeed path updates router biases "
@@ -156,7 +162,7 @@ def validate_ds_config(config: "str | os.PathLike | dict", *, target: Literal["t
     block = raw.pop("dsv3")
     cfg = load_config({"dsv3": block})
     ds = check_deepspeed_keys(raw, train=target == "train")
-    _deepspeed_path_rules(cfg)
+    _deepspeed_path_rules(cfg, ds)
     if target == "train":
         _train_rules(cfg)
     dp = _world_rules(cfg, world_size) if world_size is not None else None

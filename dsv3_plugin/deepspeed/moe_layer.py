@@ -94,7 +94,7 @@ def deepspeed_experts_class():
         def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False, **_) -> None:
             from deepspeed.utils import groups
             if use_data_before_expert_parallel_:
-                raise ConfigError("use_data_before_expert_parallel_: unsupported with dsv3 expert parallelism "
+                raise ConfigError("use_data_before_expert_parallelism: unsupported with dsv3 expert parallelism "
                                   "(EP groups must be contiguous rank blocks)")
             if self.expert_group_name not in groups._get_expert_parallel_group_dict():
                 groups._create_expert_and_data_parallel(self.ep_size)

@@ -85,6 +85,8 @@ CASES = [
      "dsv3.parallel.num_chunks", None),
     ("empty-pipeline-rank", _with({"gradient_accumulation_steps": 4}, model={"num_hidden_layers": 2},
                                   parallel={"pp": 4, "schedule": "1f1b"}), 4, "dsv3.model.num_hidden_layers", None),
+    ("data-before-expert-parallel", _with({"use_data_before_expert_parallelism": True}, parallel={"ep": 2}), 2,
+     "use_data_before_expert_parallelism", None),
     ("node-limited-groups", _with(parallel={"ep": 4}, moe={"n_group": 2}), 4, "dsv3.moe.n_group", None),
     ("no-moe-layer", _with(model={"first_k_dense_replace": 3}, mtp={"depth": 0}), 2,
      "dsv3.model.first_k_dense_replace", None),
