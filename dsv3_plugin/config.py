@@ -41,9 +41,19 @@ class ConfigError(ValueError):
     """Invalid `"dsv3"` configuration; the message starts with the dotted key path."""
 
 
+MAX_TIMEOUT_S = 7 * 24 * 3600.0   # a timeout beyond a week is a typo (and 1e300 s overflows timedelta)
+# NOTE: integers are bounded by 10^36, not int64: sizes beyond int64 are refused by the memory estimate
+# (`train_memory.py`), which names the key and the bytes; this bound only keeps every product of sizes in that
+# estimate within a double (10^36^4 << 1.8e308).
+MAX_INT = 10 ** 36
+
+
 class _Strict(BaseModel):
-    # Unknown keys are errors: a misspelt feature flag must not silently do nothing.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+    # Unknown keys are errors: a misspelt feature flag must not silently do nothing. Strict types: "4" or true
+    # is not an integer, 4.0 is not an integer either (an int is accepted where a float is expected), and
+    # NaN / inf are refused everywhere.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, strict=True,
+                              allow_inf_nan=False)
 
 
 class ScheduleStep(_Strict):
@@ -134,7 +144,8 @@ class ParallelConfig(_Strict):
     pp: int = Field(1, gt=0, description="pipeline ranks")
     schedule: Literal["1f1b", "dualpipe", "dualpipev"] = Field("1f1b", description="pipeline schedule when pp > 1")
     num_chunks: Optional[int] = Field(None, gt=0, description="micro-batches per pipeline step (default: grad. accumulation)")
-    p2p_timeout_s: float = Field(120.0, gt=0, description="a pipeline peer silent this long is an error, not a hang")
+    p2p_timeout_s: float = Field(120.0, gt=0, le=MAX_TIMEOUT_S,
+                                 description="a pipeline peer silent this long is an error, not a hang (<= 1 week)")
 
 
 class FP8Config(_Strict):
@@ -157,7 +168,7 @@ class TrainConfig(_Strict):
 
     seq_len: int = Field(64, gt=1, description="tokens per sequence")
     steps: int = Field(60, gt=0, description="optimizer steps of `dsv3 train` (CLI --steps overrides)")
-    seed: int = Field(1234, description="seed of weights and synthetic data")
+    seed: int = Field(1234, ge=0, le=2 ** 63 - 1, description="seed of weights and synthetic data (0 .. 2^63-1)")
     data: Literal["synthetic"] = Field("synthetic", description="data source")
     log_every: int = Field(1, gt=0, description="JSON line every N steps")
     save_every: int = Field(0, ge=0, description="0 = save only at the end")
@@ -188,16 +199,30 @@ class DSv3Config(_Strict):
     @classmethod
     def from_hf(cls, hf: dict | str | os.PathLike, **overrides: Any) -> "DSv3Config":
         """Build from a released `config.json` (dict or path). `overrides` deep-merge on top."""
+        where = "config.json"
         if not isinstance(hf, dict):
-            with open(hf) as f:
-                hf = json.load(f)
+            from .json_input import read_json
+            where = os.fspath(hf)
+            hf = read_json(where, ConfigError)
+            if not isinstance(hf, dict):
+                raise ConfigError(f"{where}: must hold a JSON object (got {got(hf)})")
+        try:
+            d = cls._hf_to_block(hf, where)
+        except KeyError as e:
+            raise ConfigError(f"{where}: required key {e.args[0]!r} is missing") from None
+        return _validate(_deep_merge(d, overrides))
+
+    @staticmethod
+    def _hf_to_block(hf: dict, where: str) -> dict:
         rs = hf.get("rope_scaling") or hf.get("rope_parameters")
+        if rs is not None and not isinstance(rs, dict):
+            raise ConfigError(f"{where}: rope_scaling: must be an object or null (got {show(rs)})")
         rope_theta = hf.get("rope_theta", (rs or {}).get("rope_theta", 10000.0))
         rope = None
         if rs and (rs.get("type") or rs.get("rope_type")) == "yarn":
             rope = {k: rs[k] for k in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
                                        "mscale", "mscale_all_dim") if k in rs}
-        d = {
+        return {
             "model": {
                 "vocab_size": hf["vocab_size"], "hidden_size": hf["hidden_size"],
                 "intermediate_size": hf["intermediate_size"], "num_hidden_layers": hf["num_hidden_layers"],
@@ -222,7 +247,7 @@ class DSv3Config(_Strict):
             },
             "mtp": {"depth": hf.get("num_nextn_predict_layers", 0)},
         }
-        return _validate(_deep_merge(d, overrides))
+        return d
 
     def to_hf(self) -> dict:
         """The released-format `config.json` dict (what transformers' DeepseekV3Config accepts)."""
@@ -321,18 +346,86 @@ def _loc(loc: tuple) -> str:
     return ".".join(["dsv3", *(str(p) for p in loc)])
 
 
+def json_type(x: Any) -> str:
+    """The JSON name of a value's type (what the user wrote), for error messages."""
+    if x is None:
+        return "null"
+    if isinstance(x, bool):
+        return "boolean"
+    if isinstance(x, (int, float)):
+        return "number"
+    if isinstance(x, str):
+        return "string"
+    if isinstance(x, (list, tuple)):
+        return "array"
+    if isinstance(x, dict):
+        return "object"
+    return type(x).__name__
+
+
+def got(x: Any) -> str:
+    """`"4", a string` / `[1], an array` / `null`: the offending value and its JSON type, for messages."""
+    if x is None:
+        return "null"
+    t = json_type(x)
+    return f"{show(x)}, {'an' if t[0] in 'aeiou' else 'a'} {t}"
+
+
+def show(x: Any, limit: int = 60) -> str:
+    """A short JSON-like rendering of an offending value (long inputs are cut)."""
+    try:
+        r = json.dumps(x)
+    except (TypeError, ValueError):
+        r = repr(x)
+    return r if len(r) <= limit else r[:limit - 3] + "..."
+
+
+# pydantic error type -> our wording (the key path comes first, the offending value last)
+_TYPE_WORDS = {"int_type": "must be an integer", "float_type": "must be a number", "bool_type": "must be true or false",
+               "string_type": "must be a string", "list_type": "must be an array", "dict_type": "must be an object",
+               "model_type": "must be an object", "model_attributes_type": "must be an object",
+               "finite_number": "must be a finite number", "int_from_float": "must be an integer"}
+
+
+def _pydantic_message(err: dict) -> str:
+    where, kind, value = _loc(err["loc"]), err["type"], err.get("input")
+    if kind == "missing":
+        return f"{where}: required key is missing"
+    if kind == "extra_forbidden":
+        return f"{where}: unknown key (got {show(value)})"
+    if kind in _TYPE_WORDS:
+        return f"{where}: {_TYPE_WORDS[kind]} (got {got(value)})"
+    ctx = err.get("ctx") or {}
+    for key, op in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")):
+        if kind.startswith(("greater_than", "less_than")) and key in ctx:
+            return f"{where}: must be {op} {ctx[key]:g} (got {show(value)})"
+    return f"{where}: {err['msg']} (got {show(value)})"
+
+
+def check_numbers(obj: Any, prefix: tuple = ("dsv3",)) -> None:
+    """No NaN/inf anywhere and no integer beyond +-10^36: `ConfigError` naming the dotted key. Runs before
+    the schema so that the first error is about the key that is wrong."""
+    from .json_input import check_tree
+    check_tree(obj, ".".join(str(p) for p in prefix) or "the DeepSpeed config", ConfigError, prefix=prefix)
+    stack = [(prefix, obj)]
+    while stack:
+        path, x = stack.pop()
+        if isinstance(x, int) and not isinstance(x, bool) and not -MAX_INT <= x <= MAX_INT:
+            digits = len(str(abs(x)))
+            raise ConfigError(f"{'.'.join(str(p) for p in path)}: must be within +-10^36 "
+                              f"(got a {digits}-digit integer)")
+        if isinstance(x, dict):
+            stack.extend((path + (k,), v) for k, v in x.items())
+        elif isinstance(x, list):
+            stack.extend((path + (i,), v) for i, v in enumerate(x))
+
+
 def _validate(d: dict) -> DSv3Config:
+    check_numbers(d)
     try:
         cfg = DSv3Config.model_validate(d)
     except ValidationError as e:
-        err = e.errors()[0]
-        msg = err["msg"]
-        if err["type"] == "extra_forbidden":
-            msg = "unknown key"
-        elif err["type"] == "missing":
-            msg = "required key is missing"
-        raise ConfigError(f"{_loc(err['loc'])}: {msg} (got {err.get('input')!r})"
-                          if err["type"] not in ("missing",) else f"{_loc(err['loc'])}: {msg}") from None
+        raise ConfigError(_pydantic_message(e.errors()[0])) from None
     _check_cross_fields(cfg)
     return cfg
 
@@ -400,17 +493,15 @@ def _check_cross_fields(c: DSv3Config) -> None:
 
 
 def read_ds_json(path: "str | os.PathLike") -> dict:
-    """A DeepSpeed JSON file as a dict that has a "dsv3" block; `ConfigError` naming the file otherwise."""
+    """A DeepSpeed JSON file as a dict that has a "dsv3" block; `ConfigError` naming the file otherwise
+    (not found, not UTF-8, not JSON, nested too deep, NaN/inf, duplicate keys: see `dsv3_plugin.json_input`)."""
+    from .json_input import read_json
     where = os.fspath(path)
-    try:
-        with open(where) as f:
-            raw = json.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"dsv3: config file not found: {where}") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"dsv3: {where} is not valid JSON ({e})") from None
-    if not isinstance(raw, dict) or "dsv3" not in raw:
-        raise ConfigError(f"dsv3: {where} has no \"dsv3\" block")
+    raw = read_json(where, ConfigError)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: must hold a JSON object (got {got(raw)})")
+    if "dsv3" not in raw:
+        raise ConfigError(f"{where}: has no \"dsv3\" block")
     return raw
 
 
@@ -425,21 +516,25 @@ def load_config(src: "str | os.PathLike | dict | DSv3Config") -> DSv3Config:
         src = read_ds_json(src)
     block = src.get("dsv3", src) if "dsv3" in src else src
     if not isinstance(block, dict):
-        raise ConfigError(f"dsv3: must be an object (got {type(block).__name__})")
+        raise ConfigError(f"dsv3: must be an object (got {got(block)})")
+    check_numbers(block)
     moe = block.get("moe")
     if isinstance(moe, dict) and "max_nodes_per_token" in moe:
         # The paper's M (max nodes per token) is the router's topk_group when groups are nodes.
-        if "topk_group" in moe and moe["topk_group"] != moe["max_nodes_per_token"]:
+        m = moe["max_nodes_per_token"]
+        if not isinstance(m, int) or isinstance(m, bool):
+            raise ConfigError(f"dsv3.moe.max_nodes_per_token: must be an integer (got {got(m)})")
+        if "topk_group" in moe and moe["topk_group"] != m:
             raise ConfigError("dsv3.moe.max_nodes_per_token: conflicts with moe.topk_group (same setting, "
-                              f"got {moe['max_nodes_per_token']} vs {moe['topk_group']})")
+                              f"got {show(m)} vs {show(moe['topk_group'])})")
         moe = dict(moe)
         moe["topk_group"] = moe.pop("max_nodes_per_token")
         block = {**block, "moe": moe}
     preset = block.get("preset", "tiny")
     if preset is None:
         base = {}
-    elif preset not in PRESETS:
-        raise ConfigError(f"dsv3.preset: unknown preset {preset!r} (choose from {', '.join(PRESETS)})")
+    elif not isinstance(preset, str) or preset not in PRESETS:
+        raise ConfigError(f"dsv3.preset: unknown preset {show(preset)} (choose from {', '.join(PRESETS)})")
     else:
         base = PRESETS[preset]
     return _validate(_deep_merge({**base, "preset": preset}, block))

@@ -44,20 +44,14 @@ DEFAULT_DS_CONFIG: dict = {
 
 
 def resolve_ds_config(config: "str | os.PathLike | dict | None") -> dict:
-    """The DeepSpeed JSON as a dict (the built-in default when None)."""
+    """The DeepSpeed JSON as a dict (the built-in default when None); a file is read by `config.read_ds_json`
+    (ConfigError naming the file when it is not UTF-8 JSON with a "dsv3" block)."""
     if config is None:
         return copy.deepcopy(DEFAULT_DS_CONFIG)
     if isinstance(config, dict):
         return copy.deepcopy(config)
-    from .config import ConfigError
-    path = os.fspath(config)
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"dsv3: config file not found: {path}") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"dsv3: {path} is not valid JSON ({e})") from None
+    from .config import read_ds_json
+    return read_ds_json(config)
 
 
 def _ema_path(ckpt: str, tag: str | None, rank: int) -> str:
@@ -126,18 +120,27 @@ def _init_from_config(ds: dict, init_from: str) -> dict:
     return out
 
 
-def _prepare(ds_config, steps, init_from):
-    """Validate everything a rank would, before any process starts (bad input -> ConfigError, exit 2)."""
-    from .deepspeed.engine import split_ds_config
+def _prepare(ds_config, steps, init_from, world_size: int | None = None):
+    """Validate everything a rank would, before any process starts (bad input -> ConfigError, exit 2): the one
+    validation (`dsv3_plugin.validate.validate_ds_config`, as `dsv3 check-config --nproc N` runs it) for
+    `world_size` ranks (default: the initialised process group's) and this host's memory."""
+    from .train_memory import host_memory_bytes
+    from .validate import validate_ds_config
     ds = resolve_ds_config(ds_config)
     if init_from:
         ds = _init_from_config(ds, init_from)
-    _, cfg = split_ds_config(ds)
+    if world_size is None and torch.distributed.is_initialized():
+        world_size = torch.distributed.get_world_size()
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    ranks_on_host = int(local) if local and local.isdigit() and int(local) > 0 else (world_size or 1)
+    checked = validate_ds_config(ds, target="train", world_size=world_size, ranks_on_host=ranks_on_host,
+                                 host_memory=host_memory_bytes())
+    cfg = checked.cfg
     total = steps if steps is not None else cfg.train.steps
     if total <= 0:
         from .config import ConfigError
         raise ConfigError(f"dsv3.train.steps: must be > 0 (got {total})")
-    return ds, cfg, total
+    return checked.full(), cfg, total
 
 
 def train(ds_config: "str | os.PathLike | dict | None" = None, *, steps: int | None = None,
@@ -159,7 +162,7 @@ def train(ds_config: "str | os.PathLike | dict | None" = None, *, steps: int | N
     """
     from .distributed import init_distributed, set_peer_timeout
     rank, world = init_distributed()
-    ds, cfg, total = _prepare(ds_config, steps, init_from)
+    ds, cfg, total = _prepare(ds_config, steps, init_from, world_size=world)
     set_peer_timeout(cfg.parallel.p2p_timeout_s)  # every later collective on the world group waits at most this
     run = RunDir(out, resume, cfg, rank, world, overwrite, save)
     try:
@@ -179,19 +182,8 @@ def _train(run: RunDir, ds: dict, cfg, total: int, rank: int, world: int, *, ini
     quiet_deepspeed_logs()  # stdout carries only the JSON lines and the summary
     _drop_startup_warning()
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
-    if cfg.memory.bf16_moments:
-        from .config import ConfigError
-        raise ConfigError("dsv3.memory.bf16_moments: not wired into dsv3 train's DeepSpeed optimizer yet; "
-                          "use dsv3_plugin.bf16_adamw.make_optimizer as a client optimizer (docs/fp8.md)")
-    model = _build_model(cfg, init_from, allow_non_finite)
+    model = _build_model(cfg, init_from, allow_non_finite)  # (bf16_moments, pp with EMA or EP: refused by _prepare)
     if cfg.parallel.pp > 1:
-        if cfg.memory.ema:
-            from .config import ConfigError
-            raise ConfigError("dsv3.memory.ema: not supported together with parallel.pp > 1 in dsv3 train")
-        if cfg.parallel.ep > 1:
-            from .config import ConfigError
-            raise ConfigError(f"dsv3.parallel.ep: expert parallelism together with pipeline parallelism "
-                              f"(pp = {cfg.parallel.pp}) is not supported by dsv3 train (got ep = {cfg.parallel.ep})")
         return _train_pipelined(model, run, ds, cfg, total, rank, world, progress=progress, echo=echo,
                                 summary=summary)
     from .deepspeed.moe_layer import prepare_model  # experts sharded over parallel.ep (DeepSpeed MoE groups)

@@ -48,7 +48,8 @@ def _precheck(args):
     """What can be refused before any rank starts (fast; the ranks check again under the run-dir lock)."""
     from .. import run_dir as rd
     from ..train import _prepare
-    _, cfg, _ = _prepare(args.config, args.steps, args.init_from)
+    # the world this run will have: the same rules as `dsv3 check-config FILE --nproc N`
+    _, cfg, _ = _prepare(args.config, args.steps, args.init_from, world_size=args.nproc or 2)
     if args.out:
         rd.check_out_path(args.out)
         rd.probe_lock(args.out)

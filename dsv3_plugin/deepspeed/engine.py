@@ -22,7 +22,6 @@ DeepSpeed is imported lazily (only here), never by the core.
 """
 from __future__ import annotations
 
-import copy
 import os
 import random
 from dataclasses import dataclass
@@ -31,15 +30,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..config import ConfigError, DSv3Config, load_config, read_ds_json
+from ..config import ConfigError, DSv3Config
 from ..errors import CheckpointError
+from .config_keys import DEFAULT_GRADIENT_CLIPPING, SUPPORTED_ZERO_STAGES  # noqa: F401  (re-exported)
 
 __all__ = ["initialize", "split_ds_config", "DSv3TrainState", "quiet_deepspeed_logs", "DEFAULT_GRADIENT_CLIPPING"]
 
-# NOTE: the paper (§4.2) clips the gradient norm at 1.0; we write it into the DeepSpeed config explicitly when the
-# JSON has no `gradient_clipping`, so the behaviour is visible in the resolved config rather than implied.
-DEFAULT_GRADIENT_CLIPPING = 1.0
-SUPPORTED_ZERO_STAGES = (1,)
 
 
 def _import_deepspeed():
@@ -67,37 +63,14 @@ def quiet_deepspeed_logs(level: int | None = None) -> None:
 def split_ds_config(config: "str | os.PathLike | dict") -> tuple[dict, DSv3Config]:
     """DeepSpeed JSON (path or dict) -> (DeepSpeed's part without "dsv3", validated `DSv3Config`).
 
-    Errors are `ConfigError`s whose message starts with the offending key.
+    The engine's view of `dsv3_plugin.validate.validate_ds_config` (the one validation `dsv3 check-config` and
+    `dsv3 train` use): with torch.distributed initialised the world-size rules are checked too. Errors are
+    `ConfigError`s whose message starts with the offending key.
     """
-    if isinstance(config, dict):
-        raw = copy.deepcopy(config)
-        if "dsv3" not in raw:
-            raise ConfigError("dsv3: the DeepSpeed config has no \"dsv3\" block")
-    else:
-        raw = read_ds_json(config)
-    cfg = load_config({"dsv3": raw.pop("dsv3")})
-    zero = raw.setdefault("zero_optimization", {"stage": 1})
-    if not isinstance(zero, dict):
-        raise ConfigError(f"zero_optimization: must be an object (got {type(zero).__name__})")
-    stage = zero.setdefault("stage", 1)
-    if stage not in SUPPORTED_ZERO_STAGES:
-        raise ConfigError(f"zero_optimization.stage: the dsv3 DeepSpeed path runs ZeRO stage 1 (got {stage!r})")
-    clip = raw.setdefault("gradient_clipping", DEFAULT_GRADIENT_CLIPPING)
-    if not isinstance(clip, (int, float)) or isinstance(clip, bool) or clip < 0:
-        raise ConfigError(f"gradient_clipping: must be a number >= 0, 0 disables (got {clip!r})")
-    if cfg.parallel.pp > 1:   # dsv3_plugin.deepspeed.pipeline: one pipeline step per optimizer step
-        gas = raw.get("gradient_accumulation_steps", 1)
-        need = 2 * cfg.parallel.pp if cfg.parallel.schedule in ("dualpipe", "dualpipev") else 1
-        if not isinstance(gas, int) or gas < need:
-            raise ConfigError(f"gradient_accumulation_steps: {cfg.parallel.schedule} with pp={cfg.parallel.pp} runs "
-                              f"the step's micro-batches through the pipeline and needs >= {need} (got {gas!r})")
-        if cfg.parallel.schedule == "dualpipe" and gas % 2:
-            raise ConfigError(f"gradient_accumulation_steps: dualpipe needs an even number (got {gas})")
-        if cfg.parallel.num_chunks is not None and cfg.parallel.num_chunks != gas:
-            raise ConfigError(f"dsv3.parallel.num_chunks: the DeepSpeed path runs gradient_accumulation_steps "
-                              f"micro-batches per pipeline step; set them equal (got {cfg.parallel.num_chunks} "
-                              f"vs {gas})")
-    return raw, cfg
+    from ..validate import validate_ds_config
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+    checked = validate_ds_config(config, target="engine", world_size=world)
+    return checked.ds, checked.cfg
 
 
 def _check_model_matches(model: torch.nn.Module, cfg: DSv3Config) -> None:
@@ -258,6 +231,9 @@ def initialize(model: torch.nn.Module, config: "str | os.PathLike | dict", *, mo
     """
     ds_config, cfg = split_ds_config(config)
     _check_model_matches(model, cfg)
+    if optimizer is None and "optimizer" not in ds_config:
+        raise ConfigError("optimizer: required (ZeRO stage 1 needs an optimizer: give an \"optimizer\" section "
+                          "or pass optimizer=)")
     if not any(hasattr(m, "e_score_correction_bias") for m in model.modules()):
         raise ConfigError("dsv3.moe: the model has no router with an 'e_score_correction_bias' buffer")
     deepspeed = _import_deepspeed()

@@ -94,7 +94,7 @@ def deepspeed_experts_class():
         def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False, **_) -> None:
             from deepspeed.utils import groups
             if use_data_before_expert_parallel_:
-                raise ConfigError("use_data_before_expert_parallel_: unsupported with dsv3 expert parallelism "
+                raise ConfigError("use_data_before_expert_parallelism: unsupported with dsv3 expert parallelism "
                                   "(EP groups must be contiguous rank blocks)")
             if self.expert_group_name not in groups._get_expert_parallel_group_dict():
                 groups._create_expert_and_data_parallel(self.ep_size)
@@ -142,7 +142,7 @@ def prepare_model(model: nn.Module, cfg: DSv3Config) -> nn.Module:
     ep = cfg.parallel.ep
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world % ep:
-        raise ConfigError(f"dsv3.parallel.ep: must divide the number of ranks (got ep={ep}, world={world})")
+        raise ConfigError(f"dsv3.parallel.ep: must divide the world size (got ep={ep}, world={world})")
     groups = build_ep_groups(ep, cfg.moe.ranks_per_node)
     expert_parallel(model, groups, dedup=cfg.moe.dedup_dispatch, codec=codec_from_config(cfg))
     if ep > 1:

@@ -113,9 +113,11 @@ def test_reads_dsv3_block_of_deepspeed_json(tmp_path):
 
 def test_check_config_exit_codes(tmp_path, capsys):
     good = tmp_path / "good.json"
-    good.write_text(json.dumps({"dsv3": {"preset": "tiny"}}))
+    ds = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3,
+                                                                                        "torch_adam": True}}}
+    good.write_text(json.dumps({**ds, "dsv3": {"preset": "tiny"}}))
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"dsv3": {"preset": "tiny", "moe": {"top_k": 99}}}))
+    bad.write_text(json.dumps({**ds, "dsv3": {"preset": "tiny", "moe": {"top_k": 99}}}))
     nojson = tmp_path / "broken.json"
     nojson.write_text("{not json")
     assert main(["check-config", str(good)]) == 0

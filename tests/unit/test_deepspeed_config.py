@@ -14,7 +14,7 @@ def test_split_sets_stage_1_and_clipping_explicitly():
     assert ds["gradient_clipping"] == DEFAULT_GRADIENT_CLIPPING
     assert cfg.model.hidden_size == 64
     ds, _ = split_ds_config({"gradient_clipping": 0.0, "zero_optimization": {"stage": 1, "reduce_bucket_size": 5},
-                             "dsv3": {}})
+                             "train_batch_size": 4, "dsv3": {}})
     assert ds["gradient_clipping"] == 0.0 and ds["zero_optimization"]["reduce_bucket_size"] == 5
 
 
@@ -25,7 +25,7 @@ def test_split_sets_stage_1_and_clipping_explicitly():
     ({"dsv3": {"moe": {"n_group": 3}}}, "dsv3.moe.n_group"),
 ])
 def test_split_rejects(bad, needle):
-    d = {"dsv3": {"preset": "tiny"}, **bad}
+    d = {"train_micro_batch_size_per_gpu": 1, "dsv3": {"preset": "tiny"}, **bad}
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
         split_ds_config(d)
 
@@ -33,4 +33,5 @@ def test_split_rejects(bad, needle):
 def test_model_must_match_the_block():
     model = DSv3Model(load_config({"preset": "tiny"}))
     with pytest.raises(ConfigError, match=r"^dsv3\.moe\.seq_aux_alpha: the model was built with"):
-        initialize(model, {"dsv3": {"preset": "tiny", "moe": {"seq_aux_alpha": 0.0}}})
+        initialize(model, {"train_micro_batch_size_per_gpu": 1,
+                           "dsv3": {"preset": "tiny", "moe": {"seq_aux_alpha": 0.0}}})
