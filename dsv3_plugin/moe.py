@@ -13,6 +13,7 @@ from torch import nn
 
 from .balancing import seq_balance_loss
 from .config import MoEConfig
+from .grouped_mm_experts import expert_kernel, grouped_mm_swiglu
 from .router import Router
 
 __all__ = ["DenseMLP", "GroupedExperts", "DeepSeekMoE", "grouped_swiglu", "swiglu_rows"]
@@ -113,10 +114,13 @@ def _spans(counts: list[int]) -> list[tuple[int, int, int]]:
 
 def grouped_swiglu(x_NH: torch.Tensor, counts: list[int], w1_EIH: torch.Tensor, w3_EIH: torch.Tensor,
                    w2_EHI: torch.Tensor) -> torch.Tensor:
-    """SwiGLU per expert over rows already sorted by expert; `counts[e]` rows belong to expert e."""
+    """SwiGLU per expert over rows already sorted by expert; `counts[e]` rows belong to expert e. On a CUDA
+    device with BF16 experts: `grouped_mm_experts.grouped_mm_swiglu`; elsewhere the loop kernel below."""
     if sum(counts) != x_NH.shape[0]:
         raise ValueError(f"grouped_swiglu: counts sum to {sum(counts)} but there are {x_NH.shape[0]} rows")
     dt = torch.promote_types(x_NH.dtype, w1_EIH.dtype)
+    if expert_kernel(x_NH.device, dt, w1_EIH.shape[2], w1_EIH.shape[1])[0] == "grouped_mm":
+        return grouped_mm_swiglu(x_NH.to(dt), counts, w1_EIH.to(dt), w3_EIH.to(dt), w2_EHI.to(dt))
     return _GroupedSwiGLU.apply(x_NH.to(dt), counts, w1_EIH.to(dt), w3_EIH.to(dt), w2_EHI.to(dt))
 
 
