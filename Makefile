@@ -8,7 +8,7 @@ export DS_ACCELERATOR ?= cpu
 export OMP_NUM_THREADS ?= 2
 export PYTHONDONTWRITEBYTECODE = 1
 
-.PHONY: venv demo test clean
+.PHONY: venv demo test gpu-check clean
 
 venv: $(STAMP)
 
@@ -31,6 +31,11 @@ demo: venv
 
 test: venv
 	$(PY) -m pytest tests
+
+# One JSON object from examples/gpu_check.py (a Hopper GPU, <= 8 minutes on one H200); on a machine without a GPU:
+# `make gpu-check GPU_CHECK_ARGS=--dry-run` (tiny shapes on CPU; `make test` runs it too)
+gpu-check: venv
+	$(PY) examples/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf runs .pytest_cache
