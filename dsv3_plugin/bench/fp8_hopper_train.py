@@ -34,7 +34,7 @@ RUNS = ("fp32", "emulate", "hopper-128", "hopper-none")
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--steps", type=positive_int, default=40)
+    p.add_argument("--steps", type=positive_int, default=50)
     p.add_argument("--batch", type=positive_int, default=16, help="sequences per step")
     p.add_argument("--seq-len", type=positive_int, default=128, help="tokens per sequence (Wgrad K = batch × seq-len)")
     p.add_argument("--layers", type=positive_int, default=2, help="decoder layers (the first dense, the rest MoE)")
