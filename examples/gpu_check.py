@@ -293,7 +293,7 @@ def sec_grouped_mm(args, res):
         return [y.detach()] + [p.grad for p in ps]
     got = run(grouped_mm_swiglu)
     ref = run(_GroupedSwiGLU.apply)
-    mags = swiglu_magnitudes(x, counts, *ws, dy)
+    mags = swiglu_magnitudes(*(t.to(dev, dt) for t in (x,)), counts, *(w.to(dev, dt) for w in ws), dy.to(dev, dt))
     # rounding of both kernels: the stored g, u, h, y (and gradients) in `dt` plus the FP32 accumulation over the
     # longest reduction (N rows for Wgrad, H + I along the chain), twice (two kernels), to first order
     unit = 2.0 ** -8 if dt == torch.bfloat16 else 2.0 ** -24
@@ -311,10 +311,17 @@ def sec_grouped_mm(args, res):
 
 
 def _moe_pair(dev, dt, tokens, hidden, ffn, experts):
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    """Our DeepSeekMoE and transformers' DeepseekV3MoE with identical weights (bench `moe`'s builder), every
+    matrix rescaled by fan-in (the builder's scale is set for hidden 256 / FFN 128) so that router scores and
+    activations stay in range at hidden 7168."""
     from dsv3_plugin.bench.moe import build_pair
     ours, theirs, x = build_pair(tokens=tokens, hidden=hidden, ffn=ffn, experts=experts, top_k=8, groups=1,
                                  topk_group=1, shared=1, seed=0)
+    with torch.no_grad():
+        for mod in (ours, theirs):
+            for p in mod.parameters():
+                if p.dim() >= 2:
+                    p.mul_(math.sqrt((256 if p.shape[-1] == hidden else 128) / p.shape[-1]))
     return ours.to(dev, dt), theirs.to(dev, dt), x.to(dev, dt)
 
 
