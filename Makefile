@@ -18,7 +18,7 @@ STAMP19 := $(VENV19)/.installed
 # The Megatron tests: every one runs on megatron-core 0.16.1 (.venv) and again on 0.19.x (.venv-mcore19).
 MEGATRON_TESTS := tests/megatron $(sort $(wildcard tests/*/test_megatron_*.py))
 
-.PHONY: venv venv-mcore19 demo test test-mcore19 clean
+.PHONY: venv venv-mcore19 demo test test-mcore19 gpu-check clean
 
 venv: $(STAMP)
 
@@ -60,6 +60,11 @@ test: venv venv-mcore19
 
 test-mcore19: venv-mcore19
 	$(PY19) -m pytest $(MEGATRON_TESTS)
+
+# One JSON object from examples/gpu_check.py (a Hopper GPU, <= 8 minutes on one H200); on a machine without a GPU:
+# `make gpu-check GPU_CHECK_ARGS=--dry-run` (tiny shapes on CPU; `make test` runs it too)
+gpu-check: venv
+	$(PY) examples/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf runs .pytest_cache

@@ -153,7 +153,8 @@ class FP8Config(_Strict):
     recipe: Literal["blockwise", "tensorwise"] = Field("blockwise", description="1x128 activation tiles / 128x128 weight blocks, or per-tensor (for comparison)")
     pow2_scales: bool = Field(False, description="round scales up to powers of 2 (ue8m0)")
     dispatch: bool = Field(False, description="FP8 all-to-all payload (power-of-2 scales), BF16 combine")
-    backend: Literal["auto", "te", "torch", "emulate"] = Field("auto", description="TE Float8BlockScaling / torch scaled_mm / exact emulation")
+    backend: Literal["auto", "te", "torch", "emulate", "hopper-emulated"] = Field("auto", description="TE Float8BlockScaling / torch scaled_mm / exact emulation / Hopper tensor-core accumulation modelled on any device (needs mmaemu)")
+    promote_every: Optional[int] = Field(128, gt=0, description="N_C: K elements accumulated on the tensor core before FP32 promotion (null = never); only the hopper-emulated backend models it")
 
 
 class MemoryConfig(_Strict):
@@ -490,6 +491,16 @@ def _check_cross_fields(c: DSv3Config) -> None:
         _fail("fp8.dispatch", "requires fp8.enabled = true")
     if c.fp8.recipe == "tensorwise" and c.fp8.dispatch:
         _fail("fp8.dispatch", "FP8 dispatch uses tile scales; it needs fp8.recipe = 'blockwise'")
+    nc = c.fp8.promote_every
+    if nc != 128 and c.fp8.backend != "hopper-emulated":
+        _fail("fp8.promote_every", f"only fp8.backend = 'hopper-emulated' models the tensor cores' accumulation "
+                                   f"(the other backends promote every 128); got {nc} with backend {c.fp8.backend!r}")
+    if nc is not None and nc % 32:
+        _fail("fp8.promote_every", f"must be a multiple of 32, the K of one FP8 WGMMA (got {nc})")
+    if c.fp8.recipe == "blockwise" and (nc is None or 128 % nc):
+        _fail("fp8.promote_every", f"with fp8.recipe = 'blockwise' each 128-element group has its own scale, applied "
+                                   f"at promotion, so N_C must divide 128 (got {nc}); None or N_C > 128 needs "
+                                   f"fp8.recipe = 'tensorwise'")
 
 
 def read_ds_json(path: "str | os.PathLike") -> dict:

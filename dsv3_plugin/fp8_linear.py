@@ -17,6 +17,8 @@ Backends (`select_backend`, reported in `Fp8Report`):
   * `torch`: `torch._scaled_mm` with 1×128 / 128×128 scales (cuBLAS, SM90, CUDA >= 12.9), probed against the
     emulation before it is used;
   * `emulate`: `fp8.fp8_gemm_emulated`, exact FP8 quantization and per-128 FP32 promotion on any device.
+  * `hopper-emulated`: `fp8_hopper.HopperEmulatedBackend`, Hopper's limited-precision tensor-core accumulation
+    (mmaemu) with FP32 promotion every `fp8.promote_every` elements, on any device (a numerics model: slow).
 
 `convert_to_fp8(model, cfg.fp8)` swaps the decoder layers' nn.Linear GEMMs for `Fp8Linear` and sets the routed
 experts' kernel to `fp8_experts.Fp8ExpertKernel` (layers that already have a kernel seam get their innermost
@@ -211,6 +213,13 @@ def select_backend(cfg: FP8Config, device: torch.device | str = "cpu"):
     device = torch.device(device)
     if cfg.backend == "emulate":
         return EmulatedBackend(), "requested (dsv3.fp8.backend = emulate)"
+    if cfg.backend == "hopper-emulated":   # never chosen by `auto`: a numerics model, not a speed path
+        from .fp8_hopper import HopperEmulatedBackend, mmaemu_status
+        ok, why = mmaemu_status()
+        if not ok:
+            raise ConfigError(f"dsv3.fp8.backend: 'hopper-emulated' cannot run here: {why}")
+        return (HopperEmulatedBackend(cfg.promote_every),
+                f"requested (dsv3.fp8.backend = hopper-emulated, promote_every = {cfg.promote_every}; {why})")
     reasons = []
     if cfg.backend in ("auto", "te"):
         ok, why = _te_ok(device, cfg)

@@ -14,6 +14,7 @@ from torch import nn
 
 from .balancing import seq_balance_loss
 from .config import MoEConfig
+from .grouped_mm_experts import expert_kernel, grouped_mm_swiglu
 from .kernels import ExpertKernel, SplitKernel, UsesKernel, apply_split, expert_spans
 from .router import Router
 
@@ -51,6 +52,9 @@ class GroupedSwiGLUKernel(SplitKernel):
         if sum(counts) != x_NH.shape[0]:
             raise ValueError(f"grouped_swiglu: counts sum to {sum(counts)} but there are {x_NH.shape[0]} rows")
         dt = torch.promote_types(x_NH.dtype, w1_EIH.dtype)
+        if via is self and expert_kernel(x_NH.device, dt, w1_EIH.shape[2], w1_EIH.shape[1])[0] == "grouped_mm":
+            # CUDA + BF16: three grouped GEMMs (autograd's backward, so not when a wrapper splits off W)
+            return grouped_mm_swiglu(x_NH.to(dt), counts, w1_EIH.to(dt), w3_EIH.to(dt), w2_EHI.to(dt))
         # the weights are cast inside the Function (their gradients cast back there), so the parameters
         # themselves reach it: a deferred W writes their .grad
         return apply_split(via, list(counts), x_NH.to(dt), w1_EIH, w3_EIH, w2_EHI)
@@ -124,7 +128,8 @@ class GroupedSwiGLUKernel(SplitKernel):
 def grouped_swiglu(x_NH: torch.Tensor, counts: list[int], w1_EIH: torch.Tensor, w3_EIH: torch.Tensor,
                    w2_EHI: torch.Tensor) -> torch.Tensor:
     """SwiGLU per expert over rows already sorted by expert; `counts[e]` rows belong to expert e
-    (`GroupedSwiGLUKernel`, the default expert kernel)."""
+    (`GroupedSwiGLUKernel`, the default expert kernel; on CUDA with BF16 experts it runs
+    `grouped_mm_experts.grouped_mm_swiglu`)."""
     return _GROUPED(x_NH, counts, w1_EIH, w3_EIH, w2_EHI)
 
 

@@ -17,7 +17,9 @@ def register(sub):
         if info.name.startswith("_"):
             continue
         mod = importlib.import_module(f"{bench_pkg.__name__}.{info.name}")
-        bp = bsub.add_parser(info.name, help=(mod.__doc__ or "").strip().splitlines()[0])
+        name = info.name.replace("_", "-")   # module fp8_accum -> `dsv3 bench fp8-accum` (the old spelling too)
+        bp = bsub.add_parser(name, aliases=[info.name] if name != info.name else [],
+                             help=(mod.__doc__ or "").strip().splitlines()[0])
         bp.add_argument("--json", action="store_true", help="print one JSON object (default: indented)")
         mod.add_arguments(bp)
         bp.set_defaults(func=_runner(mod))
