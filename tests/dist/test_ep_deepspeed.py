@@ -13,6 +13,7 @@ from dsv3_plugin.config import load_config
 from dsv3_plugin.distributed import init_distributed
 from dsv3_plugin.model import DSv3Model
 from helpers import run_ranks
+from tolerance import check_within, model_bound, reorder_bound
 
 DS_CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
              "zero_optimization": {"stage": 1}, "gradient_clipping": 0.0, "steps_per_print": 10**9,
@@ -44,7 +45,7 @@ def _engine(cfg, seed):
 def _sgd_step_matches_reference(cfg, rank, world):
     """One ZeRO-1 SGD step (lr 1) moves every parameter by minus the mean gradient over all ranks' losses:
     dense params reduced over the world, expert params over their EDP group after the all-to-all backward.
-    Checked against a single-process model on the four ranks' batches. Returns the max relative error."""
+    Checked against a single-process model on the four ranks' batches. Returns the failure messages."""
     from dsv3_plugin.deepspeed.moe_layer import moe_param_groups, prepare_model
     deepspeed = _deepspeed()
     ref = DSv3Model(cfg)
@@ -66,7 +67,8 @@ def _sgd_step_matches_reference(cfg, rank, world):
     engine.step()
     ref_grads = dict(ref.named_parameters())
     L = cfg.moe.n_routed_experts // cfg.parallel.ep
-    worst = 0.0
+    tokens = world * _batch(rank, cfg)[0].numel()
+    errors, n_checked = [], 0
     for n, p in model.named_parameters():
         delta = before[n] - p.detach()
         if ".deepspeed_moe.experts.deepspeed_experts." in n:
@@ -77,10 +79,19 @@ def _sgd_step_matches_reference(cfg, rank, world):
             g = ref_grads[n].grad
         if g is None or g.abs().max() == 0:
             continue
-        # p - (p - g) loses the bits of g below fp32 eps·|p| (norm weights are ~1): allow that much
-        err = float(((delta - g).abs() - 4 * 1.2e-7 * before[n].abs()).clamp_min(0).max() / g.abs().max())
-        worst = max(worst, err)
-    return worst
+        # Reordered: the gradient sums over the four ranks' tokens (all-reduce / EDP reduction vs one
+        # process), forward and backward through the model; then p − (p − g) rounds twice on |p| + |g|
+        # (norm weights are ~1, so this loses the bits of g below u·|p|).
+        bound = model_bound(g, cfg, tokens) + reorder_bound(2, before[n].abs() + g.abs())
+        errors.append(check_within(delta, g, bound, f"rank {rank} {n}: SGD step vs reference gradient"))
+        n_checked += 1
+        # docs/expert_parallel.md's figure: <= 1e-5 of max|g| beyond the 2 roundings of p − (p − g)
+        rel = float(((delta - g).abs() - reorder_bound(2, before[n].abs())).clamp_min(0).max() / g.abs().max())
+        if rel > 1e-5:
+            errors.append(f"rank {rank} {n}: {rel:.3g} relative > 1e-5 (docs/expert_parallel.md)")
+        if os.environ.get("TOL_REPORT"):
+            print(f"[tol] docs figure: {rel:.2e} / 1e-5 {n}")
+    return [e for e in errors if e] + ([] if n_checked else ["no parameter checked"])
 
 
 def _same_on(t, group):
@@ -141,7 +152,7 @@ def _run(ckpt_dir):
 def test_zero1_ep2_dp2(tmp_path):
     res = run_ranks(_run, 4, str(tmp_path / "ckpt"), timeout_s=400)
     for r in res:
-        assert r["sgd_err"] <= 1e-5, r["sgd_err"]
+        assert r["sgd_err"] == [], r["sgd_err"]
         assert r["losses"][-1] < r["losses"][0], r["losses"]          # it trains (fixed batch per rank)
         for step, c in enumerate(r["checks"]):
             assert c == (True, True, True, True, True), (step, c)

@@ -1,7 +1,8 @@
 """Expert-parallel DeepSeekMoE on 4 gloo ranks (EP=4 over 4 or 2 nodes, and EP=2 x DP=2) equals the single-process layer (EP = 1) on the same
-tokens and weights: outputs <= 1e-6, gradients <= 1e-5 relative; with and without shared experts, node
-limits and node-deduplicated dispatch; EP = world and EP x DP. Also: router counts, no dropped tokens,
-cross-node copies <= M per token with dedup."""
+tokens and weights: outputs and gradients within the float32 bound for the reductions EP reorders (and
+gradients <= 1e-5 relative, the README's figure); with and without shared experts, node limits and
+node-deduplicated dispatch; EP = world and EP x DP. Also: router counts, no dropped tokens, cross-node
+copies <= M per token with dedup."""
 import torch
 import torch.distributed as dist
 
@@ -11,6 +12,7 @@ from dsv3_plugin.moe import DeepSeekMoE
 from dsv3_plugin.moe_parallel import ExpertParallelMoE
 from dsv3_plugin.parallel_groups import build_ep_groups
 from helpers import run_ranks
+from tolerance import assert_within, model_bound, reorder_bound
 
 H = 16
 
@@ -36,11 +38,6 @@ def _data(rank):
     return torch.randn(2, T, H, generator=g), torch.randn(2, T, H, generator=g)
 
 
-def _rel(a, b):
-    assert b.abs().max() > 0, "reference gradient is zero: the comparison would prove nothing"
-    return float((a - b).abs().max() / b.abs().max())
-
-
 def _one(ep, rpn, shared, M, dedup):
     rank = dist.get_rank()
     groups = build_ep_groups(ep, rpn)
@@ -59,10 +56,12 @@ def _one(ep, rpn, shared, M, dedup):
     x.requires_grad_(True)
     out = par(x)
     ((out * gout).sum() + par.aux_loss).backward()
-    errs = {"out": float((out.detach() - ref_out[rank][0]).abs().max()), "x": _rel(x.grad, ref_out[rank][1])}
+    # (got, ref) pairs; the tokens of the EP group bound the longest reduction (a weight gradient's)
+    errs = {"out": (out.detach(), ref_out[rank][0]), "x": (x.grad, ref_out[rank][1]),
+            "tokens": sum(_data(r)[0].shape[0] * _data(r)[0].shape[1] for r in groups.ep_ranks)}
     sl = slice(par.local_experts.start, par.local_experts.stop)
     for n in ("gate_proj", "up_proj", "down_proj"):
-        errs[f"experts.{n}"] = _rel(getattr(par.experts, n).grad, getattr(ref.experts, n).grad[sl])
+        errs[f"experts.{n}"] = (getattr(par.experts, n).grad, getattr(ref.experts, n).grad[sl])
     # replicated params: DP would sum their gradients over the ranks; the reference summed over tokens
     repl = [("gate.weight", par.gate.weight, ref.gate.weight)]
     if shared:
@@ -71,7 +70,7 @@ def _one(ep, rpn, shared, M, dedup):
     for name, p, q in repl:
         gsum = p.grad.clone()
         dist.all_reduce(gsum, group=groups.ep_group)
-        errs[name] = _rel(gsum, q.grad)
+        errs[name] = (gsum, q.grad)
     counts = par.gate.tokens_per_expert.clone()
     dist.all_reduce(counts, group=groups.ep_group)
     errs["counts"] = float((counts - ref.gate.tokens_per_expert).abs().max())
@@ -107,9 +106,9 @@ def _model_level(ep, rpn):
     out.loss.backward()
     g = par.embed_tokens.weight.grad.clone()
     dist.all_reduce(g, group=groups.ep_group)
-    return {"loss": abs(float(out.loss.detach()) - ref_loss[rank][0]),
-            "logits": float((out.logits.detach() - ref_loss[rank][1]).abs().max()),
-            "embed_grad": _rel(g, ref.embed_tokens.weight.grad)}
+    return {"loss": (out.loss.detach(), torch.tensor(ref_loss[rank][0])),
+            "logits": (out.logits.detach(), ref_loss[rank][1]),
+            "embed_grad": (g, ref.embed_tokens.weight.grad), "tokens": 2 * 8 * len(groups.ep_ranks)}
 
 
 def _run(layouts):
@@ -123,17 +122,42 @@ def _run(layouts):
 
 
 def _check(results):
-    for rank_res in results:
+    from dsv3_plugin.config import load_config
+    tiny = load_config({"preset": "tiny"})
+    for r, rank_res in enumerate(results):
         for key, e in rank_res:
             if key[0] == "model":
-                assert e["loss"] <= 1e-6 and e["logits"] <= 1e-5 and e["embed_grad"] <= 1e-5, e
+                # Reordered: the routed experts' GEMMs over other row sets, the k-sum, and the embedding
+                # gradient summed over the EP group by all_reduce; forward through the model (loss, logits),
+                # forward + backward (gradient).
+                for n, passes in (("loss", 1), ("logits", 1), ("embed_grad", 2)):
+                    got, ref = e[n]
+                    assert_within(got, ref, model_bound(ref, tiny, e["tokens"], passes), f"rank {r} model {n}")
+                _readme_grad_figure(*e["embed_grad"], f"rank {r} model embed_grad")
                 continue
-            assert e["out"] <= 1e-6, (key, e)
-            for n, v in e.items():
-                if n not in ("out", "counts", "dropped", "cross_per_token_over_M"):
-                    assert v <= 1e-5, (key, n, e)
+            # Reordered: each expert's GEMMs run over the rows its rank received (other blocks, K <= H = 16)
+            # and the k = 4 outputs are summed in arrival order: 3 reductions deep for the output; the
+            # backward adds W2ᵀ, W1ᵀ + W3ᵀ, the router's normalization and each weight gradient's sum over
+            # the EP group's tokens (and all_reduce for replicated ones): 7 deep, K = those tokens.
+            # Magnitude: max|ref| of the compared tensor (terms of these short sums are of that size).
+            got, ref = e["out"]
+            assert_within(got, ref, reorder_bound(H, ref.abs().max(), stages=3), f"rank {r} {key} out")
+            for n, pair in e.items():
+                if n in ("out", "tokens", "counts", "dropped", "cross_per_token_over_M"):
+                    continue
+                got, ref = pair
+                assert ref.abs().max() > 0, f"{n}: reference gradient is zero: the comparison would prove nothing"
+                assert_within(got, ref, reorder_bound(max(H, e["tokens"]), ref.abs().max(), stages=7),
+                              f"rank {r} {key} {n}.grad")
+                _readme_grad_figure(got, ref, f"rank {r} {key} {n}.grad")
             assert e["counts"] == 0 and e["dropped"] == 0, (key, e)
             assert e["cross_per_token_over_M"] <= 0, (key, e)
+
+
+def _readme_grad_figure(got, ref, what):
+    """README: EP gradients equal EP = 1 within 1e-5 relative (max |diff| / max |ref|). Measured <= 4e-7,
+    a 25x margin: the figure is the claim, the reordering bound above is what float32 permits."""
+    assert float((got - ref).abs().max() / ref.abs().max()) <= 1e-5, what
 
 
 def test_ep4_and_ep2xdp2_equal_ep1():

@@ -13,8 +13,17 @@ import pytest
 import torch
 
 from helpers import make_tiny_hf_checkpoint, run_ranks
+from tolerance import LOGITS_FP32_ABS, assert_within, model_bound, reorder_bound
 
 pytestmark = pytest.mark.dist
+
+
+def _tiny():
+    from dsv3_plugin.config import load_config
+    return load_config({"preset": "tiny"})
+
+
+TINY = _tiny()
 
 
 def _phase(ckpt, converted, ep, rank, world):
@@ -45,7 +54,7 @@ def _phase(ckpt, converted, ep, rank, world):
            "logits": logits, "mtp": mtp, "loss": None,
            "converted": max([(conv_logits - logits).abs().max().item()]
                             + [(a - b).abs().max().item() for a, b in zip(conv_mtp, mtp)]),
-           "vs_standalone": (logits - ref_logits).abs().max().item()}
+           "vs_standalone": (logits, ref_logits)}
 
     ddp = wrap_ddp(model)
     ddp.train()
@@ -71,6 +80,8 @@ def _phase(ckpt, converted, ep, rank, world):
     out["bias_vs_standalone"] = [(a - b).abs().max().item()
                                  for a, b in zip(after, [r.e_score_correction_bias for r in routers_of(ours)])]
     out["gamma"] = cfg.moe.gamma(0.0)
+    out["max_bias"] = max(b.abs().max().item() for b in before)
+    out["tokens"] = ids.numel() * world
     shutdown_megatron()
     return out
 
@@ -81,21 +92,21 @@ def _worker(ckpt, conv1, conv2):
     one = _phase(ckpt, conv1, 1, rank, world)
     two = _phase(ckpt, conv2, 2, rank, world)
     res = {k: one[k] for k in ("zeroed", "moved", "loads_vs_standalone", "bias_vs_standalone", "gamma",
-                                "vs_standalone")}
+                                "vs_standalone", "max_bias", "tokens")}
     res["converted"] = (one["converted"], two["converted"])
     res["n_local"] = (one["n_local"], two["n_local"])
-    res["ep_logits"] = (one["logits"] - two["logits"]).abs().max().item()
-    res["ep_mtp"] = max((a - b).abs().max().item() for a, b in zip(one["mtp"], two["mtp"]))
-    res["ep_loss"] = abs(one["loss"].item() - two["loss"].item())
+    res["ep_logits"] = (two["logits"], one["logits"])
+    res["ep_mtp"] = list(zip(two["mtp"], one["mtp"]))
+    res["ep_loss"] = (two["loss"], one["loss"])
     res["ep_bias"] = max((a - b).abs().max().item() for a, b in zip(one["bias"], two["bias"]))
-    worst, n_expert, lo = 0.0, 0, rank * two["n_local"]
+    grads, n_expert, lo = {}, 0, rank * two["n_local"]
     for n, g2 in two["grads"].items():
         g1 = one["grads"][n]
         if ".mlp.moe.experts." in n:
             g1 = g1[lo: lo + two["n_local"]]
             n_expert += 1
-        worst = max(worst, (g1 - g2).abs().max().item() / (g1.abs().max().item() + 1e-12))
-    res["ep_grad_rel"], res["n_expert_grads"] = worst, n_expert
+        grads[n] = (g2, g1)
+    res["ep_grads"], res["n_expert_grads"] = grads, n_expert
     return res
 
 
@@ -113,10 +124,13 @@ def results(tmp_path_factory):
 
 def test_finalize_model_grads_updates_our_router_bias(results):
     for r in results:
-        assert r["vs_standalone"] <= 1e-5
+        assert_within(*r["vs_standalone"], LOGITS_FP32_ABS, "GPTModel logits vs DSv3Model")   # README figure
         assert r["loads_vs_standalone"] == [0.0, 0.0, 0.0]      # 2 MoE decoder layers + the MTP layer
-        assert all(d <= 1e-7 for d in r["bias_vs_standalone"]), r
-        assert all(abs(m - r["gamma"]) < 1e-6 for m in r["moved"]), r
+        # same loads, so the same b + γ·sign(mean − load): at most the final add rounds differently
+        # (<= u·(|b| + γ) each way); a flipped sign would differ by 2γ
+        add = reorder_bound(1, r["max_bias"] + r["gamma"])
+        assert all(d <= add for d in r["bias_vs_standalone"]), r
+        assert all(abs(m - r["gamma"]) <= add for m in r["moved"]), r      # (b + γ) − b = γ up to that rounding
         assert r["zeroed"]
 
 
@@ -124,9 +138,16 @@ def test_ep2_equals_ep1_through_megatron_parallel_state(results):
     for r in results:
         assert r["n_local"] == (16, 8)
         assert r["n_expert_grads"] == 9                           # (gate, up, down) x 3 MoE layers
-        assert r["ep_logits"] <= 1e-5 and r["ep_mtp"] <= 1e-5, r
-        assert r["ep_loss"] <= 1e-6, r
-        assert r["ep_grad_rel"] <= 1e-4, r
+        # README's fp32 logits figure for the logits (main and MTP); the loss and the gradients within what
+        # float32 allows when EP reorders the expert GEMMs' rows, the k-sum and the all-reduces
+        assert_within(*r["ep_logits"], LOGITS_FP32_ABS, "EP=2 vs EP=1 logits")
+        for k, (a, b) in enumerate(r["ep_mtp"], 1):
+            assert_within(a, b, LOGITS_FP32_ABS, f"EP=2 vs EP=1 MTP depth {k} logits")
+        assert_within(*r["ep_loss"], model_bound(r["ep_loss"][1], TINY, r["tokens"], passes=1), "EP=2 vs EP=1 loss")
+        for n, (a, b) in r["ep_grads"].items():
+            assert_within(a, b, model_bound(b, TINY, r["tokens"]), f"EP=2 vs EP=1 {n} after finalize_model_grads")
+            # docs/megatron.md's figure: relative <= 1e-4 of max|grad| (measured 8e-7)
+            assert (a - b).abs().max() <= 1e-4 * b.abs().max(), n
         assert r["ep_bias"] == 0.0, r
 
 

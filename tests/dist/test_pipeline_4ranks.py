@@ -2,11 +2,13 @@
 
 1. Generic stages: 1F1B, ZB1P, DualPipe, DualPipeV at PP=4 on the world group, then PP=2 on two 2-rank
    sub-groups at once (one with reversed rank_mapping): per-micro-batch losses torch.equal to a
-   single-process run of the same stages, gradients within 1e-6 relative (after DualPipe's mirror sync),
-   the overlap hook called, two steps (no state leaks), inference losses and outputs torch.equal.
+   single-process run of the same stages, gradients within the float32 bound for the reordered micro-batch
+   sums (after DualPipe's mirror sync), the overlap hook called, two steps (no state leaks), inference
+   losses and outputs torch.equal.
 2. DeepSeek-V3 stages (MLA, MoE + balance loss, MTP): DualPipeV (4 stages on 2 ranks) and DualPipe, then
    1F1B and ZB1P with every nn.Linear and expert GEMM deferring its weight grads: losses bit-identical to DSv3Model,
-   gradients within 1e-6, the embedding shared on rank 0 or synchronised (1F1B/ZB1P + MTP).
+   gradients within the float32 bound of a reordered backward (tests/tolerance.py), the embedding shared on
+   rank 0 or synchronised (1F1B/ZB1P + MTP).
 3. Failures, last: a wrong shape raises on both sides; a stuck peer raises after the timeout; a dead peer
    raises when its connection drops — all as PipelineError, no hang.
 """
@@ -25,7 +27,8 @@ from dsv3_plugin.pipeline import (DualPipe, DualPipeV, OneFOneB, PipelineError, 
 from dsv3_plugin.pipeline.stages import (DSv3PipelineLoss, build_stages, n_stages_of, stage_ids_for_rank,
                                          sync_tied_embedding)
 from helpers import run_ranks
-from pipeline_stages import H, MLPStage, OverlapStage, criterion, make_batch, make_stages, reference, rel_err
+from pipeline_stages import H, MLPStage, OverlapStage, criterion, grad_bound, make_batch, make_stages, reference
+from tolerance import check_within, model_bound
 
 RUNTIMES = {"1f1b": OneFOneB, "zb1p": ZeroBubble1P, "dualpipe": DualPipe, "dualpipev": DualPipeV}
 TIMEOUT = 3.0
@@ -65,8 +68,9 @@ def _check(name, P, r, C, stage_cls, seed, group=None, mapping=None, order=None)
         errs = []
         for sid, m in zip(ids, local):
             for (n, p), (_, q) in zip(m.named_parameters(), ref_stages[sid].named_parameters()):
-                errs.append(rel_err(p.grad, q.grad))
-        report[f"grad_err_{it}"] = max(errs)
+                errs.append(check_within(p.grad, q.grad, grad_bound(q.grad, n_stages, C),
+                                         f"step {it} stage {sid} {n}"))
+        report[f"grad_err_{it}"] = [e for e in errs if e]
     with torch.no_grad():
         x, y = make_batch(2 * C, seed=99)
         ref_loss, ref_out, _ = reference(full, x, y, C)
@@ -132,7 +136,7 @@ def _run(r, groups, schedule, cls, split):
     if len(stages) == 2 and pr == 0:
         rep["shared_embedding"] = stages[0].embed_tokens.weight is stages[1].embed_tokens.weight
     ref_params = dict(ref.named_parameters())
-    errs = {}
+    errs = []
     seen = set()
     for s in stages:
         for n, p in s.named_parameters():
@@ -141,8 +145,11 @@ def _run(r, groups, schedule, cls, split):
             seen.add(id(p))
             full = next(k for k, q in model.named_parameters() if q is p)
             q = ref_params[full]
-            errs[full] = ((p.grad - q.grad).norm() / q.grad.norm().clamp_min(1e-30)).item()
-    rep["max_grad_err"] = max(errs.values())
+            # forward identical (losses equal); the backward reordered: micro-batch sums, the tied
+            # embedding's sync, and with `split` the deferred W-GEMMs
+            errs.append(check_within(p.grad, q.grad, model_bound(q.grad, model.cfg, ids.numel(), passes=1),
+                               f"{schedule} {full}.grad"))
+    rep["grad_errors"] = [e for e in errs if e]
     rep["n_params"] = len(errs)
     return rep
 
@@ -209,7 +216,7 @@ def test_schedules_match_single_process(results):
         for case, rep in per_case.items():
             for k, v in rep.items():
                 if k.startswith("grad_err"):
-                    assert v <= 1e-6, (r, case, k, v)
+                    assert v == [], (r, case, k, v)
                 elif k == "overlap_calls":
                     assert v > 0, (r, case, "overlap hook never called")
                 else:
@@ -222,7 +229,7 @@ def test_dsv3_model_through_all_schedules(results):
     reps = [rep for pair in out for rep in pair]
     assert sorted({rep["schedule"] for rep in reps}) == ["1f1b", "dualpipe", "dualpipev", "zb1p"]
     for rep in reps:
-        assert rep["max_grad_err"] <= 1e-6, rep
+        assert rep["grad_errors"] == [] and rep["n_params"] > 0, rep
         if rep["pipeline_rank"] == rep["loss_rank"]:
             assert rep["loss_equal"] is True, rep
         if "shared_embedding" in rep:

@@ -141,14 +141,17 @@ def _worker():
     if r == 0:
         rep["losses_equal"] = all(torch.equal(a["lm loss"], b["lm loss"]) for a, b in zip(store, ref_store))
         rep["n_ref"] = len(ref_store)
+    from tolerance import check_within, model_bound
     ref_params = dict(ref_model.named_parameters())
-    err = 0.0
+    errs = []
     for s in stages:
         for p in s.parameters():
             name = next(k for k, q in model.named_parameters() if q is p)
             q = ref_params[name]
-            err = max(err, ((p.grad - q.grad).norm() / q.grad.norm().clamp_min(1e-30)).item())
-    rep["grad_err"] = err
+            # same per-micro-batch ops (losses equal); DualPipeV sums the micro-batches' gradients in its
+            # own order and syncs the tied embedding: a reordered backward
+            errs.append(check_within(p.grad, q.grad, model_bound(q.grad, cfg, C * T, passes=1), f"{name}.grad"))
+    rep["grad_errors"] = [e for e in errs if e]
     return rep
 
 
@@ -160,7 +163,7 @@ def test_patched_megatron_runs_dualpipev_like_native():
     assert reps[1]["n_store"] == 0                      # loss dicts live on the rank with the last stage
     for rep in reps:
         assert rep["reverted"] is True
-        assert rep["grad_err"] <= 1e-6, rep
+        assert rep["grad_errors"] == [], rep
     c = reps[1]["patch_checks"]
     assert c["pp2"] and c["pp1"] and c["reverted"] and c["1f1b_native"] and c["clean"], c
     assert c["untested"] is not None and "megatron-core 0.99.0 is untested" in c["untested"], c

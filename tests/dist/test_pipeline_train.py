@@ -1,6 +1,7 @@
 """`dsv3 train` with "parallel": {"pp": 2, "schedule": "dualpipev"} and dp = 2 on 4 gloo ranks (ZeRO-1 over the
 data-parallel group) gives the pp = 1, dp = 2 loss curve within 1e-5 (bias updates, warm-up LR, clipping on)."""
 import copy
+import os
 
 import pytest
 
@@ -34,8 +35,17 @@ def test_train_dualpipev_pp2_dp2_matches_pp1_curve():
     ref = run_ranks(_train, 2, DS, timeout_s=400)
     assert all(h == piped[0] for h in piped) and all(h == ref[0] for h in ref)   # same metrics on all ranks
     assert len(piped[0]) == len(ref[0]) == STEPS
+    # README's figure: every loss term within 1e-5 over the 4 steps. Step 1 is one forward (bit-equal or a
+    # few float32 reorderings); later steps add what AdamW makes of gradients summed in another order
+    # (micro-batches, the mirror/DP all-reduces). Not a worst-case bound (Adam's m/√v can amplify a
+    # reordering), a claim with margin: measured 1.8e-7 on losses of ~5, 50x under it.
+    worst = 0.0
     for a, b in zip(piped[0], ref[0]):
         for k in ("loss", "lm_loss", "mtp_loss", "balance_loss"):
             assert abs(a[k] - b[k]) <= 1e-5, (k, piped[0], ref[0])
-        assert a["maxvio_layers"] == pytest.approx(b["maxvio_layers"], abs=1e-6)   # model order, same loads
+            worst = max(worst, abs(a[k] - b[k]))
+        # the same integer loads give the same float ops: equal, not close
+        assert a["maxvio_layers"] == b["maxvio_layers"], (a["maxvio_layers"], b["maxvio_layers"])
+    if os.environ.get("TOL_REPORT"):
+        print(f"[tol] pp=2 vs pp=1 loss terms: worst {worst:.3g} (figure 1e-5)")
     assert ref[0][-1]["loss"] < ref[0][0]["loss"]

@@ -10,6 +10,7 @@ import torch
 
 from dsv3_plugin.cli import main
 from dsv3_plugin.config import load_config
+from tolerance import model_bound
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KEYS = {"step", "loss", "lm_loss", "mtp_loss", "balance_loss", "maxvio", "tokens_per_s", "tokens_seen", "gamma", "lr"}
@@ -103,7 +104,11 @@ def test_train_cli_spawned_then_resumed_under_torchrun(tmp_path):
     assert os.path.getsize(os.path.join(out, "routing.png")) > 1000
     assert os.path.isfile(os.path.join(out, "ckpt", "latest"))
     # the weights really came from the checkpoint: step 1's LM loss is the loaded model's
-    assert rows[0]["lm_loss"] == pytest.approx(_reference_first_lm_loss(ck, 16, 5, 2), abs=1e-5)
+    # (both run the loaded model's forward on the same micro-batches; the engine's forward may order its
+    # reductions differently, so: what float32 allows through a forward, on the 2 x 2 x 16 tokens)
+    ref = _reference_first_lm_loss(ck, 16, 5, 2)
+    bound = float(model_bound(torch.tensor(ref), load_config({"preset": "tiny"}), 2 * 2 * 16, passes=1))
+    assert abs(rows[0]["lm_loss"] - ref) <= bound, (rows[0]["lm_loss"], ref, bound)
     assert rows[0]["gamma"] == 0.01 and rows[-1]["tokens_seen"] == 3 * 2 * 2 * 16
 
     # Resume under torchrun, with dsv3.train.log_every = 2: JSON lines for steps 4 and 6 (6 = the last) only.

@@ -5,6 +5,7 @@ import torch
 from dsv3_plugin import load_pretrained
 from dsv3_plugin.config import load_config
 from helpers import make_tiny_hf_checkpoint
+from tolerance import LOGITS_FP32_ABS, assert_within
 
 CASES = {
     "tiny": {},
@@ -29,7 +30,8 @@ def test_logits_match_transformers(tmp_path, name):
         ref = hf(ids).logits
         got = ours(ids).logits
     assert got.shape == ref.shape
-    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+    # the README's figure (see tolerance.LOGITS_FP32_ABS for why it holds with a 10x margin)
+    assert_within(got, ref, LOGITS_FP32_ABS, f"{name}: our logits vs transformers (fp32, same weights)")
 
 
 def test_sharded_checkpoint_really_sharded(tmp_path):

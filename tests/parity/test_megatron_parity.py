@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from helpers import make_tiny_hf_checkpoint, run_ranks
+from tolerance import LOGITS_FP32_ABS, assert_within, model_bound, reorder_bound
 
 CASES = {
     # every feature: q_lora, YaRN, 1 dense + 2 MoE layers, 4 groups, MTP; sharded safetensors
@@ -51,10 +52,10 @@ def _worker(root):
             o = ours(ids)
         out[name] = {
             "shape": (tuple(got.shape), tuple(ref.shape)),
-            "hf": (got - ref).abs().max().item(),
+            "hf": (got, ref),
             "scale": ref.abs().mean().item(),
             "mtp_shapes": ([tuple(t.shape) for t in got_mtp], [tuple(t.shape) for t in o.mtp_logits]),
-            "mtp": [(a - b).abs().max().item() for a, b in zip(got_mtp, o.mtp_logits)],
+            "mtp": list(zip(got_mtp, o.mtp_logits)),
             "depth": cfg.mtp.depth,
         }
         if name == "tiny":
@@ -92,7 +93,8 @@ def _worker(root):
     out["recompute"] = {
         "counts": [(a - b).abs().max().item() for a, b in zip(runs[0][0], runs[1][0])],
         "tokens": [float(c.sum()) for c in runs[1][0]],
-        "grads": max((runs[0][1][n] - g).abs().max().item() for n, g in runs[1][1].items()),
+        "grads": {n: (runs[1][1][n], g) for n, g in runs[0][1].items()},
+        "tokens_total": ids.numel(),
     }
 
     # Megatron's own finalize_model_grads steps our routers' bias like balancing.update_expert_bias (1 rank here;
@@ -116,6 +118,7 @@ def _worker(root):
         "vs_standalone": [(r.expert_bias - s.e_score_correction_bias).abs().max().item()
                           for r, s in zip(routers, routers_of(standalone))],
         "moved": [(r.expert_bias - b).abs().max().item() for r, b in zip(routers, before)],
+        "max_bias": max(b.abs().max().item() for b in before),
         "zeroed": all(float(r.local_tokens_per_expert.abs().sum()) == 0 for r in routers),
         "n": len(routers), "gamma": cfg.moe.gamma(0.0)}
 
@@ -151,14 +154,18 @@ def test_logits_match_transformers(results, name):
     r = results[name]
     assert r["shape"][0] == r["shape"][1]
     assert r["scale"] > 0.05           # real logits, not a degenerate model
-    assert r["hf"] <= 1e-5, r          # the issue asks 1e-4; the ops are the same, so we hold 1e-5
+    # the README's fp32 logits figure (the issue asked 1e-4); tolerance.LOGITS_FP32_ABS says why it holds
+    assert_within(*r["hf"], LOGITS_FP32_ABS, f"{name}: Megatron GPTModel logits vs transformers")
 
 
 def test_finalize_model_grads_updates_our_router_bias(results):
     r = results["bias_update"]
     assert r["n"] == 3                                       # 2 MoE decoder layers + the MTP layer
-    assert all(d <= 1e-7 for d in r["vs_standalone"]), r
-    assert all(abs(m - r["gamma"]) < 1e-6 for m in r["moved"]), r
+    # Same loads, so the same b + γ·sign(mean − load) per expert; at most the final add rounds differently
+    # (<= u·(|b| + γ) each way). A flipped sign would differ by 2γ, far above this.
+    add = reorder_bound(1, r["max_bias"] + r["gamma"])
+    assert all(d <= add for d in r["vs_standalone"]), r
+    assert all(abs(m - r["gamma"]) <= add for m in r["moved"]), r      # (b + γ) − b = γ up to that rounding
     assert r["zeroed"]
 
 
@@ -167,7 +174,12 @@ def test_activation_recompute_counts_loads_once(results):
     T, K = 2 * 16, 4
     assert r["tokens"] == [T * K, T * K, (T - 2) * K]     # MTP layer: last position per sequence is padding
     assert r["counts"] == [0.0, 0.0, 0.0]
-    assert r["grads"] <= 1e-6
+    # Reordered: the recomputed layers' backward runs inside each checkpoint's own backward, so gradient
+    # contributions meet in another order; forward and backward through the whole model (passes=2).
+    from dsv3_plugin.config import load_config
+    cfg = load_config({"preset": "tiny"})
+    for n, (got, ref) in r["grads"].items():
+        assert_within(got, ref, model_bound(ref, cfg, r["tokens_total"]), f"{n}.grad, full recompute vs none")
 
 
 def test_loader_errors_name_the_tensor(results):
@@ -185,4 +197,5 @@ def test_mtp_logits_match_standalone(results, name):
     r = results[name]
     assert len(r["mtp"]) == r["depth"]
     assert r["mtp_shapes"][0] == r["mtp_shapes"][1]
-    assert all(d <= 1e-5 for d in r["mtp"]), r
+    for k, (got, ref) in enumerate(r["mtp"], 1):       # README's fp32 logits figure, as for the main logits
+        assert_within(got, ref, LOGITS_FP32_ABS, f"{name}: Megatron MTP depth {k} logits vs DSv3Model")

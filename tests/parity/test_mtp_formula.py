@@ -8,6 +8,7 @@ from dsv3_plugin import load_pretrained
 from dsv3_plugin.checkpoint.hf import list_checkpoint_files
 from dsv3_plugin.config import load_config
 from helpers import hf_config, make_tiny_hf_checkpoint
+from tolerance import LOGITS_FP32_ABS, assert_within, model_bound
 
 
 def _read_prefix(path, prefix):
@@ -61,10 +62,11 @@ def test_mtp_logits_match_formula(tmp_path):
         ref = norm(x, w["shared_head.norm.weight"]) @ w["shared_head.head.weight"].T
         got = ours(ids).mtp_logits
     assert len(got) == 1 and got[0].shape == (2, T - 1, cfg.model.vocab_size)
-    torch.testing.assert_close(got[0], ref, rtol=0, atol=1e-5)
+    assert_within(got[0], ref, LOGITS_FP32_ABS, "MTP logits vs eqs. 21-23 with transformers' block")  # README
     # eh_proj order matters: swapping the halves (the paper's eq. 21 order) gives different logits.
     with torch.no_grad():
         W = ours.mtp[0].eh_proj.weight
         H = cfg.model.hidden_size
         W.copy_(torch.cat([W[:, H:], W[:, :H]], 1))
-        assert (ours(ids).mtp_logits[0] - ref).abs().max() > 1e-3
+        # ... by more than any float32 reordering through the model could explain
+        assert ((ours(ids).mtp_logits[0] - ref).abs() > model_bound(ref, cfg, ids.numel(), passes=1)).any()

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from dsv3_plugin.ema import EMA, ema_update_
+from tolerance import assert_within, reorder_bound
 
 
 def _model_and_data(seed=0):
@@ -27,14 +28,17 @@ def _train(m, opt, data, ema):
 
 
 def _hand_ema(m, opt, data, decay):
+    """The formula written out; also the largest term magnitude decay·|s| + (1−decay)·|p| of every update."""
     shadow = {n: p.detach().clone().float() for n, p in m.named_parameters()}
+    mag = {n: torch.zeros_like(s) for n, s in shadow.items()}
     for x, y in data:
         ((m(x) - y) ** 2).mean().backward()
         opt.step()
         opt.zero_grad()
         for n, p in m.named_parameters():
+            mag[n] = torch.maximum(mag[n], shadow[n].abs() * decay + p.detach().abs() * (1 - decay))
             shadow[n] = shadow[n] * decay + p.detach() * (1 - decay)
-    return shadow
+    return shadow, mag
 
 
 def test_async_equals_sync_and_formula():
@@ -49,9 +53,12 @@ def test_async_equals_sync_and_formula():
     assert a["num_updates"] == s["num_updates"] == 12
     assert all(torch.equal(a["shadow"][n], s["shadow"][n]) for n in s["shadow"])
     m, data = _model_and_data()
-    ref = _hand_ema(m, torch.optim.SGD(m.parameters(), lr=0.1), data, 0.9)
+    ref, mag = _hand_ema(m, torch.optim.SGD(m.parameters(), lr=0.1), data, 0.9)
+    # Reordered: mul_ + add_(alpha) (maybe fused) vs s·d + p·(1−d): 3 roundings per update on terms of size
+    # `mag`; the parameters themselves are bit-identical (same SGD ops). Older updates' differences shrink
+    # by d each step, so 12 updates add at most 12 such terms.
     for n, t in ref.items():
-        assert torch.allclose(a["shadow"][n], t, rtol=1e-6, atol=1e-7)
+        assert_within(a["shadow"][n], t, reorder_bound(3, mag[n], stages=12), f"EMA {n} vs formula")
     assert not torch.equal(a["shadow"]["0.weight"], dict(m.named_parameters())["0.weight"])
 
 

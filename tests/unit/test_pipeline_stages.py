@@ -1,4 +1,4 @@
-"""DSv3Model cut into pipeline stages: composing the stages gives the model's loss bit for bit."""
+"""DSv3Model cut into pipeline stages: composing the stages gives the model's loss and gradients bit for bit."""
 import copy
 
 import pytest
@@ -7,6 +7,7 @@ import torch
 from dsv3_plugin.config import load_config
 from dsv3_plugin.model import DSv3Model
 from dsv3_plugin.pipeline.stages import DSv3PipelineLoss, build_stages, split_layers, stage_ids_for_rank
+from tolerance import assert_within, model_bound
 
 
 def tiny(layers=4):
@@ -43,8 +44,11 @@ def test_stages_compose_to_the_model(n_stages):
     rec = crit.records[0]
     assert torch.equal(rec["lm_loss"], out.lm_loss) and torch.equal(rec["mtp_loss"], out.mtp_loss)
     assert torch.equal(rec["balance_loss"], out.balance_loss)
+    # One autograd graph through the stages: the same ops as the model's forward, built in the same order,
+    # so the backward runs the identical op sequence (shared-embedding contributions accumulate in the same
+    # order too): bit-identical gradients, not merely close.
     for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-        assert torch.allclose(p.grad, q.grad, rtol=1e-6, atol=1e-9), n
+        assert torch.equal(p.grad, q.grad), n
     # the first and last stage share the one embedding (MTP reuses it)
     assert stages[0].embed_tokens.weight is stages[-1].embed_tokens.weight
 
@@ -77,5 +81,9 @@ def test_split_weight_grads_defers_linear_and_expert_gemms():
     assert params["embed_tokens.weight"].grad is not None
     assert params["layers.1.mlp.experts.gate_proj"].grad is None and params["lm_head.weight"].grad is None
     q.pop("mb0")
+    # Reordered (backward only; the forward is the same, the loss equal): each deferred Linear/expert GEMM's
+    # dX and dW run as plain matmuls in the I op and the W closure instead of autograd's linear/grouped
+    # backward kernels, so their blocking differs, and the differences flow back through every block.
     for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
-        assert torch.allclose(p.grad, r.grad, rtol=1e-6, atol=1e-9), name
+        assert_within(p.grad, r.grad, model_bound(r.grad, model.cfg, ids.numel(), passes=1),
+                         f"{name}.grad, deferred W-GEMMs vs autograd")

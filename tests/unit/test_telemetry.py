@@ -11,6 +11,7 @@ from dsv3_plugin.model import DSv3Model
 from dsv3_plugin.moe_parallel import expert_parallel
 from dsv3_plugin.parallel_groups import single_process_groups
 from dsv3_plugin.telemetry import RoutingTelemetry
+from tolerance import reorder_bound
 
 
 def _model():
@@ -33,11 +34,15 @@ def test_record_counts_every_routed_token():
     lay = r["moe_layers"]["layers.1.mlp"]
     assert sum(lay["loads"]) == 16 * cfg.moe.top_k                      # every (token, slot) counted once
     loads = torch.tensor(lay["loads"], dtype=torch.float64)
-    assert lay["maxvio_batch"] == pytest.approx(float(loads.max() / loads.mean() - 1))
+    # integer loads: sum and mean (E = 16) are exact in float32; the divide and the −1 round (float32 vs this
+    # float64 reference), each by <= u of max/mean
+    ratio = float(loads.max() / loads.mean())
+    assert abs(lay["maxvio_batch"] - (ratio - 1)) <= reorder_bound(2, ratio)
     assert lay["tokens_dropped"] == 0 and lay["cross_node_per_token"] == 0.0
     assert recs[0]["maxvio_global"] is None                              # still warming up
     glob = torch.tensor([recs[i]["moe_layers"]["layers.1.mlp"]["loads"] for i in (1, 2)], dtype=torch.float64).sum(0)
-    assert lay["maxvio_global"] == pytest.approx(float(glob.max() / glob.mean() - 1))
+    ratio = float(glob.max() / glob.mean())
+    assert abs(lay["maxvio_global"] - (ratio - 1)) <= reorder_bound(2, ratio)          # as above
     json.dumps(r)  # JSON-ready
 
 
