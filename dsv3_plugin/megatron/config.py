@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-from ..config import ConfigError, DSv3Config, load_config
+from dsv3_plugin.config import ConfigError, DSv3Config, load_config
 
 __all__ = ["DSv3TransformerConfig", "to_transformer_config", "dsv3_config_of", "apply_schedules",
            "set_bias_update_rate", "follow_schedules"]

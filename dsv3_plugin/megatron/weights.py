@@ -20,8 +20,10 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
-from ..checkpoint.megatron_layout import MLA_NAME_MAP
-from ..errors import CheckpointError
+from dsv3_plugin.checkpoint.megatron_layout import MLA_NAME_MAP
+from dsv3_plugin.errors import CheckpointError
+from .spec import mtp_inner_layer_name
+from dsv3_plugin.checkpoint.hf import iter_checkpoint_tensors
 
 __all__ = ["hf_to_megatron_name", "load_hf_checkpoint", "load_megatron_checkpoint", "megatron_layout_to_ours"]
 
@@ -135,7 +137,6 @@ _MCORE_EXPERT_RE = re.compile(r"^(.*)\.mlp\.experts\.local_experts\.(\d+)\.(line
 
 
 def _mtp_inner() -> str:
-    from .spec import mtp_inner_layer_name
     return mtp_inner_layer_name()
 
 
@@ -214,7 +215,6 @@ def _assign(model, items: Iterable[tuple[str, _Target, torch.Tensor]]) -> None:
 def load_hf_checkpoint(model, path: str | os.PathLike) -> None:
     """Load a released-format checkpoint directory (config.json + safetensors, BF16/FP32; FP8 files must be
     dequantized first, e.g. with `dsv3 convert`) into this rank's part of `model`."""
-    from ..checkpoint.hf import iter_checkpoint_tensors
     L, offset, n_local, ep, ep_rank = _model_geometry(model)
     E = model.config.num_moe_experts or 0
 
