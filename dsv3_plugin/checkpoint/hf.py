@@ -1,6 +1,6 @@
 """Released DeepSeek-V3 checkpoints (HF layout) <-> `DSv3Model`.
 
-Released names (deepseek_v3_facts.md §1.8): `model.embed_tokens`, `model.layers.{i}.…`, `model.norm`,
+Released names (docs/facts.md §1): `model.embed_tokens`, `model.layers.{i}.…`, `model.norm`,
 `lm_head`; routed experts per expert (`mlp.experts.{e}.{gate,up,down}_proj.weight`, stacked here into
 `[E, …]` tensors); the router bias `mlp.gate.e_score_correction_bias`; and the MTP module k at
 `model.layers.{num_hidden_layers + k}` (enorm, hnorm, eh_proj, the decoder block, `shared_head.norm`, and

@@ -1,7 +1,7 @@
 """`dsv3` command line. Each sub-command lives in its own module here and defines
 `register(subparsers)`, which adds a parser whose `func(args) -> int` runs it.
 
-Exit codes (DESIGN.md): 0 ok, 2 bad input (`ConfigError`, `CheckpointError`, argparse), 1 other failures.
+Exit codes (docs/architecture.md): 0 ok, 2 bad input (`ConfigError`, `CheckpointError`, argparse), 1 other failures.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 output.
 
 Our GPTModel's names are Megatron-Core's for embedding, MLA, norms, output layer and MTP block (MCore <-> HF map,
-deepseek_v3_facts.md §1.8), and ours below `mlp.` (`DSv3FFN`: `mlp.dense.{gate,up,down}_proj`,
+docs/facts.md §1), and ours below `mlp.` (`DSv3FFN`: `mlp.dense.{gate,up,down}_proj`,
 `mlp.moe.gate.{weight,e_score_correction_bias}`, stacked experts `mlp.moe.experts.{gate,up,down}_proj` [E_local, ...],
 `mlp.moe.shared_experts.*`). Both loaders go through one name map and fill every parameter and the router bias
 exactly once; a missing, duplicated, unexpected or mis-shaped tensor is a `CheckpointError` naming it.

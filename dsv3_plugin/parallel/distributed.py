@@ -82,7 +82,7 @@ def set_peer_timeout(timeout_s: float) -> None:
 
 
 def _is_input_error(e: BaseException) -> bool:
-    """ConfigError / CheckpointError: bad user input, reported as one line and exit code 2 (DESIGN.md)."""
+    """ConfigError / CheckpointError: bad user input, reported as one line and exit code 2 (docs/architecture.md)."""
     return isinstance(e, (ConfigError, CheckpointError))
 
 

@@ -21,7 +21,6 @@ import torch.distributed as dist
 
 from dsv3_plugin.config import load_config
 from dsv3_plugin.parallel.distributed import init_distributed
-from dsv3_plugin.model.transformer import DSv3Model
 from dsv3_plugin.training.transforms import build_model
 from dsv3_plugin.parallel.pipeline import DualPipe, DualPipeV, OneFOneB, PipelineError, ZeroBubble1P, split_weight_grads
 from dsv3_plugin.parallel.pipeline.stages import DSv3PipelineLoss, build_stages, n_stages_of, stage_ids_for_rank, sync_tied_embedding

@@ -177,7 +177,6 @@ def test_engine_refuses_what_deepspeed_would(capsys):
     import torch
 
     from dsv3_plugin.deepspeed import initialize
-    from dsv3_plugin.model.transformer import DSv3Model
     from dsv3_plugin.training.transforms import build_model
     with torch.device("meta"):
         model = build_model(load_config({"preset": "tiny"}))
@@ -254,7 +253,7 @@ def test_memory_estimate_is_a_lower_bound_of_the_model_size():
     """The build term is exactly 4 bytes per parameter of the model dsv3 train builds."""
     import torch
 
-    from dsv3_plugin.model.transformer import DSv3Model
+    from dsv3_plugin.training.transforms import build_model
     from dsv3_plugin.deepspeed.train_memory import estimate_train_memory
     for over in [{"preset": "tiny"}, {"preset": "small"}, {"preset": "tiny", "model": {"tie_word_embeddings": True}},
                  {"preset": "tiny", "mtp": {"depth": 2}, "model": {"q_lora_rank": None}}]:

@@ -131,7 +131,6 @@ def test_model_routes_linears_and_experts_through_the_selected_backend(monkeypat
         calls.append(a[0].shape)
         return real(self, *a)
     monkeypatch.setattr(HopperEmulatedBackend, "gemm", spy)
-    from dsv3_plugin.model.transformer import DSv3Model
     from dsv3_plugin.training.transforms import build_model
     cfg = load_config({"preset": "tiny", "model": {"num_hidden_layers": 2}, "mtp": {"depth": 0},
                        "fp8": {"enabled": True, "backend": "hopper-emulated", "promote_every": 64}})
@@ -191,7 +190,7 @@ def test_package_imports_and_trains_without_mmaemu():
     code = ("import sys; sys.modules['mmaemu'] = None\n"
             "import torch, dsv3_plugin, dsv3_plugin.precision.fp8.hopper, dsv3_plugin.cli\n"
             "from dsv3_plugin.config import load_config\n"
-            "from dsv3_plugin.model.transformer import DSv3Model\n"
+            "from dsv3_plugin.training.transforms import build_model\n"
             "m = build_model(load_config({'preset': 'tiny', 'fp8': {'enabled': True}}))\n"
             "ids = torch.randint(0, 256, (1, 8))\n"
             "m(ids, ids).loss.backward()\n"

@@ -1,4 +1,4 @@
-"""Router pitfalls of deepseek_v3_facts.md §5, items 1-5, each against a literal reading of the paper."""
+"""Router pitfalls of docs/facts.md §2, items 1-5, each against a literal reading of the paper."""
 
 import torch
 import torch.nn.functional as F
