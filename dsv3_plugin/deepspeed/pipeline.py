@@ -24,7 +24,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch import nn
+
 from dsv3_plugin.config import ConfigError
+from .backend import import_deepspeed
 from dsv3_plugin.parallel.pipeline import DualPipe, DualPipeV, OneFOneB, ZeroBubble1P
 from dsv3_plugin.parallel.pipeline.stages import build_stages, n_stages_of, stage_ids_for_rank
 from dsv3_plugin.parallel.pipeline.p2p import PipelineError
