@@ -1,19 +1,24 @@
 """dsv3-plugin: DeepSeek-V3's training system as a plugin for DeepSpeed and Megatron-Core.
 
-The core (this package's top-level modules) is device-agnostic PyTorch; `dsv3_plugin.deepspeed` and
-`dsv3_plugin.megatron` are thin adapters that import their framework lazily.
+The folders are the architecture; imports point one way (enforced by tests/unit/test_import_layers.py):
+
+    errors, json_input, config   the "dsv3" block (one typed config), ConfigError / CheckpointError
+    model/                       the network: transformer, mla, rope, norm, mtp, kernels; model/moe/ (router,
+                                 balancing, experts + layer)                   — device-agnostic PyTorch
+    precision/                   FP8 (precision/fp8/: quant, linear, experts, hopper), BF16-moment AdamW
+    parallel/                    process groups, EP dispatch, expert_parallel, pipeline/ (schedules, runtime)
+    training/                    transforms (FP8 → recompute → EP → W-split), recompute, ema, data, telemetry,
+                                 memory plan, run directories
+    checkpoint/                  released checkpoints: reader, writer, hf, convert, synthetic, integrity
+    deepspeed/, megatron/        thin adapters (import their framework lazily)
+    cli/, bench/                 `dsv3 ...` commands and `dsv3 bench ...`
+
+docs/architecture.md draws the same picture with the data flow.
 """
-from .config import ConfigError, DSv3Config, load_config
+from dsv3_plugin.checkpoint.hf import load_pretrained
+from dsv3_plugin.config import ConfigError, DSv3Config, load_config
+from dsv3_plugin.model.transformer import DSv3Model
+from dsv3_plugin.training.transforms import build_model
 
 __version__ = "0.1.0"
-__all__ = ["ConfigError", "DSv3Config", "load_config", "load_pretrained", "DSv3Model", "__version__"]
-
-
-def __getattr__(name):  # lazy: `import dsv3_plugin` stays cheap and framework-free
-    if name == "load_pretrained":
-        from .checkpoint.hf import load_pretrained
-        return load_pretrained
-    if name == "DSv3Model":
-        from .model import DSv3Model
-        return DSv3Model
-    raise AttributeError(name)
+__all__ = ["ConfigError", "DSv3Config", "load_config", "load_pretrained", "DSv3Model", "build_model", "__version__"]

@@ -1,3 +1,3 @@
-from .cli import main
+from dsv3_plugin.cli import main
 
 raise SystemExit(main())

@@ -16,6 +16,8 @@ import os
 from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from dsv3_plugin.json_input import read_json
+from dsv3_plugin.json_input import check_tree
 
 __all__ = [
     "ConfigError",
@@ -43,7 +45,7 @@ class ConfigError(ValueError):
 
 MAX_TIMEOUT_S = 7 * 24 * 3600.0   # a timeout beyond a week is a typo (and 1e300 s overflows timedelta)
 # NOTE: integers are bounded by 10^36, not int64: sizes beyond int64 are refused by the memory estimate
-# (`train_memory.py`), which names the key and the bytes; this bound only keeps every product of sizes in that
+# (`deepspeed/train_memory.py`), which names the key and the bytes; this bound only keeps every product of sizes in that
 # estimate within a double (10^36^4 << 1.8e308).
 MAX_INT = 10 ** 36
 
@@ -202,7 +204,6 @@ class DSv3Config(_Strict):
         """Build from a released `config.json` (dict or path). `overrides` deep-merge on top."""
         where = "config.json"
         if not isinstance(hf, dict):
-            from .json_input import read_json
             where = os.fspath(hf)
             hf = read_json(where, ConfigError)
             if not isinstance(hf, dict):
@@ -406,7 +407,6 @@ def _pydantic_message(err: dict) -> str:
 def check_numbers(obj: Any, prefix: tuple = ("dsv3",)) -> None:
     """No NaN/inf anywhere and no integer beyond +-10^36: `ConfigError` naming the dotted key. Runs before
     the schema so that the first error is about the key that is wrong."""
-    from .json_input import check_tree
     check_tree(obj, ".".join(str(p) for p in prefix) or "the DeepSpeed config", ConfigError, prefix=prefix)
     stack = [(prefix, obj)]
     while stack:
@@ -506,7 +506,6 @@ def _check_cross_fields(c: DSv3Config) -> None:
 def read_ds_json(path: "str | os.PathLike") -> dict:
     """A DeepSpeed JSON file as a dict that has a "dsv3" block; `ConfigError` naming the file otherwise
     (not found, not UTF-8, not JSON, nested too deep, NaN/inf, duplicate keys: see `dsv3_plugin.json_input`)."""
-    from .json_input import read_json
     where = os.fspath(path)
     raw = read_json(where, ConfigError)
     if not isinstance(raw, dict):

@@ -1,5 +1,5 @@
-"""Error types shared across the package (DESIGN.md: both are `ValueError`, CLI exit code 2)."""
-from .config import ConfigError
+"""Error types shared across the package (docs/architecture.md, Conventions: both are `ValueError`, CLI exit code 2)."""
+from dsv3_plugin.config import ConfigError
 
 __all__ = ["ConfigError", "CheckpointError"]
 

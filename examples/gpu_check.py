@@ -35,8 +35,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dsv3_plugin.config import FP8Config, load_config  # noqa: E402
-from dsv3_plugin.fp8_linear import (EmulatedBackend, Fp8Linear, Fp8Recipe, TorchScaledMMBackend,  # noqa: E402
-                                    select_backend, torch_blockwise_available)
+from dsv3_plugin.precision.fp8.linear import EmulatedBackend, Fp8Linear, Fp8Recipe, TorchScaledMMBackend, select_backend, torch_blockwise_available
 
 SECTIONS = ("env", "fp8_gemm", "te_linear", "tiny_logits", "fp8_model_steps", "grouped_mm", "moe")
 # Dense (no sparsity) peak tensor throughput, TFLOP/s, from NVIDIA's data sheets: (BF16, FP8).
@@ -106,7 +105,7 @@ def sec_env(args, res):
         out["transformer_engine"] = transformer_engine.__version__
     except Exception as e:  # noqa: BLE001 — TE raises RuntimeError without its CUDA library
         out["transformer_engine"] = f"not importable ({type(e).__name__})"
-    from dsv3_plugin.fp8_hopper import mmaemu_status
+    from dsv3_plugin.precision.fp8.hopper import mmaemu_status
     out["mmaemu"] = mmaemu_status()[1]
     be, why = select_backend(FP8Config(), args.device)
     out["auto_fp8_backend"], out["auto_fp8_reason"] = be.name, why
@@ -127,7 +126,7 @@ def _operands(dev, M, K, N, pow2=True):
 
 
 def _bound(a, b, which):
-    from dsv3_plugin.fp8_hopper import emulation_error_bound, hopper_error_bound
+    from dsv3_plugin.precision.fp8.hopper import emulation_error_bound, hopper_error_bound
     (qa, sa, ka), (qb, sb, kb) = a, b
     if which == "emulate":
         return emulation_error_bound(qa, qb, sa, ka, sb, kb)
@@ -135,7 +134,7 @@ def _bound(a, b, which):
 
 
 def sec_fp8_gemm(args, res):
-    from dsv3_plugin.fp8_hopper import HopperEmulatedBackend, mmaemu_status
+    from dsv3_plugin.precision.fp8.hopper import HopperEmulatedBackend, mmaemu_status
     dev = args.device
     M, K, N = args.shapes["gemm"]
     _, _, _, _, cases = _operands(dev, M, K, N)
@@ -192,7 +191,7 @@ def sec_te_linear(args, res):
         te_be, why = select_backend(cfg, dev)
     except Exception as e:  # noqa: BLE001
         return {"status": "skipped", "reason": str(e)}
-    from dsv3_plugin.fp8_hopper import HopperEmulatedBackend, mmaemu_status
+    from dsv3_plugin.precision.fp8.hopper import HopperEmulatedBackend, mmaemu_status
     M, K, N = args.shapes["linear"]
     x, w, dy, r, cases = _operands(dev, M, K, N)
 
@@ -228,8 +227,8 @@ def sec_te_linear(args, res):
 
 
 def _tiny(seed=0, **ovr):
-    from dsv3_plugin.model import DSv3Model
-    m = DSv3Model(load_config({"preset": "tiny", **ovr}))
+    from dsv3_plugin.training.transforms import build_model
+    m = build_model(load_config({"preset": "tiny", **ovr}))
     m.reset_parameters(seed=seed)
     return m
 
@@ -271,9 +270,9 @@ def sec_fp8_model_steps(args, res):
 
 
 def sec_grouped_mm(args, res):
-    from dsv3_plugin.grouped_mm_experts import expert_kernel, grouped_mm_swiglu, swiglu_magnitudes
-    from dsv3_plugin.kernels import apply_split
-    from dsv3_plugin.moe import GroupedSwiGLUKernel
+    from dsv3_plugin.model.moe.grouped_mm import expert_kernel, grouped_mm_swiglu, swiglu_magnitudes
+    from dsv3_plugin.model.kernels import apply_split
+    from dsv3_plugin.model.moe.layer import GroupedSwiGLUKernel
     loop = GroupedSwiGLUKernel()
     dev = args.device
     N, H, I, E = args.shapes["grouped"]
@@ -345,7 +344,7 @@ def _time_fwd_bwd(mod, x, g_out, repeats, dev):
 
 def sec_moe(args, res):
     from dsv3_plugin.bench.moe import moe_flops
-    from dsv3_plugin.fp8_experts import Fp8ExpertKernel
+    from dsv3_plugin.precision.fp8.experts import Fp8ExpertKernel
     dev = args.device
     dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
     T, H, I, R = (args.shapes[k] for k in ("moe_tokens", "moe_hidden", "moe_ffn", "repeats"))

@@ -1,7 +1,7 @@
 """Test harness: run a function on N gloo ranks on loopback; build tiny released-format checkpoints."""
 from __future__ import annotations
 
-from dsv3_plugin.distributed import spawn
+from dsv3_plugin.parallel.distributed import spawn
 
 __all__ = ["run_ranks", "hf_config", "make_tiny_hf_checkpoint", "make_truncated_checkpoint"]
 
@@ -42,7 +42,7 @@ def make_tiny_hf_checkpoint(path, cfg, seed: int = 0, bias_scale: float = 0.05, 
     from transformers import DeepseekV3ForCausalLM
 
     from dsv3_plugin.checkpoint.hf import native_state_to_hf
-    from dsv3_plugin.model import DSv3Model
+    from dsv3_plugin.training.transforms import build_model
 
     torch.manual_seed(seed)
     hc = hf_config(cfg)
@@ -63,7 +63,7 @@ def make_tiny_hf_checkpoint(path, cfg, seed: int = 0, bias_scale: float = 0.05, 
     hf.save_pretrained(path, safe_serialization=True, **kw)
     # MTP layer(s): random weights of the right shapes, named as in the released files.
     if cfg.mtp.depth:
-        ours = DSv3Model(cfg)
+        ours = build_model(cfg)
         ours.reset_parameters(seed=seed + 1)
         with torch.no_grad():
             for n, b in ours.named_buffers():

@@ -13,7 +13,14 @@ import os
 import sys
 
 import torch
-from . import positive_int
+from dsv3_plugin.bench import positive_int
+from dsv3_plugin.model.moe.balancing import update_expert_bias
+from dsv3_plugin.config import load_config
+from dsv3_plugin.training.transforms import build_model
+from dsv3_plugin.parallel.expert_parallel import expert_parallel
+from dsv3_plugin.parallel.groups import single_process_groups
+from dsv3_plugin.training.telemetry import RoutingTelemetry
+from dsv3_plugin.training.routing_plot import plot_routing
 
 __all__ = ["add_arguments", "run", "train_balance"]
 
@@ -39,17 +46,11 @@ def _batch(gen, V, B, T, s):
 
 def train_balance(gamma: float, out_dir: str, steps: int, warmup: int, batch: int, seq: int, zipf: float,
                   seed: int, progress: bool = True) -> list[dict]:
-    from ..balancing import update_expert_bias
-    from ..config import load_config
-    from ..model import DSv3Model
-    from ..moe_parallel import expert_parallel
-    from ..parallel_groups import single_process_groups
-    from ..telemetry import RoutingTelemetry
 
     cfg = load_config({"preset": "tiny", "moe": {"bias_update_speed": gamma, "seq_aux_alpha": 0.0},
                        "mtp": {"depth": 0}})
     torch.manual_seed(seed)
-    model = DSv3Model(cfg)
+    model = build_model(cfg)
     model.reset_parameters(seed=seed)
     expert_parallel(model, single_process_groups())
     model.train()
@@ -80,7 +81,6 @@ def train_balance(gamma: float, out_dir: str, steps: int, warmup: int, batch: in
 
 
 def run(args) -> dict:
-    from ..cli.plot_routing import plot_routing
 
     runs = {}
     for g in (args.gamma, 0.0):

@@ -28,7 +28,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from . import positive_int
+from dsv3_plugin.bench import positive_int
+from dsv3_plugin.checkpoint.synthetic import write_released_checkpoint
+from dsv3_plugin.checkpoint.convert import convert
 
 __all__ = ["add_arguments", "run", "make_synthetic_checkpoint"]
 
@@ -65,7 +67,6 @@ def make_synthetic_checkpoint(path: str, target_bytes: float, shard_bytes: int) 
     """Write the benchmark's FP8 checkpoint; FP8 payloads are cut from one random pool (content does not
     change the cost of dequantization; the E4M3 NaN codes are avoided)."""
     import torch
-    from ..checkpoint.synthetic import write_released_checkpoint
     g = torch.Generator().manual_seed(0)
     pool = torch.randint(0, 256, (64 * 2**20,), dtype=torch.uint8, generator=g)
     pool[(pool & 0x7F) == 0x7F] = 0x3F
@@ -129,7 +130,6 @@ def _copy(src: str, dst: str) -> None:
 
 def _child(approach: str, src: str, dst: str) -> None:
     import torch  # noqa: F401  (imported before the clock and the RSS base, as in every approach)
-    from ..checkpoint.convert import convert
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
     rss0 = ru0.ru_maxrss * 1024
     t0 = time.perf_counter()

@@ -11,7 +11,13 @@ from __future__ import annotations
 import sys
 
 import torch
-from . import positive_int
+from dsv3_plugin.bench import positive_int
+from dsv3_plugin.config import MoEConfig
+from dsv3_plugin.parallel.distributed import init_distributed
+from dsv3_plugin.model.moe.layer import DeepSeekMoE
+from dsv3_plugin.parallel.expert_parallel import ExpertParallelMoE
+from dsv3_plugin.parallel.groups import build_ep_groups
+from dsv3_plugin.parallel.distributed import spawn
 
 __all__ = ["add_arguments", "run"]
 
@@ -30,11 +36,6 @@ def add_arguments(p) -> None:
 def _rank_main(a: dict) -> dict:
     import torch.distributed as dist
 
-    from ..config import MoEConfig
-    from ..distributed import init_distributed
-    from ..moe import DeepSeekMoE
-    from ..moe_parallel import ExpertParallelMoE
-    from ..parallel_groups import build_ep_groups
 
     rank, world = init_distributed()
     groups = build_ep_groups(world, a["ranks_per_node"])
@@ -64,7 +65,6 @@ def _rank_main(a: dict) -> dict:
 
 
 def run(args) -> dict:
-    from ..distributed import spawn
 
     nproc = args.nodes * args.ranks_per_node
     a = {k: getattr(args, k) for k in ("nodes", "ranks_per_node", "tokens", "hidden", "experts", "top_k",

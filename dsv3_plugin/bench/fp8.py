@@ -11,7 +11,10 @@ import statistics
 import time
 
 import torch
-from . import positive_int
+from dsv3_plugin.bench import positive_int
+from dsv3_plugin.precision.fp8.quant import dequantize_blockwise, dequantize_tilewise, quantize_blockwise, quantize_tensorwise, quantize_tilewise
+from dsv3_plugin.config import FP8Config
+from dsv3_plugin.precision.fp8.linear import Fp8Recipe, select_backend
 
 
 def add_arguments(p):
@@ -47,8 +50,6 @@ def outlier_activations(tokens: int, hidden: int, outlier_scale: float, device, 
 
 
 def run(args) -> dict:
-    from ..fp8 import (dequantize_blockwise, dequantize_tilewise, quantize_blockwise, quantize_tensorwise,
-                       quantize_tilewise)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
@@ -86,8 +87,6 @@ def run(args) -> dict:
 
 
 def _gemm(args, device, sync) -> dict:
-    from ..config import FP8Config
-    from ..fp8_linear import Fp8Recipe, select_backend
     if device.type != "cuda":
         M, K, N = 256, 1024, 1024
     else:

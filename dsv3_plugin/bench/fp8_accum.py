@@ -24,7 +24,12 @@ import time
 
 import torch
 
-from . import positive_int
+from dsv3_plugin.bench import positive_int
+from dsv3_plugin.precision.fp8.quant import quantize_tensorwise
+from dsv3_plugin.precision.fp8.hopper import hopper_error_bound, hopper_gemm
+from dsv3_plugin.precision.fp8.quant import fp8_gemm_emulated
+from dsv3_plugin.precision.fp8.hopper import emulation_error_bound
+from dsv3_plugin.precision.fp8.hopper import mmaemu_status
 
 __all__ = ["add_arguments", "run", "operands", "measure_cell", "DISTRIBUTIONS"]
 
@@ -67,7 +72,6 @@ def operands(dist: str, M: int, N: int, K: int, seed: int = 0, outlier_every: in
     accumulation window). Activation-like a: standard normal rows, every `outlier_every`-th channel ×
     `outlier_scale` (LLM outlier channels); weight-like b: normal, std 0.02. `positive`: their absolute values
     (all products ≥ 0: the tensor core's truncation errors all point the same way)."""
-    from ..fp8 import quantize_tensorwise
     g = torch.Generator().manual_seed(seed * 1_000_003 + K)
     a = torch.randn(M, K, generator=g)
     a[:, ::outlier_every] *= outlier_scale
@@ -92,7 +96,6 @@ def _stats(y: torch.Tensor, exact: torch.Tensor, abs_sum: torch.Tensor, bound=No
 
 def measure_cell(a_q: torch.Tensor, b_q: torch.Tensor, promote_every) -> dict:
     """Errors of the Hopper-modeled GEMM of a_q [M, K] · b_q [N, K]ᵀ (unit scales) against float64."""
-    from ..fp8_hopper import hopper_error_bound, hopper_gemm
     one = torch.ones(())
     exact = a_q.double() @ b_q.double().t()
     abs_sum = a_q.double().abs() @ b_q.double().abs().t()
@@ -101,8 +104,6 @@ def measure_cell(a_q: torch.Tensor, b_q: torch.Tensor, promote_every) -> dict:
 
 
 def _emulation_cell(a_q, b_q) -> dict:
-    from ..fp8 import fp8_gemm_emulated
-    from ..fp8_hopper import emulation_error_bound
     one = torch.ones(())
     exact = a_q.double() @ b_q.double().t()
     abs_sum = a_q.double().abs() @ b_q.double().abs().t()
@@ -123,7 +124,6 @@ def run(args) -> dict:
 
 
 def _run(args) -> dict:
-    from ..fp8_hopper import mmaemu_status
     ok, why = mmaemu_status()
     if not ok:
         raise SystemExit(f"dsv3 bench fp8-accum: {why}")

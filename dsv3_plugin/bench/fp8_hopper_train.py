@@ -26,7 +26,11 @@ import time
 
 import torch
 
-from . import positive_int
+from dsv3_plugin.bench import positive_int
+from dsv3_plugin.config import load_config
+from dsv3_plugin.training.data import MarkovData
+from dsv3_plugin.training.transforms import build_model
+from dsv3_plugin.precision.fp8.hopper import mmaemu_status
 
 __all__ = ["add_arguments", "run", "RUNS", "train_run"]
 
@@ -66,12 +70,9 @@ def _config(args, run_name: str) -> dict:
 
 def train_run(args, run_name: str, progress=None) -> dict:
     """Train one run; -> {"loss": [...], "s_per_step": float, "backend": str}."""
-    from ..config import load_config
-    from ..data import MarkovData
-    from ..model import DSv3Model
     cfg = load_config(_config(args, run_name))
     torch.manual_seed(args.seed)
-    m = DSv3Model(cfg)
+    m = build_model(cfg)
     m.reset_parameters(seed=args.seed)
     data = MarkovData(cfg.model.vocab_size, args.seq_len, seed=args.seed + 1)
     opt = torch.optim.AdamW(m.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
@@ -108,7 +109,6 @@ def run(args) -> dict:
 
 def _run(args) -> dict:
     if any(r.startswith("hopper") for r in args.runs):
-        from ..fp8_hopper import mmaemu_status
         ok, why = mmaemu_status()
         if not ok:
             raise SystemExit(f"dsv3 bench fp8-hopper-train: {why}")

@@ -12,7 +12,9 @@ import sys
 import time
 
 import torch
-from . import positive_int
+from dsv3_plugin.bench import positive_int
+from dsv3_plugin.config import MoEConfig
+from dsv3_plugin.model.moe.layer import DeepSeekMoE
 
 __all__ = ["add_arguments", "run", "build_pair", "moe_flops"]
 
@@ -38,8 +40,6 @@ def build_pair(tokens=2048, hidden=256, ffn=128, experts=64, top_k=8, groups=8, 
     from transformers import DeepseekV3Config
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
-    from ..config import MoEConfig
-    from ..moe import DeepSeekMoE
 
     cfg = MoEConfig(n_routed_experts=experts, n_shared_experts=shared, intermediate_size=ffn, top_k=top_k,
                     n_group=groups, topk_group=topk_group, route_scale=2.5, seq_aux_alpha=0.0)

@@ -14,7 +14,13 @@ import statistics
 
 import torch
 from torch import nn
-from . import positive_int
+from dsv3_plugin.bench import positive_int
+from dsv3_plugin.parallel.pipeline.weight_grad import DeferrableLinear
+from dsv3_plugin.parallel.distributed import init_distributed
+from dsv3_plugin.parallel.pipeline import DualPipe, DualPipeV, OneFOneB
+from dsv3_plugin.parallel.distributed import spawn
+from dsv3_plugin.parallel.pipeline.schedule import build_schedule
+from dsv3_plugin.parallel.pipeline.simulate import Durations, simulate
 
 RANKS = 4
 
@@ -30,7 +36,6 @@ def add_arguments(p):
 class _Block(nn.Module):
     def __init__(self, h: int):
         super().__init__()
-        from ..pipeline.weight_grad import DeferrableLinear
         self.up = DeferrableLinear(h, 4 * h, bias=False)
         self.down = DeferrableLinear(4 * h, h, bias=False)
 
@@ -49,8 +54,6 @@ def _criterion(out, y):
 
 
 def _rank_main(args_d: dict) -> dict:
-    from ..distributed import init_distributed
-    from ..pipeline import DualPipe, DualPipeV, OneFOneB
     import torch.distributed as dist
     torch.set_num_threads(1)
     r, world = init_distributed("gloo")
@@ -86,7 +89,6 @@ def _rank_main(args_d: dict) -> dict:
 
 
 def run(args) -> dict:
-    from ..distributed import spawn
     import sys
     bad = None
     if args.blocks < 2 * RANKS or args.blocks % (2 * RANKS):
@@ -105,8 +107,6 @@ def run(args) -> dict:
         wall = max(pr[name]["wall_s"] for pr in per_rank)
         idle = [max(0.0, 1.0 - pr[name]["compute_s"] / wall) for pr in per_rank]
         res[name] = {"wall_s": wall, "idle_fraction": idle, "idle_fraction_mean": sum(idle) / len(idle)}
-    from ..pipeline.schedule import build_schedule
-    from ..pipeline.simulate import Durations, simulate
     for name in ("1f1b", "dualpipe", "dualpipev"):
         sim = simulate(build_schedule(name, RANKS, args.chunks), Durations(1.0, 2.0, 1.0))
         res[name]["simulated_idle_fraction"] = [i / sim.makespan for i in sim.idle]

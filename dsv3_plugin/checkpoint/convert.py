@@ -25,12 +25,12 @@ from typing import Iterator, Optional
 
 import torch
 
-from ..errors import CheckpointError
+from dsv3_plugin.errors import CheckpointError
 from .megatron_layout import MegatronLayout, released_names
 from .hf import model_config
 from .integrity import check_finite, load_json
 from .reader import INDEX_NAME, CheckpointReader, read_safetensors_header
-from .safetensors_writer import StreamingSafetensorsWriter
+from .writer import StreamingSafetensorsWriter
 from .synthetic import released_shapes
 
 __all__ = ["convert", "load_megatron_rank", "atomic_output_dir", "LAYOUT_NAME", "DTYPES"]

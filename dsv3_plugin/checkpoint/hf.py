@@ -1,6 +1,6 @@
 """Released DeepSeek-V3 checkpoints (HF layout) <-> `DSv3Model`.
 
-Released names (deepseek_v3_facts.md §1.8): `model.embed_tokens`, `model.layers.{i}.…`, `model.norm`,
+Released names (docs/facts.md §1): `model.embed_tokens`, `model.layers.{i}.…`, `model.norm`,
 `lm_head`; routed experts per expert (`mlp.experts.{e}.{gate,up,down}_proj.weight`, stacked here into
 `[E, …]` tensors); the router bias `mlp.gate.e_score_correction_bias`; and the MTP module k at
 `model.layers.{num_hidden_layers + k}` (enorm, hnorm, eh_proj, the decoder block, `shared_head.norm`, and
@@ -17,10 +17,12 @@ from typing import Iterator
 
 import torch
 
-from ..config import DSv3Config
-from ..errors import CheckpointError
+from dsv3_plugin.config import DSv3Config
+from dsv3_plugin.errors import CheckpointError
 from .integrity import check_finite
 from .reader import CheckpointReader
+from dsv3_plugin.model.transformer import DSv3Model
+from dsv3_plugin.training.transforms import build_model
 
 __all__ = ["hf_to_native", "native_to_hf", "native_state_to_hf", "list_checkpoint_files",
            "iter_checkpoint_tensors", "load_pretrained", "load_hf_state_into", "pretrained_config", "model_config"]
@@ -227,7 +229,6 @@ def _config_of(reader: CheckpointReader, overrides: dict) -> DSv3Config:
 
 
 def _state_shapes(cfg: DSv3Config) -> dict[str, tuple]:
-    from ..model import DSv3Model
     with torch.device("meta"):  # shapes only: no memory, no initialisation
         return {k: tuple(v.shape) for k, v in DSv3Model(cfg).state_dict().items()}
 
@@ -248,10 +249,9 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
 
     `config_overrides` deep-merge into the derived `DSv3Config` (e.g. `parallel={"ep": 2}`). NaN/Inf in
     weights or scales raise `CheckpointError` unless `allow_non_finite` (to inspect such a file)."""
-    from ..model import DSv3Model
     with CheckpointReader(path, allow_non_finite=allow_non_finite) as reader:
         cfg = _config_of(reader, config_overrides)
         _reader_plan(reader, _state_shapes(cfg), cfg.model.num_hidden_layers)  # before allocating the model
-        model = DSv3Model(cfg)
+        model = build_model(cfg)
         _load_from_reader(model, reader)
     return model.to(device=device, dtype=dtype)

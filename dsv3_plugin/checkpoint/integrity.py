@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError
+from dsv3_plugin.errors import CheckpointError
 
 __all__ = ["parse_json", "load_json", "is_finite", "check_finite", "nonfinite_counts", "fp8_special_codes",
            "check_scale", "check_released_config", "ALLOW_HINT", "FP8_MAX"]

@@ -28,7 +28,7 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
-from ..errors import CheckpointError
+from dsv3_plugin.errors import CheckpointError
 
 __all__ = ["Placement", "MegatronLayout", "stage_layers", "released_names", "MLA_NAME_MAP"]
 

@@ -38,9 +38,8 @@ from typing import Iterator, Optional
 
 import torch
 
-from ..errors import CheckpointError
-from .integrity import (ALLOW_HINT, check_finite, check_released_config, check_scale, fp8_special_codes, load_json,
-                        parse_json)
+from dsv3_plugin.errors import CheckpointError
+from .integrity import ALLOW_HINT, check_finite, check_released_config, check_scale, fp8_special_codes, load_json, parse_json
 
 __all__ = [
     "CheckpointReader",

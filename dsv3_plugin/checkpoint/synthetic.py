@@ -18,7 +18,7 @@ import torch
 
 from .megatron_layout import released_names
 from .reader import INDEX_NAME, SCALE_SUFFIX, SINGLE_NAME
-from .safetensors_writer import StreamingSafetensorsWriter
+from .writer import StreamingSafetensorsWriter
 
 __all__ = ["quantize_fp8_blockwise", "released_shapes", "is_quantized_in_release", "write_released_checkpoint",
            "quantize_checkpoint"]

@@ -1,7 +1,7 @@
 """`dsv3` command line. Each sub-command lives in its own module here and defines
 `register(subparsers)`, which adds a parser whose `func(args) -> int` runs it.
 
-Exit codes (DESIGN.md): 0 ok, 2 bad input (`ConfigError`, `CheckpointError`, argparse), 1 other failures.
+Exit codes (docs/architecture.md): 0 ok, 2 bad input (`ConfigError`, `CheckpointError`, argparse), 1 other failures.
 """
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import os
 import pkgutil
 import re
 import sys
+from dsv3_plugin.config import ConfigError
+from dsv3_plugin.errors import CheckpointError
 
 __all__ = ["main", "build_parser", "strip_launcher_args"]
 
@@ -59,8 +61,6 @@ def main(argv: list[str] | None = None) -> int:
         print("dsv3: interrupted", file=sys.stderr)
         return 130
     except ValueError as e:  # ConfigError, CheckpointError: bad input, message names the key/tensor
-        from ..config import ConfigError
-        from ..errors import CheckpointError
         if isinstance(e, (ConfigError, CheckpointError)):
             print(f"error: {e}", file=sys.stderr)
             return 2

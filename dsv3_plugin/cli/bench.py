@@ -6,10 +6,11 @@ Each bench is a module `dsv3_plugin.bench.<name>` with `add_arguments(parser)` a
 import importlib
 import json
 import pkgutil
+from dsv3_plugin import bench as bench_pkg
+from dsv3_plugin.bench import env_facts
 
 
 def register(sub):
-    from .. import bench as bench_pkg
     p = sub.add_parser("bench", help="measure a figure against its baseline in the same run")
     bsub = p.add_subparsers(dest="bench", metavar="NAME")
     bsub.required = True
@@ -27,7 +28,6 @@ def register(sub):
 
 def _runner(mod):
     def run(args) -> int:
-        from ..bench import env_facts
         out = mod.run(args)
         out.setdefault("env", env_facts())
         print(json.dumps(out) if args.json else json.dumps(out, indent=2))

@@ -1,9 +1,12 @@
 """`dsv3 check-config FILE [--nproc N]`: the validation `dsv3 train` and the DeepSpeed engine run, without running.
 
 Exit 0 with a one-line summary (or the resolved JSON with --print), or 2 with the message of the first problem,
-which starts with the key that is wrong (or names the file). What is checked: `dsv3_plugin.validate`.
+which starts with the key that is wrong (or names the file). What is checked: `dsv3_plugin.deepspeed.validate`.
 """
 import json
+from dsv3_plugin.config import ConfigError
+from dsv3_plugin.deepspeed.train_memory import format_bytes, host_memory_bytes
+from dsv3_plugin.deepspeed.validate import validate_ds_config
 
 
 def register(sub):
@@ -22,9 +25,6 @@ def register(sub):
 
 
 def run(args) -> int:
-    from ..config import ConfigError
-    from ..train_memory import format_bytes, host_memory_bytes
-    from ..validate import validate_ds_config
     for flag, val in (("--nproc", args.nproc), ("--ranks-per-host", args.ranks_per_host)):
         if val is not None and val < 1:
             raise ConfigError(f"{flag}: must be >= 1 (got {val})")

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+from dsv3_plugin.checkpoint.convert import convert
+from dsv3_plugin.errors import CheckpointError
 
 __all__ = ["register", "run"]
 
@@ -26,8 +28,6 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from ..checkpoint.convert import convert
-    from ..errors import CheckpointError
     try:
         out = convert(args.src, args.dst, args.to, pp=args.pp, ep=args.ep, dtype=args.dtype,
                       progress=not args.no_progress, allow_non_finite=args.allow_non_finite)

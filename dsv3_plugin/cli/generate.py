@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import json
+from dsv3_plugin.checkpoint.hf import load_pretrained
+from dsv3_plugin.config import ConfigError
+from dsv3_plugin.model.generate import greedy_generate
 
 __all__ = ["register", "run"]
 
@@ -26,9 +29,6 @@ def register(sub) -> None:
 def run(args) -> int:
     import torch
 
-    from ..checkpoint.hf import load_pretrained
-    from ..config import ConfigError
-    from ..generate import greedy_generate
 
     try:
         prompt = [int(t) for t in args.prompt_ids.split(",") if t.strip()]

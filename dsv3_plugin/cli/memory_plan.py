@@ -1,5 +1,8 @@
 """`dsv3 memory-plan`: per-rank memory (params, grads, optimizer, activations) for each pipeline schedule."""
 import json
+from dsv3_plugin.config import load_config
+from dsv3_plugin.training.memory_plan import format_table, plan
+from dsv3_plugin.config import ConfigError
 
 
 def register(sub):
@@ -22,10 +25,7 @@ def register(sub):
 def run(args) -> int:
     from dataclasses import asdict
 
-    from ..config import load_config
-    from ..memory_plan import format_table, plan
     if args.config and args.preset:
-        from ..config import ConfigError
         raise ConfigError("dsv3.preset: give either --preset or --config (whose \"dsv3\" block names its preset)")
     if args.config:
         cfg = load_config(args.config)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import sys
+from dsv3_plugin.parallel.pipeline.schedule import build_schedule
+from dsv3_plugin.parallel.pipeline.simulate import Durations, comparison_table, plot_timeline, simulate
 
 
 def register(sub):
@@ -29,8 +31,6 @@ def _bad(msg: str) -> int:
 
 
 def run(args) -> int:
-    from ..pipeline.schedule import build_schedule
-    from ..pipeline.simulate import Durations, comparison_table, plot_timeline, simulate
 
     if args.pp < 1:
         return _bad(f"--pp must be >= 1 (got {args.pp})")

@@ -1,4 +1,4 @@
-"""`dsv3 train`: DeepSpeed ZeRO-1 training of a DeepSeek-V3 model on synthetic data (see `dsv3_plugin.train`).
+"""`dsv3 train`: DeepSpeed ZeRO-1 training of a DeepSeek-V3 model on synthetic data (see `dsv3_plugin.deepspeed.train`).
 
     dsv3 train [--config FILE] [--nproc N] [--steps N] [--out DIR] [--resume DIR] [--init-from DIR]
                [--json] [--overwrite] [--no-progress]
@@ -17,6 +17,12 @@ from __future__ import annotations
 
 import os
 import sys
+from dsv3_plugin.deepspeed.train import train
+from dsv3_plugin.training import run_dir as rd
+from dsv3_plugin.deepspeed.train import _prepare
+from dsv3_plugin.config import ConfigError
+from dsv3_plugin.parallel.distributed import launched_externally, spawn
+from dsv3_plugin.parallel.distributed import _is_input_error, first_failure, init_distributed
 
 
 def register(sub):
@@ -39,15 +45,12 @@ def register(sub):
 
 
 def _worker(config, steps, out, resume, init_from, progress, echo, overwrite, allow_non_finite=False):
-    from ..train import train
     train(config, steps=steps, out=out, resume=resume, init_from=init_from, progress=progress, echo=echo,
           summary=True, overwrite=overwrite, allow_non_finite=allow_non_finite)
 
 
 def _precheck(args):
     """What can be refused before any rank starts (fast; the ranks check again under the run-dir lock)."""
-    from .. import run_dir as rd
-    from ..train import _prepare
     # the world this run will have: the same rules as `dsv3 check-config FILE --nproc N`
     _, cfg, _ = _prepare(args.config, args.steps, args.init_from, world_size=args.nproc or 2)
     if args.out:
@@ -59,13 +62,11 @@ def _precheck(args):
         os.path.realpath(rd.checkpoint_dir(args.resume)) == os.path.realpath(os.path.join(args.out, "ckpt")))
     prev = rd.previous_run(args.out) if args.out and not same_dir else None
     if prev and not args.overwrite:
-        from ..config import ConfigError
         raise ConfigError(f"--out {args.out}: holds a previous run ({prev}); continue it with --resume "
                           f"{args.out}, replace it with --overwrite, or pick another --out")
 
 
 def run(args) -> int:
-    from ..distributed import launched_externally, spawn
     wargs = (args.config, args.steps, args.out, args.resume, args.init_from, not args.no_progress, args.json,
              args.overwrite, args.allow_non_finite)
     if launched_externally():
@@ -88,7 +89,6 @@ def _run_launched(wargs) -> int:
     launcher stops the job on the first non-zero exit."""
     import traceback
 
-    from ..distributed import _is_input_error, first_failure, init_distributed
     try:
         init_distributed()
         _worker(*wargs)

@@ -29,7 +29,8 @@ import copy
 import inspect
 from typing import Optional
 
-from ..config import ConfigError, got, show
+from dsv3_plugin.config import ConfigError, got, show
+from .backend import import_deepspeed
 
 __all__ = ["check_deepspeed_keys", "resolve_batch", "micro_batch", "SUPPORTED_ZERO_STAGES", "DEFAULT_GRADIENT_CLIPPING"]
 
@@ -66,11 +67,6 @@ def _obj(ds: dict, key: str) -> Optional[dict]:
     return v
 
 
-def _import_deepspeed():
-    from .engine import _import_deepspeed as imp
-    return imp()
-
-
 def _pydantic_error(section: str, e) -> ConfigError:
     err = e.errors()[0]
     loc = ".".join(str(p) for p in err["loc"])
@@ -88,7 +84,7 @@ def _check_zero(ds: dict) -> None:
     if stage not in SUPPORTED_ZERO_STAGES:
         raise ConfigError(f"zero_optimization.stage: the dsv3 DeepSpeed path runs ZeRO stage 1 (got {stage!r})")
     from pydantic import ValidationError
-    _import_deepspeed()
+    import_deepspeed()
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
     try:
         DeepSpeedZeroConfig(**copy.deepcopy(zero))
@@ -108,7 +104,7 @@ def _check_precision(ds: dict) -> None:
     if enabled.get("fp16") and enabled.get("bf16"):
         raise ConfigError("fp16.enabled: fp16 and bf16 cannot both be enabled")
     if enabled.get("fp16"):
-        _import_deepspeed()
+        import_deepspeed()
         from deepspeed.accelerator import get_accelerator
         if not get_accelerator().is_fp16_supported():
             raise ConfigError(f"fp16.enabled: the {get_accelerator().device_name()} accelerator has no fp16 "
@@ -150,7 +146,7 @@ def _check_optimizer(ds: dict, train: bool) -> None:
             raise ConfigError(f"optimizer.params.betas: must be two numbers in [0, 1) (got {show(b)})")
 
     import torch
-    _import_deepspeed()
+    import_deepspeed()
     from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
     zero = ds.get("zero_optimization") or {}
     offload = isinstance(zero.get("offload_optimizer"), dict) and zero["offload_optimizer"].get("device") not in (
@@ -207,7 +203,7 @@ def _check_scheduler(ds: dict) -> None:
     if not isinstance(params, dict):
         raise _bad("scheduler.params", "must be an object", params)
     import torch
-    _import_deepspeed()
+    import_deepspeed()
     from deepspeed.runtime import lr_schedules
     cls = getattr(lr_schedules, name, None) if name in lr_schedules.VALID_LR_SCHEDULES else None
     if cls is None:
@@ -275,7 +271,7 @@ def _backstop(ds: dict) -> None:
     """DeepSpeed's own parser on the section (batch keys reduced to one data-parallel rank: they are resolved
     against the real size in `resolve_batch`)."""
     from pydantic import ValidationError
-    _import_deepspeed()
+    import_deepspeed()
     from deepspeed.runtime.config import DeepSpeedConfig
     probe = copy.deepcopy(ds)
     probe.pop("train_batch_size", None)

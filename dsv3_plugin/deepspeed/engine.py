@@ -4,7 +4,7 @@ What it adds to the engine DeepSpeed returns (and why):
 - Aux-loss-free balancing (paper §2.1.2, eq. 16 with b_i <- b_i + γ·sign(mean load − load_i)): the bias update
   runs once per *optimizer* step, i.e. after `engine.step()` at a gradient-accumulation boundary, on the
   expert counts summed over every micro-batch of that step and all-reduced over all data-parallel ranks
-  (`dsv3_plugin.balancing.update_expert_bias`). Because the counts are all-reduced, every rank applies the
+  (`dsv3_plugin.model.moe.balancing.update_expert_bias`). Because the counts are all-reduced, every rank applies the
   same update and the fp32 bias stays identical everywhere — which DeepSpeed relies on: it saves module
   buffers from rank 0 only and loads them on every rank.
 - Token schedules: γ = `cfg.moe.gamma(tokens_seen)` and the MTP weight λ = `cfg.mtp.lam(tokens_seen)` (the
@@ -30,44 +30,24 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..config import ConfigError, DSv3Config
-from ..errors import CheckpointError
+from dsv3_plugin.config import ConfigError, DSv3Config
+from dsv3_plugin.errors import CheckpointError
+from .backend import import_deepspeed, quiet_deepspeed_logs  # noqa: F401  (re-exported)
 from .config_keys import DEFAULT_GRADIENT_CLIPPING, SUPPORTED_ZERO_STAGES  # noqa: F401  (re-exported)
+from .validate import validate_ds_config
+from dsv3_plugin.model.moe.balancing import update_expert_bias
 
 __all__ = ["initialize", "split_ds_config", "DSv3TrainState", "quiet_deepspeed_logs", "DEFAULT_GRADIENT_CLIPPING"]
 
 
 
-def _import_deepspeed():
-    if not torch.cuda.is_available():
-        # DeepSpeed picks its accelerator at import time; without CUDA it must be told to use the CPU one.
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import deepspeed
-    from patches import deepspeed_shm_comm
-    deepspeed_shm_comm.apply()  # CPU: no JIT build of an inference-only op, no print on stdout
-    return deepspeed
-
-
-def quiet_deepspeed_logs(level: int | None = None) -> None:
-    """Send DeepSpeed's log lines to stderr (its handler writes to stdout, which `dsv3 train` keeps for JSON)."""
-    import logging
-    import sys
-    _import_deepspeed()
-    from deepspeed.utils import logger
-    for h in logger.handlers:
-        if isinstance(h, logging.StreamHandler):
-            h.setStream(sys.stderr)
-    logger.setLevel(level if level is not None else logging.WARNING)
-
-
 def split_ds_config(config: "str | os.PathLike | dict") -> tuple[dict, DSv3Config]:
     """DeepSpeed JSON (path or dict) -> (DeepSpeed's part without "dsv3", validated `DSv3Config`).
 
-    The engine's view of `dsv3_plugin.validate.validate_ds_config` (the one validation `dsv3 check-config` and
+    The engine's view of `dsv3_plugin.deepspeed.validate.validate_ds_config` (the one validation `dsv3 check-config` and
     `dsv3 train` use): with torch.distributed initialised the world-size rules are checked too. Errors are
     `ConfigError`s whose message starts with the offending key.
     """
-    from ..validate import validate_ds_config
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
     checked = validate_ds_config(config, target="engine", world_size=world)
     return checked.ds, checked.cfg
@@ -145,7 +125,6 @@ class _DSv3Hooks:
         return out
 
     def after_optimizer_step(self) -> None:
-        from ..balancing import update_expert_bias
         gamma = self.gamma
         n_TK = torch.tensor([self.state.pending_tokens], dtype=torch.int64, device=self._device())
         if dist.is_initialized():
@@ -236,7 +215,7 @@ def initialize(model: torch.nn.Module, config: "str | os.PathLike | dict", *, mo
                           "or pass optimizer=)")
     if not any(hasattr(m, "e_score_correction_bias") for m in model.modules()):
         raise ConfigError("dsv3.moe: the model has no router with an 'e_score_correction_bias' buffer")
-    deepspeed = _import_deepspeed()
+    deepspeed = import_deepspeed()
     if model_parameters is None and optimizer is None:
         model_parameters = [p for p in model.parameters() if p.requires_grad]
     engine, opt, loader, sched = deepspeed.initialize(

@@ -32,12 +32,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import ConfigError, DSv3Config
-from ..dispatch import codec_from_config
-from ..kernels import ExpertKernel, UsesKernel
-from ..moe import GroupedSwiGLUKernel, swiglu_rows
-from ..moe_parallel import ExpertParallelMoE, expert_parallel
-from ..parallel_groups import build_ep_groups
+from dsv3_plugin.config import ConfigError, DSv3Config
+from dsv3_plugin.parallel.dispatch import codec_from_config
+from dsv3_plugin.model.kernels import ExpertKernel, UsesKernel
+from dsv3_plugin.model.moe.layer import GroupedSwiGLUKernel, swiglu_rows
+from dsv3_plugin.parallel.expert_parallel import ExpertParallelMoE, expert_parallel
+from dsv3_plugin.parallel.groups import build_ep_groups
 
 __all__ = ["prepare_model", "moe_param_groups", "expert_group_name", "deepspeed_experts_class"]
 

@@ -3,7 +3,7 @@ the data-parallel group.
 
 Layout: a pipeline is `pp` consecutive ranks (global rank = dp_rank * pp + pp_rank); ranks with the same
 pp_rank form a data-parallel group. Each rank builds the model, keeps only its stages
-(`dsv3_plugin.pipeline.stages`) and hands their parameters to `deepspeed.initialize` with an `mpu` that
+(`dsv3_plugin.parallel.pipeline.stages`) and hands their parameters to `deepspeed.initialize` with an `mpu` that
 names the data-parallel group (ZeRO-1 partitions the optimizer state and averages gradients there) and the
 pipeline group as the "model-parallel" group (so the gradient norm for clipping sums over all stages).
 
@@ -24,6 +24,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from dsv3_plugin.config import ConfigError
+from .backend import import_deepspeed
+from dsv3_plugin.parallel.pipeline import DualPipe, DualPipeV, OneFOneB, ZeroBubble1P
+from dsv3_plugin.parallel.pipeline.stages import build_stages, n_stages_of, stage_ids_for_rank
+from dsv3_plugin.parallel.pipeline.p2p import PipelineError
+from dsv3_plugin.parallel.pipeline.stages import DSv3PipelineLoss, sync_tied_embedding
+from dsv3_plugin.model.moe.balancing import update_expert_bias
 
 __all__ = ["PipelineGroups", "pipeline_groups", "PipelineMPU", "PipelinedEngine"]
 
@@ -50,7 +58,6 @@ def pipeline_groups(pp: int, timeout_s: float | None = None) -> PipelineGroups:
     not the world group's timeout)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     if pp < 1 or world % pp:
-        from ..config import ConfigError
         raise ConfigError(f"dsv3.parallel.pp: must divide the world size (got pp={pp}, world={world})")
     dp = world // pp
     mine = {}
@@ -136,13 +143,10 @@ class PipelinedEngine:
     def __init__(self, model, ds_config: dict, cfg, groups: PipelineGroups | None = None,
                  timeout_s: float | None = None):
         try:   # the adapter's import applies its CPU patch (no JIT build of an inference-only comm op)
-            from .engine import _import_deepspeed
-            deepspeed = _import_deepspeed()
+            deepspeed = import_deepspeed()
         except ImportError:
             import deepspeed
 
-        from ..pipeline import DualPipe, DualPipeV, OneFOneB, ZeroBubble1P
-        from ..pipeline.stages import build_stages, n_stages_of, stage_ids_for_rank
         self.cfg = cfg
         self.schedule = cfg.parallel.schedule
         self.timeout_s = float(cfg.parallel.p2p_timeout_s if timeout_s is None else timeout_s)
@@ -173,7 +177,6 @@ class PipelinedEngine:
     def _peers(self, op: str, ranks: list[int]):
         """Turn a collective's failure (gloo: "Timed out waiting ...ms", "Connection closed by peer"; NCCL: the
         watchdog's error) into a `PipelineError` that says which operation over which ranks, and the limit."""
-        from ..pipeline.p2p import PipelineError
         try:
             yield
         except PipelineError:
@@ -189,7 +192,6 @@ class PipelinedEngine:
     def train_step(self, ids_NT: torch.Tensor, labels_NT: torch.Tensor, tokens_seen: float = 0.0) -> dict:
         """One optimizer step over gas micro-batches (N = gas x micro-batch rows). Returns the loss terms
         averaged over micro-batches and data-parallel ranks (identical on every rank)."""
-        from ..pipeline.stages import DSv3PipelineLoss, sync_tied_embedding
         crit = DSv3PipelineLoss(self.cfg, tokens_seen, scale=1.0 / self.gas)
         self.engine.train()
         self.runtime.step(ids_NT, num_chunks=self.gas, criterion=crit, labels=(labels_NT,))
@@ -222,9 +224,7 @@ class PipelinedEngine:
     def update_expert_bias(self, gamma: float):
         """Aux-loss-free bias update for this rank's routers: counts summed over the data-parallel group
         (for DualPipe also over the mirror rank, which saw the other half of the micro-batches)."""
-        from ..balancing import update_expert_bias
         if self.schedule == "dualpipe":
-            from ..config import ConfigError
             raise ConfigError("dsv3.parallel.schedule: 'dualpipe' with MoE bias updates is not supported on the "
                               "DeepSpeed path (counts would also need summing over the mirror rank); use 'dualpipev'")
         with torch.no_grad(), self._peers("expert-load all-reduce (bias update)", self.g.dp_ranks):

@@ -7,7 +7,7 @@ drive Megatron's own machinery: `finalize_model_grads` updates our router's bias
 `moe_router_bias_update_rate` when `moe_router_enable_expert_bias` is on, and the MTP block reads
 `mtp_num_layers` / `mtp_loss_scaling_factor`.
 
-Field map (deepseek_v3_facts.md §4): q_lora_rank, kv_lora_rank, qk_nope_head_dim -> qk_head_dim,
+Field map (docs/facts.md §4): q_lora_rank, kv_lora_rank, qk_nope_head_dim -> qk_head_dim,
 qk_rope_head_dim -> qk_pos_emb_head_dim, v_head_dim, rope_scaling (YaRN) -> rotary_scaling_factor,
 original_max_position_embeddings, beta_fast/slow, mscale, mscale_all_dim; first_k_dense_replace ->
 moe_layer_freq = [0]*k + [1]*(L-k); route_scale -> moe_router_topk_scaling_factor; n_group/topk_group ->
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-from ..config import ConfigError, DSv3Config, load_config
+from dsv3_plugin.config import ConfigError, DSv3Config, load_config
 
 __all__ = ["DSv3TransformerConfig", "to_transformer_config", "dsv3_config_of", "apply_schedules",
            "set_bias_update_rate", "follow_schedules"]

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..config import ConfigError, DSv3Config, load_config
+from dsv3_plugin.config import ConfigError, DSv3Config, load_config
 from .config import DSv3TransformerConfig, follow_schedules, to_transformer_config
 from .spec import get_layer_spec, get_mtp_block_spec, have_te
 

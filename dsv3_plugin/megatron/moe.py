@@ -30,8 +30,10 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-from ..moe import DeepSeekMoE, DenseMLP
-from ..router import Router, skip_counting
+from dsv3_plugin.model.moe.layer import DeepSeekMoE, DenseMLP
+from dsv3_plugin.model.moe.router import Router, skip_counting
+from dsv3_plugin.parallel.expert_parallel import ExpertParallelMoE
+from dsv3_plugin.parallel.groups import build_ep_groups
 from .config import dsv3_config_of
 
 __all__ = ["MegatronRouter", "DSv3FFN", "ffn_kind"]
@@ -53,16 +55,11 @@ def _megatron_ep_groups(cfg):
     """Our EP groups on top of Megatron's expert-model-parallel / expert-data-parallel groups; None for EP = 1.
 
     Megatron (TP = CP = 1) lays EP out as contiguous rank blocks inside DP, the layout of
-    `dsv3_plugin.parallel_groups` (EP rank j owns experts [j·E/P, (j+1)·E/P)), so its groups are used as they are.
+    `dsv3_plugin.parallel.groups` (EP rank j owns experts [j·E/P, (j+1)·E/P)), so its groups are used as they are.
     """
     from megatron.core import parallel_state as ps
     if not ps.model_parallel_is_initialized() or ps.get_expert_model_parallel_world_size() == 1:
         return None
-    try:
-        from ..parallel_groups import build_ep_groups
-    except ImportError as e:  # pragma: no cover - depends on the expert-parallel core being installed
-        raise ValueError("DSv3FFN: expert_model_parallel_size > 1 needs dsv3_plugin.parallel_groups / "
-                         "moe_parallel (expert-parallel DeepSeekMoE)") from e
     if ps.get_tensor_model_parallel_world_size() > 1 or ps.get_expert_tensor_parallel_world_size() > 1:
         raise ValueError("DSv3FFN: expert parallelism with tensor parallelism > 1 is not supported")
     return build_ep_groups(ps.get_expert_model_parallel_world_size(), cfg.moe.ranks_per_node,
@@ -114,7 +111,6 @@ class DSv3FFN(MegatronModule):
             if groups is None:
                 self.moe = DeepSeekMoE(m.hidden_size, self.cfg.moe)
             else:
-                from ..moe_parallel import ExpertParallelMoE
                 self.moe = ExpertParallelMoE(m.hidden_size, self.cfg.moe, groups)
                 # Megatron's DDP reduces these over the expert-data-parallel group, not the whole DP group.
                 for p in self.moe.experts.parameters():

@@ -37,8 +37,10 @@ from typing import Any, Optional
 
 import torch
 
-from ..config import ConfigError, DSv3Config, load_config
+from dsv3_plugin.config import ConfigError, DSv3Config, load_config
 from .gpt import OUR_SPEC, add_dsv3_args, gpt_builder
+from .spec import mcore_version_tuple
+from dsv3_plugin.parallel.distributed import spawn
 
 __all__ = ["main", "parse_megatron_args", "set_megatron_globals", "reconcile_args", "dsv3_arg_values", "model_provider", "forward_step",
            "train_valid_test_datasets_provider", "MIN_MEGATRON_CORE", "MEGATRON_MOE_ONLY_FLAGS"]
@@ -54,7 +56,6 @@ MEGATRON_MOE_ONLY_FLAGS = ("moe_grouped_gemm", "moe_router_fusion", "moe_permute
 def _require_megatron_training() -> None:
     from megatron.core.package_info import __version__ as v
 
-    from .spec import mcore_version_tuple
     try:
         import megatron.training  # noqa: F401
     except ImportError as e:
@@ -465,7 +466,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         del argv[i:i + 2]
     try:
         if nproc:
-            from ..distributed import spawn
             spawn(_spawned, nproc, argv, timeout_s=float(os.environ.get("DSV3_SPAWN_TIMEOUT_S", "3600")))
             return 0
         return run(argv)

@@ -1,13 +1,13 @@
 """Megatron-Core process setup for scripts and tests: torch.distributed (gloo on CPU, NCCL on GPU), the CPU shims
 when there is no GPU, Megatron's model-parallel groups and RNG seeds; and teardown in reverse order.
 
-Works self-spawned (`dsv3_plugin.distributed.spawn`) and under torchrun (RANK/WORLD_SIZE/... from the env).
+Works self-spawned (`dsv3_plugin.parallel.distributed.spawn`) and under torchrun (RANK/WORLD_SIZE/... from the env).
 """
 from __future__ import annotations
 
 import torch
 
-from ..distributed import init_distributed
+from dsv3_plugin.parallel.distributed import init_distributed
 
 __all__ = ["init_megatron", "shutdown_megatron", "wrap_ddp"]
 

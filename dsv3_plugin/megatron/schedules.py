@@ -14,7 +14,7 @@ conventions:
   chunks of the rank read the same micro-batch sequence (stage 0 reads tokens, stage 2P-1 labels).
 - Returns `forward_data_store`, the list of loss dicts, on the rank holding the last stage (pipeline rank 0
   for DualPipeV), an empty list elsewhere; `config.finalize_model_grads_func` runs after the backward.
-The schedule itself is `dsv3_plugin.pipeline.DualPipeV` over the pipeline group's P2P (gloo or NCCL).
+The schedule itself is `dsv3_plugin.parallel.pipeline.DualPipeV` over the pipeline group's P2P (gloo or NCCL).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from ..pipeline.runtime import DualPipeV
+from dsv3_plugin.parallel.pipeline.runtime import DualPipeV
 
 __all__ = ["forward_backward_dualpipev", "MegatronChunkStage"]
 

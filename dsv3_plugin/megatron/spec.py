@@ -30,6 +30,7 @@ from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
 from .attention import SDPACoreAttention
 from .moe import DSv3FFN
+from .mtp import DSv3MTPLayer
 
 
 class LatentMLASelfAttention(MLASelfAttention):
@@ -162,7 +163,6 @@ def get_mtp_block_spec(config, use_te: bool | None = None, layer_spec=None):
     if not config.mtp_num_layers:
         return None
     use_te = have_te() if use_te is None else use_te
-    from .mtp import DSv3MTPLayer
     if use_te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
         block = get_gpt_mtp_block_spec(config, layer_spec or get_layer_spec(True), use_transformer_engine=True)

@@ -2,7 +2,7 @@
 output.
 
 Our GPTModel's names are Megatron-Core's for embedding, MLA, norms, output layer and MTP block (MCore <-> HF map,
-deepseek_v3_facts.md §1.8), and ours below `mlp.` (`DSv3FFN`: `mlp.dense.{gate,up,down}_proj`,
+docs/facts.md §1), and ours below `mlp.` (`DSv3FFN`: `mlp.dense.{gate,up,down}_proj`,
 `mlp.moe.gate.{weight,e_score_correction_bias}`, stacked experts `mlp.moe.experts.{gate,up,down}_proj` [E_local, ...],
 `mlp.moe.shared_experts.*`). Both loaders go through one name map and fill every parameter and the router bias
 exactly once; a missing, duplicated, unexpected or mis-shaped tensor is a `CheckpointError` naming it.
@@ -20,8 +20,10 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
-from ..checkpoint.megatron_layout import MLA_NAME_MAP
-from ..errors import CheckpointError
+from dsv3_plugin.checkpoint.megatron_layout import MLA_NAME_MAP
+from dsv3_plugin.errors import CheckpointError
+from .spec import mtp_inner_layer_name
+from dsv3_plugin.checkpoint.hf import iter_checkpoint_tensors
 
 __all__ = ["hf_to_megatron_name", "load_hf_checkpoint", "load_megatron_checkpoint", "megatron_layout_to_ours"]
 
@@ -135,7 +137,6 @@ _MCORE_EXPERT_RE = re.compile(r"^(.*)\.mlp\.experts\.local_experts\.(\d+)\.(line
 
 
 def _mtp_inner() -> str:
-    from .spec import mtp_inner_layer_name
     return mtp_inner_layer_name()
 
 
@@ -214,7 +215,6 @@ def _assign(model, items: Iterable[tuple[str, _Target, torch.Tensor]]) -> None:
 def load_hf_checkpoint(model, path: str | os.PathLike) -> None:
     """Load a released-format checkpoint directory (config.json + safetensors, BF16/FP32; FP8 files must be
     dequantized first, e.g. with `dsv3 convert`) into this rank's part of `model`."""
-    from ..checkpoint.hf import iter_checkpoint_tensors
     L, offset, n_local, ep, ep_rank = _model_geometry(model)
     E = model.config.num_moe_experts or 0
 

@@ -27,9 +27,9 @@ def make_fp8_checkpoint(path: str, seed: int = 0) -> None:
     from dsv3_plugin.checkpoint.hf import native_state_to_hf
     from dsv3_plugin.checkpoint.synthetic import quantize_checkpoint
     from dsv3_plugin.config import load_config
-    from dsv3_plugin.model import DSv3Model
+    from dsv3_plugin.training.transforms import build_model
     cfg = load_config({"preset": "tiny"})
-    model = DSv3Model(cfg)
+    model = build_model(cfg)
     model.reset_parameters(seed=seed)
     tensors = {k: v.detach().float() for k, v in native_state_to_hf(model.state_dict(), cfg).items()}
     quantize_checkpoint(tensors, path, cfg.to_hf(), shard_bytes=200_000)

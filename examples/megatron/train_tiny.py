@@ -33,7 +33,7 @@ def train(args) -> list[dict]:
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from dsv3_plugin.balancing import maxvio
+    from dsv3_plugin.model.moe.balancing import maxvio
     from dsv3_plugin.config import load_config
     from dsv3_plugin.megatron.config import apply_schedules
     from dsv3_plugin.megatron.gpt import build_gpt_model, causal_inputs
@@ -119,7 +119,7 @@ def main(argv=None) -> int:
     p.add_argument("--nproc", type=int, default=None, help="self-spawn N gloo/NCCL ranks (else torchrun env)")
     args = p.parse_args(argv)
     if args.nproc:
-        from dsv3_plugin.distributed import spawn
+        from dsv3_plugin.parallel.distributed import spawn
         spawn(_worker, args.nproc, args)
     else:
         train(args)

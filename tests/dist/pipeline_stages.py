@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsv3_plugin.pipeline.weight_grad import DeferrableLinear
+from dsv3_plugin.parallel.pipeline.weight_grad import DeferrableLinear
 
 H = 8
 

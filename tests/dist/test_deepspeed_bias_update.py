@@ -34,18 +34,18 @@ def _both():
 def _run(recompute: bool):
     from torch.utils.checkpoint import checkpoint
 
-    from dsv3_plugin.data import MarkovData
+    from dsv3_plugin.training.data import MarkovData
     from dsv3_plugin.deepspeed import initialize
-    from dsv3_plugin.distributed import init_distributed
-    from dsv3_plugin.model import DSv3Model
-    from dsv3_plugin.router import Router, skip_counting
+    from dsv3_plugin.parallel.distributed import init_distributed
+    from dsv3_plugin.training.transforms import build_model
+    from dsv3_plugin.model.moe.router import Router, skip_counting
 
     rank, world = init_distributed()
     torch.manual_seed(0)
     # γ = 0.01 for the first optimizer step's tokens, 0.002 afterwards: tests the token schedule too.
     ds = _ds_config([{"until_tokens": TOKENS_PER_STEP, "value": 0.01}, {"until_tokens": None, "value": 0.002}])
     from dsv3_plugin.config import load_config
-    model = DSv3Model(load_config(ds))
+    model = build_model(load_config(ds))
     if recompute:  # activation recompute of every decoder layer; the re-run forward must not count again
         for layer in model.layers:
             fwd = layer.forward

@@ -8,10 +8,10 @@ import os
 import torch
 import torch.distributed as dist
 
-from dsv3_plugin.balancing import routers_of, update_expert_bias
+from dsv3_plugin.model.moe.balancing import routers_of, update_expert_bias
 from dsv3_plugin.config import load_config
-from dsv3_plugin.distributed import init_distributed
-from dsv3_plugin.model import DSv3Model
+from dsv3_plugin.parallel.distributed import init_distributed
+from dsv3_plugin.training.transforms import build_model
 from helpers import run_ranks
 from tolerance import check_within, model_bound, reorder_bound
 
@@ -34,7 +34,7 @@ def _deepspeed():
 def _engine(cfg, seed):
     from dsv3_plugin.deepspeed.moe_layer import prepare_model
     deepspeed = _deepspeed()
-    model = DSv3Model(cfg)
+    model = build_model(cfg)
     model.reset_parameters(seed=seed)
     prepare_model(model, cfg)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()],
@@ -48,12 +48,12 @@ def _sgd_step_matches_reference(cfg, rank, world):
     Checked against a single-process model on the four ranks' batches. Returns the failure messages."""
     from dsv3_plugin.deepspeed.moe_layer import moe_param_groups, prepare_model
     deepspeed = _deepspeed()
-    ref = DSv3Model(cfg)
+    ref = build_model(cfg)
     ref.reset_parameters(seed=3)
     for r in range(world):
         ids, labels = _batch(r, cfg)
         (ref(ids, labels=labels).loss / world).backward()
-    model = DSv3Model(cfg)
+    model = build_model(cfg)
     model.load_state_dict(ref.state_dict())
     prepare_model(model, cfg)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}

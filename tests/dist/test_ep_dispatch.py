@@ -2,9 +2,9 @@
 per-expert and node-deduplicated dispatch, with EP = world and EP < world (DP x EP)."""
 import torch
 
-from dsv3_plugin.dispatch import BF16Codec, moe_dispatch_combine
-from dsv3_plugin.distributed import init_distributed
-from dsv3_plugin.parallel_groups import build_ep_groups
+from dsv3_plugin.parallel.dispatch import BF16Codec, moe_dispatch_combine
+from dsv3_plugin.parallel.distributed import init_distributed
+from dsv3_plugin.parallel.groups import build_ep_groups
 from helpers import run_ranks
 from tolerance import assert_within, reorder_bound, unit_roundoff
 
@@ -145,7 +145,7 @@ def test_dispatch_bench_small():
 def _bench_output_scale(a):
     """max |output| of `dsv3 bench dispatch`'s single-process layer on every rank's tokens (same seeds)."""
     from dsv3_plugin.config import MoEConfig
-    from dsv3_plugin.moe import DeepSeekMoE
+    from dsv3_plugin.model.moe.layer import DeepSeekMoE
     cfg = MoEConfig(n_routed_experts=a.experts, n_shared_experts=0, intermediate_size=32, top_k=a.top_k,
                     n_group=a.nodes, topk_group=a.max_nodes, seq_aux_alpha=0.0)
     torch.manual_seed(a.seed)

@@ -7,10 +7,10 @@ import torch
 import torch.distributed as dist
 
 from dsv3_plugin.config import MoEConfig
-from dsv3_plugin.distributed import init_distributed
-from dsv3_plugin.moe import DeepSeekMoE
-from dsv3_plugin.moe_parallel import ExpertParallelMoE
-from dsv3_plugin.parallel_groups import build_ep_groups
+from dsv3_plugin.parallel.distributed import init_distributed
+from dsv3_plugin.model.moe.layer import DeepSeekMoE
+from dsv3_plugin.parallel.expert_parallel import ExpertParallelMoE
+from dsv3_plugin.parallel.groups import build_ep_groups
 from helpers import run_ranks
 from tolerance import assert_within, model_bound, reorder_bound
 
@@ -85,14 +85,14 @@ def _model_level(ep, rpn):
     """Whole tiny model (MoE layers incl. the MTP block's) with expert_parallel: same loss and logits as EP=1,
     dense-parameter gradients equal after summing over the EP group."""
     from dsv3_plugin.config import load_config
-    from dsv3_plugin.model import DSv3Model
-    from dsv3_plugin.moe_parallel import expert_parallel
+    from dsv3_plugin.training.transforms import build_model
+    from dsv3_plugin.parallel.expert_parallel import expert_parallel
     rank = dist.get_rank()
     groups = build_ep_groups(ep, rpn)
     cfg = load_config({"preset": "tiny", "parallel": {"ep": ep}, "moe": {"ranks_per_node": rpn}})
-    ref = DSv3Model(cfg)
+    ref = build_model(cfg)
     ref.reset_parameters(seed=5)
-    par = DSv3Model(cfg)
+    par = build_model(cfg)
     par.load_state_dict(ref.state_dict())
     expert_parallel(par, groups)
     ref_loss = {}

@@ -7,7 +7,7 @@ from helpers import run_ranks
 
 
 def _train_ep2():
-    from dsv3_plugin.train import DEFAULT_DS_CONFIG, train
+    from dsv3_plugin.deepspeed.train import DEFAULT_DS_CONFIG, train
     ds = copy.deepcopy(DEFAULT_DS_CONFIG)
     ds["dsv3"]["parallel"] = {"ep": 2}
     ds["dsv3"]["train"]["seq_len"] = 32

@@ -30,7 +30,7 @@ def _phase(ckpt, converted, ep, rank, world):
     from megatron.core.distributed import finalize_model_grads
 
     from dsv3_plugin import load_pretrained
-    from dsv3_plugin.balancing import routers_of, update_expert_bias
+    from dsv3_plugin.model.moe.balancing import routers_of, update_expert_bias
     from dsv3_plugin.megatron.gpt import build_gpt_model, causal_inputs, forward_logits
     from dsv3_plugin.megatron.runtime import init_megatron, shutdown_megatron, wrap_ddp
     from dsv3_plugin.megatron.weights import load_hf_checkpoint, load_megatron_checkpoint
@@ -87,7 +87,7 @@ def _phase(ckpt, converted, ep, rank, world):
 
 
 def _worker(ckpt, conv1, conv2):
-    from dsv3_plugin.distributed import init_distributed
+    from dsv3_plugin.parallel.distributed import init_distributed
     rank, world = init_distributed()
     one = _phase(ckpt, conv1, 1, rank, world)
     two = _phase(ckpt, conv2, 2, rank, world)

@@ -20,12 +20,10 @@ import torch
 import torch.distributed as dist
 
 from dsv3_plugin.config import load_config
-from dsv3_plugin.distributed import init_distributed
-from dsv3_plugin.model import DSv3Model
-from dsv3_plugin.pipeline import (DualPipe, DualPipeV, OneFOneB, PipelineError, ZeroBubble1P,
-                                  split_weight_grads)
-from dsv3_plugin.pipeline.stages import (DSv3PipelineLoss, build_stages, n_stages_of, stage_ids_for_rank,
-                                         sync_tied_embedding)
+from dsv3_plugin.parallel.distributed import init_distributed
+from dsv3_plugin.training.transforms import build_model
+from dsv3_plugin.parallel.pipeline import DualPipe, DualPipeV, OneFOneB, PipelineError, ZeroBubble1P, split_weight_grads
+from dsv3_plugin.parallel.pipeline.stages import DSv3PipelineLoss, build_stages, n_stages_of, stage_ids_for_rank, sync_tied_embedding
 from helpers import run_ranks
 from pipeline_stages import H, MLPStage, OverlapStage, criterion, grad_bound, make_batch, make_stages, reference
 from tolerance import check_within, model_bound
@@ -96,7 +94,7 @@ C_DS = 4
 
 def _model():
     torch.manual_seed(0)
-    m = DSv3Model(load_config({"preset": "tiny", "model": {"num_hidden_layers": 4}}))
+    m = build_model(load_config({"preset": "tiny", "model": {"num_hidden_layers": 4}}))
     m.train()
     return m
 

@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from dsv3_plugin.config import load_config
-from dsv3_plugin.distributed import init_distributed
-from dsv3_plugin.model import DSv3Model
-from dsv3_plugin.pipeline.stages import DSv3PipelineLoss, build_stages
+from dsv3_plugin.parallel.distributed import init_distributed
+from dsv3_plugin.training.transforms import build_model
+from dsv3_plugin.parallel.pipeline.stages import DSv3PipelineLoss, build_stages
 from helpers import run_ranks
 
 C, T = 4, 8
@@ -108,7 +108,7 @@ def _worker():
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=2)
     cfg = load_config(CFG)
     torch.manual_seed(0)
-    model = DSv3Model(cfg)
+    model = build_model(cfg)
     model.train()
     ref_model = copy.deepcopy(model)
     g = torch.Generator().manual_seed(5)

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from dsv3_plugin.distributed import init_distributed
+from dsv3_plugin.parallel.distributed import init_distributed
 from helpers import run_ranks
 
 STEPS = 4
@@ -21,7 +21,7 @@ DS = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4, "gr
 
 def _train(ds):
     init_distributed()
-    from dsv3_plugin.train import train
+    from dsv3_plugin.deepspeed.train import train
     out = train(ds, progress=False, echo=False, save=False)
     return [{k: r[k] for k in ("loss", "lm_loss", "mtp_loss", "balance_loss", "maxvio", "maxvio_layers")}
             for r in out["history"]]

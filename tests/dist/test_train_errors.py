@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from dsv3_plugin.train import DEFAULT_DS_CONFIG
+from dsv3_plugin.deepspeed.train import DEFAULT_DS_CONFIG
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

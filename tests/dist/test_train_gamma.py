@@ -11,7 +11,7 @@ STEPS = 60
 
 
 def _runs():
-    from dsv3_plugin.train import DEFAULT_DS_CONFIG, train
+    from dsv3_plugin.deepspeed.train import DEFAULT_DS_CONFIG, train
     out = {}
     for gamma in (0.01, 0.0):
         ds = copy.deepcopy(DEFAULT_DS_CONFIG)

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from dsv3_plugin.distributed import free_port
+from dsv3_plugin.parallel.distributed import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BIN = os.path.dirname(sys.executable)

@@ -25,7 +25,7 @@ DS = {
 
 
 def _first_leg(tmp):
-    from dsv3_plugin.train import train
+    from dsv3_plugin.deepspeed.train import train
     full = train(copy.deepcopy(DS), steps=40, out=f"{tmp}/full", progress=False, echo=False)
     half = train(copy.deepcopy(DS), steps=20, out=f"{tmp}/half", progress=False, echo=False)
     return {"full": full, "half": half, "rng": _rng_roundtrip(f"{tmp}/rng")}
@@ -37,9 +37,9 @@ def _rng_roundtrip(ckdir):
 
     from dsv3_plugin.config import load_config
     from dsv3_plugin.deepspeed import initialize
-    from dsv3_plugin.model import DSv3Model
+    from dsv3_plugin.training.transforms import build_model
     rank = dist.get_rank()
-    engine, *_ = initialize(DSv3Model(load_config(DS)), copy.deepcopy(DS))
+    engine, *_ = initialize(build_model(load_config(DS)), copy.deepcopy(DS))
     torch.manual_seed(100 + rank)
     engine.save_checkpoint(ckdir, tag="rng")
     expected = torch.rand(4).tolist()
@@ -50,7 +50,7 @@ def _rng_roundtrip(ckdir):
 
 
 def _second_leg(tmp):
-    from dsv3_plugin.train import train
+    from dsv3_plugin.deepspeed.train import train
     return train(copy.deepcopy(DS), steps=40, out=f"{tmp}/half", resume=f"{tmp}/half", progress=False, echo=False)
 
 

@@ -28,13 +28,13 @@ DS = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gr
 
 
 def _first_leg(tmp):
-    from dsv3_plugin.train import train
+    from dsv3_plugin.deepspeed.train import train
     train(copy.deepcopy(DS), steps=10, out=f"{tmp}/straight", progress=False)
     train(copy.deepcopy(DS), steps=5, out=f"{tmp}/half", progress=False)   # tags step2, step4, step5
 
 
 def _resume_all(dirs):
-    from dsv3_plugin.train import train
+    from dsv3_plugin.deepspeed.train import train
     return {d: train(copy.deepcopy(DS), steps=10, out=d, resume=d, progress=False)["notes"] for d in dirs}
 
 
@@ -140,8 +140,8 @@ def test_resume_refuses_a_checkpoint_of_another_config(runs, tmp_path):
     _one_error(p, "this checkpoint belongs to another run's config (dsv3.model.hidden_size: 64 in the "
                   "checkpoint's run, 96 in this config)")
     # training knobs may change: a different γ resumes (pre-check passes; the run itself is not started here)
-    from dsv3_plugin.run_dir import resume_source
-    from dsv3_plugin.train import _prepare
+    from dsv3_plugin.training.run_dir import resume_source
+    from dsv3_plugin.deepspeed.train import _prepare
     knob = copy.deepcopy(DS)
     knob["dsv3"]["moe"]["bias_update_speed"] = 0.001
     assert resume_source(f"{tmp}/half", _prepare(knob, 10, None)[1])[1] == "step5"
@@ -183,7 +183,7 @@ def test_second_run_into_the_same_out_fails_at_once(tmp_path):
     finally:
         first.send_signal(signal.SIGKILL)  # kill -9 of the launching process: its ranks die with it
         first.wait()
-    from dsv3_plugin.run_dir import RunLock
+    from dsv3_plugin.training.run_dir import RunLock
     deadline = time.monotonic() + 120
     while True:  # the lock goes with the killed holder (rank 0), with no clean-up by anyone
         try:

@@ -101,7 +101,7 @@ def _worker(root):
     # tests/dist/test_megatron_parallel.py repeats it on 2 ranks, where the counts are all-reduced over DP).
     from megatron.core.distributed import finalize_model_grads
 
-    from dsv3_plugin.balancing import routers_of, update_expert_bias
+    from dsv3_plugin.model.moe.balancing import routers_of, update_expert_bias
     from dsv3_plugin.megatron.runtime import wrap_ddp
     m = build_gpt_model(cfg)
     load_hf_checkpoint(m, os.path.join(root, "tiny"))

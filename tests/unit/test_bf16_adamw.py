@@ -2,7 +2,7 @@
 import torch
 from torch import nn
 
-from dsv3_plugin.bf16_adamw import AdamWBF16Moments, make_optimizer
+from dsv3_plugin.precision.bf16_adamw import AdamWBF16Moments, make_optimizer
 from tolerance import assert_within, reorder_bound, unit_roundoff
 
 

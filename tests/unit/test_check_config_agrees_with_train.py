@@ -32,7 +32,7 @@ def _te_missing():
 
 
 def _torch_fp8_unavailable():
-    from dsv3_plugin.fp8_linear import torch_blockwise_available
+    from dsv3_plugin.precision.fp8.linear import torch_blockwise_available
     return not torch_blockwise_available(torch.device("cuda" if torch.cuda.is_available() else "cpu"))[0]
 
 
@@ -110,7 +110,7 @@ CASES = [
 def test_check_config_and_train_refuse_with_the_same_message(tmp_path, capsys, monkeypatch, text, nproc, key, skip):
     if skip:
         pytest.skip(skip)
-    import dsv3_plugin.distributed as distributed
+    import dsv3_plugin.parallel.distributed as distributed
 
     def no_spawn(*a, **k):
         raise AssertionError("dsv3 train spawned ranks: the refusal was not caught by its pre-spawn check")

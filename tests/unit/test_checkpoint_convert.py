@@ -221,7 +221,7 @@ def test_kill_9_leaves_no_dst_and_rerun_works(tmp_path):
 def test_streaming_writer_matches_safetensors_and_checks_order(tmp_path):
     from safetensors.torch import load_file
 
-    from dsv3_plugin.checkpoint.safetensors_writer import StreamingSafetensorsWriter
+    from dsv3_plugin.checkpoint.writer import StreamingSafetensorsWriter
     a = torch.randn(5, 3).to(torch.bfloat16)
     b = torch.arange(7, dtype=torch.float32)
     e = torch.zeros(0, 4)

@@ -7,8 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dsv3_plugin.checkpoint.reader import (CheckpointReader, dequantize_fp8_blockwise, dequantize_fp8_reference,
-                                           read_safetensors_header)
+from dsv3_plugin.checkpoint.reader import CheckpointReader, dequantize_fp8_blockwise, dequantize_fp8_reference, read_safetensors_header
 from dsv3_plugin.checkpoint.synthetic import quantize_fp8_blockwise, write_released_checkpoint
 from dsv3_plugin.config import load_config
 from dsv3_plugin.errors import CheckpointError

@@ -17,7 +17,7 @@ import torch
 
 from dsv3_plugin.cli import main
 from dsv3_plugin.config import ConfigError, load_config
-from dsv3_plugin.train import DEFAULT_DS_CONFIG, _prepare
+from dsv3_plugin.deepspeed.train import DEFAULT_DS_CONFIG, _prepare
 
 SEED = int(os.environ.get("DSV3_FUZZ_SEED", "20261201"))
 N_MUTATIONS = 240
@@ -154,11 +154,11 @@ def _cases():
 
 def _builds(path: str, world: int) -> None:
     """An accepted config: the model builds (meta device: shapes only) and dsv3 train's pre-spawn check passes."""
-    from dsv3_plugin.model import DSv3Model
+    from dsv3_plugin.training.transforms import build_model
     ds, cfg, total = _prepare(path, None, None, world_size=world)
     assert total >= 1
     with torch.device("meta"):
-        model = DSv3Model(cfg)
+        model = build_model(cfg)
     assert sum(p.numel() for p in model.parameters()) > 0
 
 

@@ -1,4 +1,4 @@
-"""The one validation (`dsv3_plugin.validate.validate_ds_config`): strict types, finite numbers, files that are not
+"""The one validation (`dsv3_plugin.deepspeed.validate.validate_ds_config`): strict types, finite numbers, files that are not
 UTF-8 JSON, the DeepSpeed keys, world-size rules, the memory bound — and the engine refusing what check-config
 refuses, with the same message."""
 import json
@@ -177,9 +177,9 @@ def test_engine_refuses_what_deepspeed_would(capsys):
     import torch
 
     from dsv3_plugin.deepspeed import initialize
-    from dsv3_plugin.model import DSv3Model
+    from dsv3_plugin.training.transforms import build_model
     with torch.device("meta"):
-        model = DSv3Model(load_config({"preset": "tiny"}))
+        model = build_model(load_config({"preset": "tiny"}))
     with pytest.raises(ConfigError, match=r"^train_micro_batch_size_per_gpu: required"):
         initialize(model, {"dsv3": {"preset": "tiny"}})
     with pytest.raises(ConfigError, match=r"^optimizer: required"):
@@ -188,7 +188,7 @@ def test_engine_refuses_what_deepspeed_would(capsys):
 
 # ---- world-size rules (--nproc) and the batch triple ----------------------------------------------------------
 def test_world_size_rules(tmp_path, capsys):
-    from dsv3_plugin.validate import validate_ds_config
+    from dsv3_plugin.deepspeed.validate import validate_ds_config
     p = tmp_path / "c.json"
     p.write_text(json.dumps({**_ds(), "dsv3": {"preset": "tiny", "parallel": {"ep": 4}}}))
     assert main(["check-config", str(p)]) == 0
@@ -215,8 +215,8 @@ def test_world_size_rules(tmp_path, capsys):
 
 def test_low_level_guards_say_the_same(tmp_path):
     """The in-rank guards that remain (group builders) raise the validation's message word for word."""
-    from dsv3_plugin.parallel_groups import ep_layout
-    from dsv3_plugin.validate import validate_ds_config
+    from dsv3_plugin.parallel.groups import ep_layout
+    from dsv3_plugin.deepspeed.validate import validate_ds_config
     with pytest.raises(ConfigError) as low:
         ep_layout(2, 4, 1)
     with pytest.raises(ConfigError) as one:
@@ -253,12 +253,12 @@ def test_memory_estimate_is_a_lower_bound_of_the_model_size():
     """The build term is exactly 4 bytes per parameter of the model dsv3 train builds."""
     import torch
 
-    from dsv3_plugin.model import DSv3Model
-    from dsv3_plugin.train_memory import estimate_train_memory
+    from dsv3_plugin.training.transforms import build_model
+    from dsv3_plugin.deepspeed.train_memory import estimate_train_memory
     for over in [{"preset": "tiny"}, {"preset": "small"}, {"preset": "tiny", "model": {"tie_word_embeddings": True}},
                  {"preset": "tiny", "mtp": {"depth": 2}, "model": {"q_lora_rank": None}}]:
         cfg = load_config(over)
         with torch.device("meta"):
-            n = sum(p.numel() for p in DSv3Model(cfg).parameters())
+            n = sum(p.numel() for p in build_model(cfg).parameters())
         est = estimate_train_memory(cfg)
         assert est.parts["build"] <= 4 * n <= est.parts["build"] * 1.01, (over, est.params, n)

@@ -3,7 +3,7 @@ import math
 
 import torch
 
-from dsv3_plugin.data import MarkovData
+from dsv3_plugin.training.data import MarkovData
 
 
 def test_deterministic_and_distinct():

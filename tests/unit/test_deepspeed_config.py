@@ -4,7 +4,7 @@ import pytest
 
 from dsv3_plugin.config import ConfigError, load_config
 from dsv3_plugin.deepspeed import DEFAULT_GRADIENT_CLIPPING, initialize, split_ds_config
-from dsv3_plugin.model import DSv3Model
+from dsv3_plugin.training.transforms import build_model
 
 
 def test_split_sets_stage_1_and_clipping_explicitly():
@@ -31,7 +31,7 @@ def test_split_rejects(bad, needle):
 
 
 def test_model_must_match_the_block():
-    model = DSv3Model(load_config({"preset": "tiny"}))
+    model = build_model(load_config({"preset": "tiny"}))
     with pytest.raises(ConfigError, match=r"^dsv3\.moe\.seq_aux_alpha: the model was built with"):
         initialize(model, {"train_micro_batch_size_per_gpu": 1,
                            "dsv3": {"preset": "tiny", "moe": {"seq_aux_alpha": 0.0}}})

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from dsv3_plugin.dispatch import BF16Codec, count_cross_node_copies, moe_dispatch_combine
+from dsv3_plugin.parallel.dispatch import BF16Codec, count_cross_node_copies, moe_dispatch_combine
 from tolerance import assert_within, reorder_bound
 
 E, H, K = 8, 5, 3
@@ -85,11 +85,11 @@ def test_fp8_dispatch_codec_from_config():
     """`fp8.dispatch = true` selects the FP8 payload codec: FP8-rounded activations reach the experts and the
     gradient flows straight through; a build without the FP8 quantizer refuses the key by name."""
     from dsv3_plugin.config import ConfigError, load_config
-    from dsv3_plugin.dispatch import FP8Codec, codec_from_config
+    from dsv3_plugin.parallel.dispatch import FP8Codec, codec_from_config
     cfg = load_config({"preset": "tiny", "fp8": {"enabled": True, "dispatch": True}})
     assert codec_from_config(load_config({"preset": "tiny"})) is None
     try:
-        from dsv3_plugin import fp8
+        from dsv3_plugin.precision.fp8 import quant as fp8
         have = hasattr(fp8, "pack_dispatch")
     except ImportError:
         have = False

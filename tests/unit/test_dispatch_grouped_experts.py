@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dsv3_plugin.moe import GroupedExperts, grouped_swiglu, swiglu_rows
+from dsv3_plugin.model.moe.layer import GroupedExperts, grouped_swiglu, swiglu_rows
 from tolerance import assert_within, reorder_bound
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from dsv3_plugin.ema import EMA, ema_update_
+from dsv3_plugin.training.ema import EMA, ema_update_
 from tolerance import assert_within, reorder_bound
 
 

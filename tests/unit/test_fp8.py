@@ -7,11 +7,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from dsv3_plugin.config import ConfigError, FP8Config
-from dsv3_plugin.fp8 import (AMAX_EPS, FP8_DTYPE, FP8_MAX, dequantize_blockwise, dequantize_tilewise,
-                             fp8_gemm_emulated, lowprec_gemm, pack_dispatch, quantize_blockwise,
-                             quantize_dispatch, quantize_tensorwise, quantize_tilewise, truncate_mantissa,
-                             unpack_dispatch)
-from dsv3_plugin.fp8_linear import Fp8Linear, Fp8Recipe, fp8_linear, select_backend, te_recipe_spec
+from dsv3_plugin.precision.fp8.quant import AMAX_EPS, FP8_DTYPE, FP8_MAX, dequantize_blockwise, dequantize_tilewise, fp8_gemm_emulated, lowprec_gemm, pack_dispatch, quantize_blockwise, quantize_dispatch, quantize_tensorwise, quantize_tilewise, truncate_mantissa, unpack_dispatch
+from dsv3_plugin.precision.fp8.linear import Fp8Linear, Fp8Recipe, fp8_linear, select_backend, te_recipe_spec
 from tolerance import (assert_within, fp8_error, matmul_bound, perturbed_matmul_bound, reorder_bound,
                        unit_roundoff)
 
@@ -315,7 +312,7 @@ def test_dispatch_payload_roundtrip_pow2():
 
 
 def test_dispatch_qdq_autograd_and_idempotence():
-    from dsv3_plugin.fp8 import dequantize_dispatch, fp8_combine_grad_qdq, fp8_dispatch_qdq
+    from dsv3_plugin.precision.fp8.quant import dequantize_dispatch, fp8_combine_grad_qdq, fp8_dispatch_qdq
     torch.manual_seed(0)
     x = (torch.randn(9, 300) * torch.logspace(-3, 3, 9)[:, None]).requires_grad_()
     y = fp8_dispatch_qdq(x)
@@ -336,7 +333,7 @@ def test_dispatch_qdq_autograd_and_idempotence():
 def test_torch_backend_layouts_pass_torch_checks():
     """cuBLAS-only blockwise GEMMs cannot run on CPU; torch's meta kernels still validate our operand and
     scale shapes for all three GEMM kinds, and the tensorwise path runs on CPU against the emulation."""
-    from dsv3_plugin.fp8_linear import EmulatedBackend, TorchScaledMMBackend
+    from dsv3_plugin.precision.fp8.linear import EmulatedBackend, TorchScaledMMBackend
     g = torch.Generator().manual_seed(0)
     x, w, dy = torch.randn(40, 200, generator=g), torch.randn(136, 200, generator=g), torch.randn(40, 136, generator=g)
     r, tb = Fp8Recipe(), TorchScaledMMBackend()
@@ -357,7 +354,7 @@ def test_torch_backend_layouts_pass_torch_checks():
 
 
 def test_no_fp8_activation_cache_without_grad():
-    from dsv3_plugin.recompute import saved_activation_bytes
+    from dsv3_plugin.training.recompute import saved_activation_bytes
     lin = Fp8Linear(256, 128, bias=False)
     x = torch.randn(64, 256)
     with torch.no_grad():

@@ -3,9 +3,9 @@ gradients within FP8 error, fewer saved bytes."""
 import torch
 import torch.nn.functional as F
 
-from dsv3_plugin.fp8_experts import fp8_expert_swiglu
-from dsv3_plugin.fp8_linear import Fp8Recipe, fp8_linear
-from dsv3_plugin.recompute import saved_activation_bytes
+from dsv3_plugin.precision.fp8.experts import fp8_expert_swiglu
+from dsv3_plugin.precision.fp8.linear import Fp8Recipe, fp8_linear
+from dsv3_plugin.training.recompute import saved_activation_bytes
 
 
 def _params(H=200, I=136, n=150, seed=0):

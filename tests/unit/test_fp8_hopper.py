@@ -11,11 +11,10 @@ import torch
 
 from dsv3_plugin.bench.fp8_accum import measure_cell, operands
 from dsv3_plugin.config import ConfigError, FP8Config, load_config
-from dsv3_plugin.fp8 import fp8_gemm_emulated, quantize_tensorwise
-from dsv3_plugin.fp8_hopper import (HopperEmulatedBackend, check_promote_every, emulation_error_bound,
-                                    hopper_error_bound, hopper_gemm, mmaemu_status)
-from dsv3_plugin.fp8_linear import EmulatedBackend, Fp8Linear, Fp8Recipe, select_backend
-from dsv3_plugin.kernels import base_kernel
+from dsv3_plugin.precision.fp8.quant import fp8_gemm_emulated, quantize_tensorwise
+from dsv3_plugin.precision.fp8.hopper import HopperEmulatedBackend, check_promote_every, emulation_error_bound, hopper_error_bound, hopper_gemm, mmaemu_status
+from dsv3_plugin.precision.fp8.linear import EmulatedBackend, Fp8Linear, Fp8Recipe, select_backend
+from dsv3_plugin.model.kernels import base_kernel
 
 
 @pytest.fixture
@@ -132,10 +131,10 @@ def test_model_routes_linears_and_experts_through_the_selected_backend(monkeypat
         calls.append(a[0].shape)
         return real(self, *a)
     monkeypatch.setattr(HopperEmulatedBackend, "gemm", spy)
-    from dsv3_plugin.model import DSv3Model
+    from dsv3_plugin.training.transforms import build_model
     cfg = load_config({"preset": "tiny", "model": {"num_hidden_layers": 2}, "mtp": {"depth": 0},
                        "fp8": {"enabled": True, "backend": "hopper-emulated", "promote_every": 64}})
-    m = DSv3Model(cfg)
+    m = build_model(cfg)
     assert m.fp8_report.backend == "hopper-emulated" and "promote_every = 64" in m.fp8_report.reason
     experts = m.layers[1].mlp.experts
     assert base_kernel(experts.kernel).backend.resolve(torch.device("cpu")).promote_every == 64
@@ -189,10 +188,10 @@ def test_package_imports_and_trains_without_mmaemu():
     """A fresh interpreter in which `import mmaemu` fails: the package, its FP8 paths (other backends) and the
     benches' registry still work."""
     code = ("import sys; sys.modules['mmaemu'] = None\n"
-            "import torch, dsv3_plugin, dsv3_plugin.fp8_hopper, dsv3_plugin.cli\n"
+            "import torch, dsv3_plugin, dsv3_plugin.precision.fp8.hopper, dsv3_plugin.cli\n"
             "from dsv3_plugin.config import load_config\n"
-            "from dsv3_plugin.model import DSv3Model\n"
-            "m = DSv3Model(load_config({'preset': 'tiny', 'fp8': {'enabled': True}}))\n"
+            "from dsv3_plugin.training.transforms import build_model\n"
+            "m = build_model(load_config({'preset': 'tiny', 'fp8': {'enabled': True}}))\n"
             "ids = torch.randint(0, 256, (1, 8))\n"
             "m(ids, ids).loss.backward()\n"
             "assert m.fp8_report.backend == 'emulate'\n"

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from dsv3_plugin.cli import main
-from dsv3_plugin.fp8_hopper import mmaemu_status
+from dsv3_plugin.precision.fp8.hopper import mmaemu_status
 
 
 @pytest.fixture(autouse=True)

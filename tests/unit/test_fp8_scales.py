@@ -11,10 +11,8 @@ from fractions import Fraction
 import pytest
 import torch
 
-from dsv3_plugin.dispatch import FP8Codec
-from dsv3_plugin.fp8 import (AMAX_EPS, FP8_DTYPE, FP8_MAX, dequantize_tilewise, fp8_combine_grad_qdq,
-                             fp8_dispatch_qdq, quantize_blockwise, quantize_tensorwise, quantize_tilewise,
-                             scale_from_amax)
+from dsv3_plugin.parallel.dispatch import FP8Codec
+from dsv3_plugin.precision.fp8.quant import AMAX_EPS, FP8_DTYPE, FP8_MAX, dequantize_tilewise, fp8_combine_grad_qdq, fp8_dispatch_qdq, quantize_blockwise, quantize_tensorwise, quantize_tilewise, scale_from_amax
 
 K_RANGE = range(-134, 120)          # 448·2^k normal in fp32 and bf16 (1.75·2^-126 … 1.75·2^127)
 EPS32 = float(torch.tensor(AMAX_EPS, dtype=torch.float32))   # the clamp as the fp32 code sees it

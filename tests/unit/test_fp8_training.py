@@ -5,8 +5,8 @@ import statistics
 import torch
 
 from dsv3_plugin.config import load_config
-from dsv3_plugin.fp8_linear import Fp8Linear
-from dsv3_plugin.model import DSv3Model
+from dsv3_plugin.precision.fp8.linear import Fp8Linear
+from dsv3_plugin.training.transforms import build_model
 
 # Smaller than `tiny` to keep 2×200 emulated steps affordable: 1 dense + 1 MoE layer (4 experts, top-2).
 OVR = {"preset": "tiny", "model": {"num_hidden_layers": 2, "vocab_size": 64},
@@ -15,8 +15,8 @@ OVR = {"preset": "tiny", "model": {"num_hidden_layers": 2, "vocab_size": 64},
 
 def test_convert_scope_names_and_grads():
     cfg = load_config({"preset": "tiny", "fp8": {"enabled": True}})
-    m = DSv3Model(cfg)
-    ref = DSv3Model(load_config({"preset": "tiny"}))
+    m = build_model(cfg)
+    ref = build_model(load_config({"preset": "tiny"}))
     assert list(m.state_dict()) == list(ref.state_dict())              # checkpoints load unchanged
     rep = m.fp8_report
     assert rep.backend == "emulate" and rep.recipe == "blockwise"
@@ -57,7 +57,7 @@ def _batches(steps, B=2, T=32, V=64, seed=0):
 def _train(fp8: bool, batches, steps=200):
     """Plain single-process AdamW (paper §4.2 β, wd), 10-step warmup then cosine to 10% of the peak LR."""
     cfg = load_config({**OVR, "fp8": {"enabled": fp8}})
-    m = DSv3Model(cfg)
+    m = build_model(cfg)
     m.reset_parameters(seed=0)
     opt = torch.optim.AdamW(m.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -90,7 +90,7 @@ def test_fp8_dispatch_flag_changes_expert_numerics():
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     losses = []
     for dispatch in (False, True):
-        m = DSv3Model(load_config({"preset": "tiny", "fp8": {"enabled": True, "dispatch": dispatch}}))
+        m = build_model(load_config({"preset": "tiny", "fp8": {"enabled": True, "dispatch": dispatch}}))
         m.reset_parameters(seed=0)
         assert m.fp8_report.dispatch is dispatch
         out = m(ids, torch.roll(ids, -1, 1))

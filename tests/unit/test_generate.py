@@ -5,13 +5,13 @@ import json
 import pytest
 import torch
 
-import dsv3_plugin.generate as gen
+import dsv3_plugin.model.generate as gen
 from dsv3_plugin import load_pretrained
 from dsv3_plugin.checkpoint.reader import CheckpointReader
 from dsv3_plugin.checkpoint.synthetic import quantize_checkpoint
 from dsv3_plugin.cli import main as cli_main
 from dsv3_plugin.config import load_config
-from dsv3_plugin.generate import greedy_generate, mtp_draft
+from dsv3_plugin.model.generate import greedy_generate, mtp_draft
 from helpers import make_tiny_hf_checkpoint
 
 

@@ -3,11 +3,10 @@ float64 reference (torch 2.13 runs grouped_mm on CPU in FP32/BF16, forward and b
 import pytest
 import torch
 
-from dsv3_plugin import grouped_mm_experts as gme
-from dsv3_plugin import moe
-from dsv3_plugin.kernels import apply_split
-from dsv3_plugin.grouped_mm_experts import (ALIGN_ROWS, expert_kernel, grouped_mm_swiglu, padded_offsets,
-                                            swiglu_magnitudes)
+from dsv3_plugin.model.moe import grouped_mm as gme
+from dsv3_plugin.model.moe import layer as moe
+from dsv3_plugin.model.kernels import apply_split
+from dsv3_plugin.model.moe.grouped_mm import ALIGN_ROWS, expert_kernel, grouped_mm_swiglu, padded_offsets, swiglu_magnitudes
 
 
 def test_padded_offsets_layout():

@@ -1,7 +1,7 @@
 import torch
 import torch.distributed as dist
 
-from dsv3_plugin.distributed import init_distributed
+from dsv3_plugin.parallel.distributed import init_distributed
 from helpers import run_ranks
 
 

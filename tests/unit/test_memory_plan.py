@@ -6,16 +6,16 @@ import torch
 
 from dsv3_plugin.cli import main
 from dsv3_plugin.config import ConfigError, load_config
-from dsv3_plugin.memory_plan import layer_activation_bytes, param_counts, plan
-from dsv3_plugin.model import DSv3Model
-from dsv3_plugin.recompute import apply_recompute, saved_activation_bytes
+from dsv3_plugin.training.memory_plan import layer_activation_bytes, param_counts, plan
+from dsv3_plugin.training.transforms import build_model
+from dsv3_plugin.training.recompute import apply_recompute, saved_activation_bytes
 
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_activation_formula_matches_measured_saved_bytes(fp8):
     """Per-token slope of saved bytes (two token counts, so weight-sized FP8 copies cancel) vs the formula."""
     cfg = load_config({"preset": "small", "fp8": {"enabled": fp8}})
-    m = DSv3Model(cfg)
+    m = build_model(cfg)
 
     def measured(layer, T):
         x = torch.randn(2, T, cfg.model.hidden_size, requires_grad=True)
@@ -32,7 +32,7 @@ def test_activation_formula_matches_measured_saved_bytes(fp8):
 
 def test_param_counts_match_model():
     cfg = load_config({"preset": "tiny"})
-    m = DSv3Model(cfg)
+    m = build_model(cfg)
     pc = param_counts(cfg)
     attn = sum(p.numel() for p in m.layers[0].self_attn.parameters()) + 2 * cfg.model.hidden_size
     assert pc["attn"] == attn

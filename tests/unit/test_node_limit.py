@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsv3_plugin.config import MoEConfig
-from dsv3_plugin.dispatch import count_cross_node_copies
-from dsv3_plugin.router import Router, group_limited_topk
+from dsv3_plugin.parallel.dispatch import count_cross_node_copies
+from dsv3_plugin.model.moe.router import Router, group_limited_topk
 
 
 @st.composite

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dsv3_plugin.pipeline import DualPipe, DualPipeV, OneFOneB
+from dsv3_plugin.parallel.pipeline import DualPipe, DualPipeV, OneFOneB
 from pipeline_stages_unit import H, Stage
 
 RUNTIMES = {"1f1b": OneFOneB, "dualpipe": DualPipe, "dualpipev": DualPipeV}

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from dsv3_plugin.config import load_config
-from dsv3_plugin.model import DSv3Model
-from dsv3_plugin.pipeline.stages import DSv3PipelineLoss, build_stages, split_layers, stage_ids_for_rank
+from dsv3_plugin.model.transformer import DSv3Model
+from dsv3_plugin.training.transforms import build_model
+from dsv3_plugin.parallel.pipeline.stages import DSv3PipelineLoss, build_stages, split_layers, stage_ids_for_rank
 from tolerance import assert_within, model_bound
 
 
@@ -25,7 +26,7 @@ def test_split_layers_and_rank_layout():
 @pytest.mark.parametrize("n_stages", [1, 2, 4, 5])
 def test_stages_compose_to_the_model(n_stages):
     torch.manual_seed(0)
-    model = DSv3Model(tiny())
+    model = build_model(tiny())
     model.train()
     ids = torch.randint(0, 256, (2, 12))
     labels = torch.randint(0, 256, (2, 12))
@@ -54,11 +55,11 @@ def test_stages_compose_to_the_model(n_stages):
 
 
 def test_split_weight_grads_defers_linear_and_expert_gemms():
-    from dsv3_plugin.kernels import KernelLinear, UsesKernel, find_wrapper
-    from dsv3_plugin.moe import GroupedExperts
-    from dsv3_plugin.pipeline.weight_grad import DeferredWeightGrads, WeightGradQueue, split_weight_grads
+    from dsv3_plugin.model.kernels import KernelLinear, UsesKernel, find_wrapper
+    from dsv3_plugin.model.moe.layer import GroupedExperts
+    from dsv3_plugin.parallel.pipeline.weight_grad import DeferredWeightGrads, WeightGradQueue, split_weight_grads
     torch.manual_seed(0)
-    model = DSv3Model(tiny(3))
+    model = build_model(tiny(3))
     model.train()
     ref = copy.deepcopy(model)
     ids, labels = torch.randint(0, 256, (2, 12)), torch.randint(0, 256, (2, 12))

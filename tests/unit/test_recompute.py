@@ -5,14 +5,14 @@ import pytest
 import torch
 
 from dsv3_plugin.config import ConfigError, load_config
-from dsv3_plugin.model import DSv3Model
-from dsv3_plugin.recompute import MODES, apply_recompute, remove_recompute, saved_activation_bytes
+from dsv3_plugin.training.transforms import build_model
+from dsv3_plugin.training.recompute import MODES, apply_recompute, remove_recompute, saved_activation_bytes
 
 
 @pytest.fixture(scope="module")
 def base():
     cfg = load_config({"preset": "tiny"})
-    m = DSv3Model(cfg)
+    m = build_model(cfg)
     m.reset_parameters(seed=0)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.model.vocab_size, (2, 32), generator=g)
@@ -52,7 +52,7 @@ def test_recompute_bit_identical_and_saves_memory(base):
 def test_recompute_through_config_and_removal(base):
     cfg, m, ids, lab = base
     cfg2 = load_config({"preset": "tiny", "memory": {"recompute": "norm_and_mla_up"}})
-    m2 = DSv3Model(cfg2)
+    m2 = build_model(cfg2)
     m2.load_state_dict(m.state_dict())
     assert type(m2.layers[0].input_layernorm).__name__ == "RecomputedRMSNorm"
     assert type(m2.layers[0].self_attn).__name__ == "RecomputedMLA"
@@ -65,7 +65,7 @@ def test_recompute_through_config_and_removal(base):
 
 def test_recompute_with_fp8_is_bit_identical():
     cfg = load_config({"preset": "tiny", "fp8": {"enabled": True}, "mtp": {"depth": 0}})
-    m = DSv3Model(cfg)
+    m = build_model(cfg)
     m.reset_parameters(seed=0)
     ids = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     ref = _step(copy.deepcopy(m), ids, torch.roll(ids, -1, 1))

@@ -1,13 +1,13 @@
-"""Router pitfalls of deepseek_v3_facts.md §5, items 1-5, each against a literal reading of the paper."""
+"""Router pitfalls of docs/facts.md §2, items 1-5, each against a literal reading of the paper."""
 
 import torch
 import torch.nn.functional as F
 
-from dsv3_plugin.balancing import maxvio, seq_balance_loss, update_expert_bias
+from dsv3_plugin.model.moe.balancing import maxvio, seq_balance_loss, update_expert_bias
 from dsv3_plugin.config import load_config
-from dsv3_plugin.model import DSv3Model
-from dsv3_plugin.mtp import mtp_depth_loss
-from dsv3_plugin.router import Router, group_limited_topk, skip_counting
+from dsv3_plugin.training.transforms import build_model
+from dsv3_plugin.model.mtp import mtp_depth_loss
+from dsv3_plugin.model.moe.router import Router, group_limited_topk, skip_counting
 from tolerance import assert_within, reorder_bound
 
 
@@ -44,7 +44,7 @@ def test_bias_only_selects_gates_use_unbiased_scores():
 
 
 def test_bias_and_router_stay_fp32_under_bf16_model():
-    model = DSv3Model({"preset": "tiny"}).to(torch.bfloat16)
+    model = build_model({"preset": "tiny"}).to(torch.bfloat16)
     for moe in model.moe_layers():
         assert moe.gate.e_score_correction_bias.dtype == torch.float32
         assert moe.gate.weight.dtype == torch.float32
@@ -107,7 +107,7 @@ def test_seq_balance_loss_matches_eqs_17_to_20():
 
 def test_seq_balance_loss_ignores_bias_and_groups():
     cfg = load_config({"preset": "tiny", "moe": {"seq_aux_alpha": 0.1}})
-    model = DSv3Model(cfg).train()
+    model = build_model(cfg).train()
     ids = torch.randint(0, 256, (2, 16))
     model(ids)
     moe = model.moe_layers()[0]
@@ -161,7 +161,7 @@ def test_mtp_loss_divides_by_full_T_and_lambda():
     ce_sum = F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), reduction="sum")
     assert torch.equal(mtp_depth_loss(logits, labels, T), ce_sum / (B * T))  # same CE kernel, same divisor
     cfg = load_config({"preset": "tiny", "mtp": {"loss_weight": 0.25}, "moe": {"seq_aux_alpha": 0.0}})
-    model = DSv3Model(cfg).train()
+    model = build_model(cfg).train()
     ids = torch.randint(0, 256, (2, 12), generator=g)
     out = model(ids, labels=torch.roll(ids, -1, 1))
     assert torch.equal(out.loss, out.lm_loss + 0.25 * out.mtp_loss)   # α = 0: no balance term; same ops

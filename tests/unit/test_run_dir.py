@@ -1,4 +1,4 @@
-"""The run directory of `dsv3 train` (dsv3_plugin.run_dir): the OS lock, checkpoint completeness and the choice
+"""The run directory of `dsv3 train` (dsv3_plugin.training.run_dir): the OS lock, checkpoint completeness and the choice
 of the tag to resume, config identity, torn metrics lines; and the launcher arguments `dsv3` accepts."""
 import json
 import os
@@ -10,14 +10,14 @@ import pytest
 
 from dsv3_plugin.config import ConfigError, load_config
 from dsv3_plugin.errors import CheckpointError
-from dsv3_plugin import run_dir as rd
+from dsv3_plugin.training import run_dir as rd
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _HOLD = """
 import sys, time
 sys.path.insert(0, {root!r})
-from dsv3_plugin.run_dir import RunLock
+from dsv3_plugin.training.run_dir import RunLock
 RunLock({out!r}).acquire()
 print("locked", flush=True)
 time.sleep(600)

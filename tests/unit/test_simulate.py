@@ -4,8 +4,8 @@ import json
 import pytest
 
 from dsv3_plugin.cli import main
-from dsv3_plugin.pipeline.schedule import Op, build_schedule, forward_only
-from dsv3_plugin.pipeline.simulate import Durations, comparison_table, simulate
+from dsv3_plugin.parallel.pipeline.schedule import Op, build_schedule, forward_only
+from dsv3_plugin.parallel.pipeline.simulate import Durations, comparison_table, simulate
 
 # Every duration is a multiple of 1/2, so each start/finish time, idle sum and formula value is a small
 # dyadic rational, exact in binary floating point in any order: bubbles compare with ==, no tolerance.

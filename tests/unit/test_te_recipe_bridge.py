@@ -10,8 +10,8 @@ import dataclasses
 import pytest
 
 from dsv3_plugin.config import FP8Config
-from dsv3_plugin.fp8 import AMAX_EPS
-from dsv3_plugin.fp8_linear import te_recipe_spec, to_te_recipe
+from dsv3_plugin.precision.fp8.quant import AMAX_EPS
+from dsv3_plugin.precision.fp8.linear import te_recipe_spec, to_te_recipe
 from te_recipe_wheels import fake_te_package, pinned_versions
 
 VERSIONS = pinned_versions()

@@ -4,19 +4,19 @@ import json
 import pytest
 import torch
 
-from dsv3_plugin.balancing import update_expert_bias
+from dsv3_plugin.model.moe.balancing import update_expert_bias
 from dsv3_plugin.cli import main as cli_main
 from dsv3_plugin.config import ConfigError, load_config
-from dsv3_plugin.model import DSv3Model
-from dsv3_plugin.moe_parallel import expert_parallel
-from dsv3_plugin.parallel_groups import single_process_groups
-from dsv3_plugin.telemetry import RoutingTelemetry
+from dsv3_plugin.training.transforms import build_model
+from dsv3_plugin.parallel.expert_parallel import expert_parallel
+from dsv3_plugin.parallel.groups import single_process_groups
+from dsv3_plugin.training.telemetry import RoutingTelemetry
 from tolerance import reorder_bound
 
 
 def _model():
     cfg = load_config({"preset": "tiny", "mtp": {"depth": 0}, "model": {"num_hidden_layers": 2}})
-    m = DSv3Model(cfg)
+    m = build_model(cfg)
     m.reset_parameters(seed=0)
     return expert_parallel(m, single_process_groups()).train(), cfg
 
@@ -75,7 +75,7 @@ def test_plot_routing_png(tmp_path, capsys):
     assert cli_main(["plot-routing", str(tmp_path / "empty")]) == 2
     assert "metrics.jsonl" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="--layer"):
-        from dsv3_plugin.cli.plot_routing import plot_routing
+        from dsv3_plugin.training.routing_plot import plot_routing
         plot_routing([str(tmp_path / "on")], str(out), layer="nope")
     # default output: FIRST_RUN_DIR/routing.png
     assert cli_main(["plot-routing", str(tmp_path / "on")]) == 0

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from dsv3_plugin.config import load_config
-from dsv3_plugin.fp8_linear import EmulatedBackend
-from dsv3_plugin.model import DSv3Model
-from dsv3_plugin.moe_parallel import expert_parallel
-from dsv3_plugin.parallel_groups import build_ep_groups
-from dsv3_plugin.pipeline.weight_grad import WeightGradQueue, split_weight_grads
+from dsv3_plugin.precision.fp8.linear import EmulatedBackend
+from dsv3_plugin.training.transforms import build_model
+from dsv3_plugin.parallel.expert_parallel import expert_parallel
+from dsv3_plugin.parallel.groups import build_ep_groups
+from dsv3_plugin.parallel.pipeline.weight_grad import WeightGradQueue, split_weight_grads
 
 U32 = 2.0 ** -24   # unit roundoff of float32
 U16 = 2.0 ** -8    # unit roundoff of bfloat16
@@ -23,7 +23,7 @@ U16 = 2.0 ** -8    # unit roundoff of bfloat16
 
 class GemmSpy:
     """Counts every FP8 GEMM by (phase, caller, kind). caller: "experts" when the FP8 expert kernel is on the
-    stack (fp8_experts.py), else "linear"; kind: "wgrad" for activation × activation operands (the weight
+    stack (precision/fp8/experts.py), else "linear"; kind: "wgrad" for activation × activation operands (the weight
     gradient: both 1×128 tiles), "fprop/dgrad" when the B operand is a 128×128 weight block."""
 
     def __init__(self, monkeypatch):
@@ -34,7 +34,7 @@ class GemmSpy:
         def gemm(be, a_q, a_s, a_kind, b_q, b_s, b_kind):
             f, caller = sys._getframe(1), "linear"
             while f is not None:
-                if os.path.basename(f.f_code.co_filename) == "fp8_experts.py":
+                if f.f_code.co_filename.endswith(os.path.join("precision", "fp8", "experts.py")):
                     caller = "experts"
                     break
                 f = f.f_back
@@ -116,7 +116,7 @@ def _check_fp8_gemms(spy, callers=("experts", "linear")):
 def test_fp8_with_weight_grad_split_equals_fp8(monkeypatch):
     cfg = _tiny(fp8={"enabled": True})
     torch.manual_seed(0)
-    model = DSv3Model(cfg)
+    model = build_model(cfg)
     model.train()
     ref = copy.deepcopy(model)
     ids, labels = _data(cfg)
@@ -154,7 +154,7 @@ def test_fp8_with_weight_grad_split_equals_fp8(monkeypatch):
 def test_fp8_expert_parallel_layer_with_split_runs_and_defers_fp8_experts(monkeypatch):
     cfg = _tiny(fp8={"enabled": True, "dispatch": True}, mtp={"depth": 0})
     torch.manual_seed(0)
-    model = DSv3Model(cfg)
+    model = build_model(cfg)
     model.train()
     expert_parallel(model, build_ep_groups(1))              # EP layer takes the experts' kernel (FP8)
     ref = copy.deepcopy(model)
@@ -177,7 +177,7 @@ def test_fp8_expert_parallel_layer_with_split_runs_and_defers_fp8_experts(monkey
 def test_bf16_split_experts_bit_identical_linears_within_reordering_bound():
     cfg = _tiny(mtp={"depth": 0})
     torch.manual_seed(0)
-    model = DSv3Model(cfg).to(torch.bfloat16)
+    model = build_model(cfg).to(torch.bfloat16)
     model.train()
     ref = copy.deepcopy(model)
     ids, labels = _data(cfg)
@@ -204,9 +204,9 @@ def test_bf16_split_experts_bit_identical_linears_within_reordering_bound():
 
 # ---------------------------------------------------------------------------------------------- the seam itself
 def test_deferred_wrapper_composes_with_fp8_expert_kernel_and_refuses_opaque_kernels():
-    from dsv3_plugin.fp8_experts import Fp8ExpertKernel
-    from dsv3_plugin.kernels import KernelWrapper, base_kernel
-    from dsv3_plugin.pipeline.weight_grad import DeferredWeightGrads, defer_weight_grads
+    from dsv3_plugin.precision.fp8.experts import Fp8ExpertKernel
+    from dsv3_plugin.model.kernels import KernelWrapper, base_kernel
+    from dsv3_plugin.parallel.pipeline.weight_grad import DeferredWeightGrads, defer_weight_grads
 
     g = torch.Generator().manual_seed(0)
     E, H, I, counts = 4, 200, 136, [30, 0, 50, 20]
@@ -240,10 +240,11 @@ def test_deferred_wrapper_composes_with_fp8_expert_kernel_and_refuses_opaque_ker
 
 
 def test_split_refuses_linear_subclass_without_seam_and_fp8_after_split_keeps_deferral():
-    from dsv3_plugin.fp8_linear import Fp8LinearKernel, convert_to_fp8
-    from dsv3_plugin.fp8_experts import Fp8ExpertKernel
-    from dsv3_plugin.kernels import base_kernel
-    from dsv3_plugin.pipeline.weight_grad import DeferredWeightGrads
+    from dsv3_plugin.precision.fp8.linear import Fp8LinearKernel
+    from dsv3_plugin.training.transforms import convert_to_fp8
+    from dsv3_plugin.precision.fp8.experts import Fp8ExpertKernel
+    from dsv3_plugin.model.kernels import base_kernel
+    from dsv3_plugin.parallel.pipeline.weight_grad import DeferredWeightGrads
 
     class MyLinear(torch.nn.Linear):
         pass
@@ -252,7 +253,7 @@ def test_split_refuses_linear_subclass_without_seam_and_fp8_after_split_keeps_de
     with pytest.raises(TypeError, match=r"split_weight_grads: 1 is a MyLinear"):
         split_weight_grads(seq)
     assert type(seq[0]) is torch.nn.Linear                        # checked before anything was changed
-    from dsv3_plugin.moe import GroupedExperts, grouped_swiglu
+    from dsv3_plugin.model.moe.layer import GroupedExperts, grouped_swiglu
     with pytest.raises(TypeError, match="not a kernels.SplitKernel"):
         split_weight_grads(GroupedExperts(2, 4, 4, kernel=grouped_swiglu))   # an opaque callable kernel
 
@@ -260,7 +261,7 @@ def test_split_refuses_linear_subclass_without_seam_and_fp8_after_split_keeps_de
     # model computes what FP8-then-split computes
     cfg = _tiny(mtp={"depth": 0})
     torch.manual_seed(0)
-    a = DSv3Model(cfg)
+    a = build_model(cfg)
     b = copy.deepcopy(a)
     split_weight_grads(a)
     rep = convert_to_fp8(a, cfg.fp8)
@@ -285,12 +286,12 @@ def test_deepspeed_expert_module_runs_the_kernel_it_is_built_with(monkeypatch):
     gradients as the GroupedExperts it replaces; W deferral is refused (its parameters are stacked per call)."""
     pytest.importorskip("deepspeed")
     from dsv3_plugin.deepspeed.moe_layer import _to_deepspeed_experts
-    from dsv3_plugin.kernels import base_kernel
-    from dsv3_plugin.moe_parallel import ExpertParallelMoE
+    from dsv3_plugin.model.kernels import base_kernel
+    from dsv3_plugin.parallel.expert_parallel import ExpertParallelMoE
 
     cfg = _tiny(fp8={"enabled": True}, mtp={"depth": 0})
     torch.manual_seed(0)
-    model = DSv3Model(cfg)
+    model = build_model(cfg)
     expert_parallel(model, build_ep_groups(1))
     layer = next(m for m in model.modules() if isinstance(m, ExpertParallelMoE))
     x = torch.randn(1, 24, cfg.model.hidden_size, generator=torch.Generator().manual_seed(2))

@@ -1,0 +1,141 @@
+"""A lower bound on the host memory `dsv3 train` needs for a config, so that an impossible size is refused with
+the estimate instead of a hang (`num_hidden_layers: 10**30` would loop building layers for ever) or an OOM kill.
+
+Per rank, for the fp32 training `dsv3 train` runs (parameter counts from `memory_plan.param_counts`):
+- build: every rank builds the whole model in fp32 before keeping its part (experts over EP, stages over PP):
+  4 B x P;
+- training: weights 4 B x P_rank + gradients 4 B x P_rank + ZeRO-1 optimizer state (fp32 master partition and
+  AdamW's two moments, 12 B) x P / (pp x dp) + the activations of one micro-batch (`memory_plan.
+  layer_activation_bytes` at 4 B per element, x tokens x layers on the rank) + its logits (4 B x tokens x
+  vocab x (1 + MTP depth));
+- peak = max(build, training); the host needs `ranks_on_host` x peak.
+P_rank = P minus the routed experts other EP ranks hold (pp = 1), or P / pp. Everything left out (in-flight
+pipeline micro-batches, attention scores, allocator slack, DeepSpeed's buffers) only adds, so a config is
+refused only when it certainly cannot fit.
+
+The message names the key that drives the estimate: the size key whose reduction to the `tiny` preset's value
+(1 for the micro-batch) would shrink the estimate the most.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from dsv3_plugin.config import PRESETS, ConfigError, DSv3Config
+from dsv3_plugin.training.memory_plan import layer_activation_bytes, param_counts
+from .config_keys import micro_batch
+
+__all__ = ["MemoryEstimate", "estimate_train_memory", "check_memory", "host_memory_bytes", "format_bytes"]
+
+# size keys the estimate depends on, as (section, name); DeepSpeed's micro-batch is handled apart
+_SIZE_KEYS = [("model", k) for k in ("num_hidden_layers", "hidden_size", "vocab_size", "intermediate_size",
+                                     "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                                     "qk_rope_head_dim", "v_head_dim")] + \
+             [("moe", k) for k in ("n_routed_experts", "intermediate_size", "n_shared_experts", "top_k")] + \
+             [("mtp", "depth"), ("train", "seq_len")]
+_MBS = "train_micro_batch_size_per_gpu"
+
+
+@dataclass
+class MemoryEstimate:
+    host_bytes: float           # ranks_on_host x per_rank_bytes
+    per_rank_bytes: float
+    ranks_on_host: int
+    params: int                 # P, the whole model
+    parts: dict = field(default_factory=dict)   # build / weights / gradients / optimizer / activations (bytes)
+    budget_bytes: int | None = None
+
+    def line(self) -> str:
+        p = self.parts
+        return (f"{format_bytes(self.host_bytes)} for {self.ranks_on_host} rank(s) on this host: per rank "
+                f"max(build {format_bytes(p['build'])}, weights {format_bytes(p['weights'])} + gradients "
+                f"{format_bytes(p['gradients'])} + optimizer {format_bytes(p['optimizer'])} + activations "
+                f"{format_bytes(p['activations'])}); {self.params:,} parameters")
+
+
+def format_bytes(n: float) -> str:
+    for unit, k in (("PiB", 1024 ** 5), ("TiB", 1024 ** 4), ("GiB", 1024 ** 3), ("MiB", 1024 ** 2), ("KiB", 1024)):
+        if n >= k:
+            return f"{n / k:.3g} {unit}" if n < 1024 ** 6 else f"{n:.3g} bytes"
+    return f"{int(n)} B"
+
+
+def host_memory_bytes() -> int:
+    """Physical memory of this host, or the container's limit when that is lower (cgroup v2, then v1)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                v = f.read().strip()
+        except OSError:
+            continue
+        if v.isdigit():
+            total = min(total, int(v))
+    return total
+
+
+def _estimate(cfg: DSv3Config, mbs: int, world: int, ranks_on_host: int) -> MemoryEstimate:
+    m, p = cfg.model, cfg.parallel
+    pc = param_counts(cfg)
+    L, k, D = m.num_hidden_layers, min(m.first_k_dense_replace, m.num_hidden_layers), cfg.mtp.depth
+    moe_layer = pc["attn"] + pc["shared_experts"] + pc["router"] + pc["routed_experts"]
+    head = m.hidden_size if m.tie_word_embeddings else pc["head"]
+    P = (k * (pc["attn"] + pc["dense_mlp"]) + (L - k) * moe_layer + pc["embed"] + head
+         + pc["mtp_extra"] + D * moe_layer)   # mtp_extra already counts all D modules
+    dp = max(1, world // p.pp)
+    if p.pp > 1:
+        P_rank = P / p.pp
+    else:
+        P_rank = P - (L - k + D) * pc["routed_experts"] * (1 - 1 / p.ep)
+    tokens = mbs * cfg.train.seq_len
+    fp8 = cfg.fp8.enabled
+    rec = cfg.memory.recompute
+    per_token = (k * layer_activation_bytes(cfg, False, rec, fp8, act_bytes=4)
+                 + (L - k + D) * layer_activation_bytes(cfg, True, rec, fp8, act_bytes=4)) / p.pp
+    acts = tokens * per_token + 4.0 * tokens * m.vocab_size * (1 + D)
+    parts = {"build": 4.0 * P, "weights": 4.0 * P_rank, "gradients": 4.0 * P_rank,
+             "optimizer": 12.0 * P / (p.pp * dp), "activations": acts}
+    per_rank = max(parts["build"], parts["weights"] + parts["gradients"] + parts["optimizer"] + acts)
+    return MemoryEstimate(host_bytes=ranks_on_host * per_rank, per_rank_bytes=per_rank,
+                          ranks_on_host=ranks_on_host, params=int(P), parts=parts)
+
+
+def estimate_train_memory(cfg: DSv3Config, mbs: int = 1, world: int = 1, ranks_on_host: int = 1) -> MemoryEstimate:
+    return _estimate(cfg, mbs, world, ranks_on_host)
+
+
+def _driver(cfg: DSv3Config, mbs: int, world: int, ranks: int, total: float) -> tuple[str, str]:
+    """(dotted key, its value) of the size whose reduction to the tiny preset's value shrinks the estimate most
+    ("dsv3.model" when every size is already at most the tiny preset's)."""
+    tiny = PRESETS["tiny"]
+    best, best_ratio = ("dsv3.model", "this shape"), 1.0
+    if mbs > 1:
+        ratio = total / max(_estimate(cfg, 1, world, ranks).host_bytes, 1.0)
+        if ratio > best_ratio:
+            best, best_ratio = (_MBS, str(mbs)), ratio
+    for sec, name in _SIZE_KEYS:
+        cur = getattr(getattr(cfg, sec), name)
+        base = tiny[sec].get(name, 1)
+        if cur is None or base is None or cur <= base:
+            continue
+        sub = getattr(cfg, sec).model_copy(update={name: base})
+        smaller = cfg.model_copy(update={sec: sub})
+        ratio = total / max(_estimate(smaller, mbs, world, ranks).host_bytes, 1.0)
+        if ratio > best_ratio:
+            best, best_ratio = (f"dsv3.{sec}.{name}", str(cur)), ratio
+    return best
+
+
+def check_memory(cfg: DSv3Config, ds: dict, world: int, ranks_on_host: int, budget: int) -> MemoryEstimate:
+    """`ConfigError` naming the driving key when the lower bound exceeds `budget` bytes; else the estimate."""
+    mbs = micro_batch(ds, max(1, world // cfg.parallel.pp))
+    est = _estimate(cfg, mbs, world, ranks_on_host)
+    est.budget_bytes = budget
+    if est.host_bytes > budget:
+        if est.per_rank_bytes <= budget:   # one rank fits: the number of ranks sharing the host is the problem
+            raise ConfigError(f"--nproc: {ranks_on_host} ranks on one host need at least {est.line()} -- more "
+                              f"than the {format_bytes(budget)} of this host; use fewer ranks per host")
+        key, val = _driver(cfg, mbs, world, ranks_on_host, est.host_bytes)
+        raise ConfigError(f"{key}: dsv3 train needs at least {est.line()} -- more than the {format_bytes(budget)} "
+                          f"of this host; {key} = {val} drives the estimate")
+    return est

@@ -1,0 +1,175 @@
+"""The one validation of a DeepSpeed JSON with a `"dsv3"` block.
+
+`validate_ds_config` is called by `dsv3 check-config`, by `dsv3 train` (before it spawns any rank, and again
+inside each rank once the world size is known) and by `dsv3_plugin.deepspeed.initialize` (the engine). A config
+it accepts is one those three accept; every refusal is a `ConfigError` whose message starts with the key that
+is wrong (`dsv3.moe.top_k: ...`, `zero_optimization.stage: ...`) or, for a file that cannot be read, the file.
+
+What it checks, in this order (the first failure is reported):
+1. the file: UTF-8 (a BOM is accepted), valid JSON, nesting < 64, no NaN/inf, no duplicate keys (`json_input`);
+   numbers anywhere: finite, integers within int64;
+2. the `"dsv3"` block: strict types, ranges, cross-field rules (`dsv3_plugin.config`);
+3. the DeepSpeed keys the engine reads (`dsv3_plugin.deepspeed.config_keys`): ZeRO stage 1 only, gradient clipping, batch sizes,
+   optimizer and LR scheduler, fp16/bf16, and DeepSpeed's own config parser as a backstop;
+4. rules of the DeepSpeed path: at least one MoE layer (the bias update needs a router);
+5. with `target="train"`: what `dsv3 train` does not support (memory.bf16_moments, EMA or EP with pp > 1,
+   DualPipe's bias update, a pipeline rank left without parameters), its synthetic data's limits, the requested FP8
+   backend being runnable here;
+6. with `world_size`: pp divides the world, ep divides the data-parallel size, the batch-size triple of
+   DeepSpeed resolves (train_batch_size = micro-batch x accumulation x data-parallel size); then (also without
+   `world_size` when the accumulation is known) the pipeline schedules' micro-batch counts
+   (gradient_accumulation_steps >= 2*pp for DualPipe(V), even for DualPipe, = parallel.num_chunks);
+7. with `host_memory`: the memory `dsv3 train` needs for this shape on `ranks_on_host` ranks, refused with the
+   estimate and the key that drives it when it exceeds the host's memory (`train_memory.py`).
+"""
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from dsv3_plugin.config import ConfigError, DSv3Config, check_numbers, got, load_config, read_ds_json
+from .train_memory import MemoryEstimate, check_memory
+from dsv3_plugin.precision.fp8.linear import select_backend
+from .config_keys import check_deepspeed_keys, resolve_batch
+
+__all__ = ["validate_ds_config", "CheckedConfig", "pipeline_microbatch_rule"]
+
+
+@dataclass(frozen=True)
+class CheckedConfig:
+    """What `validate_ds_config` returns: the config split and normalised."""
+
+    ds: dict                          # DeepSpeed's part, no "dsv3"; zero stage, clipping (and batch keys) explicit
+    cfg: DSv3Config                   # the validated "dsv3" block
+    block: dict                       # the "dsv3" block as given (re-attach it to hand the JSON on)
+    world_size: Optional[int]         # the world the rules were checked for (None: world rules not checked)
+    memory: Optional[MemoryEstimate]  # the host-memory estimate (None: not checked)
+
+    def full(self) -> dict:
+        """The normalised DeepSpeed JSON with its "dsv3" block (what the engine and the pipeline read)."""
+        return {**copy.deepcopy(self.ds), "dsv3": copy.deepcopy(self.block)}
+
+
+def _read(config) -> dict:
+    if isinstance(config, dict):
+        if "dsv3" not in config:
+            raise ConfigError("dsv3: the DeepSpeed config has no \"dsv3\" block")
+        check_numbers(config, prefix=())   # iterative: a hostile depth is refused before deepcopy recurses
+        return copy.deepcopy(config)
+    if isinstance(config, (str, os.PathLike)):
+        return read_ds_json(config)
+    raise ConfigError(f"dsv3: a DeepSpeed config must be a path or a dict (got {type(config).__name__})")
+
+
+def pipeline_microbatch_rule(cfg: DSv3Config, gas: int) -> None:
+    """`dsv3_plugin.deepspeed.pipeline`: one pipeline step over the step's `gas` micro-batches per optimizer
+    step, so the schedule's micro-batch count is gradient_accumulation_steps."""
+    p = cfg.parallel
+    if p.pp <= 1:
+        return
+    need = 2 * p.pp if p.schedule in ("dualpipe", "dualpipev") else 1
+    if gas < need:
+        raise ConfigError(f"gradient_accumulation_steps: {p.schedule} with pp={p.pp} runs the step's "
+                          f"micro-batches through the pipeline and needs >= {need} (got {gas})")
+    if p.schedule == "dualpipe" and gas % 2:
+        raise ConfigError(f"gradient_accumulation_steps: dualpipe needs an even number (got {gas})")
+    if p.num_chunks is not None and p.num_chunks != gas:
+        raise ConfigError(f"dsv3.parallel.num_chunks: the DeepSpeed path runs gradient_accumulation_steps "
+                          f"micro-batches per pipeline step; set them equal (got {p.num_chunks} vs {gas})")
+
+
+def _deepspeed_path_rules(cfg: DSv3Config, ds: dict) -> None:
+    m = cfg.model
+    topo = ds.get("use_data_before_expert_parallelism", False)
+    if not isinstance(topo, bool):
+        raise ConfigError(f"use_data_before_expert_parallelism: must be true or false (got {got(topo)})")
+    if topo and cfg.parallel.ep > 1:   # dsv3_plugin.deepspeed.moe_layer lays EP groups out as contiguous blocks
+        raise ConfigError("use_data_before_expert_parallelism: unsupported with dsv3 expert parallelism "
+                          "(EP groups must be contiguous rank blocks)")
+    if m.first_k_dense_replace >= m.num_hidden_layers and cfg.mtp.depth == 0:
+        raise ConfigError(f"dsv3.model.first_k_dense_replace: leaves no MoE layer (= num_hidden_layers = "
+                          f"{m.num_hidden_layers}, and mtp.depth = 0); the DeepSpeed path updates router biases "
+                          "and needs at least one")
+
+
+def _train_rules(cfg: DSv3Config) -> None:
+    """What `dsv3 train` itself refuses (the engine alone may still be used this way from Python)."""
+    p, m = cfg.parallel, cfg.model
+    if cfg.memory.bf16_moments:
+        raise ConfigError("dsv3.memory.bf16_moments: not wired into dsv3 train's DeepSpeed optimizer yet; "
+                          "use dsv3_plugin.precision.bf16_adamw.make_optimizer as a client optimizer (docs/fp8.md)")
+    if p.pp > 1 and cfg.memory.ema:
+        raise ConfigError("dsv3.memory.ema: not supported together with parallel.pp > 1 in dsv3 train")
+    if p.pp > 1 and p.ep > 1:
+        raise ConfigError(f"dsv3.parallel.ep: expert parallelism together with pipeline parallelism "
+                          f"(pp = {p.pp}) is not supported by dsv3 train (got ep = {p.ep})")
+    if p.pp > 1 and p.schedule == "dualpipe":
+        raise ConfigError("dsv3.parallel.schedule: 'dualpipe' with MoE bias updates is not supported on the "
+                          "DeepSpeed path (counts would also need summing over the mirror rank); use 'dualpipev'")
+    if p.pp > 1:
+        # Stages are cut as evenly as possible with the remainder on the earlier ones (pipeline/stages.py), so
+        # stage s is empty iff s >= L. A rank whose stages are all empty and hold neither the embedding (first
+        # stage) nor the head (last) has no parameter, and DeepSpeed's optimizer refuses an empty parameter list.
+        need = {"1f1b": p.pp - 1, "dualpipev": p.pp, "dualpipe": (p.pp - 1) // 2 + 1}[p.schedule]
+        if m.num_hidden_layers < need:
+            raise ConfigError(f"dsv3.model.num_hidden_layers: {p.schedule} with pp={p.pp} needs >= {need} decoder "
+                              f"layers, or a pipeline rank is left without any parameter (got {m.num_hidden_layers})")
+    # dsv3 train's synthetic data (dsv3_plugin.training.data.MarkovData): 4 successors per token, and torch.multinomial
+    # draws from at most 2^24 categories
+    if not 5 <= m.vocab_size <= 2 ** 24:
+        raise ConfigError(f"dsv3.model.vocab_size: dsv3 train's synthetic data needs 5 <= vocab_size <= 2^24 = "
+                          f"{2 ** 24} (got {m.vocab_size})")
+    if cfg.train.seq_len > m.max_position_embeddings:
+        raise ConfigError(f"dsv3.train.seq_len: must be <= model.max_position_embeddings "
+                          f"(got {cfg.train.seq_len} > {m.max_position_embeddings})")
+    if cfg.fp8.enabled and cfg.fp8.backend in ("te", "torch"):
+        import torch
+        select_backend(cfg.fp8, "cuda" if torch.cuda.is_available() else "cpu")  # ConfigError naming the backend
+
+
+def _world_rules(cfg: DSv3Config, world: int) -> int:
+    """-> the data-parallel size."""
+    p = cfg.parallel
+    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+        raise ConfigError(f"--nproc: the world size must be an integer >= 1 (got {world!r})")
+    if world % p.pp:
+        raise ConfigError(f"dsv3.parallel.pp: must divide the world size (got pp={p.pp}, world={world})")
+    dp = world // p.pp
+    if p.pp == 1 and world % p.ep:
+        raise ConfigError(f"dsv3.parallel.ep: must divide the world size (got ep={p.ep}, world={world})")
+    if dp % p.ep:
+        raise ConfigError(f"dsv3.parallel.ep: must divide the data-parallel size (got ep={p.ep}, "
+                          f"dp={dp} = world {world} / pp {p.pp})")
+    return dp
+
+
+def validate_ds_config(config: "str | os.PathLike | dict", *, target: Literal["train", "engine"] = "train",
+                       world_size: Optional[int] = None, ranks_on_host: Optional[int] = None,
+                       host_memory: Optional[int] = None) -> CheckedConfig:
+    """Validate a DeepSpeed JSON (path or dict) with a "dsv3" block; see the module docstring for the order.
+
+    target: "train" adds what `dsv3 train` needs on this machine; "engine" is `deepspeed.initialize`'s view.
+    world_size: total ranks (None: the world-size rules are skipped).
+    ranks_on_host, host_memory: ranks sharing this host and its memory in bytes (None: no memory check).
+    Returns a `CheckedConfig`; raises `ConfigError` naming the key (or the file) otherwise.
+    """
+    if target not in ("train", "engine"):
+        raise ValueError(f"validate_ds_config: target must be 'train' or 'engine' (got {target!r})")
+    raw = _read(config)
+    check_numbers(raw, prefix=())
+    block = raw.pop("dsv3")
+    cfg = load_config({"dsv3": block})
+    ds = check_deepspeed_keys(raw, train=target == "train")
+    _deepspeed_path_rules(cfg, ds)
+    if target == "train":
+        _train_rules(cfg)
+    dp = _world_rules(cfg, world_size) if world_size is not None else None
+    gas = resolve_batch(ds, dp)
+    if gas is not None:
+        pipeline_microbatch_rule(cfg, gas)
+    memory = None
+    if host_memory is not None:
+        memory = check_memory(cfg, ds, world_size or 1, ranks_on_host or world_size or 1, host_memory)
+    return CheckedConfig(ds=ds, cfg=cfg, block=block, world_size=world_size, memory=memory)

@@ -1,0 +1,68 @@
+"""Multi-head Latent Attention (DeepSeek-V2/V3 paper §2.1.1, eqs. 1-11).
+
+Queries go through an optional low-rank bottleneck (q_a_proj -> RMSNorm -> q_b_proj, d_c' = q_lora_rank);
+keys and values share one compressed latent c_KV (kv_lora_rank) plus a single decoupled RoPE key k^R shared by
+all heads (`kv_a_proj_with_mqa` produces both). kv_b_proj expands c_KV into per-head [k_nope | v].
+Names follow the released checkpoints.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsv3_plugin.config import ModelConfig
+from .norm import RMSNorm
+from .rope import apply_rope, softmax_scale
+
+__all__ = ["MLA"]
+
+
+class MLA(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        H, nh = cfg.hidden_size, cfg.num_attention_heads
+        self.n_heads = nh
+        self.d_nope, self.d_rope, self.d_v = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.d_qk = self.d_nope + self.d_rope
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(H, nh * self.d_qk, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(H, cfg.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, nh * self.d_qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(H, cfg.kv_lora_rank + self.d_rope, bias=False)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, nh * (self.d_nope + self.d_v), bias=False)
+        self.o_proj = nn.Linear(nh * self.d_v, H, bias=False)
+        self.scale = softmax_scale(cfg)
+
+    # Split out so that recompute (memory.recompute = norm_and_mla_up) can wrap exactly the up-projections.
+    def q_up(self, x_BTH: torch.Tensor) -> torch.Tensor:
+        if self.cfg.q_lora_rank is None:
+            return self.q_proj(x_BTH)
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTH)))
+
+    def kv_up(self, c_kv: torch.Tensor) -> torch.Tensor:
+        return self.kv_b_proj(self.kv_a_layernorm(c_kv))
+
+    def forward(self, x_BTH: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x_BTH.shape
+        nh = self.n_heads
+        q = self.q_up(x_BTH).view(B, T, nh, self.d_qk).transpose(1, 2)  # [B, nh, T, d_qk]
+        q_nope, q_rope = q.split([self.d_nope, self.d_rope], dim=-1)
+
+        ckv = self.kv_a_proj_with_mqa(x_BTH)  # [B, T, d_c + d_R]
+        c_kv, k_rope = ckv.split([self.cfg.kv_lora_rank, self.d_rope], dim=-1)
+        kv = self.kv_up(c_kv).view(B, T, nh, self.d_nope + self.d_v).transpose(1, 2)  # [B, nh, T, d_nope + d_v]
+        k_nope, v = kv.split([self.d_nope, self.d_v], dim=-1)
+
+        interleaved = self.cfg.rope_interleave
+        q_rope = apply_rope(q_rope, cos, sin, interleaved)
+        k_rope = apply_rope(k_rope.unsqueeze(1), cos, sin, interleaved)  # [B, 1, T, d_R], shared by all heads
+
+        q = torch.cat([q_nope, q_rope], dim=-1)
+        k = torch.cat([k_nope, k_rope.expand(B, nh, T, self.d_rope)], dim=-1)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)  # [B, nh, T, d_v]
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, nh * self.d_v))

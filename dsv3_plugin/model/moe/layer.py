@@ -1,0 +1,212 @@
+"""DeepSeekMoE FFN (paper eq. 12): h' = u + Σ_shared FFN_s(u) + Σ_routed g_i FFN_i(u).
+
+Experts are SwiGLU, w2(silu(w1 x) ⊙ w3 x), with the released names gate_proj (w1), up_proj (w3),
+down_proj (w2). Routed experts are stored stacked (`GroupedExperts`: [E, I, H] / [E, H, I]) so that the
+computation is grouped: tokens are sorted by expert and each expert multiplies one contiguous slice, instead
+of masking the whole batch per expert. No capacity factor and no token dropping (paper §2.1.2). The expert
+math is a kernel (`kernels.ExpertKernel`) the experts call: this module's `GroupedSwiGLUKernel` by default.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .balancing import seq_balance_loss
+from dsv3_plugin.config import MoEConfig
+from .grouped_mm import expert_kernel, grouped_mm_swiglu
+from dsv3_plugin.model.kernels import ExpertKernel, SplitKernel, UsesKernel, apply_split, expert_spans
+from .router import Router
+
+__all__ = ["DenseMLP", "GroupedExperts", "GroupedSwiGLUKernel", "DeepSeekMoE", "grouped_swiglu", "swiglu_rows"]
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU MLP: the dense FFN of the first layers and the shared experts."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class GroupedSwiGLUKernel(SplitKernel):
+    """The plain expert kernel (`ExpertKernel`): SwiGLU of every expert over its contiguous slice of
+    expert-sorted rows, in the operands' precision (FP32/BF16), with a hand-written backward.
+
+    Why not autograd over a Python loop: indexing `w[e]` in a loop makes autograd materialise a zero
+    gradient of the *whole* [E, I, H] weight per expert (E² work: 64 experts -> 64 full-size fills and adds),
+    and each slice's outputs get concatenated again. Here every GEMM writes straight into its rows of a
+    preallocated output (`torch.mm(..., out=...)`), weight gradients go straight into their expert's slab,
+    and the element-wise parts (SiLU, product, their derivatives) run once over all rows.
+
+    Saved for backward: x [N, H]; g = x·W1ᵀ, u = x·W3ᵀ, silu(g) and a = silu(g)·u [N, I] (4·N·I floats,
+    what autograd over the plain ops would keep too). W needs dy, dL/dg and dL/du besides (`carry`).
+    """
+
+    def call(self, via, x_NH, counts, w1_EIH, w3_EIH, w2_EHI):
+        if sum(counts) != x_NH.shape[0]:
+            raise ValueError(f"grouped_swiglu: counts sum to {sum(counts)} but there are {x_NH.shape[0]} rows")
+        dt = torch.promote_types(x_NH.dtype, w1_EIH.dtype)
+        if via is self and expert_kernel(x_NH.device, dt, w1_EIH.shape[2], w1_EIH.shape[1])[0] == "grouped_mm":
+            # CUDA + BF16: three grouped GEMMs (autograd's backward, so not when a wrapper splits off W)
+            return grouped_mm_swiglu(x_NH.to(dt), counts, w1_EIH.to(dt), w3_EIH.to(dt), w2_EHI.to(dt))
+        # the weights are cast inside the Function (their gradients cast back there), so the parameters
+        # themselves reach it: a deferred W writes their .grad
+        return apply_split(via, list(counts), x_NH.to(dt), w1_EIH, w3_EIH, w2_EHI)
+
+    def forward(self, counts, x_NH, weights, need_w):
+        dt = x_NH.dtype
+        w_dtypes = tuple(w.dtype for w in weights)
+        w1_EIH, w3_EIH, w2_EHI = (w.to(dt) for w in weights)
+        N, I, H = x_NH.shape[0], w1_EIH.shape[1], w2_EHI.shape[1]
+        x_NH = x_NH.contiguous()
+        g_NI = x_NH.new_empty(N, I)
+        u_NI = x_NH.new_empty(N, I)
+        spans = expert_spans(counts)
+        for e, s, t in spans:
+            torch.mm(x_NH[s:t], w1_EIH[e].t(), out=g_NI[s:t])
+            torch.mm(x_NH[s:t], w3_EIH[e].t(), out=u_NI[s:t])
+        silu_NI = F.silu(g_NI)
+        a_NI = silu_NI * u_NI
+        y_NH = x_NH.new_empty(N, H)
+        for e, s, t in spans:
+            torch.mm(a_NI[s:t], w2_EHI[e].t(), out=y_NH[s:t])
+        return y_NH, (x_NH, g_NI, u_NI, silu_NI, a_NI, w1_EIH, w3_EIH, w2_EHI), (spans, w_dtypes)
+
+    def input_grad(self, saved, meta, dy_NH, need):
+        x_NH, g_NI, u_NI, silu_NI, a_NI, w1_EIH, w3_EIH, w2_EHI = saved
+        spans, _ = meta
+        dy_NH = dy_NH.contiguous()
+        da_NI = torch.empty_like(g_NI)
+        for e, s, t in spans:
+            torch.mm(dy_NH[s:t], w2_EHI[e], out=da_NI[s:t])                 # dL/da = dy·W2
+        du_NI = da_NI * silu_NI                                              # dL/du
+        dg_NI = torch.ops.aten.silu_backward(da_NI * u_NI, g_NI)             # dL/dg (one fused pass)
+        dx = None
+        if need[0]:
+            dx = torch.empty_like(x_NH)
+            for e, s, t in spans:
+                torch.mm(dg_NI[s:t], w1_EIH[e], out=dx[s:t])
+                dx[s:t].addmm_(du_NI[s:t], w3_EIH[e])
+        return dx, (dy_NH, dg_NI, du_NI)
+
+    def weight_grads(self, saved, meta, carry, need_w):
+        x_NH, _, _, _, a_NI, w1_EIH, w3_EIH, w2_EHI = saved
+        spans, w_dtypes = meta
+        dy_NH, dg_NI, du_NI = carry
+        hit = [e for e, _, _ in spans]
+
+        def wgrad(w, need):
+            if not need:
+                return None
+            gw = torch.empty_like(w)
+            if len(hit) < w.shape[0]:  # experts that got no rows have zero gradient
+                miss = torch.ones(w.shape[0], dtype=torch.bool, device=w.device)
+                miss[hit] = False
+                gw[miss] = 0
+            return gw
+
+        dw1, dw3, dw2 = (wgrad(w, n) for w, n in zip((w1_EIH, w3_EIH, w2_EHI), need_w))
+        for e, s, t in spans:
+            if dw2 is not None:
+                torch.mm(dy_NH[s:t].t(), a_NI[s:t], out=dw2[e])              # [H, I]
+            if dw1 is not None:
+                torch.mm(dg_NI[s:t].t(), x_NH[s:t], out=dw1[e])              # [I, H]
+            if dw3 is not None:
+                torch.mm(du_NI[s:t].t(), x_NH[s:t], out=dw3[e])
+        return tuple(None if g is None else g.to(dt) for g, dt in zip((dw1, dw3, dw2), w_dtypes))
+
+    def __repr__(self) -> str:
+        return "GroupedSwiGLUKernel()"
+
+
+def grouped_swiglu(x_NH: torch.Tensor, counts: list[int], w1_EIH: torch.Tensor, w3_EIH: torch.Tensor,
+                   w2_EHI: torch.Tensor) -> torch.Tensor:
+    """SwiGLU per expert over rows already sorted by expert; `counts[e]` rows belong to expert e
+    (`GroupedSwiGLUKernel`, the default expert kernel; on CUDA with BF16 experts it runs
+    `grouped_mm_experts.grouped_mm_swiglu`)."""
+    return _GROUPED(x_NH, counts, w1_EIH, w3_EIH, w2_EHI)
+
+
+_GROUPED = GroupedSwiGLUKernel()
+
+
+class GroupedExperts(UsesKernel, nn.Module):
+    """The routed experts of one layer, stacked. Released per-expert keys
+    `mlp.experts.{e}.{gate,up,down}_proj.weight` map to rows e of these tensors.
+    Their math is `self.kernel` (an `ExpertKernel`; default `GroupedSwiGLUKernel`): precision (FP8) and
+    weight-gradient deferral are kernels set or wrapped there (`model/kernels.py`)."""
+
+    def __init__(self, n_experts: int, hidden_size: int, intermediate_size: int, kernel: ExpertKernel = None):
+        super().__init__()
+        self.n_experts = n_experts
+        self.kernel = kernel if kernel is not None else GroupedSwiGLUKernel()
+        self.gate_proj = nn.Parameter(torch.empty(n_experts, intermediate_size, hidden_size))
+        self.up_proj = nn.Parameter(torch.empty(n_experts, intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(n_experts, hidden_size, intermediate_size))
+        for p in (self.gate_proj, self.up_proj, self.down_proj):
+            nn.init.normal_(p, std=0.006)
+
+    def forward(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, gates_TK: torch.Tensor) -> torch.Tensor:
+        T, K = topk_idx_TK.shape
+        flat_idx = topk_idx_TK.reshape(-1)                      # [T*K] expert of each (token, slot)
+        order = torch.argsort(flat_idx, stable=True)            # group the (token, slot) pairs by expert
+        counts = torch.bincount(flat_idx, minlength=self.n_experts).tolist()
+        token_of = order // K                                   # source token of each sorted row
+        y_NH = self.kernel(x_TH[token_of], counts, self.gate_proj, self.up_proj, self.down_proj)
+        y_NH = y_NH * gates_TK.reshape(-1)[order, None].to(y_NH.dtype)
+        out_TH = torch.zeros_like(x_TH)
+        return out_TH.index_add_(0, token_of, y_NH.to(x_TH.dtype))
+
+    def expert_rows(self, x_NH: torch.Tensor, expert_N: torch.Tensor) -> torch.Tensor:
+        """Unweighted SwiGLU of expert `expert_N[n]` on row n, in input row order (what expert-parallel
+        dispatch hands to the experts a rank owns)."""
+        return swiglu_rows(x_NH, expert_N, self.gate_proj, self.up_proj, self.down_proj, self.kernel)
+
+
+def swiglu_rows(x_NH: torch.Tensor, expert_N: torch.Tensor, w1_EIH: torch.Tensor, w3_EIH: torch.Tensor,
+                w2_EHI: torch.Tensor, kernel: ExpertKernel = grouped_swiglu) -> torch.Tensor:
+    """SwiGLU of expert `expert_N[n]` on row n, rows in any order: sort by expert, grouped GEMMs (`kernel`),
+    unsort."""
+    counts = torch.bincount(expert_N, minlength=w1_EIH.shape[0]).tolist()
+    if expert_N.numel() < 2 or bool((expert_N[1:] >= expert_N[:-1]).all()):
+        return kernel(x_NH, counts, w1_EIH, w3_EIH, w2_EHI)   # already grouped (EP = 1, one source rank)
+    order = torch.argsort(expert_N, stable=True)
+    y_sorted = kernel(x_NH[order], counts, w1_EIH, w3_EIH, w2_EHI)
+    return torch.empty_like(y_sorted).index_copy_(0, order, y_sorted)
+
+
+class DeepSeekMoE(nn.Module):
+    """Router + routed experts + shared experts. After a forward in training, `aux_loss` holds the
+    sequence-wise balance loss α·L_Bal (a tensor in the graph; 0-dim zero when α = 0)."""
+
+    def __init__(self, hidden_size: int, cfg: MoEConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.gate = Router(hidden_size, cfg)
+        self.experts = GroupedExperts(cfg.n_routed_experts, hidden_size, cfg.intermediate_size)
+        self.shared_experts = (DenseMLP(hidden_size, cfg.intermediate_size * cfg.n_shared_experts)
+                               if cfg.n_shared_experts > 0 else None)
+        self.aux_loss: torch.Tensor | None = None
+
+    def forward(self, x_BTH: torch.Tensor) -> torch.Tensor:
+        B, T, H = x_BTH.shape
+        x_TH = x_BTH.reshape(-1, H)
+        r = self.gate(x_TH)
+        if self.training and self.cfg.seq_aux_alpha > 0:
+            self.aux_loss = seq_balance_loss(r.scores_TE.view(B, T, -1), self.cfg.top_k, self.cfg.seq_aux_alpha)
+        else:
+            self.aux_loss = None
+        y_TH = self.routed(x_TH, r)
+        if self.shared_experts is not None:
+            y_TH = y_TH + self.shared_experts(x_TH)
+        return y_TH.view(B, T, H)
+
+    def routed(self, x_TH: torch.Tensor, r) -> torch.Tensor:
+        """Σ_k g_{t,k} FFN_{e_{t,k}}(x_t) over the routed experts (expert parallelism overrides this)."""
+        return self.experts(x_TH, r.topk_idx_TK, r.gates_TK)

@@ -1,0 +1,136 @@
+"""DeepSeek-V3 model: MLA + (dense | DeepSeekMoE) decoder layers, shared embedding/head, MTP modules.
+
+Module names follow the released checkpoint (minus the `model.` prefix), so the HF key map in
+`checkpoint/hf.py` is a rename, not a reshuffle. Device-agnostic PyTorch: no framework imports here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsv3_plugin.config import DSv3Config, load_config
+from .mla import MLA
+from .moe.layer import DeepSeekMoE, DenseMLP
+from .mtp import MTPLayer, mtp_depth_loss
+from .norm import RMSNorm
+from .rope import RotaryEmbedding
+
+__all__ = ["DecoderLayer", "DSv3Model", "DSv3Output"]
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + MLA(norm(x)), then x + FFN(norm(x)); FFN is dense for the first
+    `first_k_dense_replace` layers and DeepSeekMoE after (the MTP blocks are MoE layers too)."""
+
+    def __init__(self, cfg: DSv3Config, layer_idx: int):
+        super().__init__()
+        m = cfg.model
+        self.layer_idx = layer_idx
+        self.input_layernorm = RMSNorm(m.hidden_size, m.rms_norm_eps)
+        self.self_attn = MLA(m)
+        self.post_attention_layernorm = RMSNorm(m.hidden_size, m.rms_norm_eps)
+        self.mlp = (DeepSeekMoE(m.hidden_size, cfg.moe) if cfg.is_moe_layer(layer_idx)
+                    else DenseMLP(m.hidden_size, m.intermediate_size))
+
+    def forward(self, x_BTH: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x_BTH = x_BTH + self.self_attn(self.input_layernorm(x_BTH), cos, sin)
+        return x_BTH + self.mlp(self.post_attention_layernorm(x_BTH))
+
+
+@dataclass
+class DSv3Output:
+    logits: torch.Tensor                         # [B, T, V]
+    mtp_logits: list[torch.Tensor] = field(default_factory=list)  # k-th: [B, T-k, V], row i -> token i+k+1
+    hidden: Optional[torch.Tensor] = None        # [B, T, H] after the final norm
+    loss: Optional[torch.Tensor] = None          # lm + λ·mtp + balance
+    lm_loss: Optional[torch.Tensor] = None
+    mtp_loss: Optional[torch.Tensor] = None      # (1/D) Σ_k L^k (unweighted by λ)
+    balance_loss: Optional[torch.Tensor] = None  # Σ over MoE layers of α·L_Bal
+
+
+class DSv3Model(nn.Module):
+    """The plain model (FP32/BF16 GEMMs, no recompute). `training.transforms.build_model(cfg)` is how the entry
+    points build it: that applies the `fp8` and `memory.recompute` sections of `cfg`, which this class only
+    stores."""
+
+    def __init__(self, cfg: DSv3Config | dict | str):
+        super().__init__()
+        cfg = load_config(cfg)
+        self.cfg = cfg
+        m = cfg.model
+        self.embed_tokens = nn.Embedding(m.vocab_size, m.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(m.num_hidden_layers))
+        self.norm = RMSNorm(m.hidden_size, m.rms_norm_eps)
+        self.lm_head = nn.Linear(m.hidden_size, m.vocab_size, bias=False)
+        if m.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.mtp = nn.ModuleList(
+            MTPLayer(m.hidden_size, m.rms_norm_eps, DecoderLayer(cfg, m.num_hidden_layers + k))
+            for k in range(cfg.mtp.depth))
+        self.rotary = RotaryEmbedding(m)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int | None = None) -> None:
+        """N(0, initializer_range) for every matrix (paper §4.2: std 0.006), ones for norms, zero biases."""
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        std = self.cfg.model.initializer_range
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(std).to(p.dtype))
+        for mod in self.modules():
+            if hasattr(mod, "e_score_correction_bias"):
+                mod.e_score_correction_bias.zero_()
+                mod.tokens_per_expert.zero_()
+
+    def moe_layers(self) -> list[DeepSeekMoE]:
+        return [mod for mod in self.modules() if isinstance(mod, DeepSeekMoE)]
+
+    def rope(self, T: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rotary(torch.arange(T, device=device), dtype)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                tokens_seen: float = 0.0) -> DSv3Output:
+        B, T = input_ids.shape
+        for moe in self.moe_layers():
+            moe.aux_loss = None  # a depth skipped below (T too short) must not leave a stale loss
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rope(T, x.device, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        hidden = self.norm(x)
+        logits = self.lm_head(hidden)
+
+        mtp_logits, h_prev = [], hidden
+        for k, mtp in enumerate(self.mtp, start=1):
+            S = T - k
+            if S <= 0:
+                break
+            emb = self.embed_tokens(input_ids[:, k:])                       # Emb(t_{i+k}), [B, S, H]
+            h_prev = mtp(h_prev[:, :S], emb, cos[:S], sin[:S])              # h^k, [B, S, H]
+            mtp_logits.append(self.lm_head(mtp.norm(h_prev)))               # [B, S, V]
+
+        out = DSv3Output(logits=logits, mtp_logits=mtp_logits, hidden=hidden)
+        if labels is not None:
+            self._losses(out, labels, tokens_seen)
+        return out
+
+    def _losses(self, out: DSv3Output, labels: torch.Tensor, tokens_seen: float) -> None:
+        V = out.logits.shape[-1]
+        T = labels.shape[1]
+        out.lm_loss = F.cross_entropy(out.logits.reshape(-1, V).float(), labels.reshape(-1), ignore_index=-100)
+        out.loss = out.lm_loss
+        if out.mtp_logits:
+            depth_losses = [mtp_depth_loss(lg, labels[:, k:], T) for k, lg in enumerate(out.mtp_logits, 1)]
+            out.mtp_loss = torch.stack(depth_losses).mean()
+            out.loss = out.loss + self.cfg.mtp.lam(tokens_seen) * out.mtp_loss
+        aux = [m.aux_loss for m in self.moe_layers() if m.aux_loss is not None]
+        if aux:
+            out.balance_loss = torch.stack(aux).sum()
+            out.loss = out.loss + out.balance_loss

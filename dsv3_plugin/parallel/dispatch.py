@@ -1,0 +1,340 @@
+"""All-to-all token dispatch and combine for expert parallelism (paper §3.2.2), plain and node-deduplicated.
+
+Every rank of an EP group of size P holds L = E/P routed experts (EP rank j owns experts [j*L, (j+1)*L)).
+A token's K selected experts live on ranks anywhere in the group; dispatch moves token copies there, the
+owners run their experts, and combine brings the weighted outputs back:
+
+    out_t = sum_k w_{t,k} * FFN_{e_{t,k}}(x_t)                      (paper eq. 12, routed part)
+
+Two dispatch modes:
+
+- **per-expert** (``dedup=False``): one copy of x_t per selected expert, sent straight to its owner. A token
+  whose K experts sit on one remote node crosses the inter-node link K times.
+- **node-deduplicated** (``dedup=True``, paper §3.2.2): x_t crosses to each selected node once, to the rank
+  with the *same in-node index* as the sender (the paper's IB hop), which forwards it inside the node to the
+  owners of the selected experts (the NVLink hop). Combine reverses it: the forwarding rank sums the weighted
+  expert outputs of its node (the gate weights travel with the token) and sends one vector back, so combine
+  also crosses the link once per node. With node-limited routing (at most M nodes per token) a token makes at
+  most M cross-node copies instead of up to K.
+
+"Nodes" are contiguous blocks of ``ranks_per_node`` EP ranks (`parallel_groups`). Both directions are
+autograd-correct: `AllToAll` wraps ``dist.all_to_all_single`` with variable split sizes and its backward
+is the transposed all-to-all.
+
+FP8 payload hook (``fp8.dispatch``): a `DispatchCodec` encodes the dispatched activations into one or more
+row-aligned tensors (e.g. FP8 bytes + per-tile power-of-2 scales), they travel through the all-to-all and
+are decoded on arrival. Only the forward dispatch payload is encoded; gradients and the combine travel in
+full precision (the paper's FP8 dispatch with BF16 combine), i.e. the backward is straight-through. The
+quantizer itself belongs to the FP8 module; `IdentityCodec` and `BF16Codec` are provided here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .groups import EPGroups, single_process_groups
+from dsv3_plugin.precision.fp8 import quant as fp8
+from dsv3_plugin.config import ConfigError
+
+__all__ = [
+    "DispatchCodec",
+    "IdentityCodec",
+    "BF16Codec",
+    "FP8Codec",
+    "codec_from_config",
+    "AllToAll",
+    "all_to_all",
+    "DispatchStats",
+    "moe_dispatch_combine",
+    "count_cross_node_copies",
+]
+
+ExpertFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x_NH, local_expert_N) -> y_NH
+
+
+class DispatchCodec(Protocol):
+    """Encoding of the dispatch payload. `encode(x_NH)` returns row-aligned tensors (leading dim N, any
+    dtype gloo/NCCL can move); `decode(parts, H, dtype)` rebuilds x_NH; `bytes_per_row(H, elem)` is the wire
+    size of one token (used by the copy/byte counters)."""
+
+    def encode(self, x_NH: torch.Tensor) -> list[torch.Tensor]: ...
+
+    def decode(self, parts: Sequence[torch.Tensor], hidden: int, dtype: torch.dtype) -> torch.Tensor: ...
+
+    def bytes_per_row(self, hidden: int, elem_size: int) -> int: ...
+
+
+class IdentityCodec:
+    """Send activations as they are."""
+
+    def encode(self, x_NH):
+        return [x_NH]
+
+    def decode(self, parts, hidden, dtype):
+        return parts[0].to(dtype)
+
+    def bytes_per_row(self, hidden, elem_size):
+        return hidden * elem_size
+
+
+class BF16Codec:
+    """Send activations in BF16 (half the fp32 bytes); gradients still flow in full precision."""
+
+    def encode(self, x_NH):
+        return [x_NH.to(torch.bfloat16)]
+
+    def decode(self, parts, hidden, dtype):
+        return parts[0].to(dtype)
+
+    def bytes_per_row(self, hidden, elem_size):
+        return hidden * 2
+
+
+class FP8Codec:
+    """`fp8.dispatch`: per-token 1x128 tiles in FP8 E4M3 with power-of-2 scales, packed as one uint8 row per
+    token (the FP8 module's `pack_dispatch` / `unpack_dispatch`, paper §3.3.4). Decoded to the activation
+    dtype on arrival; gradients and the combine stay in full precision."""
+
+    def __init__(self):
+        try:
+            self._pack, self._unpack = fp8.pack_dispatch, fp8.unpack_dispatch
+        except (ImportError, AttributeError):
+            raise ConfigError("dsv3.fp8.dispatch: this build has no FP8 dispatch quantizer "
+                              "(dsv3_plugin.precision.fp8.quant.pack_dispatch); set fp8.dispatch = false") from None
+
+    def encode(self, x_NH):
+        return [self._pack(x_NH)]
+
+    def decode(self, parts, hidden, dtype):
+        return self._unpack(parts[0], hidden, dtype)
+
+    def bytes_per_row(self, hidden, elem_size):
+        return hidden + 4 * -(-hidden // 128)
+
+
+def codec_from_config(cfg) -> Optional[DispatchCodec]:
+    """The dispatch payload codec a `DSv3Config` asks for (`fp8.dispatch`), or None (send as is)."""
+    return FP8Codec() if cfg.fp8.dispatch else None
+
+
+# ---------------------------------------------------------------------------------------------------
+# autograd all-to-all with variable split sizes
+
+def _a2a_raw(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+    # gloo has no all-to-all for bool or 8-bit floats: move their bytes.
+    if x.dtype == torch.bool or x.element_size() == 1 and x.dtype != torch.uint8:
+        dist.all_to_all_single(out.view(torch.uint8), x.contiguous().view(torch.uint8), out_splits, in_splits,
+                               group=group)
+        return out
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
+class AllToAll(torch.autograd.Function):
+    """Rows of `x` split by `in_splits` go to the group's ranks; `out_splits` rows arrive from each.
+    Backward sends the gradient rows back along the same routes (the transposed all-to-all)."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group, codec=None):
+        ctx.splits = (list(out_splits), list(in_splits))
+        ctx.group = group
+        if codec is None:
+            return _a2a_raw(x, list(out_splits), list(in_splits), group)
+        parts = [_a2a_raw(p, list(out_splits), list(in_splits), group) for p in codec.encode(x)]
+        return codec.decode(parts, x.shape[1], x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        return _a2a_raw(grad, in_splits, out_splits, ctx.group), None, None, None, None
+
+
+def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, group_size: int,
+               codec: Optional[DispatchCodec] = None) -> torch.Tensor:
+    """Differentiable variable-split all-to-all; a no-op copy-free path for a group of one."""
+    if group_size == 1:
+        if codec is not None and not isinstance(codec, IdentityCodec):
+            return _StraightThrough.apply(x, codec)
+        return x
+    return AllToAll.apply(x, out_splits, in_splits, group, codec)
+
+
+class _StraightThrough(torch.autograd.Function):
+    """Codec round trip without communication (EP=1 / self-sends): same numerics as a real dispatch."""
+
+    @staticmethod
+    def forward(ctx, x, codec):
+        return codec.decode(codec.encode(x), x.shape[1], x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _exchange_counts(send_counts: torch.Tensor, group, group_size: int) -> torch.Tensor:
+    if group_size == 1:
+        return send_counts.clone()
+    recv = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv, send_counts.contiguous(), group=group)
+    return recv
+
+
+# ---------------------------------------------------------------------------------------------------
+
+@dataclass
+class DispatchStats:
+    """What one dispatch sent from this rank. Combine sends the same number of rows back along the same
+    routes, so its cross-node copies and payload bytes equal these (in the combine dtype)."""
+
+    mode: str
+    tokens: int = 0
+    copies: int = 0               # token rows leaving this rank in dispatch, all hops, self-sends included
+    cross_node_copies: int = 0    # rows that cross a node boundary
+    cross_node_bytes: int = 0     # their payload bytes (codec-encoded activations)
+    cross_node_meta_bytes: int = 0  # routing metadata that travels with them (expert ids, gate weights)
+    intra_node_copies: int = 0    # rows moved between different ranks of one node
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def cross_node_per_token(self) -> float:
+        return self.cross_node_copies / max(self.tokens, 1)
+
+    def as_dict(self) -> dict:
+        return {"mode": self.mode, "tokens": self.tokens, "copies": self.copies,
+                "cross_node_copies": self.cross_node_copies, "cross_node_bytes": self.cross_node_bytes,
+                "cross_node_meta_bytes": self.cross_node_meta_bytes, "intra_node_copies": self.intra_node_copies,
+                "cross_node_per_token": self.cross_node_per_token}
+
+
+def count_cross_node_copies(idx_TK: torch.Tensor, num_experts: int, ep_size: int, ranks_per_node: int,
+                            src_rank: int, dedup: bool) -> tuple[int, int]:
+    """(cross-node copies, rows moved between ranks of the sender's node) that `moe_dispatch_combine` sends
+    from EP rank `src_rank` for routing `idx_TK`, without communicating (used by the dispatch bench and
+    tests). Copies a forwarding rank makes inside a remote node are counted by that rank, not here."""
+    per_node = num_experts // ep_size * ranks_per_node
+    node_TK = idx_TK // per_node
+    my_node = src_rank // ranks_per_node
+    if not dedup:
+        owner = idx_TK // (num_experts // ep_size)
+        cross = int((node_TK != my_node).sum())
+        intra = int(((node_TK == my_node) & (owner != src_rank)).sum())
+        return cross, intra
+    hit_TN = torch.zeros(idx_TK.shape[0], ep_size // ranks_per_node, dtype=torch.bool, device=idx_TK.device)
+    hit_TN.scatter_(1, node_TK, True)
+    return int(hit_TN.sum() - hit_TN[:, my_node].sum()), 0
+
+
+def moe_dispatch_combine(x_TH: torch.Tensor, idx_TK: torch.Tensor, w_TK: torch.Tensor, expert_fn: ExpertFn,
+                         num_experts: int, groups: Optional[EPGroups] = None, dedup: bool = True,
+                         codec: Optional[DispatchCodec] = None) -> tuple[torch.Tensor, DispatchStats]:
+    """Routed-expert output sum_k w_{t,k} FFN_{e_{t,k}}(x_t) for this rank's tokens, with experts sharded over
+    ``groups.ep_group``. ``expert_fn(x_NH, local_expert_N)`` runs this rank's experts on the rows it
+    receives (local ids in [0, E/P)). Returns (out_TH in x's dtype, stats)."""
+    g = groups or single_process_groups()
+    if idx_TK.shape != w_TK.shape or idx_TK.shape[0] != x_TH.shape[0]:
+        raise ValueError(f"dispatch: idx {tuple(idx_TK.shape)}, weights {tuple(w_TK.shape)} and tokens "
+                         f"{tuple(x_TH.shape)} disagree")
+    L = g.experts_per_rank(num_experts)
+    if dedup and g.num_nodes > 1:
+        return _dispatch_dedup(x_TH, idx_TK, w_TK, expert_fn, L, g, codec)
+    return _dispatch_per_expert(x_TH, idx_TK, w_TK, expert_fn, L, g, codec, "dedup" if dedup else "per_expert")
+
+
+def _id_dtype(n: int) -> torch.dtype:
+    """Smallest index dtype every backend can move for values < n (metadata bytes count on the wire)."""
+    return torch.uint8 if n <= 256 else torch.int32
+
+
+def _payload_bytes(codec, x_TH) -> int:
+    return (codec or IdentityCodec()).bytes_per_row(x_TH.shape[1], x_TH.element_size())
+
+
+def _dispatch_per_expert(x_TH, idx_TK, w_TK, expert_fn, L, g: EPGroups, codec, mode):
+    T, K = idx_TK.shape
+    H = x_TH.shape[1]
+    flat_e = idx_TK.reshape(-1)                                   # [T*K]
+    # Sorting by expert id also sorts by owner rank (owner = e // L): contiguous send blocks.
+    order = torch.argsort(flat_e, stable=True)
+    e_sorted = flat_e[order]
+    tok = order // K                                              # source token of each sorted pair
+    send_counts = torch.bincount(e_sorted // L, minlength=g.ep_size)
+    recv_counts = _exchange_counts(send_counts, g.ep_group, g.ep_size)
+    send, recv = send_counts.tolist(), recv_counts.tolist()
+
+    x_recv = all_to_all(x_TH[tok], recv, send, g.ep_group, g.ep_size, codec)       # [N_recv, H]
+    local_ids = (e_sorted % L).to(_id_dtype(L))
+    e_recv = all_to_all(local_ids, recv, send, g.ep_group, g.ep_size).long()      # [N_recv] local ids
+    y_recv = expert_fn(x_recv, e_recv)
+    y_back = all_to_all(y_recv, send, recv, g.ep_group, g.ep_size)                 # [T*K, H], sorted order
+    w_sorted = w_TK.reshape(-1)[order].to(y_back.dtype)
+    out = torch.zeros(T, H, dtype=y_back.dtype, device=x_TH.device).index_add(0, tok, y_back * w_sorted[:, None])
+
+    R = g.ranks_per_node
+    cross = sum(n for r, n in enumerate(send) if r // R != g.node)
+    intra = sum(n for r, n in enumerate(send) if r // R == g.node and r != g.ep_rank)
+    stats = DispatchStats(mode=mode, tokens=T, copies=T * K, cross_node_copies=cross,
+                          cross_node_bytes=cross * _payload_bytes(codec, x_TH),
+                          cross_node_meta_bytes=cross * local_ids.element_size(),
+                          intra_node_copies=intra)
+    return out.to(x_TH.dtype), stats
+
+
+def _dispatch_dedup(x_TH, idx_TK, w_TK, expert_fn, L, g: EPGroups, codec):
+    T, K = idx_TK.shape
+    H = x_TH.shape[1]
+    R, N = g.ranks_per_node, g.num_nodes
+    node_TK = idx_TK // (L * R)
+    hit_TN = torch.zeros(T, N, dtype=torch.bool, device=idx_TK.device)
+    hit_TN.scatter_(1, node_TK, True)
+    # One (token, node) pair per selected node, grouped by node: node n's rows go to EP rank n*R + local_index.
+    n_idx, t_idx = hit_TN.t().nonzero(as_tuple=True)             # [C1] each, sorted by node
+    per_node = torch.bincount(n_idx, minlength=N)
+    send_counts = torch.zeros(g.ep_size, dtype=torch.long, device=x_TH.device)
+    send_counts[torch.arange(N, device=x_TH.device) * R + g.local_index] = per_node
+    recv_counts = _exchange_counts(send_counts, g.ep_group, g.ep_size)
+    send1, recv1 = send_counts.tolist(), recv_counts.tolist()
+
+    # Routing metadata for the forwarding rank: the token's experts on that node as in-node indices
+    # (e - node*L*R, compact dtype); slots on other nodes carry the sentinel L*R and gate weight 0.
+    LR = L * R
+    on_node = node_TK[t_idx] == n_idx[:, None]                     # [C1, K]
+    ids_CK = torch.where(on_node, idx_TK[t_idx] - n_idx[:, None] * LR,
+                         torch.full_like(idx_TK[t_idx], LR)).to(_id_dtype(LR + 1))
+    w_CK = w_TK[t_idx] * on_node.to(w_TK.dtype)                    # differentiable: gates flow back through it
+
+    ep = (g.ep_group, g.ep_size)
+    x1 = all_to_all(x_TH[t_idx], recv1, send1, *ep, codec=codec)      # [C1r, H]
+    ids1 = all_to_all(ids_CK, recv1, send1, *ep)                      # [C1r, K]
+    w1 = all_to_all(w_CK, recv1, send1, *ep)                          # [C1r, K]
+
+    # Stage 2, inside the node: forward each received token to the owners of its selected experts.
+    j, k = (ids1 < LR).nonzero(as_tuple=True)
+    e2 = ids1[j, k].long()                                         # in-node expert index, owner = e2 // L
+    order2 = torch.argsort(e2, stable=True)                       # by expert => by owner rank in the node
+    j2, k2, e2 = j[order2], k[order2], e2[order2]
+    send2_counts = torch.bincount(e2 // L, minlength=R)
+    recv2_counts = _exchange_counts(send2_counts, g.node_group, R)
+    send2, recv2 = send2_counts.tolist(), recv2_counts.tolist()
+    nd = (g.node_group, R)
+    # the in-node hop carries the encoded payload too (re-encoding a decoded pow2-scaled tile is exact)
+    x2 = all_to_all(x1[j2], recv2, send2, *nd, codec=codec)
+    le2 = all_to_all((e2 % L).to(_id_dtype(L)), recv2, send2, *nd).long()
+    y2 = expert_fn(x2, le2)
+    y2_back = all_to_all(y2, send2, recv2, *nd)                       # [C2, H] in order2
+    # Combine inside the node first: one weighted partial sum per (token, node) crosses back.
+    z1 = torch.zeros(x1.shape[0], H, dtype=y2_back.dtype, device=x_TH.device)
+    z1 = z1.index_add(0, j2, y2_back * w1[j2, k2].to(y2_back.dtype)[:, None])
+    z_back = all_to_all(z1, send1, recv1, *ep)                        # [C1, H]
+    out = torch.zeros(T, H, dtype=z_back.dtype, device=x_TH.device).index_add(0, t_idx, z_back)
+
+    cross = sum(send1) - send1[g.node * R + g.local_index]
+    stats = DispatchStats(mode="dedup", tokens=T, copies=sum(send1) + sum(send2),
+                          cross_node_copies=cross, cross_node_bytes=cross * _payload_bytes(codec, x_TH),
+                          cross_node_meta_bytes=cross * K * (ids_CK.element_size() + w_CK.element_size()),
+                          intra_node_copies=sum(send2) - send2[g.local_index],
+                          extra={"forwarded_rows": sum(send2)})
+    return out.to(x_TH.dtype), stats

@@ -1,0 +1,242 @@
+"""Process-group setup shared by every multi-process entry point.
+
+The same code runs under the launchers users already have (`torchrun`, the `deepspeed` launcher: they
+set RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT) and self-spawned on loopback
+(`--nproc N`, via `torch.multiprocessing`), with gloo on CPU and NCCL on GPU.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from dsv3_plugin.config import ConfigError
+from dsv3_plugin.errors import CheckpointError
+
+__all__ = [
+    "launched_externally",
+    "free_port",
+    "init_distributed",
+    "default_backend",
+    "spawn",
+    "first_failure",
+    "rank",
+    "world_size",
+    "set_peer_timeout",
+]
+
+
+def launched_externally() -> bool:
+    """True under torchrun / the deepspeed launcher (they export RANK and WORLD_SIZE)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> tuple[int, int]:
+    """Initialise the default process group from the environment (idempotent). Returns (rank, world)."""
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        if int(os.environ["WORLD_SIZE"]) > 1:
+            raise RuntimeError("MASTER_PORT is not set: launch with torchrun/deepspeed or use --nproc")
+        os.environ["MASTER_PORT"] = str(free_port())
+    backend = backend or default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def set_peer_timeout(timeout_s: float) -> None:
+    """Bound every later operation on the default (world) group by `timeout_s`, whoever initialised it
+    (`init_distributed`, the launcher path, a test): a dead or stopped peer then fails the waiting rank instead
+    of hanging it. Groups created later take their own `timeout=` (see `deepspeed.pipeline.pipeline_groups`)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.group.WORLD.set_timeout(timedelta(seconds=timeout_s))
+
+
+def _is_input_error(e: BaseException) -> bool:
+    """ConfigError / CheckpointError: bad user input, reported as one line and exit code 2 (docs/architecture.md)."""
+    return isinstance(e, (ConfigError, CheckpointError))
+
+
+def first_failure(code: int) -> tuple[bool, int]:
+    """For a rank of an externally launched job that is about to exit with `code`: (whether it is the first rank
+    of the job to fail, the exit code to use). A counter in the process group's store picks the first, so that
+    a failure every rank runs into is reported once; the others exit quietly with the first one's code (a peer
+    that dies makes the others fail in their next collective, and the launcher reports whichever exit it sees
+    first). Under torchrun the store lives in the agent; under the deepspeed launcher in rank 0's process — if
+    that is gone, rank 0 failed first and reported, so this rank stays quiet. Without a process group:
+    (True, code)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return True, code
+    import sys
+    sys.stderr.flush()
+    saved = os.dup(2)
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)  # a store whose host is gone makes c10d log a C++ stack trace: not this rank's news
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(timedelta(seconds=10))
+        if store.add("dsv3/failed_ranks", 1) == 1:
+            store.set("dsv3/exit_code", str(code))
+            return True, code
+        return False, int(store.get("dsv3/exit_code"))
+    except Exception:
+        import time
+        time.sleep(5)  # the first failure's process is gone: let the launcher see its exit code first
+        return False, code
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved), os.close(null)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: the kernel kills this rank when the spawning process dies (kill -9 included), so no rank outlives
+    it holding a run directory's lock or a port. Elsewhere a no-op."""
+    try:
+        import ctypes
+        import signal
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:  # the parent died before the call above took effect
+        os._exit(1)
+
+
+def _worker(local_rank: int, world: int, port: int, fn: Callable, args: tuple, queue, env: dict,
+            parent_pid: int | None = None) -> None:
+    if parent_pid is not None:
+        _die_with_parent(parent_pid)
+    os.environ.update(env)
+    os.environ.update({"RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world),
+                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    code = 0
+    try:
+        out = fn(*args)
+        # Pickle here: tensors would otherwise travel as shared memory of a process that is about to exit.
+        import io
+        buf = io.BytesIO()
+        torch.save(out, buf)
+        queue.put((local_rank, "ok", buf.getvalue()))
+    except BaseException as e:
+        # Report to the parent and exit without printing: the parent prints the one message that matters
+        # (a rank's traceback printed here would repeat on every rank that hit the same input).
+        if _is_input_error(e):
+            queue.put((local_rank, "input", (type(e).__name__, str(e))))
+            code = 2
+        else:
+            queue.put((local_rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+            code = 1
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # a peer already gone: nothing left to tear down cleanly
+                pass
+    if code:
+        import sys
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(code)  # skip interpreter teardown: threads of a broken process group can block it
+
+
+def _input_error(name: str, message: str) -> ValueError:
+    return {"ConfigError": ConfigError, "CheckpointError": CheckpointError}[name](message)
+
+
+def spawn(fn: Callable[..., Any], nproc: int, *args: Any, env: dict | None = None,
+          timeout_s: float = 600.0) -> list[Any]:
+    """Run `fn(*args)` on `nproc` loopback ranks (each sets the torchrun env vars); return results by rank.
+
+    `fn` must be picklable (module level). It should call `init_distributed()` itself, exactly as it
+    would under torchrun. Ranks print no tracebacks of their own. A `ConfigError` / `CheckpointError` on any
+    rank is raised here again (same type and message, once, whichever rank found it first); any other failure
+    raises `RuntimeError` with that rank's traceback. The other ranks are stopped.
+    """
+    import time
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
+    procs = [ctx.Process(target=_worker, args=(r, nproc, port, fn, args, queue, env, os.getpid()), daemon=False)
+             for r in range(nproc)]
+    results: dict[int, Any] = {}
+    done = False
+    try:
+        for p in procs:
+            p.start()
+        failures: list[tuple[int, str, Any]] = []
+        deadline = time.monotonic() + timeout_s
+        while len(results) < nproc and not failures:
+            if not queue.empty():
+                r, status, out = queue.get()
+                if status == "ok":
+                    import io
+                    results[r] = torch.load(io.BytesIO(out), weights_only=False)  # our own child's result
+                else:
+                    failures.append((r, status, out))
+            elif any(p.exitcode not in (None, 0) for p in procs):
+                time.sleep(0.2)
+                if queue.empty():
+                    dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                    failures.append((dead[0], "error", f"rank(s) {dead} died (exit codes "
+                                                       f"{[procs[i].exitcode for i in dead]})"))
+            elif time.monotonic() > deadline:
+                failures.append((-1, "error", f"timed out after {timeout_s:.0f}s"))
+            else:
+                time.sleep(0.02)
+        if failures:
+            # Other ranks often fail right after the first (same bad input, or a peer gone from a collective):
+            # give them a moment so that an input error wins over the broken-pipe errors it causes.
+            grace = time.monotonic() + 1.0
+            while time.monotonic() < grace and any(p.is_alive() for p in procs):
+                while not queue.empty():
+                    r, status, out = queue.get()
+                    if status != "ok":
+                        failures.append((r, status, out))
+                time.sleep(0.05)
+            while not queue.empty():
+                r, status, out = queue.get()
+                if status != "ok":
+                    failures.append((r, status, out))
+            first_input = next((f for f in failures if f[1] == "input"), None)
+            if first_input is not None:
+                raise _input_error(*first_input[2])
+            r, _, out = failures[0]
+            raise RuntimeError(f"spawned run failed:\nrank {r}: {out}" if r >= 0 else f"spawned run failed: {out}")
+        done = True
+    finally:  # also on KeyboardInterrupt: no rank outlives the call
+        for p in procs:
+            if p.pid is not None and not done and p.is_alive():
+                p.kill()
+        for p in procs:
+            if p.pid is not None:
+                p.join(30 if done else 5)
+    return [results[r] for r in range(nproc)]

@@ -1,0 +1,123 @@
+"""Process groups for expert parallelism: data-parallel (DP), expert-parallel (EP), expert-data-parallel (EDP)
+and the intra-node group used by node-deduplicated dispatch.
+
+Layout (paper §3.1: 64-way EP spanning 8 nodes, ZeRO-1 DP over everything else), for world size W and EP
+degree P (P divides W):
+
+- EP groups are contiguous rank blocks ``[i*P, (i+1)*P)``; EP rank ``j`` owns routed experts
+  ``[j*E/P, (j+1)*E/P)``.
+- EDP groups join the ranks with the same EP rank: ``{j, j+P, j+2P, ...}``. Expert gradients are reduced
+  over them; dense gradients over the whole DP group (= the world).
+- "Nodes" are contiguous blocks of ``moe.ranks_per_node`` ranks (R divides P), so node-limited routing
+  and node-deduplicated dispatch can be exercised on one machine. Node groups are those blocks.
+
+This is the same EP/EDP layout DeepSpeed builds with ``groups._create_expert_and_data_parallel(P)``
+(4 ranks, P=2: EP [0,1],[2,3]; EDP [0,2],[1,3]), so expert parameters sharded here line up with
+DeepSpeed's expert-data-parallel gradient reduction.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from dsv3_plugin.config import ConfigError
+
+__all__ = ["EPGroups", "build_ep_groups", "ep_layout", "single_process_groups"]
+
+
+def ep_layout(world: int, ep: int, ranks_per_node: int) -> dict[str, list[list[int]]]:
+    """Rank lists of every group (pure function: no process group is created)."""
+    if ep <= 0 or world % ep:
+        raise ConfigError(f"dsv3.parallel.ep: must divide the world size (got ep={ep}, world={world})")
+    if ranks_per_node <= 0 or ep % ranks_per_node:
+        raise ConfigError(f"dsv3.moe.ranks_per_node: must divide parallel.ep (got {ranks_per_node}, ep={ep})")
+    ep_groups = [list(range(i * ep, (i + 1) * ep)) for i in range(world // ep)]
+    edp_groups = [list(range(j, world, ep)) for j in range(ep)]
+    node_groups = [list(range(n * ranks_per_node, (n + 1) * ranks_per_node)) for n in range(world // ranks_per_node)]
+    return {"dp": [list(range(world))], "ep": ep_groups, "edp": edp_groups, "node": node_groups}
+
+
+@dataclass
+class EPGroups:
+    """The groups one rank belongs to, and its coordinates in them.
+
+    ``ep_group`` / ``node_group`` / ``edp_group`` / ``dp_group`` are torch process groups (``None`` means the
+    default group, which is also what a single-process run uses). Node indices count inside the EP group.
+    """
+
+    ep_size: int
+    ep_rank: int
+    ranks_per_node: int
+    ep_group: Any = None
+    node_group: Any = None
+    edp_group: Any = None
+    dp_group: Any = None
+    ep_ranks: list[int] = field(default_factory=lambda: [0])
+
+    @property
+    def num_nodes(self) -> int:
+        return self.ep_size // self.ranks_per_node
+
+    @property
+    def node(self) -> int:
+        """This rank's node inside the EP group."""
+        return self.ep_rank // self.ranks_per_node
+
+    @property
+    def local_index(self) -> int:
+        """This rank's index inside its node (the paper's 'same in-node index' peer on other nodes)."""
+        return self.ep_rank % self.ranks_per_node
+
+    def experts_per_rank(self, num_experts: int) -> int:
+        if num_experts % self.ep_size:
+            raise ConfigError(f"dsv3.parallel.ep: must divide moe.n_routed_experts "
+                              f"(got {num_experts} % {self.ep_size} != 0)")
+        return num_experts // self.ep_size
+
+    def local_expert_range(self, num_experts: int) -> range:
+        n = self.experts_per_rank(num_experts)
+        return range(self.ep_rank * n, (self.ep_rank + 1) * n)
+
+
+def single_process_groups() -> EPGroups:
+    """EP = 1: every expert is local, no communication."""
+    return EPGroups(ep_size=1, ep_rank=0, ranks_per_node=1)
+
+
+_CACHE: dict[tuple, EPGroups] = {}
+
+
+def build_ep_groups(ep: int, ranks_per_node: int = 1, *, ep_group: Any = None,
+                    edp_group: Optional[Any] = None) -> EPGroups:
+    """Create (once per layout) the DP/EP/EDP/node groups of this rank. Collective: every rank must call it
+    with the same arguments. ``ep_group``/``edp_group`` may be passed in (e.g. DeepSpeed's own groups with the
+    same layout), then only the node groups are created here."""
+    if not dist.is_initialized():
+        if ep != 1:
+            raise ConfigError(f"dsv3.parallel.ep: {ep} > 1 needs torch.distributed to be initialised")
+        return single_process_groups()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    key = (world, ep, ranks_per_node, id(ep_group), id(edp_group))
+    if key in _CACHE:
+        return _CACHE[key]
+    lay = ep_layout(world, ep, ranks_per_node)
+    mine: dict[str, Any] = {}
+    for kind in ("ep", "edp", "node"):
+        if kind == "ep" and ep_group is not None:
+            mine["ep"] = ep_group
+            continue
+        if kind == "edp" and edp_group is not None:
+            mine["edp"] = edp_group
+            continue
+        for ranks in lay[kind]:
+            # new_group is collective over the world: every rank creates every group, keeps its own.
+            g = dist.new_group(ranks) if len(ranks) < world else dist.group.WORLD
+            if rank in ranks:
+                mine[kind] = g
+    ep_ranks = lay["ep"][rank // ep]
+    out = EPGroups(ep_size=ep, ep_rank=rank % ep, ranks_per_node=ranks_per_node, ep_group=mine["ep"],
+                   node_group=mine["node"], edp_group=mine["edp"], dp_group=dist.group.WORLD, ep_ranks=ep_ranks)
+    _CACHE[key] = out
+    return out

@@ -1,0 +1,173 @@
+"""Cut a `DSv3Model` into pipeline stages whose composition computes exactly the model's forward and loss.
+
+Stage 0: embed_tokens + the first layers; middle stages: layers; last stage: the last layers + final norm +
+lm_head + the MTP modules (which reuse embed_tokens and lm_head, paper §2.2 / §3.2.3). Stages are views of
+one model instance (no copies): with DualPipe(V) rank 0 holds both the first and the last stage, so the
+embedding that MTP reuses is one physical parameter there.
+
+Messages between stages: (hidden_BTH, aux_M, produced_M, input_ids_BT) where aux_M [M] holds the
+sequence-wise balance loss α·L_Bal of each of the model's M MoE layers (main layers then MTP layers) as
+soon as its stage has run (zeros before) and produced_M marks which ones exist; input_ids ride along for
+MTP. The last stage returns (logits, *mtp_logits, aux_M, produced_M) and `DSv3PipelineLoss` combines them
+with the labels exactly as `DSv3Model._losses` does (same ops, same order: bit-identical losses).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsv3_plugin.model.transformer import DSv3Model
+from dsv3_plugin.model.mtp import mtp_depth_loss
+
+__all__ = ["split_layers", "DSv3Stage", "build_stages", "stage_ids_for_rank", "n_stages_of", "DSv3PipelineLoss",
+           "sync_tied_embedding"]
+
+
+def split_layers(n_layers: int, n_stages: int) -> list[range]:
+    """Contiguous, as even as possible; the earlier stages take the remainder (the last one carries the
+    head and MTP)."""
+    if n_stages < 1:
+        raise ValueError(f"parallel: need >= 1 pipeline stage (got {n_stages})")
+    q, r = divmod(n_layers, n_stages)
+    out, start = [], 0
+    for s in range(n_stages):
+        n = q + (1 if s < r else 0)
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+def stage_ids_for_rank(schedule: str, pp: int, rank: int) -> list[int]:
+    """Which model stages pipeline rank `rank` holds, in chunk order."""
+    if schedule in ("1f1b", "zb1p"):
+        return [rank]
+    if schedule == "dualpipe":
+        return [rank, pp - 1 - rank]
+    if schedule == "dualpipev":
+        return [rank, 2 * pp - 1 - rank]
+    raise ValueError(f"parallel.schedule: unknown pipeline schedule {schedule!r}")
+
+
+def n_stages_of(schedule: str, pp: int) -> int:
+    return 2 * pp if schedule == "dualpipev" else pp
+
+
+class DSv3Stage(nn.Module):
+    def __init__(self, model: DSv3Model, layer_ids: range, first: bool, last: bool):
+        super().__init__()
+        self.first, self.last = first, last
+        self.layer_ids = list(layer_ids)
+        self.layers = nn.ModuleList(model.layers[i] for i in layer_ids)
+        moe = model.moe_layers()
+        self.n_moe = len(moe)
+        where = {id(m): j for j, m in enumerate(moe)}
+        self.moe_slot = [where.get(id(layer.mlp), -1) for layer in self.layers]
+        self.rotary = model.rotary
+        self.mtp_reuses_embedding = len(model.mtp) > 0
+        if first or (last and len(model.mtp)):
+            self.embed_tokens = model.embed_tokens
+        if last:
+            self.norm, self.lm_head, self.mtp = model.norm, model.lm_head, model.mtp
+            self.mtp_slot = [where.get(id(m.layer.mlp), -1) for m in model.mtp]
+
+    @staticmethod
+    def _record(aux_M, produced_M, slot, mlp):
+        if slot < 0 or getattr(mlp, "aux_loss", None) is None:
+            return aux_M, produced_M
+        aux_M = aux_M.clone()
+        aux_M[slot] = mlp.aux_loss
+        produced_M = produced_M.clone()
+        produced_M[slot] = True
+        return aux_M, produced_M
+
+    def forward(self, *msg: torch.Tensor):
+        if self.first:
+            (input_ids,) = msg
+            x = self.embed_tokens(input_ids)
+            aux_M = torch.zeros(self.n_moe, dtype=torch.float32, device=x.device)
+            produced_M = torch.zeros(self.n_moe, dtype=torch.bool, device=x.device)
+        else:
+            x, aux_M, produced_M, input_ids = msg
+        T = input_ids.shape[1]
+        cos, sin = self.rotary(torch.arange(T, device=x.device), x.dtype)
+        for layer, slot in zip(self.layers, self.moe_slot):
+            x = layer(x, cos, sin)
+            aux_M, produced_M = self._record(aux_M, produced_M, slot, layer.mlp)
+        if not self.last:
+            return x, aux_M, produced_M, input_ids
+        hidden = self.norm(x)
+        logits = self.lm_head(hidden)
+        mtp_logits, h_prev = [], hidden
+        for k, (mtp, slot) in enumerate(zip(self.mtp, self.mtp_slot), start=1):
+            S = T - k
+            if S <= 0:
+                break
+            emb = self.embed_tokens(input_ids[:, k:])                       # Emb(t_{i+k}), [B, S, H]
+            h_prev = mtp(h_prev[:, :S], emb, cos[:S], sin[:S])              # h^k, [B, S, H]
+            aux_M, produced_M = self._record(aux_M, produced_M, slot, mtp.layer.mlp)
+            mtp_logits.append(self.lm_head(mtp.norm(h_prev)))               # [B, S, V]
+        return (logits, *mtp_logits, aux_M, produced_M)
+
+
+def build_stages(model: DSv3Model, n_stages: int, stage_ids: Sequence[int] | None = None) -> list[DSv3Stage]:
+    """Stages `stage_ids` (default: all) of `model` cut into `n_stages`. Modules of other stages are not
+    referenced by the result (drop the model to free them)."""
+    ranges = split_layers(len(model.layers), n_stages)
+    ids = list(range(n_stages)) if stage_ids is None else list(stage_ids)
+    return [DSv3Stage(model, ranges[s], s == 0, s == n_stages - 1) for s in ids]
+
+
+class DSv3PipelineLoss:
+    """criterion(logits, *mtp_logits, aux_M, produced_M, labels) -> loss, the same sum as DSv3Model:
+    lm_loss + λ·mtp_loss + balance_loss. Per-micro-batch parts are appended to `records` (detached)."""
+
+    def __init__(self, model_or_cfg, tokens_seen: float = 0.0, scale: float = 1.0):
+        self.cfg = getattr(model_or_cfg, "cfg", model_or_cfg)
+        self.tokens_seen = tokens_seen
+        self.scale = scale              # e.g. 1/num_chunks to average micro-batches in the backward
+        self.records: list[dict] = []
+
+    def __call__(self, logits, *rest):
+        *mtp_logits, aux_M, produced_M, labels = rest
+        V = logits.shape[-1]
+        T = labels.shape[1]
+        lm_loss = F.cross_entropy(logits.reshape(-1, V).float(), labels.reshape(-1), ignore_index=-100)
+        loss = lm_loss
+        mtp_loss = balance = None
+        if mtp_logits:
+            depth = [mtp_depth_loss(lg, labels[:, k:], T) for k, lg in enumerate(mtp_logits, 1)]
+            mtp_loss = torch.stack(depth).mean()
+            loss = loss + self.cfg.mtp.lam(self.tokens_seen) * mtp_loss
+        if bool(produced_M.any()):
+            balance = aux_M[produced_M].sum()
+            loss = loss + balance
+        self.records.append({"loss": loss.detach(), "lm_loss": lm_loss.detach(),
+                             "mtp_loss": None if mtp_loss is None else mtp_loss.detach(),
+                             "balance_loss": None if balance is None else balance.detach()})
+        return loss * self.scale if self.scale != 1.0 else loss
+
+
+def sync_tied_embedding(runtime, stages: Sequence[DSv3Stage]) -> bool:
+    """1F1B / ZB1P with MTP: the embedding lives on the first *and* the last pipeline rank (MTP reuses it,
+    §2.2), as two copies; sum their gradients (own + peer's: the same IEEE sum on both ranks, so the copies
+    stay identical). DualPipe(V) need nothing here: both uses sit on rank 0, one parameter. Call after
+    `runtime.step(...)` in training. Returns True if this rank took part."""
+    import torch.distributed as dist
+    if runtime.schedule_name not in ("1f1b", "zb1p") or runtime.P == 1 or not stages[0].mtp_reuses_embedding:
+        return False
+    last = runtime.P - 1
+    if runtime.rank not in (0, last):
+        return False
+    weight = stages[0].embed_tokens.weight
+    grad = weight.grad if weight.grad is not None else torch.zeros_like(weight)
+    other = torch.empty_like(grad)
+    peer = runtime.pipe_to_global[last if runtime.rank == 0 else 0]
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, grad.contiguous(), peer, group=runtime.group),
+                                    dist.P2POp(dist.irecv, other, peer, group=runtime.group)])
+    for w in works:
+        runtime.p2p._wait(w, "tied-embedding gradient sync between the first and last pipeline ranks")
+    weight.grad = grad + other
+    return True

@@ -1,0 +1,4 @@
+"""What a training run adds around the model: the transforms that set how it computes (`transforms`: FP8 →
+recompute → EP → W-split), recompute (`recompute`), EMA of the weights (`ema`), synthetic data (`data`),
+routing telemetry and its plot (`telemetry`, `routing_plot`), the memory plan (`memory_plan`) and run
+directories with their lock, identity and resume rules (`run_dir`)."""

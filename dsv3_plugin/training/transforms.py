@@ -1,0 +1,87 @@
+"""Model transforms, applied in one place and in one order: FP8 → recompute → expert parallelism → W-split.
+
+`DSv3Model(cfg)` builds the plain BF16/FP32 model (report §2); everything that changes *how* it computes, not
+*what*, is applied here, after construction, by swapping kernels or modules in place (parameter names and
+state_dict keys never change, so checkpoints load before or after):
+
+  1. FP8 (report §3.3): decoder-layer Linear GEMMs become `Fp8Linear`, routed experts get `Fp8ExpertKernel`;
+  2. recompute (report §3.2.3): RMSNorm and MLA up-projections recomputed in backward (`training.recompute`);
+  3. expert parallelism (report §3.2.2): each MoE layer replaced by its EP shard (`parallel.expert_parallel`),
+     done by the caller that owns the process groups (`deepspeed.moe_layer.prepare_model`, Megatron's spec);
+  4. weight-gradient split (report §3.2.1, DualPipe's W ops): every kernel seam wrapped in
+     `DeferredWeightGrads` (`parallel.pipeline.weight_grad.split_weight_grads`).
+
+The order matters where two transforms touch one module: FP8 replaces the innermost kernel and W-split wraps
+whatever kernel is there, so FP8 under the W split keeps both (see `model.kernels`).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsv3_plugin.config import DSv3Config, FP8Config, load_config
+from dsv3_plugin.model.kernels import KernelLinear, base_kernel, rebase
+from dsv3_plugin.model.moe.layer import GroupedExperts
+from dsv3_plugin.model.transformer import DecoderLayer, DSv3Model
+from dsv3_plugin.parallel.pipeline.weight_grad import split_weight_grads
+from dsv3_plugin.precision.fp8.experts import Fp8ExpertKernel
+from dsv3_plugin.precision.fp8.linear import AutoBackend, Fp8Linear, Fp8LinearKernel, Fp8Recipe, Fp8Report
+from dsv3_plugin.training.recompute import apply_recompute
+
+__all__ = ["build_model", "apply_transforms", "convert_to_fp8"]
+
+
+def build_model(cfg: DSv3Config | dict | str) -> DSv3Model:
+    """`DSv3Model(cfg)` with the transforms its config asks for (`fp8.enabled`, `memory.recompute`)."""
+    cfg = load_config(cfg)
+    return apply_transforms(DSv3Model(cfg), cfg)
+
+
+def apply_transforms(model: nn.Module, cfg: DSv3Config, *, split_w: bool = False) -> nn.Module:
+    """Apply, in place and in order, FP8 (`cfg.fp8.enabled`), recompute (`cfg.memory.recompute`) and, with
+    `split_w`, the weight-gradient split. Expert parallelism needs process groups and is applied by the
+    framework adapter between recompute and the W split (see the module docstring)."""
+    if cfg.fp8.enabled:
+        convert_to_fp8(model, cfg.fp8)
+    if cfg.memory.recompute != "none":
+        apply_recompute(model, cfg.memory.recompute)
+    if split_w:
+        split_weight_grads(model)
+    return model
+
+
+def convert_to_fp8(model: nn.Module, cfg: FP8Config, device: torch.device | str | None = None) -> Fp8Report:
+    """Swap the decoder layers' Linear GEMMs (MLA projections, dense/shared-expert MLPs) for `Fp8Linear`
+    and put the routed experts on the FP8 path, in place. Returns (and stores as `model.fp8_report`) what
+    was converted, what was kept in high precision and which backend runs the GEMMs."""
+
+    recipe = Fp8Recipe.from_config(cfg)
+    rep = Fp8Report(backend="auto", reason="", recipe=recipe.kind, pow2_scales=recipe.pow2, dispatch=cfg.dispatch)
+    if device is None:
+        p = next(model.parameters(), None)
+        device = p.device if p is not None else torch.device("cpu")
+    backend = AutoBackend(cfg, rep)   # one shared instance: re-resolves if the model moves to another device
+    backend.resolve(torch.device(device))
+    layer_prefixes = [n for n, m in model.named_modules() if isinstance(m, DecoderLayer)]
+    for name, mod in list(model.named_modules()):
+        inside = any(name == p or name.startswith(p + ".") for p in layer_prefixes)
+        if isinstance(mod, nn.Linear) and not inside:
+            rep.high_precision.append(name)       # lm_head, MTP eh_proj
+        elif type(mod) is nn.Linear:
+            parent_name, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent_name), attr, Fp8Linear.from_linear(mod, recipe, backend))
+            rep.converted.append(name)
+        elif isinstance(mod, KernelLinear):       # a seam already installed (e.g. by the W split): keep wrappers
+            if not isinstance(base_kernel(mod.kernel), Fp8LinearKernel):
+                mod.kernel = rebase(mod.kernel, Fp8LinearKernel(recipe, backend))
+            rep.converted.append(name)
+        elif isinstance(mod, nn.Linear):
+            raise TypeError(f"convert_to_fp8: {name} is a {type(mod).__name__} (an nn.Linear subclass without a "
+                            "kernel seam): it cannot be put on the FP8 path")
+        elif isinstance(mod, GroupedExperts) and inside:
+            mod.kernel = rebase(mod.kernel, Fp8ExpertKernel(recipe, backend, dispatch=cfg.dispatch))
+            rep.grouped.append(name)
+        elif isinstance(mod, nn.Embedding) or name.endswith(".gate"):
+            rep.high_precision.append(name)
+    model.fp8_report = rep
+    return rep
