@@ -27,7 +27,8 @@ from torch import nn
 
 from dsv3_plugin.config import ConfigError
 from .backend import import_deepspeed
-from dsv3_plugin.parallel.pipeline import DualPipe, DualPipeV, OneFOneB, ZeroBubble1P
+from dsv3_plugin.parallel.pipeline import PipelineRuntime
+from dsv3_plugin.schedule_traits import check_chunks
 from dsv3_plugin.parallel.pipeline.stages import build_stages, n_stages_of, stage_ids_for_rank
 from dsv3_plugin.parallel.pipeline.p2p import PipelineError
 from dsv3_plugin.parallel.pipeline.stages import DSv3PipelineLoss, sync_tied_embedding
@@ -153,6 +154,8 @@ class PipelinedEngine:
         self.g = groups or pipeline_groups(cfg.parallel.pp, self.timeout_s)
         ds = copy.deepcopy(ds_config)
         self.gas = int(ds.get("gradient_accumulation_steps", 1))
+        self.traits = check_chunks(self.schedule, self.g.pp, self.gas, chunks_key="gradient_accumulation_steps",
+                                   pp_key="dsv3.parallel.pp")
         mbs = int(ds.get("train_micro_batch_size_per_gpu", 1))
         self.micro_batch = mbs
         ds["gradient_accumulation_steps"] = 1
@@ -169,9 +172,8 @@ class PipelinedEngine:
         # Gradients are produced outside engine.backward (by the schedule): reduce them like DeepSpeed's own
         # pipeline engine does.
         self.engine.pipeline_parallelism = True
-        cls = {"1f1b": OneFOneB, "zb1p": ZeroBubble1P, "dualpipe": DualPipe, "dualpipev": DualPipeV}[self.schedule]
-        self.runtime = cls(self.stages, process_group=self.g.pp_group, timeout_s=self.timeout_s,
-                           timeout_name="parallel.p2p_timeout_s")
+        self.runtime = PipelineRuntime(self.stages, schedule=self.schedule, process_group=self.g.pp_group,
+                                       timeout_s=self.timeout_s, timeout_name="parallel.p2p_timeout_s")
 
     @contextlib.contextmanager
     def _peers(self, op: str, ranks: list[int]):
@@ -224,9 +226,10 @@ class PipelinedEngine:
     def update_expert_bias(self, gamma: float):
         """Aux-loss-free bias update for this rank's routers: counts summed over the data-parallel group
         (for DualPipe also over the mirror rank, which saw the other half of the micro-batches)."""
-        if self.schedule == "dualpipe":
-            raise ConfigError("dsv3.parallel.schedule: 'dualpipe' with MoE bias updates is not supported on the "
-                              "DeepSpeed path (counts would also need summing over the mirror rank); use 'dualpipev'")
+        if self.traits.mirror_sync:
+            raise ConfigError(f"dsv3.parallel.schedule: {self.schedule!r} with MoE bias updates is not supported on "
+                              "the DeepSpeed path (counts would also need summing over the mirror rank); use "
+                              "'dualpipev'")
         with torch.no_grad(), self._peers("expert-load all-reduce (bias update)", self.g.dp_ranks):
             stats = update_expert_bias(self.module, gamma, group=self.g.dp_group)
         # which of the model's MoE layers each entry is (routers are visited in module order: each stage's

@@ -63,12 +63,10 @@ DEFAULT_DS_CONFIG: dict = {
 
 
 def resolve_ds_config(config: "str | os.PathLike | dict | None") -> dict:
-    """The DeepSpeed JSON as a dict (the built-in default when None); a file is read by `config.read_ds_json`
+    """The DeepSpeed JSON as a dict (the built-in default when None), read by the one reader `config.read_ds_json`
     (ConfigError naming the file when it is not UTF-8 JSON with a "dsv3" block)."""
     if config is None:
         return copy.deepcopy(DEFAULT_DS_CONFIG)
-    if isinstance(config, dict):
-        return copy.deepcopy(config)
     return read_ds_json(config)
 
 
