@@ -27,6 +27,7 @@ from torch import nn
 
 from dsv3_plugin.config import ConfigError
 from .backend import import_deepspeed
+from .engine import client_optimizer
 from dsv3_plugin.parallel.pipeline import PipelineRuntime
 from dsv3_plugin.schedule_traits import check_chunks
 from dsv3_plugin.parallel.pipeline.stages import build_stages, n_stages_of, stage_ids_for_rank
@@ -147,7 +148,6 @@ class PipelinedEngine:
             deepspeed = import_deepspeed()
         except ImportError:
             import deepspeed
-
         self.cfg = cfg
         self.schedule = cfg.parallel.schedule
         self.timeout_s = float(cfg.parallel.p2p_timeout_s if timeout_s is None else timeout_s)
@@ -166,9 +166,10 @@ class PipelinedEngine:
         self.stages = build_stages(model, n_stages_of(self.schedule, self.g.pp), ids)
         self.module = _LocalStages(self.stages)
         params = [p for p in self.module.parameters() if p.requires_grad]
+        opt, ds = client_optimizer(params, ds, cfg)   # memory.bf16_moments: the BF16-moment AdamW
         with self._peers("deepspeed.initialize (parameter broadcast)", self.g.dp_ranks):
             self.engine, self.optimizer, _, self.lr_scheduler = deepspeed.initialize(
-                model=self.module, model_parameters=params, config=ds, mpu=PipelineMPU(self.g))
+                model=self.module, model_parameters=params, optimizer=opt, config=ds, mpu=PipelineMPU(self.g))
         # Gradients are produced outside engine.backward (by the schedule): reduce them like DeepSpeed's own
         # pipeline engine does.
         self.engine.pipeline_parallelism = True
