@@ -173,7 +173,7 @@ def one_f_one_b(n_ranks: int, n_chunks: int) -> ScheduleSpec:
         for _ in range(warm):
             prog.B(0)
         ops.append(prog.ops)
-    return _finish("1f1b", P, C, 1, P, routes, ops, {(r, 0): r for r in range(P)})
+    return _finish("1f1b", P, C, routes, ops, {(r, 0): r for r in range(P)})
 
 
 def zb1p(n_ranks: int, n_chunks: int) -> ScheduleSpec:
@@ -201,7 +201,7 @@ def zb1p(n_ranks: int, n_chunks: int) -> ScheduleSpec:
         while prog.pending_w:
             prog.W()
         ops.append(prog.ops)
-    return _finish("zb1p", P, C, 1, P, routes, ops, {(r, 0): r for r in range(P)})
+    return _finish("zb1p", P, C, routes, ops, {(r, 0): r for r in range(P)})
 
 
 def _dual_program(prog: _Program, n: int, h: int, per_phase: int, phase_chunk: tuple[int, int]) -> None:
@@ -262,7 +262,7 @@ def dualpipe(n_ranks: int, n_chunks: int) -> ScheduleSpec:
         _dual_program(prog, P // 2, h, half, (1, 0) if second else (0, 1))
         ops.append(prog.ops)
     stage_of = {**{(r, 0): r for r in range(P)}, **{(r, 1): P - 1 - r for r in range(P)}}
-    return _finish("dualpipe", P, C, 2, P, routes, ops, stage_of)
+    return _finish("dualpipe", P, C, routes, ops, stage_of)
 
 
 def dualpipev(n_ranks: int, n_chunks: int) -> ScheduleSpec:
@@ -278,11 +278,12 @@ def dualpipev(n_ranks: int, n_chunks: int) -> ScheduleSpec:
         _dual_program(prog, P, r, C, (0, 1))
         ops.append(prog.ops)
     stage_of = {**{(r, 0): r for r in range(P)}, **{(r, 1): 2 * P - 1 - r for r in range(P)}}
-    return _finish("dualpipev", P, C, 2, 2 * P, routes, ops, stage_of)
+    return _finish("dualpipev", P, C, routes, ops, stage_of)
 
 
-def _finish(name, P, C, cpr, n_stages, routes, ops, stage_of) -> ScheduleSpec:
-    spec = ScheduleSpec(name, P, C, cpr, n_stages, routes, ops, stage_of, traits=SCHEDULES[name])
+def _finish(name, P, C, routes, ops, stage_of) -> ScheduleSpec:
+    t = SCHEDULES[name]
+    spec = ScheduleSpec(name, P, C, t.chunks_per_rank, t.n_stages(P), routes, ops, stage_of, traits=t)
     spec.validate()
     return spec
 
