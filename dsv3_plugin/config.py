@@ -18,6 +18,8 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from dsv3_plugin.json_input import read_json
 from dsv3_plugin.json_input import check_tree
+from dsv3_plugin.errors import ConfigError
+from dsv3_plugin.schedule_traits import check_chunks
 
 __all__ = [
     "ConfigError",
@@ -37,10 +39,6 @@ __all__ = [
     "schedule_value",
     "reference_table",
 ]
-
-
-class ConfigError(ValueError):
-    """Invalid `"dsv3"` configuration; the message starts with the dotted key path."""
 
 
 MAX_TIMEOUT_S = 7 * 24 * 3600.0   # a timeout beyond a week is a typo (and 1e300 s overflows timedelta)
@@ -479,14 +477,8 @@ def _check_cross_fields(c: DSv3Config) -> None:
     if nodes > 1 and e.n_group not in (1, nodes) and e.n_group % nodes:
         _fail("moe.n_group", f"must be a multiple of the EP nodes for node-limited routing "
                              f"(got {e.n_group} groups over {nodes} nodes)")
-    if p.schedule == "dualpipe" and p.pp > 1 and p.pp % 2:
-        _fail("parallel.pp", f"DualPipe needs an even number of pipeline ranks (got {p.pp})")
-    if p.num_chunks is not None and p.pp > 1:
-        need = 2 * p.pp
-        if p.schedule in ("dualpipe", "dualpipev") and p.num_chunks < need:
-            _fail("parallel.num_chunks", f"{p.schedule} needs >= 2*pp micro-batches (got {p.num_chunks} < {need})")
-        if p.schedule == "dualpipe" and p.num_chunks % 2:
-            _fail("parallel.num_chunks", f"DualPipe needs an even number of micro-batches (got {p.num_chunks})")
+    if p.pp > 1:   # (pp = 1: no pipeline, the schedule is not used)
+        check_chunks(p.schedule, p.pp, p.num_chunks, pp_key="dsv3.parallel.pp", chunks_key="dsv3.parallel.num_chunks")
     if c.fp8.dispatch and not c.fp8.enabled:
         _fail("fp8.dispatch", "requires fp8.enabled = true")
     if c.fp8.recipe == "tensorwise" and c.fp8.dispatch:
@@ -503,10 +495,20 @@ def _check_cross_fields(c: DSv3Config) -> None:
                                    f"fp8.recipe = 'tensorwise'")
 
 
-def read_ds_json(path: "str | os.PathLike") -> dict:
-    """A DeepSpeed JSON file as a dict that has a "dsv3" block; `ConfigError` naming the file otherwise
-    (not found, not UTF-8, not JSON, nested too deep, NaN/inf, duplicate keys: see `dsv3_plugin.json_input`)."""
-    where = os.fspath(path)
+def read_ds_json(src: "str | os.PathLike | dict") -> dict:
+    """The one reader of a DeepSpeed JSON with a "dsv3" block (`dsv3 check-config`, `dsv3 train`, the engine and
+    `load_config` all use it): a file path is read by `dsv3_plugin.json_input.read_json` (not found, not UTF-8,
+    not JSON, nested too deep, NaN/inf, duplicate keys: `ConfigError` naming the file); a dict gets the same
+    checks that apply to parsed JSON (a "dsv3" block, nesting, finite numbers) before it is deep-copied. Returns
+    a copy the caller may change."""
+    if isinstance(src, dict):
+        if "dsv3" not in src:
+            raise ConfigError("dsv3: the DeepSpeed config has no \"dsv3\" block")
+        check_numbers(src, prefix=())   # iterative: a hostile depth is refused before deepcopy recurses
+        return copy.deepcopy(src)
+    if not isinstance(src, (str, os.PathLike)):
+        raise ConfigError(f"dsv3: a DeepSpeed config must be a path or a dict (got {type(src).__name__})")
+    where = os.fspath(src)
     raw = read_json(where, ConfigError)
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: must hold a JSON object (got {got(raw)})")

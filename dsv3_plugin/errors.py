@@ -1,7 +1,9 @@
 """Error types shared across the package (docs/architecture.md, Conventions: both are `ValueError`, CLI exit code 2)."""
-from dsv3_plugin.config import ConfigError
-
 __all__ = ["ConfigError", "CheckpointError"]
+
+
+class ConfigError(ValueError):
+    """Invalid `"dsv3"` configuration (or DeepSpeed key); the message starts with the dotted key path."""
 
 
 class CheckpointError(ValueError):

@@ -17,7 +17,7 @@ from torch import nn
 from dsv3_plugin.bench import positive_int
 from dsv3_plugin.parallel.pipeline.weight_grad import DeferrableLinear
 from dsv3_plugin.parallel.distributed import init_distributed
-from dsv3_plugin.parallel.pipeline import DualPipe, DualPipeV, OneFOneB
+from dsv3_plugin.parallel.pipeline import SCHEDULES, PipelineRuntime
 from dsv3_plugin.parallel.distributed import spawn
 from dsv3_plugin.parallel.pipeline.schedule import build_schedule
 from dsv3_plugin.parallel.pipeline.simulate import Durations, simulate
@@ -63,15 +63,9 @@ def _rank_main(args_d: dict) -> dict:
     y = torch.randn(C, T, h, generator=g)
     runtimes = {}
     for name in ("1f1b", "dualpipev", "dualpipe"):
-        if name == "1f1b":
-            st = _stages(RANKS, blocks, h)
-            runtimes[name] = OneFOneB([st[r]])
-        elif name == "dualpipe":
-            st = _stages(RANKS, blocks, h)
-            runtimes[name] = DualPipe([st[r], st[RANKS - 1 - r]])
-        else:
-            st = _stages(2 * RANKS, blocks, h)
-            runtimes[name] = DualPipeV([st[r], st[2 * RANKS - 1 - r]])
+        t = SCHEDULES[name]
+        st = _stages(t.n_stages(RANKS), blocks, h)
+        runtimes[name] = PipelineRuntime([st[i] for i in t.stage_ids(RANKS, r)], schedule=name)
     samples = {name: ([], []) for name in runtimes}
     # Rounds interleave the schedules so that load drift on a shared machine hits all of them alike.
     for i in range(steps + 1):

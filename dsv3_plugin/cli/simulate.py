@@ -7,11 +7,12 @@ import json
 import sys
 from dsv3_plugin.parallel.pipeline.schedule import build_schedule
 from dsv3_plugin.parallel.pipeline.simulate import Durations, comparison_table, plot_timeline, simulate
+from dsv3_plugin.schedule_traits import SCHEDULES
 
 
 def register(sub):
     p = sub.add_parser("simulate", help="simulate a pipeline schedule (bubble, memory, timeline PNG)")
-    p.add_argument("--schedule", choices=["1f1b", "zb1p", "dualpipe", "dualpipev"], default="dualpipev")
+    p.add_argument("--schedule", choices=list(SCHEDULES), default="dualpipev")
     p.add_argument("--pp", type=int, default=4, help="pipeline ranks (DualPipeV runs 2*pp stages on them)")
     p.add_argument("--chunks", type=int, default=None, help="micro-batches per step (default 4*pp)")
     p.add_argument("--f", type=float, default=1.0, help="forward time of one stage chunk")

@@ -10,6 +10,8 @@ Usage::
 
 DeepSpeed is imported only when `initialize` runs. See docs/deepspeed.md.
 """
-from .engine import DEFAULT_GRADIENT_CLIPPING, DSv3TrainState, initialize, quiet_deepspeed_logs, split_ds_config
+from .engine import (DEFAULT_GRADIENT_CLIPPING, DSv3TrainState, client_optimizer, initialize, quiet_deepspeed_logs,
+                     split_ds_config)
 
-__all__ = ["initialize", "split_ds_config", "DSv3TrainState", "quiet_deepspeed_logs", "DEFAULT_GRADIENT_CLIPPING"]
+__all__ = ["initialize", "split_ds_config", "client_optimizer", "DSv3TrainState", "quiet_deepspeed_logs",
+           "DEFAULT_GRADIENT_CLIPPING"]

@@ -16,6 +16,8 @@ DeepSpeed itself coerces or ignores bad values until deep inside `deepspeed.init
   fused kernels without a CPU implementation (Lamb, Lion) are refused without a GPU, and so is Adam(W) without
   `torch_adam` (DeepSpeed would JIT-compile its fused Adam inside `initialize`). `dsv3 train` passes no
   client optimizer, so for it the section is required (ZeRO stage 1 asserts otherwise).
+- with `dsv3.memory.bf16_moments`: the `optimizer` section must be AdamW (`adamw_hyperparameters`): the engine
+  builds the BF16-moment AdamW from its `lr`, `betas`, `eps`, `weight_decay` as a client optimizer.
 - `scheduler`: `type` a DeepSpeed LR schedule (or a `torch.optim.lr_scheduler` class), `params` an object
   matching its constructor, which is run once on a dummy optimizer.
 - `fp16` / `bf16`: `enabled` true or false, not both; fp16 refused where the accelerator has no fp16 (CPU).
@@ -32,7 +34,8 @@ from typing import Optional
 from dsv3_plugin.config import ConfigError, got, show
 from .backend import import_deepspeed
 
-__all__ = ["check_deepspeed_keys", "resolve_batch", "micro_batch", "SUPPORTED_ZERO_STAGES", "DEFAULT_GRADIENT_CLIPPING"]
+__all__ = ["check_deepspeed_keys", "resolve_batch", "micro_batch", "adamw_hyperparameters", "SUPPORTED_ZERO_STAGES",
+           "DEFAULT_GRADIENT_CLIPPING"]
 
 # NOTE: the paper (§4.2) clips the gradient norm at 1.0; we write it into the DeepSpeed config explicitly when the
 # JSON has no `gradient_clipping`, so the behaviour is visible in the resolved config rather than implied.
@@ -187,6 +190,40 @@ def _check_optimizer(ds: dict, train: bool) -> None:
             cls([torch.nn.Parameter(torch.zeros(1))], **kwargs)
         except (TypeError, ValueError) as e:
             raise ConfigError(f"optimizer.params: {cls.__name__} refuses them: {e}") from None
+
+
+# AdamW arguments that only pick torch's kernel (same arithmetic, so nothing to carry over)
+_ADAMW_KERNEL_KEYS = ("foreach", "fused", "capturable", "differentiable")
+
+
+def adamw_hyperparameters(ds: dict) -> dict:
+    """`dsv3.memory.bf16_moments`: the hyper-parameters of the JSON's `optimizer` section for the BF16-moment AdamW
+    that replaces it, i.e. the values `torch.optim.AdamW` would run with (what DeepSpeed builds for
+    `{"type": "AdamW", "torch_adam": true}`, its defaults included): the two runs then differ only in where
+    the moments are kept. `ConfigError` naming the key for a section that is not plain AdamW."""
+    opt = ds.get("optimizer")
+    if not isinstance(opt, dict):
+        raise ConfigError("optimizer: required with dsv3.memory.bf16_moments (an AdamW section: the BF16-moment "
+                          "AdamW takes its lr, betas, eps and weight_decay)")
+    name, params = opt.get("type"), dict(opt.get("params") or {})
+    low = name.lower() if isinstance(name, str) else ""
+    if not (low == "adamw" or (low == "adam" and params.get("adam_w_mode", True) is not False)):
+        raise ConfigError(f"optimizer.type: dsv3.memory.bf16_moments keeps AdamW's moments in BF16 and needs an AdamW "
+                          f"optimizer (\"AdamW\", or \"Adam\" in adam_w_mode) (got {show(name)})")
+    for k in _DS_ONLY_OPT_KEYS + _ADAMW_KERNEL_KEYS:
+        params.pop(k, None)
+    for k, v in params.items():
+        if k not in ("lr", "betas", "eps", "weight_decay") and not (k in ("amsgrad", "maximize") and v is False) \
+                and not (k == "bias_correction" and v is True):
+            raise ConfigError(f"optimizer.params.{k}: not supported with dsv3.memory.bf16_moments (the BF16-moment "
+                              f"AdamW takes lr, betas, eps, weight_decay) (got {show(v)})")
+    import torch
+    kwargs = {k: v for k, v in params.items() if k in ("lr", "betas", "eps", "weight_decay")}
+    try:
+        d = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], **kwargs).defaults
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"optimizer.params: AdamW refuses them: {e}") from None
+    return {"lr": d["lr"], "betas": tuple(d["betas"]), "eps": d["eps"], "weight_decay": d["weight_decay"]}
 
 
 def _check_scheduler(ds: dict) -> None:

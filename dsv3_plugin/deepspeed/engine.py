@@ -15,6 +15,11 @@ What it adds to the engine DeepSpeed returns (and why):
   tokens seen, optimizer steps, every rank's RNG state (all-gathered: DeepSpeed writes client_state from rank
   0 only) and the resolved "dsv3" block; router biases are persistent buffers and travel in the module state.
   Together with the caller's data position (its own `client_state` keys) that makes resume bit-exact on CPU.
+- BF16 AdamW moments (paper §3.3, `memory.bf16_moments`): the JSON's AdamW section becomes an
+  `AdamWBF16Moments` passed to DeepSpeed as the client optimizer (`client_optimizer`). ZeRO-1 wraps it like a
+  torch optimizer: the parameters it sees are this rank's flat FP32 partition, so each rank keeps BF16 moments
+  of its 1/dp share, and ZeRO's checkpoints carry them (torch's load casts them to FP32; the optimizer's
+  `load_state_dict` restores BF16, exactly).
 - DeepSpeed JSON hygiene: ZeRO stage 1 (the default when absent; other stages are refused), and
   `gradient_clipping` written explicitly (DeepSpeed otherwise applies a silent default of 1.0).
 
@@ -22,6 +27,7 @@ DeepSpeed is imported lazily (only here), never by the core.
 """
 from __future__ import annotations
 
+import copy
 import os
 import random
 from dataclasses import dataclass
@@ -32,13 +38,15 @@ import torch.distributed as dist
 
 from dsv3_plugin.config import ConfigError, DSv3Config
 from dsv3_plugin.errors import CheckpointError
+from dsv3_plugin.precision.bf16_adamw import AdamWBF16Moments
 from .backend import import_deepspeed, quiet_deepspeed_logs  # noqa: F401  (re-exported)
 from .config_keys import DEFAULT_GRADIENT_CLIPPING, SUPPORTED_ZERO_STAGES  # noqa: F401  (re-exported)
+from .config_keys import adamw_hyperparameters
 from .validate import validate_ds_config
 from dsv3_plugin.model.moe.balancing import update_expert_bias
 
-__all__ = ["initialize", "split_ds_config", "DSv3TrainState", "quiet_deepspeed_logs", "DEFAULT_GRADIENT_CLIPPING"]
-
+__all__ = ["initialize", "split_ds_config", "client_optimizer", "DSv3TrainState", "quiet_deepspeed_logs",
+           "DEFAULT_GRADIENT_CLIPPING"]
 
 
 def split_ds_config(config: "str | os.PathLike | dict") -> tuple[dict, DSv3Config]:
@@ -51,6 +59,27 @@ def split_ds_config(config: "str | os.PathLike | dict") -> tuple[dict, DSv3Confi
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
     checked = validate_ds_config(config, target="engine", world_size=world)
     return checked.ds, checked.cfg
+
+
+def client_optimizer(params, ds_config: dict, cfg: DSv3Config, optimizer=None):
+    """-> (the optimizer to hand `deepspeed.initialize`, the DeepSpeed dict to hand it with).
+
+    Without `memory.bf16_moments` both pass through. With it, the JSON's AdamW section becomes an
+    `AdamWBF16Moments` over `params` with the same hyper-parameters (`config_keys.adamw_hyperparameters`), the
+    section is dropped (DeepSpeed builds no optimizer of its own) and `zero_allow_untested_optimizer` is set
+    (ZeRO's rule for an optimizer class it does not know). A caller's own `optimizer` must then be one."""
+    if not cfg.memory.bf16_moments:
+        return optimizer, ds_config
+    if optimizer is not None:
+        if not isinstance(optimizer, AdamWBF16Moments):
+            raise ConfigError(f"dsv3.memory.bf16_moments: the optimizer passed is a {type(optimizer).__name__}, not "
+                              "an AdamWBF16Moments; pass none (the \"optimizer\" section is used) or set it false")
+        return optimizer, ds_config
+    hyper = adamw_hyperparameters(ds_config)
+    ds = copy.deepcopy(ds_config)
+    ds.pop("optimizer")
+    ds["zero_allow_untested_optimizer"] = True
+    return AdamWBF16Moments(params, **hyper), ds
 
 
 def _check_model_matches(model: torch.nn.Module, cfg: DSv3Config) -> None:
@@ -218,6 +247,9 @@ def initialize(model: torch.nn.Module, config: "str | os.PathLike | dict", *, mo
     deepspeed = import_deepspeed()
     if model_parameters is None and optimizer is None:
         model_parameters = [p for p in model.parameters() if p.requires_grad]
+    elif model_parameters is not None:
+        model_parameters = list(model_parameters)   # a generator would be spent by the client optimizer
+    optimizer, ds_config = client_optimizer(model_parameters, ds_config, cfg, optimizer)
     engine, opt, loader, sched = deepspeed.initialize(
         model=model, model_parameters=model_parameters, optimizer=optimizer, lr_scheduler=lr_scheduler,
         training_data=training_data, config=ds_config, **kwargs)

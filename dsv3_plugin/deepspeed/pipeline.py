@@ -27,7 +27,9 @@ from torch import nn
 
 from dsv3_plugin.config import ConfigError
 from .backend import import_deepspeed
-from dsv3_plugin.parallel.pipeline import DualPipe, DualPipeV, OneFOneB, ZeroBubble1P
+from .engine import client_optimizer
+from dsv3_plugin.parallel.pipeline import PipelineRuntime
+from dsv3_plugin.schedule_traits import check_chunks
 from dsv3_plugin.parallel.pipeline.stages import build_stages, n_stages_of, stage_ids_for_rank
 from dsv3_plugin.parallel.pipeline.p2p import PipelineError
 from dsv3_plugin.parallel.pipeline.stages import DSv3PipelineLoss, sync_tied_embedding
@@ -146,13 +148,14 @@ class PipelinedEngine:
             deepspeed = import_deepspeed()
         except ImportError:
             import deepspeed
-
         self.cfg = cfg
         self.schedule = cfg.parallel.schedule
         self.timeout_s = float(cfg.parallel.p2p_timeout_s if timeout_s is None else timeout_s)
         self.g = groups or pipeline_groups(cfg.parallel.pp, self.timeout_s)
         ds = copy.deepcopy(ds_config)
         self.gas = int(ds.get("gradient_accumulation_steps", 1))
+        self.traits = check_chunks(self.schedule, self.g.pp, self.gas, chunks_key="gradient_accumulation_steps",
+                                   pp_key="dsv3.parallel.pp")
         mbs = int(ds.get("train_micro_batch_size_per_gpu", 1))
         self.micro_batch = mbs
         ds["gradient_accumulation_steps"] = 1
@@ -163,15 +166,15 @@ class PipelinedEngine:
         self.stages = build_stages(model, n_stages_of(self.schedule, self.g.pp), ids)
         self.module = _LocalStages(self.stages)
         params = [p for p in self.module.parameters() if p.requires_grad]
+        opt, ds = client_optimizer(params, ds, cfg)   # memory.bf16_moments: the BF16-moment AdamW
         with self._peers("deepspeed.initialize (parameter broadcast)", self.g.dp_ranks):
             self.engine, self.optimizer, _, self.lr_scheduler = deepspeed.initialize(
-                model=self.module, model_parameters=params, config=ds, mpu=PipelineMPU(self.g))
+                model=self.module, model_parameters=params, optimizer=opt, config=ds, mpu=PipelineMPU(self.g))
         # Gradients are produced outside engine.backward (by the schedule): reduce them like DeepSpeed's own
         # pipeline engine does.
         self.engine.pipeline_parallelism = True
-        cls = {"1f1b": OneFOneB, "zb1p": ZeroBubble1P, "dualpipe": DualPipe, "dualpipev": DualPipeV}[self.schedule]
-        self.runtime = cls(self.stages, process_group=self.g.pp_group, timeout_s=self.timeout_s,
-                           timeout_name="parallel.p2p_timeout_s")
+        self.runtime = PipelineRuntime(self.stages, schedule=self.schedule, process_group=self.g.pp_group,
+                                       timeout_s=self.timeout_s, timeout_name="parallel.p2p_timeout_s")
 
     @contextlib.contextmanager
     def _peers(self, op: str, ranks: list[int]):
@@ -224,9 +227,10 @@ class PipelinedEngine:
     def update_expert_bias(self, gamma: float):
         """Aux-loss-free bias update for this rank's routers: counts summed over the data-parallel group
         (for DualPipe also over the mirror rank, which saw the other half of the micro-batches)."""
-        if self.schedule == "dualpipe":
-            raise ConfigError("dsv3.parallel.schedule: 'dualpipe' with MoE bias updates is not supported on the "
-                              "DeepSpeed path (counts would also need summing over the mirror rank); use 'dualpipev'")
+        if self.traits.mirror_sync:
+            raise ConfigError(f"dsv3.parallel.schedule: {self.schedule!r} with MoE bias updates is not supported on "
+                              "the DeepSpeed path (counts would also need summing over the mirror rank); use "
+                              "'dualpipev'")
         with torch.no_grad(), self._peers("expert-load all-reduce (bias update)", self.g.dp_ranks):
             stats = update_expert_bias(self.module, gamma, group=self.g.dp_group)
         # which of the model's MoE layers each entry is (routers are visited in module order: each stage's

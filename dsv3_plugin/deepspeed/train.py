@@ -19,6 +19,7 @@ import os
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -63,12 +64,10 @@ DEFAULT_DS_CONFIG: dict = {
 
 
 def resolve_ds_config(config: "str | os.PathLike | dict | None") -> dict:
-    """The DeepSpeed JSON as a dict (the built-in default when None); a file is read by `config.read_ds_json`
+    """The DeepSpeed JSON as a dict (the built-in default when None), read by the one reader `config.read_ds_json`
     (ConfigError naming the file when it is not UTF-8 JSON with a "dsv3" block)."""
     if config is None:
         return copy.deepcopy(DEFAULT_DS_CONFIG)
-    if isinstance(config, dict):
-        return copy.deepcopy(config)
     return read_ds_json(config)
 
 
@@ -180,82 +179,132 @@ def train(ds_config: "str | os.PathLike | dict | None" = None, *, steps: int | N
         run.close()
 
 
+# --- the loop ----------------------------------------------------------------------------------------
 def _train(run: RunDir, ds: dict, cfg, total: int, rank: int, world: int, *, init_from, progress, echo,
            summary, allow_non_finite=False) -> dict:
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    torch.manual_seed(cfg.train.seed)
-
-    quiet_deepspeed_logs()  # stdout carries only the JSON lines and the summary
-    _drop_startup_warning()
-    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
-    model = _build_model(cfg, init_from, allow_non_finite)  # (bf16_moments, pp with EMA or EP: refused by _prepare)
+    """Setup, resume, then one `_step` per optimizer step, each logged and checkpointed by `_after_step`."""
+    _setup_process(cfg)
+    model = _build_model(cfg, init_from, allow_non_finite)  # (pp with EMA or EP: refused by _prepare)
     if cfg.parallel.pp > 1:
         return _train_pipelined(model, run, ds, cfg, total, rank, world, progress=progress, echo=echo,
                                 summary=summary)
-    prepare_model(model, cfg)
-    engine, _, _, _ = initialize(model, ds)
-    telemetry = RoutingTelemetry(model)  # loads, MaxVio_batch/global, cross-node copies, dropped tokens
-    ema = EMA.from_config(model, cfg, rank, world)  # memory.ema: CPU shadow, updated after each step
-    device = engine.device
-    start = 0
-    if run.resume_tag:
-        _, client = engine.load_checkpoint(run.resume_ckpt, tag=run.resume_tag)
-        start = int(client.get("data_step", engine.dsv3.state.optimizer_steps))
-        if "telemetry" in client:  # running totals (MaxVio_global): metrics continue as if uninterrupted
-            telemetry.load_state_dict(client["telemetry"])
-        if ema is not None:
-            ema.load_state_dict(torch.load(_ema_path(run.resume_ckpt, run.resume_tag, rank), weights_only=True))
-    data = MarkovData(cfg.model.vocab_size, cfg.train.seq_len, seed=cfg.train.seed)
-    mbs, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    loop = _setup(model, ds, cfg, rank, world)
+    start = _resume(loop, run)
     run.start_metrics(start)
-
     bar = _bar(progress and rank == 0, total, start, "dsv3 train")
     history: list[dict] = []
-    engine.train()
+    loop.engine.train()
     t_run = time.perf_counter()
     for step in range(start, total):
-        t0 = time.perf_counter()
-        sums_4 = torch.zeros(4, dtype=torch.float64)  # loss, lm, mtp, balance summed over micro-batches
-        for micro in range(gas):
-            ids, labels = data.batch(step, micro, rank, mbs, device=device)
-            o = engine(ids, labels=labels)
-            engine.backward(o.loss)
-            engine.step()
-            sums_4 += torch.tensor([_f(o.loss), _f(o.lm_loss), _f(o.mtp_loss), _f(o.balance_loss)],
-                                   dtype=torch.float64)
-        if torch.distributed.is_initialized():
-            sums_4 = sums_4.to(device)
-            torch.distributed.all_reduce(sums_4)
-            sums_4 = sums_4.cpu()
-        means = (sums_4 / (gas * world)).tolist()
-        if ema is not None:
-            ema.update()  # after the optimizer step; the copy to CPU overlaps the next step
-        dt = time.perf_counter() - t0
-        st = engine.dsv3.state
-        mv = maxvio_of(st.last_stats)
-        rec = {"step": step + 1, "loss": means[0], "lm_loss": means[1], "mtp_loss": means[2],
-               "balance_loss": means[3], "maxvio": sum(mv) / len(mv) if mv else 0.0,
-               "tokens_per_s": st.last_step_tokens / dt, "tokens_seen": st.tokens_seen,
-               "gamma": st.last_gamma, "lr": float(engine.get_lr()[0]), "maxvio_layers": mv,
-               **telemetry.record(st.last_stats)}  # collective: every rank records
+        rec = _step(loop, step)
         history.append(rec)
-        done = step + 1
-        if rank == 0:
-            _log_step(rec, done, total, cfg.train.log_every, echo, run.metrics_path, bar)
-        if run.ckpt and ((cfg.train.save_every and done % cfg.train.save_every == 0) or done == total):
-            tag = f"step{done}"
-            engine.save_checkpoint(run.ckpt, tag=tag,
-                                   client_state={"data_step": done, "telemetry": telemetry.state_dict()})
-            if ema is not None:  # each rank its own shard (DeepSpeed's client_state is written by rank 0 only)
-                _atomic_save(ema.state_dict(), _ema_path(run.ckpt, tag, rank))
-            run.saved(tag, done)
+        _after_step(rec, run, cfg, total, echo, bar, save=lambda tag, done: _save(loop, run, tag, done))
     wall = time.perf_counter() - t_run
     if bar is not None:
         bar.close()
-    if ema is not None:
-        ema.close()
-    engine.dsv3.remove()
-    return _finish(model, history, run, world, wall, data.entropy_rate, echo, summary)
+    if loop.ema is not None:
+        loop.ema.close()
+    loop.engine.dsv3.remove()
+    return _finish(model, history, run, world, wall, loop.data.entropy_rate, echo, summary)
+
+
+@dataclass
+class _Loop:
+    """What the pp = 1 loop holds across steps."""
+
+    engine: Any                 # DeepSpeed engine with the dsv3 hooks (`engine.dsv3`)
+    telemetry: Any              # RoutingTelemetry: loads, MaxVio_batch/global, cross-node copies, dropped tokens
+    ema: Any                    # EMA or None (memory.ema)
+    data: Any                   # MarkovData
+    rank: int
+    world: int
+
+    @property
+    def micro_batches(self) -> tuple[int, int]:
+        """(sequences per micro-batch, micro-batches per optimizer step)."""
+        return self.engine.train_micro_batch_size_per_gpu(), self.engine.gradient_accumulation_steps()
+
+
+def _setup_process(cfg) -> None:
+    """Threads, the weights' seed, and quiet DeepSpeed: stdout carries only the JSON lines and the summary."""
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    torch.manual_seed(cfg.train.seed)
+    quiet_deepspeed_logs()
+    _drop_startup_warning()
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
+
+
+def _setup(model, ds: dict, cfg, rank: int, world: int) -> _Loop:
+    """Experts sharded over parallel.ep, the ZeRO-1 engine (with the BF16-moment AdamW under
+    memory.bf16_moments), routing telemetry, the CPU EMA shard, the synthetic data."""
+    prepare_model(model, cfg)
+    engine, _, _, _ = initialize(model, ds)
+    telemetry = RoutingTelemetry(model)
+    ema = EMA.from_config(model, cfg, rank, world)  # memory.ema: CPU shadow, updated after each step
+    data = MarkovData(cfg.model.vocab_size, cfg.train.seq_len, seed=cfg.train.seed)
+    return _Loop(engine, telemetry, ema, data, rank, world)
+
+
+def _resume(loop: _Loop, run: RunDir) -> int:
+    """With --resume: the engine's checkpoint (weights, optimizer, dsv3 state, RNG), the telemetry totals and this
+    rank's EMA shard. Returns the step to start from (the data position)."""
+    if not run.resume_tag:
+        return 0
+    _, client = loop.engine.load_checkpoint(run.resume_ckpt, tag=run.resume_tag)
+    start = int(client.get("data_step", loop.engine.dsv3.state.optimizer_steps))
+    if "telemetry" in client:  # running totals (MaxVio_global): metrics continue as if uninterrupted
+        loop.telemetry.load_state_dict(client["telemetry"])
+    if loop.ema is not None:
+        loop.ema.load_state_dict(torch.load(_ema_path(run.resume_ckpt, run.resume_tag, loop.rank), weights_only=True))
+    return start
+
+
+def _step(loop: _Loop, step: int) -> dict:
+    """One optimizer step over the accumulation window; returns its metrics (identical on every rank)."""
+    engine, (mbs, gas) = loop.engine, loop.micro_batches
+    t0 = time.perf_counter()
+    sums_4 = torch.zeros(4, dtype=torch.float64)  # loss, lm, mtp, balance summed over micro-batches
+    for micro in range(gas):
+        ids, labels = loop.data.batch(step, micro, loop.rank, mbs, device=engine.device)
+        o = engine(ids, labels=labels)
+        engine.backward(o.loss)
+        engine.step()     # the last micro-batch's call steps the optimizer and the router biases
+        sums_4 += torch.tensor([_f(o.loss), _f(o.lm_loss), _f(o.mtp_loss), _f(o.balance_loss)], dtype=torch.float64)
+    if torch.distributed.is_initialized():
+        sums_4 = sums_4.to(engine.device)
+        torch.distributed.all_reduce(sums_4)
+        sums_4 = sums_4.cpu()
+    means = (sums_4 / (gas * loop.world)).tolist()
+    if loop.ema is not None:
+        loop.ema.update()  # after the optimizer step; the copy to CPU overlaps the next step
+    dt = time.perf_counter() - t0
+    st = engine.dsv3.state
+    mv = maxvio_of(st.last_stats)
+    return {"step": step + 1, "loss": means[0], "lm_loss": means[1], "mtp_loss": means[2],
+            "balance_loss": means[3], "maxvio": sum(mv) / len(mv) if mv else 0.0,
+            "tokens_per_s": st.last_step_tokens / dt, "tokens_seen": st.tokens_seen,
+            "gamma": st.last_gamma, "lr": float(engine.get_lr()[0]), "maxvio_layers": mv,
+            **loop.telemetry.record(st.last_stats)}  # collective: every rank records
+
+
+def _save(loop: _Loop, run: RunDir, tag: str, done: int) -> None:
+    """The DeepSpeed checkpoint with the data position and telemetry, and this rank's EMA shard."""
+    loop.engine.save_checkpoint(run.ckpt, tag=tag,
+                                client_state={"data_step": done, "telemetry": loop.telemetry.state_dict()})
+    if loop.ema is not None:  # each rank its own shard (DeepSpeed's client_state is written by rank 0 only)
+        _atomic_save(loop.ema.state_dict(), _ema_path(run.ckpt, tag, loop.rank))
+
+
+def _after_step(rec: dict, run: RunDir, cfg, total: int, echo: bool, bar, save) -> None:
+    """Both loops: rank 0 logs the step; at `train.save_every` and at the last step `save(tag, done)` writes the
+    checkpoint (every rank: ZeRO-1 state is partitioned) and the run directory records it."""
+    done = rec["step"]
+    if run.rank == 0:
+        _log_step(rec, done, total, cfg.train.log_every, echo, run.metrics_path, bar)
+    if run.ckpt and ((cfg.train.save_every and done % cfg.train.save_every == 0) or done == total):
+        tag = f"step{done}"
+        save(tag, done)
+        run.saved(tag, done)
 
 
 def _drop_startup_warning() -> None:
@@ -289,41 +338,40 @@ def _train_pipelined(model, run: RunDir, ds: dict, cfg, total: int, rank: int, w
         raise ConfigError("dsv3.parallel.pp: --resume with pipeline parallelism is not supported yet")
     pe = PipelinedEngine(model, ds, cfg)
     data = MarkovData(cfg.model.vocab_size, cfg.train.seq_len, seed=cfg.train.seed)
-    mbs, gas, g = pe.micro_batch, pe.gas, pe.g
     run.start_metrics(0)
-    bar = _bar(progress and rank == 0, total, 0, f"dsv3 train (pp={g.pp}, {cfg.parallel.schedule})")
+    bar = _bar(progress and rank == 0, total, 0, f"dsv3 train (pp={pe.g.pp}, {cfg.parallel.schedule})")
     history: list[dict] = []
-    tokens_seen = 0
     t_run = time.perf_counter()
     for step in range(total):
-        t0 = time.perf_counter()
-        parts = [data.batch(step, micro, g.dp_rank, mbs) for micro in range(gas)]
-        ids = torch.cat([p[0] for p in parts])
-        labels = torch.cat([p[1] for p in parts])
-        m = pe.train_step(ids, labels, tokens_seen=float(tokens_seen))
-        gamma = cfg.moe.gamma(float(tokens_seen))
-        stats = pe.update_expert_bias(gamma)
-        step_tokens = ids.numel() * g.dp            # every rank of a pipeline trains on the same tokens
-        tokens_seen += step_tokens
-        # (MoE layer index, MaxVio) of every local MoE layer of every pipeline rank
-        per_rank = pe.gather_pipeline([(s["moe_index"], float(s["maxvio"])) for s in stats])
-        mv = [v for _, v in sorted(x for xs in per_rank for x in xs)]   # model order
-        dt = time.perf_counter() - t0
-        rec = {"step": step + 1, **m, "maxvio": sum(mv) / len(mv) if mv else 0.0,
-               "tokens_per_s": step_tokens / dt, "tokens_seen": tokens_seen, "gamma": gamma,
-               "lr": float(pe.engine.get_lr()[0]), "maxvio_layers": mv}
+        tokens_seen = history[-1]["tokens_seen"] if history else 0
+        rec = _step_pipelined(pe, data, cfg, step, tokens_seen)
         history.append(rec)
-        done = step + 1
-        if rank == 0:
-            _log_step(rec, done, total, cfg.train.log_every, echo, run.metrics_path, bar)
-        if run.ckpt and ((cfg.train.save_every and done % cfg.train.save_every == 0) or done == total):
-            pe.engine.save_checkpoint(run.ckpt, tag=f"step{done}", client_state={"data_step": done,
-                                                                               "tokens_seen": tokens_seen})
-            run.saved(f"step{done}", done)
+        _after_step(rec, run, cfg, total, echo, bar, save=lambda tag, done: pe.engine.save_checkpoint(
+            run.ckpt, tag=tag, client_state={"data_step": done, "tokens_seen": rec["tokens_seen"]}))
     wall = time.perf_counter() - t_run
     if bar is not None:
         bar.close()
     return _finish(pe.module, history, run, world, wall, data.entropy_rate, echo, summary)
+
+
+def _step_pipelined(pe, data, cfg, step: int, tokens_seen: int) -> dict:
+    """One pipeline step over this data-parallel rank's micro-batches, the bias update, and its metrics."""
+    t0 = time.perf_counter()
+    g = pe.g
+    parts = [data.batch(step, micro, g.dp_rank, pe.micro_batch) for micro in range(pe.gas)]
+    ids = torch.cat([p[0] for p in parts])
+    labels = torch.cat([p[1] for p in parts])
+    m = pe.train_step(ids, labels, tokens_seen=float(tokens_seen))
+    gamma = cfg.moe.gamma(float(tokens_seen))
+    stats = pe.update_expert_bias(gamma)
+    step_tokens = ids.numel() * g.dp            # every rank of a pipeline trains on the same tokens
+    # (MoE layer index, MaxVio) of every local MoE layer of every pipeline rank
+    per_rank = pe.gather_pipeline([(s["moe_index"], float(s["maxvio"])) for s in stats])
+    mv = [v for _, v in sorted(x for xs in per_rank for x in xs)]   # model order
+    dt = time.perf_counter() - t0
+    return {"step": step + 1, **m, "maxvio": sum(mv) / len(mv) if mv else 0.0,
+            "tokens_per_s": step_tokens / dt, "tokens_seen": tokens_seen + step_tokens, "gamma": gamma,
+            "lr": float(pe.engine.get_lr()[0]), "maxvio_layers": mv}
 
 
 def _log_step(rec: dict, done: int, total: int, log_every: int, echo: bool, metrics_path, bar) -> None:

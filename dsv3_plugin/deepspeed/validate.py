@@ -11,8 +11,9 @@ What it checks, in this order (the first failure is reported):
 2. the `"dsv3"` block: strict types, ranges, cross-field rules (`dsv3_plugin.config`);
 3. the DeepSpeed keys the engine reads (`dsv3_plugin.deepspeed.config_keys`): ZeRO stage 1 only, gradient clipping, batch sizes,
    optimizer and LR scheduler, fp16/bf16, and DeepSpeed's own config parser as a backstop;
-4. rules of the DeepSpeed path: at least one MoE layer (the bias update needs a router);
-5. with `target="train"`: what `dsv3 train` does not support (memory.bf16_moments, EMA or EP with pp > 1,
+4. rules of the DeepSpeed path: at least one MoE layer (the bias update needs a router); with memory.bf16_moments
+   an AdamW optimizer section (the engine builds the BF16-moment AdamW from it);
+5. with `target="train"`: what `dsv3 train` does not support (EMA or EP with pp > 1,
    DualPipe's bias update, a pipeline rank left without parameters), its synthetic data's limits, the requested FP8
    backend being runnable here;
 6. with `world_size`: pp divides the world, ep divides the data-parallel size, the batch-size triple of
@@ -30,9 +31,11 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 from dsv3_plugin.config import ConfigError, DSv3Config, check_numbers, got, load_config, read_ds_json
+from dsv3_plugin.parallel.pipeline.stages import min_layers
+from dsv3_plugin.schedule_traits import check_chunks, schedule_traits
 from .train_memory import MemoryEstimate, check_memory
 from dsv3_plugin.precision.fp8.linear import select_backend
-from .config_keys import check_deepspeed_keys, resolve_batch
+from .config_keys import adamw_hyperparameters, check_deepspeed_keys, resolve_batch
 
 __all__ = ["validate_ds_config", "CheckedConfig", "pipeline_microbatch_rule"]
 
@@ -52,29 +55,14 @@ class CheckedConfig:
         return {**copy.deepcopy(self.ds), "dsv3": copy.deepcopy(self.block)}
 
 
-def _read(config) -> dict:
-    if isinstance(config, dict):
-        if "dsv3" not in config:
-            raise ConfigError("dsv3: the DeepSpeed config has no \"dsv3\" block")
-        check_numbers(config, prefix=())   # iterative: a hostile depth is refused before deepcopy recurses
-        return copy.deepcopy(config)
-    if isinstance(config, (str, os.PathLike)):
-        return read_ds_json(config)
-    raise ConfigError(f"dsv3: a DeepSpeed config must be a path or a dict (got {type(config).__name__})")
-
-
 def pipeline_microbatch_rule(cfg: DSv3Config, gas: int) -> None:
     """`dsv3_plugin.deepspeed.pipeline`: one pipeline step over the step's `gas` micro-batches per optimizer
     step, so the schedule's micro-batch count is gradient_accumulation_steps."""
     p = cfg.parallel
     if p.pp <= 1:
         return
-    need = 2 * p.pp if p.schedule in ("dualpipe", "dualpipev") else 1
-    if gas < need:
-        raise ConfigError(f"gradient_accumulation_steps: {p.schedule} with pp={p.pp} runs the step's "
-                          f"micro-batches through the pipeline and needs >= {need} (got {gas})")
-    if p.schedule == "dualpipe" and gas % 2:
-        raise ConfigError(f"gradient_accumulation_steps: dualpipe needs an even number (got {gas})")
+    check_chunks(p.schedule, p.pp, gas, chunks_key="gradient_accumulation_steps", pp_key="dsv3.parallel.pp",
+                 why=f"; with pp={p.pp} the DeepSpeed path runs the step's micro-batches through the pipeline")
     if p.num_chunks is not None and p.num_chunks != gas:
         raise ConfigError(f"dsv3.parallel.num_chunks: the DeepSpeed path runs gradient_accumulation_steps "
                           f"micro-batches per pipeline step; set them equal (got {p.num_chunks} vs {gas})")
@@ -88,6 +76,8 @@ def _deepspeed_path_rules(cfg: DSv3Config, ds: dict) -> None:
     if topo and cfg.parallel.ep > 1:   # dsv3_plugin.deepspeed.moe_layer lays EP groups out as contiguous blocks
         raise ConfigError("use_data_before_expert_parallelism: unsupported with dsv3 expert parallelism "
                           "(EP groups must be contiguous rank blocks)")
+    if cfg.memory.bf16_moments and "optimizer" in ds:   # (without the section the engine needs optimizer=)
+        adamw_hyperparameters(ds)
     if m.first_k_dense_replace >= m.num_hidden_layers and cfg.mtp.depth == 0:
         raise ConfigError(f"dsv3.model.first_k_dense_replace: leaves no MoE layer (= num_hidden_layers = "
                           f"{m.num_hidden_layers}, and mtp.depth = 0); the DeepSpeed path updates router biases "
@@ -97,22 +87,18 @@ def _deepspeed_path_rules(cfg: DSv3Config, ds: dict) -> None:
 def _train_rules(cfg: DSv3Config) -> None:
     """What `dsv3 train` itself refuses (the engine alone may still be used this way from Python)."""
     p, m = cfg.parallel, cfg.model
-    if cfg.memory.bf16_moments:
-        raise ConfigError("dsv3.memory.bf16_moments: not wired into dsv3 train's DeepSpeed optimizer yet; "
-                          "use dsv3_plugin.precision.bf16_adamw.make_optimizer as a client optimizer (docs/fp8.md)")
     if p.pp > 1 and cfg.memory.ema:
         raise ConfigError("dsv3.memory.ema: not supported together with parallel.pp > 1 in dsv3 train")
     if p.pp > 1 and p.ep > 1:
         raise ConfigError(f"dsv3.parallel.ep: expert parallelism together with pipeline parallelism "
                           f"(pp = {p.pp}) is not supported by dsv3 train (got ep = {p.ep})")
-    if p.pp > 1 and p.schedule == "dualpipe":
-        raise ConfigError("dsv3.parallel.schedule: 'dualpipe' with MoE bias updates is not supported on the "
+    if p.pp > 1 and schedule_traits(p.schedule).mirror_sync:
+        raise ConfigError(f"dsv3.parallel.schedule: {p.schedule!r} with MoE bias updates is not supported on the "
                           "DeepSpeed path (counts would also need summing over the mirror rank); use 'dualpipev'")
     if p.pp > 1:
-        # Stages are cut as evenly as possible with the remainder on the earlier ones (pipeline/stages.py), so
-        # stage s is empty iff s >= L. A rank whose stages are all empty and hold neither the embedding (first
-        # stage) nor the head (last) has no parameter, and DeepSpeed's optimizer refuses an empty parameter list.
-        need = {"1f1b": p.pp - 1, "dualpipev": p.pp, "dualpipe": (p.pp - 1) // 2 + 1}[p.schedule]
+        # A rank whose stages are all empty and hold neither the embedding (first stage) nor the head (last) has
+        # no parameter, and DeepSpeed's optimizer refuses an empty parameter list (pipeline/stages.py).
+        need = min_layers(p.schedule, p.pp)
         if m.num_hidden_layers < need:
             raise ConfigError(f"dsv3.model.num_hidden_layers: {p.schedule} with pp={p.pp} needs >= {need} decoder "
                               f"layers, or a pipeline rank is left without any parameter (got {m.num_hidden_layers})")
@@ -157,7 +143,7 @@ def validate_ds_config(config: "str | os.PathLike | dict", *, target: Literal["t
     """
     if target not in ("train", "engine"):
         raise ValueError(f"validate_ds_config: target must be 'train' or 'engine' (got {target!r})")
-    raw = _read(config)
+    raw = read_ds_json(config)
     check_numbers(raw, prefix=())
     block = raw.pop("dsv3")
     cfg = load_config({"dsv3": block})

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from dsv3_plugin.config import ConfigError, DSv3Config
+from dsv3_plugin.schedule_traits import schedule_traits
 
 __all__ = ["param_counts", "layer_activation_bytes", "RankMemory", "plan", "format_table", "SCHEDULES"]
 
@@ -157,17 +158,20 @@ def plan(cfg: DSv3Config, pp: int, ep: int, dp: int, micro_batch_tokens: int | N
 
     out = []
     for sched in schedules:
-        n_stages = 2 * pp if sched == "dualpipev" else pp
+        traits = schedule_traits(sched)
+        n_stages = traits.n_stages(pp)
         bounds = [0]
         for n in _split(L, n_stages):
             bounds.append(bounds[-1] + n)
         stages = [list(range(bounds[s], bounds[s + 1])) for s in range(n_stages)]
+        per_rank = [traits.stage_ids(pp, r) for r in range(pp)]
+        # micro-batches in flight per rank at the steady state (the schedules' published activation counts)
         if sched == "1f1b":   # stage r holds PP - r micro-batches at the 1F1B steady state
-            per_rank, inflight = [[r] for r in range(pp)], [pp - r for r in range(pp)]
+            inflight = [pp - r for r in range(pp)]
         elif sched == "dualpipe":
-            per_rank, inflight = [[r, pp - 1 - r] for r in range(pp)], [pp + 1] * pp
+            inflight = [pp + 1] * pp
         else:
-            per_rank, inflight = [[r, 2 * pp - 1 - r] for r in range(pp)], [2 * pp + 1] * pp
+            inflight = [2 * pp + 1] * pp
         worst = None
         for ranks_stages, n_inflight in zip(per_rank, inflight):
             dense_p = routed_p = 0.0

@@ -2,7 +2,7 @@
 imports sit at module top (an import inside a function is allowed only for an optional dependency).
 
 Layers, lowest first (a module may import its own layer and the ones below):
-  errors, json_input, config  <  model  <  precision  <  parallel  <  training  <  checkpoint
+  errors, json_input, schedule_traits, config  <  model  <  precision  <  parallel  <  training  <  checkpoint
   <  deepspeed, megatron  <  cli, bench  <  the top-level package (public API; imported by nothing inside).
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ PKG = "dsv3_plugin"
 ROOT = pathlib.Path(__file__).resolve().parents[2] / PKG
 
 LAYERS = [
-    {"errors", "json_input", "config"},
+    {"errors", "json_input", "schedule_traits", "config"},
     {"model"},
     {"precision"},
     {"parallel"},

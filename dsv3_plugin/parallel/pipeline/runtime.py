@@ -3,7 +3,9 @@
 One class runs every schedule: the schedule is data (`schedule.py`), the simulator replays the same ops.
 A step takes full-batch inputs/labels, splits them into `num_chunks` micro-batches along `batch_dim`,
 runs this rank's ops in order and returns the per-micro-batch losses (and outputs on request) on the
-rank that holds the loss (`loss_rank`: the last rank for 1F1B/ZB1P, rank 0 for DualPipe/DualPipeV).
+rank that holds the loss (`loss_rank`: the last rank for 1F1B/ZB1P, rank 0 for DualPipe/DualPipeV). What a
+schedule needs (stage modules per rank, micro-batch counts, where losses come back, mirror sync) is read from
+its `ScheduleTraits` (`schedule.SCHEDULES`), never from its name.
 
 - Training vs inference follows `torch.is_grad_enabled()`; inference runs the forwards only.
 - Losses are not scaled: `criterion(*outputs, *labels)` decides (divide by num_chunks there for a mean).
@@ -13,8 +15,11 @@ rank that holds the loss (`loss_rank`: the last rank for 1F1B/ZB1P, rank 0 for D
   `overlapped_forward_backward(f_module, f_inputs, f_loss_fn, b_module, b_loss, b_outputs, b_grads)
   -> (f_outputs, f_loss)`, FB ops call it (e.g. to hide MoE all-to-all of one chunk behind the other's
   compute, DeepSeek-V3 §3.2.1). Otherwise F then B run in sequence.
-- DualPipe holds every stage twice (rank r: stages r and P-1-r); after the step the library sums the
-  gradients of each mirror pair {r, P-1-r} so both copies stay bit-identical under the same optimizer.
+- Losses (and outputs) of micro-batches whose route ends on another rank than `loss_rank` (DualPipe: the
+  second half ends on rank P-1) are gathered to `loss_rank` at the end of the step.
+- Schedules with `mirror_sync` (DualPipe) hold every stage twice (rank r: stages r and P-1-r); after the step
+  the library sums the gradients of each mirror pair {r, P-1-r} so both copies stay bit-identical under the
+  same optimizer.
 - The first and last stages of DualPipe(V) sit on rank 0, so a module used by both chunks (the
   embedding that MTP reuses, paper §3.2.3) is one physical parameter there.
 """
@@ -28,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .p2p import Message, P2P, PipelineError
-from .schedule import Op, ScheduleSpec, build_schedule, forward_only
+from .schedule import Op, ScheduleSpec, builder, check_chunks, forward_only, schedule_traits
 from .weight_grad import WeightGradQueue
 from .simulate import Durations, simulate
 
@@ -51,7 +56,10 @@ class PipelineRuntime:
                  rank_mapping: Sequence[int] | None = None, batch_dim: int = 0, timeout_s: float = 300.0,
                  p2p_shapes: list[tuple[Sequence[int], torch.dtype]] | None = None,
                  mirror_grad_sync: bool = True, device: torch.device | str | None = None,
-                 p2p_order: str | None = None, timeout_name: str = "timeout_s"):
+                 p2p_order: str | None = None, timeout_name: str = "timeout_s", schedule: str | None = None):
+        # `schedule`: a name of `SCHEDULES` (the subclasses below fix it)
+        self.schedule_name = schedule or type(self).schedule_name
+        self.traits = schedule_traits(self.schedule_name)
         self.modules = list(modules) if isinstance(modules, (list, tuple)) else [modules]
         self.group = process_group
         self.P = dist.get_world_size(process_group) if dist.is_initialized() else 1
@@ -87,7 +95,8 @@ class PipelineRuntime:
         self._orders: dict = {}
         self.wq = WeightGradQueue()
         self._specs: dict[tuple[int, bool], ScheduleSpec] = {}
-        need = build_schedule(self.schedule_name, max(self.P, 1), self._min_chunks()).chunks_per_rank
+        check_chunks(self.schedule_name, self.P, pp_key="process_group")
+        need = self.traits.chunks_per_rank
         if len(self.modules) != need:
             raise ValueError(f"{self.schedule_name}: each rank holds {need} stage module(s), got {len(self.modules)}")
         m0 = self.modules[0]
@@ -97,23 +106,21 @@ class PipelineRuntime:
         self.last_step: dict[str, float] = {}
 
     # -- schedule -------------------------------------------------------------------------------------
-    def _min_chunks(self) -> int:
-        return 2 * self.P if self.schedule_name in ("dualpipe", "dualpipev") else 1
-
     def spec(self, num_chunks: int, training: bool = True) -> ScheduleSpec:
         key = (num_chunks, training)
         if key not in self._specs:
-            spec = build_schedule(self.schedule_name, self.P, num_chunks)
+            check_chunks(self.schedule_name, self.P, num_chunks, chunks_key="num_chunks", pp_key="process_group")
+            spec = builder(self.traits)(self.P, num_chunks)
             self._specs[key] = spec if training else forward_only(spec)
         return self._specs[key]
 
     @property
     def loss_rank(self) -> int:
-        return self.P - 1 if self.schedule_name in ("1f1b", "zb1p") else 0
+        return self.traits.loss_rank(self.P)
 
     def _sends_of(self, spec: ScheduleSpec, rank: int, training: bool, gather: tuple[bool, bool]):
         """(op index, dst, Message) in the order `rank` sends them; receivers replay this to post receives
-        in order. The end-of-step gather (DualPipe) has op index len(ops)."""
+        in order. The end-of-step gather (to `loss_rank`, DualPipe) has op index len(ops)."""
         out = []
         for i, op in enumerate(spec.ops[rank]):
             parts = [("F", op.chunk, op.mb), ("B", op.chunk2, op.mb2)] if op.kind == "FB" else \
@@ -127,12 +134,12 @@ class PipelineRuntime:
                     prv = spec.prev_hop(m, rank, c)
                     if prv is not None and prv[0] != rank:
                         out.append((i, prv[0], Message("grad", m, prv[1])))
-        if self.schedule_name == "dualpipe" and rank == self.P - 1 and self.P > 1:
+        if rank != spec.loss_rank and rank in spec.end_ranks():
             end = len(spec.ops[rank])
             if gather[0]:
-                out.append((end, 0, Message("loss", 0, 0)))
+                out.append((end, spec.loss_rank, Message("loss", 0, 0)))
             if gather[1]:
-                out.append((end, 0, Message("out", 0, 0)))
+                out.append((end, spec.loss_rank, Message("out", 0, 0)))
         return out
 
     def _pair_orders(self, spec: ScheduleSpec, training: bool, gather) -> dict[int, list]:
@@ -173,9 +180,8 @@ class PipelineRuntime:
             raise PipelineError(f"{self.schedule_name}: pipeline rank {me} holds a last stage: training needs "
                                 "a criterion there")
         mb_lab = self._split(labels, C, "labels") if ends and criterion is not None else None
-        if self.schedule_name == "dualpipe" and self.P > 1:
-            has_crit = criterion is not None
-            gather = (has_crit, return_outputs)
+        if any(r != spec.loss_rank for r in spec.end_ranks()):   # some routes end away from the loss rank
+            gather = (criterion is not None, return_outputs)
         else:
             gather = (False, False)
         self._expect_sends = iter(self._sends_of(spec, me, training, gather))
@@ -211,7 +217,7 @@ class PipelineRuntime:
                 raise PipelineError(f"{self.schedule_name}: {len(self.wq)} weight-grad jobs left after the step")
             losses, outputs = self._collect(C, gather, return_outputs)
             self.p2p.wait_sends()
-            if training and self.schedule_name == "dualpipe" and self.mirror_grad_sync and self.P > 1:
+            if training and self.traits.mirror_sync and self.mirror_grad_sync and self.P > 1:
                 self._mirror_sync()
             # compute_s: time in stage compute (P2P waits excluded), for idle-fraction measurements
             self.last_step = {"wall_s": time.perf_counter() - t_step, "compute_s": compute_s}
@@ -380,28 +386,26 @@ class PipelineRuntime:
 
     # -- end of step ----------------------------------------------------------------------------------
     def _collect(self, C: int, gather: tuple[bool, bool], return_outputs: bool):
-        me = self.rank
-        if self.schedule_name == "dualpipe" and self.P > 1 and me == self.P - 1:
-            mine = sorted(self._losses) if gather[0] else sorted(self._outputs)
-            if gather[0]:
-                self._send(0, Message("loss", 0, 0), [torch.stack([self._losses[m] for m in mine])])
-            if gather[1]:
-                self._send(0, Message("out", 0, 0), self._cat([self._outputs[m] for m in sorted(self._outputs)]))
-            return None, None
-        if me != self.loss_rank:
+        me, spec = self.rank, self._spec
+        ends = spec.end_ranks()                             # rank -> micro-batches ending there, in order
+        if me != spec.loss_rank:
+            if me in ends and gather[0]:
+                self._send(spec.loss_rank, Message("loss", 0, 0), [torch.stack([self._losses[m] for m in ends[me]])])
+            if me in ends and gather[1]:
+                self._send(spec.loss_rank, Message("out", 0, 0), self._cat([self._outputs[m] for m in ends[me]]))
             return None, None
         losses = outputs = None
-        if self.schedule_name == "dualpipe" and self.P > 1:
-            ups = sorted(self._outputs)                     # micro-batches C/2..C-1 end here
-            downs = [m for m in range(C) if m not in self._outputs]
+        for src in sorted(ends):
+            if src == me:
+                continue
+            mbs = ends[src]
             if gather[0]:
-                got = self._recv(self.P - 1, Message("loss", 0, 0))[0]
-                self._losses.update({m: got[i] for i, m in enumerate(downs)})
+                got = self._recv(src, Message("loss", 0, 0))[0]
+                self._losses.update({m: got[i] for i, m in enumerate(mbs)})
             if gather[1]:
-                got = self._recv(self.P - 1, Message("out", 0, 0))
-                parts = [torch.tensor_split(t, len(downs), dim=self.batch_dim) for t in got]
-                self._outputs.update({m: tuple(p[i] for p in parts) for i, m in enumerate(downs)})
-            del ups
+                got = self._recv(src, Message("out", 0, 0))
+                parts = [torch.tensor_split(t, len(mbs), dim=self.batch_dim) for t in got]
+                self._outputs.update({m: tuple(p[i] for p in parts) for i, m in enumerate(mbs)})
         if self._criterion is not None and self._losses:
             losses = torch.stack([self._losses[m] for m in range(C)])
         if return_outputs:
@@ -415,7 +419,7 @@ class PipelineRuntime:
     def stage_parameters_by_stage(self) -> list[nn.Parameter]:
         """This rank's parameters ordered by model stage, each once (a module shared by both chunks counts
         once): the mirror rank of DualPipe lists the same tensors in the same order."""
-        spec = self.spec(self._min_chunks())
+        spec = self.spec(self.traits.min_chunks(self.P))
         order = sorted(range(len(self.modules)), key=lambda c: spec.stage_of[(self.rank, c)])
         seen, params = set(), []
         for c in order:
@@ -426,7 +430,7 @@ class PipelineRuntime:
         return params
 
     def _mirror_sync(self) -> None:
-        """DualPipe: rank r and P-1-r hold the same two stages; sum their gradients (own + mirror's, the
+        """`mirror_sync` schedules (DualPipe): rank r and P-1-r hold the same two stages; sum their gradients (own + mirror's, the
         same IEEE sum on both sides, so the two copies stay bit-identical)."""
         mirror = self.P - 1 - self.rank
         params = self.stage_parameters_by_stage()

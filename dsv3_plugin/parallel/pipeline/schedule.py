@@ -23,9 +23,12 @@ Schedules:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
-__all__ = ["Op", "ScheduleSpec", "one_f_one_b", "zb1p", "dualpipe", "dualpipev", "build_schedule",
-           "forward_only", "SCHEDULES"]
+from dsv3_plugin.schedule_traits import SCHEDULES, ScheduleTraits, check_chunks, schedule_traits
+
+__all__ = ["Op", "ScheduleSpec", "ScheduleTraits", "one_f_one_b", "zb1p", "dualpipe", "dualpipev", "build_schedule",
+           "builder", "forward_only", "schedule_traits", "check_chunks", "SCHEDULES"]
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,20 @@ class ScheduleSpec:
     routes: list[list[tuple[int, int]]]
     ops: list[list[Op]]
     stage_of: dict[tuple[int, int], int] = field(default_factory=dict)  # (rank, chunk) -> model stage
+    traits: Optional[ScheduleTraits] = None            # what the schedule needs and guarantees (SCHEDULES)
     _hop: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def loss_rank(self) -> int:
+        """The rank that returns every micro-batch's loss."""
+        return self.traits.loss_rank(self.n_ranks)
+
+    def end_ranks(self) -> dict[int, list[int]]:
+        """rank -> the micro-batches whose route ends there (their losses / outputs are computed there)."""
+        out: dict[int, list[int]] = {}
+        for m, route in enumerate(self.routes):
+            out.setdefault(route[-1][0], []).append(m)
+        return out
 
     def hop(self, mb: int, rank: int, chunk: int) -> int:
         """Position of (rank, chunk) on micro-batch mb's route."""
@@ -143,6 +159,7 @@ class _Program:
 def one_f_one_b(n_ranks: int, n_chunks: int) -> ScheduleSpec:
     """1F1B: rank r warms up with P-1-r forwards, then alternates F/B, then drains the backwards."""
     P, C = n_ranks, n_chunks
+    check_chunks("1f1b", P, C)
     routes = [[(r, 0) for r in range(P)] for _ in range(C)]
     ops = []
     for r in range(P):
@@ -156,7 +173,7 @@ def one_f_one_b(n_ranks: int, n_chunks: int) -> ScheduleSpec:
         for _ in range(warm):
             prog.B(0)
         ops.append(prog.ops)
-    return _finish("1f1b", P, C, 1, P, routes, ops, {(r, 0): r for r in range(P)})
+    return _finish("1f1b", P, C, routes, ops, {(r, 0): r for r in range(P)})
 
 
 def zb1p(n_ranks: int, n_chunks: int) -> ScheduleSpec:
@@ -164,6 +181,7 @@ def zb1p(n_ranks: int, n_chunks: int) -> ScheduleSpec:
     pending in the steady state (same activation memory as 1F1B) and spends them in the cool-down bubble,
     so the critical path through the I's is shorter by W per hop."""
     P, C = n_ranks, n_chunks
+    check_chunks("zb1p", P, C)
     routes = [[(r, 0) for r in range(P)] for _ in range(C)]
     ops = []
     for r in range(P):
@@ -183,7 +201,7 @@ def zb1p(n_ranks: int, n_chunks: int) -> ScheduleSpec:
         while prog.pending_w:
             prog.W()
         ops.append(prog.ops)
-    return _finish("zb1p", P, C, 1, P, routes, ops, {(r, 0): r for r in range(P)})
+    return _finish("zb1p", P, C, routes, ops, {(r, 0): r for r in range(P)})
 
 
 def _dual_program(prog: _Program, n: int, h: int, per_phase: int, phase_chunk: tuple[int, int]) -> None:
@@ -231,10 +249,7 @@ def dualpipe(n_ranks: int, n_chunks: int) -> ScheduleSpec:
     """DualPipe: micro-batches 0..C/2-1 enter at rank 0 (chunk 0 = stage r), C/2..C-1 enter at rank P-1
     (chunk 1 = stage P-1-r on rank r). Needs P even, C even and C >= 2P."""
     P, C = n_ranks, n_chunks
-    if P < 2 or P % 2:
-        raise ValueError(f"dualpipe: needs an even number of pipeline ranks >= 2 (got {P})")
-    if C % 2 or C < 2 * P:
-        raise ValueError(f"dualpipe: needs an even number of micro-batches >= 2*pp = {2 * P} (got {C})")
+    check_chunks("dualpipe", P, C)
     half = C // 2
     down = list(range(half))
     up = list(range(half, C))
@@ -247,17 +262,14 @@ def dualpipe(n_ranks: int, n_chunks: int) -> ScheduleSpec:
         _dual_program(prog, P // 2, h, half, (1, 0) if second else (0, 1))
         ops.append(prog.ops)
     stage_of = {**{(r, 0): r for r in range(P)}, **{(r, 1): P - 1 - r for r in range(P)}}
-    return _finish("dualpipe", P, C, 2, P, routes, ops, stage_of)
+    return _finish("dualpipe", P, C, routes, ops, stage_of)
 
 
 def dualpipev(n_ranks: int, n_chunks: int) -> ScheduleSpec:
     """DualPipeV: 2P stages, rank r holds stage r (chunk 0) and stage 2P-1-r (chunk 1); the route turns
     on the last rank without communication. Needs C >= 2P."""
     P, C = n_ranks, n_chunks
-    if P < 1:
-        raise ValueError(f"dualpipev: needs >= 1 pipeline rank (got {P})")
-    if C < 2 * P:
-        raise ValueError(f"dualpipev: needs >= 2*pp = {2 * P} micro-batches (got {C})")
+    check_chunks("dualpipev", P, C)
     route = [(s, 0) for s in range(P)] + [(P - 1 - s, 1) for s in range(P)]
     routes = [list(route) for _ in range(C)]
     ops = []
@@ -266,11 +278,12 @@ def dualpipev(n_ranks: int, n_chunks: int) -> ScheduleSpec:
         _dual_program(prog, P, r, C, (0, 1))
         ops.append(prog.ops)
     stage_of = {**{(r, 0): r for r in range(P)}, **{(r, 1): 2 * P - 1 - r for r in range(P)}}
-    return _finish("dualpipev", P, C, 2, 2 * P, routes, ops, stage_of)
+    return _finish("dualpipev", P, C, routes, ops, stage_of)
 
 
-def _finish(name, P, C, cpr, n_stages, routes, ops, stage_of) -> ScheduleSpec:
-    spec = ScheduleSpec(name, P, C, cpr, n_stages, routes, ops, stage_of)
+def _finish(name, P, C, routes, ops, stage_of) -> ScheduleSpec:
+    t = SCHEDULES[name]
+    spec = ScheduleSpec(name, P, C, t.chunks_per_rank, t.n_stages(P), routes, ops, stage_of, traits=t)
     spec.validate()
     return spec
 
@@ -281,15 +294,16 @@ def forward_only(spec: ScheduleSpec) -> ScheduleSpec:
     for rank_ops in spec.ops:
         ops.append([Op("F", o.chunk, o.mb) for o in rank_ops if o.kind in ("F", "FB")])
     return ScheduleSpec(spec.name + "-forward", spec.n_ranks, spec.n_chunks, spec.chunks_per_rank,
-                        spec.n_stages, spec.routes, ops, spec.stage_of)
+                        spec.n_stages, spec.routes, ops, spec.stage_of, traits=spec.traits)
 
 
-SCHEDULES = {"1f1b": one_f_one_b, "zb1p": zb1p, "dualpipe": dualpipe, "dualpipev": dualpipev}
+def builder(traits: ScheduleTraits):
+    """The program that builds a schedule, chosen by its traits: one stage per rank (1F1B, or ZB1P with W ops)
+    or two fed from both ends (DualPipe, or DualPipeV with the V-shaped 2P stages)."""
+    if traits.chunks_per_rank == 1:
+        return zb1p if traits.has_w else one_f_one_b
+    return dualpipev if traits.v_shape else dualpipe
 
 
 def build_schedule(name: str, n_ranks: int, n_chunks: int) -> ScheduleSpec:
-    try:
-        fn = SCHEDULES[name]
-    except KeyError:
-        raise ValueError(f"unknown pipeline schedule {name!r} (choose from {sorted(SCHEDULES)})") from None
-    return fn(n_ranks, n_chunks)
+    return builder(schedule_traits(name))(n_ranks, n_chunks)

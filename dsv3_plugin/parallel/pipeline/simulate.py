@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .schedule import ScheduleSpec, build_schedule
+from .schedule import SCHEDULES, ScheduleSpec, build_schedule
 
 __all__ = ["Durations", "SimResult", "simulate", "published_formula", "comparison_table", "plot_timeline"]
 
@@ -177,7 +177,7 @@ def comparison_table(pp: int = 8, chunks: int | None = None) -> tuple[list[dict]
     rows = []
     for label, F, B, W, FB in TABLE_CASES:
         d = Durations(F, B, W, FB)
-        for name in ("1f1b", "zb1p", "dualpipe", "dualpipev"):
+        for name in SCHEDULES:
             res = simulate(build_schedule(name, pp, chunks), d)
             rows.append({"case": label, "schedule": name, "bubble": res.bubble, "formula": res.formula,
                          "formula_unchecked": res.formula_unchecked, "formula_text": res.formula_text,

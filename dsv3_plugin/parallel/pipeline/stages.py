@@ -21,9 +21,10 @@ from torch import nn
 
 from dsv3_plugin.model.transformer import DSv3Model
 from dsv3_plugin.model.mtp import mtp_depth_loss
+from dsv3_plugin.schedule_traits import schedule_traits
 
-__all__ = ["split_layers", "DSv3Stage", "build_stages", "stage_ids_for_rank", "n_stages_of", "DSv3PipelineLoss",
-           "sync_tied_embedding"]
+__all__ = ["split_layers", "DSv3Stage", "build_stages", "stage_ids_for_rank", "n_stages_of", "min_layers",
+           "DSv3PipelineLoss", "sync_tied_embedding"]
 
 
 def split_layers(n_layers: int, n_stages: int) -> list[range]:
@@ -42,17 +43,25 @@ def split_layers(n_layers: int, n_stages: int) -> list[range]:
 
 def stage_ids_for_rank(schedule: str, pp: int, rank: int) -> list[int]:
     """Which model stages pipeline rank `rank` holds, in chunk order."""
-    if schedule in ("1f1b", "zb1p"):
-        return [rank]
-    if schedule == "dualpipe":
-        return [rank, pp - 1 - rank]
-    if schedule == "dualpipev":
-        return [rank, 2 * pp - 1 - rank]
-    raise ValueError(f"parallel.schedule: unknown pipeline schedule {schedule!r}")
+    return schedule_traits(schedule, "parallel.schedule").stage_ids(pp, rank)
 
 
 def n_stages_of(schedule: str, pp: int) -> int:
-    return 2 * pp if schedule == "dualpipev" else pp
+    return schedule_traits(schedule, "parallel.schedule").n_stages(pp)
+
+
+def min_layers(schedule: str, pp: int) -> int:
+    """The fewest decoder layers with which no pipeline rank is left without parameters. `split_layers` gives
+    stage s a layer iff s < L; a rank holding neither the first stage (embedding) nor the last (head, MTP)
+    needs one of its stages to have a layer."""
+    t = schedule_traits(schedule, "parallel.schedule")
+    last = t.n_stages(pp) - 1
+    need = 0
+    for rank in range(pp):
+        ids = t.stage_ids(pp, rank)
+        if 0 not in ids and last not in ids:
+            need = max(need, min(ids) + 1)
+    return need
 
 
 class DSv3Stage(nn.Module):
@@ -156,7 +165,7 @@ def sync_tied_embedding(runtime, stages: Sequence[DSv3Stage]) -> bool:
     stay identical). DualPipe(V) need nothing here: both uses sit on rank 0, one parameter. Call after
     `runtime.step(...)` in training. Returns True if this rank took part."""
     import torch.distributed as dist
-    if runtime.schedule_name not in ("1f1b", "zb1p") or runtime.P == 1 or not stages[0].mtp_reuses_embedding:
+    if not runtime.traits.first_and_last_apart(runtime.P) or not stages[0].mtp_reuses_embedding:
         return False
     last = runtime.P - 1
     if runtime.rank not in (0, last):
