@@ -140,7 +140,14 @@ def gpt_builder(args, pre_process, post_process, vp_stage=None, config=None, pg_
     if not isinstance(config, DSv3TransformerConfig):
         if config is None:  # Megatron-LM's own config from its flags, for the parallel/precision fields
             from megatron.training.arguments import core_transformer_config_from_args
-            config = core_transformer_config_from_args(args)
+            base_args = args
+            if dualpipev_selected(args):
+                # the first/last-stage layer counts shape the V (dualpipev_layout), not Megatron's per-rank split,
+                # which its config would check against the two virtual chunks
+                import copy
+                base_args = copy.copy(args)
+                base_args.decoder_first_pipeline_num_layers = base_args.decoder_last_pipeline_num_layers = None
+            config = core_transformer_config_from_args(base_args)
         config = transformer_config_from_args(args, config)
     use_te = getattr(args, "transformer_impl", "local") == "transformer_engine"
     if use_te and not have_te():

@@ -45,7 +45,7 @@ import torch
 
 from ..config import ConfigError, DSv3Config, load_config
 from .dualpipev import embedding_ranks, stage_ends
-from .gpt import OUR_SPEC, add_dsv3_args, dualpipev_selected, gpt_builder
+from .gpt import OUR_SPEC, add_dsv3_args, dualpipev_layout, dualpipev_selected, gpt_builder
 
 __all__ = ["main", "parse_megatron_args", "set_megatron_globals", "reconcile_args", "dsv3_arg_values", "model_provider", "forward_step",
            "train_valid_test_datasets_provider", "resolve_pipeline_schedule", "MIN_MEGATRON_CORE",
@@ -254,7 +254,7 @@ def resolve_pipeline_schedule(args, parser, explicit: set[str], cfg: DSv3Config,
     return chosen
 
 
-def apply_pipeline_schedule(args, schedule: str) -> list[str]:
+def apply_pipeline_schedule(args, schedule: str, cfg: DSv3Config) -> list[str]:
     """After Megatron's `validate_args`: record the schedule on `args` (the model builder reads it) and, for
     DualPipeV, ask Megatron for two model chunks per rank (its virtual-pipeline machinery builds, wraps, saves and
     feeds them; `dualpipev.py` lays them out as the V)."""
@@ -271,6 +271,10 @@ def apply_pipeline_schedule(args, schedule: str) -> list[str]:
                               f"--pipeline-model-parallel-size = {2 * pp} micro-batches per step (has {n_mb}: "
                               f"--micro-batch-size {args.micro_batch_size}, data parallel {dp})")
         args.virtual_pipeline_model_parallel_size = 2
+        layout = dualpipev_layout(args, cfg)       # refuses a split that leaves a stage empty, before any process
+        return [f"pipeline schedule: the plugin's dualpipev over {pp} pipeline ranks, {2 * pp} stages with "
+                f"{layout.stage_layers} decoder layers (rank r holds stages r and {2 * pp - 1}-r; embedding, "
+                "output head, MTP and loss on rank 0)"]
     return [f"pipeline schedule: the plugin's {schedule} over {args.pipeline_model_parallel_size} pipeline ranks"]
 
 
@@ -345,7 +349,7 @@ def parse_megatron_args(argv: list[str], world_size: Optional[int] = None, on_cp
         notes += adapt_to_cpu(args, parser, explicit)
     schedule = resolve_pipeline_schedule(args, parser, explicit, cfg, args.dsv3_config)
     margs.validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
-    notes += apply_pipeline_schedule(args, schedule)
+    notes += apply_pipeline_schedule(args, schedule, cfg)
     if set_globals:
         set_megatron_globals(args)
     return args, notes
