@@ -6,8 +6,8 @@ module is already imported (it binds the name at import time). With a pipeline s
 `dsv3_plugin.megatron.schedules.forward_backward_dualpipev` for "dualpipev" and `forward_backward_1f1b` for
 "1f1b"; with pipeline size 1, or for "megatron", it defers to Megatron's original (its no-pipelining / 1F1B /
 interleaved functions). `schedule` is that name, or a dsv3 config (DSv3Config, dict or path): its
-`parallel.schedule` "dualpipev" selects ours, "1f1b" leaves Megatron's own. `revert()` restores the exact original objects; `dualpipe_schedule(schedule)` is the
-context-manager form. Importing this module patches nothing.
+`parallel.schedule` "dualpipev" selects ours, "1f1b" leaves Megatron's own. `revert()` restores the exact
+original objects; `dualpipe_schedule(schedule)` is the context-manager form. Importing this module patches nothing.
 
 Only megatron-core versions in TESTED_VERSIONS are patched; others are refused with a message naming the
 version (pass force=True to try anyway). DualPipeV also needs the model laid out as two chunks per rank

@@ -63,9 +63,10 @@ def stage_layer_counts(num_layers: int, pp_size: int, first: Optional[int] = Non
     rest = num_layers - sum(fixed.values())
     free = [s for s in range(n) if s not in fixed]
     if rest < len(free) or (not free and rest):
+        held = f" ({sum(fixed.values())} of them in the fixed first/last stages)" if fixed else ""
         raise ConfigError(f"DualPipeV with --pipeline-model-parallel-size {pp_size} cuts the model into {n} stages: "
-                          f"{num_layers} decoder layers{' (after the fixed first/last stages)' if fixed else ''} "
-                          "leave a stage without a layer; use fewer pipeline ranks or more layers")
+                          f"{num_layers} decoder layers{held} leave a stage without a layer; use fewer pipeline "
+                          "ranks or more layers")
     counts = [0] * n
     for s, c in fixed.items():
         counts[s] = c
