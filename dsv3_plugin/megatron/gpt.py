@@ -9,6 +9,7 @@ the vocabulary is Megatron's padded one.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any, Optional
 
@@ -144,7 +145,6 @@ def gpt_builder(args, pre_process, post_process, vp_stage=None, config=None, pg_
             if dualpipev_selected(args):
                 # the first/last-stage layer counts shape the V (dualpipev_layout), not Megatron's per-rank split,
                 # which its config would check against the two virtual chunks
-                import copy
                 base_args = copy.copy(args)
                 base_args.decoder_first_pipeline_num_layers = base_args.decoder_last_pipeline_num_layers = None
             config = core_transformer_config_from_args(base_args)

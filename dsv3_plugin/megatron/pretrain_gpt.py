@@ -44,7 +44,7 @@ from typing import Any, Optional
 import torch
 
 from ..config import ConfigError, DSv3Config, load_config
-from .dualpipev import embedding_ranks, stage_ends
+from .dualpipev import embedding_ranks, shared_weights, stage_ends
 from .gpt import OUR_SPEC, add_dsv3_args, dualpipev_layout, dualpipev_selected, gpt_builder
 
 __all__ = ["main", "parse_megatron_args", "set_megatron_globals", "reconcile_args", "dsv3_arg_values", "model_provider", "forward_step",
@@ -488,8 +488,6 @@ def _record(path: str, loss_dict: dict, model) -> None:
     from megatron.core.num_microbatches_calculator import get_num_microbatches
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
     from megatron.training import get_args
-
-    from .dualpipev import shared_weights
     routers = [m for chunk in model for m in chunk.modules() if hasattr(m, "expert_bias")]
     mtp = MTPLossLoggingHelper.tracker.get("loss_values")
     mine = {"dp": ps.get_data_parallel_rank(with_context_parallel=True), "pp": ps.get_pipeline_model_parallel_rank(),
