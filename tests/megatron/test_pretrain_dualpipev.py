@@ -30,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 DSV3 = {"preset": "tiny", "model": {"num_hidden_layers": 4}}
 MBS, GBS, SEQ = 2, 8, 32
 FLAGS = ["--spec", "dsv3_plugin.megatron", "layer_spec", "--micro-batch-size", str(MBS), "--global-batch-size",
-         str(GBS), "--seq-length", str(SEQ), "--train-iters", "10", "--lr", "3e-3", "--min-lr", "3e-4",
+         str(GBS), "--seq-length", str(SEQ), "--train-iters", "11", "--lr", "3e-3", "--min-lr", "3e-4",
          "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--mock-data", "--tokenizer-type", "NullTokenizer",
          "--log-interval", "1", "--eval-interval", "100", "--eval-iters", "0", "--seed", "1234"]
 LOADED = 5                                   # the PP = 2 runs resume from the iteration-5 checkpoint
@@ -54,17 +54,20 @@ def _run(tmp, name, nproc, extra):
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dualpipev")
     (tmp / "ds.json").write_text(json.dumps({"dsv3": DSV3}))
-    ck = str(tmp / "ckpt")
+    ck, ck_v = str(tmp / "ckpt"), str(tmp / "ckpt_v")
     out = {"pp1": _run(tmp, "pp1", 1, ["--save", ck, "--save-interval", str(LOADED)])}
-    load = ["--load", ck, "--ckpt-step", str(LOADED), "--pipeline-model-parallel-size", "2"]
-    out["dualpipev"] = _run(tmp, "dualpipev", 2, load + ["--dsv3-pipeline-schedule", "dualpipev"])
+    load = ["--load", ck, "--ckpt-step", str(LOADED), "--pipeline-model-parallel-size", "2", "--exit-interval", "10"]
+    out["dualpipev"] = _run(tmp, "dualpipev", 2, load + ["--dsv3-pipeline-schedule", "dualpipev", "--save", ck_v,
+                                                         "--save-interval", str(LOADED)])
     out["1f1b"] = _run(tmp, "1f1b", 2, load + ["--dsv3-pipeline-schedule", "1f1b"])
+    # and back: the V's iteration-10 checkpoint, loaded at PP = 1, trains iteration 11
+    out["v_to_pp1"] = _run(tmp, "v_to_pp1", 1, ["--load", ck_v])
     # the curves and wall times (pytest -s shows them)
     print("\niteration | " + " | ".join(f"{k} lm loss" for k in out))
     ref = {r["iteration"]: r for r in out["pp1"]["metrics"]}
     for it in sorted(ref):
         row = [ref[it]["lm_loss"]] + [next((r["lm_loss"] for r in out[k]["metrics"] if r["iteration"] == it), None)
-                                      for k in ("dualpipev", "1f1b")]
+                                      for k in ("dualpipev", "1f1b", "v_to_pp1")]
         print(f"{it} | " + " | ".join("-" if v is None else f"{v:.9g}" for v in row))
     for k, r in out.items():
         its = r["iter_ms"][1:] or r["iter_ms"]
@@ -88,7 +91,9 @@ def test_the_v_layout_is_what_runs(runs):
     assert "mtp_1 loss" in log                           # Megatron logs the MTP loss computed on rank 0 too
     for k in ("dualpipev", "1f1b"):
         assert [r["iteration"] for r in runs[k]["metrics"]] == list(range(LOADED + 1, 11))   # 5 iterations
-    assert [r["iteration"] for r in runs["pp1"]["metrics"]] == list(range(1, 11))
+    assert [r["iteration"] for r in runs["pp1"]["metrics"]] == list(range(1, 12))
+    assert [r["iteration"] for r in runs["v_to_pp1"]["metrics"]] == [11]
+    assert "at iteration 10" in runs["v_to_pp1"]["log"]
 
 
 def test_losses_equal_the_pp1_run(runs):
@@ -119,6 +124,19 @@ def test_losses_equal_the_pp1_run(runs):
                               "norm sums)")
 
 
+def test_a_checkpoint_saved_by_the_v_resumes_at_pp1(runs):
+    """The V saves Megatron checkpoints under global layer numbers (the replica of the embedding copy not
+    stored twice): loaded at PP = 1 its iteration-10 weights train iteration 11 like the PP = 1 run's own."""
+    from dsv3_plugin.config import load_config
+    from tolerance import assert_within, model_bound
+    got, want = runs["v_to_pp1"]["metrics"][0], runs["pp1"]["metrics"][10]
+    cfg = load_config({**DSV3, "model": {**DSV3["model"], "vocab_size": _padded_vocab(runs["pp1"]["log"])}})
+    for key in ("lm_loss", "mtp_1_loss"):
+        # weights of iteration 10 in the V vs at PP = 1: the reorderings of iterations 6..10 (as above), + this forward
+        assert_within(got[key], want[key], model_bound(_t(want[key]), cfg, GBS * SEQ, passes=2 * 5 + 1),
+                      f"iteration 11 {key} from the V's checkpoint vs PP=1")
+
+
 def _t(x):
     import torch
     return torch.tensor(x, dtype=torch.float64)
@@ -126,8 +144,8 @@ def _t(x):
 
 def test_router_biases_updated_by_finalize_model_grads(runs):
     cfg_gamma, E = 0.001, 16                              # tiny preset: bias_update_speed, n_routed_experts
-    for k, run in runs.items():
-        s = run["metrics"]
+    for k in ("pp1", "dualpipev", "1f1b"):
+        s = runs[k]["metrics"]
         R = s[0]["routers"]
         assert R == 4                                     # 3 MoE decoder layers + the MTP layer, over all stages
         # b <- b + gamma * sign(mean - load): each of R*E entries moves by 0 or exactly gamma per iteration
