@@ -16,7 +16,8 @@ What it adds to Megatron-LM's flags:
   `--spec dsv3_plugin.megatron layer_spec`, it is ours (MLA + DeepSeekMoE), for the `--transformer-impl` given.
 - The vocabulary is Megatron's padded one (`--make-vocab-size-divisible-by`, the tokenizer's extra ids).
 - `--dsv3-metrics FILE`: one JSON line per iteration on rank 0 (iteration, the data-parallel mean of each loss
-  Megatron reduces, the sum of |router bias| over all routers) at full precision, for tests and plots.
+  Megatron reduces, MTP losses, the sum of |router bias| over all routers, checksums of the word-embedding copies)
+  at full precision, for tests and plots (`metrics.py`).
 - `--nproc N`: spawn N local ranks instead of being launched by torchrun.
 - `--dsv3-pipeline-schedule {dualpipev,1f1b}` (or the block's `"parallel": {"schedule": "dualpipev"}`): with
   `--pipeline-model-parallel-size P > 1`, our schedule runs as Megatron's forward-backward function
@@ -34,7 +35,6 @@ is patched except `patches/megatron_dataset_helpers.py` (the wheel ships the dat
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -44,8 +44,9 @@ from typing import Any, Optional
 import torch
 
 from ..config import ConfigError, DSv3Config, load_config
-from .dualpipev import embedding_ranks, shared_weights, stage_ends
+from .dualpipev import embedding_ranks, stage_ends
 from .gpt import OUR_SPEC, add_dsv3_args, dualpipev_layout, dualpipev_selected, gpt_builder
+from .metrics import MetricsRecorder
 
 __all__ = ["main", "parse_megatron_args", "set_megatron_globals", "reconcile_args", "dsv3_arg_values", "model_provider", "forward_step",
            "train_valid_test_datasets_provider", "resolve_pipeline_schedule", "MIN_MEGATRON_CORE",
@@ -450,76 +451,6 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
 train_valid_test_datasets_provider.is_distributed = True
 
 
-# --- metrics ---------------------------------------------------------------------------------------------------
-
-class _MetricsRecorder:
-    """Wraps Megatron's `train_step` to write one JSON line per iteration (global rank 0), gathered from every
-    pipeline stage of data-parallel replica 0: the losses Megatron reduced over data parallel (computed on the
-    last stage), the MTP losses (Megatron's tracker, before its logging clears it), the sum over all routers of
-    |expert bias| (Megatron's finalize_model_grads steps it), and the float64 sum of every copy of the word
-    embedding held for MTP / tied heads (the copies must stay identical)."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self._orig = None
-
-    def __enter__(self):
-        import megatron.training.training as tr
-        self._orig = tr.train_step
-        orig = self._orig
-        path = self.path
-
-        def train_step(forward_step_func, data_iterator, model, *a, **kw):
-            out = orig(forward_step_func, data_iterator, model, *a, **kw)
-            _record(path, out[0], model)
-            return out
-
-        tr.train_step = train_step
-        return self
-
-    def __exit__(self, *exc):
-        import megatron.training.training as tr
-        tr.train_step = self._orig
-
-
-def _record(path: str, loss_dict: dict, model) -> None:
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-    from megatron.core.num_microbatches_calculator import get_num_microbatches
-    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
-    from megatron.training import get_args
-    routers = [m for chunk in model for m in chunk.modules() if hasattr(m, "expert_bias")]
-    mtp = MTPLossLoggingHelper.tracker.get("loss_values")
-    mine = {"dp": ps.get_data_parallel_rank(with_context_parallel=True), "pp": ps.get_pipeline_model_parallel_rank(),
-            "tp": ps.get_tensor_model_parallel_rank(),
-            "losses": {k.replace(" ", "_"): float(v) for k, v in loss_dict.items()},
-            "bias": float(sum(r.expert_bias.detach().double().abs().sum() for r in routers)), "routers": len(routers),
-            "mtp": [float(x) for x in mtp.detach().double()] if mtp is not None else None,
-            "emb": [float(w.detach().double().sum()) for w in shared_weights(model)]}
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    if dist.get_rank() != 0:
-        return
-    line = {"iteration": get_args().curr_iteration + 1}
-    replica0 = sorted((e for e in every if e["tp"] == 0 and e["dp"] == 0), key=lambda e: e["pp"])
-    for e in replica0:
-        line.update(e["losses"])
-    dps = sorted({e["dp"] for e in every if e["tp"] == 0})
-    mtp_dp = []
-    for d in dps:     # Megatron's own MTP logging: sum over stages, mean over data parallel, per micro-batch
-        parts = [e["mtp"] for e in every if e["tp"] == 0 and e["dp"] == d and e["mtp"] is not None]
-        if parts:
-            mtp_dp.append([sum(col) for col in zip(*parts)])
-    if mtp_dp:
-        for k, col in enumerate(zip(*mtp_dp)):
-            line[f"mtp_{k + 1}_loss"] = sum(col) / len(col) / get_num_microbatches()
-    line["router_bias_abs_sum"] = sum(e["bias"] for e in replica0)
-    line["routers"] = sum(e["routers"] for e in replica0)
-    line["word_embedding_sums"] = [x for e in replica0 for x in e["emb"]]
-    with open(path, "a") as f:
-        f.write(json.dumps(line) + "\n")
-
-
 # --- entry point -----------------------------------------------------------------------------------------------
 
 def _patches():
@@ -557,7 +488,7 @@ def run(argv: list[str]) -> int:
         from megatron.training import pretrain
         from megatron.training.argument_utils import pretrain_cfg_container_from_args
         cfg_container = pretrain_cfg_container_from_args(args, None)
-        metrics = _MetricsRecorder(args.dsv3_metrics) if args.dsv3_metrics else contextlib.nullcontext()
+        metrics = MetricsRecorder(args.dsv3_metrics) if args.dsv3_metrics else contextlib.nullcontext()
         loop = training_cpu.cuda_literals_on_cpu() if on_cpu else contextlib.nullcontext()
         with metrics, loop:
             # DualPipeV: the embedding's copies all live on pipeline rank 0, so its embedding group is that rank
