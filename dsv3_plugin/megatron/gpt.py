@@ -9,6 +9,7 @@ the vocabulary is Megatron's padded one.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any, Optional
 
@@ -16,10 +17,12 @@ import torch
 
 from dsv3_plugin.config import ConfigError, DSv3Config, load_config
 from .config import DSv3TransformerConfig, follow_schedules, to_transformer_config
+from .dualpipev import DualPipeVLayout, stage_ends, stage_layer_counts, tie_embedding_copy
 from .spec import get_layer_spec, get_mtp_block_spec, have_te
 
 __all__ = ["build_gpt_model", "gpt_builder", "selected_layer_spec", "transformer_config_from_args", "forward_logits", "causal_inputs",
-           "add_dsv3_args", "select_builder", "check_megatron_version", "TESTED_MEGATRON_LM"]
+           "add_dsv3_args", "select_builder", "check_megatron_version", "TESTED_MEGATRON_LM", "dualpipev_selected",
+           "dualpipev_layout"]
 
 
 def build_gpt_model(cfg: DSv3Config | dict | str | DSv3TransformerConfig, pre_process: bool = True,
@@ -67,8 +70,23 @@ _KEEP = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_
          "account_for_loss_in_pipeline_split", "variable_seq_lengths", "moe_token_dispatcher_type")
 
 
+def dualpipev_selected(args) -> bool:
+    """The run lays the model out as DualPipeV's V (`--dsv3-pipeline-schedule dualpipev`, pipeline size > 1)."""
+    return getattr(args, "dsv3_pipeline_schedule", None) == "dualpipev" and \
+        getattr(args, "pipeline_model_parallel_size", 1) > 1
+
+
+def dualpipev_layout(args, cfg: DSv3Config) -> DualPipeVLayout:
+    """The V for these flags: 2P stages, `--decoder-first/last-pipeline-num-layers` fixing stages 0 and 2P-1."""
+    counts = stage_layer_counts(cfg.model.num_hidden_layers, args.pipeline_model_parallel_size,
+                                getattr(args, "decoder_first_pipeline_num_layers", None),
+                                getattr(args, "decoder_last_pipeline_num_layers", None))
+    return DualPipeVLayout(counts, cfg.mtp.depth or None)
+
+
 def transformer_config_from_args(args, base_config=None) -> DSv3TransformerConfig:
-    """Megatron-LM `args` (+ the config it built from them) -> our config for `args.dsv3_config`."""
+    """Megatron-LM `args` (+ the config it built from them) -> our config for `args.dsv3_config`; with DualPipeV
+    the config carries the V layout (the first/last-stage layer counts are folded into it)."""
     cfg = load_config(args.dsv3_config)
     for key, want in _ARG_CHECKS.items():
         got = getattr(args, key, None)
@@ -79,6 +97,11 @@ def transformer_config_from_args(args, base_config=None) -> DSv3TransformerConfi
     if base_config is not None:
         names = {f.name for f in dataclasses.fields(base_config)}
         keep = {k: getattr(base_config, k) for k in _KEEP if k in names}
+    if dualpipev_selected(args):
+        for k in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"):
+            keep.pop(k, None)
+        keep.update(virtual_pipeline_model_parallel_size=2,
+                    pipeline_model_parallel_layout=dualpipev_layout(args, cfg))
     return to_transformer_config(cfg, **keep)
 
 
@@ -118,18 +141,47 @@ def gpt_builder(args, pre_process, post_process, vp_stage=None, config=None, pg_
     if not isinstance(config, DSv3TransformerConfig):
         if config is None:  # Megatron-LM's own config from its flags, for the parallel/precision fields
             from megatron.training.arguments import core_transformer_config_from_args
-            config = core_transformer_config_from_args(args)
+            base_args = args
+            if dualpipev_selected(args):
+                # the first/last-stage layer counts shape the V (dualpipev_layout), not Megatron's per-rank split,
+                # which its config would check against the two virtual chunks
+                base_args = copy.copy(args)
+                base_args.decoder_first_pipeline_num_layers = base_args.decoder_last_pipeline_num_layers = None
+            config = core_transformer_config_from_args(base_args)
         config = transformer_config_from_args(args, config)
     use_te = getattr(args, "transformer_impl", "local") == "transformer_engine"
     if use_te and not have_te():
         raise ConfigError("--transformer-impl transformer_engine: Transformer Engine is not installed "
                           "(pass --transformer-impl local)")
     spec = selected_layer_spec(args, config, use_te, vp_stage)
+    v = dualpipev_selected(args)
+    if v:   # the V: Megatron asked for interleaved chunk `vp_stage`; build model stage r or 2P-1-r instead
+        from megatron.core import parallel_state as ps
+        pre_process, post_process = stage_ends(ps.get_pipeline_model_parallel_rank(), vp_stage,
+                                               args.pipeline_model_parallel_size)
+        _check_v_embedding_group(ps)
     model = build_gpt_model(config, pre_process=pre_process, post_process=post_process, use_te=use_te,
                             vp_stage=vp_stage, pg_collection=pg_collection, layer_spec=spec,
                             vocab_size=getattr(args, "padded_vocab_size", None))
+    if v:
+        tie_embedding_copy(model, pre_process, post_process)
     follow_schedules(model, lambda: _megatron_lm_tokens_seen(args))
     return model
+
+
+def _check_v_embedding_group(ps) -> None:
+    """In the V the embedding and its copies are all on pipeline rank 0; Megatron's default embedding group
+    (first and last pipeline rank) would pair them with a rank that holds none."""
+    import torch.distributed as dist
+    group = ps.get_embedding_group(check_initialized=False)
+    if group is None:
+        return
+    ranks = dist.get_process_group_ranks(group)
+    first = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())[0]
+    if dist.get_rank() in ranks and ranks != [first]:
+        raise ConfigError(f"DualPipeV: Megatron's embedding group is ranks {ranks}; in the V it must be pipeline "
+                          "rank 0 alone (pass get_embedding_ranks=dsv3_plugin.megatron.dualpipev.embedding_ranks "
+                          "to pretrain() / initialize_model_parallel)")
 
 
 def _megatron_lm_tokens_seen(args) -> float:

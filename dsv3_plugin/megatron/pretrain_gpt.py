@@ -16,8 +16,15 @@ What it adds to Megatron-LM's flags:
   `--spec dsv3_plugin.megatron layer_spec`, it is ours (MLA + DeepSeekMoE), for the `--transformer-impl` given.
 - The vocabulary is Megatron's padded one (`--make-vocab-size-divisible-by`, the tokenizer's extra ids).
 - `--dsv3-metrics FILE`: one JSON line per iteration on rank 0 (iteration, the data-parallel mean of each loss
-  Megatron reduces, the sum of |router bias| over all routers) at full precision, for tests and plots.
+  Megatron reduces, MTP losses, the sum of |router bias| over all routers, checksums of the word-embedding copies)
+  at full precision, for tests and plots (`metrics.py`).
 - `--nproc N`: spawn N local ranks instead of being launched by torchrun.
+- `--dsv3-pipeline-schedule {dualpipev,1f1b}` (or the block's `"parallel": {"schedule": "dualpipev"}`): with
+  `--pipeline-model-parallel-size P > 1`, our schedule runs as Megatron's forward-backward function
+  (`patches/megatron_dualpipe.py`). DualPipeV cuts the model into 2P stages, two chunks per rank in the V
+  (`dualpipev.py`); `1f1b` is our 1F1B on Megatron's usual one-chunk layout (the baseline DualPipeV is measured
+  against). Left out, and the block not asking for DualPipeV: Megatron's own pipeline schedules. A flag that
+  contradicts the block is an error naming both.
 
 On a machine without CUDA it runs on CPU/gloo: `patches/megatron_cpu.py` (model, optimizer, DDP) and
 `patches/megatron_training_cpu.py` (the training loop) are applied, and Megatron defaults that need CUDA
@@ -28,7 +35,6 @@ is patched except `patches/megatron_dataset_helpers.py` (the wheel ships the dat
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -38,12 +44,15 @@ from typing import Any, Optional
 import torch
 
 from dsv3_plugin.config import ConfigError, DSv3Config, load_config
-from .gpt import OUR_SPEC, add_dsv3_args, gpt_builder
-from .spec import mcore_version_tuple
 from dsv3_plugin.parallel.distributed import spawn
+from .dualpipev import embedding_ranks, stage_ends
+from .gpt import OUR_SPEC, add_dsv3_args, dualpipev_layout, dualpipev_selected, gpt_builder
+from .metrics import MetricsRecorder
+from .spec import mcore_version_tuple
 
 __all__ = ["main", "parse_megatron_args", "set_megatron_globals", "reconcile_args", "dsv3_arg_values", "model_provider", "forward_step",
-           "train_valid_test_datasets_provider", "MIN_MEGATRON_CORE", "MEGATRON_MOE_ONLY_FLAGS"]
+           "train_valid_test_datasets_provider", "resolve_pipeline_schedule", "MIN_MEGATRON_CORE",
+           "MEGATRON_MOE_ONLY_FLAGS", "PIPELINE_SCHEDULES"]
 
 MIN_MEGATRON_CORE = (0, 19)
 
@@ -187,10 +196,6 @@ def reconcile_args(args, parser, explicit: set[str], cfg: DSv3Config, where: str
     if cfg.fp8.enabled:
         raise ConfigError(f"{where} dsv3.fp8.enabled: the plugin's FP8 path runs under `dsv3 train`/DeepSpeed; with "
                           "Megatron use its Transformer Engine recipes (--fp8-format e4m3 --fp8-recipe blockwise)")
-    if cfg.parallel.schedule != "1f1b" and getattr(args, "pipeline_model_parallel_size", 1) > 1:
-        raise ConfigError(f"{where} dsv3.parallel.schedule = {cfg.parallel.schedule!r}: this entry point runs "
-                          "Megatron's own pipeline schedule (1F1B); set \"schedule\": \"1f1b\" (DualPipeV as "
-                          "Megatron's schedule is not wired into pretrain() yet)")
     spec = getattr(args, "spec", None)
     if not spec or tuple(spec) == OUR_SPEC:
         for dest in MEGATRON_MOE_ONLY_FLAGS:
@@ -205,6 +210,74 @@ def reconcile_args(args, parser, explicit: set[str], cfg: DSv3Config, where: str
             args.vocab_size = cfg.model.vocab_size
             notes.append(f"--vocab-size {cfg.model.vocab_size} (from dsv3.model.vocab_size)")
     return notes
+
+
+# --- the pipeline schedule -------------------------------------------------------------------------------------
+
+PIPELINE_SCHEDULES = ("dualpipev", "1f1b")
+
+# Megatron-LM flags our schedules cannot honour: (dest, why). The V sets its own two chunks per rank; our 1F1B runs
+# one; neither drives DDP's no_sync / param-sync hooks that overlapped reduction needs.
+_OURS_REFUSED = (
+    ("num_layers_per_virtual_pipeline_stage", "sets Megatron's interleaved virtual pipeline"),
+    ("num_virtual_stages_per_pipeline_rank", "sets Megatron's interleaved virtual pipeline"),
+    ("pipeline_model_parallel_layout", "sets Megatron's interleaved layout"),
+    ("account_for_embedding_in_pipeline_split", "changes Megatron's own stage split"),
+    ("account_for_loss_in_pipeline_split", "changes Megatron's own stage split"),
+    ("overlap_grad_reduce", "needs DDP's no_sync hooks, which this schedule does not drive"),
+    ("overlap_param_gather", "needs DDP's param-sync hooks, which this schedule does not drive"),
+)
+
+
+def resolve_pipeline_schedule(args, parser, explicit: set[str], cfg: DSv3Config, where: str) -> str:
+    """'dualpipev' or '1f1b' (ours, as Megatron's forward-backward function), or 'megatron' (Megatron's own).
+
+    From `--dsv3-pipeline-schedule`, else from the block's `parallel.schedule` when it asks for "dualpipev"; a
+    block's "1f1b" is satisfied by Megatron's own 1F1B unless the flag asks for ours. Contradictions (DualPipeV on
+    one side only) and flags our schedule cannot honour are ConfigErrors naming both."""
+    flag = getattr(args, "dsv3_pipeline_schedule", None)
+    block = cfg.parallel.schedule if "schedule" in cfg.parallel.model_fields_set else None
+    pp = getattr(args, "pipeline_model_parallel_size", 1)
+    if block == "dualpipe" and (pp > 1 or flag):
+        raise ConfigError(f"{where} dsv3.parallel.schedule = 'dualpipe': not available with Megatron (it feeds "
+                          "micro-batches in from both pipeline ends; Megatron's data path has one); use "
+                          "\"dualpipev\" (same schedule, V layout, half the ranks) or \"1f1b\"")
+    if flag is not None and block is not None and (flag == "dualpipev") != (block == "dualpipev"):
+        raise ConfigError(f"--dsv3-pipeline-schedule {flag}: contradicts {where} dsv3.parallel.schedule = "
+                          f"{block!r}; drop the flag or change the dsv3 block")
+    chosen = flag or ("dualpipev" if block == "dualpipev" else "megatron")
+    if chosen == "megatron" or pp == 1:
+        return chosen
+    for dest, why in _OURS_REFUSED:
+        v = getattr(args, dest, None)
+        if v not in (None, False):
+            raise ConfigError(f"{_flag(parser, dest)}: {why}; not with --dsv3-pipeline-schedule {chosen} "
+                              f"(the plugin's {chosen} runs the pipeline)")
+    return chosen
+
+
+def apply_pipeline_schedule(args, schedule: str, cfg: DSv3Config) -> list[str]:
+    """After Megatron's `validate_args`: record the schedule on `args` (the model builder reads it) and, for
+    DualPipeV, ask Megatron for two model chunks per rank (its virtual-pipeline machinery builds, wraps, saves and
+    feeds them; `dualpipev.py` lays them out as the V)."""
+    args.dsv3_pipeline_schedule = schedule
+    if schedule == "megatron" or args.pipeline_model_parallel_size == 1:
+        if schedule != "megatron":
+            return [f"--dsv3-pipeline-schedule {schedule}: no pipeline at --pipeline-model-parallel-size 1"]
+        return []
+    if schedule == "dualpipev":
+        pp, dp = args.pipeline_model_parallel_size, args.data_parallel_size
+        n_mb = args.global_batch_size // (args.micro_batch_size * dp)
+        if n_mb < 2 * pp:
+            raise ConfigError(f"--global-batch-size {args.global_batch_size}: DualPipeV needs >= 2 x "
+                              f"--pipeline-model-parallel-size = {2 * pp} micro-batches per step (has {n_mb}: "
+                              f"--micro-batch-size {args.micro_batch_size}, data parallel {dp})")
+        args.virtual_pipeline_model_parallel_size = 2
+        layout = dualpipev_layout(args, cfg)       # refuses a split that leaves a stage empty, before any process
+        return [f"pipeline schedule: the plugin's dualpipev over {pp} pipeline ranks, {2 * pp} stages with "
+                f"{layout.stage_layers} decoder layers (rank r holds stages r and {2 * pp - 1}-r; embedding, "
+                "output head, MTP and loss on rank 0)"]
+    return [f"pipeline schedule: the plugin's {schedule} over {args.pipeline_model_parallel_size} pipeline ranks"]
 
 
 # What Megatron defaults to that needs CUDA, and its CPU counterpart: (dest, CPU value, why).
@@ -247,6 +320,11 @@ def parse_megatron_args(argv: list[str], world_size: Optional[int] = None, on_cp
         parser = add_dsv3_args(parser)
         parser.add_argument("--dsv3-metrics", type=str, default=None,
                             help="append one JSON line per iteration (rank 0): losses, sum of |router bias|")
+        parser.add_argument("--dsv3-pipeline-schedule", choices=PIPELINE_SCHEDULES, default=None,
+                            help="with --pipeline-model-parallel-size > 1, run the plugin's pipeline schedule as "
+                                 "Megatron's forward-backward function: dualpipev (two chunks per rank, the V) or "
+                                 "1f1b; default: the dsv3 block's parallel.schedule if \"dualpipev\", else "
+                                 "Megatron's own schedules")
         captured["parser"] = parser
         return parser
 
@@ -271,7 +349,9 @@ def parse_megatron_args(argv: list[str], world_size: Optional[int] = None, on_cp
     notes = reconcile_args(args, parser, explicit, cfg, args.dsv3_config)
     if on_cpu if on_cpu is not None else not torch.cuda.is_available():
         notes += adapt_to_cpu(args, parser, explicit)
+    schedule = resolve_pipeline_schedule(args, parser, explicit, cfg, args.dsv3_config)
     margs.validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
+    notes += apply_pipeline_schedule(args, schedule, cfg)
     if set_globals:
         set_megatron_globals(args)
     return args, notes
@@ -299,11 +379,22 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def _reads_data(vp_stage=None) -> bool:
+    """Whether this chunk holds the first or the last model stage (the ones that read tokens / labels): for
+    DualPipeV both are chunks of pipeline rank 0 (stages 0 and 2P-1), else Megatron's own rule."""
+    from megatron.training import get_args
+    args = get_args()
+    if dualpipev_selected(args):
+        from megatron.core import parallel_state as ps
+        return any(stage_ends(ps.get_pipeline_model_parallel_rank(), vp_stage, args.pipeline_model_parallel_size))
+    from megatron.training.utils import is_first_or_last_pipeline_stage
+    return is_first_or_last_pipeline_stage(vp_stage)
+
+
 def get_batch(data_iterator, vp_stage=None):
     """tokens, labels, loss_mask, attention_mask, position_ids of this rank's micro-batch (None on middle
     pipeline stages, which receive activations instead). TP = 1: every rank reads its own iterator."""
-    from megatron.training.utils import is_first_or_last_pipeline_stage
-    if not is_first_or_last_pipeline_stage(vp_stage):
+    if not _reads_data(vp_stage):
         return None, None, None, None, None
     batch = next(data_iterator)
     dev = _device()
@@ -336,8 +427,7 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
 
 def _is_dataset_built_on_rank(vp_stage=None) -> bool:
     from megatron.core import parallel_state as ps
-    from megatron.training.utils import is_first_or_last_pipeline_stage
-    return ps.get_tensor_model_parallel_rank() == 0 and is_first_or_last_pipeline_stage(vp_stage)
+    return ps.get_tensor_model_parallel_rank() == 0 and _reads_data(vp_stage)
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
@@ -362,67 +452,33 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
 train_valid_test_datasets_provider.is_distributed = True
 
 
-# --- metrics ---------------------------------------------------------------------------------------------------
-
-class _MetricsRecorder:
-    """Wraps Megatron's `train_step` to write one JSON line per iteration (rank 0): the losses Megatron reduced
-    over data parallel, and the sum over routers of |expert bias| (Megatron's finalize_model_grads steps it)."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self._orig = None
-
-    def __enter__(self):
-        import megatron.training.training as tr
-        self._orig = tr.train_step
-        orig = self._orig
-        path = self.path
-
-        def train_step(forward_step_func, data_iterator, model, *a, **kw):
-            out = orig(forward_step_func, data_iterator, model, *a, **kw)
-            if torch.distributed.get_rank() == 0:
-                from megatron.training import get_args
-                loss_dict = out[0]
-                routers = [m for chunk in model for m in chunk.modules() if hasattr(m, "expert_bias")]
-                line = {"iteration": get_args().curr_iteration + 1,
-                        **{k.replace(" ", "_"): float(v) for k, v in loss_dict.items()},
-                        "router_bias_abs_sum": float(sum(r.expert_bias.detach().abs().sum() for r in routers)),
-                        "routers": len(routers)}
-                with open(path, "a") as f:
-                    f.write(json.dumps(line) + "\n")
-            return out
-
-        tr.train_step = train_step
-        return self
-
-    def __exit__(self, *exc):
-        import megatron.training.training as tr
-        tr.train_step = self._orig
-
-
 # --- entry point -----------------------------------------------------------------------------------------------
 
 def _patches():
     try:
-        from patches import megatron_cpu, megatron_dataset_helpers, megatron_training_cpu
+        from patches import megatron_cpu, megatron_dataset_helpers, megatron_dualpipe, megatron_training_cpu
     except ImportError as e:
         raise RuntimeError("patches/ not importable: run from the dsv3-plugin checkout root or put it on "
                            "PYTHONPATH") from e
-    return megatron_cpu, megatron_training_cpu, megatron_dataset_helpers
+    return megatron_cpu, megatron_training_cpu, megatron_dataset_helpers, megatron_dualpipe
 
 
 def run(argv: list[str]) -> int:
     """One rank of the training run (launched by torchrun, or by `--nproc`). Bad flags fail before anything is
     patched; the patches applied here are reverted on the way out (an in-process call leaves Megatron as it was)."""
     _require_megatron_training()
-    megatron_cpu, training_cpu, dataset_helpers = _patches()
+    megatron_cpu, training_cpu, dataset_helpers, dualpipe = _patches()
     on_cpu = not torch.cuda.is_available()
     args, notes = parse_megatron_args(argv, on_cpu=on_cpu, set_globals=False)
+    schedule = args.dsv3_pipeline_schedule if args.pipeline_model_parallel_size > 1 else "megatron"
     applied = []
     try:
+        import megatron.training.training  # noqa: F401  (binds get_forward_backward_func; patched below)
         for mod, wanted in ((dataset_helpers, True), (megatron_cpu, on_cpu), (training_cpu, on_cpu)):
             if wanted and not mod.is_applied() and mod.apply():
                 applied.append(mod)
+        if schedule != "megatron" and not dualpipe.is_applied() and dualpipe.apply(schedule):
+            applied.append(dualpipe)
         set_megatron_globals(args)
         if args.rank == 0:
             for n in notes:
@@ -433,11 +489,13 @@ def run(argv: list[str]) -> int:
         from megatron.training import pretrain
         from megatron.training.argument_utils import pretrain_cfg_container_from_args
         cfg_container = pretrain_cfg_container_from_args(args, None)
-        metrics = _MetricsRecorder(args.dsv3_metrics) if args.dsv3_metrics else contextlib.nullcontext()
+        metrics = MetricsRecorder(args.dsv3_metrics) if args.dsv3_metrics else contextlib.nullcontext()
         loop = training_cpu.cuda_literals_on_cpu() if on_cpu else contextlib.nullcontext()
         with metrics, loop:
+            # DualPipeV: the embedding's copies all live on pipeline rank 0, so its embedding group is that rank
             pretrain(cfg_container, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step,
-                     model_provider=model_provider)
+                     model_provider=model_provider,
+                     get_embedding_ranks=embedding_ranks if dualpipev_selected(args) else None)
     finally:
         for mod in reversed(applied):
             mod.revert()

@@ -1,20 +1,27 @@
-"""DualPipeV as a Megatron-Core forward-backward function.
+"""Our pipeline schedules (DualPipeV, 1F1B) as Megatron-Core forward-backward functions.
 
-`forward_backward_dualpipev` has the keyword signature of the functions that
-`megatron.core.pipeline_parallel.get_forward_backward_func()` returns, so Megatron's `train_step` can call it
-unchanged (`patches/megatron_dualpipe.py` makes `get_forward_backward_func` return it). It follows Megatron's
-conventions:
-- `model` is a list of two model chunks per pipeline rank, like interleaved (virtual) pipelining with VPP=2:
-  chunk 0 is stage r and chunk 1 is stage 2P-1-r of the 2P stages (the V layout). Each chunk has
-  `set_input_tensor(list)` and a `config`, and its forward uses the tensor set there on non-first stages.
+`forward_backward_dualpipev` and `forward_backward_1f1b` have the keyword signature of the functions that
+`megatron.core.pipeline_parallel.get_forward_backward_func()` returns, so Megatron's `train_step` / `evaluate` call
+them unchanged (`patches/megatron_dualpipe.py` makes `get_forward_backward_func` return them). Megatron's
+conventions, kept:
+- `model`: the model chunks of this pipeline rank. DualPipeV: two, like a virtual pipeline of size 2, chunk 0
+  = model stage r and chunk 1 = stage 2P-1-r of the 2P stages (the V, built by `dualpipev.py`). 1F1B: one,
+  Megatron's usual layout. Each chunk has `set_input_tensor(list)` and a `config`; its forward uses the tensor
+  set there on every stage but the first.
 - `forward_step_func(data_iterator, model_chunk)` returns `(output_tensor, loss_func)`; `loss_func(output)`
-  returns `(loss, {name: tensor})` (loss divided by num_microbatches for the backward, as Megatron does) or
-  `(loss, num_tokens, {...})` (divided by num_tokens unless `config.calculate_per_token_loss`).
-- `data_iterator`: one iterator per chunk, or a single iterator that is duplicated (itertools.tee) so both
-  chunks of the rank read the same micro-batch sequence (stage 0 reads tokens, stage 2P-1 labels).
-- Returns `forward_data_store`, the list of loss dicts, on the rank holding the last stage (pipeline rank 0
-  for DualPipeV), an empty list elsewhere; `config.finalize_model_grads_func` runs after the backward.
-The schedule itself is `dsv3_plugin.parallel.pipeline.DualPipeV` over the pipeline group's P2P (gloo or NCCL).
+  returns `(loss, {name: tensor})` (the loss is divided by num_microbatches for the backward, as Megatron does) or
+  `(loss, num_tokens, {...})` (also divided by num_tokens unless `config.calculate_per_token_loss`); the backward
+  loss goes through `config.grad_scale_func` (mixed-precision loss scaling), like Megatron's `backward_step`.
+- `data_iterator`: one iterator per chunk (Megatron's virtual-pipeline data path), or one that is duplicated
+  (itertools.tee) so both chunks of a rank read the same micro-batch sequence (stage 0 reads tokens, stage 2P-1
+  labels).
+- Returns `forward_data_store`, the loss dicts of the micro-batches, on the **last pipeline rank** (where
+  Megatron's `train_step` reduces and logs them) and an empty list elsewhere. DualPipeV computes the losses on
+  pipeline rank 0 (it holds the last stage) and hands them to the last rank at the end of the step.
+- After the backward: `config.finalize_model_grads_func` (DP all-reduce, router expert-bias update, ...), then, in
+  the V, the sum of the two word-embedding copies' gradients on rank 0 (`dualpipev.sum_embedding_copy_grads`).
+Not supported (refused by the entry point): `--overlap-grad-reduce` / `--overlap-param-gather` (their no_sync /
+param-sync hooks are not driven), `collect_non_loss_data`.
 """
 from __future__ import annotations
 
@@ -23,11 +30,13 @@ import itertools
 from typing import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from dsv3_plugin.parallel.pipeline.runtime import DualPipeV
+from dsv3_plugin.parallel.pipeline.runtime import DualPipeV, OneFOneB
+from .dualpipev import sum_embedding_copy_grads
 
-__all__ = ["forward_backward_dualpipev", "MegatronChunkStage"]
+__all__ = ["forward_backward_dualpipev", "forward_backward_1f1b", "MegatronChunkStage", "SCHEDULE_FUNCS"]
 
 
 class MegatronChunkStage(nn.Module):
@@ -67,40 +76,48 @@ def _config_of(chunk):
 _RUNTIMES: dict = {}
 
 
-def forward_backward_dualpipev(*, forward_step_func, data_iterator, model, num_microbatches: int, seq_length: int,
-                               micro_batch_size: int, decoder_seq_length=None, forward_only: bool = False,
-                               collect_non_loss_data: bool = False, first_val_step=None,
-                               adjust_tensor_shapes_fn=None, p2p_communicator=None, pg_collection=None,
-                               force_all_reduce: bool = False):
-    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
-    if len(chunks) != 2:
-        raise ValueError(f"dualpipev: each pipeline rank needs 2 model chunks (stages r and 2P-1-r), got {len(chunks)}")
-    if collect_non_loss_data:
-        raise ValueError("dualpipev: collect_non_loss_data=True is not supported by this schedule")
-    if isinstance(data_iterator, (list, tuple)):
-        if len(data_iterator) != 2:
-            raise ValueError(f"dualpipev: need one data iterator per model chunk (2), got {len(data_iterator)}")
-        iters: list[Iterator | None] = list(data_iterator)
-    elif data_iterator is None:
-        iters = [None, None]
-    else:
-        iters = list(itertools.tee(data_iterator, 2))
-    config = _config_of(chunks[0])
-    group = _pp_group(pg_collection)
-    key = (id(chunks[0]), id(chunks[1]), id(group))
+def _runtime(cls, chunks, group, config):
+    key = (cls.schedule_name, tuple(id(c) for c in chunks), id(group))
     rt = _RUNTIMES.get(key)
     if rt is None:
-        import torch.distributed as dist
         first = dist.get_rank(group) == 0
-        stages = [MegatronChunkStage(chunks[0], is_first=first), MegatronChunkStage(chunks[1], is_first=False)]
-        rt = DualPipeV(stages, process_group=group, timeout_s=float(getattr(config, "dsv3_pipeline_timeout_s", 600.0)))
+        # chunk 0 of pipeline rank 0 is the first stage (both schedules); DualPipeV's chunk 1 never is
+        stages = [MegatronChunkStage(c, is_first=first and i == 0) for i, c in enumerate(chunks)]
+        cfg = getattr(config, "dsv3_config", None)      # a config built from a dsv3 block carries its P2P limit
+        timeout = float(cfg.parallel.p2p_timeout_s) if cfg is not None else 600.0
+        rt = cls(stages, process_group=group, timeout_s=timeout, timeout_name="dsv3.parallel.p2p_timeout_s")
         _RUNTIMES[key] = rt
-    for st, it in zip(rt.modules, iters):
+    return rt
+
+
+def _iterators(data_iterator, n: int) -> list[Iterator | None]:
+    if isinstance(data_iterator, (list, tuple)):
+        if len(data_iterator) != n:
+            raise ValueError(f"pipeline schedule: need one data iterator per model chunk ({n}), "
+                             f"got {len(data_iterator)}")
+        return list(data_iterator)
+    if data_iterator is None:
+        return [None] * n
+    return list(itertools.tee(data_iterator, n)) if n > 1 else [data_iterator]
+
+
+def _forward_backward(cls, n_chunks: int, *, forward_step_func, data_iterator, model, num_microbatches: int,
+                      forward_only: bool, collect_non_loss_data: bool, pg_collection, force_all_reduce: bool):
+    name = cls.schedule_name
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    if len(chunks) != n_chunks:
+        raise ValueError(f"{name}: each pipeline rank needs {n_chunks} model chunk(s), got {len(chunks)}")
+    if collect_non_loss_data:
+        raise ValueError(f"{name}: collect_non_loss_data=True is not supported by this schedule")
+    config = _config_of(chunks[0])
+    group = _pp_group(pg_collection)
+    rt = _runtime(cls, chunks, group, config)
+    for st, it in zip(rt.modules, _iterators(data_iterator, n_chunks)):
         st.forward_step_func, st.data_iterator, st.loss_funcs = forward_step_func, it, []
 
     forward_data_store: list = []
     total_tokens = torch.zeros([], dtype=torch.int)
-    last = rt.modules[1]                  # chunk 1 of pipeline rank 0 is stage 2P-1
+    last = rt.modules[-1]                 # the chunk holding the last stage (on rt.loss_rank)
 
     def criterion(*outputs):
         nonlocal total_tokens
@@ -115,6 +132,8 @@ def forward_backward_dualpipev(*, forward_step_func, data_iterator, model, num_m
             loss, reduced = result
             loss = loss / num_microbatches
         forward_data_store.append(reduced)
+        if not forward_only and config.grad_scale_func is not None:
+            loss = config.grad_scale_func(loss)       # what backward sees (Megatron's backward_step does this)
         return loss
 
     _set_aux_loss_scales(config, num_microbatches)
@@ -123,6 +142,9 @@ def forward_backward_dualpipev(*, forward_step_func, data_iterator, model, num_m
             rt.step(num_chunks=num_microbatches, criterion=criterion)
     else:
         rt.step(num_chunks=num_microbatches, criterion=criterion)
+    forward_data_store, total_tokens = _to_last_rank(rt, group, forward_data_store, total_tokens,
+                                                     mtp_metrics=not forward_only)
+    if not forward_only:
         if config.finalize_model_grads_func is not None:
             kw = {}
             params = inspect.signature(config.finalize_model_grads_func).parameters
@@ -131,7 +153,67 @@ def forward_backward_dualpipev(*, forward_step_func, data_iterator, model, num_m
             if "force_all_reduce" in params:
                 kw["force_all_reduce"] = force_all_reduce
             config.finalize_model_grads_func(chunks, total_tokens if config.calculate_per_token_loss else None, **kw)
+        sum_embedding_copy_grads(chunks)
     return forward_data_store
+
+
+_MTP_KEYS = ("loss_values", "correct_values", "total_values")
+
+
+def _to_last_rank(rt, group, store: list, total_tokens: torch.Tensor, mtp_metrics: bool):
+    """Megatron reads the loss dicts (and, for per-token loss, the token count) on the last pipeline rank, and logs
+    from there; our runtime has them on `rt.loss_rank` (rank 0 for DualPipeV, which also runs the MTP block there).
+    Move the loss dicts and the step's MTP loss metrics (Megatron's `MTPLossLoggingHelper` tracker) to the last
+    rank; other ranks return []."""
+    last = rt.P - 1
+    if rt.loss_rank == last or rt.P == 1:
+        return (store if rt.rank == last else []), total_tokens
+    tracker = None
+    if mtp_metrics:
+        from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+        tracker = MTPLossLoggingHelper.tracker
+    mtp = None
+    if rt.rank == rt.loss_rank and tracker is not None and "loss_values" in tracker:
+        mtp = {k: tracker[k].detach().clone() for k in _MTP_KEYS if k in tracker}
+        for k in mtp:
+            tracker[k].zero_()                   # moved, not copied: the sum over stages is unchanged
+    box = [store, total_tokens, mtp] if rt.rank == rt.loss_rank else [None, None, None]
+    dist.broadcast_object_list(box, src=rt.pipe_to_global[rt.loss_rank], group=group)
+    if rt.rank == last and box[2] is not None:
+        from megatron.core import parallel_state
+        for k, v in box[2].items():
+            v = v.to(rt.device)
+            tracker[k] = tracker[k] + v if k in tracker else v
+        if tracker.get("avg_group") is None:     # what the MTP block sets where it runs
+            tracker["avg_group"] = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    return (box[0] if rt.rank == last else []), box[1]
+
+
+def forward_backward_dualpipev(*, forward_step_func, data_iterator, model, num_microbatches: int, seq_length: int,
+                               micro_batch_size: int, decoder_seq_length=None, forward_only: bool = False,
+                               collect_non_loss_data: bool = False, first_val_step=None,
+                               adjust_tensor_shapes_fn=None, p2p_communicator=None, pg_collection=None,
+                               force_all_reduce: bool = False):
+    """DualPipeV over the pipeline group: two chunks per rank (stages r and 2P-1-r), >= 2P micro-batches."""
+    return _forward_backward(DualPipeV, 2, forward_step_func=forward_step_func, data_iterator=data_iterator,
+                             model=model, num_microbatches=num_microbatches, forward_only=forward_only,
+                             collect_non_loss_data=collect_non_loss_data, pg_collection=pg_collection,
+                             force_all_reduce=force_all_reduce)
+
+
+def forward_backward_1f1b(*, forward_step_func, data_iterator, model, num_microbatches: int, seq_length: int,
+                          micro_batch_size: int, decoder_seq_length=None, forward_only: bool = False,
+                          collect_non_loss_data: bool = False, first_val_step=None,
+                          adjust_tensor_shapes_fn=None, p2p_communicator=None, pg_collection=None,
+                          force_all_reduce: bool = False):
+    """Our 1F1B (the baseline DualPipeV is compared with) over the pipeline group: one chunk per rank."""
+    return _forward_backward(OneFOneB, 1, forward_step_func=forward_step_func, data_iterator=data_iterator,
+                             model=model, num_microbatches=num_microbatches, forward_only=forward_only,
+                             collect_non_loss_data=collect_non_loss_data, pg_collection=pg_collection,
+                             force_all_reduce=force_all_reduce)
+
+
+SCHEDULE_FUNCS = {"dualpipev": forward_backward_dualpipev, "1f1b": forward_backward_1f1b}
 
 
 def _set_aux_loss_scales(config, num_microbatches: int) -> None:

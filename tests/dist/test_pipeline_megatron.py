@@ -1,6 +1,7 @@
 """The patched Megatron `get_forward_backward_func` drives our DSv3 stages with DualPipeV on 2 gloo ranks
 (Megatron calling convention: model chunks with set_input_tensor, forward_step_func, loss_func) and
-returns the same per-micro-batch losses as Megatron's native no-pipelining schedule on the whole model.
+returns the same per-micro-batch losses (on the last pipeline rank, as Megatron expects) as Megatron's native
+no-pipelining schedule on the whole model.
 The patch's version guard, config choice and exact revert are checked in the same processes (Megatron's
 import is the slow part)."""
 import copy
@@ -66,7 +67,7 @@ def _patch_checks():
     from megatron.core import package_info
     from megatron.core.pipeline_parallel import schedules
     from dsv3_plugin.config import ConfigError
-    from dsv3_plugin.megatron.schedules import forward_backward_dualpipev
+    from dsv3_plugin.megatron.schedules import forward_backward_1f1b, forward_backward_dualpipev
     from patches import megatron_dualpipe as mdp
     original = schedules.get_forward_backward_func
     out = {}
@@ -75,9 +76,17 @@ def _patch_checks():
     out["pp1"] = pp_pkg.get_forward_backward_func(pp_size=1, vp_size=None) is schedules.forward_backward_no_pipelining
     out["reverted"] = mdp.revert() is True and schedules.get_forward_backward_func is original \
         and pp_pkg.get_forward_backward_func is original and mdp.revert() is False
+    # a dsv3 block's "1f1b" leaves Megatron's own 1F1B; the name "1f1b" (--dsv3-pipeline-schedule) selects ours
     with mdp.dualpipe_schedule({"preset": "tiny", "parallel": {"pp": 2, "schedule": "1f1b"}}):
         out["1f1b_native"] = (pp_pkg.get_forward_backward_func(pp_size=2, vp_size=None)
                               is schedules.forward_backward_pipelining_without_interleaving)
+    with mdp.dualpipe_schedule("1f1b"):
+        out["1f1b_ours"] = pp_pkg.get_forward_backward_func(pp_size=2, vp_size=None) is forward_backward_1f1b
+        out["1f1b_pp1"] = (pp_pkg.get_forward_backward_func(pp_size=1, vp_size=None)
+                           is schedules.forward_backward_no_pipelining)
+    with mdp.dualpipe_schedule("megatron"):
+        out["megatron"] = (pp_pkg.get_forward_backward_func(pp_size=2, vp_size=None)
+                           is schedules.forward_backward_pipelining_without_interleaving)
     saved = package_info.__version__
     package_info.__version__ = "0.99.0"
     try:
@@ -138,8 +147,9 @@ def _worker():
                            data_iterator=iter(data), model=[full], num_microbatches=C, seq_length=T,
                            micro_batch_size=1)
     rep = {"native": native.__name__, "reverted": reverted, "n_store": len(store), "patch_checks": checks}
-    if r == 0:
-        rep["losses_equal"] = all(torch.equal(a["lm loss"], b["lm loss"]) for a, b in zip(store, ref_store))
+    if r == 1:     # the loss dicts come back where Megatron reads them: the last pipeline rank
+        rep["losses_equal"] = len(store) == len(ref_store) and all(
+            torch.equal(a["lm loss"], b["lm loss"]) for a, b in zip(store, ref_store))
         rep["n_ref"] = len(ref_store)
     from tolerance import check_within, model_bound
     ref_params = dict(ref_model.named_parameters())
@@ -159,12 +169,15 @@ def _worker():
 def test_patched_megatron_runs_dualpipev_like_native():
     reps = run_ranks(_worker, 2, timeout_s=300)
     assert reps[0]["native"] == "forward_backward_no_pipelining"
-    assert reps[0]["losses_equal"] is True and reps[0]["n_store"] == reps[0]["n_ref"] == C
-    assert reps[1]["n_store"] == 0                      # loss dicts live on the rank with the last stage
+    assert reps[1]["losses_equal"] is True and reps[1]["n_store"] == reps[1]["n_ref"] == C
+    # DualPipeV computes the losses on pipeline rank 0 (it holds the last stage) and hands the loss dicts to the
+    # last pipeline rank, where Megatron's train_step reduces and logs them
+    assert reps[0]["n_store"] == 0
     for rep in reps:
         assert rep["reverted"] is True
         assert rep["grad_errors"] == [], rep
     c = reps[1]["patch_checks"]
     assert c["pp2"] and c["pp1"] and c["reverted"] and c["1f1b_native"] and c["clean"], c
+    assert c["1f1b_ours"] and c["1f1b_pp1"] and c["megatron"], c
     assert c["untested"] is not None and "megatron-core 0.99.0 is untested" in c["untested"], c
     assert c["dualpipe"] is not None and c["dualpipe"].startswith("dsv3.parallel.schedule"), c

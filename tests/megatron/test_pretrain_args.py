@@ -148,3 +148,83 @@ def test_vocabulary_is_megatrons_padded_one(built):
     for run in ("none", "ours", "dense_mlp"):
         assert built[run]["embedding_rows"] == built[run]["output_rows"] == 288
         assert built[run]["logits"].shape[-1] == 288
+
+
+# --- the pipeline schedule: --dsv3-pipeline-schedule and the block's parallel.schedule --------------------------
+
+PP2 = ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8"]
+
+
+def _ds(tmp_path, **parallel):
+    p = tmp_path / "ds_pp.json"
+    block = {"preset": "tiny", "model": {"num_hidden_layers": 4}}
+    if parallel:
+        block["parallel"] = parallel
+    p.write_text(json.dumps({"dsv3": block}))
+    return str(p)
+
+
+@pytest.mark.parametrize("parallel, flags, schedule, vpp", [
+    ({}, [], "megatron", None),                                        # nothing asked: Megatron's own
+    ({"schedule": "dualpipev"}, [], "dualpipev", 2),                   # the block asks
+    ({}, ["--dsv3-pipeline-schedule", "dualpipev"], "dualpipev", 2),   # the flag asks
+    ({"schedule": "dualpipev"}, ["--dsv3-pipeline-schedule", "dualpipev"], "dualpipev", 2),
+    ({}, ["--dsv3-pipeline-schedule", "1f1b"], "1f1b", None),          # our 1F1B, one chunk per rank
+    ({"schedule": "1f1b"}, ["--dsv3-pipeline-schedule", "1f1b"], "1f1b", None),
+    ({"schedule": "1f1b"}, [], "megatron", None),                      # a block's 1f1b: Megatron's 1F1B will do
+])
+def test_pipeline_schedule_selection(tmp_path, parallel, flags, schedule, vpp):
+    args, notes = parse_megatron_args_pp(BASE + PP2 + ["--dsv3-config", _ds(tmp_path, **parallel)] + flags)
+    assert args.dsv3_pipeline_schedule == schedule
+    assert args.virtual_pipeline_model_parallel_size == vpp            # the V: two model chunks per rank
+    if schedule == "dualpipev":
+        assert any("dualpipev over 2 pipeline ranks, 4 stages with [1, 1, 1, 1] decoder layers" in n for n in notes)
+
+
+def parse_megatron_args_pp(argv):
+    from dsv3_plugin.megatron.pretrain_gpt import parse_megatron_args
+    return parse_megatron_args(argv, world_size=2, set_globals=False, on_cpu=True)
+
+
+@pytest.mark.parametrize("parallel, flags, message", [
+    ({"schedule": "dualpipev"}, ["--dsv3-pipeline-schedule", "1f1b"],
+     r"^--dsv3-pipeline-schedule 1f1b: contradicts .*ds_pp\.json dsv3\.parallel\.schedule = 'dualpipev'"),
+    ({"schedule": "1f1b"}, ["--dsv3-pipeline-schedule", "dualpipev"],
+     r"^--dsv3-pipeline-schedule dualpipev: contradicts .*dsv3\.parallel\.schedule = '1f1b'"),
+    ({"schedule": "dualpipe"}, [], r"dsv3\.parallel\.schedule = 'dualpipe': not available with Megatron"),
+    ({}, ["--dsv3-pipeline-schedule", "dualpipev", "--overlap-grad-reduce"],
+     r"^--overlap-grad-reduce: needs DDP's no_sync hooks.*not with --dsv3-pipeline-schedule dualpipev"),
+    ({}, ["--dsv3-pipeline-schedule", "dualpipev", "--num-layers-per-virtual-pipeline-stage", "1"],
+     r"^--num-layers-per-virtual-pipeline-stage: sets Megatron's interleaved virtual pipeline"),
+    ({}, ["--dsv3-pipeline-schedule", "1f1b", "--pipeline-model-parallel-layout", "Et|tttL"],
+     r"^--pipeline-model-parallel-layout: sets Megatron's interleaved layout"),
+    ({}, ["--dsv3-pipeline-schedule", "dualpipev", "--global-batch-size", "4"],
+     r"^--global-batch-size 4: DualPipeV needs >= 2 x --pipeline-model-parallel-size = 4 micro-batches per "
+     r"step \(has 2"),
+])
+def test_pipeline_schedule_contradictions_refused(tmp_path, parallel, flags, message):
+    from dsv3_plugin.config import ConfigError
+    with pytest.raises(ConfigError, match=message):
+        parse_megatron_args_pp(BASE + PP2 + ["--dsv3-config", _ds(tmp_path, **parallel)] + flags)
+
+
+def test_dualpipev_stage_split_follows_first_last_flags(tmp_path):
+    from dsv3_plugin.config import ConfigError
+    p = tmp_path / "ds6.json"
+    p.write_text(json.dumps({"dsv3": {"preset": "tiny", "model": {"num_hidden_layers": 6}}}))
+    _, notes = parse_megatron_args_pp(BASE + PP2 + ["--dsv3-config", str(p), "--dsv3-pipeline-schedule", "dualpipev",
+                                                    "--decoder-first-pipeline-num-layers", "1",
+                                                    "--decoder-last-pipeline-num-layers", "1"])
+    assert any("4 stages with [1, 2, 2, 1] decoder layers" in n for n in notes), notes
+    with pytest.raises(ConfigError, match=r"DualPipeV with --pipeline-model-parallel-size 2 cuts the model into 4 "
+                                          r"stages: 6 decoder layers \(5 of them in the fixed first/last stages\)"):
+        parse_megatron_args_pp(BASE + PP2 + ["--dsv3-config", str(p), "--dsv3-pipeline-schedule", "dualpipev",
+                                             "--decoder-first-pipeline-num-layers", "1",
+                                             "--decoder-last-pipeline-num-layers", "4"])
+
+
+def test_pipeline_schedule_flag_without_pipeline_is_a_note(tmp_path):
+    args, notes = parse_megatron_args_pp(BASE + ["--dsv3-config", _ds(tmp_path), "--dsv3-pipeline-schedule",
+                                                 "dualpipev", "--pipeline-model-parallel-size", "1"])
+    assert args.virtual_pipeline_model_parallel_size is None
+    assert "--dsv3-pipeline-schedule dualpipev: no pipeline at --pipeline-model-parallel-size 1" in notes

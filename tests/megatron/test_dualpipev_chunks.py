@@ -1,0 +1,170 @@
+"""Megatron's GPTModel (our layer spec) cut into DualPipeV's V and run by our DualPipeV schedule through
+Megatron's `get_forward_backward_func`, on 2 gloo ranks, without Megatron-LM's `pretrain()` (so it runs on
+megatron-core 0.16.1 as well as 0.19.2; test_pretrain_dualpipev.py runs it inside `pretrain()` on 0.19).
+
+Each rank first builds the whole model at PP = 1 and runs the micro-batches one by one (the reference: per-micro-
+batch losses, accumulated gradients), then re-initializes Megatron with PP = 2 and two model chunks per rank
+(`initialize_model_parallel(..., virtual_pipeline_model_parallel_size=2, get_embedding_ranks=embedding_ranks)`),
+builds the chunks with the `DualPipeVLayout` config, copies the reference weights in by global layer number, and
+runs one DualPipeV step.
+"""
+import pytest
+import torch
+
+from helpers import run_ranks
+
+L, P, C, B, T = 4, 2, 4, 2, 16            # layers, pipeline ranks, micro-batches, micro-batch size, sequence
+DSV3 = {"preset": "tiny", "model": {"num_hidden_layers": L}}
+
+
+def _mp_init(pp, vpp=None, get_embedding_ranks=None):
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=pp,
+                                 virtual_pipeline_model_parallel_size=vpp, get_embedding_ranks=get_embedding_ranks)
+    model_parallel_cuda_manual_seed(1234)
+
+
+def _data():
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randint(0, 256, (B, T), generator=g), torch.randint(0, 256, (B, T), generator=g))
+            for _ in range(C)]
+
+
+def _loss_func(output_tensor):
+    loss = output_tensor.float().sum()
+    n = torch.tensor(output_tensor.numel(), dtype=torch.int)
+    return loss, n, {"lm loss": torch.cat([loss.detach().view(1), n.view(1).float()])}
+
+
+def _forward_step(data_iterator, model):
+    from dsv3_plugin.megatron.gpt import causal_inputs
+    tokens, labels = next(data_iterator)
+    pos, mask = causal_inputs(tokens)
+    return model(tokens, pos, mask, labels=labels), _loss_func
+
+
+def _global_name(name, offset):
+    parts = name.split(".")
+    if parts[:2] == ["decoder", "layers"]:
+        parts[2] = str(int(parts[2]) + offset)
+    return ".".join(parts)
+
+
+def _worker():
+    from dsv3_plugin.parallel.distributed import init_distributed
+    r, _ = init_distributed()
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+    import megatron.core.pipeline_parallel as pp_pkg
+    from dsv3_plugin.config import load_config
+    from dsv3_plugin.megatron.dualpipev import (DualPipeVLayout, embedding_ranks, stage_ends, stage_layer_counts,
+                                                tie_embedding_copy)
+    from dsv3_plugin.megatron.gpt import build_gpt_model
+    from dsv3_plugin.megatron.schedules import forward_backward_dualpipev
+    from patches import megatron_cpu, megatron_dualpipe
+    from patches.megatron_cpu import _CudaLiteralsOnCPU
+    from tolerance import check_within, model_bound
+
+    cfg = load_config(DSV3)
+    data = _data()
+    megatron_cpu.apply()
+    rep = {}
+    with _CudaLiteralsOnCPU():            # Megatron's embedding sync calls Tensor.cuda() at build time
+        # -- reference: the whole model, no pipeline, micro-batch by micro-batch
+        _mp_init(1)
+        torch.manual_seed(0)
+        ref = build_gpt_model(DSV3)
+        MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1) / C)
+        MTPLossAutoScaler.set_loss_scale(torch.ones(1) / C)
+        ref_sums = []
+        for it in [iter([d]) for d in data]:
+            out, lf = _forward_step(it, ref)
+            loss, n, rd = lf(out)
+            (loss / n / C).backward()
+            ref_sums.append(rd["lm loss"])
+        ref_params = {k: v.detach().clone() for k, v in ref.state_dict().items() if torch.is_tensor(v)}
+        ref_grads = {k: p.grad.detach().clone() for k, p in ref.named_parameters() if p.grad is not None}
+        ps.destroy_model_parallel()
+
+        # -- the V: PP = 2, two chunks per rank
+        _mp_init(P, 2, embedding_ranks)
+        layout = DualPipeVLayout(stage_layer_counts(L, P), cfg.mtp.depth)
+        chunks = []
+        for vp in range(2):
+            pre, post = stage_ends(r, vp, P)
+            m = build_gpt_model(DSV3, pre_process=pre, post_process=post, vp_stage=vp,
+                                pipeline_model_parallel_size=P, virtual_pipeline_model_parallel_size=2,
+                                pipeline_model_parallel_layout=layout, pipeline_dtype=torch.float32)
+            tie_embedding_copy(m, pre, post)
+            m.vp_stage = vp
+            chunks.append(m)
+        rep["layers"] = [[layer.layer_number for layer in c.decoder.layers] for c in chunks]
+        rep["ends"] = [(c.pre_process, c.post_process, hasattr(c, "mtp"), hasattr(c, "output_layer"),
+                        c.decoder.final_layernorm is not None if hasattr(c.decoder, "final_layernorm") else False)
+                       for c in chunks]
+        # the embedding copy on the last stage equals the (freshly built) first stage's before any load
+        if r == 0:
+            rep["copy_tied_at_build"] = torch.equal(chunks[0].embedding.word_embeddings.weight,
+                                                    chunks[1].embedding.word_embeddings.weight)
+        # reference weights in, by global layer number
+        missing = []
+        with torch.no_grad():
+            for vp, c in enumerate(chunks):
+                off = layout.get_layer_offset(vp_stage=vp, pp_rank=r)
+                for name, t in c.state_dict().items():
+                    if not torch.is_tensor(t) or name.endswith("_extra_state"):
+                        continue
+                    g = _global_name(name, off)
+                    if g in ref_params:
+                        t.copy_(ref_params[g])
+                    else:
+                        missing.append(g)
+        rep["missing"] = missing
+        for c in chunks:
+            c.config.finalize_model_grads_func = None
+            c.config.grad_scale_func = None
+        with megatron_dualpipe.dualpipe_schedule("dualpipev"):
+            fb = pp_pkg.get_forward_backward_func()
+            rep["hooked"] = fb is forward_backward_dualpipev
+            store = fb(forward_step_func=_forward_step, data_iterator=iter(data), model=chunks, num_microbatches=C,
+                       seq_length=T, micro_batch_size=B)
+        rep["n_store"] = len(store)
+        if r == P - 1:
+            rep["losses_equal"] = len(store) == C and all(torch.equal(a["lm loss"], b) for a, b in
+                                                          zip(store, ref_sums))
+        errs = []
+        for vp, c in enumerate(chunks):
+            off = layout.get_layer_offset(vp_stage=vp, pp_rank=r)
+            for name, p in c.named_parameters():
+                want = ref_grads[_global_name(name, off)]
+                # the same per-micro-batch ops; the word embedding's gradient is summed in another order (token
+                # lookup and MTP contributions per copy, then the two copies added): a reordered backward
+                errs.append(check_within(p.grad, want, model_bound(want, cfg, C * B * T, passes=2), name))
+        rep["grad_errors"] = [e for e in errs if e]
+        if r == 0:
+            rep["copies_equal_grads"] = torch.equal(chunks[0].embedding.word_embeddings.weight.grad,
+                                                    chunks[1].embedding.word_embeddings.weight.grad)
+        ps.destroy_model_parallel()
+    megatron_cpu.revert()
+    return rep
+
+
+@pytest.mark.dist
+def test_v_chunks_of_gptmodel_run_dualpipev_like_pp1():
+    reps = run_ranks(_worker, 2, timeout_s=300)
+    # the V: rank 0 holds stages 0 and 3 (layers 1 and 4), rank 1 stages 1 and 2 (layers 2 and 3)
+    assert reps[0]["layers"] == [[1], [4]] and reps[1]["layers"] == [[2], [3]], reps
+    # (pre_process, post_process, MTP block, output head, final norm): embedding on stage 0; head, MTP, loss and
+    # the final norm (it follows layer L) on stage 3; both on rank 0
+    assert reps[0]["ends"] == [(True, False, False, False, False), (False, True, True, True, True)], reps[0]["ends"]
+    assert reps[1]["ends"] == [(False, False, False, False, False)] * 2, reps[1]["ends"]
+    assert reps[0]["copy_tied_at_build"] is True
+    for rep in reps:
+        assert rep["missing"] == [] and rep["hooked"] is True
+        assert rep["grad_errors"] == [], rep["grad_errors"]
+    assert reps[1]["losses_equal"] is True and reps[1]["n_store"] == C     # on the last pipeline rank
+    assert reps[0]["n_store"] == 0
+    assert reps[0]["copies_equal_grads"] is True          # the copy's gradient summed with the original's
