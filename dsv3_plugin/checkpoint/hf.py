@@ -22,8 +22,7 @@ from dsv3_plugin.training.transforms import build_model
 from .names import is_runtime_state, native_to_released, parse_native, released_to_native
 from .reader import CheckpointReader
 
-__all__ = ["native_state_to_hf", "list_checkpoint_files", "load_pretrained", "load_hf_state_into",
-           "pretrained_config", "model_config"]
+__all__ = ["native_state_to_hf", "load_pretrained", "load_hf_state_into", "pretrained_config", "model_config"]
 
 
 def _is_stacked_expert(native: str) -> bool:
@@ -33,12 +32,18 @@ def _is_stacked_expert(native: str) -> bool:
         return False
 
 
+def _stored(native: str, cfg: DSv3Config) -> bool:
+    """Whether a `DSv3Model` state-dict entry is a checkpoint tensor: not runtime state, and not `lm_head.weight`
+    when it is the embedding itself (`tie_word_embeddings`: released files then hold no head)."""
+    return not is_runtime_state(native) and not (cfg.model.tie_word_embeddings and native == "lm_head.weight")
+
+
 def native_state_to_hf(state: dict[str, torch.Tensor], cfg: DSv3Config) -> dict[str, torch.Tensor]:
     """Our state dict -> released names (experts unstacked; MTP gets its shared head/embedding copies)."""
     L = cfg.model.num_hidden_layers
     out: dict[str, torch.Tensor] = {}
     for name, t in state.items():
-        if is_runtime_state(name):
+        if not _stored(name, cfg):
             continue
         if _is_stacked_expert(name):
             for e in range(t.shape[0]):
@@ -49,13 +54,6 @@ def native_state_to_hf(state: dict[str, torch.Tensor], cfg: DSv3Config) -> dict[
         out[f"model.layers.{L + k}.embed_tokens.weight"] = state["embed_tokens.weight"]
         out[f"model.layers.{L + k}.shared_head.head.weight"] = state["lm_head.weight"]
     return out
-
-
-def list_checkpoint_files(path: str | os.PathLike) -> dict[str, str]:
-    """{stored tensor name: safetensors file} of a single-file or index-sharded directory (FP8 scales included),
-    after the reader's checks of every header and of the index."""
-    with CheckpointReader(path, require_config=False) as r:
-        return {n: info.file for n, info in r.stored.items()}
 
 
 def _load_plan(names_shapes: Iterator[tuple[str, str, tuple, bool]], state_shapes: dict[str, tuple], L: int,
@@ -73,7 +71,8 @@ def _load_plan(names_shapes: Iterator[tuple[str, str, tuple, bool]], state_shape
         except CheckpointError:
             raise CheckpointError(f"{where}: unexpected tensor (not part of a DeepSeek-V3 model)") from None
         if is_copy:
-            want = state_shapes[native]
+            # with tied embeddings the head copy is checked against the embedding, which is the head
+            want = state_shapes[native if native in state_shapes else "embed_tokens.weight"]
             if tuple(shape) != tuple(want):
                 raise CheckpointError(f"{where}: shape {tuple(shape)} does not match the config's {tuple(want)}")
             shared.append((name, native))
@@ -95,8 +94,6 @@ def _load_plan(names_shapes: Iterator[tuple[str, str, tuple, bool]], state_shape
         plan.append((name, native, expert))
     missing = []
     for native, shape in state_shapes.items():
-        if is_runtime_state(native):
-            continue
         got = seen.get(native, set())
         if _is_stacked_expert(native):
             missing += [native_to_released(native, L, e) for e in range(shape[0]) if e not in got]
@@ -117,7 +114,7 @@ def _reader_plan(reader: CheckpointReader, state_shapes: dict[str, tuple], L: in
 def _load_from_reader(model: torch.nn.Module, reader: CheckpointReader) -> None:
     L = model.cfg.model.num_hidden_layers
     state = model.state_dict()
-    plan, shared = _reader_plan(reader, {k: tuple(v.shape) for k, v in state.items()}, L)
+    plan, shared = _reader_plan(reader, {k: tuple(v.shape) for k, v in state.items() if _stored(k, model.cfg)}, L)
     with torch.no_grad():
         for name, native, expert in plan:
             # FP8 -> fp32: the exact product of DeepSeek's formula, then the model's dtype
@@ -158,7 +155,7 @@ def _config_of(reader: CheckpointReader, overrides: dict) -> DSv3Config:
 
 def _state_shapes(cfg: DSv3Config) -> dict[str, tuple]:
     with torch.device("meta"):  # shapes only: no memory, no initialisation
-        return {k: tuple(v.shape) for k, v in DSv3Model(cfg).state_dict().items()}
+        return {k: tuple(v.shape) for k, v in DSv3Model(cfg).state_dict().items() if _stored(k, cfg)}
 
 
 def pretrained_config(path: str | os.PathLike, **config_overrides) -> DSv3Config:
