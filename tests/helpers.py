@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from dsv3_plugin.parallel.distributed import spawn
 
-__all__ = ["run_ranks", "hf_config", "make_tiny_hf_checkpoint", "make_truncated_checkpoint"]
+__all__ = ["run_ranks", "hf_config", "make_tiny_hf_checkpoint", "make_truncated_checkpoint", "read_stored_tensors",
+           "dequantize_by_formula", "transformers_on", "mtp_reference_logits"]
 
 
 def run_ranks(fn, nproc: int, *args, timeout_s: float = 300.0):
@@ -117,3 +118,103 @@ def make_truncated_checkpoint(ck):
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) - 66)
     return ck, shards[0]
+
+
+def read_stored_tensors(path) -> dict:
+    """Every tensor stored in a released-format directory, read with safetensors itself (not our reader): FP8
+    weights stay FP8, their `_scale_inv` are tensors of their own."""
+    import json
+    import os
+
+    from safetensors import safe_open
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    out = {}
+    for fn in files:
+        with safe_open(os.path.join(path, fn), framework="pt") as f:
+            out.update({n: f.get_tensor(n) for n in f.keys()})
+    return out
+
+
+def dequantize_by_formula(stored: dict, block) -> dict:
+    """Released tensors in fp32: FP8 weights by DeepSeek's formula written index by index,
+    w[i, j] = float(w_fp8[i, j]) * scale_inv[i // b0, j // b1]; the others upcast (exact)."""
+    import torch
+    out = {}
+    for n, t in stored.items():
+        if n.endswith("_scale_inv"):
+            continue
+        if t.element_size() == 1:
+            s = stored[n + "_scale_inv"]
+            O, I = t.shape
+            out[n] = t.float() * s[(torch.arange(O) // block[0])[:, None], (torch.arange(I) // block[1])[None, :]]
+        else:
+            out[n] = t.float()
+    return out
+
+
+def transformers_on(tensors: dict, cfg, path):
+    """transformers' `DeepseekV3ForCausalLM` (fp32, eval) loaded by `from_pretrained` from `tensors` (released
+    names) written to a new directory `path` (transformers ignores the MTP layer's tensors)."""
+    import json
+    import os
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import DeepseekV3ForCausalLM
+    os.makedirs(path)
+    save_file({n: t.contiguous() for n, t in tensors.items()}, os.path.join(path, "model.safetensors"),
+              metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg.to_hf(), f)
+    return DeepseekV3ForCausalLM.from_pretrained(path, config=hf_config(cfg), dtype=torch.float32).eval()
+
+
+def mtp_reference_logits(cfg, tensors: dict, hf, ids) -> list:
+    """MTP logits of every depth k = 1..D from the paper's formulas (eqs. 21-23) with transformers' own decoder
+    layer, RMSNorm and `hf`'s main model, on the released MTP tensors `tensors` (fp32, released names):
+    h'^k_i = eh_proj_k [enorm_k(Emb(t_{i+k})); hnorm_k(h^{k-1}_i)], h^k = TRM_k(h'^k) over T-k positions,
+    logits^k = head(shared_head.norm_k(h^k)); h^0 = the main model's final-normed state (reference facts §6),
+    h^k for the next depth is taken before shared_head.norm (paper Fig. 3). Returns k-th [B, T-k, V]."""
+    import torch
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
+    L, eps, T = cfg.model.num_hidden_layers, cfg.model.rms_norm_eps, ids.shape[1]
+    hc = hf_config(cfg)
+    hc._attn_implementation = "eager"
+    hc._experts_implementation = "eager"
+
+    def norm(x, weight):
+        n = DeepseekV3RMSNorm(x.shape[-1], eps)
+        n.weight.data.copy_(weight)
+        return n(x)
+
+    outs = []
+    with torch.no_grad():
+        h = hf.model(ids).last_hidden_state                                    # h^0: after the final norm
+        for k in range(1, cfg.mtp.depth + 1):
+            p = f"model.layers.{L + k - 1}."
+            w = {n[len(p):]: t for n, t in tensors.items() if n.startswith(p)}
+            block = DeepseekV3DecoderLayer(hc, L + k - 1).float().eval()
+            sd = {n: t for n, t in w.items() if ".experts." not in n
+                  and not n.startswith(("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens"))}
+            E = cfg.moe.n_routed_experts
+            if any(".experts." in n for n in w):    # transformers 5 fuses the experts in memory
+                sd["mlp.experts.gate_up_proj"] = torch.stack(
+                    [torch.cat([w[f"mlp.experts.{e}.gate_proj.weight"], w[f"mlp.experts.{e}.up_proj.weight"]])
+                     for e in range(E)])
+                sd["mlp.experts.down_proj"] = torch.stack([w[f"mlp.experts.{e}.down_proj.weight"] for e in range(E)])
+            missing, unexpected = block.load_state_dict(sd, strict=False)
+            assert not unexpected and not [m for m in missing if "rotary" not in m], (missing, unexpected)
+            n = T - k
+            emb = tensors["model.embed_tokens.weight"][ids[:, k:]]            # Emb(t_{i+k}), i < T-k
+            x = torch.cat([norm(emb, w["enorm.weight"]), norm(h[:, :n], w["hnorm.weight"])], -1) @ w["eh_proj.weight"].T
+            pos = torch.arange(n)[None]
+            causal = torch.full((n, n), float("-inf")).triu(1)[None, None]  # additive mask, eager attention
+            h = block(x, position_embeddings=hf.model.rotary_emb(x, pos), attention_mask=causal, position_ids=pos)
+            h = h[0] if isinstance(h, tuple) else h                            # h^k, before shared_head.norm
+            outs.append(norm(h, w["shared_head.norm.weight"]) @ tensors["lm_head.weight"].T)
+    return outs

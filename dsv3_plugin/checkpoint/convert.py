@@ -26,14 +26,14 @@ from typing import Iterator, Optional
 import torch
 
 from dsv3_plugin.errors import CheckpointError
-from .megatron_layout import MegatronLayout, released_names
 from .hf import model_config
 from .integrity import check_finite, load_json
+from .megatron_layout import MegatronLayout
+from .names import released_names, released_shapes
 from .reader import INDEX_NAME, CheckpointReader, read_safetensors_header
 from .writer import StreamingSafetensorsWriter
-from .synthetic import released_shapes
 
-__all__ = ["convert", "load_megatron_rank", "atomic_output_dir", "LAYOUT_NAME", "DTYPES"]
+__all__ = ["convert", "load_megatron_rank", "read_layout", "atomic_output_dir", "LAYOUT_NAME", "DTYPES"]
 
 LAYOUT_NAME = "layout.json"
 LAYOUT_FORMAT = "dsv3-megatron"
@@ -216,7 +216,8 @@ def _to_megatron(reader: CheckpointReader, out: str, pp: int, ep: int, dtype: to
     return {"tensors": len(reader.names()), "files": len(files), "output_bytes": total}
 
 
-def _read_layout(src: str) -> dict:
+def read_layout(src: str) -> dict:
+    """`layout.json` of a `--to megatron` directory, checked (format, per-file entries); CheckpointError if not."""
     p = os.path.join(src, LAYOUT_NAME)
     lay = load_json(p, what=f"{LAYOUT_FORMAT} layout file")
     if lay.get("format") != LAYOUT_FORMAT or not isinstance(lay.get("files"), dict):
@@ -263,7 +264,7 @@ def _check_megatron_files(src: str, lay: dict) -> dict[str, dict]:
 def _to_hf_from_megatron(src: str, out: str, dtype: Optional[torch.dtype], progress: bool,
                          allow_non_finite: bool) -> dict:
     from safetensors import safe_open
-    lay = _read_layout(src)
+    lay = read_layout(src)
     headers = _check_megatron_files(src, lay)
     nonempty = [fn for fn in lay["files"] if lay["files"][fn]["tensors"]]
     weight_map, total = {}, 0
@@ -323,7 +324,7 @@ def convert(src: str, dst: str, to: str, pp: int = 1, ep: int = 1, dtype: Option
             raise CheckpointError(f"{src}: already in the Megatron layout (convert --to hf first to re-split)")
         if pp != 1 or ep != 1:
             raise ValueError("--pp/--ep: only meaningful with --to megatron")
-        _check_megatron_files(src, _read_layout(src))
+        _check_megatron_files(src, read_layout(src))
         cfg = load_json(os.path.join(src, "config.json"), what="released config.json")
         model_config(cfg, os.path.join(src, "config.json"))  # the file must describe a model we can build
         with atomic_output_dir(dst) as tmp:
@@ -355,7 +356,7 @@ def load_megatron_rank(path: str, stage: int, ep_rank: int, shared: bool = True,
     stage's non-expert tensors, which live in the stage's ep-rank-0 file (docs/checkpoints.md). Headers are
     checked against layout.json first; NaN/Inf values raise unless `allow_non_finite`."""
     from safetensors.torch import load_file
-    lay = _read_layout(path)
+    lay = read_layout(path)
     _check_megatron_files(path, lay)
     by_rank = {(m["stage"], m["ep_rank"]): fn for fn, m in lay["files"].items()}
     if (stage, ep_rank) not in by_rank:

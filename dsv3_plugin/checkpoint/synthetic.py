@@ -4,28 +4,25 @@ sharded checkpoints (tests, the example, and the multi-GB benchmark input).
 Quantization follows the released weights' semantics (README_WEIGHTS, `inference/kernel.py`): per 128x128
 block (ragged at edges), scale_inv = amax(|w|) / 448 (E4M3's largest finite value) and
 w_fp8 = cast_e4m3(w / scale_inv), so that dequantization is w_fp8 * scale_inv.
-Which tensors are quantized mirrors V3's release: every attention and MLP projection (dense, routed and
-shared experts); not norms, the router, embeddings, the output head or `eh_proj`.
+Which tensors are quantized mirrors V3's release (`Row.fp8` of the name table, `names.py`): every attention and
+MLP projection (dense, routed and shared experts); not norms, the router, embeddings, the output head or
+`eh_proj`.
 """
 from __future__ import annotations
 
 import json
 import os
-import re
 from typing import Callable, Iterable, Optional
 
 import torch
 
-from .megatron_layout import released_names
+from .names import is_quantized_in_release, released_shapes
 from .reader import INDEX_NAME, SCALE_SUFFIX, SINGLE_NAME
 from .writer import StreamingSafetensorsWriter
 
-__all__ = ["quantize_fp8_blockwise", "released_shapes", "is_quantized_in_release", "write_released_checkpoint",
-           "quantize_checkpoint"]
+__all__ = ["quantize_fp8_blockwise", "write_released_checkpoint", "quantize_checkpoint"]
 
 E4M3_MAX = 448.0
-_QUANTIZED = re.compile(r"\.(self_attn\.(q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)|"
-                        r"mlp\.(experts\.\d+\.|shared_experts\.)?(gate_proj|up_proj|down_proj))\.weight$")
 
 
 def quantize_fp8_blockwise(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,51 +36,6 @@ def quantize_fp8_blockwise(w: torch.Tensor, block: tuple[int, int] = (128, 128))
     scale_inv = amax / E4M3_MAX
     q = (blocks / scale_inv[:, None, :, None]).view(nr * block[0], nc * block[1])[:O, :I]
     return q.to(torch.float8_e4m3fn).contiguous(), scale_inv.contiguous()
-
-
-def is_quantized_in_release(name: str) -> bool:
-    return bool(_QUANTIZED.search(name))
-
-
-def released_shapes(cfg: dict) -> dict[str, tuple]:
-    """{name: shape} of every tensor (required and optional) of a released checkpoint with HF config `cfg`."""
-    H, V, nh = cfg["hidden_size"], cfg["vocab_size"], cfg["num_attention_heads"]
-    nope, rope, vd = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
-    ql, kvl = cfg.get("q_lora_rank"), cfg["kv_lora_rank"]
-    I, mI, E = cfg["intermediate_size"], cfg["moe_intermediate_size"], cfg.get("n_routed_experts") or 0
-    sI = mI * (cfg.get("n_shared_experts") or 0)
-    sub = {
-        "input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
-        "self_attn.q_proj.weight": (nh * (nope + rope), H), "self_attn.q_a_proj.weight": (ql, H),
-        "self_attn.q_a_layernorm.weight": (ql,), "self_attn.q_b_proj.weight": (nh * (nope + rope), ql),
-        "self_attn.kv_a_proj_with_mqa.weight": (kvl + rope, H), "self_attn.kv_a_layernorm.weight": (kvl,),
-        "self_attn.kv_b_proj.weight": (nh * (nope + vd), kvl), "self_attn.o_proj.weight": (H, nh * vd),
-        "mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H), "mlp.down_proj.weight": (H, I),
-        "mlp.gate.weight": (E, H), "mlp.gate.e_score_correction_bias": (E,),
-        "mlp.shared_experts.gate_proj.weight": (sI, H), "mlp.shared_experts.up_proj.weight": (sI, H),
-        "mlp.shared_experts.down_proj.weight": (H, sI),
-        "enorm.weight": (H,), "hnorm.weight": (H,), "eh_proj.weight": (H, 2 * H),
-        "shared_head.norm.weight": (H,), "shared_head.head.weight": (V, H), "embed_tokens.weight": (V, H),
-    }
-    req, opt = released_names(cfg)
-    out = {}
-    for n in sorted(req | opt, key=_natural_key):
-        if n in ("model.embed_tokens.weight", "lm_head.weight"):
-            out[n] = (V, H)
-        elif n == "model.norm.weight":
-            out[n] = (H,)
-        else:
-            rest = n.split(".", 3)[3]
-            m = re.match(r"mlp\.experts\.\d+\.(\w+)\.weight$", rest)
-            if m:
-                out[n] = (mI, H) if m.group(1) != "down_proj" else (H, mI)
-            else:
-                out[n] = sub[rest]
-    return out
-
-
-def _natural_key(name: str):
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
 def write_released_checkpoint(path: str, cfg: dict, make: Callable[[str, tuple], torch.Tensor],
@@ -102,7 +54,7 @@ def write_released_checkpoint(path: str, cfg: dict, make: Callable[[str, tuple],
     plan: list[tuple[str, torch.dtype, tuple, bool]] = []
     for n in order:
         shape = shapes[n]
-        if fp8 and is_quantized_in_release(n):
+        if fp8 and is_quantized_in_release(n, cfg["num_hidden_layers"]):
             plan.append((n, torch.float8_e4m3fn, shape, True))
             plan.append((n + SCALE_SUFFIX, torch.float32, (-(-shape[0] // block[0]), -(-shape[1] // block[1])), False))
         else:
