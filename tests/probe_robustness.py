@@ -272,9 +272,11 @@ TRAIN_DS = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 
 TRAIN_STEPS = 8
 
 
-def _kill_during_save(out: str, cfg: str, kill_after_step: int) -> tuple[str, str]:
-    """Start `dsv3 train`, SIGKILL its whole process group (launcher and ranks) the moment a checkpoint tag
-    after `kill_after_step` appears without its completion marker. Returns (what the kill hit, stderr)."""
+def _kill_during_save(out: str, cfg: str, kill_after_step: int, when: str) -> tuple[str, str]:
+    """Start `dsv3 train`, SIGKILL its whole process group (launcher and ranks) inside the save of the first
+    checkpoint tag after `kill_after_step`: `when` = "tag" the moment its directory appears, "latest" the moment
+    DeepSpeed's `latest` names it (its files are written, the completion marker is not yet). Returns (what the
+    kill hit, stderr)."""
     from dsv3_plugin.run_dir import COMPLETE_MARKER
     cmd = [sys.executable, "-m", "dsv3_plugin", "train", "--config", cfg, "--nproc", "2", "--steps", TRAIN_STEPS,
            "--out", out, "--no-progress"]
@@ -288,6 +290,13 @@ def _kill_during_save(out: str, cfg: str, kill_after_step: int) -> tuple[str, st
             tags = [n for n in os.listdir(ck) if n.startswith("step") and int(n[4:]) > kill_after_step]
         except (OSError, ValueError):
             tags = []
+        if tags and when == "latest":
+            try:
+                with open(os.path.join(ck, "latest")) as f:
+                    named = f.read().strip()
+            except OSError:
+                named = ""
+            tags = [n for n in tags if n == named]
         if tags:
             os.killpg(p.pid, signal.SIGKILL)
             tag = max(tags, key=lambda n: int(n[4:]))
@@ -303,7 +312,7 @@ def _kill_during_save(out: str, cfg: str, kill_after_step: int) -> tuple[str, st
     return hit, err
 
 
-def probe_kill_train(t: Tally, work: str, rng: random.Random, want_mid_save: int = 3, attempts: int = 8) -> None:
+def probe_kill_train(t: Tally, work: str, want_mid_save: int = 4, attempts: int = 8) -> None:
     cfg = write(os.path.join(work, "kill.json"), TRAIN_DS)
     ref = os.path.join(work, "uninterrupted")
     r = dsv3("train", "--config", cfg, "--nproc", 2, "--steps", TRAIN_STEPS, "--out", ref, "--no-progress")
@@ -316,9 +325,10 @@ def probe_kill_train(t: Tally, work: str, rng: random.Random, want_mid_save: int
         if mid >= want_mid_save:
             break
         out = os.path.join(work, f"killed{a}")
-        hit, err = _kill_during_save(out, cfg, rng.randint(1, TRAIN_STEPS - 3))
+        after, when = 1 + (a * 2) % (TRAIN_STEPS - 2), ("tag", "latest")[a % 2]   # steps 1, 3, 5, 1, ...
+        hit, err = _kill_during_save(out, cfg, after, when)
         t.case("kill9_train")
-        log(f"kill -9 of dsv3 train #{a}: {hit}")
+        log(f"kill -9 of dsv3 train #{a} (first save after step {after}, when its {when} appears): {hit}")
         if hit == "hang":
             t.fail("hangs_beyond_timeout", f"kill -9 train #{a}: run did not reach a save in {COMMAND_LIMIT_S}s")
             continue
@@ -569,7 +579,7 @@ def main(argv=None) -> int:
     rng = random.Random(args.seed)
     parts = [("config_fuzz", lambda d: probe_config_fuzz(t, d, args.seed, args.train_accepted)),
              ("corrupt_checkpoints", lambda d: probe_corrupt_checkpoints(t, d)),
-             ("kill9_train", lambda d: probe_kill_train(t, d, rng)),
+             ("kill9_train", lambda d: probe_kill_train(t, d)),
              ("kill9_convert", lambda d: probe_kill_convert(t, d, rng)),
              ("concurrent_out", lambda d: probe_concurrent(t, d)),
              ("stopped_peer", lambda d: probe_stopped_peer(t, d))]

@@ -94,7 +94,7 @@ def set_group_timeout(group, timeout: timedelta) -> None:
     """Bound every later operation on `group` by `timeout`."""
     if hasattr(group, "set_timeout"):
         group.set_timeout(timeout)
-    else:  # torch < 2.5
+    else:  # older torch: no ProcessGroup.set_timeout
         dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
