@@ -24,7 +24,8 @@ What it runs (all on CPU, tiny models, `nice`d):
    tests/unit/test_checkpoint_nonfinite.py through `dsv3 convert` (both targets), `dsv3 generate` and
    `dsv3 train --init-from`: exit 2 with one `error:` line;
 3. kill -9 of `dsv3 train` (launcher and ranks) while it writes a checkpoint, then `--resume`: exit 0 and the
-   same metrics, bit for bit, as a run that was never interrupted;
+   same metrics, bit for bit, as a run that was never interrupted; `--resume` on another number of ranks or
+   with another model: refused;
 4. kill -9 of `dsv3 convert` while it writes: DST does not exist; the rerun's files are byte-identical to an
    uninterrupted conversion;
 5. two `dsv3 train` into one `--out`, started together and one while the other trains: one is refused
@@ -320,6 +321,17 @@ def probe_kill_train(t: Tally, work: str, want_mid_save: int = 4, attempts: int 
         t.fail("other_failures", f"uninterrupted reference run failed ({r.returncode}): {r.stderr[-1500:]}")
         return
     want = [strip(x) for x in metrics(ref)]
+    # resuming the finished run on another number of ranks, or with another model: refused, nothing touched
+    other = copy.deepcopy(TRAIN_DS)
+    other["dsv3"]["model"] = {"hidden_size": 96}
+    for what, argv in {"--resume on 1 rank of a 2-rank run": ["--config", cfg, "--nproc", 1, "--out", ref],
+                       "--resume with another model": ["--config", write(os.path.join(work, "other.json"), other),
+                                                       "--nproc", 2, "--out", os.path.join(work, "other")]}.items():
+        r = dsv3("train", *argv, "--resume", ref, "--steps", TRAIN_STEPS + 2, "--no-progress")
+        t.case("resume_refused")
+        check_refusal(t, what, r.returncode, r.stderr)
+    if [strip(x) for x in metrics(ref)] != want:
+        t.fail("mixed_runs", "a refused --resume changed the run it was refused for")
     mid = 0
     for a in range(attempts):
         if mid >= want_mid_save:

@@ -59,7 +59,7 @@ def _precheck(args):
         rd.check_out_path(args.out)
         rd.probe_lock(args.out)
     if args.resume:
-        rd.resume_source(args.resume, cfg)
+        rd.resume_source(args.resume, cfg, args.nproc or 2)
     same_dir = bool(args.resume and args.out) and (
         os.path.realpath(rd.checkpoint_dir(args.resume)) == os.path.realpath(os.path.join(args.out, "ckpt")))
     prev = rd.previous_run(args.out) if args.out and not same_dir else None

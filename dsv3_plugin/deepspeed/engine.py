@@ -199,7 +199,11 @@ class _DSv3Hooks:
         load_dir = os.fspath(load_dir)
         if tag is None and not os.path.isfile(os.path.join(load_dir, "latest")):
             raise CheckpointError(f"{load_dir}: no DeepSpeed checkpoint (no 'latest' file; pass a tag)")
-        path, client_state = self._orig_load(load_dir, tag=tag, **kwargs)
+        from deepspeed.runtime.zero.utils import ZeRORuntimeException
+        try:
+            path, client_state = self._orig_load(load_dir, tag=tag, **kwargs)
+        except ZeRORuntimeException as e:  # e.g. saved by another data-parallel size: the checkpoint does not fit
+            raise CheckpointError(f"{load_dir}: {e}") from None
         if path is None:
             raise CheckpointError(f"{load_dir}: DeepSpeed could not load checkpoint tag {tag!r}")
         client_state = dict(client_state or {})
