@@ -145,7 +145,7 @@ class ParallelConfig(_Strict):
     schedule: Literal["1f1b", "dualpipe", "dualpipev"] = Field("1f1b", description="pipeline schedule when pp > 1")
     num_chunks: Optional[int] = Field(None, gt=0, description="micro-batches per pipeline step (default: grad. accumulation)")
     p2p_timeout_s: float = Field(120.0, gt=0, le=MAX_TIMEOUT_S,
-                                 description="a pipeline peer silent this long is an error, not a hang (<= 1 week)")
+                                 description="a peer rank silent this long (p2p or collective) is an error, not a hang (<= 1 week)")
 
 
 class FP8Config(_Strict):

@@ -1,5 +1,6 @@
-"""Error types shared across the package (docs/architecture.md, Conventions: both are `ValueError`, CLI exit code 2)."""
-__all__ = ["ConfigError", "CheckpointError"]
+"""Error types shared across the package (docs/architecture.md, Conventions: bad input is a `ValueError`, CLI
+exit code 2; a peer that is gone is a `PeerError`, exit code 1, reported in one message without a traceback)."""
+__all__ = ["ConfigError", "CheckpointError", "PeerError"]
 
 
 class ConfigError(ValueError):
@@ -8,3 +9,9 @@ class ConfigError(ValueError):
 
 class CheckpointError(ValueError):
     """Bad checkpoint input; the message names the tensor and/or file."""
+
+
+class PeerError(RuntimeError):
+    """Another rank is dead, or silent longer than the configured timeout (`parallel.p2p_timeout_s`); the
+    message names the operation, the ranks and the limit. Not bad input and not a bug in this rank: the
+    launchers report it as one `error:` line (exit 1), without a traceback."""

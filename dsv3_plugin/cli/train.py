@@ -11,7 +11,8 @@ is accepted wherever it lands, see `dsv3_plugin.cli.main`).
 Output: a progress bar on stderr and a short summary on stdout; every step's JSON line goes to OUT/metrics.jsonl,
 and to stdout as well with --json (then stdout is JSON only: one object per logged step, then {"summary": ...};
 the human summary moves to stderr). Exit 2 on bad config/checkpoint/--out input with one `error:` line,
-whichever rank found it; 1 for other failures.
+whichever rank found it; 1 for other failures (a rank dead or silent longer than `parallel.p2p_timeout_s`: one
+message naming the wait and the limit, no traceback).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from dsv3_plugin.deepspeed.train import train
 from dsv3_plugin.training import run_dir as rd
 from dsv3_plugin.deepspeed.train import _prepare
 from dsv3_plugin.config import ConfigError
+from dsv3_plugin.errors import PeerError
 from dsv3_plugin.parallel.distributed import launched_externally, spawn
 from dsv3_plugin.parallel.distributed import _is_input_error, first_failure, init_distributed
 
@@ -57,7 +59,7 @@ def _precheck(args):
         rd.check_out_path(args.out)
         rd.probe_lock(args.out)
     if args.resume:
-        rd.resume_source(args.resume, cfg)
+        rd.resume_source(args.resume, cfg, args.nproc or 2)
     same_dir = bool(args.resume and args.out) and (
         os.path.realpath(rd.checkpoint_dir(args.resume)) == os.path.realpath(os.path.join(args.out, "ckpt")))
     prev = rd.previous_run(args.out) if args.out and not same_dir else None
@@ -97,7 +99,8 @@ def _run_launched(wargs) -> int:
         code, msg = 130, None
     except Exception as e:
         code = 2 if _is_input_error(e) else 1
-        msg = f"error: {e}" if code == 2 else traceback.format_exc()
+        # bad input, or a peer dead / silent past parallel.p2p_timeout_s: the message says it all; a bug: traceback
+        msg = f"error: {e}" if code == 2 or isinstance(e, PeerError) else traceback.format_exc()
     first, code = first_failure(code)
     if first and msg:
         print(msg, file=sys.stderr, end="" if msg.endswith("\n") else "\n")

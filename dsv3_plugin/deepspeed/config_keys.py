@@ -10,6 +10,10 @@ DeepSpeed itself coerces or ignores bad values until deep inside `deepspeed.init
 - batch sizes: `train_batch_size`, `train_micro_batch_size_per_gpu`, `gradient_accumulation_steps` integers
   >= 1, at least one of the first two, and — once the data-parallel size is known — resolved exactly as
   DeepSpeed does (`_set_batch_related_parameters`) and written explicitly (the pipeline reads them directly).
+  gradient_accumulation_steps (given or resolved) must be <= 2^31 - 1: the memory estimate bounds the
+  micro-batch, but nothing bounds the accumulation count, yet a step of 10^30 micro-batches never ends (and
+  DeepSpeed's loss scaling, `loss / gradient_accumulation_steps`, overflows int64 in the first backward);
+  2^31 - 1 micro-batches per step is far past any training run.
 - `optimizer`: `type` a DeepSpeed optimizer name or a `torch.optim` class; `params` with numeric `lr`, `eps`,
   `weight_decay`, `betas`; built once on a dummy parameter when it is a `torch.optim` class (what ZeRO-1 wraps),
   so that its constructor's own checks run; an untested one needs `zero_allow_untested_optimizer` (ZeRO's rule);
@@ -42,6 +46,7 @@ __all__ = ["check_deepspeed_keys", "resolve_batch", "micro_batch", "adamw_hyperp
 DEFAULT_GRADIENT_CLIPPING = 1.0
 SUPPORTED_ZERO_STAGES = (1,)
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+MAX_ACCUMULATION = 2 ** 31 - 1   # see the module docstring
 # optimizer keys DeepSpeed consumes itself before calling the constructor (engine._configure_basic_optimizer)
 _DS_ONLY_OPT_KEYS = ("torch_adam", "adam_w_mode", "fp32_optimizer_states", "foreach")
 
@@ -61,6 +66,12 @@ def _bad(key: str, want: str, value) -> ConfigError:
 def _pos_int(ds: dict, key: str) -> None:
     if key in ds and (not _is_int(ds[key]) or ds[key] < 1):
         raise _bad(key, "must be an integer >= 1", ds[key])
+
+
+def _max_accumulation(gas, how: str) -> None:
+    if gas is not None and gas > MAX_ACCUMULATION:
+        raise ConfigError(f"gradient_accumulation_steps: must be <= 2^31 - 1 (got {gas}{how}): a step of that many "
+                          "micro-batches never ends")
 
 
 def _obj(ds: dict, key: str) -> Optional[dict]:
@@ -293,6 +304,7 @@ def check_deepspeed_keys(raw: dict, *, train: bool) -> dict:
         raise ConfigError(f"gradient_clipping: must be a number >= 0, 0 disables (got {show(clip)})")
     for k in _BATCH_KEYS:
         _pos_int(ds, k)
+    _max_accumulation(ds.get("gradient_accumulation_steps"), "")
     if "train_batch_size" not in ds and "train_micro_batch_size_per_gpu" not in ds:
         raise ConfigError("train_micro_batch_size_per_gpu: required (or train_batch_size); DeepSpeed needs one "
                           "of them")
@@ -347,6 +359,7 @@ def resolve_batch(ds: dict, dp: Optional[int]) -> Optional[int]:
     if tbs != mbs * gas * dp:
         raise ConfigError(f"train_batch_size: must equal train_micro_batch_size_per_gpu x "
                           f"gradient_accumulation_steps x data-parallel size (got {tbs} != {mbs} x {gas} x {dp})")
+    _max_accumulation(gas, f" = train_batch_size / (micro-batch x data-parallel size) = {tbs} / ({mbs} x {dp})")
     ds.update(train_batch_size=tbs, train_micro_batch_size_per_gpu=mbs, gradient_accumulation_steps=gas)
     return gas
 

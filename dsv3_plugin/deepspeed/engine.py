@@ -22,6 +22,9 @@ What it adds to the engine DeepSpeed returns (and why):
   `load_state_dict` restores BF16, exactly).
 - DeepSpeed JSON hygiene: ZeRO stage 1 (the default when absent; other stages are refused), and
   `gradient_clipping` written explicitly (DeepSpeed otherwise applies a silent default of 1.0).
+- Timeouts: every process group `deepspeed.initialize` creates (its clone of the world group, over which ZeRO
+  reduces gradients; the expert-parallel and expert-data-parallel groups of a MoE model) waits at most
+  `parallel.p2p_timeout_s` instead of torch's default for a new group (30 minutes on gloo).
 
 DeepSpeed is imported lazily (only here), never by the core.
 """
@@ -38,6 +41,7 @@ import torch.distributed as dist
 
 from dsv3_plugin.config import ConfigError, DSv3Config
 from dsv3_plugin.errors import CheckpointError
+from dsv3_plugin.parallel.distributed import new_groups_bounded
 from dsv3_plugin.precision.bf16_adamw import AdamWBF16Moments
 from .backend import import_deepspeed, quiet_deepspeed_logs  # noqa: F401  (re-exported)
 from .config_keys import DEFAULT_GRADIENT_CLIPPING, SUPPORTED_ZERO_STAGES  # noqa: F401  (re-exported)
@@ -195,7 +199,11 @@ class _DSv3Hooks:
         load_dir = os.fspath(load_dir)
         if tag is None and not os.path.isfile(os.path.join(load_dir, "latest")):
             raise CheckpointError(f"{load_dir}: no DeepSpeed checkpoint (no 'latest' file; pass a tag)")
-        path, client_state = self._orig_load(load_dir, tag=tag, **kwargs)
+        from deepspeed.runtime.zero.utils import ZeRORuntimeException
+        try:
+            path, client_state = self._orig_load(load_dir, tag=tag, **kwargs)
+        except ZeRORuntimeException as e:  # e.g. saved by another data-parallel size: the checkpoint does not fit
+            raise CheckpointError(f"{load_dir}: {e}") from None
         if path is None:
             raise CheckpointError(f"{load_dir}: DeepSpeed could not load checkpoint tag {tag!r}")
         client_state = dict(client_state or {})
@@ -250,8 +258,9 @@ def initialize(model: torch.nn.Module, config: "str | os.PathLike | dict", *, mo
     elif model_parameters is not None:
         model_parameters = list(model_parameters)   # a generator would be spent by the client optimizer
     optimizer, ds_config = client_optimizer(model_parameters, ds_config, cfg, optimizer)
-    engine, opt, loader, sched = deepspeed.initialize(
-        model=model, model_parameters=model_parameters, optimizer=optimizer, lr_scheduler=lr_scheduler,
-        training_data=training_data, config=ds_config, **kwargs)
+    with new_groups_bounded(cfg.parallel.p2p_timeout_s):
+        engine, opt, loader, sched = deepspeed.initialize(
+            model=model, model_parameters=model_parameters, optimizer=optimizer, lr_scheduler=lr_scheduler,
+            training_data=training_data, config=ds_config, **kwargs)
     engine.dsv3 = _DSv3Hooks(engine, model, cfg, group=group)
     return engine, opt, loader, sched

@@ -34,6 +34,7 @@ from torch import nn
 
 from dsv3_plugin.config import ConfigError, DSv3Config
 from dsv3_plugin.parallel.dispatch import codec_from_config
+from dsv3_plugin.parallel.distributed import new_groups_bounded
 from dsv3_plugin.model.kernels import ExpertKernel, UsesKernel
 from dsv3_plugin.model.moe.layer import GroupedSwiGLUKernel, swiglu_rows
 from dsv3_plugin.parallel.expert_parallel import ExpertParallelMoE, expert_parallel
@@ -77,7 +78,7 @@ def deepspeed_experts_class():
         leaf_kernel_weights = False   # the kernel gets the per-expert parameters stacked each call
 
         def __init__(self, num_experts: int, ep_size: int, ep_ranks: list[int], hidden: int, inter: int,
-                     dtype=None, kernel: ExpertKernel | None = None):
+                     dtype=None, kernel: ExpertKernel | None = None, timeout_s: float | None = None):
             nn.Module.__init__(self)  # NOTE: not MoE.__init__ (it builds DeepSpeed's own gate/dispatcher)
             self.kernel = kernel if kernel is not None else GroupedSwiGLUKernel()
             self.num_experts = num_experts
@@ -87,6 +88,7 @@ def deepspeed_experts_class():
             self.use_residual = False
             self.enable_expert_tensor_parallelism = False
             self.ep_ranks = list(ep_ranks)
+            self.timeout_s = timeout_s    # parallel.p2p_timeout_s: bounds DeepSpeed's EP/EDP groups made below
             self.deepspeed_moe = nn.Module()
             self.deepspeed_moe.experts = _ExpertList(self.num_local_experts, hidden, inter,
                                                      self.expert_group_name, dtype)
@@ -97,7 +99,8 @@ def deepspeed_experts_class():
                 raise ConfigError("use_data_before_expert_parallelism: unsupported with dsv3 expert parallelism "
                                   "(EP groups must be contiguous rank blocks)")
             if self.expert_group_name not in groups._get_expert_parallel_group_dict():
-                groups._create_expert_and_data_parallel(self.ep_size)
+                with new_groups_bounded(self.timeout_s):  # torch's default for a new group: 30 minutes
+                    groups._create_expert_and_data_parallel(self.ep_size)
             ds_ranks = dist.get_process_group_ranks(groups._get_expert_parallel_group(self.expert_group_name))
             if sorted(ds_ranks) != sorted(self.ep_ranks):
                 raise RuntimeError(f"DeepSpeed's EP group {ds_ranks} differs from dsv3's {self.ep_ranks}: "
@@ -118,7 +121,7 @@ def deepspeed_experts_class():
 
 
 @torch.no_grad()
-def _to_deepspeed_experts(layer: ExpertParallelMoE) -> None:
+def _to_deepspeed_experts(layer: ExpertParallelMoE, timeout_s: float | None = None) -> None:
     old = layer.experts
     if getattr(old.kernel, "defers_weight_grads", False):
         raise TypeError("prepare_model: the experts defer their weight gradients (split_weight_grads ran first); "
@@ -126,7 +129,7 @@ def _to_deepspeed_experts(layer: ExpertParallelMoE) -> None:
     _, inter, hidden = old.gate_proj.shape
     cls = deepspeed_experts_class()
     new = cls(layer.cfg.n_routed_experts, layer.groups.ep_size, layer.groups.ep_ranks, hidden, inter,
-              dtype=old.gate_proj.dtype, kernel=old.kernel).to(old.gate_proj.device)
+              dtype=old.gate_proj.dtype, kernel=old.kernel, timeout_s=timeout_s).to(old.gate_proj.device)
     for i, e in enumerate(new.deepspeed_moe.experts.deepspeed_experts):
         e.gate_proj.copy_(old.gate_proj[i])
         e.up_proj.copy_(old.up_proj[i])
@@ -138,18 +141,20 @@ def prepare_model(model: nn.Module, cfg: DSv3Config) -> nn.Module:
     """Shard the routed experts of every MoE layer over `parallel.ep` (EP groups as DeepSpeed lays them out),
     with dispatch from `moe.dedup_dispatch` / `moe.ranks_per_node` / `fp8.dispatch`, and expose them to
     DeepSpeed as MoE modules. Call before `deepspeed.initialize`; weights must already be initialised or
-    loaded (each rank keeps its slice). At EP = 1 the layers stay plain (dense reduction is then exact)."""
+    loaded (each rank keeps its slice). At EP = 1 the layers stay plain (dense reduction is then exact).
+    Every process group made for this (ours and DeepSpeed's EP / EDP groups) waits at most
+    `parallel.p2p_timeout_s`."""
     ep = cfg.parallel.ep
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world % ep:
         raise ConfigError(f"dsv3.parallel.ep: must divide the world size (got ep={ep}, world={world})")
-    groups = build_ep_groups(ep, cfg.moe.ranks_per_node)
+    groups = build_ep_groups(ep, cfg.moe.ranks_per_node, timeout_s=cfg.parallel.p2p_timeout_s)
     expert_parallel(model, groups, dedup=cfg.moe.dedup_dispatch, codec=codec_from_config(cfg))
     if ep > 1:
         cls = deepspeed_experts_class()
         for m in model.modules():
             if isinstance(m, ExpertParallelMoE) and not isinstance(m.experts, cls):
-                _to_deepspeed_experts(m)
+                _to_deepspeed_experts(m, cfg.parallel.p2p_timeout_s)
     return model
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import re
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -31,14 +30,13 @@ from .engine import client_optimizer
 from dsv3_plugin.parallel.pipeline import PipelineRuntime
 from dsv3_plugin.schedule_traits import check_chunks
 from dsv3_plugin.parallel.pipeline.stages import build_stages, n_stages_of, stage_ids_for_rank
-from dsv3_plugin.parallel.pipeline.p2p import PipelineError
+from dsv3_plugin.errors import PeerError
+from dsv3_plugin.parallel.distributed import new_groups_bounded, peer_failures
+from dsv3_plugin.parallel.pipeline.p2p import PipelineError, PipelinePeerError
 from dsv3_plugin.parallel.pipeline.stages import DSv3PipelineLoss, sync_tied_embedding
 from dsv3_plugin.model.moe.balancing import update_expert_bias
 
 __all__ = ["PipelineGroups", "pipeline_groups", "PipelineMPU", "PipelinedEngine"]
-
-# What gloo / NCCL / c10d say when a peer is gone or silent past the group's timeout.
-_COMM_FAILURE = re.compile(r"gloo|nccl|timed? ?out|connection (closed|reset|refused)|broken pipe", re.I)
 
 
 @dataclass
@@ -139,8 +137,9 @@ class PipelinedEngine:
 
     Every wait on a peer is bounded by `timeout_s` (default: the config's `parallel.p2p_timeout_s`): the
     pipeline's sends/receives, and the collectives over the pipeline and data-parallel groups, which are
-    created with that timeout. A dead or stuck peer raises `PipelineError` naming the operation, the ranks
-    and the timeout, instead of hanging."""
+    created with that timeout, and any group DeepSpeed creates in `deepspeed.initialize`. A dead or stuck peer
+    raises `PipelinePeerError` (a `PeerError`) naming the operation, the ranks and the timeout, instead of
+    hanging."""
 
     def __init__(self, model, ds_config: dict, cfg, groups: PipelineGroups | None = None,
                  timeout_s: float | None = None):
@@ -167,7 +166,8 @@ class PipelinedEngine:
         self.module = _LocalStages(self.stages)
         params = [p for p in self.module.parameters() if p.requires_grad]
         opt, ds = client_optimizer(params, ds, cfg)   # memory.bf16_moments: the BF16-moment AdamW
-        with self._peers("deepspeed.initialize (parameter broadcast)", self.g.dp_ranks):
+        with self._peers("deepspeed.initialize (parameter broadcast)", self.g.dp_ranks), \
+                new_groups_bounded(self.timeout_s):
             self.engine, self.optimizer, _, self.lr_scheduler = deepspeed.initialize(
                 model=self.module, model_parameters=params, optimizer=opt, config=ds, mpu=PipelineMPU(self.g))
         # Gradients are produced outside engine.backward (by the schedule): reduce them like DeepSpeed's own
@@ -179,18 +179,14 @@ class PipelinedEngine:
     @contextlib.contextmanager
     def _peers(self, op: str, ranks: list[int]):
         """Turn a collective's failure (gloo: "Timed out waiting ...ms", "Connection closed by peer"; NCCL: the
-        watchdog's error) into a `PipelineError` that says which operation over which ranks, and the limit."""
+        watchdog's error) into a `PipelinePeerError` that says which operation over which ranks, and the limit."""
         try:
-            yield
+            with peer_failures(op, self.timeout_s, ranks):
+                yield
         except PipelineError:
             raise
-        except RuntimeError as e:  # torch.distributed's DistBackendError and gloo's errors are RuntimeErrors
-            if not (isinstance(e, dist.DistError) or _COMM_FAILURE.search(str(e))):
-                raise  # not a communication failure (e.g. a DeepSpeed config error): leave it as it is
-            first = (str(e).splitlines() or [""])[0][:300]
-            raise PipelineError(
-                f"global rank {dist.get_rank()}: {op} over global ranks {ranks} failed (peer dead, or silent longer "
-                f"than parallel.p2p_timeout_s = {self.timeout_s:g}s): {type(e).__name__}: {first}") from e
+        except PeerError as e:
+            raise PipelinePeerError(str(e)) from e.__cause__
 
     def train_step(self, ids_NT: torch.Tensor, labels_NT: torch.Tensor, tokens_seen: float = 0.0) -> dict:
         """One optimizer step over gas micro-batches (N = gas x micro-batch rows). Returns the loss terms

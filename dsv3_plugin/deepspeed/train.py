@@ -34,7 +34,7 @@ from dsv3_plugin.config import ConfigError, load_config
 from .train_memory import host_memory_bytes
 from .validate import validate_ds_config
 from dsv3_plugin.config import ConfigError
-from dsv3_plugin.parallel.distributed import init_distributed, set_peer_timeout
+from dsv3_plugin.parallel.distributed import init_distributed, peer_failures, set_peer_timeout
 from dsv3_plugin.deepspeed import initialize, quiet_deepspeed_logs
 from dsv3_plugin.training.data import MarkovData
 from .moe_layer import prepare_model  # experts sharded over parallel.ep (DeepSpeed MoE groups)
@@ -170,13 +170,16 @@ def train(ds_config: "str | os.PathLike | dict | None" = None, *, steps: int | N
     """
     rank, world = init_distributed()
     ds, cfg, total = _prepare(ds_config, steps, init_from, world_size=world)
-    set_peer_timeout(cfg.parallel.p2p_timeout_s)  # every later collective on the world group waits at most this
-    run = RunDir(out, resume, cfg, rank, world, overwrite, save)
-    try:
-        return _train(run, ds, cfg, total, rank, world, init_from=init_from, progress=progress, echo=echo,
-                      summary=summary, allow_non_finite=allow_non_finite)
-    finally:
-        run.close()
+    # Every wait on a peer is bounded by parallel.p2p_timeout_s: the world group (and any group already made) from
+    # here, the groups made later by expert parallelism, the pipeline and deepspeed.initialize when they are made.
+    set_peer_timeout(cfg.parallel.p2p_timeout_s)
+    with peer_failures("dsv3 train (start-up, resume or end of the run)", cfg.parallel.p2p_timeout_s):
+        run = RunDir(out, resume, cfg, rank, world, overwrite, save)
+        try:
+            return _train(run, ds, cfg, total, rank, world, init_from=init_from, progress=progress, echo=echo,
+                          summary=summary, allow_non_finite=allow_non_finite)
+        finally:
+            run.close()
 
 
 # --- the loop ----------------------------------------------------------------------------------------
@@ -196,9 +199,10 @@ def _train(run: RunDir, ds: dict, cfg, total: int, rank: int, world: int, *, ini
     loop.engine.train()
     t_run = time.perf_counter()
     for step in range(start, total):
-        rec = _step(loop, step)
-        history.append(rec)
-        _after_step(rec, run, cfg, total, echo, bar, save=lambda tag, done: _save(loop, run, tag, done))
+        with peer_failures(f"training step {step + 1}", cfg.parallel.p2p_timeout_s):
+            rec = _step(loop, step)
+            history.append(rec)
+            _after_step(rec, run, cfg, total, echo, bar, save=lambda tag, done: _save(loop, run, tag, done))
     wall = time.perf_counter() - t_run
     if bar is not None:
         bar.close()

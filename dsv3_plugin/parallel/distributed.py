@@ -6,7 +6,9 @@ set RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT) and self-spawned
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import socket
 import traceback
 from datetime import timedelta
@@ -16,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from dsv3_plugin.config import ConfigError
-from dsv3_plugin.errors import CheckpointError
+from dsv3_plugin.errors import CheckpointError, PeerError
 
 __all__ = [
     "launched_externally",
@@ -28,6 +30,10 @@ __all__ = [
     "rank",
     "world_size",
     "set_peer_timeout",
+    "peer_timeout",
+    "set_group_timeout",
+    "new_groups_bounded",
+    "peer_failures",
 ]
 
 
@@ -73,12 +79,83 @@ def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> tu
     return dist.get_rank(), dist.get_world_size()
 
 
+_PEER_TIMEOUT: timedelta | None = None   # what set_peer_timeout was last given (None: never called)
+# What gloo / NCCL / c10d say when a peer is gone or silent past the group's timeout.
+_COMM_FAILURE = re.compile(r"gloo|nccl|timed? ?out|connection (closed|reset|refused)|broken pipe", re.I)
+
+
+def _member_groups() -> list:
+    """Every process group this rank belongs to (the world group and each group created since, by anyone)."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    return list(getattr(world, "pg_map", {}) or {}) or [dist.group.WORLD]
+
+
+def set_group_timeout(group, timeout: timedelta) -> None:
+    """Bound every later operation on `group` by `timeout`."""
+    if hasattr(group, "set_timeout"):
+        group.set_timeout(timeout)
+    else:  # older torch: no ProcessGroup.set_timeout
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
 def set_peer_timeout(timeout_s: float) -> None:
-    """Bound every later operation on the default (world) group by `timeout_s`, whoever initialised it
-    (`init_distributed`, the launcher path, a test): a dead or stopped peer then fails the waiting rank instead
-    of hanging it. Groups created later take their own `timeout=` (see `deepspeed.pipeline.pipeline_groups`)."""
-    if dist.is_available() and dist.is_initialized():
-        dist.group.WORLD.set_timeout(timedelta(seconds=timeout_s))
+    """Bound every later operation on every process group this rank belongs to by `timeout_s`: the default
+    (world) group, whoever initialised it (`init_distributed`, a launcher, a test), and every group created
+    before this call (by this package or by DeepSpeed; e.g. groups cached by an earlier run in this process).
+    A dead or stopped peer then fails the waiting rank instead of hanging it.
+
+    Groups created later need the value too: torch gives a group created without `timeout=` its backend's
+    default (30 minutes on gloo, 10 on NCCL), not the world group's. This package's own `dist.new_group` calls
+    pass `timeout=peer_timeout()` (or the config's value); wrap calls into a library that creates groups
+    (`deepspeed.initialize`) in `new_groups_bounded`."""
+    global _PEER_TIMEOUT
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    _PEER_TIMEOUT = timedelta(seconds=timeout_s)
+    for g in _member_groups():
+        set_group_timeout(g, _PEER_TIMEOUT)
+
+
+def peer_timeout() -> timedelta | None:
+    """The limit `set_peer_timeout` set in this process (None if it was never called): the `timeout=` to give
+    `dist.new_group`."""
+    return _PEER_TIMEOUT
+
+
+@contextlib.contextmanager
+def new_groups_bounded(timeout_s: float | None):
+    """Every process group created inside the block (e.g. by `deepspeed.initialize`: its clone of the world
+    group for ZeRO, its expert-parallel / expert-data-parallel groups) gets `timeout_s` (None: no change)."""
+    if timeout_s is None or not (dist.is_available() and dist.is_initialized()):
+        yield
+        return
+    before = {id(g) for g in _member_groups()}
+    try:
+        yield
+    finally:
+        for g in _member_groups():
+            if id(g) not in before:
+                set_group_timeout(g, timedelta(seconds=timeout_s))
+
+
+@contextlib.contextmanager
+def peer_failures(op: str, timeout_s: float, ranks: list[int] | None = None,
+                  limit_name: str = "parallel.p2p_timeout_s"):
+    """Turn a communication failure inside the block (gloo: "Timed out waiting ...ms", "Connection closed by
+    peer"; NCCL: the watchdog's error) into a `PeerError` naming the operation, the ranks and the limit;
+    any other exception passes unchanged."""
+    try:
+        yield
+    except PeerError:
+        raise
+    except RuntimeError as e:  # torch.distributed's DistBackendError and gloo's errors are RuntimeErrors
+        if not (isinstance(e, getattr(dist, "DistError", ())) or _COMM_FAILURE.search(str(e))):
+            raise  # not a communication failure: leave it as it is
+        first = (str(e).splitlines() or [""])[0][:300]
+        me = dist.get_rank() if dist.is_initialized() else 0
+        over = f" over global ranks {ranks}" if ranks is not None else ""
+        raise PeerError(f"global rank {me}: {op}{over} failed (peer dead, or silent longer than {limit_name} = "
+                        f"{timeout_s:g}s): {type(e).__name__}: {first}") from e
 
 
 def _is_input_error(e: BaseException) -> bool:
@@ -152,6 +229,9 @@ def _worker(local_rank: int, world: int, port: int, fn: Callable, args: tuple, q
         if _is_input_error(e):
             queue.put((local_rank, "input", (type(e).__name__, str(e))))
             code = 2
+        elif isinstance(e, PeerError):  # the message says it all: which wait, on whom, and the limit
+            queue.put((local_rank, "peer", f"{type(e).__name__}: {e}"))
+            code = 1
         else:
             queue.put((local_rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
             code = 1
@@ -178,7 +258,8 @@ def spawn(fn: Callable[..., Any], nproc: int, *args: Any, env: dict | None = Non
     `fn` must be picklable (module level). It should call `init_distributed()` itself, exactly as it
     would under torchrun. Ranks print no tracebacks of their own. A `ConfigError` / `CheckpointError` on any
     rank is raised here again (same type and message, once, whichever rank found it first); any other failure
-    raises `RuntimeError` with that rank's traceback. The other ranks are stopped.
+    raises `RuntimeError` with that rank's traceback (a `PeerError`, a peer dead or silent past the timeout:
+    with its message only, and only if no rank failed otherwise). The other ranks are stopped.
     """
     import time
     port = free_port()
@@ -229,7 +310,8 @@ def spawn(fn: Callable[..., Any], nproc: int, *args: Any, env: dict | None = Non
             first_input = next((f for f in failures if f[1] == "input"), None)
             if first_input is not None:
                 raise _input_error(*first_input[2])
-            r, _, out = failures[0]
+            # a rank's own failure (a bug, a death) before the peer errors it causes on the others
+            r, _, out = min(failures, key=lambda f: f[1] == "peer")
             raise RuntimeError(f"spawned run failed:\nrank {r}: {out}" if r >= 0 else f"spawned run failed: {out}")
         done = True
     finally:  # also on KeyboardInterrupt: no rank outlives the call

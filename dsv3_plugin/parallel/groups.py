@@ -18,11 +18,13 @@ DeepSpeed's expert-data-parallel gradient reduction.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch.distributed as dist
 
 from dsv3_plugin.config import ConfigError
+from dsv3_plugin.parallel.distributed import peer_timeout, set_group_timeout
 
 __all__ = ["EPGroups", "build_ep_groups", "ep_layout", "single_process_groups"]
 
@@ -90,20 +92,30 @@ _CACHE: dict[tuple, EPGroups] = {}
 
 
 def build_ep_groups(ep: int, ranks_per_node: int = 1, *, ep_group: Any = None,
-                    edp_group: Optional[Any] = None) -> EPGroups:
+                    edp_group: Optional[Any] = None, timeout_s: Optional[float] = None) -> EPGroups:
     """Create (once per layout) the DP/EP/EDP/node groups of this rank. Collective: every rank must call it
     with the same arguments. ``ep_group``/``edp_group`` may be passed in (e.g. DeepSpeed's own groups with the
-    same layout), then only the node groups are created here."""
+    same layout), then only the node groups are created here.
+
+    ``timeout_s`` bounds every wait on the groups created here (``parallel.p2p_timeout_s``; None: the value
+    `distributed.set_peer_timeout` set, else torch's default for a new group, 30 minutes on gloo). Groups
+    reused from an earlier call get the new value too."""
     if not dist.is_initialized():
         if ep != 1:
             raise ConfigError(f"dsv3.parallel.ep: {ep} > 1 needs torch.distributed to be initialised")
         return single_process_groups()
     world, rank = dist.get_world_size(), dist.get_rank()
+    timeout = timedelta(seconds=timeout_s) if timeout_s is not None else peer_timeout()
+    kw = {} if timeout is None else {"timeout": timeout}
     key = (world, ep, ranks_per_node, id(ep_group), id(edp_group))
     if key in _CACHE:
-        return _CACHE[key]
+        out, created = _CACHE[key]
+        for g in created if timeout is not None else ():
+            set_group_timeout(g, timeout)
+        return out
     lay = ep_layout(world, ep, ranks_per_node)
     mine: dict[str, Any] = {}
+    created = []  # groups of this rank made here (not the caller's, not the world group)
     for kind in ("ep", "edp", "node"):
         if kind == "ep" and ep_group is not None:
             mine["ep"] = ep_group
@@ -113,11 +125,13 @@ def build_ep_groups(ep: int, ranks_per_node: int = 1, *, ep_group: Any = None,
             continue
         for ranks in lay[kind]:
             # new_group is collective over the world: every rank creates every group, keeps its own.
-            g = dist.new_group(ranks) if len(ranks) < world else dist.group.WORLD
+            g = dist.new_group(ranks, **kw) if len(ranks) < world else dist.group.WORLD
             if rank in ranks:
                 mine[kind] = g
+                if len(ranks) < world:
+                    created.append(g)
     ep_ranks = lay["ep"][rank // ep]
     out = EPGroups(ep_size=ep, ep_rank=rank % ep, ranks_per_node=ranks_per_node, ep_group=mine["ep"],
                    node_group=mine["node"], edp_group=mine["edp"], dp_group=dist.group.WORLD, ep_ranks=ep_ranks)
-    _CACHE[key] = out
+    _CACHE[key] = (out, created)
     return out

@@ -316,9 +316,10 @@ def checkpoint_dir(path: "str | os.PathLike") -> str:
     return sub if os.path.isdir(sub) else path
 
 
-def resume_source(resume: str, cfg) -> tuple[str, str, str | None]:
-    """(checkpoint dir, tag, note) to resume from, after checking the checkpoint is complete and belongs to this
-    config (CheckpointError saying what to do otherwise)."""
+def resume_source(resume: str, cfg, world: int | None = None) -> tuple[str, str, str | None]:
+    """(checkpoint dir, tag, note) to resume from, after checking the checkpoint is complete, belongs to this
+    config and (when `world` is given) was saved by as many ranks as this run has: ZeRO-1's optimizer partitions
+    and the per-rank RNG states do not carry over to another count (CheckpointError saying what to do)."""
     ck = checkpoint_dir(resume)
     if not os.path.isdir(ck):
         raise CheckpointError(f"--resume {resume}: no DeepSpeed checkpoint here (no ckpt/ dir, no 'latest')")
@@ -329,6 +330,11 @@ def resume_source(resume: str, cfg) -> tuple[str, str, str | None]:
     saved = marker["config_hash"] if marker else (record["config_hash"] if record else None)
     if saved is not None:
         check_identity(saved, record["identity"] if record else None, cfg, resume)
+    saved_world = marker.get("world_size") if marker else (record.get("world_size") if record else None)
+    if world is not None and isinstance(saved_world, int) and saved_world != world:
+        raise CheckpointError(f"--resume {resume}: {tag} was saved by {saved_world} rank(s), this run has {world}; "
+                              "ZeRO-1's optimizer partitions and each rank's RNG state need the same number: resume "
+                              f"with --nproc {saved_world} (or that many ranks under torchrun / deepspeed)")
     return ck, tag, note
 
 
@@ -389,7 +395,7 @@ class RunDir:
             if out:  # lock first: nothing below may read a run directory another process is writing
                 self.lock = RunLock(out).acquire()
             if resume:
-                d["resume_ckpt"], d["resume_tag"], note = resume_source(resume, self.cfg)
+                d["resume_ckpt"], d["resume_tag"], note = resume_source(resume, self.cfg, self.world)
                 if note:
                     d["notes"].append(note)
             if out:

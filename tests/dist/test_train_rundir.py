@@ -1,7 +1,7 @@
 """`dsv3 train` and its run directory on 2 gloo ranks: a resumed run's metrics equal the uninterrupted run's in
 every key but wall-clock speed (running routing totals included); resume survives the debris of a crash (torn
 last metrics line, empty `latest`, `latest` naming a missing or incomplete tag) or refuses with exit 2; a
-checkpoint of another config is refused; two runs into one --out cannot mix."""
+checkpoint of another config, or of another number of ranks, is refused; two runs into one --out cannot mix."""
 import copy
 import json
 import os
@@ -145,6 +145,15 @@ def test_resume_refuses_a_checkpoint_of_another_config(runs, tmp_path):
     knob = copy.deepcopy(DS)
     knob["dsv3"]["moe"]["bias_update_speed"] = 0.001
     assert resume_source(f"{tmp}/half", _prepare(knob, 10, None)[1])[1] == "step5"
+
+
+def test_resume_refuses_another_number_of_ranks(runs, tmp_path):
+    tmp, _, _ = runs
+    d = str(tmp_path / "fewer")
+    shutil.copytree(f"{tmp}/half", d)
+    p = _dsv3("train", "--config", _write(tmp_path / "c.json", DS), "--nproc", "1", "--out", d, "--resume", d,
+              "--steps", "10")
+    _one_error(p, f"--resume {d}: step5 was saved by 2 rank(s), this run has 1")
 
 
 def test_fresh_run_refuses_an_out_holding_a_previous_run(runs, tmp_path):

@@ -59,6 +59,11 @@ CASES = [
     ("micro-batch-string", _with({"train_micro_batch_size_per_gpu": "4"}), 2, "train_micro_batch_size_per_gpu",
      None),
     ("batch-triple", _with({"train_batch_size": 7}), 2, "train_batch_size", None),
+    # no memory bound catches these: a step of 10^30 micro-batches never ends (and DeepSpeed's loss scaling
+    # overflows int64 in the first backward)
+    ("accumulation-1e30", _with({"gradient_accumulation_steps": 10 ** 30}), 2, "gradient_accumulation_steps", None),
+    ("accumulation-from-batch-size", _with({"train_batch_size": 4 * 10 ** 30}), 2, "gradient_accumulation_steps",
+     None),
     ("no-optimizer", json.dumps({k: v for k, v in BASE.items() if k != "optimizer"}), 2, "optimizer", None),
     ("optimizer-lr", _with({"optimizer": {"type": "AdamW", "params": {"lr": "fast", "torch_adam": True}}}), 2,
      "optimizer.params.lr", None),

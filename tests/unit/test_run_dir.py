@@ -182,3 +182,19 @@ def test_local_rank_before_subcommand_parses(monkeypatch, capsys):
     monkeypatch.delenv("LOCAL_RANK")
     assert main(["--local_rank=0", "train", "--nproc", "0"]) == 2
     assert "--nproc: must be >= 1" in capsys.readouterr().err  # got past argparse to train's own checks
+
+
+def test_resume_refuses_another_world_size(tmp_path):
+    """ZeRO-1 partitions the optimizer state per rank and each rank has its own RNG state: a checkpoint resumes
+    only on as many ranks as saved it (DeepSpeed would raise ZeRORuntimeException inside the ranks)."""
+    cfg = load_config({"preset": "tiny"})
+    out = str(tmp_path / "run")
+    os.makedirs(out)
+    rd.write_run_record(out, cfg, 2)
+    ck = os.path.join(out, "ckpt")
+    _fake_tag(ck, 4, h=rd.identity_hash(rd.config_identity(cfg)), world=2)
+    assert rd.resume_source(out, cfg, world=2)[1] == "step4"
+    assert rd.resume_source(out, cfg)[1] == "step4"           # world unknown: not checked
+    with pytest.raises(CheckpointError, match=rf"--resume {out}: step4 was saved by 2 rank\(s\), this run has 1; "
+                                              r".*--nproc 2"):
+        rd.resume_source(out, cfg, world=1)

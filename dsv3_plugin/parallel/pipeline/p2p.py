@@ -18,7 +18,9 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["PipelineError", "Message", "P2P", "HEADER_LEN", "MAX_TENSORS", "MAX_DIMS"]
+from dsv3_plugin.errors import PeerError
+
+__all__ = ["PipelineError", "PipelinePeerError", "Message", "P2P", "HEADER_LEN", "MAX_TENSORS", "MAX_DIMS"]
 
 MAX_TENSORS = 8
 MAX_DIMS = 6
@@ -32,6 +34,10 @@ _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.in
 
 class PipelineError(RuntimeError):
     """A pipeline step cannot go on: bad message, dead/stuck peer, bad schedule input."""
+
+
+class PipelinePeerError(PipelineError, PeerError):
+    """A pipeline peer is dead or silent past the timeout (reported like every `PeerError`: one message)."""
 
 
 class Message:
@@ -156,10 +162,10 @@ class P2P:
             ok = work.wait(self.timeout)
         except Exception as e:  # gloo: connection closed / timeout; NCCL: watchdog errors
             first = (str(e).splitlines() or [""])[0][:300]
-            raise PipelineError(f"pipeline rank {self.me}: {what} failed within {self.timeout_name} = "
+            raise PipelinePeerError(f"pipeline rank {self.me}: {what} failed within {self.timeout_name} = "
                                 f"{self.timeout_s:g}s (peer dead or stuck): {type(e).__name__}: {first}") from e
         finally:
             self.blocked_s += time.perf_counter() - t0
         if ok is False:
-            raise PipelineError(f"pipeline rank {self.me}: {what} timed out after {self.timeout_name} = "
+            raise PipelinePeerError(f"pipeline rank {self.me}: {what} timed out after {self.timeout_name} = "
                                 f"{self.timeout_s:g}s (peer dead or stuck)")
