@@ -1,8 +1,8 @@
 """`dsv3 train` with every layout feature at once: 4 gloo ranks = pp 2 × dp 2, EP 2 carved from the data-parallel
 group of each stage, MTP, EMA, `--resume`, for each pipeline schedule.
 
-For each schedule: one 10-step run, one 5-step run, and (in fresh processes) the 5 steps resumed from it; and one
-single-process run on the same global batch (2 data-parallel ranks × 4 micro-batches of 1 × 16 tokens = 8
+For each schedule: one 10-step run saving at steps 5 and 10, and (in fresh processes) steps 6-10 resumed from its
+step-5 checkpoint; and one single-process run on the same global batch (2 data-parallel ranks × 4 micro-batches of 1 × 16 tokens = 8
 micro-batches in one process, the same model, optimizer, warm-up LR, clipping and bias updates). Asserted:
 - the 10-step loss curve (loss, LM, MTP, balance terms) equals the single-process curve within a derived float32
   bound, and the per-layer expert loads (MaxVio of each MoE layer) are equal: the same routing decisions;
@@ -11,15 +11,16 @@ micro-batches in one process, the same model, optimizer, warm-up LR, clipping an
   EMA shard.
 
 Which combinations, and why that covers the matrix {1f1b, dualpipe, dualpipev} × fp8 × recompute × EMA × resume:
-    dualpipev  fp8 on,  recompute norm_and_mla_up, EMA   (+ a second 10-step curve with fp8 off)
+    dualpipev  fp8 on,  recompute norm_and_mla_up, EMA
     dualpipe   fp8 off, recompute full,            EMA
     1f1b       fp8 on,  recompute none,            EMA
 The schedule decides where micro-batches run, which ranks hold a stage twice (DualPipe's mirror: counts and
 gradients summed over the pair, norm counted once), where the losses end and where the embedding MTP reuses
 lives (1F1B: two copies; DualPipe(V): one); FP8 and recompute change only how a stage computes (per-token
-quantization, a second forward in backward) and interact with none of that, so each is run under two
-different schedules, on and off. EMA and resume are on in every schedule. The parametrization keeps the suite
-to 2 spawns of 4 ranks per schedule and one single-process spawn.
+quantization, a second forward in backward) and interact with none of that, so FP8 runs on and off, and each
+recompute mode once, under different schedules. EMA and resume are on in every schedule. DualPipeV with FP8 off
+and without EP is `test_pipeline_train.py`. The suite spends three spawns on this: 4 ranks running the three
+schedules' 10-step runs in turn, 4 fresh ranks running the three resumes, one process running both references.
 """
 import copy
 import re
@@ -83,42 +84,75 @@ def _reference(configs):
         data = MarkovData(cfg.model.vocab_size, cfg.train.seq_len, seed=cfg.train.seed)
         gas = DS["gradient_accumulation_steps"]
         hist = []
+        # every parameter gradient divided by dp, as ZeRO's all-reduce mean does (a power of 2: exact)
+        hooks = [p.register_hook(lambda g: g * (1.0 / DP)) for p in engine.module.parameters() if p.requires_grad]
         for step in range(STEPS):
             sums = torch.zeros(4, dtype=torch.float64)
             for r in range(DP):
                 for micro in range(gas):
                     ids, labels = data.batch(step, micro, r, 1)
                     o = engine(ids, labels=labels)
-                    engine.backward(o.loss)
+                    # each micro-batch's loss scaled by 1/gas as on a data-parallel rank, not by 1/(dp·gas): with
+                    # FP8 the gradient tiles' amax floor (1e-4) makes their quantization depend on that scale
+                    engine.backward(o.loss / gas, scale_wrt_gas=False)
                     engine.step()
                     sums += torch.tensor([float(getattr(o, k).detach()) for k in KEYS], dtype=torch.float64)
             mv = [s["maxvio"] for s in engine.dsv3.state.last_stats]
             hist.append({**dict(zip(KEYS, (sums / (DP * gas)).tolist())), "maxvio_layers": mv})
         engine.dsv3.remove()
+        for h in hooks:
+            h.remove()
         out.append(hist)
     return out
 
 
-def _first_leg(ds, tmp, extra):
-    from dsv3_plugin.deepspeed.train import train
-    full = train(copy.deepcopy(ds), steps=STEPS, out=f"{tmp}/full", progress=False, echo=False)
-    half = train(copy.deepcopy(ds), steps=HALF, out=f"{tmp}/half", progress=False, echo=False)
-    other = train(copy.deepcopy(extra), steps=STEPS, progress=False, echo=False, save=False) if extra else None
-    return {"full": full, "half": half, "other": other}
+def _config(schedule: str) -> dict:
+    c = CASES[schedule]
+    ds = _ds(schedule, c["fp8"], c["recompute"])
+    ds["dsv3"]["train"]["save_every"] = HALF
+    return ds
 
 
-def _second_leg(ds, tmp):
+def _full_runs(tmp):
+    """Every schedule's 10-step run, one after the other in the same 4 processes (one spawn for all)."""
     from dsv3_plugin.deepspeed.train import train
-    return train(copy.deepcopy(ds), steps=STEPS, out=f"{tmp}/half", resume=f"{tmp}/half", progress=False,
-                 echo=False)
+    return {s: train(_config(s), steps=STEPS, out=f"{tmp}/{s}/full", progress=False, echo=False) for s in CASES}
+
+
+def _stopped_after_half(run: str):
+    """The run as a job stopped after step HALF leaves it: its step-HALF checkpoint is the newest (a 5-step run
+    computes exactly the full run's first 5 steps, so this saves running one)."""
+    import os
+    import shutil
+    shutil.copytree(f"{run}/full", f"{run}/half")
+    shutil.rmtree(f"{run}/half/ckpt/step{STEPS}")
+    with open(f"{run}/half/ckpt/latest", "w") as f:
+        f.write(f"step{HALF}")
+    assert os.path.isdir(f"{run}/half/ckpt/step{HALF}")
+
+
+def _resumed_runs(tmp):
+    """Fresh processes: every schedule resumed from its step-5 checkpoint to step 10."""
+    from dsv3_plugin.deepspeed.train import train
+    return {s: train(_config(s), steps=STEPS, out=f"{tmp}/{s}/half", resume=f"{tmp}/{s}/half", progress=False,
+                     echo=False) for s in CASES}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("layouts"))
+    full = run_ranks(_full_runs, PP * DP, tmp, timeout_s=1500)
+    for s in CASES:
+        _stopped_after_half(f"{tmp}/{s}")
+    resumed = run_ranks(_resumed_runs, PP * DP, tmp, timeout_s=1200)
+    return tmp, full, resumed
 
 
 @pytest.fixture(scope="module")
 def references():
-    confs = {(c["fp8"], c["recompute"]) for c in CASES.values()} | {(False, CASES["dualpipev"]["recompute"])}
-    confs = sorted(confs)
-    hists = run_ranks(_reference, 1, [_ref_ds(f, r) for f, r in confs], timeout_s=600)[0]
-    return dict(zip(confs, hists))
+    # recompute gives bit-identical gradients (tests/unit), so one reference per FP8 setting serves every case
+    hists = run_ranks(_reference, 1, [_ref_ds(False, "none"), _ref_ds(True, "none")], timeout_s=600)[0]
+    return {False: hists[0], True: hists[1]}
 
 
 def _layer_biases(schedule: str, pp_rank: int, biases: dict) -> dict:
@@ -134,13 +168,21 @@ def _layer_biases(schedule: str, pp_rank: int, biases: dict) -> dict:
     return out
 
 
-def _curve_check(schedule, got, ref, cfg):
+def _curve_check(schedule, got, ref, cfg, fp8: bool):
     """Per step k, |got - ref| <= model_bound with 2k - 1 passes: the step-k loss is one forward of step k after
     k - 1 forward + backward passes whose reductions were summed in another order (micro-batch gradients
     accumulated per data-parallel rank then all-reduced, vs one accumulation over 8; DualPipe's mirror sum; the
     expert outputs of EP combined after the all-to-all; losses averaged per rank then over ranks). Assumes, as
     `model_bound` does, that neither the layers nor AdamW amplify a relative error (AdamW divides by √v, the
-    same scale on both sides). Returns the worst |diff| and the bound at that step."""
+    same scale on both sides). The routing (per-layer loads) must then be the same at every step.
+
+    NOTE: with FP8 under EP the expert weight-gradient GEMM quantizes 1×128 tiles along the rows an expert
+    received, which come from both EP ranks' micro-batches at once (the paper's grouped GEMM over received
+    tokens); the single process quantizes one micro-batch's rows per GEMM. That is a different quantization
+    grouping, not a reordering, so the weights part from step 2 on by FP8 rounding, and routing may differ
+    later: with FP8 the loads are compared at step 1 only (the same weights) and the losses against the same
+    bound, which the FP8 regrouping stays far inside (measured: README). Returns the worst |diff|, its bound
+    and step."""
     worst = (0.0, 0.0, 0)
     for k, (a, b) in enumerate(zip(got, ref), start=1):
         for key in KEYS:
@@ -149,34 +191,32 @@ def _curve_check(schedule, got, ref, cfg):
             assert d <= bound, f"{schedule} step {k} {key}: pipelined {a[key]!r} vs single process {b[key]!r}"
             if d > worst[0]:
                 worst = (d, bound, k)
-        assert a["maxvio_layers"] == b["maxvio_layers"], (schedule, k, a["maxvio_layers"], b["maxvio_layers"])
+        if k == 1 or not fp8:
+            assert a["maxvio_layers"] == b["maxvio_layers"], (schedule, k, a["maxvio_layers"], b["maxvio_layers"])
     return worst
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize("schedule", list(CASES))
-def test_pp2_dp2_ep2_curve_biases_resume(schedule, references, tmp_path):
+def test_pp2_dp2_ep2_curve_biases_resume(schedule, references, runs):
     import os
 
     from dsv3_plugin.config import load_config
     c = CASES[schedule]
-    ds = _ds(schedule, c["fp8"], c["recompute"])
-    extra = _ds(schedule, not c["fp8"], c["recompute"]) if schedule == "dualpipev" else None
-    first = run_ranks(_first_leg, PP * DP, ds, str(tmp_path), extra, timeout_s=900)
-    second = run_ranks(_second_leg, PP * DP, ds, str(tmp_path), timeout_s=600)
-    full = [f["full"] for f in first]
+    ds = _config(schedule)
+    tmp, full, second = runs
+    full = [f[schedule] for f in full]
+    second = [r[schedule] for r in second]
+    tmp_path = f"{tmp}/{schedule}"
     drop = lambda h: [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in h]  # noqa: E731 (timing)
     assert all(drop(f["history"]) == drop(full[0]["history"]) for f in full)   # one set of metrics per step
 
     # 1. the loss curve of the single process on the same global batch
     cfg = load_config({"dsv3": ds["dsv3"]})
-    runs = [(c["fp8"], full[0]["history"])]
-    if extra is not None:
-        runs.append((not c["fp8"], first[0]["other"]["history"]))
-    for fp8, hist in runs:
-        ref = references[(fp8, c["recompute"])]
+    for fp8, hist in [(c["fp8"], full[0]["history"])]:
+        ref = references[fp8]
         assert len(hist) == len(ref) == STEPS
-        worst = _curve_check(f"{schedule} fp8={fp8}", hist, ref, cfg)
+        worst = _curve_check(f"{schedule} fp8={fp8}", hist, ref, cfg, fp8)
         if os.environ.get("TOL_REPORT"):
             print(f"[tol] {schedule} fp8={fp8}: worst |diff| {worst[0]:.3g} at step {worst[2]} (bound "
                   f"{worst[1]:.3g}); pipelined {[round(r['loss'], 6) for r in hist]} single "
@@ -195,9 +235,9 @@ def test_pp2_dp2_ep2_curve_biases_resume(schedule, references, tmp_path):
     # 3. 5 + 5 resumed steps = 10 steps, bit for bit
     keys = ["loss", "lm_loss", "mtp_loss", "balance_loss", "maxvio", "maxvio_layers", "tokens_seen", "gamma", "lr"]
     for rank in range(PP * DP):
-        half, resumed = first[rank]["half"], second[rank]
+        resumed = second[rank]
         assert [r["step"] for r in resumed["history"]] == list(range(HALF + 1, STEPS + 1))
-        for got, want in zip(half["history"] + resumed["history"], full[rank]["history"]):
+        for got, want in zip(resumed["history"], full[rank]["history"][HALF:]):
             assert {k: got[k] for k in keys} == {k: want[k] for k in keys}, f"{schedule} step {want['step']}"
         assert resumed["router_bias"] == full[rank]["router_bias"]
         assert resumed["param_checksum"] == full[rank]["param_checksum"]
