@@ -83,7 +83,18 @@ def client_optimizer(params, ds_config: dict, cfg: DSv3Config, optimizer=None):
     ds = copy.deepcopy(ds_config)
     ds.pop("optimizer")
     ds["zero_allow_untested_optimizer"] = True
-    return AdamWBF16Moments(params, **hyper), ds
+    return AdamWBF16Moments(_moe_param_groups(params), **hyper), ds
+
+
+def _moe_param_groups(params) -> list:
+    """`params` as DeepSpeed's ZeRO wants them when some are expert parameters (`allreduce = False`, see
+    `moe_layer`): one group per expert-data-parallel group name, split out by DeepSpeed's own helper (what the
+    engine does itself when it builds the JSON's optimizer); otherwise unchanged."""
+    params = list(params)
+    if all(getattr(p, "allreduce", True) for p in params):
+        return params
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+    return split_params_into_different_moe_groups_for_optimizer({"params": params, "name": "dense"})
 
 
 def _check_model_matches(model: torch.nn.Module, cfg: DSv3Config) -> None:

@@ -12,7 +12,7 @@ micro-batches in one process, the same model, optimizer, warm-up LR, clipping an
 
 Which combinations, and why that covers the matrix {1f1b, dualpipe, dualpipev} × fp8 × recompute × EMA × resume:
     dualpipev  fp8 on,  recompute norm_and_mla_up, EMA
-    dualpipe   fp8 off, recompute full,            EMA
+    dualpipe   fp8 off, recompute full,            EMA, BF16 AdamW moments (memory.bf16_moments)
     1f1b       fp8 on,  recompute none,            EMA
 The schedule decides where micro-batches run, which ranks hold a stage twice (DualPipe's mirror: counts and
 gradients summed over the pair, norm counted once), where the losses end and where the embedding MTP reuses
@@ -43,24 +43,25 @@ DS = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4, "gr
                "train": {"seq_len": 16, "steps": STEPS, "seed": 1234}}}
 DP, PP, EP = 2, 2, 2
 
-CASES = {"dualpipev": {"fp8": True, "recompute": "norm_and_mla_up"},
-         "dualpipe": {"fp8": False, "recompute": "full"},
-         "1f1b": {"fp8": True, "recompute": "none"}}
+CASES = {"dualpipev": {"fp8": True, "recompute": "norm_and_mla_up", "bf16_moments": False},
+         "dualpipe": {"fp8": False, "recompute": "full", "bf16_moments": True},
+         "1f1b": {"fp8": True, "recompute": "none", "bf16_moments": False}}
 KEYS = ("loss", "lm_loss", "mtp_loss", "balance_loss")
 
 
-def _ds(schedule: str | None, fp8: bool, recompute: str) -> dict:
+def _ds(schedule: str | None, fp8: bool, recompute: str, bf16_moments: bool = False) -> dict:
     ds = copy.deepcopy(DS)
     ds["dsv3"]["fp8"] = {"enabled": fp8}
     ds["dsv3"]["memory"]["recompute"] = recompute
+    ds["dsv3"]["memory"]["bf16_moments"] = bf16_moments
     if schedule is not None:
         ds["dsv3"]["parallel"] = {"pp": PP, "ep": EP, "schedule": schedule}
     return ds
 
 
-def _ref_ds(fp8: bool, recompute: str) -> dict:
+def _ref_ds(fp8: bool, bf16_moments: bool) -> dict:
     """The single-process run: one rank, the 2 × 4 micro-batches of the data-parallel ranks accumulated."""
-    ds = _ds(None, fp8, recompute)
+    ds = _ds(None, fp8, "none", bf16_moments)
     ds["gradient_accumulation_steps"] = DP * DS["gradient_accumulation_steps"]
     ds["dsv3"]["memory"]["ema"] = False
     return ds
@@ -108,7 +109,7 @@ def _reference(configs):
 
 def _config(schedule: str) -> dict:
     c = CASES[schedule]
-    ds = _ds(schedule, c["fp8"], c["recompute"])
+    ds = _ds(schedule, c["fp8"], c["recompute"], c["bf16_moments"])
     ds["dsv3"]["train"]["save_every"] = HALF
     return ds
 
@@ -150,9 +151,10 @@ def runs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def references():
-    # recompute gives bit-identical gradients (tests/unit), so one reference per FP8 setting serves every case
-    hists = run_ranks(_reference, 1, [_ref_ds(False, "none"), _ref_ds(True, "none")], timeout_s=600)[0]
-    return {False: hists[0], True: hists[1]}
+    # recompute gives bit-identical gradients (tests/unit), so one reference per (FP8, BF16 moments) setting
+    keys = sorted({(c["fp8"], c["bf16_moments"]) for c in CASES.values()})
+    hists = run_ranks(_reference, 1, [_ref_ds(*k) for k in keys], timeout_s=600)[0]
+    return dict(zip(keys, hists))
 
 
 def _layer_biases(schedule: str, pp_rank: int, biases: dict) -> dict:
@@ -214,7 +216,7 @@ def test_pp2_dp2_ep2_curve_biases_resume(schedule, references, runs):
     # 1. the loss curve of the single process on the same global batch
     cfg = load_config({"dsv3": ds["dsv3"]})
     for fp8, hist in [(c["fp8"], full[0]["history"])]:
-        ref = references[fp8]
+        ref = references[(fp8, c["bf16_moments"])]
         assert len(hist) == len(ref) == STEPS
         worst = _curve_check(f"{schedule} fp8={fp8}", hist, ref, cfg, fp8)
         if os.environ.get("TOL_REPORT"):
