@@ -96,6 +96,13 @@ def maxvio_of(stats: Any) -> list[float]:
     return [float(s["maxvio"]) for s in (stats or [])]
 
 
+def _grad_norm(engine) -> float | None:
+    """The global gradient norm of the last optimizer step (what gradient_clipping compared; every parameter
+    counted once over all ranks), None when DeepSpeed did not compute one."""
+    n = engine.get_global_grad_norm()
+    return None if n is None else float(n)
+
+
 def _f(x) -> float:
     """A loss term as a Python float (absent terms, e.g. MTP depth 0 or α = 0, are 0)."""
     return 0.0 if x is None else float(x.detach())
@@ -287,8 +294,8 @@ def _step(loop: _Loop, step: int) -> dict:
     return {"step": step + 1, "loss": means[0], "lm_loss": means[1], "mtp_loss": means[2],
             "balance_loss": means[3], "maxvio": sum(mv) / len(mv) if mv else 0.0,
             "tokens_per_s": st.last_step_tokens / dt, "tokens_seen": st.tokens_seen,
-            "gamma": st.last_gamma, "lr": float(engine.get_lr()[0]), "maxvio_layers": mv,
-            **loop.telemetry.record(st.last_stats)}  # collective: every rank records
+            "gamma": st.last_gamma, "lr": float(engine.get_lr()[0]), "grad_norm": _grad_norm(engine),
+            "maxvio_layers": mv, **loop.telemetry.record(st.last_stats)}  # collective: every rank records
 
 
 def _save(loop: _Loop, run: RunDir, tag: str, done: int) -> None:
@@ -405,7 +412,7 @@ def _step_pipelined(pe, data, cfg, step: int, tokens_seen: int) -> dict:
     dt = time.perf_counter() - t0
     return {"step": step + 1, **m, "maxvio": sum(mv) / len(mv) if mv else 0.0,
             "tokens_per_s": step_tokens / dt, "tokens_seen": tokens_seen + step_tokens, "gamma": gamma,
-            "lr": float(pe.engine.get_lr()[0]), "maxvio_layers": mv}
+            "lr": float(pe.engine.get_lr()[0]), "grad_norm": _grad_norm(pe.engine), "maxvio_layers": mv}
 
 
 def _log_step(rec: dict, done: int, total: int, log_every: int, echo: bool, metrics_path, bar) -> None:
