@@ -4,7 +4,10 @@ dense parameters over the whole data-parallel group, using DeepSpeed's own MoE c
 What DeepSpeed 0.19 needs (observed, see the project's integration notes):
 - the engine treats parameters as expert parameters only if it finds a module that is an instance of
   `deepspeed.moe.layer.MoE`; it then calls `set_deepspeed_parallelism()` on it, and ZeRO-1 reduces params
-  with `allreduce = False` over the expert-data-parallel group named by their `group_name`;
+  with `allreduce = False` over the expert-data-parallel group named by their `group_name`. Ours registers
+  dsv3's EP/EDP groups (`parallel.groups`) under that name rather than letting DeepSpeed build its own: with
+  pipeline parallelism DeepSpeed's builder assumes stages are contiguous rank blocks (dsv3 interleaves them),
+  and a pipeline rank without MoE layers would skip its collective group creation;
 - the optimizer's param groups must be split with `split_params_into_different_moe_groups_for_optimizer`
   (the engine does it itself when the JSON has an "optimizer"; `moe_param_groups` does it otherwise);
 - `save_checkpoint` writes one file per expert from the keys `<MoE module>.deepspeed_moe.experts.
