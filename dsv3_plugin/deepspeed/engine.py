@@ -38,9 +38,11 @@ DeepSpeed is imported lazily (only here), never by the core.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import random
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -295,7 +297,8 @@ def initialize(model: torch.nn.Module, config: "str | os.PathLike | dict", *, mo
         model_parameters = list(model_parameters)   # a generator would be spent by the client optimizer
     optimizer, ds_config = client_optimizer(model_parameters, ds_config, cfg, optimizer)
     prepare_mixed_precision(model, ds_config)
-    with new_groups_bounded(cfg.parallel.p2p_timeout_s):
+    # stdout is for dsv3 train's JSON lines: DeepSpeed's BF16_Optimizer prints memory reports there while it builds
+    with new_groups_bounded(cfg.parallel.p2p_timeout_s), contextlib.redirect_stdout(sys.stderr):
         engine, opt, loader, sched = deepspeed.initialize(
             model=model, model_parameters=model_parameters, optimizer=optimizer, lr_scheduler=lr_scheduler,
             training_data=training_data, config=ds_config, **kwargs)

@@ -75,3 +75,16 @@ def test_fp32_gradient_accumulation_is_refused_with_pipeline_parallelism():
         validate_ds_config(d, target="train", world_size=2)
     d["dsv3"]["parallel"] = {"pp": 1}
     validate_ds_config(d, target="train", world_size=2)   # pp = 1: DeepSpeed's BF16_Optimizer, supported
+
+
+def test_memory_bound_counts_bf16_weights_gradients_and_activations_at_2_bytes():
+    """The host-memory check is a lower bound: under bf16 the module's weights, gradients and activations are
+    2-byte; the FP32 master and moments (optimizer term) and the FP32 build are unchanged."""
+    from dsv3_plugin.config import load_config
+    from dsv3_plugin.deepspeed.train_memory import check_memory
+    cfg = load_config({"dsv3": {"preset": "tiny"}})
+    fp32 = check_memory(cfg, _ds(), 1, 1, 2 ** 62).parts
+    bf16 = check_memory(cfg, _ds(bf16={"enabled": True}), 1, 1, 2 ** 62).parts
+    assert bf16["weights"] * 2 == fp32["weights"] and bf16["gradients"] * 2 == fp32["gradients"]
+    assert bf16["optimizer"] == fp32["optimizer"] and bf16["build"] == fp32["build"]
+    assert bf16["activations"] < fp32["activations"]   # (the logits' FP32 copy for the loss stays 4 B)
