@@ -88,3 +88,21 @@ def test_memory_bound_counts_bf16_weights_gradients_and_activations_at_2_bytes()
     assert bf16["weights"] * 2 == fp32["weights"] and bf16["gradients"] * 2 == fp32["gradients"]
     assert bf16["optimizer"] == fp32["optimizer"] and bf16["build"] == fp32["build"]
     assert bf16["activations"] < fp32["activations"]   # (the logits' FP32 copy for the loss stays 4 B)
+
+
+def test_fp8_gemms_take_bf16_inputs():
+    """fp8.enabled under bf16: an FP8 Linear quantizes an FP32 copy of its BF16 operands (the same FP8 bytes and
+    scales as from those values in FP32) and accumulates in FP32, so with BF16 operands every result is the
+    FP32-operand result cast to BF16: output, input gradient, and weight gradient (in the weight's dtype)."""
+    from dsv3_plugin.precision.fp8 import fp8_linear
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 256, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(128, 256, generator=g) * 0.05).bfloat16().requires_grad_()
+    x32, w32 = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    y, y32 = fp8_linear(x, w), fp8_linear(x32, w32)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, y32.bfloat16())
+    dy = torch.randn(4, 128, generator=g).bfloat16()
+    y.backward(dy)
+    y32.backward(dy.float())
+    assert x.grad.dtype == w.grad.dtype == torch.bfloat16
+    assert torch.equal(x.grad, x32.grad.bfloat16()) and torch.equal(w.grad, w32.grad.bfloat16())
