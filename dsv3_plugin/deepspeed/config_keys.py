@@ -24,7 +24,7 @@ DeepSpeed itself coerces or ignores bad values until deep inside `deepspeed.init
   builds the BF16-moment AdamW from its `lr`, `betas`, `eps`, `weight_decay` as a client optimizer.
 - `scheduler`: `type` a DeepSpeed LR schedule (or a `torch.optim.lr_scheduler` class), `params` an object
   matching its constructor, which is run once on a dummy optimizer.
-- `fp16` / `bf16`: `enabled` true or false, not both; fp16 refused where the accelerator has no fp16 (CPU). With
+- `fp16` / `bf16`: `enabled` true or false, not both; fp16 refused where the accelerator has no fp16. With
   either enabled, `data_types.buffer_dtype` must be absent or fp32: it would cast the router bias (and its load
   counts) to 16 bits, where the bias update's γ-sized steps round away.
 - `steps_per_print`: an integer >= 1 (the engine takes a modulo by it every step).
