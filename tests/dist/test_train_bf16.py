@@ -6,8 +6,8 @@ On the live engines, after real optimizer steps:
   to BF16 (so the master holds precision the module does not);
 - the aux-loss-free router bias and its load counts stay FP32, and the bias moves by exactly the FP32 formula
   b + γ·sign(mean − load) (paper §2.1.2) on the counts all-reduced over the ranks;
-for ZeRO-1's `DeepSpeedZeroOptimizer` (BF16 gradients; pp = 1 with ep = 1 and ep = 2, with FP8 GEMMs, and pp = 2
-DualPipeV) and
+for ZeRO-1's `DeepSpeedZeroOptimizer` (BF16 gradients; pp = 1 with ep = 1 and ep = 2, with FP8 GEMMs, with
+`memory.bf16_moments` (then the moments are BF16), and pp = 2 DualPipeV) and
 DeepSpeed's `BF16_Optimizer` (`data_types.grad_accum_dtype: fp32`, pp = 1). `dsv3 train` under bf16: 5 + 5 steps
 with `--resume` are bit-identical to 10.
 """
@@ -42,6 +42,8 @@ def _variant(name: str) -> dict:
         ds["data_types"] = {"grad_accum_dtype": "fp32"}
     elif name == "fp8":   # FP8 GEMMs (CPU emulation) on the BF16 activations
         ds["dsv3"]["fp8"] = {"enabled": True}
+    elif name == "moments":   # + memory.bf16_moments: the client AdamW keeps BF16 moments of the FP32 masters
+        ds["dsv3"]["memory"] = {"bf16_moments": True}
     elif name == "pp2":
         ds["gradient_accumulation_steps"] = 4
         ds["dsv3"]["parallel"] = {"pp": 2, "schedule": "dualpipev"}
@@ -121,6 +123,7 @@ def _live(name: str) -> dict:
     return {
         "stdout": printed.getvalue() if cfg.parallel.pp == 1 else "",
         "wrapper": type(opt).__name__,
+        "inner": type(inner).__name__,
         "n_fp8_linears": sum(isinstance(m, Fp8Linear) for m in module.modules()),
         "module_params": sorted({str(p.dtype) for p in module.parameters()}),
         "router_weights": sorted({str(r.weight.dtype) for r in routers}),
@@ -141,7 +144,7 @@ def _first_leg(tmp):
     from dsv3_plugin.deepspeed.train import train
     from dsv3_plugin.parallel.distributed import init_distributed
     init_distributed()
-    out = {name: _live(name) for name in ("ep1", "ep2", "acc32", "fp8")}
+    out = {name: _live(name) for name in ("ep1", "ep2", "acc32", "fp8", "moments")}
     out["full"] = train(copy.deepcopy(DS), steps=STEPS, out=f"{tmp}/full", progress=False)
     out["half"] = train(copy.deepcopy(DS), steps=STEPS // 2, out=f"{tmp}/half", progress=False)
     out["pp2"] = _live("pp2")   # last: DeepSpeed keeps the pipeline's mpu in its global state
@@ -163,7 +166,7 @@ def legs(tmp_path_factory):
 
 @pytest.mark.parametrize("name,wrapper", [("ep1", "DeepSpeedZeroOptimizer"), ("ep2", "DeepSpeedZeroOptimizer"),
                                           ("acc32", "BF16_Optimizer"), ("fp8", "DeepSpeedZeroOptimizer"),
-                                          ("pp2", "DeepSpeedZeroOptimizer")])
+                                          ("moments", "DeepSpeedZeroOptimizer"), ("pp2", "DeepSpeedZeroOptimizer")])
 def test_bf16_params_fp32_masters_fp32_router_bias(legs, name, wrapper):
     first, _ = legs
     for rank in range(2):
@@ -173,7 +176,9 @@ def test_bf16_params_fp32_masters_fp32_router_bias(legs, name, wrapper):
         assert live["module_params"] == ["torch.bfloat16"], live
         assert live["router_weights"] == ["torch.bfloat16"], live   # its gating math stays FP32 (Router.scores)
         assert live["masters"] == ["torch.float32"] and live["inner_params_are_masters"], live
-        assert live["moments"] == ["exp_avg:torch.float32", "exp_avg_sq:torch.float32"], live
+        moment = "torch.bfloat16" if name == "moments" else "torch.float32"
+        assert live["moments"] == [f"exp_avg:{moment}", f"exp_avg_sq:{moment}"], live
+        assert live["inner"] == ("AdamWBF16Moments" if name == "moments" else "AdamW"), live
         assert live["lp_is_rounded_master"] and live["master_finer_than_bf16"], live
         assert live["n_masters"] > 0
         assert (live["n_fp8_linears"] > 0) == (name == "fp8"), live["n_fp8_linears"]
