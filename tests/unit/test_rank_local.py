@@ -1,20 +1,19 @@
 """Rank-local models and loads (`training.rank_local`, `checkpoint.hf.load_pretrained(layout=...)`): a rank
 builds and reads only what it owns, with the values the full model / full load holds."""
 import os
-import zlib
 
 import pytest
 import torch
 
 from dsv3_plugin.checkpoint.hf import load_pretrained
-from dsv3_plugin.checkpoint.names import is_runtime_state, native_to_released, parse_released, released_names
+from dsv3_plugin.checkpoint.names import is_runtime_state, native_to_released, released_names
 from dsv3_plugin.checkpoint.reader import CheckpointReader
-from dsv3_plugin.checkpoint.synthetic import write_released_checkpoint
 from dsv3_plugin.config import ConfigError, load_config
 from dsv3_plugin.parallel.pipeline.stages import min_layers, model_stage_layers
 from dsv3_plugin.training.memory_plan import rank_param_count
 from dsv3_plugin.training.rank_local import RankLayout, build_rank_local, param_bytes
 from dsv3_plugin.training.transforms import build_model
+from helpers import CK_CFG, released_owned, write_rank_local_checkpoint as write_checkpoint
 
 
 def _is_routed(native: str) -> bool:
@@ -103,43 +102,6 @@ def test_layout_refuses_impossible_ranks():
 
 
 # --- rank-local load ----------------------------------------------------------------------------------
-# Experts dominate the bytes (as in V3: 256 routed experts per layer), so a quarter of them is far below 40%.
-CK_CFG = {"preset": "tiny", "model": {"hidden_size": 128, "num_hidden_layers": 4, "first_k_dense_replace": 1},
-          "moe": {"n_routed_experts": 16, "intermediate_size": 128, "n_group": 4, "topk_group": 2}}
-
-
-def write_checkpoint(path) -> tuple[object, int]:
-    """A released-format FP8 checkpoint (128 x 128 blocks, MTP included) of CK_CFG; returns (cfg, bytes)."""
-    cfg = load_config(CK_CFG)
-    L = cfg.model.num_hidden_layers
-    main = {f"model.layers.{L}.embed_tokens.weight": "model.embed_tokens.weight",
-            f"model.layers.{L}.shared_head.head.weight": "lm_head.weight"}   # MTP's copies equal the main ones
-
-    def make(name, shape):
-        g = torch.Generator().manual_seed(zlib.crc32(main.get(name, name).encode()))
-        return torch.randn(shape, generator=g) * 0.05
-
-    write_released_checkpoint(str(path), cfg.to_hf(), make, fp8=True, shard_bytes=1 << 20)
-    size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
-    return cfg, size
-
-
-def released_owned(name: str, lay: RankLayout, L: int) -> bool:
-    """Whether a rank should read released tensor `name`, decided from the released name alone."""
-    key = parse_released(name, L)
-    if key.row.copy_of is not None:
-        return False                                   # MTP's copies of the embedding/head: shared, not read
-    if key.expert is not None and lay.ep > 1 and key.expert not in lay.expert_range:
-        return False
-    if key.scope == "layer":
-        return key.index in lay.layer_ids
-    if key.scope in ("mtp", "mtp_layer"):
-        return lay.last
-    if name == "model.embed_tokens.weight":
-        return lay.embedding
-    return lay.last                                    # model.norm, lm_head
-
-
 @pytest.mark.parametrize("sched,pp,ep", [("dualpipev", 2, 1), ("1f1b", 1, 4), ("1f1b", 2, 2)])
 def test_rank_local_load_reads_only_owned_tensors(tmp_path, sched, pp, ep):
     cfg, size = write_checkpoint(tmp_path)
