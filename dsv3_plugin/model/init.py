@@ -26,17 +26,27 @@ def param_seed(base: int, name: str, expert: int | None = None) -> int:
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") & (2 ** 63 - 1)
 
 
+# fp32 draws per block of rows: bounds the temporary of a large matrix (V3's embedding is 3.7 GB in fp32)
+_BLOCK_ELEMS = 1 << 22
+
+
+def _fill_normal_(t: torch.Tensor, g: torch.Generator, std: float) -> None:
+    rows = max(1, _BLOCK_ELEMS // max(1, t[0].numel()))
+    for r0 in range(0, t.shape[0], rows):
+        dst = t[r0:r0 + rows]
+        dst.copy_(torch.randn(dst.shape, generator=g, dtype=torch.float32).mul_(std).to(t.dtype))
+
+
 @torch.no_grad()
 def init_parameter_(t: torch.Tensor, name: str, std: float, base: int, expert_offset: int | None = None) -> None:
-    """Fill `t` in place: 1-D -> ones; otherwise N(0, std) drawn in fp32 and cast to t's dtype. Stacked routed
-    experts (`expert_offset` given: t is [E_local, ...] holding experts expert_offset + row) draw per expert."""
+    """Fill `t` in place: 1-D -> ones; otherwise N(0, std) drawn in fp32 (blocks of rows, in order) and cast to
+    t's dtype. Stacked routed experts (`expert_offset` given: t is [E_local, ...] holding experts
+    expert_offset + row) draw per expert, each from its own generator."""
     if t.dim() == 1:
         t.fill_(1.0)
         return
     if expert_offset is None:
-        g = torch.Generator().manual_seed(param_seed(base, name))
-        t.copy_(torch.randn(t.shape, generator=g, dtype=torch.float32).mul_(std).to(t.dtype))
+        _fill_normal_(t, torch.Generator().manual_seed(param_seed(base, name)), std)
         return
     for row in range(t.shape[0]):
-        g = torch.Generator().manual_seed(param_seed(base, name, expert_offset + row))
-        t[row].copy_(torch.randn(t.shape[1:], generator=g, dtype=torch.float32).mul_(std).to(t.dtype))
+        _fill_normal_(t[row], torch.Generator().manual_seed(param_seed(base, name, expert_offset + row)), std)
