@@ -16,6 +16,7 @@ import copy
 import json
 import math
 import os
+import resource
 import sys
 import time
 import warnings
@@ -420,12 +421,11 @@ def _finish(model, history: list[dict], run: RunDir, world: int, wall_s: float, 
         files.append(os.path.join(run.ckpt, f"step{history[-1]['step']}"))
     summ = _summary(history, world, wall_s, loss_floor, files)
     summ.update(_rank_memory(model, checkpoint_bytes_read))
-    if "ranks" in summ and len(summ["ranks"]) and "text" in summ:
-        peak = max(r["peak_rss_bytes"] for r in summ["ranks"])
-        read = max(r["checkpoint_bytes_read"] for r in summ["ranks"])
-        summ["text"] += (f"\n  memory         peak RSS {peak / 2**30:.2f} GiB (largest rank), parameters "
-                         f"{summ['param_bytes'] / 2**30:.3f} GiB on rank 0"
-                         + (f", read {read / 1e9:.3f} GB of the checkpoint (largest rank)" if read else ""))
+    peak = max(r["peak_rss_bytes"] for r in summ["ranks"])
+    read = max(r["checkpoint_bytes_read"] for r in summ["ranks"])
+    summ["text"] += (f"\n  memory         peak RSS {peak / 2**30:.2f} GiB (largest rank), parameters "
+                     f"{summ['param_bytes'] / 2**30:.3f} GiB on this rank"
+                     + (f", read {read / 1e9:.3f} GB of the checkpoint (largest rank)" if read else ""))
     if run.rank == 0:
         if echo:
             print(json.dumps({"summary": {k: v for k, v in summ.items() if k != "text"}}), flush=True)
@@ -442,7 +442,6 @@ def _rank_memory(module, checkpoint_bytes_read: int) -> dict:
     """This rank's memory facts, and every rank's (gathered, in rank order, under "ranks"): peak RSS (ru_maxrss:
     KiB on Linux), bytes of its parameters (after the pipeline / EP split), bytes it read from `--init-from`.
     Collective when the process group is up: every rank calls it."""
-    import resource
     mine = {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "param_bytes": param_bytes(module),
             "checkpoint_bytes_read": int(checkpoint_bytes_read)}
