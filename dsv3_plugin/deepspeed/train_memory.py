@@ -2,8 +2,8 @@
 the estimate instead of a hang (`num_hidden_layers: 10**30` would loop building layers for ever) or an OOM kill.
 
 Per rank, for the fp32 training `dsv3 train` runs (parameter counts from `memory_plan.param_counts`):
-- build: every rank builds the whole model in fp32 before keeping its part (experts over EP, stages over PP):
-  4 B x P;
+- build: with pp = ep = 1 every rank builds the whole model in fp32: 4 B x P; otherwise a rank builds only
+  what it owns (`training.rank_local`): 4 B x P_rank;
 - training: weights 4 B x P_rank + gradients 4 B x P_rank + ZeRO-1 optimizer state (fp32 master partition and
   AdamW's two moments, 12 B) x P / (pp x dp) + the activations of one micro-batch (`memory_plan.
   layer_activation_bytes` at 4 B per element, x tokens x layers on the rank) + its logits (4 B x tokens x
@@ -11,7 +11,7 @@ Per rank, for the fp32 training `dsv3 train` runs (parameter counts from `memory
 - under DeepSpeed bf16 (or fp16) weights, gradients and activations count 2 B instead of 4 (the FP32 master is
   in the optimizer term; BF16_Optimizer's FP32 gradient buffers are left out, which only lowers the bound);
 - peak = max(build, training); the host needs `ranks_on_host` x peak.
-P_rank = P minus the routed experts other EP ranks hold (pp = 1), or P / pp. Everything left out (in-flight
+P_rank = (P minus the routed experts other EP ranks hold) / pp. Everything left out (in-flight
 pipeline micro-batches, attention scores, allocator slack, DeepSpeed's buffers) only adds, so a config is
 refused only when it certainly cannot fit.
 
@@ -85,17 +85,18 @@ def _estimate(cfg: DSv3Config, mbs: int, world: int, ranks_on_host: int, lp: flo
     P = (k * (pc["attn"] + pc["dense_mlp"]) + (L - k) * moe_layer + pc["embed"] + head
          + pc["mtp_extra"] + D * moe_layer)   # mtp_extra already counts all D modules
     dp = max(1, world // p.pp)
-    if p.pp > 1:
-        P_rank = P / p.pp
-    else:
-        P_rank = P - (L - k + D) * pc["routed_experts"] * (1 - 1 / p.ep)
+    # the rank's share: the other EP ranks' routed experts removed, then an even part of the pipeline (the
+    # fullest rank holds at least that much)
+    P_rank = (P - (L - k + D) * pc["routed_experts"] * (1 - 1 / p.ep)) / p.pp
     tokens = mbs * cfg.train.seq_len
     fp8 = cfg.fp8.enabled
     rec = cfg.memory.recompute
     per_token = (k * layer_activation_bytes(cfg, False, rec, fp8, act_bytes=int(lp))
                  + (L - k + D) * layer_activation_bytes(cfg, True, rec, fp8, act_bytes=int(lp))) / p.pp
     acts = tokens * per_token + 4.0 * tokens * m.vocab_size * (1 + D)
-    parts = {"build": 4.0 * P, "weights": lp * P_rank, "gradients": lp * P_rank,
+    # with pp = ep = 1 the whole model is built; otherwise only the rank's part (`training.rank_local`)
+    parts = {"build": 4.0 * (P if p.pp == 1 and p.ep == 1 else P_rank), "weights": lp * P_rank,
+             "gradients": lp * P_rank,
              "optimizer": 12.0 * P / (p.pp * dp), "activations": acts}
     per_rank = max(parts["build"], parts["weights"] + parts["gradients"] + parts["optimizer"] + acts)
     return MemoryEstimate(host_bytes=ranks_on_host * per_rank, per_rank_bytes=per_rank,

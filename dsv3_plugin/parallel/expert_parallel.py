@@ -83,6 +83,11 @@ class ExpertParallelMoE(DeepSeekMoE):
             ep.gate.tokens_per_expert.copy_(moe.gate.tokens_per_expert)
             if moe.shared_experts is not None:
                 ep.shared_experts.load_state_dict(moe.shared_experts.state_dict())
+        if getattr(moe.experts, "expert_range", None) == ep.local_experts:
+            # already this rank's slab (a rank-local build, `training.rank_local`): taken as it is
+            ep.experts = moe.experts
+            ep.train(moe.training)
+            return ep
         sl = slice(ep.local_experts.start, ep.local_experts.stop)
         for name in ("gate_proj", "up_proj", "down_proj"):
             src = getattr(moe.experts, name)

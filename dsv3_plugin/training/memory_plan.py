@@ -17,16 +17,18 @@ Per rank and pipeline schedule:
                DualPipe README's per-device bound, used for every rank).
 
 Embedding on the first stage; output head, final norm and the MTP modules on the last stage (with DualPipe
-they share a rank, as in the report). Layers are split as evenly as possible across the stages.
+they share a rank, as in the report). Layers are split by the pipeline's own rule
+(`parallel.pipeline.stages.model_stage_layers`: the last stage's head and MTP modules count as layers).
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
 from dsv3_plugin.config import ConfigError, DSv3Config
+from dsv3_plugin.parallel.pipeline.stages import model_stage_layers
 from dsv3_plugin.schedule_traits import schedule_traits
 
-__all__ = ["param_counts", "layer_activation_bytes", "RankMemory", "plan", "format_table", "SCHEDULES"]
+__all__ = ["param_counts", "rank_param_count", "layer_activation_bytes", "RankMemory", "plan", "format_table", "SCHEDULES"]
 
 SCHEDULES = ("1f1b", "dualpipe", "dualpipev")
 GiB = 1024 ** 3
@@ -113,8 +115,30 @@ class RankMemory:
     total_GiB: float
 
 
-def _split(n: int, parts: int) -> list[int]:
-    return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
+def rank_param_count(cfg: DSv3Config, schedule: str, pp: int, ep: int, pp_rank: int) -> dict:
+    """Parameters one rank holds under (`schedule`, `pp`, `ep`) as the rank-local model builds them
+    (`training.rank_local`): {"dense": ..., "routed": ... (its E/ep experts), "total": ...}. The embedding sits
+    on the first stage and, when MTP reuses it, on the last (one copy on a rank holding both, as under DualPipe)."""
+    traits = schedule_traits(schedule)
+    n_stages = traits.n_stages(pp)
+    L, D = cfg.model.num_hidden_layers, cfg.mtp.depth
+    pc = param_counts(cfg)
+    ranges = model_stage_layers(L, D, n_stages)
+    ids = set(traits.stage_ids(pp, pp_rank))
+    first, last = 0 in ids, n_stages - 1 in ids
+    moe_dense = pc["attn"] + pc["shared_experts"] + pc["router"]
+    dense = routed = 0.0
+    for i in sorted({i for s in ids for i in ranges[s]}):
+        if cfg.is_moe_layer(i):
+            dense, routed = dense + moe_dense, routed + pc["routed_experts"] / ep
+        else:
+            dense += pc["attn"] + pc["dense_mlp"]
+    if first or (last and D):
+        dense += pc["embed"]
+    if last:
+        dense += pc["head"] + pc["mtp_extra"] + D * moe_dense
+        routed += D * pc["routed_experts"] / ep
+    return {"dense": dense, "routed": routed, "total": dense + routed}
 
 
 def plan(cfg: DSv3Config, pp: int, ep: int, dp: int, micro_batch_tokens: int | None = None,
@@ -160,10 +184,7 @@ def plan(cfg: DSv3Config, pp: int, ep: int, dp: int, micro_batch_tokens: int | N
     for sched in schedules:
         traits = schedule_traits(sched)
         n_stages = traits.n_stages(pp)
-        bounds = [0]
-        for n in _split(L, n_stages):
-            bounds.append(bounds[-1] + n)
-        stages = [list(range(bounds[s], bounds[s + 1])) for s in range(n_stages)]
+        stages = [list(r) for r in model_stage_layers(L, D, n_stages)]   # the pipeline's own split
         per_rank = [traits.stage_ids(pp, r) for r in range(pp)]
         # micro-batches in flight per rank at the steady state (the schedules' published activation counts)
         if sched == "1f1b":   # stage r holds PP - r micro-batches at the 1F1B steady state

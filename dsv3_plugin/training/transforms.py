@@ -37,12 +37,14 @@ def build_model(cfg: DSv3Config | dict | str) -> DSv3Model:
     return apply_transforms(DSv3Model(cfg), cfg)
 
 
-def apply_transforms(model: nn.Module, cfg: DSv3Config, *, split_w: bool = False) -> nn.Module:
+def apply_transforms(model: nn.Module, cfg: DSv3Config, *, split_w: bool = False,
+                     device: torch.device | str | None = None) -> nn.Module:
     """Apply, in place and in order, FP8 (`cfg.fp8.enabled`), recompute (`cfg.memory.recompute`) and, with
     `split_w`, the weight-gradient split. Expert parallelism needs process groups and is applied by the
-    framework adapter between recompute and the W split (see the module docstring)."""
+    framework adapter between recompute and the W split (see the module docstring). `device`: where the GEMMs
+    will run (default: the first parameter's; a rank-local model's first parameter may be on `meta`)."""
     if cfg.fp8.enabled:
-        convert_to_fp8(model, cfg.fp8)
+        convert_to_fp8(model, cfg.fp8, device)
     if cfg.memory.recompute != "none":
         apply_recompute(model, cfg.memory.recompute)
     if split_w:
