@@ -38,6 +38,7 @@ import torch.distributed as dist
 from .groups import EPGroups, single_process_groups
 from dsv3_plugin.precision.fp8 import quant as fp8
 from dsv3_plugin.config import ConfigError
+from dsv3_plugin.model.moe.layer import combine_rows
 
 __all__ = [
     "DispatchCodec",
@@ -255,7 +256,6 @@ def _payload_bytes(codec, x_TH) -> int:
 
 def _dispatch_per_expert(x_TH, idx_TK, w_TK, expert_fn, L, g: EPGroups, codec, mode):
     T, K = idx_TK.shape
-    H = x_TH.shape[1]
     flat_e = idx_TK.reshape(-1)                                   # [T*K]
     # Sorting by expert id also sorts by owner rank (owner = e // L): contiguous send blocks.
     order = torch.argsort(flat_e, stable=True)
@@ -271,7 +271,7 @@ def _dispatch_per_expert(x_TH, idx_TK, w_TK, expert_fn, L, g: EPGroups, codec, m
     y_recv = expert_fn(x_recv, e_recv)
     y_back = all_to_all(y_recv, send, recv, g.ep_group, g.ep_size)                 # [T*K, H], sorted order
     w_sorted = w_TK.reshape(-1)[order].to(y_back.dtype)
-    out = torch.zeros(T, H, dtype=y_back.dtype, device=x_TH.device).index_add(0, tok, y_back * w_sorted[:, None])
+    out = combine_rows(y_back * w_sorted[:, None], tok, T)       # keeps only the index for backward
 
     R = g.ranks_per_node
     cross = sum(n for r, n in enumerate(send) if r // R != g.node)
@@ -285,7 +285,6 @@ def _dispatch_per_expert(x_TH, idx_TK, w_TK, expert_fn, L, g: EPGroups, codec, m
 
 def _dispatch_dedup(x_TH, idx_TK, w_TK, expert_fn, L, g: EPGroups, codec):
     T, K = idx_TK.shape
-    H = x_TH.shape[1]
     R, N = g.ranks_per_node, g.num_nodes
     node_TK = idx_TK // (L * R)
     hit_TN = torch.zeros(T, N, dtype=torch.bool, device=idx_TK.device)
@@ -326,10 +325,9 @@ def _dispatch_dedup(x_TH, idx_TK, w_TK, expert_fn, L, g: EPGroups, codec):
     y2 = expert_fn(x2, le2)
     y2_back = all_to_all(y2, send2, recv2, *nd)                       # [C2, H] in order2
     # Combine inside the node first: one weighted partial sum per (token, node) crosses back.
-    z1 = torch.zeros(x1.shape[0], H, dtype=y2_back.dtype, device=x_TH.device)
-    z1 = z1.index_add(0, j2, y2_back * w1[j2, k2].to(y2_back.dtype)[:, None])
+    z1 = combine_rows(y2_back * w1[j2, k2].to(y2_back.dtype)[:, None], j2, x1.shape[0])
     z_back = all_to_all(z1, send1, recv1, *ep)                        # [C1, H]
-    out = torch.zeros(T, H, dtype=z_back.dtype, device=x_TH.device).index_add(0, t_idx, z_back)
+    out = combine_rows(z_back, t_idx, T)
 
     cross = sum(send1) - send1[g.node * R + g.local_index]
     stats = DispatchStats(mode="dedup", tokens=T, copies=sum(send1) + sum(send2),

@@ -18,7 +18,8 @@ from .grouped_mm import expert_kernel, grouped_mm_swiglu
 from dsv3_plugin.model.kernels import ExpertKernel, SplitKernel, UsesKernel, apply_split, expert_spans
 from .router import Router
 
-__all__ = ["DenseMLP", "GroupedExperts", "GroupedSwiGLUKernel", "DeepSeekMoE", "grouped_swiglu", "swiglu_rows"]
+__all__ = ["DenseMLP", "GroupedExperts", "GroupedSwiGLUKernel", "DeepSeekMoE", "grouped_swiglu", "swiglu_rows",
+           "combine_rows"]
 
 
 class DenseMLP(nn.Module):
@@ -32,6 +33,26 @@ class DenseMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _CombineRows(torch.autograd.Function):
+    """out[t] = Σ_{n: token_of[n] = t} y[n]: `index_add` that keeps only the index for backward (autograd's
+    index_add also saves the k·H source rows, which its gradient, dy[token_of], never reads)."""
+
+    @staticmethod
+    def forward(ctx, y_NH, token_of_N, T):
+        ctx.save_for_backward(token_of_N)
+        return y_NH.new_zeros(T, y_NH.shape[1]).index_add_(0, token_of_N, y_NH)
+
+    @staticmethod
+    def backward(ctx, dout_TH):
+        (token_of_N,) = ctx.saved_tensors
+        return dout_TH.index_select(0, token_of_N), None, None
+
+
+def combine_rows(y_NH: torch.Tensor, token_of_N: torch.Tensor, T: int) -> torch.Tensor:
+    """Sum the rows of y_NH into T token rows (row n into token_of_N[n]); saves only the index."""
+    return _CombineRows.apply(y_NH, token_of_N, T)
 
 
 class GroupedSwiGLUKernel(SplitKernel):
@@ -160,8 +181,7 @@ class GroupedExperts(UsesKernel, nn.Module):
         token_of = order // K                                   # source token of each sorted row
         y_NH = self.kernel(x_TH[token_of], counts, self.gate_proj, self.up_proj, self.down_proj)
         y_NH = y_NH * gates_TK.reshape(-1)[order, None].to(y_NH.dtype)
-        out_TH = torch.zeros_like(x_TH)
-        return out_TH.index_add_(0, token_of, y_NH.to(x_TH.dtype))
+        return combine_rows(y_NH.to(x_TH.dtype), token_of, T)
 
     def expert_rows(self, x_NH: torch.Tensor, expert_N: torch.Tensor) -> torch.Tensor:
         """Unweighted SwiGLU of expert `expert_N[n]` on row n, in input row order (what expert-parallel
