@@ -69,18 +69,24 @@ class GroupedSwiGLUKernel(SplitKernel):
     what autograd over the plain ops would keep too). W needs dy, dL/dg and dL/du besides (`carry`).
     """
 
-    def call(self, via, x_NH, counts, w1_EIH, w3_EIH, w2_EHI):
+    row_scale = True
+
+    def call(self, via, x_NH, counts, w1_EIH, w3_EIH, w2_EHI, scale_N=None):
         if sum(counts) != x_NH.shape[0]:
             raise ValueError(f"grouped_swiglu: counts sum to {sum(counts)} but there are {x_NH.shape[0]} rows")
         dt = torch.promote_types(x_NH.dtype, w1_EIH.dtype)
         if via is self and expert_kernel(x_NH.device, dt, w1_EIH.shape[2], w1_EIH.shape[1])[0] == "grouped_mm":
             # CUDA + BF16: three grouped GEMMs (autograd's backward, so not when a wrapper splits off W)
-            return grouped_mm_swiglu(x_NH.to(dt), counts, w1_EIH.to(dt), w3_EIH.to(dt), w2_EHI.to(dt))
+            return grouped_mm_swiglu(x_NH.to(dt), counts, w1_EIH.to(dt), w3_EIH.to(dt), w2_EHI.to(dt),
+                                     scale_N=scale_N)
         # the weights are cast inside the Function (their gradients cast back there), so the parameters
         # themselves reach it: a deferred W writes their .grad
-        return apply_split(via, list(counts), x_NH.to(dt), w1_EIH, w3_EIH, w2_EHI)
+        return apply_split(via, list(counts), x_NH.to(dt), w1_EIH, w3_EIH, w2_EHI, scale=scale_N)
 
     def forward(self, counts, x_NH, weights, need_w):
+        s_N = None
+        if isinstance(x_NH, tuple):
+            x_NH, s_N = x_NH
         dt = x_NH.dtype
         w_dtypes = tuple(w.dtype for w in weights)
         w1_EIH, w3_EIH, w2_EHI = (w.to(dt) for w in weights)
@@ -94,30 +100,39 @@ class GroupedSwiGLUKernel(SplitKernel):
             torch.mm(x_NH[s:t], w3_EIH[e].t(), out=u_NI[s:t])
         silu_NI = F.silu(g_NI)
         a_NI = silu_NI * u_NI
+        sa_NI = a_NI if s_N is None else a_NI * s_N[:, None].to(dt)        # the routing weight, before W2
         y_NH = x_NH.new_empty(N, H)
         for e, s, t in spans:
-            torch.mm(a_NI[s:t], w2_EHI[e].t(), out=y_NH[s:t])
-        return y_NH, (x_NH, g_NI, u_NI, silu_NI, a_NI, w1_EIH, w3_EIH, w2_EHI), (spans, w_dtypes)
+            torch.mm(sa_NI[s:t], w2_EHI[e].t(), out=y_NH[s:t])
+        return y_NH, (x_NH, g_NI, u_NI, silu_NI, a_NI, s_N, w1_EIH, w3_EIH, w2_EHI), (spans, w_dtypes)
 
     def input_grad(self, saved, meta, dy_NH, need):
-        x_NH, g_NI, u_NI, silu_NI, a_NI, w1_EIH, w3_EIH, w2_EHI = saved
+        x_NH, g_NI, u_NI, silu_NI, a_NI, s_N, w1_EIH, w3_EIH, w2_EHI = saved
         spans, _ = meta
+        need_x, need_s = need[0] if s_N is not None else (need[0], False)
         dy_NH = dy_NH.contiguous()
         da_NI = torch.empty_like(g_NI)
         for e, s, t in spans:
-            torch.mm(dy_NH[s:t], w2_EHI[e], out=da_NI[s:t])                 # dL/da = dy·W2
+            torch.mm(dy_NH[s:t], w2_EHI[e], out=da_NI[s:t])                 # dL/d(s·a) = dy·W2
+        ds_N = None
+        if s_N is not None:
+            if need_s:
+                ds_N = (da_NI * a_NI).sum(-1).to(s_N.dtype)                 # dL/ds = <dy·W2, a>
+            da_NI = da_NI * s_N[:, None].to(da_NI.dtype)                    # dL/da
         du_NI = da_NI * silu_NI                                              # dL/du
         dg_NI = torch.ops.aten.silu_backward(da_NI * u_NI, g_NI)             # dL/dg (one fused pass)
         dx = None
-        if need[0]:
+        if need_x:
             dx = torch.empty_like(x_NH)
             for e, s, t in spans:
                 torch.mm(dg_NI[s:t], w1_EIH[e], out=dx[s:t])
                 dx[s:t].addmm_(du_NI[s:t], w3_EIH[e])
-        return dx, (dy_NH, dg_NI, du_NI)
+        return (dx if s_N is None else (dx, ds_N)), (dy_NH, dg_NI, du_NI)
 
     def weight_grads(self, saved, meta, carry, need_w):
-        x_NH, _, _, _, a_NI, w1_EIH, w3_EIH, w2_EHI = saved
+        x_NH, _, _, _, a_NI, s_N, w1_EIH, w3_EIH, w2_EHI = saved
+        if s_N is not None and need_w[2]:
+            a_NI = a_NI * s_N[:, None].to(a_NI.dtype)                        # s·a, as in forward
         spans, w_dtypes = meta
         dy_NH, dg_NI, du_NI = carry
         hit = [e for e, _, _ in spans]
@@ -179,8 +194,15 @@ class GroupedExperts(UsesKernel, nn.Module):
         order = torch.argsort(flat_idx, stable=True)            # group the (token, slot) pairs by expert
         counts = torch.bincount(flat_idx, minlength=self.n_experts).tolist()
         token_of = order // K                                   # source token of each sorted row
-        y_NH = self.kernel(x_TH[token_of], counts, self.gate_proj, self.up_proj, self.down_proj)
-        y_NH = y_NH * gates_TK.reshape(-1)[order, None].to(y_NH.dtype)
+        gates_N = gates_TK.reshape(-1)[order]
+        if getattr(self.kernel, "row_scale", False):
+            # the routing weight scales the SwiGLU output before W2: the k·H expert outputs per token are
+            # not kept for the gate's gradient (it comes from the SwiGLU output the kernel keeps anyway)
+            y_NH = self.kernel(x_TH[token_of], counts, self.gate_proj, self.up_proj, self.down_proj,
+                               scale_N=gates_N)
+        else:
+            y_NH = self.kernel(x_TH[token_of], counts, self.gate_proj, self.up_proj, self.down_proj)
+            y_NH = y_NH * gates_N[:, None].to(y_NH.dtype)
         return combine_rows(y_NH.to(x_TH.dtype), token_of, T)
 
     def expert_rows(self, x_NH: torch.Tensor, expert_N: torch.Tensor) -> torch.Tensor:

@@ -272,7 +272,8 @@ def _resolved(backend, device: torch.device):
 class Fp8LinearKernel(SplitKernel):
     """`kernels.LinearKernel` with Fprop, Dgrad and Wgrad in FP8 (tile orientations in the module docstring).
 
-    Saved for backward: Xᵀ in FP8 (1×128 along M; only when the weight needs a gradient) and the FP8 weight.
+    Saved for backward: Xᵀ in FP8 (1×128 along M; only when the weight needs a gradient) and the weight: a
+    parameter by reference (re-quantized in backward, no per-micro-batch copy), anything else as its FP8 copy.
     With a TE backend the layer runs as a `te.pytorch.Linear` (which does its own backward) unless the
     weight gradient is deferred. NOTE: TE's Linear cannot split its backward, so under deferral (pipeline
     B/W split) the GEMMs run on the TE backend's fallback (torch `_scaled_mm` or the emulation), same recipe."""
@@ -302,12 +303,18 @@ class Fp8LinearKernel(SplitKernel):
         if bias is not None:
             y = y + bias.to(y.dtype)
         meta = (backend, xt[2], kw, x.shape, x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        if weight.is_leaf:
+            # a parameter does not change before backward: re-quantize it there (the same bytes) rather than
+            # keep an FP8 copy of the weight per micro-batch in flight
+            return y, (xt[0], xt[1], weight, None), meta
         return y, (xt[0], xt[1], qw, sw), meta
 
     def input_grad(self, saved, meta, dy, need):
         qxt, _, qw, sw = saved
         backend, _, kw, x_shape, x_dtype, _, _ = meta
         r = self.recipe
+        if sw is None:
+            qw, sw, _ = r.weight(qw)
         dy2 = dy.reshape(-1, dy.shape[-1])                               # [M, N]
         dx = None
         if need[0]:
