@@ -98,7 +98,7 @@ def _train_rules(cfg: DSv3Config) -> None:
     if p.pp > 1:
         # A rank whose stages are all empty and hold neither the embedding (first stage) nor the head (last) has
         # no parameter, and DeepSpeed's optimizer refuses an empty parameter list (pipeline/stages.py).
-        need = min_layers(p.schedule, p.pp)
+        need = min_layers(p.schedule, p.pp, cfg.mtp.depth)
         if m.num_hidden_layers < need:
             raise ConfigError(f"dsv3.model.num_hidden_layers: {p.schedule} with pp={p.pp} needs >= {need} decoder "
                               f"layers, or a pipeline rank is left without any parameter (got {m.num_hidden_layers})")

@@ -19,20 +19,28 @@ from dsv3_plugin.model.kernels import ExpertKernel, SplitKernel, UsesKernel, app
 from .router import Router
 
 __all__ = ["DenseMLP", "GroupedExperts", "GroupedSwiGLUKernel", "DeepSeekMoE", "grouped_swiglu", "swiglu_rows",
-           "combine_rows"]
+           "combine_rows", "swiglu_act"]
+
+
+def swiglu_act(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """silu(g) ⊙ u: SwiGLU's activation (autograd keeps g, silu(g) and u)."""
+    return F.silu(g) * u
 
 
 class DenseMLP(nn.Module):
-    """SwiGLU MLP: the dense FFN of the first layers and the shared experts."""
+    """SwiGLU MLP: the dense FFN of the first layers and the shared experts. `act` is the activation seam:
+    `swiglu_act` by default; FP8 (`convert_to_fp8`) installs one that caches its inputs in FP8 and recomputes
+    the output in backward (report §3.3.3, as the routed experts do)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.act = swiglu_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
 
 
 class _CombineRows(torch.autograd.Function):

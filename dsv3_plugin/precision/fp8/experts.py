@@ -25,7 +25,7 @@ from .quant import dequantize_tilewise, fp8_combine_grad_qdq, fp8_dispatch_qdq
 from .linear import AutoBackend, EmulatedBackend, Fp8Recipe
 from dsv3_plugin.model.kernels import SplitKernel, apply_split, expert_spans
 
-__all__ = ["Fp8ExpertKernel", "Fp8GroupedSwiGLU", "fp8_expert_swiglu"]
+__all__ = ["Fp8ExpertKernel", "Fp8GroupedSwiGLU", "fp8_expert_swiglu", "Fp8SwiGLUAct"]
 
 _PER_EXPERT = 12   # tensors saved per expert with rows (see `_forward_one`)
 
@@ -161,6 +161,47 @@ class Fp8ExpertKernel(SplitKernel):
 
 
 Fp8GroupedSwiGLU = Fp8ExpertKernel   # the name before the kernel seam
+
+
+class _Fp8SwiGLUActFn(torch.autograd.Function):
+    """silu(g) ⊙ u exactly in forward; keeps g and u in FP8 (1×128 along I) and recomputes the output's
+    derivatives from them in backward."""
+
+    @staticmethod
+    def forward(ctx, g, u, recipe):
+        I = g.shape[-1]
+        qg, sg, kg = recipe.act(g.reshape(-1, I))
+        qu, su, _ = recipe.act(u.reshape(-1, I))
+        ctx.save_for_backward(qg, sg, qu, su)
+        ctx.kind, ctx.shape, ctx.dtypes = kg, g.shape, (g.dtype, u.dtype)
+        return torch.nn.functional.silu(g) * u
+
+    @staticmethod
+    def backward(ctx, da):
+        qg, sg, qu, su = ctx.saved_tensors
+        g = _dequant(qg, sg, ctx.kind).view(ctx.shape)
+        u = _dequant(qu, su, ctx.kind).view(ctx.shape)
+        sig = torch.sigmoid(g)
+        da = da.float()
+        dg = da * u * (sig * (1 + g * (1 - sig)))                    # silu'(g) = σ(g)(1 + g(1 − σ(g)))
+        du = da * (g * sig)
+        return dg.to(ctx.dtypes[0]), du.to(ctx.dtypes[1]), None
+
+
+class Fp8SwiGLUAct:
+    """The dense / shared-expert MLPs' activation seam (`moe.DenseMLP.act`) on the FP8 path: the SwiGLU inputs
+    cached in FP8, its output recomputed in backward (report §3.3.3; forward values unchanged)."""
+
+    def __init__(self, recipe: Fp8Recipe = Fp8Recipe()):
+        self.recipe = recipe
+
+    def __call__(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled() or not (g.requires_grad or u.requires_grad):
+            return torch.nn.functional.silu(g) * u
+        return _Fp8SwiGLUActFn.apply(g, u, self.recipe)
+
+    def __repr__(self) -> str:
+        return f"Fp8SwiGLUAct({self.recipe.kind}, pow2={self.recipe.pow2})"
 
 
 def fp8_expert_swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,

@@ -28,6 +28,7 @@ norms, MTP's eh_proj and the attention core stay in high precision (§3.3.1).
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -269,6 +270,26 @@ def _resolved(backend, device: torch.device):
     return backend.resolve(device) if isinstance(backend, AutoBackend) else backend
 
 
+_XT_LAST: list = [None]   # (weakref to the input, its version, recipe, its FP8 Xᵀ)
+
+
+def _shared_xt(x: torch.Tensor, x2: torch.Tensor, r: Fp8Recipe):
+    """The FP8 Xᵀ cache of input `x`, shared by consecutive FP8 Linears that read the same tensor (MLA's q_a and
+    kv_a, an MLP's gate and up): one copy kept for backward instead of one per GEMM. Quantization is
+    deterministic, so the shared copy is the very bytes each would have made."""
+    last = _XT_LAST[0]
+    if last is not None and last[0]() is x and last[1] == x._version and last[2] == r:
+        return last[3]
+    xt = r.act(x2.t())
+
+    def drop(ref):
+        if _XT_LAST[0] is not None and _XT_LAST[0][0] is ref:
+            _XT_LAST[0] = None
+
+    _XT_LAST[0] = (weakref.ref(x, drop), x._version, r, xt)
+    return xt
+
+
 class Fp8LinearKernel(SplitKernel):
     """`kernels.LinearKernel` with Fprop, Dgrad and Wgrad in FP8 (tile orientations in the module docstring).
 
@@ -298,7 +319,7 @@ class Fp8LinearKernel(SplitKernel):
         qx, sx, kx = r.act(x2)                                           # 1×128 along K
         qw, sw, kw = r.weight(weight)                                    # 128×128
         y = backend.gemm(qx, sx, kx, qw, sw, kw)                         # Fprop [M, N] fp32
-        xt = r.act(x2.t()) if need_w[0] else (None, None, None)         # Xᵀ 1×128 along M: the FP8 cache
+        xt = _shared_xt(x, x2, r) if need_w[0] else (None, None, None)  # Xᵀ 1×128 along M: the FP8 cache
         y = y.to(x.dtype).reshape(*x.shape[:-1], N)
         if bias is not None:
             y = y + bias.to(y.dtype)
