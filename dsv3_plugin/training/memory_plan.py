@@ -28,7 +28,8 @@ Activation components (bytes per micro-batch of `batch × seq` tokens; `act_byte
 FP8 tensors 1 byte + one FP32 scale per 128 along the quantized axis):
 
   layer_inputs    inputs kept by recompute (the layer input, the residual after attention; `full`: the layer
-                  input only)
+                  input only). norm_and_mla_up keeps no RMSNorm output: the GEMMs that read one in high
+                  precision get it recomputed when the backward enters their block
   norms           RMSNorm internals (FP32 copy of the input, 1/rms, normalized value)  [recompute: none]
   mla_proj        inputs of MLA's projections (q_a/kv_a: normed x, in FP8 one copy both read; q_b/kv_b; o_proj)
                   and, under norm_and_mla_up, the latents c_Q and [c_KV | k^R] the up-projections restart from
@@ -137,7 +138,8 @@ def layer_activation(cfg: DSv3Config, moe: bool, tokens: int, recompute: str = "
         c["layer_inputs"] += 2 * A * h * M                     # the layer input and the residual after attention
     else:
         c["norms"] += _norm(h, M, A) + _norm(h, M, A)          # input_layernorm, post_attention_layernorm
-    c["mla_proj"] += _fp8_t(h, M) if fp8 else A * h * M        # q_a / kv_a input (FP8: one copy for both)
+    # q_a / kv_a input: FP8, one copy both read; else the normed x (norm_and_mla_up: freed, recomputed)
+    c["mla_proj"] += _fp8_t(h, M) if fp8 else (0 if rec else A * h * M)
     if rec:
         c["mla_proj"] += A * ((qr or 0) + kr + dr) * M         # the latents c_Q, [c_KV | k^R]
     else:
@@ -156,7 +158,7 @@ def layer_activation(cfg: DSv3Config, moe: bool, tokens: int, recompute: str = "
     # --- FFN
     if moe:
         E, k, I = e.n_routed_experts, e.top_k, e.intermediate_size
-        c["router"] += A * h * M                               # router input (the normed x, as given)
+        c["router"] += 0 if rec else A * h * M                 # router input (the normed x, as given)
         c["router"] += (4 * E + 8 * k + 4 * k + 4) * M         # scores, top-k index, gates, their sum
         if e.seq_aux_alpha > 0:
             c["router"] += 8 * M                               # balance-loss terms
@@ -176,7 +178,7 @@ def layer_activation(cfg: DSv3Config, moe: bool, tokens: int, recompute: str = "
             inp = _fp8_t(h, M) if fp8 else 0                   # else: the router's input, the same tensor
             c["shared_experts"] += inp + _swiglu(Is, M, A, fp8)
     else:
-        inp = _fp8_t(h, M) if fp8 else A * h * M               # gate / up input (FP8: one copy for both)
+        inp = _fp8_t(h, M) if fp8 else (0 if rec else A * h * M)   # gate / up input (FP8: one copy for both)
         c["dense_mlp"] += inp + _swiglu(m.intermediate_size, M, A, fp8)
     return c
 

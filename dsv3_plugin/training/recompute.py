@@ -9,7 +9,9 @@ recomputed from their inputs there, trading a little compute for activation memo
                           RoPE, concatenation: `MLA.qkv`). Only the latents c_Q and [c_KV | k^R] are kept;
                           the per-head q, k, v the attention kernel saved are freed once attention has run
                           and recomputed right before its backward (`_QKVRecompute`), so the attention
-                          output and log-sum-exp are kept and the attention core is not run again;
+                          output and log-sum-exp are kept and the attention core is not run again. The
+                          decoder layers' norm outputs are freed after their block ran and recomputed when
+                          the backward enters it (`RecomputedNormsDecoderLayer`), so no GEMM keeps them;
   * ``full``            — each decoder layer (main and MTP) as a whole.
 
 RMSNorm and full: `torch.utils.checkpoint` (non-reentrant). Both are applied by swapping a module's class for a
@@ -34,7 +36,7 @@ from dsv3_plugin.model.norm import RMSNorm
 from dsv3_plugin.model.moe.router import skip_counting
 
 __all__ = ["MODES", "apply_recompute", "remove_recompute", "saved_activation_bytes",
-           "RecomputedRMSNorm", "RecomputedMLA", "RecomputedDecoderLayer"]
+           "RecomputedRMSNorm", "RecomputedMLA", "RecomputedNormsDecoderLayer", "RecomputedDecoderLayer"]
 
 MODES = ("none", "norm_and_mla_up", "full")
 
@@ -122,14 +124,52 @@ class RecomputedMLA(MLA):
         return o
 
 
+def _discard_until_backward(out: torch.Tensor, block_out: torch.Tensor, remake) -> None:
+    """Free `out`'s storage now that the block reading it has run, and refill it (`remake()`, the same ops on
+    the same input: the same bytes) when the backward reaches `block_out`, before any of the block's nodes
+    that saved `out` runs. Its consumers keep references to the storage, which is what gets refilled."""
+    if block_out.grad_fn is None or out.untyped_storage().nbytes() == 0:
+        return
+    st, n = out.untyped_storage(), out.untyped_storage().nbytes()
+    st.resize_(0)
+
+    def refill(*_):
+        if st.nbytes() == 0:
+            with torch.no_grad():
+                new = remake()
+            st.resize_(n)
+            st.copy_(new.untyped_storage())
+
+    block_out.grad_fn.register_prehook(refill)
+
+
+class RecomputedNormsDecoderLayer(DecoderLayer):
+    """norm_and_mla_up: the RMSNorm outputs are not kept either by the GEMMs that read them (the router, the
+    Linears of high-precision layers): freed after the attention / FFN block ran, recomputed from the kept
+    layer input when the backward enters that block (the normalized values, bit for bit)."""
+
+    def forward(self, x_BTH, cos, sin):
+        if not torch.is_grad_enabled():
+            return super().forward(x_BTH, cos, sin)
+        h = self.input_layernorm(x_BTH)
+        a = self.self_attn(h, cos, sin)
+        _discard_until_backward(h, a, lambda x=x_BTH: RMSNorm.forward(self.input_layernorm, x))
+        x_BTH = x_BTH + a
+        h = self.post_attention_layernorm(x_BTH)
+        y = self.mlp(h)
+        _discard_until_backward(h, y, lambda x=x_BTH: RMSNorm.forward(self.post_attention_layernorm, x))
+        return x_BTH + y
+
+
 class RecomputedDecoderLayer(DecoderLayer):
     def forward(self, x_BTH, cos, sin):
         return _ckpt(super().forward, x_BTH, cos, sin)
 
 
-_SWAPS = {"norm_and_mla_up": {RMSNorm: RecomputedRMSNorm, MLA: RecomputedMLA},
+_SWAPS = {"norm_and_mla_up": {RMSNorm: RecomputedRMSNorm, MLA: RecomputedMLA, DecoderLayer: RecomputedNormsDecoderLayer},
           "full": {DecoderLayer: RecomputedDecoderLayer}}
-_BASE = {RecomputedRMSNorm: RMSNorm, RecomputedMLA: MLA, RecomputedDecoderLayer: DecoderLayer}
+_BASE = {RecomputedRMSNorm: RMSNorm, RecomputedMLA: MLA, RecomputedDecoderLayer: DecoderLayer,
+         RecomputedNormsDecoderLayer: DecoderLayer}
 
 
 def remove_recompute(model: nn.Module) -> None:
