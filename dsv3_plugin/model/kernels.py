@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["ExpertKernel", "LinearKernel", "SplitKernel", "KernelWrapper", "apply_split", "expert_spans",
+           "stacked_params",
            "UsesKernel", "KernelLinear", "PlainLinearKernel", "base_kernel", "rebase", "find_wrapper"]
 
 
@@ -157,6 +158,18 @@ class _SplitKernelFn(torch.autograd.Function):
         else:
             dws = (None,) * len(need_w)
         return (None, None, None, dx, ds, *dws)
+
+
+def stacked_params(w: torch.Tensor) -> Optional[list]:
+    """The parameters `w` was stacked from this call (`torch.stack(params)`, DeepSpeed's per-expert layout), or
+    None: a kernel can keep those references and slice them in backward instead of keeping the stack."""
+    fn = None if w is None or w.is_leaf else w.grad_fn
+    if fn is None or fn.name() != "StackBackward0":
+        return None
+    out = [getattr(n, "variable", None) for n, _ in fn.next_functions]
+    if len(out) != w.shape[0] or any(v is None or v.shape != w.shape[1:] for v in out):
+        return None
+    return out
 
 
 def apply_split(via: SplitKernel, static: Any, x: torch.Tensor, *weights: Optional[torch.Tensor],

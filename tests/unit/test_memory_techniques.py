@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from dsv3_plugin.config import load_config
-from dsv3_plugin.model.moe.layer import GroupedExperts, GroupedSwiGLUKernel, combine_rows
+from dsv3_plugin.model.moe.layer import GroupedExperts, GroupedSwiGLUKernel, combine_rows, swiglu_rows
 from dsv3_plugin.model.moe.router import fp32_linear
 from dsv3_plugin.precision.fp8.experts import Fp8ExpertKernel, Fp8SwiGLUAct
 from dsv3_plugin.precision.fp8.linear import EmulatedBackend, Fp8Linear, Fp8Recipe
@@ -191,3 +191,31 @@ def test_fp8_swiglu_activation():
     assert_within(g.grad, gq.grad, gamma(8) * mag, "dg")
     assert_within(u.grad, uq.grad, gamma(8) * mag, "du")
     assert _saved(lambda: act(g * 1, u * 1)) == 2 * (64 * 256 + 4 * 64 * 2)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_experts_stacked_from_per_expert_parameters_keep_no_copy(fp8):
+    """DeepSpeed's layout (one parameter per expert, stacked each call): the kernels slice the parameters in
+    backward instead of keeping the stack (BF16) or its FP8 blocks per micro-batch; gradients are those of the
+    stacked-parameter layout, bit for bit."""
+    kernel = Fp8ExpertKernel(Fp8Recipe()) if fp8 else GroupedSwiGLUKernel()
+    ex, x, idx, gates, dy = _experts(kernel, T=64, H=128, I=128, E=4, K=2)
+    per = [[torch.nn.Parameter(w[e].detach().clone()) for e in range(4)]
+           for w in (ex.gate_proj, ex.up_proj, ex.down_proj)]
+    rows = x.detach()[:64].repeat(2, 1).requires_grad_()
+    expert_N = idx.reshape(-1)[:128]
+    dy_rows = dy.repeat(2, 1)
+    y0 = swiglu_rows(rows, expert_N, ex.gate_proj, ex.up_proj, ex.down_proj, kernel)
+    y0.backward(dy_rows)
+    ref = (rows.grad.clone(), [w.grad.clone() for w in (ex.gate_proj, ex.up_proj, ex.down_proj)])
+    rows.grad = None
+    y1 = swiglu_rows(rows, expert_N, *(torch.stack(p) for p in per), kernel)
+    y1.backward(dy_rows)
+    assert torch.equal(y0, y1) and torch.equal(rows.grad, ref[0])
+    for w_ref, ps in zip(ref[1], per):
+        assert all(torch.equal(p.grad, w_ref[e]) for e, p in enumerate(ps))
+    flat = [p for ps in per for p in ps]
+    stacked = _saved(lambda: swiglu_rows(rows, expert_N, *(torch.stack(p) for p in per), kernel), flat)
+    leaf = _saved(lambda: swiglu_rows(rows, expert_N, ex.gate_proj, ex.up_proj, ex.down_proj, kernel),
+                  list(ex.parameters()))
+    assert stacked == leaf                                   # no weight-sized tensor kept either way

@@ -15,7 +15,7 @@ from torch import nn
 from .balancing import seq_balance_loss
 from dsv3_plugin.config import MoEConfig
 from .grouped_mm import expert_kernel, grouped_mm_swiglu
-from dsv3_plugin.model.kernels import ExpertKernel, SplitKernel, UsesKernel, apply_split, expert_spans
+from dsv3_plugin.model.kernels import ExpertKernel, SplitKernel, UsesKernel, apply_split, expert_spans, stacked_params
 from .router import Router
 
 __all__ = ["DenseMLP", "GroupedExperts", "GroupedSwiGLUKernel", "DeepSeekMoE", "grouped_swiglu", "swiglu_rows",
@@ -74,7 +74,8 @@ class GroupedSwiGLUKernel(SplitKernel):
     and the element-wise parts (SiLU, product, their derivatives) run once over all rows.
 
     Saved for backward: x [N, H]; g = x·W1ᵀ, u = x·W3ᵀ, silu(g) and a = silu(g)·u [N, I] (4·N·I floats,
-    what autograd over the plain ops would keep too). W needs dy, dL/dg and dL/du besides (`carry`).
+    what autograd over the plain ops would keep too), the routing weights when given; the weights by reference
+    (stacks of per-expert parameters: the parameters). W needs dy, dL/dg and dL/du besides (`carry`).
     """
 
     row_scale = True
@@ -112,16 +113,26 @@ class GroupedSwiGLUKernel(SplitKernel):
         y_NH = x_NH.new_empty(N, H)
         for e, s, t in spans:
             torch.mm(sa_NI[s:t], w2_EHI[e].t(), out=y_NH[s:t])
-        return y_NH, (x_NH, g_NI, u_NI, silu_NI, a_NI, s_N, w1_EIH, w3_EIH, w2_EHI), (spans, w_dtypes)
+        # weights stacked from per-expert parameters this call (DeepSpeed's layout) are not kept: backward
+        # slices the parameters themselves (a stack per micro-batch in flight would be a copy of the experts)
+        srcs = tuple(stacked_params(w) for w in weights)
+        kept = tuple(None if sp is not None else w for sp, w in zip(srcs, (w1_EIH, w3_EIH, w2_EHI)))
+        w_meta = tuple((w.shape, w.device) for w in (w1_EIH, w3_EIH, w2_EHI))
+        return y_NH, (x_NH, g_NI, u_NI, silu_NI, a_NI, s_N, *kept), (spans, w_dtypes, srcs, dt, w_meta)
+
+    @staticmethod
+    def _expert_w(saved_w, src, e, dt):
+        return saved_w[e] if saved_w is not None else src[e].to(dt)
 
     def input_grad(self, saved, meta, dy_NH, need):
         x_NH, g_NI, u_NI, silu_NI, a_NI, s_N, w1_EIH, w3_EIH, w2_EHI = saved
-        spans, _ = meta
+        spans, _, srcs, wdt, _ = meta
+        W = self._expert_w
         need_x, need_s = need[0] if s_N is not None else (need[0], False)
         dy_NH = dy_NH.contiguous()
         da_NI = torch.empty_like(g_NI)
         for e, s, t in spans:
-            torch.mm(dy_NH[s:t], w2_EHI[e], out=da_NI[s:t])                 # dL/d(s·a) = dy·W2
+            torch.mm(dy_NH[s:t], W(w2_EHI, srcs[2], e, wdt), out=da_NI[s:t])   # dL/d(s·a) = dy·W2
         ds_N = None
         if s_N is not None:
             if need_s:
@@ -133,29 +144,30 @@ class GroupedSwiGLUKernel(SplitKernel):
         if need_x:
             dx = torch.empty_like(x_NH)
             for e, s, t in spans:
-                torch.mm(dg_NI[s:t], w1_EIH[e], out=dx[s:t])
-                dx[s:t].addmm_(du_NI[s:t], w3_EIH[e])
+                torch.mm(dg_NI[s:t], W(w1_EIH, srcs[0], e, wdt), out=dx[s:t])
+                dx[s:t].addmm_(du_NI[s:t], W(w3_EIH, srcs[1], e, wdt))
         return (dx if s_N is None else (dx, ds_N)), (dy_NH, dg_NI, du_NI)
 
     def weight_grads(self, saved, meta, carry, need_w):
-        x_NH, _, _, _, a_NI, s_N, w1_EIH, w3_EIH, w2_EHI = saved
+        x_NH, _, _, _, a_NI, s_N, _, _, _ = saved
         if s_N is not None and need_w[2]:
             a_NI = a_NI * s_N[:, None].to(a_NI.dtype)                        # s·a, as in forward
-        spans, w_dtypes = meta
+        spans, w_dtypes, _, wdt, w_meta = meta
         dy_NH, dg_NI, du_NI = carry
         hit = [e for e, _, _ in spans]
 
-        def wgrad(w, need):
+        def wgrad(shape_dev, need):
             if not need:
                 return None
-            gw = torch.empty_like(w)
-            if len(hit) < w.shape[0]:  # experts that got no rows have zero gradient
-                miss = torch.ones(w.shape[0], dtype=torch.bool, device=w.device)
+            shape, dev = shape_dev
+            gw = torch.empty(shape, dtype=wdt, device=dev)
+            if len(hit) < shape[0]:  # experts that got no rows have zero gradient
+                miss = torch.ones(shape[0], dtype=torch.bool, device=dev)
                 miss[hit] = False
                 gw[miss] = 0
             return gw
 
-        dw1, dw3, dw2 = (wgrad(w, n) for w, n in zip((w1_EIH, w3_EIH, w2_EHI), need_w))
+        dw1, dw3, dw2 = (wgrad(m, n) for m, n in zip(w_meta, need_w))
         for e, s, t in spans:
             if dw2 is not None:
                 torch.mm(dy_NH[s:t].t(), a_NI[s:t], out=dw2[e])              # [H, I]

@@ -23,7 +23,7 @@ import torch
 
 from .quant import dequantize_tilewise, fp8_combine_grad_qdq, fp8_dispatch_qdq
 from .linear import AutoBackend, EmulatedBackend, Fp8Recipe
-from dsv3_plugin.model.kernels import SplitKernel, apply_split, expert_spans
+from dsv3_plugin.model.kernels import SplitKernel, apply_split, expert_spans, stacked_params
 
 __all__ = ["Fp8ExpertKernel", "Fp8GroupedSwiGLU", "fp8_expert_swiglu", "Fp8SwiGLUAct"]
 
@@ -90,18 +90,21 @@ class Fp8ExpertKernel(SplitKernel):
         # parameters do not change before backward: keep them by reference and re-quantize there (the same
         # bytes) instead of an FP8 copy of every expert's weights per micro-batch in flight
         leaf = all(w.is_leaf for w in weights)
+        srcs = None if leaf else tuple(stacked_params(w) for w in weights)
+        if srcs is not None and any(sp is None for sp in srcs):
+            srcs = None                      # built some other way: keep the FP8 blocks
         for e, s, t in spans:
             y, sv, kind = _forward_one(x_NH[s:t], w1_EIH[e], w3_EIH[e], w2_EHI[e], self.recipe, be, any(need_w),
-                                       keep_wq=not leaf, s=None if s_N is None else s_N[s:t])
+                                       keep_wq=not (leaf or srcs), s=None if s_N is None else s_N[s:t])
             y_NH[s:t] = y
             saved += sv
             kinds.append(kind)
         saved += [s_N] + (list(weights) if leaf else [None, None, None])
         w_meta = tuple((w.shape, w.dtype, w.device) for w in weights)
-        return y_NH, tuple(saved), (spans, kinds, be, x_NH.dtype, w_meta)
+        return y_NH, tuple(saved), (spans, kinds, be, x_NH.dtype, w_meta, srcs)
 
     def input_grad(self, saved, meta, dy_NH, need):
-        spans, kinds, be, x_dtype, _ = meta
+        spans, kinds, be, x_dtype, _, srcs = meta
         r = self.recipe
         s_N = saved[-4]
         need_x, need_s = need[0] if s_N is not None else (need[0], False)
@@ -111,8 +114,8 @@ class Fp8ExpertKernel(SplitKernel):
         for i, (e, s, t) in enumerate(spans):
             (qxt, _, qg, sg, qu, su, qw1, sw1, qw3, sw3, qw2, sw2) = saved[i * _PER_EXPERT:(i + 1) * _PER_EXPERT]
             if qw1 is None:
-                w1_EIH, w3_EIH, w2_EHI = saved[-3:]
-                (qw1, sw1, _), (qw3, sw3, _), (qw2, sw2, _) = (r.weight(w[e]) for w in (w1_EIH, w3_EIH, w2_EHI))
+                ws = saved[-3:] if srcs is None else srcs     # the parameters (stacked, or one per expert)
+                (qw1, sw1, _), (qw3, sw3, _), (qw2, sw2, _) = (r.weight(w[e]) for w in ws)
             _, ka, kw = kinds[i]
             g = _dequant(qg, sg, ka)                                 # [n, I] fp32, recomputation inputs
             u = _dequant(qu, su, ka)
@@ -140,7 +143,7 @@ class Fp8ExpertKernel(SplitKernel):
         return (dx_NH if s_N is None else (dx_NH, ds_N)), carry
 
     def weight_grads(self, saved, meta, carry, need_w):
-        spans, kinds, be, _, w_meta = meta
+        spans, kinds, be, _, w_meta, _ = meta
         # experts without rows get zero gradient (as the per-expert slices' autograd gives)
         dws = [torch.zeros(shape, dtype=dt, device=dev) if n else None for (shape, dt, dev), n in zip(w_meta, need_w)]
         for i, (e, s, t) in enumerate(spans):
