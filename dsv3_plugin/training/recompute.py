@@ -85,26 +85,30 @@ class _QKVRecompute(torch.autograd.Function):
 
 
 class _QKVHolder:
-    # Holds storages (not tensors: a tensor would reference its grad_fn, a cycle autograd cannot collect).
+    # Holds the outputs' storages, not the outputs (an output references this Function's node, which references
+    # the holder: a cycle autograd cannot collect); the latents are inputs and reference only upstream nodes.
     def __init__(self, fn):
         self.fn, self.latents, self.recomputed, self.storages = fn, (), None, []
 
     def discard(self, outs) -> None:
-        self.storages = [(t.untyped_storage(), t.untyped_storage().nbytes()) for t in outs]
-        for st, _ in self.storages:
+        """Free every distinct storage behind `outs` (v may be a view of the kv up-projection's output)."""
+        seen = {}
+        for i, t in enumerate(outs):
+            seen.setdefault(t.untyped_storage().data_ptr(), i)
+        self.storages = [(outs[i].untyped_storage(), outs[i].untyped_storage().nbytes(), i) for i in seen.values()]
+        for st, _, _ in self.storages:
             st.resize_(0)
 
     def refill(self, *_):
         if self.recomputed is not None:
             return
         latents = [t.detach().requires_grad_(t.requires_grad) for t in self.latents]
-        self.latents = ()
         with torch.enable_grad(), skip_counting():
             outs = self.fn(*latents)
-        for (st, n), new in zip(self.storages, outs):
+        for st, n, i in self.storages:
             # the same ops on the same inputs: the same layout, so the bytes go back where they were
             st.resize_(n)
-            st.copy_(new.untyped_storage())
+            st.copy_(outs[i].untyped_storage())
         self.recomputed = (latents, outs)
 
 
@@ -117,9 +121,7 @@ class RecomputedMLA(MLA):
         o = self.core(q, k, v)
         if o.grad_fn is None:
             return o
-        # v may be a view of the kv up-projection's output: free every distinct storage once
-        outs = list({t.untyped_storage().data_ptr(): t for t in (q, k, v)}.values())
-        holder.discard(outs)
+        holder.discard((q, k, v))
         o.grad_fn.register_prehook(holder.refill)
         return o
 

@@ -2,6 +2,7 @@
 hooks), per component, schedule in-flight counts from the op lists, per-rank parameters, ZeRO-1, the paper's
 setup, and the CLI."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -129,6 +130,10 @@ def test_paper_setup_fits_80_gib_with_the_paper_techniques():
     plain = plan_ranks(cfg, "dualpipe", 16, 64, 128, micro_batch=(1, 4096), recompute="none", fp8=False,
                        bf16_moments=False)
     assert min(r.total_GiB for r in plain) > 80
+    # the README's table is this plan
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    for r in (ranks[0], ranks[1]):
+        assert f"**{r.total_GiB:.2f}**" in readme and f"| {r.activations_GiB:.2f} |" in readme
 
 
 def test_cli_table_json_and_bad_input(capsys):
