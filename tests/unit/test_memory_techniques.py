@@ -219,3 +219,34 @@ def test_experts_stacked_from_per_expert_parameters_keep_no_copy(fp8):
     leaf = _saved(lambda: swiglu_rows(rows, expert_N, ex.gate_proj, ex.up_proj, ex.down_proj, kernel),
                   list(ex.parameters()))
     assert stacked == leaf                                   # no weight-sized tensor kept either way
+
+
+@pytest.mark.parametrize("dedup", [False, True])
+def test_expert_parallel_path_sends_the_routing_weight_with_the_rows(dedup):
+    """The expert-parallel MoE (here over one rank: the all-to-alls are identities) applies the routing weight
+    inside the experts too: it keeps no more for backward than the single-process layer, and computes the same
+    output and gradients (the same kernels on the same rows; rows are grouped in another order, which only
+    reorders the combine's sum over a token's k slots)."""
+    from dsv3_plugin.model.moe.layer import DeepSeekMoE
+    from dsv3_plugin.parallel.expert_parallel import ExpertParallelMoE
+    from dsv3_plugin.parallel.groups import single_process_groups
+
+    cfg = load_config({"preset": "tiny"})
+    torch.manual_seed(0)
+    moe = DeepSeekMoE(cfg.model.hidden_size, cfg.moe)
+    ep = ExpertParallelMoE.from_dense(moe, single_process_groups(), dedup=dedup)
+    x = torch.randn(2, 16, cfg.model.hidden_size, requires_grad=True)
+    dy = torch.randn_like(x)
+    outs = []
+    for m in (moe, ep):
+        x.grad = None
+        y = m(x)
+        y.backward(dy)
+        outs.append((y.detach(), x.grad.clone(), m.gate.weight.grad.clone()))
+    K = cfg.moe.top_k
+    for a, b, what in zip(outs[1], outs[0], ("y", "dx", "d router")):
+        assert_within(a, b, reorder_bound(K, float(b.abs().max()) + 1.0, stages=2), what)
+    kept_ep = _saved(lambda: ep(x), list(ep.parameters()))
+    kept_sp = _saved(lambda: moe(x), list(moe.parameters()))
+    rows = x.shape[0] * x.shape[1] * K
+    assert kept_ep <= kept_sp + 8 * rows * 2                  # at most a couple of index vectors more

@@ -225,21 +225,34 @@ class GroupedExperts(UsesKernel, nn.Module):
             y_NH = y_NH * gates_N[:, None].to(y_NH.dtype)
         return combine_rows(y_NH.to(x_TH.dtype), token_of, T)
 
-    def expert_rows(self, x_NH: torch.Tensor, expert_N: torch.Tensor) -> torch.Tensor:
-        """Unweighted SwiGLU of expert `expert_N[n]` on row n, in input row order (what expert-parallel
-        dispatch hands to the experts a rank owns)."""
-        return swiglu_rows(x_NH, expert_N, self.gate_proj, self.up_proj, self.down_proj, self.kernel)
+    def expert_rows(self, x_NH: torch.Tensor, expert_N: torch.Tensor,
+                    scale_N: torch.Tensor | None = None) -> torch.Tensor:
+        """SwiGLU of expert `expert_N[n]` on row n, in input row order (what expert-parallel dispatch hands to
+        the experts a rank owns), times `scale_N[n]` when given (applied before the down projection)."""
+        return swiglu_rows(x_NH, expert_N, self.gate_proj, self.up_proj, self.down_proj, self.kernel, scale_N)
+
+
+def _run_scaled(kernel, x_NH, counts, w1_EIH, w3_EIH, w2_EHI, scale_N):
+    if scale_N is None:
+        return kernel(x_NH, counts, w1_EIH, w3_EIH, w2_EHI)
+    if getattr(kernel, "row_scale", False):
+        return kernel(x_NH, counts, w1_EIH, w3_EIH, w2_EHI, scale_N=scale_N)
+    y_NH = kernel(x_NH, counts, w1_EIH, w3_EIH, w2_EHI)
+    return y_NH * scale_N[:, None].to(y_NH.dtype)
 
 
 def swiglu_rows(x_NH: torch.Tensor, expert_N: torch.Tensor, w1_EIH: torch.Tensor, w3_EIH: torch.Tensor,
-                w2_EHI: torch.Tensor, kernel: ExpertKernel = grouped_swiglu) -> torch.Tensor:
-    """SwiGLU of expert `expert_N[n]` on row n, rows in any order: sort by expert, grouped GEMMs (`kernel`),
-    unsort."""
+                w2_EHI: torch.Tensor, kernel: ExpertKernel = grouped_swiglu,
+                scale_N: torch.Tensor | None = None) -> torch.Tensor:
+    """SwiGLU of expert `expert_N[n]` on row n (times `scale_N[n]`, inside the kernel when it has `row_scale`),
+    rows in any order: sort by expert, grouped GEMMs (`kernel`), unsort."""
     counts = torch.bincount(expert_N, minlength=w1_EIH.shape[0]).tolist()
     if expert_N.numel() < 2 or bool((expert_N[1:] >= expert_N[:-1]).all()):
-        return kernel(x_NH, counts, w1_EIH, w3_EIH, w2_EHI)   # already grouped (EP = 1, one source rank)
+        # already grouped (EP = 1, one source rank)
+        return _run_scaled(kernel, x_NH, counts, w1_EIH, w3_EIH, w2_EHI, scale_N)
     order = torch.argsort(expert_N, stable=True)
-    y_sorted = kernel(x_NH[order], counts, w1_EIH, w3_EIH, w2_EHI)
+    y_sorted = _run_scaled(kernel, x_NH[order], counts, w1_EIH, w3_EIH, w2_EHI,
+                           None if scale_N is None else scale_N[order])
     return torch.empty_like(y_sorted).index_copy_(0, order, y_sorted)
 
 
