@@ -46,8 +46,9 @@ FP8 tensors 1 byte + one FP32 scale per 128 along the quantized axis):
                   MTP modules' norms / eh_proj input / head (their decoder blocks count as layers above)
 
 NOTE: the attention state assumes a fused kernel (PyTorch SDPA's flash / memory-efficient kernels save q, k,
-v, o, lse); on CPU the flash kernel needs equal head sizes, so v (and o) are zero-padded to d_qk there
-(`pad_v`). The routed experts are the package's grouped kernels (`moe.GroupedSwiGLUKernel`,
+v, o, lse). On CUDA the memory-efficient kernel takes d_v ≠ d_qk (PyTorch's sdp_utils requires only q and k to
+match), so nothing is padded; on CPU the flash kernel needs equal head sizes, so v (and o) are zero-padded to
+d_qk there (`pad_v`). The routed experts are the package's grouped kernels (`moe.GroupedSwiGLUKernel`,
 `fp8.experts.Fp8ExpertKernel`); CUDA's BF16 `grouped_mm` path keeps autograd's own set (about one more
 k·I per token).
 """
