@@ -21,7 +21,8 @@ Per pipeline rank (`rank_memory`), for a schedule and that rank's stages:
                assumed: they are read off the schedule's own op lists (`parallel.pipeline.schedule`, the ones
                the runtime executes), a micro-batch's activations of a chunk living from its F to its B (to its
                W when the backward is split into I + W). 1F1B: PP − r on rank r; DualPipe: PP + 1 chunk-micro-
-               batches (chunk = PP-th of the layers) at the peak of the outer ranks, as the DualPipe table says.
+               batches on every rank (a chunk = one stage, ~L/PP layers; rank r: PP − r of its first chunk and
+               r + 1 of its second), as the DualPipe table says; DualPipeV: 2·PP + 1 half-size chunks.
 * ema        — EMA weights (FP32) live in host memory (`memory.ema`, §3.2.3): reported, not in the GPU total.
 
 Activation components (bytes per micro-batch of `batch × seq` tokens; `act_bytes` per activation element,
