@@ -1,7 +1,8 @@
-"""`dsv3 memory-plan`: per-rank memory (params, grads, optimizer, activations) for each pipeline schedule."""
+"""`dsv3 memory-plan`: per-rank memory (params, grads, optimizer, activations by component) for each pipeline
+schedule (`training.memory_plan`)."""
 import json
 from dsv3_plugin.config import load_config
-from dsv3_plugin.training.memory_plan import GiB, format_table, plan, rank_param_count
+from dsv3_plugin.training.memory_plan import GiB, SCHEDULES, format_table, plan, plan_ranks, rank_param_count
 from dsv3_plugin.training.rank_local import RankLayout, build_rank_local
 from dsv3_plugin.config import ConfigError
 
@@ -20,6 +21,7 @@ def register(sub):
     p.add_argument("--bf16-moments", dest="bf16_moments", action="store_true", default=None)
     p.add_argument("--fp32-moments", dest="bf16_moments", action="store_false")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--all-ranks", action="store_true", help="every pipeline rank, not only each schedule's worst")
     p.add_argument("--materialize", action="store_true",
                    help="also build one rank's model for real (BF16, CPU, rank-local) and report its measured "
                         "parameter bytes beside the plan's (a v3-671b DualPipe end rank takes ~9.2 GiB)")
@@ -40,7 +42,13 @@ def run(args) -> int:
         cfg = load_config({"preset": args.preset or "v3-671b"})
     pp = args.pp or cfg.parallel.pp
     ep = args.ep or cfg.parallel.ep
-    rows = plan(cfg, pp, ep, args.dp, args.micro_batch_tokens, args.recompute, args.fp8, args.bf16_moments)
+    if args.all_ranks:
+        mb = (1, args.micro_batch_tokens) if args.micro_batch_tokens else None
+        rows = [r for sched in SCHEDULES if not (sched == "dualpipe" and pp % 2)
+                for r in plan_ranks(cfg, sched, pp, ep, args.dp, micro_batch=mb, recompute=args.recompute,
+                                    fp8=args.fp8, bf16_moments=args.bf16_moments)]
+    else:
+        rows = plan(cfg, pp, ep, args.dp, args.micro_batch_tokens, args.recompute, args.fp8, args.bf16_moments)
     head = {"preset": cfg.preset, "pp": pp, "ep": ep, "dp": args.dp, "world_size": pp * args.dp,
             "micro_batch_tokens": args.micro_batch_tokens or cfg.train.seq_len,
             "recompute": args.recompute or cfg.memory.recompute,
@@ -53,7 +61,9 @@ def run(args) -> int:
     else:
         print(" ".join(f"{k}={v}" for k, v in head.items()))
         print(format_table(rows))
-        print("(worst rank per schedule, GiB; activations = in-flight micro-batches x saved bytes per token)")
+        print(f"({'every' if args.all_ranks else 'the worst'} pipeline rank per schedule, GiB; inflight: micro-batches "
+              "in flight per local chunk at the rank's activation peak, from the schedule's op lists; activations "
+              "= saved-for-backward bytes of those micro-batches)")
         if built:
             print(f"materialized {built['schedule']} pipeline rank {built['pp_rank']}, EP rank {built['ep_rank']} "
                   f"(layers {built['layers']}) in BF16: parameters {built['param_bytes'] / GiB:.3f} GiB measured, "

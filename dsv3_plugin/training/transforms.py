@@ -4,7 +4,8 @@
 *what*, is applied here, after construction, by swapping kernels or modules in place (parameter names and
 state_dict keys never change, so checkpoints load before or after):
 
-  1. FP8 (report §3.3): decoder-layer Linear GEMMs become `Fp8Linear`, routed experts get `Fp8ExpertKernel`;
+  1. FP8 (report §3.3): decoder-layer Linear GEMMs become `Fp8Linear`, routed experts get `Fp8ExpertKernel`,
+     dense / shared-expert SwiGLUs cache their inputs in FP8 (`Fp8SwiGLUAct`);
   2. recompute (report §3.2.3): RMSNorm and MLA up-projections recomputed in backward (`training.recompute`);
   3. expert parallelism (report §3.2.2): each MoE layer replaced by its EP shard (`parallel.expert_parallel`),
      done by the caller that owns the process groups (`deepspeed.moe_layer.prepare_model`, Megatron's spec);
@@ -21,10 +22,10 @@ from torch import nn
 
 from dsv3_plugin.config import DSv3Config, FP8Config, load_config
 from dsv3_plugin.model.kernels import KernelLinear, base_kernel, rebase
-from dsv3_plugin.model.moe.layer import GroupedExperts
+from dsv3_plugin.model.moe.layer import DenseMLP, GroupedExperts
 from dsv3_plugin.model.transformer import DecoderLayer, DSv3Model
 from dsv3_plugin.parallel.pipeline.weight_grad import split_weight_grads
-from dsv3_plugin.precision.fp8.experts import Fp8ExpertKernel
+from dsv3_plugin.precision.fp8.experts import Fp8ExpertKernel, Fp8SwiGLUAct
 from dsv3_plugin.precision.fp8.linear import AutoBackend, Fp8Linear, Fp8LinearKernel, Fp8Recipe, Fp8Report
 from dsv3_plugin.training.recompute import apply_recompute
 
@@ -80,6 +81,8 @@ def convert_to_fp8(model: nn.Module, cfg: FP8Config, device: torch.device | str 
         elif isinstance(mod, nn.Linear):
             raise TypeError(f"convert_to_fp8: {name} is a {type(mod).__name__} (an nn.Linear subclass without a "
                             "kernel seam): it cannot be put on the FP8 path")
+        elif isinstance(mod, DenseMLP) and inside:   # its Linears follow in this walk
+            mod.act = Fp8SwiGLUAct(recipe)
         elif isinstance(mod, GroupedExperts) and inside:
             mod.kernel = rebase(mod.kernel, Fp8ExpertKernel(recipe, backend, dispatch=cfg.dispatch))
             rep.grouped.append(name)
