@@ -218,3 +218,49 @@ def mtp_reference_logits(cfg, tensors: dict, hf, ids) -> list:
             h = h[0] if isinstance(h, tuple) else h                            # h^k, before shared_head.norm
             outs.append(norm(h, w["shared_head.norm.weight"]) @ tensors["lm_head.weight"].T)
     return outs
+
+
+# --- rank-local loads (tests/unit/test_rank_local.py, tests/dist/test_rank_local_train.py) -------------
+# Experts dominate the bytes (as in V3: 256 routed experts per layer), so a quarter of them is far below 40%.
+CK_CFG = {"preset": "tiny", "model": {"hidden_size": 128, "num_hidden_layers": 4, "first_k_dense_replace": 1},
+          "moe": {"n_routed_experts": 16, "intermediate_size": 128, "n_group": 4, "topk_group": 2}}
+
+
+def write_rank_local_checkpoint(path) -> tuple[object, int]:
+    """A released-format FP8 checkpoint (128 x 128 blocks, MTP included) of CK_CFG; returns (cfg, bytes)."""
+    import os
+    import zlib
+
+    import torch
+
+    from dsv3_plugin.checkpoint.synthetic import write_released_checkpoint
+    from dsv3_plugin.config import load_config
+    cfg = load_config(CK_CFG)
+    L = cfg.model.num_hidden_layers
+    main = {f"model.layers.{L}.embed_tokens.weight": "model.embed_tokens.weight",
+            f"model.layers.{L}.shared_head.head.weight": "lm_head.weight"}   # MTP's copies equal the main ones
+
+    def make(name, shape):
+        g = torch.Generator().manual_seed(zlib.crc32(main.get(name, name).encode()))
+        return torch.randn(shape, generator=g) * 0.05
+
+    write_released_checkpoint(str(path), cfg.to_hf(), make, fp8=True, shard_bytes=1 << 20)
+    size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+    return cfg, size
+
+
+def released_owned(name: str, lay, L: int) -> bool:
+    """Whether a rank should read released tensor `name`, decided from the released name alone."""
+    from dsv3_plugin.checkpoint.names import parse_released
+    key = parse_released(name, L)
+    if key.row.copy_of is not None:
+        return False                                   # MTP's copies of the embedding/head: shared, not read
+    if key.expert is not None and lay.ep > 1 and key.expert not in lay.expert_range:
+        return False
+    if key.scope == "layer":
+        return key.index in lay.layer_ids
+    if key.scope in ("mtp", "mtp_layer"):
+        return lay.last
+    if name == "model.embed_tokens.weight":
+        return lay.embedding
+    return lay.last                                    # model.norm, lm_head

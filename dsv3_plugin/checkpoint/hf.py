@@ -18,6 +18,7 @@ import torch
 from dsv3_plugin.config import DSv3Config
 from dsv3_plugin.errors import CheckpointError
 from dsv3_plugin.model.transformer import DSv3Model
+from dsv3_plugin.training.rank_local import RankLayout, build_rank_local
 from dsv3_plugin.training.transforms import build_model
 from .names import is_runtime_state, native_to_released, parse_native, released_to_native
 from .reader import CheckpointReader
@@ -114,13 +115,30 @@ def _reader_plan(reader: CheckpointReader, state_shapes: dict[str, tuple], L: in
 def _load_from_reader(model: torch.nn.Module, reader: CheckpointReader) -> None:
     L = model.cfg.model.num_hidden_layers
     state = model.state_dict()
-    plan, shared = _reader_plan(reader, {k: tuple(v.shape) for k, v in state.items() if _stored(k, model.cfg)}, L)
+    layout = getattr(model, "rank_layout", None)
+    if layout is None:
+        shapes = {k: tuple(v.shape) for k, v in state.items() if _stored(k, model.cfg)}
+    else:   # the plan is checked against the full model's shapes; only the owned tensors are read
+        shapes = _state_shapes(model.cfg)
+    plan, shared = _reader_plan(reader, shapes, L)
     with torch.no_grad():
         for name, native, expert in plan:
-            # FP8 -> fp32: the exact product of DeepSeek's formula, then the model's dtype
+            dst = state[native]
+            if dst.is_meta:
+                continue                         # another rank's tensor: never read
+            if expert is not None:
+                er = getattr(layout, "expert_range", None) if layout is not None and layout.ep > 1 else None
+                if er is not None and expert not in er:
+                    continue                     # another EP rank's expert: never read
+                dst = dst[expert - (er.start if er is not None else 0)]
+            # FP8 -> fp32: the exact product of DeepSeek's formula, then the model's dtype (one tensor at a time)
             t = reader.get(name, torch.float32 if reader.is_fp8(name) else None)
-            dst = state[native] if expert is None else state[native][expert]
             dst.copy_(t.to(dst.dtype))
+            del t
+        if layout is not None:
+            # NOTE: a rank-local load does not read the MTP module's copies of the embedding/head: the model
+            # shares the main tensors (paper §3.2.3), and the full load checks the copies equal them.
+            return
         for name, native in shared:
             t = reader.get(name, torch.float32 if reader.is_fp8(name) else None)
             if not torch.equal(t.to(state[native].dtype), state[native]):
@@ -169,14 +187,26 @@ def pretrained_config(path: str | os.PathLike, **config_overrides) -> DSv3Config
 
 
 def load_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                    allow_non_finite: bool = False, **config_overrides) -> "torch.nn.Module":
+                    allow_non_finite: bool = False, layout: RankLayout | None = None,
+                    **config_overrides) -> "torch.nn.Module":
     """Build a `DSv3Model` from a released-format directory and load its weights (MTP included).
 
     `config_overrides` deep-merge into the derived `DSv3Config` (e.g. `parallel={"ep": 2}`). NaN/Inf in
-    weights or scales raise `CheckpointError` unless `allow_non_finite` (to inspect such a file)."""
+    weights or scales raise `CheckpointError` unless `allow_non_finite` (to inspect such a file).
+
+    `layout` (a `training.rank_local.RankLayout`): the rank-local model of that rank
+    (`build_rank_local`, owned parameters created directly in `dtype` on `device`, the rest on `meta`), into
+    which only the tensors the rank owns are read (its stages' layers, its experts; FP8 blocks dequantized one
+    tensor at a time). Either way the model carries `checkpoint_bytes_read` (headers + tensor data read)."""
     with CheckpointReader(path, allow_non_finite=allow_non_finite) as reader:
         cfg = _config_of(reader, config_overrides)
         _reader_plan(reader, _state_shapes(cfg), cfg.model.num_hidden_layers)  # before allocating the model
-        model = build_model(cfg)
-        _load_from_reader(model, reader)
-    return model.to(device=device, dtype=dtype)
+        if layout is None:
+            model = build_model(cfg)
+            _load_from_reader(model, reader)
+            model = model.to(device=device, dtype=dtype)
+        else:
+            model = build_rank_local(cfg, layout, dtype=dtype, device=device, init=False)
+            _load_from_reader(model, reader)
+        model.checkpoint_bytes_read = reader.bytes_read
+    return model

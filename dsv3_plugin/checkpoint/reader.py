@@ -146,6 +146,12 @@ def read_safetensors_header(path: str) -> tuple[dict[str, TensorInfo], dict]:
     return out, meta
 
 
+def _header_bytes(path: str) -> int:
+    """Size of a safetensors file's length prefix plus header (what reading the header read)."""
+    with open(path, "rb") as f:
+        return 8 + struct.unpack("<Q", f.read(8))[0]
+
+
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -292,6 +298,8 @@ class CheckpointReader:
         self.allow_non_finite = allow_non_finite
         self._mapped: dict[str, int] = {}
         self._handles: dict[str, object] = {}
+        # bytes read from the files: headers, then the data of every tensor fetched (weights and scales)
+        self.bytes_read = 0
         if not os.path.isdir(self.path):
             raise CheckpointError(f"{self.path}: not a checkpoint directory")
         cfg_path = os.path.join(self.path, "config.json")
@@ -340,6 +348,7 @@ class CheckpointReader:
                 if not os.path.exists(fp):
                     raise CheckpointError(f"{names[0]}: index {idx_path} points to missing file {fp}")
                 infos, meta = read_safetensors_header(fp)
+                self.bytes_read += _header_bytes(fp)
                 self.metadata[fp] = meta
                 for n in names:
                     if n not in infos:
@@ -351,6 +360,7 @@ class CheckpointReader:
                     self.stored[n] = info
         elif os.path.lexists(single):
             infos, meta = read_safetensors_header(single)
+            self.bytes_read += _header_bytes(single)
             self.metadata[single] = meta
             self.stored.update(infos)
         else:
@@ -452,6 +462,7 @@ class CheckpointReader:
         except Exception as e:
             raise CheckpointError(f"{name} in {info.file}: cannot read ({e})") from None
         self._mapped[info.file] = self._mapped.get(info.file, 0) + info.nbytes
+        self.bytes_read += info.nbytes
         if self._mapped[info.file] >= self.max_mapped_bytes:
             self._handles.pop(info.file, None)  # unmapped once `t` (which holds the mapping) is freed
             self._mapped[info.file] = 0

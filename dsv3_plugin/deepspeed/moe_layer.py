@@ -127,11 +127,11 @@ def deepspeed_experts_class():
             return (torch.stack([e.gate_proj for e in ex]), torch.stack([e.up_proj for e in ex]),
                     torch.stack([e.down_proj for e in ex]))
 
-        def expert_rows(self, x_NH: torch.Tensor, expert_N: torch.Tensor) -> torch.Tensor:
-            return swiglu_rows(x_NH, expert_N, *self.weights(), self.kernel)
+        def expert_rows(self, x_NH: torch.Tensor, expert_N: torch.Tensor, scale_N=None) -> torch.Tensor:
+            return swiglu_rows(x_NH, expert_N, *self.weights(), self.kernel, scale_N)
 
-        def forward(self, x_NH: torch.Tensor, expert_N: torch.Tensor) -> torch.Tensor:
-            return self.expert_rows(x_NH, expert_N)
+        def forward(self, x_NH: torch.Tensor, expert_N: torch.Tensor, scale_N=None) -> torch.Tensor:
+            return self.expert_rows(x_NH, expert_N, scale_N)
 
     return DeepSpeedExperts
 

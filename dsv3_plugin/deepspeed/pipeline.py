@@ -38,7 +38,7 @@ from torch import nn
 
 from dsv3_plugin.config import ConfigError
 from .backend import import_deepspeed
-from .engine import client_optimizer
+from .engine import check_fp32_router_state, client_optimizer, prepare_mixed_precision
 from dsv3_plugin.parallel.pipeline import PipelineRuntime
 from dsv3_plugin.schedule_traits import check_chunks
 from dsv3_plugin.parallel.pipeline.stages import build_stages, n_stages_of, stage_ids_for_rank
@@ -193,20 +193,22 @@ class PipelinedEngine:
         ds["train_micro_batch_size_per_gpu"] = mbs * self.gas
         ds.pop("train_batch_size", None)
         ds.pop("dsv3", None)
-        if cfg.parallel.ep > 1:   # experts sharded over this stage's EP group (every rank: group creation)
-            prepare_model(model, cfg, dp_group=self.g.dp_group)
         ids = stage_ids_for_rank(self.schedule, self.g.pp, self.g.pp_rank)
         self.stage_ids = ids
         self.stages = build_stages(model, n_stages_of(self.schedule, self.g.pp), ids)
         self.module = _LocalStages(self.stages)
+        if cfg.parallel.ep > 1:   # this rank's stages' experts over the stage's EP group (collective: every rank)
+            prepare_model(self.module, cfg, dp_group=self.g.dp_group)
         _mark_replicated(self.stages, self.traits, self.g)
         self.optimizer_steps = 0
         params = [p for p in self.module.parameters() if p.requires_grad]
         opt, ds = client_optimizer(params, ds, cfg)   # memory.bf16_moments: the BF16-moment AdamW
+        prepare_mixed_precision(self.module, ds)      # bf16: BF16 router weights, FP32 bias (engine.py)
         with self._peers("deepspeed.initialize (parameter broadcast)", self.g.dp_ranks), \
                 new_groups_bounded(self.timeout_s):
             self.engine, self.optimizer, _, self.lr_scheduler = deepspeed.initialize(
                 model=self.module, model_parameters=params, optimizer=opt, config=ds, mpu=PipelineMPU(self.g))
+        check_fp32_router_state(self.module)
         # Gradients are produced outside engine.backward (by the schedule): reduce them like DeepSpeed's own
         # pipeline engine does.
         self.engine.pipeline_parallelism = True

@@ -16,6 +16,7 @@ import copy
 import json
 import math
 import os
+import resource
 import sys
 import time
 import warnings
@@ -29,6 +30,7 @@ from dsv3_plugin.config import read_ds_json
 from dsv3_plugin.errors import CheckpointError
 from dsv3_plugin.checkpoint.hf import load_pretrained
 from dsv3_plugin.training.transforms import build_model
+from dsv3_plugin.training.rank_local import RankLayout, build_rank_local, param_bytes
 from dsv3_plugin.checkpoint.hf import pretrained_config
 from dsv3_plugin.config import ConfigError, load_config
 from .train_memory import host_memory_bytes
@@ -108,13 +110,17 @@ def _f(x) -> float:
     return 0.0 if x is None else float(x.detach())
 
 
-def _build_model(cfg, init_from: str | None, allow_non_finite: bool = False):
+def _build_model(cfg, init_from: str | None, allow_non_finite: bool = False, rank: int = 0, world: int = 1):
+    """This rank's model: with pp > 1 or ep > 1 only what it owns (`training.rank_local`: its stages' layers, its
+    experts; built on `meta`, materialized in fp32, and with `init_from` only its tensors read)."""
+    layout = RankLayout.for_rank(cfg, rank, world)
     if init_from:
         # Shape from the released config.json, training knobs from the "dsv3" block (see _init_from_config).
         d = cfg.to_dict()
         return load_pretrained(init_from, dtype=torch.float32, device="cpu", allow_non_finite=allow_non_finite,
+                               layout=None if layout.is_full else layout,
                                **{sec: d[sec] for sec in ("moe", "mtp", "parallel", "fp8", "memory", "train")})
-    return build_model(cfg)
+    return build_model(cfg) if layout.is_full else build_rank_local(cfg, layout)
 
 
 def _init_from_config(ds: dict, init_from: str) -> dict:
@@ -194,7 +200,7 @@ def _train(run: RunDir, ds: dict, cfg, total: int, rank: int, world: int, *, ini
            summary, allow_non_finite=False) -> dict:
     """Setup, resume, then one `_step` per optimizer step, each logged and checkpointed by `_after_step`."""
     _setup_process(cfg)
-    model = _build_model(cfg, init_from, allow_non_finite)
+    model = _build_model(cfg, init_from, allow_non_finite, rank, world)
     if cfg.parallel.pp > 1:
         return _train_pipelined(model, run, ds, cfg, total, rank, world, progress=progress, echo=echo,
                                 summary=summary)
@@ -216,7 +222,8 @@ def _train(run: RunDir, ds: dict, cfg, total: int, rank: int, world: int, *, ini
     if loop.ema is not None:
         loop.ema.close()
     loop.engine.dsv3.remove()
-    return _finish(model, history, run, world, wall, loop.data.entropy_rate, echo, summary)
+    return _finish(model, history, run, world, wall, loop.data.entropy_rate, echo, summary,
+                   getattr(model, "checkpoint_bytes_read", 0))
 
 
 @dataclass
@@ -392,7 +399,8 @@ def _train_pipelined(model, run: RunDir, ds: dict, cfg, total: int, rank: int, w
         bar.close()
     if ema is not None:
         ema.close()
-    return _finish(pe.module, history, run, world, wall, data.entropy_rate, echo, summary)
+    return _finish(pe.module, history, run, world, wall, data.entropy_rate, echo, summary,
+                   getattr(model, "checkpoint_bytes_read", 0))
 
 
 def _step_pipelined(pe, data, cfg, step: int, tokens_seen: int) -> dict:
@@ -431,9 +439,11 @@ def _log_step(rec: dict, done: int, total: int, log_every: int, echo: bool, metr
 
 
 def _finish(model, history: list[dict], run: RunDir, world: int, wall_s: float, loss_floor: float, echo: bool,
-            summary: bool) -> dict:
+            summary: bool, checkpoint_bytes_read: int = 0) -> dict:
     """End of a run (both loops): PNGs, summary (JSON with `echo`, human with `summary`), and final-state
-    fingerprints (plain Python values, so they can cross process boundaries)."""
+    fingerprints (plain Python values, so they can cross process boundaries). The summary carries this rank's
+    `peak_rss_bytes`, `param_bytes` and `checkpoint_bytes_read`, and under "ranks" every rank's (rank 0 prints
+    it: one summary line per run)."""
     out = run.out
     files = []
     if run.rank == 0 and out and run.metrics_path:
@@ -447,6 +457,12 @@ def _finish(model, history: list[dict], run: RunDir, world: int, wall_s: float, 
     if run.ckpt and history:
         files.append(os.path.join(run.ckpt, f"step{history[-1]['step']}"))
     summ = _summary(history, world, wall_s, loss_floor, files)
+    summ.update(_rank_memory(model, checkpoint_bytes_read))
+    peak = max(r["peak_rss_bytes"] for r in summ["ranks"])
+    read = max(r["checkpoint_bytes_read"] for r in summ["ranks"])
+    summ["text"] += (f"\n  memory         peak RSS {peak / 2**30:.2f} GiB (largest rank), parameters "
+                     f"{summ['param_bytes'] / 2**30:.3f} GiB on this rank"
+                     + (f", read {read / 1e9:.3f} GB of the checkpoint (largest rank)" if read else ""))
     if run.rank == 0:
         if echo:
             print(json.dumps({"summary": {k: v for k, v in summ.items() if k != "text"}}), flush=True)
@@ -457,6 +473,20 @@ def _finish(model, history: list[dict], run: RunDir, world: int, wall_s: float, 
         checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
     return {"history": history, "summary": summ, "router_bias": biases, "param_checksum": checksum,
             "notes": list(run.notes)}
+
+
+def _rank_memory(module, checkpoint_bytes_read: int) -> dict:
+    """This rank's memory facts, and every rank's (gathered, in rank order, under "ranks"): peak RSS (ru_maxrss:
+    KiB on Linux), bytes of its parameters (after the pipeline / EP split), bytes it read from `--init-from`.
+    Collective when the process group is up: every rank calls it."""
+    mine = {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "param_bytes": param_bytes(module),
+            "checkpoint_bytes_read": int(checkpoint_bytes_read)}
+    ranks = [mine]
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        ranks = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(ranks, mine)
+    return {**mine, "ranks": [{"rank": r, **m} for r, m in enumerate(ranks)]}
 
 
 def window_maxvio(rows: list[dict]) -> float | None:

@@ -77,6 +77,13 @@ def _deepspeed_path_rules(cfg: DSv3Config, ds: dict) -> None:
                           "(EP groups must be contiguous rank blocks)")
     if cfg.memory.bf16_moments and "optimizer" in ds:   # (without the section the engine needs optimizer=)
         adamw_hyperparameters(ds)
+    acc = (ds.get("data_types") or {}).get("grad_accum_dtype")
+    if cfg.parallel.pp > 1 and (ds.get("bf16") or {}).get("enabled") is True and acc in ("fp32", "float32", "float"):
+        # that pair selects DeepSpeed's BF16_Optimizer, which moves gradients into its FP32 accumulators inside
+        # engine.backward; the pipeline's schedule runs the backward itself, so they would stay empty
+        raise ConfigError(f"data_types.grad_accum_dtype: {acc!r} with bf16 and dsv3.parallel.pp = {cfg.parallel.pp} "
+                          "is not supported (the pipeline runs backward outside DeepSpeed's BF16_Optimizer); drop it "
+                          "(ZeRO-1 then reduces BF16 gradients into its FP32 master weights)")
     if m.first_k_dense_replace >= m.num_hidden_layers and cfg.mtp.depth == 0:
         raise ConfigError(f"dsv3.model.first_k_dense_replace: leaves no MoE layer (= num_hidden_layers = "
                           f"{m.num_hidden_layers}, and mtp.depth = 0); the DeepSpeed path updates router biases "
@@ -89,7 +96,7 @@ def _train_rules(cfg: DSv3Config) -> None:
     if p.pp > 1:
         # A rank whose stages are all empty and hold neither the embedding (first stage) nor the head (last) has
         # no parameter, and DeepSpeed's optimizer refuses an empty parameter list (pipeline/stages.py).
-        need = min_layers(p.schedule, p.pp)
+        need = min_layers(p.schedule, p.pp, cfg.mtp.depth)
         if m.num_hidden_layers < need:
             raise ConfigError(f"dsv3.model.num_hidden_layers: {p.schedule} with pp={p.pp} needs >= {need} decoder "
                               f"layers, or a pipeline rank is left without any parameter (got {m.num_hidden_layers})")

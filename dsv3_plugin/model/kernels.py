@@ -4,8 +4,12 @@ math, so precision (FP32/BF16 or FP8) and weight-gradient deferral (the pipeline
 
 Two call signatures (the protocols below):
 
-    ExpertKernel:  kernel(x_NH, counts, w1_EIH, w3_EIH, w2_EHI) -> y_NH
-                   rows of x_NH sorted by expert, counts[e] rows for expert e; y = w2(silu(w1 x) ⊙ w3 x)
+    ExpertKernel:  kernel(x_NH, counts, w1_EIH, w3_EIH, w2_EHI[, scale_N]) -> y_NH
+                   rows of x_NH sorted by expert, counts[e] rows for expert e; y = w2(silu(w1 x) ⊙ w3 x);
+                   kernels with `row_scale` take scale_N [N] and return w2(s ⊙ silu(w1 x) ⊙ w3 x): the routing
+                   weight applied before the down projection, so the k expert outputs per token need not be
+                   kept for the weight's gradient (ds = <W2ᵀ dy, silu(w1 x) ⊙ w3 x>, from what the SwiGLU
+                   backward has anyway)
     LinearKernel:  kernel(x, weight_OK, bias_O=None) -> y = x · weightᵀ + bias      (x [..., K], y [..., O])
 
 Both are autograd-aware. Every kernel in this package is a `SplitKernel`: one autograd Function
@@ -28,12 +32,13 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["ExpertKernel", "LinearKernel", "SplitKernel", "KernelWrapper", "apply_split", "expert_spans",
+           "stacked_params",
            "UsesKernel", "KernelLinear", "PlainLinearKernel", "base_kernel", "rebase", "find_wrapper"]
 
 
 class ExpertKernel(Protocol):
     def __call__(self, x_NH: torch.Tensor, counts: Sequence[int], w1_EIH: torch.Tensor, w3_EIH: torch.Tensor,
-                 w2_EHI: torch.Tensor) -> torch.Tensor: ...
+                 w2_EHI: torch.Tensor, scale_N: Optional[torch.Tensor] = None) -> torch.Tensor: ...
 
 
 class LinearKernel(Protocol):
@@ -66,6 +71,7 @@ class SplitKernel:
     """
 
     defers_weight_grads = False   # True when W does not run inside the backward (a deferral wrapper)
+    row_scale = False             # an expert kernel that takes `scale_N` (the routing weights, see below)
 
     def __call__(self, *args, **kwargs) -> torch.Tensor:
         return self.call(self, *args, **kwargs)
@@ -101,6 +107,10 @@ class KernelWrapper(SplitKernel):
     def defers_weight_grads(self) -> bool:
         return self.inner.defers_weight_grads
 
+    @property
+    def row_scale(self) -> bool:
+        return self.inner.row_scale
+
     def call(self, via, *args, **kwargs):
         return self.inner.call(via, *args, **kwargs)
 
@@ -129,31 +139,49 @@ class _SplitKernelFn(torch.autograd.Function):
     """Drives a SplitKernel: forward, then in backward I at once and W through `run_weight_grads`."""
 
     @staticmethod
-    def forward(ctx, kernel, static, need_w, x, *weights):
-        y, saved, meta = kernel.forward(static, x, weights, need_w)
+    def forward(ctx, kernel, static, need_w, x, scale, *weights):
+        y, saved, meta = kernel.forward(static, x if scale is None else (x, scale), weights, need_w)
         ctx.save_for_backward(*saved)
-        ctx.kernel, ctx.meta = kernel, meta
+        ctx.kernel, ctx.meta, ctx.scaled = kernel, meta, scale is not None
         ctx.weights = weights   # the tensors themselves: a deferred W writes their .grad
         return y
 
     @staticmethod
     def backward(ctx, dy):
         k, meta, saved = ctx.kernel, ctx.meta, ctx.saved_tensors
-        need = tuple(ctx.needs_input_grad[3:])
-        dx, carry = k.input_grad(saved, meta, dy, need)
-        need_w = need[1:]
+        need_x, need_s, *need_w = ctx.needs_input_grad[3:]
+        need_w = tuple(need_w)
+        dx, carry = k.input_grad(saved, meta, dy, ((need_x, need_s) if ctx.scaled else need_x, *need_w))
+        dx, ds = dx if ctx.scaled else (dx, None)
         if any(need_w):
             dws = k.run_weight_grads(lambda: k.weight_grads(saved, meta, carry, need_w), ctx.weights, need_w)
         else:
             dws = (None,) * len(need_w)
-        return (None, None, None, dx, *dws)
+        return (None, None, None, dx, ds, *dws)
 
 
-def apply_split(via: SplitKernel, static: Any, x: torch.Tensor, *weights: Optional[torch.Tensor]) -> torch.Tensor:
-    """Run `via`'s parts as one autograd node over `x` and `weights` (None allowed, e.g. no bias)."""
+def stacked_params(w: torch.Tensor) -> Optional[list]:
+    """The parameters `w` was stacked from this call (`torch.stack(params)`, DeepSpeed's per-expert layout), or
+    None: a kernel can keep those references and slice them in backward instead of keeping the stack."""
+    fn = None if w is None or w.is_leaf else w.grad_fn
+    if fn is None or fn.name() != "StackBackward0":
+        return None
+    out = [getattr(n, "variable", None) for n, _ in fn.next_functions]
+    if len(out) != w.shape[0] or any(v is None or v.shape != w.shape[1:] for v in out):
+        return None
+    return out
+
+
+def apply_split(via: SplitKernel, static: Any, x: torch.Tensor, *weights: Optional[torch.Tensor],
+                scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Run `via`'s parts as one autograd node over `x` and `weights` (None allowed, e.g. no bias).
+
+    `scale` (expert kernels with `row_scale`): per-row factors applied inside the kernel; its forward then gets
+    `(x, scale)` for x, `input_grad` gets `need[0] = (need_x, need_scale)` and returns `((dx, dscale), carry)`
+    (an input gradient: computed in I, never deferred with W)."""
     grad = torch.is_grad_enabled()  # decided here: grad mode is off inside the Function's forward
     need_w = tuple(grad and w is not None and w.requires_grad for w in weights)
-    return _SplitKernelFn.apply(via, static, need_w, x, *weights)
+    return _SplitKernelFn.apply(via, static, need_w, x, scale, *weights)
 
 
 def base_kernel(kernel):

@@ -39,22 +39,27 @@ class MLA(nn.Module):
         self.scale = softmax_scale(cfg)
 
     # Split out so that recompute (memory.recompute = norm_and_mla_up) can wrap exactly the up-projections.
-    def q_up(self, x_BTH: torch.Tensor) -> torch.Tensor:
+    def q_down(self, x_BTH: torch.Tensor) -> torch.Tensor:
+        """The query latent c_Q (eq. 6, before its RMSNorm); the input itself without a query bottleneck."""
+        return x_BTH if self.cfg.q_lora_rank is None else self.q_a_proj(x_BTH)
+
+    def q_up(self, cq_BTC: torch.Tensor) -> torch.Tensor:
         if self.cfg.q_lora_rank is None:
-            return self.q_proj(x_BTH)
-        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTH)))
+            return self.q_proj(cq_BTC)
+        return self.q_b_proj(self.q_a_layernorm(cq_BTC))
 
     def kv_up(self, c_kv: torch.Tensor) -> torch.Tensor:
         return self.kv_b_proj(self.kv_a_layernorm(c_kv))
 
-    def forward(self, x_BTH: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x_BTH.shape
+    def qkv(self, cq_BTC: torch.Tensor, ckv_BTC: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Up-projections + RoPE (eqs. 2-9): the per-head q, k, v [B, nh, T, d] attention reads, from the
+        latents c_Q and [c_KV | k^R]. v is zero-padded to d_qk on CPU, where PyTorch's flash kernel (which keeps
+        only q, k, v, output and log-sum-exp for backward) needs equal head sizes; elsewhere SDPA takes d_v."""
+        B, T, _ = ckv_BTC.shape
         nh = self.n_heads
-        q = self.q_up(x_BTH).view(B, T, nh, self.d_qk).transpose(1, 2)  # [B, nh, T, d_qk]
+        q = self.q_up(cq_BTC).view(B, T, nh, self.d_qk).transpose(1, 2)  # [B, nh, T, d_qk]
         q_nope, q_rope = q.split([self.d_nope, self.d_rope], dim=-1)
-
-        ckv = self.kv_a_proj_with_mqa(x_BTH)  # [B, T, d_c + d_R]
-        c_kv, k_rope = ckv.split([self.cfg.kv_lora_rank, self.d_rope], dim=-1)
+        c_kv, k_rope = ckv_BTC.split([self.cfg.kv_lora_rank, self.d_rope], dim=-1)
         kv = self.kv_up(c_kv).view(B, T, nh, self.d_nope + self.d_v).transpose(1, 2)  # [B, nh, T, d_nope + d_v]
         k_nope, v = kv.split([self.d_nope, self.d_v], dim=-1)
 
@@ -64,5 +69,19 @@ class MLA(nn.Module):
 
         q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(B, nh, T, self.d_rope)], dim=-1)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)  # [B, nh, T, d_v]
-        return self.o_proj(o.transpose(1, 2).reshape(B, T, nh * self.d_v))
+        if v.device.type == "cpu" and self.d_v < self.d_qk:
+            v = F.pad(v, (0, self.d_qk - self.d_v))
+        return q, k, v
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal softmax attention [B, nh, T, d_v-or-padded] (eq. 10)."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+
+    def attention(self, cq_BTC, ckv_BTC, cos, sin) -> torch.Tensor:
+        """From the latents to the attention output [B, nh, T, d_v(+pad)] (recompute overrides this)."""
+        return self.core(*self.qkv(cq_BTC, ckv_BTC, cos, sin))
+
+    def forward(self, x_BTH: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x_BTH.shape
+        o = self.attention(self.q_down(x_BTH), self.kv_a_proj_with_mqa(x_BTH), cos, sin)[..., :self.d_v]
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, self.n_heads * self.d_v))

@@ -14,7 +14,8 @@ from torch import nn
 
 from dsv3_plugin.config import DSv3Config, load_config
 from .mla import MLA
-from .moe.layer import DeepSeekMoE, DenseMLP
+from .init import draw_base_seed, init_parameter_
+from .moe.layer import DeepSeekMoE, DenseMLP, GroupedExperts
 from .mtp import MTPLayer, mtp_depth_loss
 from .norm import RMSNorm
 from .rope import RotaryEmbedding
@@ -62,30 +63,42 @@ class DSv3Model(nn.Module):
         cfg = load_config(cfg)
         self.cfg = cfg
         m = cfg.model
-        self.embed_tokens = nn.Embedding(m.vocab_size, m.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(m.num_hidden_layers))
-        self.norm = RMSNorm(m.hidden_size, m.rms_norm_eps)
-        self.lm_head = nn.Linear(m.hidden_size, m.vocab_size, bias=False)
-        if m.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-        self.mtp = nn.ModuleList(
-            MTPLayer(m.hidden_size, m.rms_norm_eps, DecoderLayer(cfg, m.num_hidden_layers + k))
-            for k in range(cfg.mtp.depth))
+        # The weights come from `init_seed` alone (one draw from the global generator); the submodules' own
+        # initialisers run on a forked generator, so a build advances the global one by exactly that draw
+        # whether it allocates everything or builds on the meta device (`training.rank_local`).
+        self.init_seed = draw_base_seed()
+        with torch.random.fork_rng(devices=[]):
+            self.embed_tokens = nn.Embedding(m.vocab_size, m.hidden_size)
+            self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(m.num_hidden_layers))
+            self.norm = RMSNorm(m.hidden_size, m.rms_norm_eps)
+            self.lm_head = nn.Linear(m.hidden_size, m.vocab_size, bias=False)
+            if m.tie_word_embeddings:
+                self.lm_head.weight = self.embed_tokens.weight
+            self.mtp = nn.ModuleList(
+                MTPLayer(m.hidden_size, m.rms_norm_eps, DecoderLayer(cfg, m.num_hidden_layers + k))
+                for k in range(cfg.mtp.depth))
         self.rotary = RotaryEmbedding(m)
-        self.reset_parameters()
+        self.reset_parameters(self.init_seed)
 
     @torch.no_grad()
     def reset_parameters(self, seed: int | None = None) -> None:
-        """N(0, initializer_range) for every matrix (paper §4.2: std 0.006), ones for norms, zero biases."""
-        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        """N(0, initializer_range) for every matrix (paper §4.2: std 0.006), ones for norms, zero router biases;
+        each tensor keyed by (seed, its name, its global expert index) (`model.init`; seed None: a fresh draw
+        from the global generator). Parameters on the meta device are skipped (a rank-local build fills the
+        ones it owns with the same values)."""
+        base = draw_base_seed() if seed is None else seed
         std = self.cfg.model.initializer_range
-        for name, p in self.named_parameters():
-            if p.dim() == 1:
-                p.fill_(1.0)
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(std).to(p.dtype))
+        seen: set[int] = set()   # a tied head is the embedding: initialised once, under the embedding's name
+        for mod_name, mod in self.named_modules():
+            for pname, p in mod.named_parameters(recurse=False):
+                if p.is_meta or id(p) in seen:
+                    continue
+                seen.add(id(p))
+                name = f"{mod_name}.{pname}" if mod_name else pname
+                offset = getattr(mod, "expert_range", range(0)).start if isinstance(mod, GroupedExperts) else None
+                init_parameter_(p, name, std, base, offset)
         for mod in self.modules():
-            if hasattr(mod, "e_score_correction_bias"):
+            if hasattr(mod, "e_score_correction_bias") and not mod.e_score_correction_bias.is_meta:
                 mod.e_score_correction_bias.zero_()
                 mod.tokens_per_expert.zero_()
 

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from .groups import EPGroups, single_process_groups
 from dsv3_plugin.precision.fp8 import quant as fp8
 from dsv3_plugin.config import ConfigError
+from dsv3_plugin.model.moe.layer import combine_rows
 
 __all__ = [
     "DispatchCodec",
@@ -230,18 +231,22 @@ def count_cross_node_copies(idx_TK: torch.Tensor, num_experts: int, ep_size: int
 
 def moe_dispatch_combine(x_TH: torch.Tensor, idx_TK: torch.Tensor, w_TK: torch.Tensor, expert_fn: ExpertFn,
                          num_experts: int, groups: Optional[EPGroups] = None, dedup: bool = True,
-                         codec: Optional[DispatchCodec] = None) -> tuple[torch.Tensor, DispatchStats]:
+                         codec: Optional[DispatchCodec] = None,
+                         weights_to_experts: bool = False) -> tuple[torch.Tensor, DispatchStats]:
     """Routed-expert output sum_k w_{t,k} FFN_{e_{t,k}}(x_t) for this rank's tokens, with experts sharded over
     ``groups.ep_group``. ``expert_fn(x_NH, local_expert_N)`` runs this rank's experts on the rows it
     receives (local ids in [0, E/P)). Returns (out_TH in x's dtype, stats)."""
+    # weights_to_experts: the routing weight of each row travels with it and `expert_fn(x_NH, local_expert_N,
+    # scale_N)` applies it before its down projection (no k·H expert outputs kept for the weight's gradient)
     g = groups or single_process_groups()
     if idx_TK.shape != w_TK.shape or idx_TK.shape[0] != x_TH.shape[0]:
         raise ValueError(f"dispatch: idx {tuple(idx_TK.shape)}, weights {tuple(w_TK.shape)} and tokens "
                          f"{tuple(x_TH.shape)} disagree")
     L = g.experts_per_rank(num_experts)
     if dedup and g.num_nodes > 1:
-        return _dispatch_dedup(x_TH, idx_TK, w_TK, expert_fn, L, g, codec)
-    return _dispatch_per_expert(x_TH, idx_TK, w_TK, expert_fn, L, g, codec, "dedup" if dedup else "per_expert")
+        return _dispatch_dedup(x_TH, idx_TK, w_TK, expert_fn, L, g, codec, weights_to_experts)
+    return _dispatch_per_expert(x_TH, idx_TK, w_TK, expert_fn, L, g, codec, "dedup" if dedup else "per_expert",
+                                weights_to_experts)
 
 
 def _id_dtype(n: int) -> torch.dtype:
@@ -253,9 +258,8 @@ def _payload_bytes(codec, x_TH) -> int:
     return (codec or IdentityCodec()).bytes_per_row(x_TH.shape[1], x_TH.element_size())
 
 
-def _dispatch_per_expert(x_TH, idx_TK, w_TK, expert_fn, L, g: EPGroups, codec, mode):
+def _dispatch_per_expert(x_TH, idx_TK, w_TK, expert_fn, L, g: EPGroups, codec, mode, weights_to_experts=False):
     T, K = idx_TK.shape
-    H = x_TH.shape[1]
     flat_e = idx_TK.reshape(-1)                                   # [T*K]
     # Sorting by expert id also sorts by owner rank (owner = e // L): contiguous send blocks.
     order = torch.argsort(flat_e, stable=True)
@@ -268,10 +272,15 @@ def _dispatch_per_expert(x_TH, idx_TK, w_TK, expert_fn, L, g: EPGroups, codec, m
     x_recv = all_to_all(x_TH[tok], recv, send, g.ep_group, g.ep_size, codec)       # [N_recv, H]
     local_ids = (e_sorted % L).to(_id_dtype(L))
     e_recv = all_to_all(local_ids, recv, send, g.ep_group, g.ep_size).long()      # [N_recv] local ids
-    y_recv = expert_fn(x_recv, e_recv)
-    y_back = all_to_all(y_recv, send, recv, g.ep_group, g.ep_size)                 # [T*K, H], sorted order
-    w_sorted = w_TK.reshape(-1)[order].to(y_back.dtype)
-    out = torch.zeros(T, H, dtype=y_back.dtype, device=x_TH.device).index_add(0, tok, y_back * w_sorted[:, None])
+    if weights_to_experts:
+        s_recv = all_to_all(w_TK.reshape(-1)[order][:, None], recv, send, g.ep_group, g.ep_size)[:, 0]
+        y_recv = expert_fn(x_recv, e_recv, s_recv)                                 # weighted rows
+        out = combine_rows(all_to_all(y_recv, send, recv, g.ep_group, g.ep_size), tok, T)
+    else:
+        y_recv = expert_fn(x_recv, e_recv)
+        y_back = all_to_all(y_recv, send, recv, g.ep_group, g.ep_size)             # [T*K, H], sorted order
+        w_sorted = w_TK.reshape(-1)[order].to(y_back.dtype)
+        out = combine_rows(y_back * w_sorted[:, None], tok, T)   # keeps only the index for backward
 
     R = g.ranks_per_node
     cross = sum(n for r, n in enumerate(send) if r // R != g.node)
@@ -283,9 +292,8 @@ def _dispatch_per_expert(x_TH, idx_TK, w_TK, expert_fn, L, g: EPGroups, codec, m
     return out.to(x_TH.dtype), stats
 
 
-def _dispatch_dedup(x_TH, idx_TK, w_TK, expert_fn, L, g: EPGroups, codec):
+def _dispatch_dedup(x_TH, idx_TK, w_TK, expert_fn, L, g: EPGroups, codec, weights_to_experts=False):
     T, K = idx_TK.shape
-    H = x_TH.shape[1]
     R, N = g.ranks_per_node, g.num_nodes
     node_TK = idx_TK // (L * R)
     hit_TN = torch.zeros(T, N, dtype=torch.bool, device=idx_TK.device)
@@ -323,13 +331,16 @@ def _dispatch_dedup(x_TH, idx_TK, w_TK, expert_fn, L, g: EPGroups, codec):
     # the in-node hop carries the encoded payload too (re-encoding a decoded pow2-scaled tile is exact)
     x2 = all_to_all(x1[j2], recv2, send2, *nd, codec=codec)
     le2 = all_to_all((e2 % L).to(_id_dtype(L)), recv2, send2, *nd).long()
-    y2 = expert_fn(x2, le2)
-    y2_back = all_to_all(y2, send2, recv2, *nd)                       # [C2, H] in order2
     # Combine inside the node first: one weighted partial sum per (token, node) crosses back.
-    z1 = torch.zeros(x1.shape[0], H, dtype=y2_back.dtype, device=x_TH.device)
-    z1 = z1.index_add(0, j2, y2_back * w1[j2, k2].to(y2_back.dtype)[:, None])
+    if weights_to_experts:
+        s2 = all_to_all(w1[j2, k2][:, None], recv2, send2, *nd)[:, 0]
+        z1 = combine_rows(all_to_all(expert_fn(x2, le2, s2), send2, recv2, *nd), j2, x1.shape[0])
+    else:
+        y2 = expert_fn(x2, le2)
+        y2_back = all_to_all(y2, send2, recv2, *nd)                   # [C2, H] in order2
+        z1 = combine_rows(y2_back * w1[j2, k2].to(y2_back.dtype)[:, None], j2, x1.shape[0])
     z_back = all_to_all(z1, send1, recv1, *ep)                        # [C1, H]
-    out = torch.zeros(T, H, dtype=z_back.dtype, device=x_TH.device).index_add(0, t_idx, z_back)
+    out = combine_rows(z_back, t_idx, T)
 
     cross = sum(send1) - send1[g.node * R + g.local_index]
     stats = DispatchStats(mode="dedup", tokens=T, copies=sum(send1) + sum(send2),

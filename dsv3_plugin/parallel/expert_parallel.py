@@ -83,6 +83,11 @@ class ExpertParallelMoE(DeepSeekMoE):
             ep.gate.tokens_per_expert.copy_(moe.gate.tokens_per_expert)
             if moe.shared_experts is not None:
                 ep.shared_experts.load_state_dict(moe.shared_experts.state_dict())
+        if getattr(moe.experts, "expert_range", None) == ep.local_experts:
+            # already this rank's slab (a rank-local build, `training.rank_local`): taken as it is
+            ep.experts = moe.experts
+            ep.train(moe.training)
+            return ep
         sl = slice(ep.local_experts.start, ep.local_experts.stop)
         for name in ("gate_proj", "up_proj", "down_proj"):
             src = getattr(moe.experts, name)
@@ -91,14 +96,16 @@ class ExpertParallelMoE(DeepSeekMoE):
         ep.train(moe.training)
         return ep
 
-    def _expert_fn(self, x_NH: torch.Tensor, local_expert_N: torch.Tensor) -> torch.Tensor:
+    def _expert_fn(self, x_NH: torch.Tensor, local_expert_N: torch.Tensor,
+                   scale_N: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.training and counting_enabled():
             self.dispatch_counters["processed_rows"] += int(x_NH.shape[0])
-        return self.experts.expert_rows(x_NH, local_expert_N)
+        return self.experts.expert_rows(x_NH, local_expert_N, scale_N)
 
     def routed(self, x_TH: torch.Tensor, r) -> torch.Tensor:
         y_TH, st = moe_dispatch_combine(x_TH, r.topk_idx_TK, r.gates_TK, self._expert_fn,
-                                        self.cfg.n_routed_experts, self.groups, self.dedup, self.codec)
+                                        self.cfg.n_routed_experts, self.groups, self.dedup, self.codec,
+                                        weights_to_experts=True)
         self.last_dispatch = st
         if self.training and counting_enabled():
             c = self.dispatch_counters

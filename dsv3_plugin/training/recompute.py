@@ -4,16 +4,22 @@ recomputed from their inputs there, trading a little compute for activation memo
 
 `memory.recompute`:
   * ``none``            — keep everything;
-  * ``norm_and_mla_up`` — the paper's setting: every RMSNorm outside MLA, and MLA's query path
-                          (`q_a_proj` -> `q_a_layernorm` -> `q_b_proj`, i.e. `MLA.q_up`) and key/value
-                          up-projection (`kv_a_layernorm` -> `kv_b_proj`, `MLA.kv_up`);
+  * ``norm_and_mla_up`` — the paper's setting: every RMSNorm outside MLA, and MLA's up-projections with
+                          the RoPE after them (`q_a_layernorm` -> `q_b_proj`, `kv_a_layernorm` -> `kv_b_proj`,
+                          RoPE, concatenation: `MLA.qkv`). Only the latents c_Q and [c_KV | k^R] are kept;
+                          the per-head q, k, v the attention kernel saved are freed once attention has run
+                          and recomputed right before its backward (`_QKVRecompute`), so the attention
+                          output and log-sum-exp are kept and the attention core is not run again. The
+                          decoder layers' norm outputs are freed after their block ran and recomputed when
+                          the backward enters it (`RecomputedNormsDecoderLayer`), so no GEMM keeps them;
   * ``full``            — each decoder layer (main and MTP) as a whole.
 
-Implemented with `torch.utils.checkpoint` (non-reentrant), applied by swapping a module's class for a
+RMSNorm and full: `torch.utils.checkpoint` (non-reentrant). Both are applied by swapping a module's class for a
 subclass that checkpoints the wrapped method — parameter names, `state_dict` and `deepcopy` are unchanged,
 and `remove_recompute` swaps back. Recomputation is the same arithmetic on the same inputs, so losses and
 gradients are bit-identical; the router's expert counts are not incremented again during recompute
-(`router.skip_counting`). `saved_activation_bytes` measures what autograd keeps (saved-tensor hooks).
+(`router.skip_counting`). `saved_activation_bytes` measures what autograd keeps (saved-tensor hooks, storages deduplicated and sized
+after the forward, so the freed q, k, v count zero).
 """
 from __future__ import annotations
 
@@ -30,7 +36,7 @@ from dsv3_plugin.model.norm import RMSNorm
 from dsv3_plugin.model.moe.router import skip_counting
 
 __all__ = ["MODES", "apply_recompute", "remove_recompute", "saved_activation_bytes",
-           "RecomputedRMSNorm", "RecomputedMLA", "RecomputedDecoderLayer"]
+           "RecomputedRMSNorm", "RecomputedMLA", "RecomputedNormsDecoderLayer", "RecomputedDecoderLayer"]
 
 MODES = ("none", "norm_and_mla_up", "full")
 
@@ -51,12 +57,110 @@ class RecomputedRMSNorm(RMSNorm):
         return _ckpt(super().forward, x)
 
 
-class RecomputedMLA(MLA):
-    def q_up(self, x_BTH):
-        return _ckpt(super().q_up, x_BTH)
+class _QKVRecompute(torch.autograd.Function):
+    """q, k, v = fn(c_Q, [c_KV | k^R]) computed without a graph; only the two latents are saved. The outputs'
+    storages are freed by `_QKVHolder.discard` after the attention kernel has saved them and refilled by
+    `_QKVHolder.refill` (a pre-hook of the attention's backward node), which keeps the recomputed graph for
+    this Function's backward to run through (the up-projections' gradients, their weights' included)."""
 
-    def kv_up(self, c_kv):
-        return _ckpt(super().kv_up, c_kv)
+    @staticmethod
+    def forward(ctx, holder, *latents):
+        ctx.holder = holder
+        ctx.save_for_backward(*latents)    # what the saved-tensor hooks (and the memory plan) see
+        holder.latents = latents
+        with torch.no_grad():
+            return holder.fn(*latents)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        holder = ctx.holder
+        if holder.recomputed is None:   # the attention backward did not run its pre-hook (no refill)
+            holder.refill()
+        latents, outs = holder.recomputed
+        holder.recomputed = None
+        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return (None, *(t.grad if t.requires_grad else None for t in latents))
+
+
+class _QKVHolder:
+    # Holds the outputs' storages, not the outputs (an output references this Function's node, which references
+    # the holder: a cycle autograd cannot collect); the latents are inputs and reference only upstream nodes.
+    def __init__(self, fn):
+        self.fn, self.latents, self.recomputed, self.storages = fn, (), None, []
+
+    def discard(self, outs) -> None:
+        """Free every distinct storage behind `outs` (v may be a view of the kv up-projection's output)."""
+        seen = {}
+        for i, t in enumerate(outs):
+            seen.setdefault(t.untyped_storage().data_ptr(), i)
+        self.storages = [(outs[i].untyped_storage(), outs[i].untyped_storage().nbytes(), i) for i in seen.values()]
+        for st, _, _ in self.storages:
+            st.resize_(0)
+
+    def refill(self, *_):
+        if self.recomputed is not None:
+            return
+        latents = [t.detach().requires_grad_(t.requires_grad) for t in self.latents]
+        with torch.enable_grad(), skip_counting():
+            outs = self.fn(*latents)
+        for st, n, i in self.storages:
+            # the same ops on the same inputs: the same layout, so the bytes go back where they were
+            st.resize_(n)
+            st.copy_(outs[i].untyped_storage())
+        self.recomputed = (latents, outs)
+
+
+class RecomputedMLA(MLA):
+    def attention(self, cq_BTC, ckv_BTC, cos, sin):
+        if not torch.is_grad_enabled():
+            return super().attention(cq_BTC, ckv_BTC, cos, sin)
+        holder = _QKVHolder(lambda cq, ckv: MLA.qkv(self, cq, ckv, cos, sin))
+        q, k, v = _QKVRecompute.apply(holder, cq_BTC, ckv_BTC)
+        o = self.core(q, k, v)
+        if o.grad_fn is None:
+            return o
+        holder.discard((q, k, v))
+        o.grad_fn.register_prehook(holder.refill)
+        return o
+
+
+def _discard_until_backward(out: torch.Tensor, block_out: torch.Tensor, remake) -> None:
+    """Free `out`'s storage now that the block reading it has run, and refill it (`remake()`, the same ops on
+    the same input: the same bytes) when the backward reaches `block_out`, before any of the block's nodes
+    that saved `out` runs. Its consumers keep references to the storage, which is what gets refilled."""
+    if block_out.grad_fn is None or out.untyped_storage().nbytes() == 0:
+        return
+    st, n = out.untyped_storage(), out.untyped_storage().nbytes()
+    st.resize_(0)
+
+    def refill(*_):
+        if st.nbytes() == 0:
+            with torch.no_grad():
+                new = remake()
+            st.resize_(n)
+            st.copy_(new.untyped_storage())
+
+    block_out.grad_fn.register_prehook(refill)
+
+
+class RecomputedNormsDecoderLayer(DecoderLayer):
+    """norm_and_mla_up: the RMSNorm outputs are not kept either by the GEMMs that read them (the router, the
+    Linears of high-precision layers): freed after the attention / FFN block ran, recomputed from the kept
+    layer input when the backward enters that block (the normalized values, bit for bit)."""
+
+    def forward(self, x_BTH, cos, sin):
+        if not torch.is_grad_enabled():
+            return super().forward(x_BTH, cos, sin)
+        h = self.input_layernorm(x_BTH)
+        a = self.self_attn(h, cos, sin)
+        _discard_until_backward(h, a, lambda x=x_BTH: RMSNorm.forward(self.input_layernorm, x))
+        x_BTH = x_BTH + a
+        h = self.post_attention_layernorm(x_BTH)
+        y = self.mlp(h)
+        _discard_until_backward(h, y, lambda x=x_BTH: RMSNorm.forward(self.post_attention_layernorm, x))
+        return x_BTH + y
 
 
 class RecomputedDecoderLayer(DecoderLayer):
@@ -64,9 +168,10 @@ class RecomputedDecoderLayer(DecoderLayer):
         return _ckpt(super().forward, x_BTH, cos, sin)
 
 
-_SWAPS = {"norm_and_mla_up": {RMSNorm: RecomputedRMSNorm, MLA: RecomputedMLA},
+_SWAPS = {"norm_and_mla_up": {RMSNorm: RecomputedRMSNorm, MLA: RecomputedMLA, DecoderLayer: RecomputedNormsDecoderLayer},
           "full": {DecoderLayer: RecomputedDecoderLayer}}
-_BASE = {RecomputedRMSNorm: RMSNorm, RecomputedMLA: MLA, RecomputedDecoderLayer: DecoderLayer}
+_BASE = {RecomputedRMSNorm: RMSNorm, RecomputedMLA: MLA, RecomputedDecoderLayer: DecoderLayer,
+         RecomputedNormsDecoderLayer: DecoderLayer}
 
 
 def remove_recompute(model: nn.Module) -> None:
@@ -101,15 +206,17 @@ def saved_activation_bytes(model: nn.Module, fn) -> int:
     """Bytes of distinct tensor storages autograd keeps for backward while `fn()` runs (parameters excluded):
     the activation memory a backward pass needs. Returns the count; `fn`'s result is discarded."""
     param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
+    seen: dict[int, torch.UntypedStorage] = {}
 
     def pack(t):
         st = t.untyped_storage()
         if st.data_ptr() not in param_storages and st.device.type != "meta":
-            seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+            seen.setdefault(st._cdata, st)   # one entry per storage; holding it keeps its identity unique
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn()
+    # sized after the forward: storages freed before backward (recompute's discarded q, k, v) count zero
+    total = sum(st.nbytes() for st in seen.values())
     del out
-    return sum(seen.values())
+    return total

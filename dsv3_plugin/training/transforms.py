@@ -4,7 +4,8 @@
 *what*, is applied here, after construction, by swapping kernels or modules in place (parameter names and
 state_dict keys never change, so checkpoints load before or after):
 
-  1. FP8 (report §3.3): decoder-layer Linear GEMMs become `Fp8Linear`, routed experts get `Fp8ExpertKernel`;
+  1. FP8 (report §3.3): decoder-layer Linear GEMMs become `Fp8Linear`, routed experts get `Fp8ExpertKernel`,
+     dense / shared-expert SwiGLUs cache their inputs in FP8 (`Fp8SwiGLUAct`);
   2. recompute (report §3.2.3): RMSNorm and MLA up-projections recomputed in backward (`training.recompute`);
   3. expert parallelism (report §3.2.2): each MoE layer replaced by its EP shard (`parallel.expert_parallel`),
      done by the caller that owns the process groups (`deepspeed.moe_layer.prepare_model`, Megatron's spec);
@@ -21,10 +22,10 @@ from torch import nn
 
 from dsv3_plugin.config import DSv3Config, FP8Config, load_config
 from dsv3_plugin.model.kernels import KernelLinear, base_kernel, rebase
-from dsv3_plugin.model.moe.layer import GroupedExperts
+from dsv3_plugin.model.moe.layer import DenseMLP, GroupedExperts
 from dsv3_plugin.model.transformer import DecoderLayer, DSv3Model
 from dsv3_plugin.parallel.pipeline.weight_grad import split_weight_grads
-from dsv3_plugin.precision.fp8.experts import Fp8ExpertKernel
+from dsv3_plugin.precision.fp8.experts import Fp8ExpertKernel, Fp8SwiGLUAct
 from dsv3_plugin.precision.fp8.linear import AutoBackend, Fp8Linear, Fp8LinearKernel, Fp8Recipe, Fp8Report
 from dsv3_plugin.training.recompute import apply_recompute
 
@@ -37,12 +38,14 @@ def build_model(cfg: DSv3Config | dict | str) -> DSv3Model:
     return apply_transforms(DSv3Model(cfg), cfg)
 
 
-def apply_transforms(model: nn.Module, cfg: DSv3Config, *, split_w: bool = False) -> nn.Module:
+def apply_transforms(model: nn.Module, cfg: DSv3Config, *, split_w: bool = False,
+                     device: torch.device | str | None = None) -> nn.Module:
     """Apply, in place and in order, FP8 (`cfg.fp8.enabled`), recompute (`cfg.memory.recompute`) and, with
     `split_w`, the weight-gradient split. Expert parallelism needs process groups and is applied by the
-    framework adapter between recompute and the W split (see the module docstring)."""
+    framework adapter between recompute and the W split (see the module docstring). `device`: where the GEMMs
+    will run (default: the first parameter's; a rank-local model's first parameter may be on `meta`)."""
     if cfg.fp8.enabled:
-        convert_to_fp8(model, cfg.fp8)
+        convert_to_fp8(model, cfg.fp8, device)
     if cfg.memory.recompute != "none":
         apply_recompute(model, cfg.memory.recompute)
     if split_w:
@@ -78,6 +81,8 @@ def convert_to_fp8(model: nn.Module, cfg: FP8Config, device: torch.device | str 
         elif isinstance(mod, nn.Linear):
             raise TypeError(f"convert_to_fp8: {name} is a {type(mod).__name__} (an nn.Linear subclass without a "
                             "kernel seam): it cannot be put on the FP8 path")
+        elif isinstance(mod, DenseMLP) and inside:   # its Linears follow in this walk
+            mod.act = Fp8SwiGLUAct(recipe)
         elif isinstance(mod, GroupedExperts) and inside:
             mod.kernel = rebase(mod.kernel, Fp8ExpertKernel(recipe, backend, dispatch=cfg.dispatch))
             rep.grouped.append(name)

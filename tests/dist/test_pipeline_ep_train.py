@@ -171,8 +171,8 @@ def references():
 
 def _layer_biases(schedule: str, pp_rank: int, biases: dict) -> dict:
     """{("layer", i) | ("mtp", k): bias} from a rank's buffer names (stages.<chunk>.layers.<j> / .mtp.<k>)."""
-    from dsv3_plugin.parallel.pipeline.stages import n_stages_of, split_layers, stage_ids_for_rank
-    ranges = split_layers(DS["dsv3"]["model"]["num_hidden_layers"], n_stages_of(schedule, PP))
+    from dsv3_plugin.parallel.pipeline.stages import model_stage_layers, n_stages_of, stage_ids_for_rank
+    ranges = model_stage_layers(DS["dsv3"]["model"]["num_hidden_layers"], 1, n_stages_of(schedule, PP))
     ids = stage_ids_for_rank(schedule, PP, pp_rank)
     out = {}
     for name, b in biases.items():

@@ -60,9 +60,10 @@ def padded_offsets(counts: list[int], align: int = ALIGN_ROWS, device=None) -> t
 
 
 def grouped_mm_swiglu(x_NH: torch.Tensor, counts: list[int], w1_EIH: torch.Tensor, w3_EIH: torch.Tensor,
-                      w2_EHI: torch.Tensor, align: int = ALIGN_ROWS) -> torch.Tensor:
-    """Same contract as `moe.grouped_swiglu` (rows sorted by expert, `counts[e]` rows for expert e), computed with
-    three `grouped_mm` calls; differentiable through grouped_mm's autograd."""
+                      w2_EHI: torch.Tensor, align: int = ALIGN_ROWS, scale_N: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as `moe.grouped_swiglu` (rows sorted by expert, `counts[e]` rows for expert e; `scale_N`
+    multiplies each row's SwiGLU output before W2), computed with three `grouped_mm` calls; differentiable
+    through grouped_mm's autograd."""
     if sum(counts) != x_NH.shape[0]:
         raise ValueError(f"grouped_mm_swiglu: counts sum to {sum(counts)} but there are {x_NH.shape[0]} rows")
     H = x_NH.shape[1]
@@ -72,7 +73,10 @@ def grouped_mm_swiglu(x_NH: torch.Tensor, counts: list[int], w1_EIH: torch.Tenso
     x_pad = x_NH.new_zeros(Np, H).index_copy(0, pos, x_NH)            # [Np, H], zero rows between groups
     g = F.grouped_mm(x_pad, w1_EIH.transpose(-2, -1), offs=offs)      # [Np, I]  (W1ᵀ: column-major view)
     u = F.grouped_mm(x_pad, w3_EIH.transpose(-2, -1), offs=offs)
-    y_pad = F.grouped_mm(F.silu(g) * u, w2_EHI.transpose(-2, -1), offs=offs)   # [Np, H]
+    a = F.silu(g) * u
+    if scale_N is not None:
+        a = a * x_NH.new_zeros(Np).index_copy(0, pos, scale_N.to(x_NH.dtype))[:, None]
+    y_pad = F.grouped_mm(a, w2_EHI.transpose(-2, -1), offs=offs)   # [Np, H]
     return y_pad.index_select(0, pos)
 
 

@@ -15,23 +15,52 @@ from torch import nn
 from .balancing import seq_balance_loss
 from dsv3_plugin.config import MoEConfig
 from .grouped_mm import expert_kernel, grouped_mm_swiglu
-from dsv3_plugin.model.kernels import ExpertKernel, SplitKernel, UsesKernel, apply_split, expert_spans
+from dsv3_plugin.model.kernels import ExpertKernel, SplitKernel, UsesKernel, apply_split, expert_spans, stacked_params
 from .router import Router
 
-__all__ = ["DenseMLP", "GroupedExperts", "GroupedSwiGLUKernel", "DeepSeekMoE", "grouped_swiglu", "swiglu_rows"]
+__all__ = ["DenseMLP", "GroupedExperts", "GroupedSwiGLUKernel", "DeepSeekMoE", "grouped_swiglu", "swiglu_rows",
+           "combine_rows", "swiglu_act"]
+
+
+def swiglu_act(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """silu(g) ⊙ u: SwiGLU's activation (autograd keeps g, silu(g) and u)."""
+    return F.silu(g) * u
 
 
 class DenseMLP(nn.Module):
-    """SwiGLU MLP: the dense FFN of the first layers and the shared experts."""
+    """SwiGLU MLP: the dense FFN of the first layers and the shared experts. `act` is the activation seam:
+    `swiglu_act` by default; FP8 (`convert_to_fp8`) installs one that caches its inputs in FP8 and recomputes
+    the output in backward (report §3.3.3, as the routed experts do)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.act = swiglu_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+
+
+class _CombineRows(torch.autograd.Function):
+    """out[t] = Σ_{n: token_of[n] = t} y[n]: `index_add` that keeps only the index for backward (autograd's
+    index_add also saves the k·H source rows, which its gradient, dy[token_of], never reads)."""
+
+    @staticmethod
+    def forward(ctx, y_NH, token_of_N, T):
+        ctx.save_for_backward(token_of_N)
+        return y_NH.new_zeros(T, y_NH.shape[1]).index_add_(0, token_of_N, y_NH)
+
+    @staticmethod
+    def backward(ctx, dout_TH):
+        (token_of_N,) = ctx.saved_tensors
+        return dout_TH.index_select(0, token_of_N), None, None
+
+
+def combine_rows(y_NH: torch.Tensor, token_of_N: torch.Tensor, T: int) -> torch.Tensor:
+    """Sum the rows of y_NH into T token rows (row n into token_of_N[n]); saves only the index."""
+    return _CombineRows.apply(y_NH, token_of_N, T)
 
 
 class GroupedSwiGLUKernel(SplitKernel):
@@ -45,21 +74,28 @@ class GroupedSwiGLUKernel(SplitKernel):
     and the element-wise parts (SiLU, product, their derivatives) run once over all rows.
 
     Saved for backward: x [N, H]; g = x·W1ᵀ, u = x·W3ᵀ, silu(g) and a = silu(g)·u [N, I] (4·N·I floats,
-    what autograd over the plain ops would keep too). W needs dy, dL/dg and dL/du besides (`carry`).
+    what autograd over the plain ops would keep too), the routing weights when given; the weights by reference
+    (stacks of per-expert parameters: the parameters). W needs dy, dL/dg and dL/du besides (`carry`).
     """
 
-    def call(self, via, x_NH, counts, w1_EIH, w3_EIH, w2_EHI):
+    row_scale = True
+
+    def call(self, via, x_NH, counts, w1_EIH, w3_EIH, w2_EHI, scale_N=None):
         if sum(counts) != x_NH.shape[0]:
             raise ValueError(f"grouped_swiglu: counts sum to {sum(counts)} but there are {x_NH.shape[0]} rows")
         dt = torch.promote_types(x_NH.dtype, w1_EIH.dtype)
         if via is self and expert_kernel(x_NH.device, dt, w1_EIH.shape[2], w1_EIH.shape[1])[0] == "grouped_mm":
             # CUDA + BF16: three grouped GEMMs (autograd's backward, so not when a wrapper splits off W)
-            return grouped_mm_swiglu(x_NH.to(dt), counts, w1_EIH.to(dt), w3_EIH.to(dt), w2_EHI.to(dt))
+            return grouped_mm_swiglu(x_NH.to(dt), counts, w1_EIH.to(dt), w3_EIH.to(dt), w2_EHI.to(dt),
+                                     scale_N=scale_N)
         # the weights are cast inside the Function (their gradients cast back there), so the parameters
         # themselves reach it: a deferred W writes their .grad
-        return apply_split(via, list(counts), x_NH.to(dt), w1_EIH, w3_EIH, w2_EHI)
+        return apply_split(via, list(counts), x_NH.to(dt), w1_EIH, w3_EIH, w2_EHI, scale=scale_N)
 
     def forward(self, counts, x_NH, weights, need_w):
+        s_N = None
+        if isinstance(x_NH, tuple):
+            x_NH, s_N = x_NH
         dt = x_NH.dtype
         w_dtypes = tuple(w.dtype for w in weights)
         w1_EIH, w3_EIH, w2_EHI = (w.to(dt) for w in weights)
@@ -73,45 +109,65 @@ class GroupedSwiGLUKernel(SplitKernel):
             torch.mm(x_NH[s:t], w3_EIH[e].t(), out=u_NI[s:t])
         silu_NI = F.silu(g_NI)
         a_NI = silu_NI * u_NI
+        sa_NI = a_NI if s_N is None else a_NI * s_N[:, None].to(dt)        # the routing weight, before W2
         y_NH = x_NH.new_empty(N, H)
         for e, s, t in spans:
-            torch.mm(a_NI[s:t], w2_EHI[e].t(), out=y_NH[s:t])
-        return y_NH, (x_NH, g_NI, u_NI, silu_NI, a_NI, w1_EIH, w3_EIH, w2_EHI), (spans, w_dtypes)
+            torch.mm(sa_NI[s:t], w2_EHI[e].t(), out=y_NH[s:t])
+        # weights stacked from per-expert parameters this call (DeepSpeed's layout) are not kept: backward
+        # slices the parameters themselves (a stack per micro-batch in flight would be a copy of the experts)
+        srcs = tuple(stacked_params(w) for w in weights)
+        kept = tuple(None if sp is not None else w for sp, w in zip(srcs, (w1_EIH, w3_EIH, w2_EHI)))
+        w_meta = tuple((w.shape, w.device) for w in (w1_EIH, w3_EIH, w2_EHI))
+        return y_NH, (x_NH, g_NI, u_NI, silu_NI, a_NI, s_N, *kept), (spans, w_dtypes, srcs, dt, w_meta)
+
+    @staticmethod
+    def _expert_w(saved_w, src, e, dt):
+        return saved_w[e] if saved_w is not None else src[e].to(dt)
 
     def input_grad(self, saved, meta, dy_NH, need):
-        x_NH, g_NI, u_NI, silu_NI, a_NI, w1_EIH, w3_EIH, w2_EHI = saved
-        spans, _ = meta
+        x_NH, g_NI, u_NI, silu_NI, a_NI, s_N, w1_EIH, w3_EIH, w2_EHI = saved
+        spans, _, srcs, wdt, _ = meta
+        W = self._expert_w
+        need_x, need_s = need[0] if s_N is not None else (need[0], False)
         dy_NH = dy_NH.contiguous()
         da_NI = torch.empty_like(g_NI)
         for e, s, t in spans:
-            torch.mm(dy_NH[s:t], w2_EHI[e], out=da_NI[s:t])                 # dL/da = dy·W2
+            torch.mm(dy_NH[s:t], W(w2_EHI, srcs[2], e, wdt), out=da_NI[s:t])   # dL/d(s·a) = dy·W2
+        ds_N = None
+        if s_N is not None:
+            if need_s:
+                ds_N = (da_NI * a_NI).sum(-1).to(s_N.dtype)                 # dL/ds = <dy·W2, a>
+            da_NI = da_NI * s_N[:, None].to(da_NI.dtype)                    # dL/da
         du_NI = da_NI * silu_NI                                              # dL/du
         dg_NI = torch.ops.aten.silu_backward(da_NI * u_NI, g_NI)             # dL/dg (one fused pass)
         dx = None
-        if need[0]:
+        if need_x:
             dx = torch.empty_like(x_NH)
             for e, s, t in spans:
-                torch.mm(dg_NI[s:t], w1_EIH[e], out=dx[s:t])
-                dx[s:t].addmm_(du_NI[s:t], w3_EIH[e])
-        return dx, (dy_NH, dg_NI, du_NI)
+                torch.mm(dg_NI[s:t], W(w1_EIH, srcs[0], e, wdt), out=dx[s:t])
+                dx[s:t].addmm_(du_NI[s:t], W(w3_EIH, srcs[1], e, wdt))
+        return (dx if s_N is None else (dx, ds_N)), (dy_NH, dg_NI, du_NI)
 
     def weight_grads(self, saved, meta, carry, need_w):
-        x_NH, _, _, _, a_NI, w1_EIH, w3_EIH, w2_EHI = saved
-        spans, w_dtypes = meta
+        x_NH, _, _, _, a_NI, s_N, _, _, _ = saved
+        if s_N is not None and need_w[2]:
+            a_NI = a_NI * s_N[:, None].to(a_NI.dtype)                        # s·a, as in forward
+        spans, w_dtypes, _, wdt, w_meta = meta
         dy_NH, dg_NI, du_NI = carry
         hit = [e for e, _, _ in spans]
 
-        def wgrad(w, need):
+        def wgrad(shape_dev, need):
             if not need:
                 return None
-            gw = torch.empty_like(w)
-            if len(hit) < w.shape[0]:  # experts that got no rows have zero gradient
-                miss = torch.ones(w.shape[0], dtype=torch.bool, device=w.device)
+            shape, dev = shape_dev
+            gw = torch.empty(shape, dtype=wdt, device=dev)
+            if len(hit) < shape[0]:  # experts that got no rows have zero gradient
+                miss = torch.ones(shape[0], dtype=torch.bool, device=dev)
                 miss[hit] = False
                 gw[miss] = 0
             return gw
 
-        dw1, dw3, dw2 = (wgrad(w, n) for w, n in zip((w1_EIH, w3_EIH, w2_EHI), need_w))
+        dw1, dw3, dw2 = (wgrad(m, n) for m, n in zip(w_meta, need_w))
         for e, s, t in spans:
             if dw2 is not None:
                 torch.mm(dy_NH[s:t].t(), a_NI[s:t], out=dw2[e])              # [H, I]
@@ -158,26 +214,45 @@ class GroupedExperts(UsesKernel, nn.Module):
         order = torch.argsort(flat_idx, stable=True)            # group the (token, slot) pairs by expert
         counts = torch.bincount(flat_idx, minlength=self.n_experts).tolist()
         token_of = order // K                                   # source token of each sorted row
-        y_NH = self.kernel(x_TH[token_of], counts, self.gate_proj, self.up_proj, self.down_proj)
-        y_NH = y_NH * gates_TK.reshape(-1)[order, None].to(y_NH.dtype)
-        out_TH = torch.zeros_like(x_TH)
-        return out_TH.index_add_(0, token_of, y_NH.to(x_TH.dtype))
+        gates_N = gates_TK.reshape(-1)[order]
+        if getattr(self.kernel, "row_scale", False):
+            # the routing weight scales the SwiGLU output before W2: the k·H expert outputs per token are
+            # not kept for the gate's gradient (it comes from the SwiGLU output the kernel keeps anyway)
+            y_NH = self.kernel(x_TH[token_of], counts, self.gate_proj, self.up_proj, self.down_proj,
+                               scale_N=gates_N)
+        else:
+            y_NH = self.kernel(x_TH[token_of], counts, self.gate_proj, self.up_proj, self.down_proj)
+            y_NH = y_NH * gates_N[:, None].to(y_NH.dtype)
+        return combine_rows(y_NH.to(x_TH.dtype), token_of, T)
 
-    def expert_rows(self, x_NH: torch.Tensor, expert_N: torch.Tensor) -> torch.Tensor:
-        """Unweighted SwiGLU of expert `expert_N[n]` on row n, in input row order (what expert-parallel
-        dispatch hands to the experts a rank owns)."""
-        return swiglu_rows(x_NH, expert_N, self.gate_proj, self.up_proj, self.down_proj, self.kernel)
+    def expert_rows(self, x_NH: torch.Tensor, expert_N: torch.Tensor,
+                    scale_N: torch.Tensor | None = None) -> torch.Tensor:
+        """SwiGLU of expert `expert_N[n]` on row n, in input row order (what expert-parallel dispatch hands to
+        the experts a rank owns), times `scale_N[n]` when given (applied before the down projection)."""
+        return swiglu_rows(x_NH, expert_N, self.gate_proj, self.up_proj, self.down_proj, self.kernel, scale_N)
+
+
+def _run_scaled(kernel, x_NH, counts, w1_EIH, w3_EIH, w2_EHI, scale_N):
+    if scale_N is None:
+        return kernel(x_NH, counts, w1_EIH, w3_EIH, w2_EHI)
+    if getattr(kernel, "row_scale", False):
+        return kernel(x_NH, counts, w1_EIH, w3_EIH, w2_EHI, scale_N=scale_N)
+    y_NH = kernel(x_NH, counts, w1_EIH, w3_EIH, w2_EHI)
+    return y_NH * scale_N[:, None].to(y_NH.dtype)
 
 
 def swiglu_rows(x_NH: torch.Tensor, expert_N: torch.Tensor, w1_EIH: torch.Tensor, w3_EIH: torch.Tensor,
-                w2_EHI: torch.Tensor, kernel: ExpertKernel = grouped_swiglu) -> torch.Tensor:
-    """SwiGLU of expert `expert_N[n]` on row n, rows in any order: sort by expert, grouped GEMMs (`kernel`),
-    unsort."""
+                w2_EHI: torch.Tensor, kernel: ExpertKernel = grouped_swiglu,
+                scale_N: torch.Tensor | None = None) -> torch.Tensor:
+    """SwiGLU of expert `expert_N[n]` on row n (times `scale_N[n]`, inside the kernel when it has `row_scale`),
+    rows in any order: sort by expert, grouped GEMMs (`kernel`), unsort."""
     counts = torch.bincount(expert_N, minlength=w1_EIH.shape[0]).tolist()
     if expert_N.numel() < 2 or bool((expert_N[1:] >= expert_N[:-1]).all()):
-        return kernel(x_NH, counts, w1_EIH, w3_EIH, w2_EHI)   # already grouped (EP = 1, one source rank)
+        # already grouped (EP = 1, one source rank)
+        return _run_scaled(kernel, x_NH, counts, w1_EIH, w3_EIH, w2_EHI, scale_N)
     order = torch.argsort(expert_N, stable=True)
-    y_sorted = kernel(x_NH[order], counts, w1_EIH, w3_EIH, w2_EHI)
+    y_sorted = _run_scaled(kernel, x_NH[order], counts, w1_EIH, w3_EIH, w2_EHI,
+                           None if scale_N is None else scale_N[order])
     return torch.empty_like(y_sorted).index_copy_(0, order, y_sorted)
 
 

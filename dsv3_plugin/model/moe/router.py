@@ -26,7 +26,7 @@ from torch import nn
 
 from dsv3_plugin.config import MoEConfig
 
-__all__ = ["Router", "RoutingResult", "group_limited_topk", "skip_counting", "counting_enabled"]
+__all__ = ["Router", "RoutingResult", "group_limited_topk", "skip_counting", "counting_enabled", "fp32_linear"]
 
 _state = threading.local()
 
@@ -45,6 +45,29 @@ def skip_counting():
 
 def counting_enabled() -> bool:
     return not getattr(_state, "skip", False)
+
+
+class _Fp32Linear(torch.autograd.Function):
+    """x·Wᵀ computed in FP32 from x and W in any precision, keeping x and W as given for backward (autograd over
+    `F.linear(x.float(), W.float())` would keep FP32 copies: 4 bytes per element of the router's input instead
+    of the activations' 2). The same GEMMs and casts as autograd's backward of that expression."""
+
+    @staticmethod
+    def forward(ctx, x_TH, w_EH):
+        ctx.save_for_backward(x_TH, w_EH)
+        return F.linear(x_TH.float(), w_EH.float())
+
+    @staticmethod
+    def backward(ctx, g_TE):
+        x_TH, w_EH = ctx.saved_tensors
+        gx = g_TE.mm(w_EH.float()).to(x_TH.dtype) if ctx.needs_input_grad[0] else None
+        gw = g_TE.t().mm(x_TH.float()).to(w_EH.dtype) if ctx.needs_input_grad[1] else None
+        return gx, gw
+
+
+def fp32_linear(x_TH: torch.Tensor, w_EH: torch.Tensor) -> torch.Tensor:
+    """F.linear(x.float(), w.float()) that keeps only x and w (in their own dtypes) for backward."""
+    return _Fp32Linear.apply(x_TH, w_EH)
 
 
 class RoutingResult:
@@ -92,16 +115,18 @@ class Router(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.zeros(E, dtype=torch.float32), persistent=True)
         # Loads counted in forward (training only), summed over micro-batches until the next update.
         self.register_buffer("tokens_per_expert", torch.zeros(E, dtype=torch.float32), persistent=False)
+        # False under a mixed-precision optimizer (DeepSpeed bf16): the weight is then a BF16 compute copy like every
+        # other parameter (its FP32 master lives in the optimizer, whose flat buffers need one dtype per group);
+        # the gating math stays FP32 either way (`scores`).
+        self.keep_fp32_weight = True
         nn.init.normal_(self.weight, std=0.006)
 
     def _apply(self, fn, recurse=True):
         # Keep the router's state fp32 whatever `.to(dtype)` the model gets (Megatron-LM#1482: a bf16 bias
         # cannot represent 1e-3 steps around 1.0).
         super()._apply(fn, recurse)
-        for name in ("weight",):
-            p = getattr(self, name)
-            if p.dtype != torch.float32:
-                p.data = p.data.float()
+        if self.keep_fp32_weight and self.weight.dtype != torch.float32:
+            self.weight.data = self.weight.data.float()
         for name in ("e_score_correction_bias", "tokens_per_expert"):
             b = getattr(self, name)
             if b.dtype != torch.float32:
@@ -110,7 +135,7 @@ class Router(nn.Module):
 
     def scores(self, x_TH: torch.Tensor) -> torch.Tensor:
         """s = sigmoid(x·W^T) in fp32, [T, E]."""
-        return torch.sigmoid(F.linear(x_TH.float(), self.weight.float()))
+        return torch.sigmoid(fp32_linear(x_TH, self.weight))
 
     def forward(self, x_TH: torch.Tensor) -> RoutingResult:
         cfg = self.cfg

@@ -23,22 +23,39 @@ from dsv3_plugin.model.transformer import DSv3Model
 from dsv3_plugin.model.mtp import mtp_depth_loss
 from dsv3_plugin.schedule_traits import schedule_traits
 
-__all__ = ["split_layers", "DSv3Stage", "build_stages", "stage_ids_for_rank", "n_stages_of", "min_layers",
+__all__ = ["split_layers", "model_stage_layers", "DSv3Stage", "build_stages", "stage_ids_for_rank", "n_stages_of", "min_layers",
            "DSv3PipelineLoss", "sync_tied_embedding"]
 
 
-def split_layers(n_layers: int, n_stages: int) -> list[range]:
-    """Contiguous, as even as possible; the earlier stages take the remainder (the last one carries the
-    head and MTP)."""
+def split_layers(n_layers: int, n_stages: int, tail: int = 0) -> list[range]:
+    """Contiguous, as even as possible; the earlier stages take the remainder. `tail`: layer-sized slots the
+    last stage spends on something else (its output head and MTP modules, see `model_stage_layers`); when they
+    exceed its share, the stages before it give up the difference."""
     if n_stages < 1:
         raise ValueError(f"parallel: need >= 1 pipeline stage (got {n_stages})")
-    q, r = divmod(n_layers, n_stages)
+    q, r = divmod(n_layers + tail, n_stages)
+    counts = [q + (1 if s < r else 0) for s in range(n_stages)]
+    counts[-1] -= tail
+    for s in range(n_stages - 1, 0, -1):   # a negative count: its deficit moves to the stage before
+        if counts[s] < 0:
+            counts[s - 1] += counts[s]
+            counts[s] = 0
     out, start = [], 0
-    for s in range(n_stages):
-        n = q + (1 if s < r else 0)
+    for n in counts:
         out.append(range(start, start + n))
         start += n
     return out
+
+
+def model_stage_layers(n_layers: int, mtp_depth: int, n_stages: int) -> list[range]:
+    """The one split of a DSv3Model's decoder layers into pipeline stages (pipeline builders, rank-local
+    building and loading, the memory plan): the last stage's output head and its D MTP modules (each a decoder
+    block, paper §2.2) count as D + 1 layers.
+
+    NOTE: DeepSeek-V3's report does not publish its stage boundaries; this rule reproduces the published
+    Megatron DeepSeek-V3 recipes' uneven layouts: 61 layers + 1 MTP over 16 stages -> embedding + 4 | 4 x 14 |
+    1 + MTP + head (over 8: 8 | 8 x 6 | 5 + MTP + head; over 4: 16 | 16 | 16 | 13 + MTP + head)."""
+    return split_layers(n_layers, n_stages, tail=1 + mtp_depth)
 
 
 def stage_ids_for_rank(schedule: str, pp: int, rank: int) -> list[int]:
@@ -50,18 +67,19 @@ def n_stages_of(schedule: str, pp: int) -> int:
     return schedule_traits(schedule, "parallel.schedule").n_stages(pp)
 
 
-def min_layers(schedule: str, pp: int) -> int:
-    """The fewest decoder layers with which no pipeline rank is left without parameters. `split_layers` gives
-    stage s a layer iff s < L; a rank holding neither the first stage (embedding) nor the last (head, MTP)
-    needs one of its stages to have a layer."""
+def min_layers(schedule: str, pp: int, mtp_depth: int = 0) -> int:
+    """The fewest decoder layers with which no pipeline rank is left without parameters under
+    `model_stage_layers`: a rank holding neither the first stage (embedding) nor the last (head, MTP) needs
+    one of its stages to have a layer."""
     t = schedule_traits(schedule, "parallel.schedule")
-    last = t.n_stages(pp) - 1
-    need = 0
-    for rank in range(pp):
-        ids = t.stage_ids(pp, rank)
-        if 0 not in ids and last not in ids:
-            need = max(need, min(ids) + 1)
-    return need
+    n, last = t.n_stages(pp), t.n_stages(pp) - 1
+    bare = [ids for ids in (t.stage_ids(pp, r) for r in range(pp)) if 0 not in ids and last not in ids]
+    L = 0
+    while True:   # terminates: with n * (mtp_depth + 2) layers every stage has one
+        ranges = model_stage_layers(L, mtp_depth, n)
+        if all(any(len(ranges[s]) for s in ids) for ids in bare):
+            return L
+        L += 1
 
 
 class DSv3Stage(nn.Module):
@@ -124,7 +142,7 @@ class DSv3Stage(nn.Module):
 def build_stages(model: DSv3Model, n_stages: int, stage_ids: Sequence[int] | None = None) -> list[DSv3Stage]:
     """Stages `stage_ids` (default: all) of `model` cut into `n_stages`. Modules of other stages are not
     referenced by the result (drop the model to free them)."""
-    ranges = split_layers(len(model.layers), n_stages)
+    ranges = model_stage_layers(len(model.layers), len(model.mtp), n_stages)
     ids = list(range(n_stages)) if stage_ids is None else list(stage_ids)
     return [DSv3Stage(model, ranges[s], s == 0, s == n_stages - 1) for s in ids]
 

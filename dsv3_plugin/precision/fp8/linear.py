@@ -28,6 +28,7 @@ norms, MTP's eh_proj and the attention core stay in high precision (§3.3.1).
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -269,10 +270,31 @@ def _resolved(backend, device: torch.device):
     return backend.resolve(device) if isinstance(backend, AutoBackend) else backend
 
 
+_XT_LAST: list = [None]   # (weakref to the input, its version, recipe, its FP8 Xᵀ)
+
+
+def _shared_xt(x: torch.Tensor, x2: torch.Tensor, r: Fp8Recipe):
+    """The FP8 Xᵀ cache of input `x`, shared by consecutive FP8 Linears that read the same tensor (MLA's q_a and
+    kv_a, an MLP's gate and up): one copy kept for backward instead of one per GEMM. Quantization is
+    deterministic, so the shared copy is the very bytes each would have made."""
+    last = _XT_LAST[0]
+    if last is not None and last[0]() is x and last[1] == x._version and last[2] == r:
+        return last[3]
+    xt = r.act(x2.t())
+
+    def drop(ref):
+        if _XT_LAST[0] is not None and _XT_LAST[0][0] is ref:
+            _XT_LAST[0] = None
+
+    _XT_LAST[0] = (weakref.ref(x, drop), x._version, r, xt)
+    return xt
+
+
 class Fp8LinearKernel(SplitKernel):
     """`kernels.LinearKernel` with Fprop, Dgrad and Wgrad in FP8 (tile orientations in the module docstring).
 
-    Saved for backward: Xᵀ in FP8 (1×128 along M; only when the weight needs a gradient) and the FP8 weight.
+    Saved for backward: Xᵀ in FP8 (1×128 along M; only when the weight needs a gradient) and the weight: a
+    parameter by reference (re-quantized in backward, no per-micro-batch copy), anything else as its FP8 copy.
     With a TE backend the layer runs as a `te.pytorch.Linear` (which does its own backward) unless the
     weight gradient is deferred. NOTE: TE's Linear cannot split its backward, so under deferral (pipeline
     B/W split) the GEMMs run on the TE backend's fallback (torch `_scaled_mm` or the emulation), same recipe."""
@@ -297,17 +319,23 @@ class Fp8LinearKernel(SplitKernel):
         qx, sx, kx = r.act(x2)                                           # 1×128 along K
         qw, sw, kw = r.weight(weight)                                    # 128×128
         y = backend.gemm(qx, sx, kx, qw, sw, kw)                         # Fprop [M, N] fp32
-        xt = r.act(x2.t()) if need_w[0] else (None, None, None)         # Xᵀ 1×128 along M: the FP8 cache
+        xt = _shared_xt(x, x2, r) if need_w[0] else (None, None, None)  # Xᵀ 1×128 along M: the FP8 cache
         y = y.to(x.dtype).reshape(*x.shape[:-1], N)
         if bias is not None:
             y = y + bias.to(y.dtype)
         meta = (backend, xt[2], kw, x.shape, x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        if weight.is_leaf:
+            # a parameter does not change before backward: re-quantize it there (the same bytes) rather than
+            # keep an FP8 copy of the weight per micro-batch in flight
+            return y, (xt[0], xt[1], weight, None), meta
         return y, (xt[0], xt[1], qw, sw), meta
 
     def input_grad(self, saved, meta, dy, need):
         qxt, _, qw, sw = saved
         backend, _, kw, x_shape, x_dtype, _, _ = meta
         r = self.recipe
+        if sw is None:
+            qw, sw, _ = r.weight(qw)
         dy2 = dy.reshape(-1, dy.shape[-1])                               # [M, N]
         dx = None
         if need[0]:
