@@ -61,7 +61,8 @@ from dsv3_plugin.model.moe.balancing import update_expert_bias
 from dsv3_plugin.model.moe.router import Router
 
 __all__ = ["initialize", "split_ds_config", "client_optimizer", "DSv3TrainState", "quiet_deepspeed_logs",
-           "DEFAULT_GRADIENT_CLIPPING", "mixed_precision_dtype", "prepare_mixed_precision", "check_fp32_router_state"]
+           "DEFAULT_GRADIENT_CLIPPING", "mixed_precision_dtype", "prepare_mixed_precision", "check_fp32_router_state",
+           "gather_rng_states", "restore_rng_state"]
 
 
 def split_ds_config(config: "str | os.PathLike | dict") -> tuple[dict, DSv3Config]:
@@ -94,7 +95,18 @@ def client_optimizer(params, ds_config: dict, cfg: DSv3Config, optimizer=None):
     ds = copy.deepcopy(ds_config)
     ds.pop("optimizer")
     ds["zero_allow_untested_optimizer"] = True
-    return AdamWBF16Moments(params, **hyper), ds
+    return AdamWBF16Moments(_moe_param_groups(params), **hyper), ds
+
+
+def _moe_param_groups(params) -> list:
+    """`params` as DeepSpeed's ZeRO wants them when some are expert parameters (`allreduce = False`, see
+    `moe_layer`): one group per expert-data-parallel group name, split out by DeepSpeed's own helper (what the
+    engine does itself when it builds the JSON's optimizer); otherwise unchanged."""
+    params = list(params)
+    if all(getattr(p, "allreduce", True) for p in params):
+        return params
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+    return split_params_into_different_moe_groups_for_optimizer({"params": params, "name": "dense"})
 
 
 def mixed_precision_dtype(ds_config: dict) -> torch.dtype | None:
@@ -148,6 +160,39 @@ class DSv3TrainState:
     last_gamma: float = 0.0
     last_step_tokens: int = 0
     last_stats: Any = None  # what update_expert_bias returned at the last step (per-layer loads / maxvio)
+
+
+def _rng_state() -> dict:
+    st = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state()
+    return st
+
+
+def gather_rng_states() -> dict:
+    """{"world_size", "rng": every rank's RNG states} for a checkpoint's client_state (collective when
+    torch.distributed is initialised: DeepSpeed writes client_state from one rank per model file only)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rngs = [None] * world
+    if dist.is_initialized():
+        dist.all_gather_object(rngs, _rng_state())
+    else:
+        rngs[0] = _rng_state()
+    return {"world_size": world, "rng": rngs}
+
+
+def restore_rng_state(st: dict, path: str) -> None:
+    """Set this rank's RNG states from what `gather_rng_states` saved (CheckpointError naming `path` when the
+    world size differs: per-rank RNG and ZeRO-1 partitions need the same layout)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if st.get("world_size") != world:
+        raise CheckpointError(f"{path}: saved with {st.get('world_size')} ranks, resuming on {world}; per-rank RNG "
+                              "and ZeRO-1 optimizer partitions need the same data-parallel size")
+    rng = st["rng"][dist.get_rank() if dist.is_initialized() else 0]
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
 
 
 class _DSv3Hooks:
@@ -211,26 +256,14 @@ class _DSv3Hooks:
         s.last_stats = stats
 
     # --- checkpoints ----------------------------------------------------------------------------
-    def _rng_state(self) -> dict:
-        st = {"torch": torch.get_rng_state(), "python": random.getstate()}
-        if torch.cuda.is_available():
-            st["cuda"] = torch.cuda.get_rng_state()
-        return st
-
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, **kwargs):
         if self.state.pending_tokens:
             raise RuntimeError("save_checkpoint: called inside a gradient-accumulation window "
                                f"({self.state.pending_tokens} tokens not yet stepped); save after engine.step() "
                                "at the boundary")
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        rngs = [None] * world
-        if dist.is_initialized():
-            dist.all_gather_object(rngs, self._rng_state())
-        else:
-            rngs[0] = self._rng_state()
         cs = dict(client_state or {})
         cs["dsv3"] = {"tokens_seen": self.state.tokens_seen, "optimizer_steps": self.state.optimizer_steps,
-                      "world_size": world, "rng": rngs, "config": self.cfg.to_dict()}
+                      **gather_rng_states(), "config": self.cfg.to_dict()}
         return self._orig_save(save_dir, tag=tag, client_state=cs, save_latest=save_latest, **kwargs)
 
     def load_checkpoint(self, load_dir, tag=None, **kwargs):
@@ -250,18 +283,10 @@ class _DSv3Hooks:
             return path, client_state
         if st is None:
             raise CheckpointError(f"{path}: client_state has no 'dsv3' entry (not saved by dsv3_plugin.deepspeed)")
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        if st["world_size"] != world:
-            raise CheckpointError(f"{path}: saved with {st['world_size']} ranks, resuming on {world}; per-rank RNG "
-                                  "and ZeRO-1 optimizer partitions need the same data-parallel size")
+        restore_rng_state(st, path)
         self.state.tokens_seen = int(st["tokens_seen"])
         self.state.optimizer_steps = int(st["optimizer_steps"])
         self.state.pending_tokens = 0
-        rng = st["rng"][dist.get_rank() if dist.is_initialized() else 0]
-        torch.set_rng_state(rng["torch"])
-        random.setstate(rng["python"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
         for m in self.model.modules():  # counts of an interrupted window must not leak into the next update
             if hasattr(m, "tokens_per_expert"):
                 m.tokens_per_expert.zero_()

@@ -4,7 +4,10 @@ dense parameters over the whole data-parallel group, using DeepSpeed's own MoE c
 What DeepSpeed 0.19 needs (observed, see the project's integration notes):
 - the engine treats parameters as expert parameters only if it finds a module that is an instance of
   `deepspeed.moe.layer.MoE`; it then calls `set_deepspeed_parallelism()` on it, and ZeRO-1 reduces params
-  with `allreduce = False` over the expert-data-parallel group named by their `group_name`;
+  with `allreduce = False` over the expert-data-parallel group named by their `group_name`. Ours registers
+  dsv3's EP/EDP groups (`parallel.groups`) under that name rather than letting DeepSpeed build its own: with
+  pipeline parallelism DeepSpeed's builder assumes stages are contiguous rank blocks (dsv3 interleaves them),
+  and a pipeline rank without MoE layers would skip its collective group creation;
 - the optimizer's param groups must be split with `split_params_into_different_moe_groups_for_optimizer`
   (the engine does it itself when the JSON has an "optimizer"; `moe_param_groups` does it otherwise);
 - `save_checkpoint` writes one file per expert from the keys `<MoE module>.deepspeed_moe.experts.
@@ -38,7 +41,7 @@ from dsv3_plugin.parallel.distributed import new_groups_bounded
 from dsv3_plugin.model.kernels import ExpertKernel, UsesKernel
 from dsv3_plugin.model.moe.layer import GroupedSwiGLUKernel, swiglu_rows
 from dsv3_plugin.parallel.expert_parallel import ExpertParallelMoE, expert_parallel
-from dsv3_plugin.parallel.groups import build_ep_groups
+from dsv3_plugin.parallel.groups import EPGroups, build_ep_groups
 
 __all__ = ["prepare_model", "moe_param_groups", "expert_group_name", "deepspeed_experts_class"]
 
@@ -78,7 +81,8 @@ def deepspeed_experts_class():
         leaf_kernel_weights = False   # the kernel gets the per-expert parameters stacked each call
 
         def __init__(self, num_experts: int, ep_size: int, ep_ranks: list[int], hidden: int, inter: int,
-                     dtype=None, kernel: ExpertKernel | None = None, timeout_s: float | None = None):
+                     dtype=None, kernel: ExpertKernel | None = None, timeout_s: float | None = None,
+                     groups: EPGroups | None = None):
             nn.Module.__init__(self)  # NOTE: not MoE.__init__ (it builds DeepSpeed's own gate/dispatcher)
             self.kernel = kernel if kernel is not None else GroupedSwiGLUKernel()
             self.num_experts = num_experts
@@ -89,6 +93,7 @@ def deepspeed_experts_class():
             self.enable_expert_tensor_parallelism = False
             self.ep_ranks = list(ep_ranks)
             self.timeout_s = timeout_s    # parallel.p2p_timeout_s: bounds DeepSpeed's EP/EDP groups made below
+            self.ep_groups = groups       # dsv3's groups: registered as DeepSpeed's (set_deepspeed_parallelism)
             self.deepspeed_moe = nn.Module()
             self.deepspeed_moe.experts = _ExpertList(self.num_local_experts, hidden, inter,
                                                      self.expert_group_name, dtype)
@@ -98,7 +103,18 @@ def deepspeed_experts_class():
             if use_data_before_expert_parallel_:
                 raise ConfigError("use_data_before_expert_parallelism: unsupported with dsv3 expert parallelism "
                                   "(EP groups must be contiguous rank blocks)")
-            if self.expert_group_name not in groups._get_expert_parallel_group_dict():
+            g = self.ep_groups
+            if g is not None and g.ep_group is not None and g.edp_group is not None:
+                # dsv3's EP/EDP groups become DeepSpeed's under its name for this EP degree. Needed with
+                # pipeline parallelism: DeepSpeed's builder lays pipeline stages out as contiguous rank blocks,
+                # dsv3's pipeline interleaves them (groups.py), and a pipeline rank without MoE layers would
+                # not join the collective group creation. Set on every call: the groups of this layout win.
+                name = self.expert_group_name
+                groups._get_expert_parallel_group_dict()[name] = g.ep_group
+                groups._EXPERT_PARALLEL_GROUP_RANKS[name] = list(g.ep_ranks)
+                groups._get_expert_data_parallel_group_dict()[name] = g.edp_group
+                groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = list(g.edp_ranks)
+            elif self.expert_group_name not in groups._get_expert_parallel_group_dict():
                 with new_groups_bounded(self.timeout_s):  # torch's default for a new group: 30 minutes
                     groups._create_expert_and_data_parallel(self.ep_size)
             ds_ranks = dist.get_process_group_ranks(groups._get_expert_parallel_group(self.expert_group_name))
@@ -129,7 +145,8 @@ def _to_deepspeed_experts(layer: ExpertParallelMoE, timeout_s: float | None = No
     _, inter, hidden = old.gate_proj.shape
     cls = deepspeed_experts_class()
     new = cls(layer.cfg.n_routed_experts, layer.groups.ep_size, layer.groups.ep_ranks, hidden, inter,
-              dtype=old.gate_proj.dtype, kernel=old.kernel, timeout_s=timeout_s).to(old.gate_proj.device)
+              dtype=old.gate_proj.dtype, kernel=old.kernel, timeout_s=timeout_s,
+              groups=layer.groups).to(old.gate_proj.device)
     for i, e in enumerate(new.deepspeed_moe.experts.deepspeed_experts):
         e.gate_proj.copy_(old.gate_proj[i])
         e.up_proj.copy_(old.up_proj[i])
@@ -137,18 +154,22 @@ def _to_deepspeed_experts(layer: ExpertParallelMoE, timeout_s: float | None = No
     layer.experts = new
 
 
-def prepare_model(model: nn.Module, cfg: DSv3Config) -> nn.Module:
+def prepare_model(model: nn.Module, cfg: DSv3Config, dp_group=None) -> nn.Module:
     """Shard the routed experts of every MoE layer over `parallel.ep` (EP groups as DeepSpeed lays them out),
     with dispatch from `moe.dedup_dispatch` / `moe.ranks_per_node` / `fp8.dispatch`, and expose them to
     DeepSpeed as MoE modules. Call before `deepspeed.initialize`; weights must already be initialised or
     loaded (each rank keeps its slice). At EP = 1 the layers stay plain (dense reduction is then exact).
     Every process group made for this (ours and DeepSpeed's EP / EDP groups) waits at most
-    `parallel.p2p_timeout_s`."""
+    `parallel.p2p_timeout_s`. With `parallel.pp` > 1 (the pipelined engine; `dp_group`: its data-parallel
+    group) EP is carved from each pipeline stage's data-parallel group (`parallel.groups`)."""
     ep = cfg.parallel.ep
+    pp = cfg.parallel.pp if dist.is_initialized() else 1
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if world % ep:
-        raise ConfigError(f"dsv3.parallel.ep: must divide the world size (got ep={ep}, world={world})")
-    groups = build_ep_groups(ep, cfg.moe.ranks_per_node, timeout_s=cfg.parallel.p2p_timeout_s)
+    if world % pp or (world // pp) % ep:
+        raise ConfigError(f"dsv3.parallel.ep: must divide the data-parallel size (got ep={ep}, world={world}, "
+                          f"pp={pp})")
+    groups = build_ep_groups(ep, cfg.moe.ranks_per_node, timeout_s=cfg.parallel.p2p_timeout_s, pp=pp,
+                             dp_group=dp_group)
     expert_parallel(model, groups, dedup=cfg.moe.dedup_dispatch, codec=codec_from_config(cfg))
     if ep > 1:
         cls = deepspeed_experts_class()

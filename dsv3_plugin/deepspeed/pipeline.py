@@ -12,6 +12,18 @@ the criterion scales each micro-batch loss by 1/gas (what `engine.backward` does
 forwards and backwards, then ZeRO-1 reduces the gradients (`engine.allreduce_gradients`, the path DeepSpeed's
 own pipeline engine uses) and `engine.step()` applies the optimizer. DeepSpeed itself therefore runs with
 gradient_accumulation_steps = 1 and micro-batch = gas x micro-batch.
+
+Expert parallelism (paper §3.1): EP groups are carved from each stage's data-parallel group
+(`dsv3_plugin.parallel.groups`, registered as DeepSpeed's EP/EDP groups by `moe_layer`): expert gradients are
+reduced over the expert-data-parallel group, dense ones over the data-parallel group, and the gradient norm for
+clipping sums squares over the data-parallel group (EP ranks hold different experts) and the pipeline group.
+A parameter held twice in one pipeline (DualPipe's mirror stages; 1F1B's embedding copy on the last rank for
+MTP) is marked `ds_pipe_replicated` on one of its holders, so DeepSpeed counts it once in that norm.
+
+Router counts for the bias update (§2.1.2) are summed over exactly the ranks that saw the tokens: the stage's
+data-parallel group and, for DualPipe, the mirror rank (which ran the other half of the micro-batches through
+its copy of the same stages). Checkpoints: DeepSpeed's (one model file per pipeline rank, ZeRO-1 partitions,
+expert files) plus the dsv3 state in `client_state["dsv3"]` (every rank's RNG, the optimizer-step count).
 """
 from __future__ import annotations
 
@@ -34,7 +46,10 @@ from dsv3_plugin.errors import PeerError
 from dsv3_plugin.parallel.distributed import new_groups_bounded, peer_failures
 from dsv3_plugin.parallel.pipeline.p2p import PipelineError, PipelinePeerError
 from dsv3_plugin.parallel.pipeline.stages import DSv3PipelineLoss, sync_tied_embedding
-from dsv3_plugin.model.moe.balancing import update_expert_bias
+from dsv3_plugin.model.moe.balancing import reset_counts, routers_of, update_expert_bias
+from dsv3_plugin.errors import CheckpointError
+from .engine import gather_rng_states, restore_rng_state
+from .moe_layer import prepare_model
 
 __all__ = ["PipelineGroups", "pipeline_groups", "PipelineMPU", "PipelinedEngine"]
 
@@ -119,6 +134,23 @@ class PipelineMPU:
         return 0
 
 
+def _mark_replicated(stages, traits, g: PipelineGroups) -> None:
+    """Parameters this rank holds that another rank of its pipeline holds too get `ds_pipe_replicated`
+    (DeepSpeed's flag: left out of the gradient norm on this rank), so the norm counts each once: DualPipe's
+    mirror ranks P/2..P-1 (stages r and P-1-r are both on rank r < P/2), and with 1F1B/ZB1P the last rank's
+    copy of the embedding MTP reuses (its gradient equals the first rank's after `sync_tied_embedding`)."""
+    if g.pp == 1:
+        return
+    if traits.mirror_sync and g.pp_rank >= g.pp // 2:
+        for st in stages:
+            for p in st.parameters():
+                p.ds_pipe_replicated = True
+    elif traits.first_and_last_apart(g.pp) and g.pp_rank == g.pp - 1:
+        for st in stages:
+            if st.last and not st.first and hasattr(st, "embed_tokens"):
+                st.embed_tokens.weight.ds_pipe_replicated = True
+
+
 class _LocalStages(nn.Module):
     """The stages of this rank as one module for DeepSpeed (a module shared by two stages counts once)."""
 
@@ -162,8 +194,13 @@ class PipelinedEngine:
         ds.pop("train_batch_size", None)
         ds.pop("dsv3", None)
         ids = stage_ids_for_rank(self.schedule, self.g.pp, self.g.pp_rank)
+        self.stage_ids = ids
         self.stages = build_stages(model, n_stages_of(self.schedule, self.g.pp), ids)
         self.module = _LocalStages(self.stages)
+        if cfg.parallel.ep > 1:   # this rank's stages' experts over the stage's EP group (collective: every rank)
+            prepare_model(self.module, cfg, dp_group=self.g.dp_group)
+        _mark_replicated(self.stages, self.traits, self.g)
+        self.optimizer_steps = 0
         params = [p for p in self.module.parameters() if p.requires_grad]
         opt, ds = client_optimizer(params, ds, cfg)   # memory.bf16_moments: the BF16-moment AdamW
         prepare_mixed_precision(self.module, ds)      # bf16: BF16 router weights, FP32 bias (engine.py)
@@ -202,14 +239,15 @@ class PipelinedEngine:
         with self._peers("optimizer step (gradient norm over the pipeline, ZeRO-1 all-gather)",
                          sorted(set(self.g.pp_ranks) | set(self.g.dp_ranks))):
             self.engine.step()
+        self.optimizer_steps += 1
         sums_4 = torch.zeros(4, dtype=torch.float64)
         for rec in crit.records:
             sums_4 += torch.tensor([float(rec[k]) if rec[k] is not None else 0.0
                                     for k in ("loss", "lm_loss", "mtp_loss", "balance_loss")], dtype=torch.float64)
-        # the loss rank of each pipeline has the sums: share them with the pipeline, then average over DP
-        src = self.g.pp_ranks[self.runtime.loss_rank]
-        with self._peers("loss broadcast from the loss rank", self.g.pp_ranks):
-            dist.broadcast(sums_4, src=src, group=self.g.pp_group)
+        # the ranks where micro-batches end (the loss rank; DualPipe: ranks 0 and P-1, half each) hold the sums
+        # of their micro-batches, the others zeros: sum over the pipeline, then average over DP
+        with self._peers("loss all-reduce over the pipeline", self.g.pp_ranks):
+            dist.all_reduce(sums_4, group=self.g.pp_group)
         with self._peers("loss all-reduce", self.g.dp_ranks):
             dist.all_reduce(sums_4, group=self.g.dp_group)
         means = (sums_4 / (self.gas * self.g.dp)).tolist()
@@ -222,18 +260,81 @@ class PipelinedEngine:
             dist.all_gather_object(out, obj, group=self.g.pp_group)
         return out
 
+    def _routers_by_stage(self) -> tuple[list, list[int]]:
+        """This rank's routers and their MoE-layer indices, ordered by model stage (each stage's layers, then
+        its MTP blocks): the data-parallel peers and the DualPipe mirror list the same layers in this order."""
+        order = sorted(range(len(self.stages)), key=lambda c: self.stage_ids[c])
+        routers, slots = [], []
+        for c in order:
+            st = self.stages[c]
+            for slot, layer in zip(st.moe_slot, st.layers):
+                if slot >= 0:
+                    routers += routers_of(layer.mlp)
+                    slots.append(slot)
+            for slot, m in zip(getattr(st, "mtp_slot", []), getattr(st, "mtp", [])):
+                if slot >= 0:
+                    routers += routers_of(m.layer.mlp)
+                    slots.append(slot)
+        return routers, slots
+
+    def _sum_counts(self, counts_LE: torch.Tensor) -> torch.Tensor:
+        """Expert loads summed over the ranks that saw this step's tokens for these layers: the data-parallel
+        group; for DualPipe also the mirror rank (P-1-r holds the same stages and ran the other half of the
+        micro-batches). Counts are integers in float32: every order of summation gives the same value."""
+        with self._peers("expert-load all-reduce (bias update)", self.g.dp_ranks):
+            dist.all_reduce(counts_LE, op=dist.ReduceOp.SUM, group=self.g.dp_group)
+        if not (self.traits.mirror_sync and self.g.pp > 1):
+            return counts_LE
+        mirror = self.g.pp - 1 - self.g.pp_rank
+        if mirror == self.g.pp_rank:
+            return counts_LE
+        peer = self.g.pp_ranks[mirror]
+        other = torch.empty_like(counts_LE)
+        with self._peers("expert-load exchange with the DualPipe mirror rank", [self.g.pp_ranks[self.g.pp_rank], peer]):
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, counts_LE, peer, group=self.g.pp_group),
+                                            dist.P2POp(dist.irecv, other, peer, group=self.g.pp_group)])
+            for w in works:
+                self.runtime.p2p._wait(w, f"expert-load exchange with mirror pipeline rank {mirror}")
+        return counts_LE + other
+
     def update_expert_bias(self, gamma: float):
         """Aux-loss-free bias update for this rank's routers: counts summed over the data-parallel group
-        (for DualPipe also over the mirror rank, which saw the other half of the micro-batches)."""
-        if self.traits.mirror_sync:
-            raise ConfigError(f"dsv3.parallel.schedule: {self.schedule!r} with MoE bias updates is not supported on "
-                              "the DeepSpeed path (counts would also need summing over the mirror rank); use "
-                              "'dualpipev'")
-        with torch.no_grad(), self._peers("expert-load all-reduce (bias update)", self.g.dp_ranks):
-            stats = update_expert_bias(self.module, gamma, group=self.g.dp_group)
-        # which of the model's MoE layers each entry is (routers are visited in module order: each stage's
-        # layers, then its MTP blocks), so that callers can put the pipeline's layers back in model order
-        slots = [s for st in self.stages for s in st.moe_slot + getattr(st, "mtp_slot", []) if s >= 0]
+        (for DualPipe also over the mirror rank, which saw the other half of the micro-batches), so every copy
+        of a router (data-parallel replicas, DualPipe mirrors) applies the same update."""
+        routers, slots = self._routers_by_stage()
+        with torch.no_grad():
+            stats = update_expert_bias(routers, gamma, reduce=self._sum_counts)
+        # which of the model's MoE layers each entry is, so that callers can put the pipeline's layers back in
+        # model order (DualPipe: both mirrors report the same layers)
         for st, slot in zip(stats, slots):
             st["moe_index"] = slot
         return stats
+
+    # --- checkpoints ----------------------------------------------------------------------------------
+    def save_checkpoint(self, save_dir: str, tag: str, client_state: dict | None = None) -> None:
+        """DeepSpeed's checkpoint (one model file per pipeline rank with its stages' weights and router biases,
+        ZeRO-1 optimizer partitions, expert files, LR schedule) plus `client_state["dsv3"]`: every rank's RNG
+        state (all-gathered: DeepSpeed writes client_state from each stage's data-parallel rank 0 only), the
+        optimizer-step count and the config. Call between steps (router counts are zero there)."""
+        cs = dict(client_state or {})
+        cs["dsv3"] = {**gather_rng_states(), "optimizer_steps": self.optimizer_steps,
+                      "config": self.cfg.to_dict()}
+        with self._peers("save_checkpoint", sorted(set(self.g.pp_ranks) | set(self.g.dp_ranks))):
+            self.engine.save_checkpoint(save_dir, tag=tag, client_state=cs)
+
+    def load_checkpoint(self, load_dir: str, tag: str) -> dict:
+        """Load what `save_checkpoint` wrote (same pp, dp, ep); restores this rank's RNG state. Returns the
+        caller's client_state keys (CheckpointError when it is not a dsv3 pipelined checkpoint or the layout
+        differs)."""
+        with self._peers("load_checkpoint", sorted(set(self.g.pp_ranks) | set(self.g.dp_ranks))):
+            path, client = self.engine.load_checkpoint(load_dir, tag=tag)
+        if path is None:
+            raise CheckpointError(f"{load_dir}: DeepSpeed could not load checkpoint tag {tag!r}")
+        client = dict(client or {})
+        st = client.pop("dsv3", None)
+        if st is None:
+            raise CheckpointError(f"{path}: client_state has no 'dsv3' entry (not saved by dsv3 train)")
+        restore_rng_state(st, str(path))
+        self.optimizer_steps = int(st.get("optimizer_steps", 0))
+        reset_counts(self.module)   # counts of an interrupted step must not leak into the next update
+        return client

@@ -98,6 +98,13 @@ def maxvio_of(stats: Any) -> list[float]:
     return [float(s["maxvio"]) for s in (stats or [])]
 
 
+def _grad_norm(engine) -> float | None:
+    """The global gradient norm of the last optimizer step (what gradient_clipping compared; every parameter
+    counted once over all ranks), None when DeepSpeed did not compute one."""
+    n = engine.get_global_grad_norm()
+    return None if n is None else float(n)
+
+
 def _f(x) -> float:
     """A loss term as a Python float (absent terms, e.g. MTP depth 0 or α = 0, are 0)."""
     return 0.0 if x is None else float(x.detach())
@@ -193,7 +200,7 @@ def _train(run: RunDir, ds: dict, cfg, total: int, rank: int, world: int, *, ini
            summary, allow_non_finite=False) -> dict:
     """Setup, resume, then one `_step` per optimizer step, each logged and checkpointed by `_after_step`."""
     _setup_process(cfg)
-    model = _build_model(cfg, init_from, allow_non_finite, rank, world)  # (pp with EMA or EP: refused by _prepare)
+    model = _build_model(cfg, init_from, allow_non_finite, rank, world)
     if cfg.parallel.pp > 1:
         return _train_pipelined(model, run, ds, cfg, total, rank, world, progress=progress, echo=echo,
                                 summary=summary)
@@ -251,7 +258,7 @@ def _setup(model, ds: dict, cfg, rank: int, world: int) -> _Loop:
     prepare_model(model, cfg)
     engine, _, _, _ = initialize(model, ds)
     telemetry = RoutingTelemetry(model)
-    ema = EMA.from_config(model, cfg, rank, world)  # memory.ema: CPU shadow, updated after each step
+    ema = _ema(model, cfg, rank, world)  # memory.ema: CPU shadow, updated after each step
     data = MarkovData(cfg.model.vocab_size, cfg.train.seq_len, seed=cfg.train.seed)
     return _Loop(engine, telemetry, ema, data, rank, world)
 
@@ -294,8 +301,8 @@ def _step(loop: _Loop, step: int) -> dict:
     return {"step": step + 1, "loss": means[0], "lm_loss": means[1], "mtp_loss": means[2],
             "balance_loss": means[3], "maxvio": sum(mv) / len(mv) if mv else 0.0,
             "tokens_per_s": st.last_step_tokens / dt, "tokens_seen": st.tokens_seen,
-            "gamma": st.last_gamma, "lr": float(engine.get_lr()[0]), "maxvio_layers": mv,
-            **loop.telemetry.record(st.last_stats)}  # collective: every rank records
+            "gamma": st.last_gamma, "lr": float(engine.get_lr()[0]), "grad_norm": _grad_norm(engine),
+            "maxvio_layers": mv, **loop.telemetry.record(st.last_stats)}  # collective: every rank records
 
 
 def _save(loop: _Loop, run: RunDir, tag: str, done: int) -> None:
@@ -339,29 +346,59 @@ def _bar(show: bool, total: int, start: int, desc: str):
     return tqdm(total=total, initial=start, desc=desc, unit="step", file=sys.stderr, dynamic_ncols=True)
 
 
+def _ema(module, cfg, dp_rank: int, dp: int):
+    """memory.ema: this rank's CPU EMA shard of `module` (its pipeline stages at pp > 1). Every parameter is
+    averaged by exactly one rank of the ranks holding it: dense parameters are split by name over the
+    data-parallel group, this EP rank's experts over its expert-data-parallel group (dp/ep ranks)."""
+    if not cfg.memory.ema:
+        return None
+    ep = cfg.parallel.ep
+    dense = sorted(n for n, p in module.named_parameters() if getattr(p, "allreduce", True))
+    expert = sorted(n for n, p in module.named_parameters() if not getattr(p, "allreduce", True))
+    names = dense[dp_rank::dp] + expert[dp_rank // ep::dp // ep]
+    return EMA(module, cfg.memory.ema_decay, names=names)
+
+
 def _train_pipelined(model, run: RunDir, ds: dict, cfg, total: int, rank: int, world: int, *, progress, echo,
                      summary) -> dict:
     """`"parallel": {"pp": P > 1, "schedule": ...}`: pipelines of P consecutive ranks, ZeRO-1 over the
-    data-parallel group (`dsv3_plugin.deepspeed.pipeline.PipelinedEngine`); one pipeline step over the JSON's
-    gradient_accumulation_steps micro-batches per optimizer step; the data of a step belongs to the
-    data-parallel rank, so every rank of a pipeline reads the same micro-batches."""
-    if run.resume_tag:
-        raise ConfigError("dsv3.parallel.pp: --resume with pipeline parallelism is not supported yet")
+    data-parallel group (`dsv3_plugin.deepspeed.pipeline.PipelinedEngine`), experts over EP groups carved from
+    it; one pipeline step over the JSON's gradient_accumulation_steps micro-batches per optimizer step; the data
+    of a step belongs to the data-parallel rank, so every rank of a pipeline reads the same micro-batches.
+    `--resume`: the engine's checkpoint (weights, optimizer, router biases, RNG), the data position and tokens
+    seen, and this rank's EMA shard."""
     pe = PipelinedEngine(model, ds, cfg)
+    ema = _ema(pe.module, cfg, pe.g.dp_rank, pe.g.dp)
     data = MarkovData(cfg.model.vocab_size, cfg.train.seq_len, seed=cfg.train.seed)
-    run.start_metrics(0)
-    bar = _bar(progress and rank == 0, total, 0, f"dsv3 train (pp={pe.g.pp}, {cfg.parallel.schedule})")
+    start = tokens_seen = 0
+    if run.resume_tag:
+        client = pe.load_checkpoint(run.resume_ckpt, tag=run.resume_tag)
+        start, tokens_seen = int(client["data_step"]), int(client["tokens_seen"])
+        if ema is not None:
+            ema.load_state_dict(torch.load(_ema_path(run.resume_ckpt, run.resume_tag, rank), weights_only=True))
+    run.start_metrics(start)
+    bar = _bar(progress and rank == 0, total, start, f"dsv3 train (pp={pe.g.pp}, {cfg.parallel.schedule})")
     history: list[dict] = []
+
+    def save(tag: str, done: int) -> None:
+        pe.save_checkpoint(run.ckpt, tag=tag, client_state={"data_step": done, "tokens_seen": tokens_seen})
+        if ema is not None:  # each rank its own shard, like pp = 1
+            _atomic_save(ema.state_dict(), _ema_path(run.ckpt, tag, rank))
+
     t_run = time.perf_counter()
-    for step in range(total):
-        tokens_seen = history[-1]["tokens_seen"] if history else 0
-        rec = _step_pipelined(pe, data, cfg, step, tokens_seen)
-        history.append(rec)
-        _after_step(rec, run, cfg, total, echo, bar, save=lambda tag, done: pe.engine.save_checkpoint(
-            run.ckpt, tag=tag, client_state={"data_step": done, "tokens_seen": rec["tokens_seen"]}))
+    for step in range(start, total):
+        with peer_failures(f"training step {step + 1}", cfg.parallel.p2p_timeout_s):
+            rec = _step_pipelined(pe, data, cfg, step, tokens_seen)
+            if ema is not None:
+                ema.update()  # after the optimizer step; the arithmetic overlaps the next step
+            tokens_seen = rec["tokens_seen"]
+            history.append(rec)
+            _after_step(rec, run, cfg, total, echo, bar, save=save)
     wall = time.perf_counter() - t_run
     if bar is not None:
         bar.close()
+    if ema is not None:
+        ema.close()
     return _finish(pe.module, history, run, world, wall, data.entropy_rate, echo, summary,
                    getattr(model, "checkpoint_bytes_read", 0))
 
@@ -379,11 +416,11 @@ def _step_pipelined(pe, data, cfg, step: int, tokens_seen: int) -> dict:
     step_tokens = ids.numel() * g.dp            # every rank of a pipeline trains on the same tokens
     # (MoE layer index, MaxVio) of every local MoE layer of every pipeline rank
     per_rank = pe.gather_pipeline([(s["moe_index"], float(s["maxvio"])) for s in stats])
-    mv = [v for _, v in sorted(x for xs in per_rank for x in xs)]   # model order
+    mv = [v for _, v in sorted(dict(x for xs in per_rank for x in xs).items())]   # model order, DualPipe's mirrors once
     dt = time.perf_counter() - t0
     return {"step": step + 1, **m, "maxvio": sum(mv) / len(mv) if mv else 0.0,
             "tokens_per_s": step_tokens / dt, "tokens_seen": tokens_seen + step_tokens, "gamma": gamma,
-            "lr": float(pe.engine.get_lr()[0]), "maxvio_layers": mv}
+            "lr": float(pe.engine.get_lr()[0]), "grad_norm": _grad_norm(pe.engine), "maxvio_layers": mv}
 
 
 def _log_step(rec: dict, done: int, total: int, log_every: int, echo: bool, metrics_path, bar) -> None:

@@ -13,9 +13,8 @@ What it checks, in this order (the first failure is reported):
    optimizer and LR scheduler, fp16/bf16, and DeepSpeed's own config parser as a backstop;
 4. rules of the DeepSpeed path: at least one MoE layer (the bias update needs a router); with memory.bf16_moments
    an AdamW optimizer section (the engine builds the BF16-moment AdamW from it);
-5. with `target="train"`: what `dsv3 train` does not support (EMA or EP with pp > 1,
-   DualPipe's bias update, a pipeline rank left without parameters), its synthetic data's limits, the requested FP8
-   backend being runnable here;
+5. with `target="train"`: what `dsv3 train` does not support (a pipeline rank left without parameters), its
+   synthetic data's limits, the requested FP8 backend being runnable here;
 6. with `world_size`: pp divides the world, ep divides the data-parallel size, the batch-size triple of
    DeepSpeed resolves (train_batch_size = micro-batch x accumulation x data-parallel size); then (also without
    `world_size` when the accumulation is known) the pipeline schedules' micro-batch counts
@@ -32,7 +31,7 @@ from typing import Literal, Optional
 
 from dsv3_plugin.config import ConfigError, DSv3Config, check_numbers, got, load_config, read_ds_json
 from dsv3_plugin.parallel.pipeline.stages import min_layers
-from dsv3_plugin.schedule_traits import check_chunks, schedule_traits
+from dsv3_plugin.schedule_traits import check_chunks
 from .train_memory import MemoryEstimate, check_memory
 from dsv3_plugin.precision.fp8.linear import select_backend
 from .config_keys import adamw_hyperparameters, check_deepspeed_keys, resolve_batch
@@ -94,14 +93,6 @@ def _deepspeed_path_rules(cfg: DSv3Config, ds: dict) -> None:
 def _train_rules(cfg: DSv3Config) -> None:
     """What `dsv3 train` itself refuses (the engine alone may still be used this way from Python)."""
     p, m = cfg.parallel, cfg.model
-    if p.pp > 1 and cfg.memory.ema:
-        raise ConfigError("dsv3.memory.ema: not supported together with parallel.pp > 1 in dsv3 train")
-    if p.pp > 1 and p.ep > 1:
-        raise ConfigError(f"dsv3.parallel.ep: expert parallelism together with pipeline parallelism "
-                          f"(pp = {p.pp}) is not supported by dsv3 train (got ep = {p.ep})")
-    if p.pp > 1 and schedule_traits(p.schedule).mirror_sync:
-        raise ConfigError(f"dsv3.parallel.schedule: {p.schedule!r} with MoE bias updates is not supported on the "
-                          "DeepSpeed path (counts would also need summing over the mirror rank); use 'dualpipev'")
     if p.pp > 1:
         # A rank whose stages are all empty and hold neither the embedding (first stage) nor the head (last) has
         # no parameter, and DeepSpeed's optimizer refuses an empty parameter list (pipeline/stages.py).

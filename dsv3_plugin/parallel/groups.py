@@ -14,6 +14,13 @@ degree P (P divides W):
 This is the same EP/EDP layout DeepSpeed builds with ``groups._create_expert_and_data_parallel(P)``
 (4 ranks, P=2: EP [0,1],[2,3]; EDP [0,2],[1,3]), so expert parameters sharded here line up with
 DeepSpeed's expert-data-parallel gradient reduction.
+
+With pipeline parallelism (``pp`` > 1; global rank = dp_rank·pp + pp_rank, `dsv3_plugin.deepspeed.pipeline`)
+EP is carved from each stage's data-parallel group (paper §3.1: EP spans DP ranks, never pipeline stages):
+the DP group of pipeline rank p is ``{d·pp + p}``, its EP groups are blocks of P consecutive DP ranks, EDP
+groups join the DP ranks with the same EP rank, and nodes are blocks of ``ranks_per_node`` EP ranks. At
+pp = 1 this is the layout above. NOTE: DeepSpeed's own group builder assumes pipeline stages are contiguous
+rank blocks (pp outermost); the DeepSpeed adapter registers these groups under DeepSpeed's names instead.
 """
 from __future__ import annotations
 
@@ -29,16 +36,28 @@ from dsv3_plugin.parallel.distributed import peer_timeout, set_group_timeout
 __all__ = ["EPGroups", "build_ep_groups", "ep_layout", "single_process_groups"]
 
 
-def ep_layout(world: int, ep: int, ranks_per_node: int) -> dict[str, list[list[int]]]:
-    """Rank lists of every group (pure function: no process group is created)."""
-    if ep <= 0 or world % ep:
-        raise ConfigError(f"dsv3.parallel.ep: must divide the world size (got ep={ep}, world={world})")
+def ep_layout(world: int, ep: int, ranks_per_node: int, pp: int = 1) -> dict[str, list[list[int]]]:
+    """Rank lists of every group (pure function: no process group is created). `pp` pipeline ranks: the
+    groups of each pipeline rank are made of its data-parallel ranks (global rank = dp_rank·pp + pp_rank)."""
+    if pp <= 0 or world % pp:
+        raise ConfigError(f"dsv3.parallel.pp: must divide the world size (got pp={pp}, world={world})")
+    dp = world // pp
+    if ep <= 0 or dp % ep:
+        what = "the world size" if pp == 1 else f"the data-parallel size (world {world} / pp {pp})"
+        raise ConfigError(f"dsv3.parallel.ep: must divide {what} (got ep={ep}, "
+                          f"{'world' if pp == 1 else 'dp'}={dp})")
     if ranks_per_node <= 0 or ep % ranks_per_node:
         raise ConfigError(f"dsv3.moe.ranks_per_node: must divide parallel.ep (got {ranks_per_node}, ep={ep})")
-    ep_groups = [list(range(i * ep, (i + 1) * ep)) for i in range(world // ep)]
-    edp_groups = [list(range(j, world, ep)) for j in range(ep)]
-    node_groups = [list(range(n * ranks_per_node, (n + 1) * ranks_per_node)) for n in range(world // ranks_per_node)]
-    return {"dp": [list(range(world))], "ep": ep_groups, "edp": edp_groups, "node": node_groups}
+    out: dict[str, list[list[int]]] = {"dp": [], "ep": [], "edp": [], "node": []}
+    for p in range(pp):
+        dp_ranks = [d * pp + p for d in range(dp)]
+        out["dp"].append(dp_ranks)
+        out["ep"] += [dp_ranks[i * ep:(i + 1) * ep] for i in range(dp // ep)]
+        out["edp"] += [dp_ranks[j::ep] for j in range(ep)]
+        out["node"] += [dp_ranks[n * ranks_per_node:(n + 1) * ranks_per_node] for n in range(dp // ranks_per_node)]
+    if pp > 1:   # creation order of every kind: pipeline rank 0's groups first (all ranks create all groups)
+        return out
+    return {"dp": [list(range(world))], "ep": out["ep"], "edp": out["edp"], "node": out["node"]}
 
 
 @dataclass
@@ -57,6 +76,7 @@ class EPGroups:
     edp_group: Any = None
     dp_group: Any = None
     ep_ranks: list[int] = field(default_factory=lambda: [0])
+    edp_ranks: list[int] = field(default_factory=lambda: [0])
 
     @property
     def num_nodes(self) -> int:
@@ -92,10 +112,13 @@ _CACHE: dict[tuple, EPGroups] = {}
 
 
 def build_ep_groups(ep: int, ranks_per_node: int = 1, *, ep_group: Any = None,
-                    edp_group: Optional[Any] = None, timeout_s: Optional[float] = None) -> EPGroups:
+                    edp_group: Optional[Any] = None, timeout_s: Optional[float] = None, pp: int = 1,
+                    dp_group: Optional[Any] = None) -> EPGroups:
     """Create (once per layout) the DP/EP/EDP/node groups of this rank. Collective: every rank must call it
     with the same arguments. ``ep_group``/``edp_group`` may be passed in (e.g. DeepSpeed's own groups with the
-    same layout), then only the node groups are created here.
+    same layout), then only the node groups are created here. ``pp`` > 1: the groups are carved from each
+    pipeline rank's data-parallel group (module docstring); ``dp_group`` is that group when the caller has it
+    (else it is created here; at pp = 1 it is the world).
 
     ``timeout_s`` bounds every wait on the groups created here (``parallel.p2p_timeout_s``; None: the value
     `distributed.set_peer_timeout` set, else torch's default for a new group, 30 minutes on gloo). Groups
@@ -107,21 +130,23 @@ def build_ep_groups(ep: int, ranks_per_node: int = 1, *, ep_group: Any = None,
     world, rank = dist.get_world_size(), dist.get_rank()
     timeout = timedelta(seconds=timeout_s) if timeout_s is not None else peer_timeout()
     kw = {} if timeout is None else {"timeout": timeout}
-    key = (world, ep, ranks_per_node, id(ep_group), id(edp_group))
+    key = (world, ep, ranks_per_node, id(ep_group), id(edp_group), pp, id(dp_group))
     if key in _CACHE:
         out, created = _CACHE[key]
         for g in created if timeout is not None else ():
             set_group_timeout(g, timeout)
         return out
-    lay = ep_layout(world, ep, ranks_per_node)
+    lay = ep_layout(world, ep, ranks_per_node, pp)
+    given = {"ep": ep_group, "edp": edp_group, "dp": dp_group if pp > 1 else dist.group.WORLD}
     mine: dict[str, Any] = {}
+    mine_ranks: dict[str, list[int]] = {}
     created = []  # groups of this rank made here (not the caller's, not the world group)
-    for kind in ("ep", "edp", "node"):
-        if kind == "ep" and ep_group is not None:
-            mine["ep"] = ep_group
-            continue
-        if kind == "edp" and edp_group is not None:
-            mine["edp"] = edp_group
+    for kind in ("ep", "edp", "node", "dp"):
+        for ranks in lay[kind]:
+            if rank in ranks:
+                mine_ranks[kind] = ranks
+        if given.get(kind) is not None:
+            mine[kind] = given[kind]
             continue
         for ranks in lay[kind]:
             # new_group is collective over the world: every rank creates every group, keeps its own.
@@ -130,8 +155,9 @@ def build_ep_groups(ep: int, ranks_per_node: int = 1, *, ep_group: Any = None,
                 mine[kind] = g
                 if len(ranks) < world:
                     created.append(g)
-    ep_ranks = lay["ep"][rank // ep]
-    out = EPGroups(ep_size=ep, ep_rank=rank % ep, ranks_per_node=ranks_per_node, ep_group=mine["ep"],
-                   node_group=mine["node"], edp_group=mine["edp"], dp_group=dist.group.WORLD, ep_ranks=ep_ranks)
+    dp_ranks = mine_ranks["dp"]
+    out = EPGroups(ep_size=ep, ep_rank=dp_ranks.index(rank) % ep, ranks_per_node=ranks_per_node,
+                   ep_group=mine["ep"], node_group=mine["node"], edp_group=mine["edp"], dp_group=mine["dp"],
+                   ep_ranks=mine_ranks["ep"], edp_ranks=mine_ranks["edp"])
     _CACHE[key] = (out, created)
     return out

@@ -1,5 +1,5 @@
 """`parallel.p2p_timeout_s` reaches every process group a `dsv3 train` rank waits on: the world group, the
-expert-parallel groups (ours and DeepSpeed's EP / EDP groups) and DeepSpeed's clone of the world group (over
+expert-parallel groups (ours, which DeepSpeed's MoE layer also uses as its EP / EDP groups) and DeepSpeed's clone of the world group (over
 which ZeRO-1 reduces gradients). torch gives a group created without `timeout=` 30 minutes on gloo, so a group
 missed here would let a stopped peer hang the job that long (the end-to-end check with a SIGSTOPped rank is
 tests/dist/test_pipeline_stopped_peer.py).
@@ -34,7 +34,8 @@ def _train_twice():
 
 def test_every_group_waits_at_most_the_configured_timeout():
     for rank, (first, second) in enumerate(run_ranks(_train_twice, 2)):
-        # world + our EDP/node groups + DeepSpeed's EP, EDP and world-clone groups
-        assert len(first) >= 5, (rank, first)
+        # world + our EDP/node groups (DeepSpeed's MoE layer uses ours as its EP/EDP groups) + DeepSpeed's
+        # world clone
+        assert len(first) >= 4, (rank, first)
         assert first == [7.0] * len(first), (rank, first)
         assert second == [11.0] * len(second), (rank, second)

@@ -21,7 +21,7 @@ Sequence-wise balance loss (eqs. 17-20): per sequence of T tokens,
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -60,17 +60,22 @@ def reset_counts(model: nn.Module) -> None:
 
 @torch.no_grad()
 def update_expert_bias(model: nn.Module | Iterable[nn.Module], gamma: float,
-                       group: dist.ProcessGroup | None = None) -> list[dict]:
+                       group: dist.ProcessGroup | None = None,
+                       reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[dict]:
     """Apply b <- b + γ·sign(mean − load) once, from the counts summed since the last call.
 
     Counts of all routers are stacked and all-reduced in one collective over `group` (default: the world
-    when torch.distributed is initialized). Returns per-router stats: `loads` (list), `maxvio`.
+    when torch.distributed is initialized). `reduce(counts_LE) -> counts_LE`, when given, replaces that
+    all-reduce (e.g. DualPipe: the data-parallel group, then the mirror rank holding the same layers).
+    Returns per-router stats: `loads` (list), `maxvio`.
     """
     routers = routers_of(model) if isinstance(model, nn.Module) else list(model)
     if not routers:
         return []
     counts_LE = torch.stack([r.tokens_per_expert.float() for r in routers])  # [L, E]
-    if dist.is_available() and dist.is_initialized():
+    if reduce is not None:
+        counts_LE = reduce(counts_LE)
+    elif dist.is_available() and dist.is_initialized():
         dist.all_reduce(counts_LE, op=dist.ReduceOp.SUM, group=group)
     stats = []
     for r, load_E in zip(routers, counts_LE):
