@@ -262,3 +262,22 @@ def test_memory_estimate_is_a_lower_bound_of_the_model_size():
             n = sum(p.numel() for p in build_model(cfg).parameters())
         est = estimate_train_memory(cfg)
         assert est.parts["build"] <= 4 * n <= est.parts["build"] * 1.01, (over, est.params, n)
+
+
+def test_pp_with_ep_refuses_a_pipeline_rank_without_moe_layer():
+    """pp = 2 x ep = 2: 1F1B over 2 MoE layers and no MTP leaves pipeline rank 1 only the head (the head counts
+    as a layer in the split); DeepSpeed's ZeRO-1 would then run fewer expert-group collectives there than on
+    rank 0 (observed: a gloo size mismatch in the first step). DualPipeV puts a layer on every rank: accepted."""
+    from dsv3_plugin.deepspeed.validate import validate_ds_config
+
+    def ds(schedule, gas):
+        return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": gas,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+                "dsv3": {"preset": "tiny", "model": {"num_hidden_layers": 2, "first_k_dense_replace": 0},
+                         "mtp": {"depth": 0}, "parallel": {"pp": 2, "ep": 2, "schedule": schedule}}}
+    with pytest.raises(ConfigError, match=r"dsv3\.parallel\.ep: .*pipeline rank 1 only layers \[\]"):
+        validate_ds_config(ds("1f1b", 2), world_size=4)
+    validate_ds_config(ds("dualpipev", 4), world_size=4)
+    ok = ds("1f1b", 2)
+    ok["dsv3"]["parallel"]["ep"] = 1
+    validate_ds_config(ok, world_size=4)
