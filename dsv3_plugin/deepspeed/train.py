@@ -355,7 +355,9 @@ def _train_pipelined(model, run: RunDir, ds: dict, cfg, total: int, rank: int, w
     wall = time.perf_counter() - t_run
     if bar is not None:
         bar.close()
-    return _finish(pe.module, history, run, world, wall, data.entropy_rate, echo, summary)
+    with peer_failures("end of the run (pipeline busy/idle times)", cfg.parallel.p2p_timeout_s):
+        pipe = pe.idle_report()
+    return _finish(pe.module, history, run, world, wall, data.entropy_rate, echo, summary, pipeline=pipe)
 
 
 def _step_pipelined(pe, data, cfg, step: int, tokens_seen: int) -> dict:
@@ -394,9 +396,10 @@ def _log_step(rec: dict, done: int, total: int, log_every: int, echo: bool, metr
 
 
 def _finish(model, history: list[dict], run: RunDir, world: int, wall_s: float, loss_floor: float, echo: bool,
-            summary: bool) -> dict:
+            summary: bool, pipeline: dict | None = None) -> dict:
     """End of a run (both loops): PNGs, summary (JSON with `echo`, human with `summary`), and final-state
-    fingerprints (plain Python values, so they can cross process boundaries)."""
+    fingerprints (plain Python values, so they can cross process boundaries). `pipeline`: the pipelined loop's
+    per-rank busy/idle times (`PipelinedEngine.idle_report`), reported under the summary's "pipeline" key."""
     out = run.out
     files = []
     if run.rank == 0 and out and run.metrics_path:
@@ -410,6 +413,11 @@ def _finish(model, history: list[dict], run: RunDir, world: int, wall_s: float, 
     if run.ckpt and history:
         files.append(os.path.join(run.ckpt, f"step{history[-1]['step']}"))
     summ = _summary(history, world, wall_s, loss_floor, files)
+    if pipeline is not None and history:
+        summ["pipeline"] = pipeline
+        fr = ", ".join(f"{r['idle_fraction']:.3f}" for r in pipeline["ranks"])
+        summ["text"] += (f"\n  pipeline       idle fraction per rank {fr} ({pipeline['schedule']}, W split "
+                         f"{'on' if pipeline['split_weight_grads'] else 'off'}, {pipeline['steps_measured']} steps)")
     if run.rank == 0:
         if echo:
             print(json.dumps({"summary": {k: v for k, v in summ.items() if k != "text"}}), flush=True)
