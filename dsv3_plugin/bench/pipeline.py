@@ -34,6 +34,8 @@ def add_arguments(p):
     p.add_argument("--preset", default="tiny", help="dsv3 preset of the model")
     p.add_argument("--layers", type=positive_int, default=4, help="decoder layers")
     p.add_argument("--seq-len", type=positive_int, default=64, help="tokens per sequence")
+    p.add_argument("--mtp-depth", type=int, default=None,
+                   help="MTP depth (default: the preset's; 0 balances DualPipe(V)'s stages: MTP sits on the last one)")
     p.add_argument("--micro-batch", type=positive_int, default=2, help="sequences per micro-batch")
     p.add_argument("--chunks", type=positive_int, default=8, help="micro-batches per step (>= 2 x pp)")
     p.add_argument("--steps", type=positive_int, default=4, help="measured steps per variant (after one warm-up)")
@@ -45,7 +47,8 @@ def _ds(a: dict, schedule: str, split: bool) -> dict:
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
             "dsv3": {"preset": a["preset"], "model": {"num_hidden_layers": a["layers"]},
                      "parallel": {"pp": a["pp"], "schedule": schedule, "split_weight_grads": split},
-                     "train": {"seq_len": a["seq_len"], "seed": 1234}}}
+                     "train": {"seq_len": a["seq_len"], "seed": 1234},
+                     **({} if a["mtp_depth"] is None else {"mtp": {"depth": a["mtp_depth"]}})}}
 
 
 def _rank_main(a: dict) -> dict:
@@ -80,7 +83,8 @@ def run(args) -> dict:
     import sys
     schedules = SCHEDULE_CHOICES if args.schedule == "all" else [args.schedule]
     a = {"pp": args.pp, "preset": args.preset, "layers": args.layers, "seq_len": args.seq_len,
-         "micro_batch": args.micro_batch, "chunks": args.chunks, "steps": args.steps, "schedules": schedules}
+         "micro_batch": args.micro_batch, "chunks": args.chunks, "steps": args.steps, "mtp_depth": args.mtp_depth,
+         "schedules": schedules}
     try:
         for s in schedules:
             check_chunks(s, args.pp, args.chunks, chunks_key="--chunks", pp_key="--pp")
