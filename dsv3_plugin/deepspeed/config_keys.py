@@ -24,7 +24,9 @@ DeepSpeed itself coerces or ignores bad values until deep inside `deepspeed.init
   builds the BF16-moment AdamW from its `lr`, `betas`, `eps`, `weight_decay` as a client optimizer.
 - `scheduler`: `type` a DeepSpeed LR schedule (or a `torch.optim.lr_scheduler` class), `params` an object
   matching its constructor, which is run once on a dummy optimizer.
-- `fp16` / `bf16`: `enabled` true or false, not both; fp16 refused where the accelerator has no fp16 (CPU).
+- `fp16` / `bf16`: `enabled` true or false, not both; fp16 refused where the accelerator has no fp16. With
+  either enabled, `data_types.buffer_dtype` must be absent or fp32: it would cast the router bias (and its load
+  counts) to 16 bits, where the bias update's γ-sized steps round away.
 - `steps_per_print`: an integer >= 1 (the engine takes a modulo by it every step).
 - finally `deepspeed.runtime.config.DeepSpeedConfig` parses the whole section (its own checks, e.g.
   `communication_data_type`), with any failure reported as a `ConfigError`.
@@ -117,6 +119,11 @@ def _check_precision(ds: dict) -> None:
         enabled[sec] = s.get("enabled", False)
     if enabled.get("fp16") and enabled.get("bf16"):
         raise ConfigError("fp16.enabled: fp16 and bf16 cannot both be enabled")
+    types = _obj(ds, "data_types") or {}
+    if (enabled.get("fp16") or enabled.get("bf16")) and types.get("buffer_dtype") not in (None, "fp32", "float32",
+                                                                                            "float", "torch.float32"):
+        raise _bad("data_types.buffer_dtype", "must be absent or fp32 (the router bias and its load counts stay FP32; "
+                   "paper §2.1.2)", types["buffer_dtype"])
     if enabled.get("fp16"):
         import_deepspeed()
         from deepspeed.accelerator import get_accelerator

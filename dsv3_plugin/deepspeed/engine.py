@@ -22,6 +22,14 @@ What it adds to the engine DeepSpeed returns (and why):
   `load_state_dict` restores BF16, exactly).
 - DeepSpeed JSON hygiene: ZeRO stage 1 (the default when absent; other stages are refused), and
   `gradient_clipping` written explicitly (DeepSpeed otherwise applies a silent default of 1.0).
+- Mixed precision (DeepSpeed `"bf16": {"enabled": true}`; paper §3.3): DeepSpeed casts the parameters to BF16 and
+  its ZeRO-1 optimizer keeps FP32 master weights and optimizer state (`DeepSpeedZeroOptimizer`; with
+  `"data_types": {"grad_accum_dtype": "fp32"}` gradients accumulate in FP32 too, in DeepSpeed's `BF16_Optimizer`).
+  `prepare_mixed_precision` lets the routers' weights become BF16 compute copies like every other parameter
+  (ZeRO flattens a parameter group into one buffer of one dtype; a single FP32 router weight would silently promote
+  the whole model to FP32); the gating math stays FP32 (`Router.scores`). The router bias and the expert-load
+  counts are buffers, which DeepSpeed leaves FP32 (`data_types.buffer_dtype` other than fp32 is refused), so the
+  bias update runs in FP32; `check_fp32_router_state` asserts it after `deepspeed.initialize`.
 - Timeouts: every process group `deepspeed.initialize` creates (its clone of the world group, over which ZeRO
   reduces gradients; the expert-parallel and expert-data-parallel groups of a MoE model) waits at most
   `parallel.p2p_timeout_s` instead of torch's default for a new group (30 minutes on gloo).
@@ -30,9 +38,11 @@ DeepSpeed is imported lazily (only here), never by the core.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import random
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,9 +58,10 @@ from .config_keys import DEFAULT_GRADIENT_CLIPPING, SUPPORTED_ZERO_STAGES  # noq
 from .config_keys import adamw_hyperparameters
 from .validate import validate_ds_config
 from dsv3_plugin.model.moe.balancing import update_expert_bias
+from dsv3_plugin.model.moe.router import Router
 
 __all__ = ["initialize", "split_ds_config", "client_optimizer", "DSv3TrainState", "quiet_deepspeed_logs",
-           "DEFAULT_GRADIENT_CLIPPING"]
+           "DEFAULT_GRADIENT_CLIPPING", "mixed_precision_dtype", "prepare_mixed_precision", "check_fp32_router_state"]
 
 
 def split_ds_config(config: "str | os.PathLike | dict") -> tuple[dict, DSv3Config]:
@@ -84,6 +95,33 @@ def client_optimizer(params, ds_config: dict, cfg: DSv3Config, optimizer=None):
     ds.pop("optimizer")
     ds["zero_allow_untested_optimizer"] = True
     return AdamWBF16Moments(params, **hyper), ds
+
+
+def mixed_precision_dtype(ds_config: dict) -> torch.dtype | None:
+    """The dtype DeepSpeed casts the parameters to: BF16 / FP16 when that section is enabled, else None (FP32)."""
+    for sec, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        if isinstance(ds_config.get(sec), dict) and ds_config[sec].get("enabled") is True:
+            return dtype
+    return None
+
+
+def prepare_mixed_precision(model: torch.nn.Module, ds_config: dict) -> None:
+    """Before `deepspeed.initialize` under bf16/fp16: every router's weight follows the module dtype (see the module
+    docstring; without this DeepSpeed's `.to(device)` re-runs `Router._apply`, which would restore an FP32 weight)."""
+    if mixed_precision_dtype(ds_config) is None:
+        return
+    for m in model.modules():
+        if isinstance(m, Router):
+            m.keep_fp32_weight = False
+
+
+def check_fp32_router_state(model: torch.nn.Module) -> None:
+    """After `deepspeed.initialize`: the aux-loss-free bias and the load counts are still FP32 (paper §2.1.2 steps of
+    γ = 1e-3 are below BF16's resolution around 1.0)."""
+    for name, b in model.named_buffers():
+        if name.endswith(("e_score_correction_bias", "tokens_per_expert")) and b.dtype != torch.float32:
+            raise RuntimeError(f"{name}: {b.dtype} after deepspeed.initialize; the router bias and its load counts "
+                               "must stay float32")
 
 
 def _check_model_matches(model: torch.nn.Module, cfg: DSv3Config) -> None:
@@ -258,9 +296,12 @@ def initialize(model: torch.nn.Module, config: "str | os.PathLike | dict", *, mo
     elif model_parameters is not None:
         model_parameters = list(model_parameters)   # a generator would be spent by the client optimizer
     optimizer, ds_config = client_optimizer(model_parameters, ds_config, cfg, optimizer)
-    with new_groups_bounded(cfg.parallel.p2p_timeout_s):
+    prepare_mixed_precision(model, ds_config)
+    # stdout is for dsv3 train's JSON lines: DeepSpeed's BF16_Optimizer prints memory reports there while it builds
+    with new_groups_bounded(cfg.parallel.p2p_timeout_s), contextlib.redirect_stdout(sys.stderr):
         engine, opt, loader, sched = deepspeed.initialize(
             model=model, model_parameters=model_parameters, optimizer=optimizer, lr_scheduler=lr_scheduler,
             training_data=training_data, config=ds_config, **kwargs)
+    check_fp32_router_state(model)
     engine.dsv3 = _DSv3Hooks(engine, model, cfg, group=group)
     return engine, opt, loader, sched

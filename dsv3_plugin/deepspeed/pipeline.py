@@ -29,7 +29,7 @@ from torch import nn
 
 from dsv3_plugin.config import ConfigError
 from .backend import import_deepspeed
-from .engine import client_optimizer
+from .engine import check_fp32_router_state, client_optimizer, prepare_mixed_precision
 from dsv3_plugin.parallel.pipeline import PipelineRuntime
 from dsv3_plugin.schedule_traits import check_chunks
 from dsv3_plugin.parallel.pipeline.stages import build_stages, n_stages_of, stage_ids_for_rank
@@ -177,10 +177,12 @@ class PipelinedEngine:
         self.step_times: list[dict] = []   # per train_step: the runtime's busy_s / idle_s / wall_s / w_closures
         params = [p for p in self.module.parameters() if p.requires_grad]
         opt, ds = client_optimizer(params, ds, cfg)   # memory.bf16_moments: the BF16-moment AdamW
+        prepare_mixed_precision(self.module, ds)      # bf16: BF16 router weights, FP32 bias (engine.py)
         with self._peers("deepspeed.initialize (parameter broadcast)", self.g.dp_ranks), \
                 new_groups_bounded(self.timeout_s):
             self.engine, self.optimizer, _, self.lr_scheduler = deepspeed.initialize(
                 model=self.module, model_parameters=params, optimizer=opt, config=ds, mpu=PipelineMPU(self.g))
+        check_fp32_router_state(self.module)
         # Gradients are produced outside engine.backward (by the schedule): reduce them like DeepSpeed's own
         # pipeline engine does.
         self.engine.pipeline_parallelism = True

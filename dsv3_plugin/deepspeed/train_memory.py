@@ -8,6 +8,8 @@ Per rank, for the fp32 training `dsv3 train` runs (parameter counts from `memory
   AdamW's two moments, 12 B) x P / (pp x dp) + the activations of one micro-batch (`memory_plan.
   layer_activation_bytes` at 4 B per element, x tokens x layers on the rank) + its logits (4 B x tokens x
   vocab x (1 + MTP depth));
+- under DeepSpeed bf16 (or fp16) weights, gradients and activations count 2 B instead of 4 (the FP32 master is
+  in the optimizer term; BF16_Optimizer's FP32 gradient buffers are left out, which only lowers the bound);
 - peak = max(build, training); the host needs `ranks_on_host` x peak.
 P_rank = P minus the routed experts other EP ranks hold (pp = 1), or P / pp. Everything left out (in-flight
 pipeline micro-batches, attention scores, allocator slack, DeepSpeed's buffers) only adds, so a config is
@@ -74,7 +76,7 @@ def host_memory_bytes() -> int:
     return total
 
 
-def _estimate(cfg: DSv3Config, mbs: int, world: int, ranks_on_host: int) -> MemoryEstimate:
+def _estimate(cfg: DSv3Config, mbs: int, world: int, ranks_on_host: int, lp: float = 4.0) -> MemoryEstimate:
     m, p = cfg.model, cfg.parallel
     pc = param_counts(cfg)
     L, k, D = m.num_hidden_layers, min(m.first_k_dense_replace, m.num_hidden_layers), cfg.mtp.depth
@@ -90,10 +92,10 @@ def _estimate(cfg: DSv3Config, mbs: int, world: int, ranks_on_host: int) -> Memo
     tokens = mbs * cfg.train.seq_len
     fp8 = cfg.fp8.enabled
     rec = cfg.memory.recompute
-    per_token = (k * layer_activation_bytes(cfg, False, rec, fp8, act_bytes=4)
-                 + (L - k + D) * layer_activation_bytes(cfg, True, rec, fp8, act_bytes=4)) / p.pp
+    per_token = (k * layer_activation_bytes(cfg, False, rec, fp8, act_bytes=int(lp))
+                 + (L - k + D) * layer_activation_bytes(cfg, True, rec, fp8, act_bytes=int(lp))) / p.pp
     acts = tokens * per_token + 4.0 * tokens * m.vocab_size * (1 + D)
-    parts = {"build": 4.0 * P, "weights": 4.0 * P_rank, "gradients": 4.0 * P_rank,
+    parts = {"build": 4.0 * P, "weights": lp * P_rank, "gradients": lp * P_rank,
              "optimizer": 12.0 * P / (p.pp * dp), "activations": acts}
     per_rank = max(parts["build"], parts["weights"] + parts["gradients"] + parts["optimizer"] + acts)
     return MemoryEstimate(host_bytes=ranks_on_host * per_rank, per_rank_bytes=per_rank,
@@ -104,13 +106,13 @@ def estimate_train_memory(cfg: DSv3Config, mbs: int = 1, world: int = 1, ranks_o
     return _estimate(cfg, mbs, world, ranks_on_host)
 
 
-def _driver(cfg: DSv3Config, mbs: int, world: int, ranks: int, total: float) -> tuple[str, str]:
+def _driver(cfg: DSv3Config, mbs: int, world: int, ranks: int, total: float, lp: float = 4.0) -> tuple[str, str]:
     """(dotted key, its value) of the size whose reduction to the tiny preset's value shrinks the estimate most
     ("dsv3.model" when every size is already at most the tiny preset's)."""
     tiny = PRESETS["tiny"]
     best, best_ratio = ("dsv3.model", "this shape"), 1.0
     if mbs > 1:
-        ratio = total / max(_estimate(cfg, 1, world, ranks).host_bytes, 1.0)
+        ratio = total / max(_estimate(cfg, 1, world, ranks, lp).host_bytes, 1.0)
         if ratio > best_ratio:
             best, best_ratio = (_MBS, str(mbs)), ratio
     for sec, name in _SIZE_KEYS:
@@ -120,7 +122,7 @@ def _driver(cfg: DSv3Config, mbs: int, world: int, ranks: int, total: float) -> 
             continue
         sub = getattr(cfg, sec).model_copy(update={name: base})
         smaller = cfg.model_copy(update={sec: sub})
-        ratio = total / max(_estimate(smaller, mbs, world, ranks).host_bytes, 1.0)
+        ratio = total / max(_estimate(smaller, mbs, world, ranks, lp).host_bytes, 1.0)
         if ratio > best_ratio:
             best, best_ratio = (f"dsv3.{sec}.{name}", str(cur)), ratio
     return best
@@ -129,13 +131,14 @@ def _driver(cfg: DSv3Config, mbs: int, world: int, ranks: int, total: float) -> 
 def check_memory(cfg: DSv3Config, ds: dict, world: int, ranks_on_host: int, budget: int) -> MemoryEstimate:
     """`ConfigError` naming the driving key when the lower bound exceeds `budget` bytes; else the estimate."""
     mbs = micro_batch(ds, max(1, world // cfg.parallel.pp))
-    est = _estimate(cfg, mbs, world, ranks_on_host)
+    lp = 2.0 if any((ds.get(sec) or {}).get("enabled") is True for sec in ("bf16", "fp16")) else 4.0
+    est = _estimate(cfg, mbs, world, ranks_on_host, lp)
     est.budget_bytes = budget
     if est.host_bytes > budget:
         if est.per_rank_bytes <= budget:   # one rank fits: the number of ranks sharing the host is the problem
             raise ConfigError(f"--nproc: {ranks_on_host} ranks on one host need at least {est.line()} -- more "
                               f"than the {format_bytes(budget)} of this host; use fewer ranks per host")
-        key, val = _driver(cfg, mbs, world, ranks_on_host, est.host_bytes)
+        key, val = _driver(cfg, mbs, world, ranks_on_host, est.host_bytes, lp)
         raise ConfigError(f"{key}: dsv3 train needs at least {est.line()} -- more than the {format_bytes(budget)} "
                           f"of this host; {key} = {val} drives the estimate")
     return est

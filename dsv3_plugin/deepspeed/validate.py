@@ -78,6 +78,13 @@ def _deepspeed_path_rules(cfg: DSv3Config, ds: dict) -> None:
                           "(EP groups must be contiguous rank blocks)")
     if cfg.memory.bf16_moments and "optimizer" in ds:   # (without the section the engine needs optimizer=)
         adamw_hyperparameters(ds)
+    acc = (ds.get("data_types") or {}).get("grad_accum_dtype")
+    if cfg.parallel.pp > 1 and (ds.get("bf16") or {}).get("enabled") is True and acc in ("fp32", "float32", "float"):
+        # that pair selects DeepSpeed's BF16_Optimizer, which moves gradients into its FP32 accumulators inside
+        # engine.backward; the pipeline's schedule runs the backward itself, so they would stay empty
+        raise ConfigError(f"data_types.grad_accum_dtype: {acc!r} with bf16 and dsv3.parallel.pp = {cfg.parallel.pp} "
+                          "is not supported (the pipeline runs backward outside DeepSpeed's BF16_Optimizer); drop it "
+                          "(ZeRO-1 then reduces BF16 gradients into its FP32 master weights)")
     if m.first_k_dense_replace >= m.num_hidden_layers and cfg.mtp.depth == 0:
         raise ConfigError(f"dsv3.model.first_k_dense_replace: leaves no MoE layer (= num_hidden_layers = "
                           f"{m.num_hidden_layers}, and mtp.depth = 0); the DeepSpeed path updates router biases "

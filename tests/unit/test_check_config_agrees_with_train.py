@@ -23,6 +23,17 @@ def _with(ds=None, **dsv3):
     return json.dumps(d)
 
 
+def _fp16_here() -> bool:
+    """Whether DeepSpeed's accelerator accepts fp16 here: CUDA, or a CPU whose oneDNN has FP16 kernels (AVX512-FP16 /
+    AMX-FP16; the test DeepSpeed's CPU accelerator makes)."""
+    if torch.cuda.is_available():
+        return True
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def _te_missing():
     try:
         import transformer_engine  # noqa: F401
@@ -73,7 +84,7 @@ CASES = [
     ("scheduler-param", _with({"scheduler": {"type": "WarmupLR", "params": {"warmup_steps": 10}}}), 2,
      "scheduler.params.warmup_steps", None),
     ("fp16-on-cpu", _with({"fp16": {"enabled": True}}), 2, "fp16.enabled",
-     "this accelerator has fp16" if torch.cuda.is_available() else None),
+     "this accelerator has fp16" if _fp16_here() else None),
     ("pp-world", _with(parallel={"pp": 3, "schedule": "1f1b"}), 2, "dsv3.parallel.pp", None),
     ("ep-world", _with(parallel={"ep": 4}), 2, "dsv3.parallel.ep", None),
     ("ep-with-pp", _with({"gradient_accumulation_steps": 4}, parallel={"ep": 2, "pp": 2, "schedule": "1f1b"}), 4,

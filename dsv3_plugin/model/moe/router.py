@@ -92,16 +92,18 @@ class Router(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.zeros(E, dtype=torch.float32), persistent=True)
         # Loads counted in forward (training only), summed over micro-batches until the next update.
         self.register_buffer("tokens_per_expert", torch.zeros(E, dtype=torch.float32), persistent=False)
+        # False under a mixed-precision optimizer (DeepSpeed bf16): the weight is then a BF16 compute copy like every
+        # other parameter (its FP32 master lives in the optimizer, whose flat buffers need one dtype per group);
+        # the gating math stays FP32 either way (`scores`).
+        self.keep_fp32_weight = True
         nn.init.normal_(self.weight, std=0.006)
 
     def _apply(self, fn, recurse=True):
         # Keep the router's state fp32 whatever `.to(dtype)` the model gets (Megatron-LM#1482: a bf16 bias
         # cannot represent 1e-3 steps around 1.0).
         super()._apply(fn, recurse)
-        for name in ("weight",):
-            p = getattr(self, name)
-            if p.dtype != torch.float32:
-                p.data = p.data.float()
+        if self.keep_fp32_weight and self.weight.dtype != torch.float32:
+            self.weight.data = self.weight.data.float()
         for name in ("e_score_correction_bias", "tokens_per_expert"):
             b = getattr(self, name)
             if b.dtype != torch.float32:

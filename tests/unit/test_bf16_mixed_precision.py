@@ -1,0 +1,108 @@
+"""DeepSpeed bf16 on the dsv3 path, without processes: what the engine prepares and what the validation refuses
+(the live engines are inspected in tests/dist/test_train_bf16.py)."""
+import pytest
+import torch
+
+from dsv3_plugin.config import ConfigError
+from dsv3_plugin.deepspeed import split_ds_config
+from dsv3_plugin.deepspeed.engine import check_fp32_router_state, mixed_precision_dtype, prepare_mixed_precision
+from dsv3_plugin.deepspeed.validate import validate_ds_config
+from dsv3_plugin.training.transforms import build_model
+
+
+def _ds(**top):
+    return {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+            "dsv3": {"preset": "tiny"}, **top}
+
+
+def test_mixed_precision_dtype_follows_the_enabled_section():
+    assert mixed_precision_dtype(_ds()) is None
+    assert mixed_precision_dtype(_ds(bf16={"enabled": False})) is None
+    assert mixed_precision_dtype(_ds(bf16={"enabled": True})) is torch.bfloat16
+    assert mixed_precision_dtype(_ds(fp16={"enabled": True})) is torch.float16
+
+
+def test_prepare_lets_router_weights_follow_the_model_dtype_and_keeps_the_bias_fp32():
+    """Without bf16 nothing changes (the router weight stays FP32 under .to(bf16), as before); with it the weight
+    becomes a BF16 compute copy (one dtype for ZeRO's flat buffers) while bias and counts stay FP32."""
+    model = build_model({"preset": "tiny"})
+    prepare_mixed_precision(model, _ds())
+    model.to(torch.bfloat16)
+    assert {m.gate.weight.dtype for m in model.moe_layers()} == {torch.float32}
+    model = build_model({"preset": "tiny"})
+    prepare_mixed_precision(model, _ds(bf16={"enabled": True}))
+    model.to(torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    for moe in model.moe_layers():
+        assert moe.gate.e_score_correction_bias.dtype == moe.gate.tokens_per_expert.dtype == torch.float32
+    check_fp32_router_state(model)
+    # what a cast of the buffers (data_types.buffer_dtype) would do is caught
+    name = "layers.1.mlp.gate.e_score_correction_bias"
+    gate = model.get_submodule("layers.1.mlp.gate")
+    gate.e_score_correction_bias.data = gate.e_score_correction_bias.data.bfloat16()
+    with pytest.raises(RuntimeError, match=name.replace(".", r"\.")):
+        check_fp32_router_state(model)
+
+
+def test_gating_math_stays_fp32_with_a_bf16_router_weight():
+    model = build_model({"preset": "tiny"})
+    prepare_mixed_precision(model, _ds(bf16={"enabled": True}))
+    model.to(torch.bfloat16)
+    gate = model.moe_layers()[0].gate
+    x_TH = torch.randn(5, gate.weight.shape[1]).bfloat16()
+    out = gate(x_TH)
+    assert out.scores_TE.dtype == out.gates_TK.dtype == torch.float32
+    # the same op sequence as Router.scores on FP32 copies of the BF16 operands
+    assert torch.equal(out.scores_TE, torch.sigmoid(torch.nn.functional.linear(x_TH.float(), gate.weight.float())))
+
+
+@pytest.mark.parametrize("value", ["bf16", "fp16"])
+def test_buffer_dtype_that_would_cast_the_router_bias_is_refused(value):
+    d = _ds(bf16={"enabled": True}, data_types={"buffer_dtype": value})
+    with pytest.raises(ConfigError, match=r"^data_types\.buffer_dtype: must be absent or fp32"):
+        split_ds_config(d)
+    with pytest.raises(ConfigError, match=r"^data_types\.buffer_dtype"):
+        validate_ds_config(d, target="train", world_size=1)
+    split_ds_config(_ds(bf16={"enabled": True}, data_types={"buffer_dtype": "fp32"}))   # accepted
+    split_ds_config(_ds(data_types={"buffer_dtype": value}))   # FP32 training: DeepSpeed casts nothing then
+
+
+def test_fp32_gradient_accumulation_is_refused_with_pipeline_parallelism():
+    d = _ds(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"}, gradient_accumulation_steps=2)
+    d["dsv3"] = {"preset": "tiny", "parallel": {"pp": 2, "schedule": "dualpipev"}, "model": {"num_hidden_layers": 2}}
+    with pytest.raises(ConfigError, match=r"^data_types\.grad_accum_dtype: 'fp32' with bf16 and dsv3\.parallel\.pp"):
+        validate_ds_config(d, target="train", world_size=2)
+    d["dsv3"]["parallel"] = {"pp": 1}
+    validate_ds_config(d, target="train", world_size=2)   # pp = 1: DeepSpeed's BF16_Optimizer, supported
+
+
+def test_memory_bound_counts_bf16_weights_gradients_and_activations_at_2_bytes():
+    """The host-memory check is a lower bound: under bf16 the module's weights, gradients and activations are
+    2-byte; the FP32 master and moments (optimizer term) and the FP32 build are unchanged."""
+    from dsv3_plugin.config import load_config
+    from dsv3_plugin.deepspeed.train_memory import check_memory
+    cfg = load_config({"dsv3": {"preset": "tiny"}})
+    fp32 = check_memory(cfg, _ds(), 1, 1, 2 ** 62).parts
+    bf16 = check_memory(cfg, _ds(bf16={"enabled": True}), 1, 1, 2 ** 62).parts
+    assert bf16["weights"] * 2 == fp32["weights"] and bf16["gradients"] * 2 == fp32["gradients"]
+    assert bf16["optimizer"] == fp32["optimizer"] and bf16["build"] == fp32["build"]
+    assert bf16["activations"] < fp32["activations"]   # (the logits' FP32 copy for the loss stays 4 B)
+
+
+def test_fp8_gemms_take_bf16_inputs():
+    """fp8.enabled under bf16: an FP8 Linear quantizes an FP32 copy of its BF16 operands (the same FP8 bytes and
+    scales as from those values in FP32) and accumulates in FP32, so with BF16 operands every result is the
+    FP32-operand result cast to BF16: output, input gradient, and weight gradient (in the weight's dtype)."""
+    from dsv3_plugin.precision.fp8 import fp8_linear
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 256, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(128, 256, generator=g) * 0.05).bfloat16().requires_grad_()
+    x32, w32 = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    y, y32 = fp8_linear(x, w), fp8_linear(x32, w32)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, y32.bfloat16())
+    dy = torch.randn(4, 128, generator=g).bfloat16()
+    y.backward(dy)
+    y32.backward(dy.float())
+    assert x.grad.dtype == w.grad.dtype == torch.bfloat16
+    assert torch.equal(x.grad, x32.grad.bfloat16()) and torch.equal(w.grad, w32.grad.bfloat16())
