@@ -49,12 +49,15 @@ def _one_step(ds):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
-def test_dualpipev_pp2_split_on_off_same_losses_and_gradients(fp8):
-    """Measured on the 2-core CPU: every gradient and parameter bit-equal (0 of the bound used), FP8 or not; the
-    bound covers what is reordered in principle (below)."""
+@pytest.mark.parametrize("precision", ["fp32", "fp8", "bf16"])
+def test_dualpipev_pp2_split_on_off_same_losses_and_gradients(precision):
+    """Measured on the 2-core CPU: every gradient and parameter bit-equal (0 of the bound used) in FP32, FP8
+    (emulated, Linears and experts) and DeepSpeed BF16; the bound covers what is reordered in principle (below)."""
     on = copy.deepcopy(DS)
-    on["dsv3"]["fp8"] = {"enabled": fp8, "backend": "emulate"}
+    on["dsv3"]["fp8"] = {"enabled": precision == "fp8", "backend": "emulate"}
+    if precision == "bf16":   # BF16 parameters and gradients, FP32 masters in ZeRO-1
+        on["bf16"] = {"enabled": True}
+    dt = torch.bfloat16 if precision == "bf16" else torch.float32
     off = copy.deepcopy(on)
     off["dsv3"]["parallel"]["split_weight_grads"] = False
     got = run_ranks(_one_step, 2, on, timeout_s=400)
@@ -79,10 +82,14 @@ def test_dualpipev_pp2_split_on_off_same_losses_and_gradients(fp8):
             # weight gradient is unaffected (dX is the same GEMM in both), so the bound is the model's reordering
             # bound over the step's tokens, forward + backward. (FP8: both sides quantize the same operands with
             # the same scales, so only the FP32 accumulation order can differ, as above.)
-            g_bound = model_bound(g_ref, cfg, tokens, passes=2)
+            g_bound = model_bound(g_ref.float(), cfg, tokens, passes=2)
+            if dt == torch.bfloat16:
+                # BF16: every GEMM accumulates in FP32 (the bound above), then its result and each `+=` of another
+                # micro-batch's (or use's) gradient round to BF16: a BF16 sum of <= 2 x GAS terms, reordered.
+                g_bound = g_bound + reorder_bound(2 * GAS, g_ref.float().abs().max(), torch.bfloat16)
             problems.append(check_within(a["grads"][n], g_ref, g_bound, f"rank {r} grad {n}: W-split vs in-B"))
             # p' = fl(p - lr g): lr x the gradient's bound, plus the step's own rounding on each side
-            p_bound = LR * g_bound + reorder_bound(2, a["before"][n].abs() + LR * g_ref.abs(), torch.float32, 1)
+            p_bound = LR * g_bound + reorder_bound(2, a["before"][n].float().abs() + LR * g_ref.float().abs(), dt, 1)
             problems.append(check_within(a["after"][n], b["after"][n], p_bound, f"rank {r} param {n} after SGD"))
     problems = [p for p in problems if p]
     assert not problems, "\n".join(problems[:5])
