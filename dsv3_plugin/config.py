@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from dsv3_plugin.json_input import read_json
 from dsv3_plugin.json_input import check_tree
 from dsv3_plugin.errors import ConfigError
-from dsv3_plugin.schedule_traits import check_chunks
+from dsv3_plugin.schedule_traits import check_chunks, schedule_traits
 
 __all__ = [
     "ConfigError",
@@ -146,6 +146,14 @@ class ParallelConfig(_Strict):
     num_chunks: Optional[int] = Field(None, gt=0, description="micro-batches per pipeline step (default: grad. accumulation)")
     p2p_timeout_s: float = Field(120.0, gt=0, le=MAX_TIMEOUT_S,
                                  description="a peer rank silent this long (p2p or collective) is an error, not a hang (<= 1 week)")
+    split_weight_grads: Optional[bool] = Field(None, description="defer weight gradients to the schedule's W ops (null = on where the schedule has W ops: dualpipe, dualpipev)")
+
+    def split_w(self) -> bool:
+        """Whether `dsv3 train` splits backwards into I + W: the explicit key, else on for a pipelined schedule
+        with W ops (paper §3.2.1: DualPipe's "backward for weights" chunks)."""
+        if self.split_weight_grads is not None:
+            return self.split_weight_grads
+        return self.pp > 1 and schedule_traits(self.schedule).has_w
 
 
 class FP8Config(_Strict):
@@ -479,6 +487,10 @@ def _check_cross_fields(c: DSv3Config) -> None:
                              f"(got {e.n_group} groups over {nodes} nodes)")
     if p.pp > 1:   # (pp = 1: no pipeline, the schedule is not used)
         check_chunks(p.schedule, p.pp, p.num_chunks, pp_key="dsv3.parallel.pp", chunks_key="dsv3.parallel.num_chunks")
+    if p.split_weight_grads and (p.pp == 1 or not schedule_traits(p.schedule).has_w):
+        why = "pp = 1 runs no pipeline schedule" if p.pp == 1 else f"schedule {p.schedule!r} has no W ops"
+        _fail("parallel.split_weight_grads", f"true needs pp > 1 and a schedule with W ops (dualpipe, dualpipev); "
+                                             f"{why}: set it false or leave it null")
     if c.fp8.dispatch and not c.fp8.enabled:
         _fail("fp8.dispatch", "requires fp8.enabled = true")
     if c.fp8.recipe == "tensorwise" and c.fp8.dispatch:

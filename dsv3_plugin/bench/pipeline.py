@@ -1,109 +1,114 @@
-"""Pipeline schedules on 4 gloo ranks: wall time and per-rank idle fraction of 1F1B vs DualPipeV vs DualPipe.
+"""The W split in training (DeepSeek-V3 §3.2.1): per-rank idle fraction of `dsv3 train`'s pipeline step with the
+weight gradients deferred to the W ops vs computed inside B, on spawned gloo ranks.
 
-The same model (`--blocks` compute-bound MLP blocks, weight grads deferrable) is cut into 4 stages for 1F1B
-and DualPipe (DualPipe holds each stage twice, mirror pairs synchronised) and into 8 half-size stages for
-DualPipeV, and each schedule runs the same micro-batches. A rank's idle fraction is 1 - (time inside stage
-compute) / (step wall time), where P2P waits count as idle. `ratio` is 1F1B's wall time over DualPipeV's
-(> 1: DualPipeV faster); `idle_ratio` is 1F1B's mean idle fraction over DualPipeV's. `simulated_idle_fraction`
-is what the simulator predicts for the same schedule, micro-batch count and the unit cell F=1, B=2, W=1
-(F&B = F+B: the CPU runtime does not overlap), for comparison.
+Each rank builds the same model twice (same seed, `--preset` with `--layers` decoder layers) and wraps it in two
+`PipelinedEngine`s, the engine `dsv3 train` runs for pp > 1 (the schedule's stages, DeepSpeed ZeRO-1, the
+optimizer step), one with `parallel.split_weight_grads` on and one with it off; each step both train on the
+same micro-batches, the two alternating so that load drift on a shared machine hits both alike. What a step
+runs is `PipelinedEngine.train_step` (`dsv3 train`'s step without the MoE bias update and its metrics, which do
+not depend on the split). A rank's idle fraction is idle / (busy + idle) summed over the measured steps (the
+first one is a warm-up): busy = time inside F/B/W/FB stage compute, idle = time waiting on a peer (the
+runtime's own accounting, `PipelineRuntime.step`). `ours` is the mean idle fraction with the split, `baseline`
+without it, `ratio` = baseline / ours (> 1: the split idles less). `w_closures` counts the deferred weight-gradient jobs
+the W ops ran (0 without the split: what runs really differs).
 """
 from __future__ import annotations
 
-import statistics
-
 import torch
-from torch import nn
-from dsv3_plugin.bench import positive_int
-from dsv3_plugin.parallel.pipeline.weight_grad import DeferrableLinear
-from dsv3_plugin.parallel.distributed import init_distributed
-from dsv3_plugin.parallel.pipeline import SCHEDULES, PipelineRuntime
-from dsv3_plugin.parallel.distributed import spawn
-from dsv3_plugin.parallel.pipeline.schedule import build_schedule
-from dsv3_plugin.parallel.pipeline.simulate import Durations, simulate
 
-RANKS = 4
+from dsv3_plugin.bench import positive_int
+from dsv3_plugin.config import ConfigError, load_config
+from dsv3_plugin.deepspeed.pipeline import PipelinedEngine
+from dsv3_plugin.parallel.distributed import init_distributed, spawn
+from dsv3_plugin.schedule_traits import SCHEDULES, check_chunks
+from dsv3_plugin.training.data import MarkovData
+from dsv3_plugin.training.transforms import build_model
+
+SCHEDULE_CHOICES = sorted(n for n, t in SCHEDULES.items() if t.has_w and n != "zb1p")   # what `dsv3 train` runs
 
 
 def add_arguments(p):
-    p.add_argument("--hidden", type=positive_int, default=256)
-    p.add_argument("--tokens", type=positive_int, default=256, help="tokens per micro-batch")
-    p.add_argument("--blocks", type=positive_int, default=8, help="MLP blocks in the whole model (multiple of 8)")
-    p.add_argument("--chunks", type=positive_int, default=8, help="micro-batches per step (>= 8 for DualPipe(V) on 4 ranks)")
-    p.add_argument("--steps", type=positive_int, default=4, help="measured steps per schedule (after one warm-up)")
+    p.add_argument("--pp", type=positive_int, default=2, help="pipeline ranks (spawned gloo processes)")
+    p.add_argument("--schedule", choices=SCHEDULE_CHOICES + ["all"], default="all",
+                   help="pipeline schedule(s) to measure (default: all with W ops)")
+    p.add_argument("--preset", default="tiny", help="dsv3 preset of the model")
+    p.add_argument("--layers", type=positive_int, default=4, help="decoder layers")
+    p.add_argument("--seq-len", type=positive_int, default=64, help="tokens per sequence")
+    p.add_argument("--mtp-depth", type=int, default=None,
+                   help="MTP depth (default: the preset's; 0 balances DualPipe(V)'s stages: MTP sits on the last one)")
+    p.add_argument("--micro-batch", type=positive_int, default=2, help="sequences per micro-batch")
+    p.add_argument("--chunks", type=positive_int, default=8, help="micro-batches per step (>= 2 x pp)")
+    p.add_argument("--steps", type=positive_int, default=4, help="measured steps per variant (after one warm-up)")
 
 
-class _Block(nn.Module):
-    def __init__(self, h: int):
-        super().__init__()
-        self.up = DeferrableLinear(h, 4 * h, bias=False)
-        self.down = DeferrableLinear(4 * h, h, bias=False)
-
-    def forward(self, x):
-        return x + self.down(torch.relu(self.up(x)))
-
-
-def _stages(n_stages: int, blocks: int, h: int, seed: int = 0) -> list[nn.Module]:
-    torch.manual_seed(seed)
-    per = blocks // n_stages
-    return [nn.Sequential(*[_Block(h) for _ in range(per)]) for _ in range(n_stages)]
+def _ds(a: dict, schedule: str, split: bool) -> dict:
+    return {"train_micro_batch_size_per_gpu": a["micro_batch"], "gradient_accumulation_steps": a["chunks"],
+            "gradient_clipping": 1.0, "steps_per_print": 10 ** 9, "zero_optimization": {"stage": 1},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+            "dsv3": {"preset": a["preset"], "model": {"num_hidden_layers": a["layers"]},
+                     "parallel": {"pp": a["pp"], "schedule": schedule, "split_weight_grads": split},
+                     "train": {"seq_len": a["seq_len"], "seed": 1234},
+                     **({} if a["mtp_depth"] is None else {"mtp": {"depth": a["mtp_depth"]}})}}
 
 
-def _criterion(out, y):
-    return ((out - y) ** 2).mean()
-
-
-def _rank_main(args_d: dict) -> dict:
-    import torch.distributed as dist
+def _rank_main(a: dict) -> dict:
     torch.set_num_threads(1)
-    r, world = init_distributed("gloo")
-    h, T, C, blocks, steps = args_d["hidden"], args_d["tokens"], args_d["chunks"], args_d["blocks"], args_d["steps"]
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(C, T, h, generator=g)
-    y = torch.randn(C, T, h, generator=g)
-    runtimes = {}
-    for name in ("1f1b", "dualpipev", "dualpipe"):
-        t = SCHEDULES[name]
-        st = _stages(t.n_stages(RANKS), blocks, h)
-        runtimes[name] = PipelineRuntime([st[i] for i in t.stage_ids(RANKS, r)], schedule=name)
-    samples = {name: ([], []) for name in runtimes}
-    # Rounds interleave the schedules so that load drift on a shared machine hits all of them alike.
-    for i in range(steps + 1):
-        for name, rt in runtimes.items():
-            dist.barrier()
-            rt.step(x, num_chunks=C, criterion=_criterion, labels=(y,))
-            for m in rt.modules:
-                m.zero_grad(set_to_none=True)
-            if i:
-                samples[name][0].append(rt.last_step["wall_s"])
-                samples[name][1].append(rt.last_step["compute_s"])
-    out = {name: {"wall_s": statistics.median(w), "compute_s": statistics.median(c)}
-           for name, (w, c) in samples.items()}
+    init_distributed("gloo")
+    out = {}
+    for schedule in a["schedules"]:
+        engines = {}
+        for split in (True, False):
+            ds = _ds(a, schedule, split)
+            cfg = load_config(ds)
+            torch.manual_seed(cfg.train.seed)
+            engines[split] = PipelinedEngine(build_model(cfg), ds, cfg)
+        data = MarkovData(cfg.model.vocab_size, cfg.train.seq_len, seed=cfg.train.seed)
+        for step in range(a["steps"] + 1):
+            parts = [data.batch(step, m, 0, a["micro_batch"]) for m in range(a["chunks"])]
+            ids, labels = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+            for split in ((True, False) if step % 2 == 0 else (False, True)):
+                engines[split].train_step(ids, labels)
+        res = {}
+        for split, pe in engines.items():
+            times = pe.step_times[1:]
+            busy, idle = sum(t["busy_s"] for t in times), sum(t["idle_s"] for t in times)
+            res["on" if split else "off"] = {"busy_s": busy, "idle_s": idle, "idle_fraction": idle / (busy + idle),
+                                            "wall_s": sum(t["wall_s"] for t in times),
+                                            "w_closures": sum(t["w_closures"] for t in times)}
+        out[schedule] = res
     return out
 
 
 def run(args) -> dict:
     import sys
-    bad = None
-    if args.blocks < 2 * RANKS or args.blocks % (2 * RANKS):
-        bad = f"--blocks must be a positive multiple of {2 * RANKS} (got {args.blocks})"
-    elif args.chunks < 2 * RANKS or args.chunks % 2:
-        bad = f"--chunks must be even and >= {2 * RANKS} for DualPipe(V) on {RANKS} ranks (got {args.chunks})"
-    elif min(args.hidden, args.tokens, args.steps) < 1:
-        bad = "--hidden, --tokens and --steps must be >= 1"
-    if bad:
-        print(f"error: {bad}", file=sys.stderr)
+    schedules = SCHEDULE_CHOICES if args.schedule == "all" else [args.schedule]
+    a = {"pp": args.pp, "preset": args.preset, "layers": args.layers, "seq_len": args.seq_len,
+         "micro_batch": args.micro_batch, "chunks": args.chunks, "steps": args.steps, "mtp_depth": args.mtp_depth,
+         "schedules": schedules}
+    try:
+        for s in schedules:
+            check_chunks(s, args.pp, args.chunks, chunks_key="--chunks", pp_key="--pp")
+            load_config(_ds(a, s, True))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)
-    a = {k: getattr(args, k) for k in ("hidden", "tokens", "blocks", "chunks", "steps")}
-    per_rank = spawn(_rank_main, RANKS, a, timeout_s=1800)
-    res: dict = {"ranks": RANKS, **a}
-    for name in ("1f1b", "dualpipe", "dualpipev"):
-        wall = max(pr[name]["wall_s"] for pr in per_rank)
-        idle = [max(0.0, 1.0 - pr[name]["compute_s"] / wall) for pr in per_rank]
-        res[name] = {"wall_s": wall, "idle_fraction": idle, "idle_fraction_mean": sum(idle) / len(idle)}
-    for name in ("1f1b", "dualpipe", "dualpipev"):
-        sim = simulate(build_schedule(name, RANKS, args.chunks), Durations(1.0, 2.0, 1.0))
-        res[name]["simulated_idle_fraction"] = [i / sim.makespan for i in sim.idle]
-    res["ratio"] = res["1f1b"]["wall_s"] / res["dualpipev"]["wall_s"]
-    res["idle_ratio"] = res["1f1b"]["idle_fraction_mean"] / max(res["dualpipev"]["idle_fraction_mean"], 1e-9)
+    per_rank = spawn(_rank_main, args.pp, a, timeout_s=3600)
+    res: dict = {k: v for k, v in a.items() if k != "schedules"}
+    res["schedules"] = {}
+    for s in schedules:
+        on = [pr[s]["on"] for pr in per_rank]
+        off = [pr[s]["off"] for pr in per_rank]
+        mean_on = sum(r["idle_fraction"] for r in on) / len(on)
+        mean_off = sum(r["idle_fraction"] for r in off) / len(off)
+        res["schedules"][s] = {
+            "idle_fraction_split": [r["idle_fraction"] for r in on],
+            "idle_fraction_no_split": [r["idle_fraction"] for r in off],
+            "idle_fraction_split_mean": mean_on, "idle_fraction_no_split_mean": mean_off,
+            "ratio": mean_off / max(mean_on, 1e-12),
+            "per_rank": [{"rank": i, "split": r_on, "no_split": r_off} for i, (r_on, r_off) in enumerate(zip(on, off))],
+        }
+    first = res["schedules"][schedules[0]]
+    res["figure"] = f"mean idle fraction of {schedules[0]}'s training step, W split on (ours) vs off (baseline)"
+    res["ours"], res["baseline"], res["ratio"] = (first["idle_fraction_split_mean"],
+                                                  first["idle_fraction_no_split_mean"], first["ratio"])
     return res

@@ -19,6 +19,8 @@ What DeepSpeed 0.19 needs (observed, see the project's integration notes):
 DeepSpeed's own gate and capacity-based dispatch); it holds this rank's E/P experts as separate modules
 (DeepSpeed's checkpoint layout) and computes them grouped (`moe.swiglu_rows`) with the expert kernel it is
 built with (`kernels.ExpertKernel`: the dense experts' one, so FP8 carries over). Dispatch/combine stays ours.
+The stacked weights carry a gradient sink (`weight_grad.stack_with_grad_sink`), so the pipeline's W split
+(§3.2.1) can defer their gradients too, whether it wraps the kernel before or after this conversion.
 
 Gradient scaling: ZeRO divides every gradient by the data-parallel world size W and all-reduces expert
 gradients over the EDP group (W/P ranks). An expert's gradient already sums its EP group's tokens (the
@@ -42,6 +44,7 @@ from dsv3_plugin.model.kernels import ExpertKernel, UsesKernel
 from dsv3_plugin.model.moe.layer import GroupedSwiGLUKernel, swiglu_rows
 from dsv3_plugin.parallel.expert_parallel import ExpertParallelMoE, expert_parallel
 from dsv3_plugin.parallel.groups import EPGroups, build_ep_groups
+from dsv3_plugin.parallel.pipeline.weight_grad import stack_with_grad_sink
 
 __all__ = ["prepare_model", "moe_param_groups", "expert_group_name", "deepspeed_experts_class"]
 
@@ -122,10 +125,12 @@ def deepspeed_experts_class():
                 raise RuntimeError(f"DeepSpeed's EP group {ds_ranks} differs from dsv3's {self.ep_ranks}: "
                                    "expert gradients would be reduced over the wrong ranks")
 
+        grad_sink_weights = True   # the stacks carry a sink: a deferred W adds each expert's slice to its .grad
+
         def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             ex = self.deepspeed_moe.experts.deepspeed_experts
-            return (torch.stack([e.gate_proj for e in ex]), torch.stack([e.up_proj for e in ex]),
-                    torch.stack([e.down_proj for e in ex]))
+            return (stack_with_grad_sink([e.gate_proj for e in ex]), stack_with_grad_sink([e.up_proj for e in ex]),
+                    stack_with_grad_sink([e.down_proj for e in ex]))
 
         def expert_rows(self, x_NH: torch.Tensor, expert_N: torch.Tensor, scale_N=None) -> torch.Tensor:
             return swiglu_rows(x_NH, expert_N, *self.weights(), self.kernel, scale_N)
@@ -139,9 +144,6 @@ def deepspeed_experts_class():
 @torch.no_grad()
 def _to_deepspeed_experts(layer: ExpertParallelMoE, timeout_s: float | None = None) -> None:
     old = layer.experts
-    if getattr(old.kernel, "defers_weight_grads", False):
-        raise TypeError("prepare_model: the experts defer their weight gradients (split_weight_grads ran first); "
-                        "DeepSpeed's per-expert parameters are stacked each call, so W could not write their .grad")
     _, inter, hidden = old.gate_proj.shape
     cls = deepspeed_experts_class()
     new = cls(layer.cfg.n_routed_experts, layer.groups.ep_size, layer.groups.ep_ranks, hidden, inter,

@@ -7,6 +7,9 @@ pp_rank form a data-parallel group. Each rank builds the model, keeps only its s
 names the data-parallel group (ZeRO-1 partitions the optimizer state and averages gradients there) and the
 pipeline group as the "model-parallel" group (so the gradient norm for clipping sums over all stages).
 
+Schedules with W ops (DualPipe, DualPipeV) defer weight gradients to them (`parallel.split_weight_grads`, on by
+default there); `idle_report` gives every rank's busy / idle time of the pipeline steps.
+
 One optimizer step = one pipeline step over all `gradient_accumulation_steps` micro-batches of the JSON:
 the criterion scales each micro-batch loss by 1/gas (what `engine.backward` does), the schedule runs the
 forwards and backwards, then ZeRO-1 reduces the gradients (`engine.allreduce_gradients`, the path DeepSpeed's
@@ -45,6 +48,7 @@ from dsv3_plugin.parallel.pipeline.stages import build_stages, n_stages_of, stag
 from dsv3_plugin.errors import PeerError
 from dsv3_plugin.parallel.distributed import new_groups_bounded, peer_failures
 from dsv3_plugin.parallel.pipeline.p2p import PipelineError, PipelinePeerError
+from dsv3_plugin.parallel.pipeline.weight_grad import split_weight_grads
 from dsv3_plugin.parallel.pipeline.stages import DSv3PipelineLoss, sync_tied_embedding
 from dsv3_plugin.model.moe.balancing import reset_counts, routers_of, update_expert_bias
 from dsv3_plugin.errors import CheckpointError
@@ -201,6 +205,13 @@ class PipelinedEngine:
             prepare_model(self.module, cfg, dp_group=self.g.dp_group)
         _mark_replicated(self.stages, self.traits, self.g)
         self.optimizer_steps = 0
+        # The B / W split (paper §3.2.1): the last model transform, after FP8, recompute and expert parallelism
+        # (`training.transforms`), so it wraps whatever kernel each GEMM ended up with. Off: W ops stay empty and
+        # every backward computes its weight gradients inside B.
+        self.split_w = cfg.parallel.split_w()
+        if self.split_w:
+            split_weight_grads(self.module)
+        self.step_times: list[dict] = []   # per train_step: the runtime's busy_s / idle_s / wall_s / w_closures
         params = [p for p in self.module.parameters() if p.requires_grad]
         opt, ds = client_optimizer(params, ds, cfg)   # memory.bf16_moments: the BF16-moment AdamW
         prepare_mixed_precision(self.module, ds)      # bf16: BF16 router weights, FP32 bias (engine.py)
@@ -233,6 +244,7 @@ class PipelinedEngine:
         crit = DSv3PipelineLoss(self.cfg, tokens_seen, scale=1.0 / self.gas)
         self.engine.train()
         self.runtime.step(ids_NT, num_chunks=self.gas, criterion=crit, labels=(labels_NT,))
+        self.step_times.append(dict(self.runtime.last_step))
         sync_tied_embedding(self.runtime, self.stages)
         with self._peers("gradient all-reduce (ZeRO-1)", self.g.dp_ranks):
             self.engine.allreduce_gradients()
@@ -252,6 +264,24 @@ class PipelinedEngine:
             dist.all_reduce(sums_4, group=self.g.dp_group)
         means = (sums_4 / (self.gas * self.g.dp)).tolist()
         return dict(zip(("loss", "lm_loss", "mtp_loss", "balance_loss"), means))
+
+    def idle_report(self, skip_first: bool = True) -> dict:
+        """Every rank's busy / idle time in the pipeline steps run so far (a collective over the world: call on
+        every rank). Busy: inside F/B/W/FB stage compute; idle: waiting on a peer (see `PipelineRuntime.step`).
+        The first step is left out when there are more (`skip_first`): it pays one-time set-up costs.
+        Returns {"schedule", "split_weight_grads", "steps_measured", "ranks": [per global rank: {"rank",
+        "pp_rank", "dp_rank", "busy_s", "idle_s", "idle_fraction", "w_closures"}]}."""
+        steps = self.step_times[1:] if skip_first and len(self.step_times) > 1 else self.step_times
+        busy = sum(t["busy_s"] for t in steps)
+        idle = sum(t["idle_s"] for t in steps)
+        mine = {"rank": dist.get_rank(), "pp_rank": self.g.pp_rank, "dp_rank": self.g.dp_rank, "busy_s": busy,
+                "idle_s": idle, "idle_fraction": idle / (busy + idle) if busy + idle > 0 else 0.0,
+                "w_closures": sum(int(t["w_closures"]) for t in steps)}
+        ranks = [None] * dist.get_world_size()
+        with self._peers("all_gather_object of the pipeline busy/idle times", list(range(len(ranks)))):
+            dist.all_gather_object(ranks, mine)
+        return {"schedule": self.schedule, "split_weight_grads": self.split_w, "steps_measured": len(steps),
+                "ranks": ranks}
 
     def gather_pipeline(self, obj) -> list:
         """`obj` of every rank of this pipeline, in pipeline-rank order (time-limited like every other wait)."""

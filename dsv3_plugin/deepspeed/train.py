@@ -399,8 +399,10 @@ def _train_pipelined(model, run: RunDir, ds: dict, cfg, total: int, rank: int, w
         bar.close()
     if ema is not None:
         ema.close()
+    with peer_failures("end of the run (pipeline busy/idle times)", cfg.parallel.p2p_timeout_s):
+        pipe = pe.idle_report()
     return _finish(pe.module, history, run, world, wall, data.entropy_rate, echo, summary,
-                   getattr(model, "checkpoint_bytes_read", 0))
+                   getattr(model, "checkpoint_bytes_read", 0), pipeline=pipe)
 
 
 def _step_pipelined(pe, data, cfg, step: int, tokens_seen: int) -> dict:
@@ -439,11 +441,12 @@ def _log_step(rec: dict, done: int, total: int, log_every: int, echo: bool, metr
 
 
 def _finish(model, history: list[dict], run: RunDir, world: int, wall_s: float, loss_floor: float, echo: bool,
-            summary: bool, checkpoint_bytes_read: int = 0) -> dict:
+            summary: bool, checkpoint_bytes_read: int = 0, pipeline: dict | None = None) -> dict:
     """End of a run (both loops): PNGs, summary (JSON with `echo`, human with `summary`), and final-state
     fingerprints (plain Python values, so they can cross process boundaries). The summary carries this rank's
     `peak_rss_bytes`, `param_bytes` and `checkpoint_bytes_read`, and under "ranks" every rank's (rank 0 prints
-    it: one summary line per run)."""
+    it: one summary line per run). `pipeline`: the pipelined loop's per-rank busy/idle times
+    (`PipelinedEngine.idle_report`), reported under the summary's "pipeline" key."""
     out = run.out
     files = []
     if run.rank == 0 and out and run.metrics_path:
@@ -463,6 +466,11 @@ def _finish(model, history: list[dict], run: RunDir, world: int, wall_s: float, 
     summ["text"] += (f"\n  memory         peak RSS {peak / 2**30:.2f} GiB (largest rank), parameters "
                      f"{summ['param_bytes'] / 2**30:.3f} GiB on this rank"
                      + (f", read {read / 1e9:.3f} GB of the checkpoint (largest rank)" if read else ""))
+    if pipeline is not None and history:
+        summ["pipeline"] = pipeline
+        fr = ", ".join(f"{r['idle_fraction']:.3f}" for r in pipeline["ranks"])
+        summ["text"] += (f"\n  pipeline       idle fraction per rank {fr} ({pipeline['schedule']}, W split "
+                         f"{'on' if pipeline['split_weight_grads'] else 'off'}, {pipeline['steps_measured']} steps)")
     if run.rank == 0:
         if echo:
             print(json.dumps({"summary": {k: v for k, v in summ.items() if k != "text"}}), flush=True)

@@ -210,10 +210,13 @@ def rebase(kernel, base: SplitKernel):
 class UsesKernel:
     """Mixin: a module whose GEMMs run through `self.kernel`. `leaf_kernel_weights` says whether the weights
     it passes the kernel are its parameters themselves (a deferred W writes their `.grad`) rather than
-    tensors built from them each call."""
+    tensors built from them each call; `grad_sink_weights`, whether such built tensors carry a
+    `deferred_grad_sink` (a callable a deferred W hands their gradient to, which adds it to the parameters they
+    were built from: `pipeline.weight_grad.stack_with_grad_sink`)."""
 
     kernel: Any
     leaf_kernel_weights = True
+    grad_sink_weights = False
 
 
 # --------------------------------------------------------------------------------------------------

@@ -281,3 +281,35 @@ def test_pp_with_ep_refuses_a_pipeline_rank_without_moe_layer():
     ok = ds("1f1b", 2)
     ok["dsv3"]["parallel"]["ep"] = 1
     validate_ds_config(ok, world_size=4)
+
+
+# ---- the W split: on by default where the schedule has W ops; true elsewhere is refused ---------------------
+@pytest.mark.parametrize("parallel, on", [({"pp": 2, "schedule": "dualpipev"}, True),
+                                          ({"pp": 2, "schedule": "dualpipe"}, True),
+                                          ({"pp": 2, "schedule": "1f1b"}, False),
+                                          ({}, False),
+                                          ({"pp": 2, "schedule": "dualpipev", "split_weight_grads": False}, False),
+                                          ({"pp": 2, "schedule": "dualpipe", "split_weight_grads": True}, True)])
+def test_split_weight_grads_default_follows_the_schedule(parallel, on):
+    assert load_config({"preset": "tiny", "parallel": parallel}).parallel.split_w() is on
+
+
+@pytest.mark.parametrize("parallel, why", [({"pp": 2, "schedule": "1f1b"}, "schedule '1f1b' has no W ops"),
+                                           ({"pp": 1, "schedule": "dualpipev"}, "pp = 1 runs no pipeline schedule")])
+def test_split_weight_grads_true_without_w_ops_is_refused(parallel, why):
+    with pytest.raises(ConfigError, match=r"^dsv3\.parallel\.split_weight_grads: true needs pp > 1 and a schedule "
+                                          r"with W ops .*" + why):
+        load_config({"preset": "tiny", "parallel": {**parallel, "split_weight_grads": True}})
+    load_config({"preset": "tiny", "parallel": {**parallel, "split_weight_grads": False}})   # false is fine
+
+
+def test_split_weight_grads_true_is_refused_on_the_megatron_path():
+    import argparse
+    from dsv3_plugin.megatron.pretrain_gpt import resolve_pipeline_schedule
+    cfg = load_config({"preset": "tiny", "parallel": {"pp": 2, "schedule": "dualpipev", "split_weight_grads": True}})
+    args = argparse.Namespace(dsv3_pipeline_schedule=None, pipeline_model_parallel_size=2)
+    with pytest.raises(ConfigError, match=r"dsv3\.parallel\.split_weight_grads = true: the W split runs in `dsv3 "
+                                          r"train` only"):
+        resolve_pipeline_schedule(args, argparse.ArgumentParser(), set(), cfg, "the JSON's")
+    cfg = load_config({"preset": "tiny", "parallel": {"pp": 2, "schedule": "dualpipev", "split_weight_grads": False}})
+    assert resolve_pipeline_schedule(args, argparse.ArgumentParser(), set(), cfg, "the JSON's") == "dualpipev"

@@ -281,9 +281,12 @@ def test_split_refuses_linear_subclass_without_seam_and_fp8_after_split_keeps_de
         assert torch.equal(p.grad, q.grad), n
 
 
-def test_deepspeed_expert_module_runs_the_kernel_it_is_built_with(monkeypatch):
+@pytest.mark.parametrize("split_first", [False, True])
+def test_deepspeed_expert_module_runs_the_kernel_it_is_built_with(monkeypatch, split_first):
     """The DeepSpeed MoE module gets the experts' kernel through the seam (FP8 here): same output and expert
-    gradients as the GroupedExperts it replaces; W deferral is refused (its parameters are stacked per call)."""
+    gradients as the GroupedExperts it replaces. Under the W split (applied after the conversion, the transforms'
+    order, or before it) its per-expert parameters, stacked per call, get their FP8 Wgrad GEMMs in the W op and
+    their gradients through the stack's sink: bit-identical to the undeferred ones (same GEMMs, same slices)."""
     pytest.importorskip("deepspeed")
     from dsv3_plugin.deepspeed.moe_layer import _to_deepspeed_experts
     from dsv3_plugin.model.kernels import base_kernel
@@ -306,12 +309,28 @@ def test_deepspeed_expert_module_runs_the_kernel_it_is_built_with(monkeypatch):
 
     y0, g0 = run("grouped")
     fp8 = layer.experts.kernel
+    if split_first:      # the deferring kernel is carried over by the conversion
+        split_weight_grads(layer.experts)
     _to_deepspeed_experts(layer)
-    assert layer.experts.kernel is fp8 and type(layer.experts).__name__ == "DeepSpeedExperts"
-    y1, g1 = run("deepspeed")
+    assert base_kernel(layer.experts.kernel) is fp8 and type(layer.experts).__name__ == "DeepSpeedExperts"
+    y1, g1 = run("deepspeed")        # outside an I op a deferring kernel runs its W at once
     assert torch.equal(y0, y1)
     assert torch.equal(torch.stack(g1[0::3]), g0[0])              # per-expert gate_proj = the stacked slab
+    assert torch.equal(torch.stack(g1[2::3]), g0[2])              # ... and down_proj
     assert spy.n("deepspeed", "experts", "wgrad") == spy.n("grouped", "experts", "wgrad") > 0
-    with pytest.raises(TypeError, match="built from its parameters"):
+    q = WeightGradQueue()
+    if not split_first:
         split_weight_grads(layer)
     assert base_kernel(layer.experts.kernel) is fp8
+    layer.zero_grad(set_to_none=True)
+    spy.phase = "F"
+    y2 = layer(x)
+    spy.phase = "I"
+    with q.deferring("mb1"):
+        y2.square().sum().backward()
+    assert all(p.grad is None for p in layer.experts.parameters())   # all expert Wgrads wait for W
+    spy.phase = "W"
+    assert q.pop("mb1") > 0
+    assert spy.n("I", "experts", "wgrad") == 0 and spy.n("W", "experts", "wgrad") == spy.n("grouped", "experts", "wgrad")
+    for a, b in zip(layer.experts.parameters(), g1):
+        assert torch.equal(a.grad, b)

@@ -103,7 +103,10 @@ class PipelineRuntime:
         self._overlap = (len(self.modules) == 2 and type(self.modules[1]) is type(m0)
                          and callable(getattr(type(m0), "overlapped_forward_backward", None)))
         self.op_seconds: dict[str, float] = {}           # time per op kind of the last step
+        # the last step: wall_s, busy_s (= compute_s) and idle_s (see `step`), w_closures (deferred weight-grad
+        # GEMM jobs its W ops ran: 0 when no module defers, e.g. without `split_weight_grads`)
         self.last_step: dict[str, float] = {}
+        self._w_closures = 0
 
     # -- schedule -------------------------------------------------------------------------------------
     def spec(self, num_chunks: int, training: bool = True) -> ScheduleSpec:
@@ -206,6 +209,7 @@ class PipelineRuntime:
         self._mb_in, self._mb_lab = mb_in, mb_lab
         self.op_seconds = {}
         self.wq.clear()
+        self._w_closures = 0
         t_step, blocked0 = time.perf_counter(), self.p2p.blocked_s
         try:
             for op in spec.ops[me]:
@@ -219,8 +223,12 @@ class PipelineRuntime:
             self.p2p.wait_sends()
             if training and self.traits.mirror_sync and self.mirror_grad_sync and self.P > 1:
                 self._mirror_sync()
-            # compute_s: time in stage compute (P2P waits excluded), for idle-fraction measurements
-            self.last_step = {"wall_s": time.perf_counter() - t_step, "compute_s": compute_s}
+            # Busy: time in stage compute (F/B/I/W/FB ops, their P2P waits excluded); idle: every wait on a peer
+            # during the step (receives inside ops, the end-of-step gather, outstanding sends, the mirror
+            # exchange). Two perf_counter reads per op: cheap enough to run on every step.
+            idle_s = self.p2p.blocked_s - blocked0
+            self.last_step = {"wall_s": time.perf_counter() - t_step, "compute_s": compute_s, "busy_s": compute_s,
+                              "idle_s": idle_s, "w_closures": self._w_closures}
         finally:
             self._state.clear()
             self._mailbox.clear()
@@ -294,7 +302,7 @@ class PipelineRuntime:
                 self._backward(outs, grads, loss)
             self._b_finish(op.chunk, op.mb)
         elif op.kind == "W":
-            self.wq.pop(expect_tag=(op.chunk, op.mb))
+            self._w_closures += self.wq.pop(expect_tag=(op.chunk, op.mb))
         elif op.kind == "FB":
             x = self._f_inputs(op.chunk, op.mb)
             outs, grads, loss = self._b_inputs(op.chunk2, op.mb2)

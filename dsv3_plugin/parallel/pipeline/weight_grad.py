@@ -15,6 +15,7 @@ wraps every kernel in a module; `DeferrableLinear` and `deferrable_linear` are t
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import deque
 from typing import Callable
 
@@ -24,7 +25,7 @@ from torch import nn
 from dsv3_plugin.model.kernels import KernelLinear, KernelWrapper, PlainLinearKernel, SplitKernel, UsesKernel, find_wrapper
 
 __all__ = ["WeightGradQueue", "DeferredWeightGrads", "defer_weight_grads", "deferrable_linear", "DeferrableLinear",
-           "split_weight_grads", "active_queue"]
+           "split_weight_grads", "active_queue", "stack_with_grad_sink"]
 
 _ACTIVE: list["WeightGradQueue"] = []
 
@@ -82,6 +83,22 @@ def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
         param.grad += grad
 
 
+def _accumulate_slices(params: list[torch.Tensor], grad_E: torch.Tensor) -> None:
+    for e, p in enumerate(params):
+        # a copy, not a view: each parameter's .grad must own its storage (optimizers flatten / free them)
+        _accumulate(p, grad_E[e].clone())
+
+
+def stack_with_grad_sink(params: list[nn.Parameter]) -> torch.Tensor:
+    """torch.stack(params) for a kernel whose weights are stored as separate per-expert parameters (DeepSpeed's
+    MoE layout). Autograd sends the stacked gradient back through the stack as usual; a deferred W cannot (it
+    runs after the backward), so the result carries `deferred_grad_sink`: W hands it the stacked gradient and
+    it adds slice e to `params[e].grad`, the same values the stack's backward would have accumulated."""
+    w = torch.stack(params)
+    w.deferred_grad_sink = functools.partial(_accumulate_slices, list(params))
+    return w
+
+
 class DeferredWeightGrads(KernelWrapper):
     """A kernel that wraps another (`kernels.SplitKernel`: plain, FP8, ...) and defers its weight gradients:
     inside an I op (`WeightGradQueue.deferring()`) the backward computes the input gradient at once and
@@ -90,7 +107,8 @@ class DeferredWeightGrads(KernelWrapper):
     bit: only *when* W runs changes.
 
     NOTE: deferred gradients are written to `.grad` directly (AccumulateGrad is bypassed, so hooks
-    registered on it do not fire for them); the weights must therefore be the leaf parameters themselves."""
+    registered on it do not fire for them); the weights must therefore be the leaf parameters themselves, or
+    tensors built from them that say where their gradient goes (`stack_with_grad_sink`)."""
 
     defers_weight_grads = True
 
@@ -98,17 +116,21 @@ class DeferredWeightGrads(KernelWrapper):
         q = active_queue()
         if q is None:
             return self.inner.run_weight_grads(job, weights, need_w)
+        sinks = []
         for w, n in zip(weights, need_w):
-            if n and not w.is_leaf:
+            sink = getattr(w, "deferred_grad_sink", None) if w is not None else None
+            if n and not w.is_leaf and sink is None:
                 raise RuntimeError(f"deferred weight gradient: a {tuple(w.shape)} weight reaching the kernel is not "
-                                   "a leaf tensor (built from parameters each call), so W cannot write its .grad")
+                                   "a leaf tensor (built from parameters each call) and has no deferred_grad_sink "
+                                   "(`stack_with_grad_sink`), so W cannot write its .grad")
+            sinks.append(sink if sink is not None else functools.partial(_accumulate, w))
         inner = self.inner
 
         @torch.no_grad()   # as inside a backward: W's GEMMs build no graph (saved inputs may require grad)
         def w_job():
-            for w, g in zip(weights, inner.run_weight_grads(job, weights, need_w)):
+            for sink, g in zip(sinks, inner.run_weight_grads(job, weights, need_w)):
                 if g is not None:
-                    _accumulate(w, g)
+                    sink(g)
 
         q.put(w_job)
         return (None,) * len(weights)
@@ -149,9 +171,9 @@ def split_weight_grads(module: nn.Module) -> int:
         if isinstance(m, nn.Linear) and type(m) is not nn.Linear and not isinstance(m, UsesKernel):
             raise TypeError(f"{where} is a {type(m).__name__}, an nn.Linear subclass without a kernel seam "
                             "(kernels.KernelLinear): its weight gradient cannot be deferred")
-        if isinstance(m, UsesKernel) and not m.leaf_kernel_weights:
-            raise TypeError(f"{where} ({type(m).__name__}) passes its kernel tensors built from its parameters, "
-                            "so a deferred W could not write their .grad")
+        if isinstance(m, UsesKernel) and not (m.leaf_kernel_weights or m.grad_sink_weights):
+            raise TypeError(f"{where} ({type(m).__name__}) passes its kernel tensors built from its parameters "
+                            "without a deferred_grad_sink, so a deferred W could not write their .grad")
         if isinstance(m, UsesKernel) and not isinstance(m.kernel, SplitKernel):
             raise TypeError(f"{where}: its kernel {m.kernel!r} is not a kernels.SplitKernel, so its weight "
                             "gradients cannot be split off and deferred")
