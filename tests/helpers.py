@@ -264,3 +264,16 @@ def released_owned(name: str, lay, L: int) -> bool:
     if name == "model.embed_tokens.weight":
         return lay.embedding
     return lay.last                                    # model.norm, lm_head
+
+
+def zero1_ds(dsv3: dict, warmup_steps: int, **top) -> dict:
+    """The DeepSpeed JSON the 2-rank `dsv3 train` tests share: micro-batch 2 x accumulation 2, clipping 1.0, ZeRO-1,
+    torch AdamW and a linear warm-up of `warmup_steps`; `top` adds or replaces top-level keys (e.g. bf16)."""
+    return {
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+        "steps_per_print": 10**9, "zero_optimization": {"stage": 1},
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.1,
+                                                  "torch_adam": True}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 3e-4, "warmup_max_lr": 3e-3,
+                                                     "warmup_num_steps": warmup_steps}},
+        **top, "dsv3": dsv3}

@@ -18,19 +18,11 @@ import io
 import pytest
 import torch
 
-from helpers import run_ranks
+from helpers import run_ranks, zero1_ds
 
 GAMMA = 1e-3   # a step that BF16 cannot hold exactly (bf16(1e-3) = 1.0004e-3): an FP32 bias keeps it
-DS = {
-    "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
-    "steps_per_print": 10**9, "zero_optimization": {"stage": 1},
-    "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.1,
-                                              "torch_adam": True}},
-    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 3e-4, "warmup_max_lr": 3e-3,
-                                                 "warmup_num_steps": 5}},
-    "bf16": {"enabled": True},
-    "dsv3": {"preset": "tiny", "moe": {"bias_update_speed": GAMMA}, "train": {"seq_len": 16, "seed": 5}},
-}
+DS = zero1_ds({"preset": "tiny", "moe": {"bias_update_speed": GAMMA}, "train": {"seq_len": 16, "seed": 5}},
+              warmup_steps=5, bf16={"enabled": True})
 STEPS = 10
 
 

@@ -6,17 +6,10 @@ import copy
 import pytest
 import torch
 
-from helpers import run_ranks
+from helpers import run_ranks, zero1_ds
 
-DS = {
-    "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
-    "steps_per_print": 10**9, "zero_optimization": {"stage": 1},
-    "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.1,
-                                              "torch_adam": True}},
-    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 3e-4, "warmup_max_lr": 3e-3,
-                                                 "warmup_num_steps": 5}},
-    "dsv3": {"preset": "tiny", "train": {"seq_len": 16, "seed": 3}, "memory": {"bf16_moments": True}},
-}
+DS = zero1_ds({"preset": "tiny", "train": {"seq_len": 16, "seed": 3}, "memory": {"bf16_moments": True}},
+              warmup_steps=5)
 STEPS = 10
 
 

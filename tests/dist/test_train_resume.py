@@ -6,22 +6,16 @@ import copy
 import pytest
 import torch
 
-from helpers import run_ranks
+from helpers import run_ranks, zero1_ds
 
-DS = {
-    "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
-    "steps_per_print": 10**9, "zero_optimization": {"stage": 1},
-    "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.1,
-                                              "torch_adam": True}},
-    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 3e-4, "warmup_max_lr": 3e-3,
-                                                 "warmup_num_steps": 30}},
+DS = zero1_ds(
     # γ switches schedule piece mid-run (after 12 steps' tokens) and λ too: schedule state must resume.
-    "dsv3": {"preset": "tiny", "train": {"seq_len": 16, "seed": 3}, "memory": {"ema": True, "ema_decay": 0.9},
-             "moe": {"bias_update_schedule": [{"until_tokens": 12 * 128, "value": 0.01},
-                                              {"until_tokens": None, "value": 0.003}]},
-             "mtp": {"loss_weight_schedule": [{"until_tokens": 25 * 128, "value": 0.3},
-                                              {"until_tokens": None, "value": 0.1}]}},
-}
+    {"preset": "tiny", "train": {"seq_len": 16, "seed": 3}, "memory": {"ema": True, "ema_decay": 0.9},
+     "moe": {"bias_update_schedule": [{"until_tokens": 12 * 128, "value": 0.01},
+                                      {"until_tokens": None, "value": 0.003}]},
+     "mtp": {"loss_weight_schedule": [{"until_tokens": 25 * 128, "value": 0.3},
+                                      {"until_tokens": None, "value": 0.1}]}},
+    warmup_steps=30)
 
 
 def _first_leg(tmp):
