@@ -35,6 +35,7 @@ from typing import Callable, Optional, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
+from . import overlap
 from .groups import EPGroups, single_process_groups
 from dsv3_plugin.precision.fp8 import quant as fp8
 from dsv3_plugin.config import ConfigError
@@ -48,6 +49,8 @@ __all__ = [
     "codec_from_config",
     "AllToAll",
     "all_to_all",
+    "exchange_start",
+    "PendingExchange",
     "DispatchStats",
     "moe_dispatch_combine",
     "count_cross_node_copies",
@@ -124,20 +127,29 @@ def codec_from_config(cfg) -> Optional[DispatchCodec]:
 # ---------------------------------------------------------------------------------------------------
 # autograd all-to-all with variable split sizes
 
-def _a2a_raw(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+def _a2a_start(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group):
+    """Issue one all-to-all with `async_op=True`: (receive buffer, work). The buffer is valid after
+    `work.wait()` (on CUDA/NCCL: for the streams that waited)."""
     out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
     # gloo has no all-to-all for bool or 8-bit floats: move their bytes.
     if x.dtype == torch.bool or x.element_size() == 1 and x.dtype != torch.uint8:
-        dist.all_to_all_single(out.view(torch.uint8), x.contiguous().view(torch.uint8), out_splits, in_splits,
-                               group=group)
-        return out
-    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        work = dist.all_to_all_single(out.view(torch.uint8), x.contiguous().view(torch.uint8), out_splits,
+                                      in_splits, group=group, async_op=True)
+    else:
+        work = dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group, async_op=True)
+    return out, work
+
+
+def _a2a_raw(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    out, work = _a2a_start(x, out_splits, in_splits, group)
+    work.wait()
     return out
 
 
 class AllToAll(torch.autograd.Function):
     """Rows of `x` split by `in_splits` go to the group's ranks; `out_splits` rows arrive from each.
-    Backward sends the gradient rows back along the same routes (the transposed all-to-all)."""
+    Backward sends the gradient rows back along the same routes (the transposed all-to-all). Synchronous:
+    `exchange_start` is the same exchange started and waited for separately."""
 
     @staticmethod
     def forward(ctx, x, out_splits, in_splits, group, codec=None):
@@ -176,11 +188,119 @@ class _StraightThrough(torch.autograd.Function):
         return grad, None
 
 
+class _Exchange:
+    """One asynchronous all-to-all step of several row-aligned tensors along the same routes (e.g. the
+    dispatched activations, their local expert ids and routing weights): started in forward, waited for
+    later; its backward likewise starts the transposed all-to-all of the gradients and waits for it later.
+    Floating tensors are differentiable, the others travel as data. Every wait first hands the turn to the
+    other lane of an overlapped pair (`overlap.hand_over`)."""
+
+    def __init__(self, out_splits, in_splits, group, codecs, kind: str):
+        self.out_splits, self.in_splits = list(out_splits), list(in_splits)
+        self.group, self.codecs, self.kind = group, codecs, kind
+        self._fwd = self._bwd = None
+
+    def start_forward(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.meta = [(t.shape[1] if t.dim() > 1 else 0, t.dtype) for t in tensors]
+        sends = [c.encode(t) if c is not None else [t] for t, c in zip(tensors, self.codecs)]
+        self._fwd = [[_a2a_start(p, self.out_splits, self.in_splits, self.group) for p in parts] for parts in sends]
+        overlap.comm_started(self.kind, "F", [w for parts in self._fwd for _, w in parts])
+
+    def finish_forward(self) -> list[torch.Tensor]:
+        overlap.hand_over()
+        overlap.timed_wait([w for parts in self._fwd for _, w in parts], self.kind, "F")
+        out = []
+        for parts, c, (h, dt) in zip(self._fwd, self.codecs, self.meta):
+            bufs = [b for b, _ in parts]
+            out.append(c.decode(bufs, h, dt) if c is not None else bufs[0])
+        self._fwd = None
+        return out
+
+    def start_backward(self, grads: Sequence[Optional[torch.Tensor]]) -> None:
+        # the transposed routes; gradients travel in full precision (straight through the codec)
+        self._bwd = [None if g is None else _a2a_start(g, self.in_splits, self.out_splits, self.group) for g in grads]
+        overlap.comm_started(self.kind, "B", [p[1] for p in self._bwd if p is not None])
+
+    def finish_backward(self) -> list[Optional[torch.Tensor]]:
+        overlap.hand_over()
+        overlap.timed_wait([p[1] for p in self._bwd if p is not None], self.kind, "B")
+        out = [None if p is None else p[0] for p in self._bwd]
+        self._bwd = None
+        return out
+
+
+class _ExchangeStart(torch.autograd.Function):
+    """Forward: issue the exchange, return an empty token that links the inputs to `_ExchangeWait` in the
+    graph. Backward (runs after `_ExchangeWait`'s, which started the gradients' all-to-all): wait for it."""
+
+    @staticmethod
+    def forward(ctx, op: _Exchange, *tensors):
+        ctx.op = op
+        ctx.diff = [t.is_floating_point() for t in tensors]
+        op.start_forward(tensors)
+        return tensors[0].new_empty(0, dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, _token_grad):
+        grads = ctx.op.finish_backward()
+        return (None, *(g if d else None for g, d in zip(grads, ctx.diff)))
+
+
+class _ExchangeWait(torch.autograd.Function):
+    """Forward: wait for the exchange, return the received tensors. Backward: start the gradients' transposed
+    all-to-all and return at once (autograd runs other ready work, e.g. the shared experts' backward, while it
+    travels; `_ExchangeStart.backward` waits)."""
+
+    @staticmethod
+    def forward(ctx, op: _Exchange, token):
+        ctx.op, ctx.device = op, token.device
+        outs = op.finish_forward()
+        ctx.diff = [t.is_floating_point() for t in outs]
+        ctx.mark_non_differentiable(*(t for t in outs if not t.is_floating_point()))
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.op.start_backward([g.contiguous() if d and g is not None else None for g, d in zip(grads, ctx.diff)])
+        return None, torch.empty(0, dtype=torch.float32, device=ctx.device)
+
+
+class PendingExchange:
+    """Handle of a started `exchange_start`: `wait()` returns the received tensors (differentiable)."""
+
+    def __init__(self, op: Optional[_Exchange], token=None, ready: Optional[list] = None):
+        self._op, self._token, self._ready = op, token, ready
+
+    def wait(self) -> list[torch.Tensor]:
+        if self._ready is not None:
+            return self._ready
+        outs = _ExchangeWait.apply(self._op, self._token)
+        self._op = self._token = None
+        return list(outs) if isinstance(outs, (tuple, list)) else [outs]
+
+
+def exchange_start(tensors: Sequence[torch.Tensor], out_splits: list[int], in_splits: list[int], group,
+                   group_size: int, codecs: Optional[Sequence[Optional[DispatchCodec]]] = None,
+                   kind: str = "dispatch") -> PendingExchange:
+    """Start the variable-split all-to-all of row-aligned `tensors` (async: `async_op=True`); `.wait()` on the
+    result returns what arrived, with the numerics of `all_to_all` on each (forward and backward). `codecs[i]`
+    encodes tensor i's payload (e.g. FP8 dispatch); `kind` ("dispatch" / "combine") names the exchange for
+    the overlap accounting. A group of one moves nothing (codec round trip only)."""
+    codecs = list(codecs) if codecs is not None else [None] * len(tensors)
+    if group_size == 1:
+        return PendingExchange(None, ready=[all_to_all(t, out_splits, in_splits, group, 1, c)
+                                            for t, c in zip(tensors, codecs)])
+    op = _Exchange(out_splits, in_splits, group, codecs, kind)
+    return PendingExchange(op, token=_ExchangeStart.apply(op, *tensors))
+
+
 def _exchange_counts(send_counts: torch.Tensor, group, group_size: int) -> torch.Tensor:
     if group_size == 1:
         return send_counts.clone()
-    recv = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv, send_counts.contiguous(), group=group)
+    recv, work = _a2a_start(send_counts, [1] * group_size, [1] * group_size, group)
+    overlap.comm_started("dispatch", "F", [work])
+    overlap.hand_over()
+    overlap.timed_wait([work], "dispatch", "F")
     return recv
 
 
@@ -231,11 +351,13 @@ def count_cross_node_copies(idx_TK: torch.Tensor, num_experts: int, ep_size: int
 
 def moe_dispatch_combine(x_TH: torch.Tensor, idx_TK: torch.Tensor, w_TK: torch.Tensor, expert_fn: ExpertFn,
                          num_experts: int, groups: Optional[EPGroups] = None, dedup: bool = True,
-                         codec: Optional[DispatchCodec] = None,
-                         weights_to_experts: bool = False) -> tuple[torch.Tensor, DispatchStats]:
+                         codec: Optional[DispatchCodec] = None, weights_to_experts: bool = False,
+                         while_dispatching: Optional[Callable[[], None]] = None) -> tuple[torch.Tensor, DispatchStats]:
     """Routed-expert output sum_k w_{t,k} FFN_{e_{t,k}}(x_t) for this rank's tokens, with experts sharded over
     ``groups.ep_group``. ``expert_fn(x_NH, local_expert_N)`` runs this rank's experts on the rows it
-    receives (local ids in [0, E/P)). Returns (out_TH in x's dtype, stats)."""
+    receives (local ids in [0, E/P)). ``while_dispatching()`` runs while the dispatched tokens travel (the
+    shared experts, paper §3.2.1): the all-to-alls are started, then it runs, then they are waited for (it
+    runs once, with EP = 1 too). Returns (out_TH in x's dtype, stats)."""
     # weights_to_experts: the routing weight of each row travels with it and `expert_fn(x_NH, local_expert_N,
     # scale_N)` applies it before its down projection (no k·H expert outputs kept for the weight's gradient)
     g = groups or single_process_groups()
@@ -243,10 +365,11 @@ def moe_dispatch_combine(x_TH: torch.Tensor, idx_TK: torch.Tensor, w_TK: torch.T
         raise ValueError(f"dispatch: idx {tuple(idx_TK.shape)}, weights {tuple(w_TK.shape)} and tokens "
                          f"{tuple(x_TH.shape)} disagree")
     L = g.experts_per_rank(num_experts)
+    side = while_dispatching or (lambda: None)
     if dedup and g.num_nodes > 1:
-        return _dispatch_dedup(x_TH, idx_TK, w_TK, expert_fn, L, g, codec, weights_to_experts)
+        return _dispatch_dedup(x_TH, idx_TK, w_TK, expert_fn, L, g, codec, weights_to_experts, side)
     return _dispatch_per_expert(x_TH, idx_TK, w_TK, expert_fn, L, g, codec, "dedup" if dedup else "per_expert",
-                                weights_to_experts)
+                                weights_to_experts, side)
 
 
 def _id_dtype(n: int) -> torch.dtype:
@@ -258,7 +381,8 @@ def _payload_bytes(codec, x_TH) -> int:
     return (codec or IdentityCodec()).bytes_per_row(x_TH.shape[1], x_TH.element_size())
 
 
-def _dispatch_per_expert(x_TH, idx_TK, w_TK, expert_fn, L, g: EPGroups, codec, mode, weights_to_experts=False):
+def _dispatch_per_expert(x_TH, idx_TK, w_TK, expert_fn, L, g: EPGroups, codec, mode, weights_to_experts=False,
+                         side=lambda: None):
     T, K = idx_TK.shape
     flat_e = idx_TK.reshape(-1)                                   # [T*K]
     # Sorting by expert id also sorts by owner rank (owner = e // L): contiguous send blocks.
@@ -268,17 +392,24 @@ def _dispatch_per_expert(x_TH, idx_TK, w_TK, expert_fn, L, g: EPGroups, codec, m
     send_counts = torch.bincount(e_sorted // L, minlength=g.ep_size)
     recv_counts = _exchange_counts(send_counts, g.ep_group, g.ep_size)
     send, recv = send_counts.tolist(), recv_counts.tolist()
+    ep = (g.ep_group, g.ep_size)
 
-    x_recv = all_to_all(x_TH[tok], recv, send, g.ep_group, g.ep_size, codec)       # [N_recv, H]
+    # dispatch: activations (codec-encoded), local expert ids [, routing weights] in one exchange
     local_ids = (e_sorted % L).to(_id_dtype(L))
-    e_recv = all_to_all(local_ids, recv, send, g.ep_group, g.ep_size).long()      # [N_recv] local ids
+    payload = [x_TH[tok], local_ids]
     if weights_to_experts:
-        s_recv = all_to_all(w_TK.reshape(-1)[order][:, None], recv, send, g.ep_group, g.ep_size)[:, 0]
-        y_recv = expert_fn(x_recv, e_recv, s_recv)                                 # weighted rows
-        out = combine_rows(all_to_all(y_recv, send, recv, g.ep_group, g.ep_size), tok, T)
+        payload.append(w_TK.reshape(-1)[order][:, None])
+    pending = exchange_start(payload, recv, send, *ep, codecs=[codec, None, None], kind="dispatch")
+    side()                                                        # e.g. shared experts, while the tokens travel
+    got = pending.wait()
+    x_recv, e_recv = got[0], got[1].long()                        # [N_recv, H], [N_recv] local ids
+    if weights_to_experts:
+        y_recv = expert_fn(x_recv, e_recv, got[2][:, 0])          # weighted rows
+        y_back = exchange_start([y_recv], send, recv, *ep, kind="combine").wait()[0]
+        out = combine_rows(y_back, tok, T)
     else:
         y_recv = expert_fn(x_recv, e_recv)
-        y_back = all_to_all(y_recv, send, recv, g.ep_group, g.ep_size)             # [T*K, H], sorted order
+        y_back = exchange_start([y_recv], send, recv, *ep, kind="combine").wait()[0]   # [T*K, H], sorted order
         w_sorted = w_TK.reshape(-1)[order].to(y_back.dtype)
         out = combine_rows(y_back * w_sorted[:, None], tok, T)   # keeps only the index for backward
 
@@ -292,7 +423,8 @@ def _dispatch_per_expert(x_TH, idx_TK, w_TK, expert_fn, L, g: EPGroups, codec, m
     return out.to(x_TH.dtype), stats
 
 
-def _dispatch_dedup(x_TH, idx_TK, w_TK, expert_fn, L, g: EPGroups, codec, weights_to_experts=False):
+def _dispatch_dedup(x_TH, idx_TK, w_TK, expert_fn, L, g: EPGroups, codec, weights_to_experts=False,
+                    side=lambda: None):
     T, K = idx_TK.shape
     R, N = g.ranks_per_node, g.num_nodes
     node_TK = idx_TK // (L * R)
@@ -315,9 +447,10 @@ def _dispatch_dedup(x_TH, idx_TK, w_TK, expert_fn, L, g: EPGroups, codec, weight
     w_CK = w_TK[t_idx] * on_node.to(w_TK.dtype)                    # differentiable: gates flow back through it
 
     ep = (g.ep_group, g.ep_size)
-    x1 = all_to_all(x_TH[t_idx], recv1, send1, *ep, codec=codec)      # [C1r, H]
-    ids1 = all_to_all(ids_CK, recv1, send1, *ep)                      # [C1r, K]
-    w1 = all_to_all(w_CK, recv1, send1, *ep)                          # [C1r, K]
+    pending = exchange_start([x_TH[t_idx], ids_CK, w_CK], recv1, send1, *ep, codecs=[codec, None, None],
+                             kind="dispatch")
+    side()                                                         # e.g. shared experts, while the tokens travel
+    x1, ids1, w1 = pending.wait()                                  # [C1r, H], [C1r, K], [C1r, K]
 
     # Stage 2, inside the node: forward each received token to the owners of its selected experts.
     j, k = (ids1 < LR).nonzero(as_tuple=True)
@@ -329,17 +462,20 @@ def _dispatch_dedup(x_TH, idx_TK, w_TK, expert_fn, L, g: EPGroups, codec, weight
     send2, recv2 = send2_counts.tolist(), recv2_counts.tolist()
     nd = (g.node_group, R)
     # the in-node hop carries the encoded payload too (re-encoding a decoded pow2-scaled tile is exact)
-    x2 = all_to_all(x1[j2], recv2, send2, *nd, codec=codec)
-    le2 = all_to_all((e2 % L).to(_id_dtype(L)), recv2, send2, *nd).long()
+    payload2 = [x1[j2], (e2 % L).to(_id_dtype(L))]
+    if weights_to_experts:
+        payload2.append(w1[j2, k2][:, None])
+    got2 = exchange_start(payload2, recv2, send2, *nd, codecs=[codec, None, None], kind="dispatch").wait()
+    x2, le2 = got2[0], got2[1].long()
     # Combine inside the node first: one weighted partial sum per (token, node) crosses back.
     if weights_to_experts:
-        s2 = all_to_all(w1[j2, k2][:, None], recv2, send2, *nd)[:, 0]
-        z1 = combine_rows(all_to_all(expert_fn(x2, le2, s2), send2, recv2, *nd), j2, x1.shape[0])
+        y2 = expert_fn(x2, le2, got2[2][:, 0])
+        z1 = combine_rows(exchange_start([y2], send2, recv2, *nd, kind="combine").wait()[0], j2, x1.shape[0])
     else:
         y2 = expert_fn(x2, le2)
-        y2_back = all_to_all(y2, send2, recv2, *nd)                   # [C2, H] in order2
+        y2_back = exchange_start([y2], send2, recv2, *nd, kind="combine").wait()[0]   # [C2, H] in order2
         z1 = combine_rows(y2_back * w1[j2, k2].to(y2_back.dtype)[:, None], j2, x1.shape[0])
-    z_back = all_to_all(z1, send1, recv1, *ep)                        # [C1, H]
+    z_back = exchange_start([z1], send1, recv1, *ep, kind="combine").wait()[0]         # [C1, H]
     out = combine_rows(z_back, t_idx, T)
 
     cross = sum(send1) - send1[g.node * R + g.local_index]

@@ -5,7 +5,9 @@ and the shared experts are replicated (shared experts run locally on the rank's 
 Routing is unchanged, so node-limited routing is the router's group limit: with `moe.n_group` a multiple
 of the EP nodes (contiguous blocks of `moe.ranks_per_node` ranks, expert e on EP rank e // (E/P)), every
 group lies inside one node and a token selected from at most `topk_group` = M groups touches at most M
-nodes. Routed outputs go through `dispatch.moe_dispatch_combine` (per-expert or node-deduplicated).
+nodes. Routed outputs go through `dispatch.moe_dispatch_combine` (per-expert or node-deduplicated), whose
+all-to-alls are asynchronous: the shared experts run while the routed tokens travel (§3.2.1), and an
+overlapped pipeline pair (`parallel.overlap`) runs the other chunk's compute during them.
 
 NOTE: with `moe.n_group = 1` there is no node limit (a token may use every node); configure
 `n_group` = number of nodes (or a multiple) and `topk_group` = M to get the paper's node-limited routing.
@@ -102,10 +104,11 @@ class ExpertParallelMoE(DeepSeekMoE):
             self.dispatch_counters["processed_rows"] += int(x_NH.shape[0])
         return self.experts.expert_rows(x_NH, local_expert_N, scale_N)
 
-    def routed(self, x_TH: torch.Tensor, r) -> torch.Tensor:
+    def routed(self, x_TH: torch.Tensor, r, side=None) -> torch.Tensor:
+        # `side` (the shared experts) runs while the dispatched tokens travel (async all-to-all, §3.2.1)
         y_TH, st = moe_dispatch_combine(x_TH, r.topk_idx_TK, r.gates_TK, self._expert_fn,
                                         self.cfg.n_routed_experts, self.groups, self.dedup, self.codec,
-                                        weights_to_experts=True)
+                                        weights_to_experts=True, while_dispatching=side)
         self.last_dispatch = st
         if self.training and counting_enabled():
             c = self.dispatch_counters

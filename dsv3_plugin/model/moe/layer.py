@@ -277,11 +277,18 @@ class DeepSeekMoE(nn.Module):
             self.aux_loss = seq_balance_loss(r.scores_TE.view(B, T, -1), self.cfg.top_k, self.cfg.seq_aux_alpha)
         else:
             self.aux_loss = None
-        y_TH = self.routed(x_TH, r)
-        if self.shared_experts is not None:
-            y_TH = y_TH + self.shared_experts(x_TH)
+        shared: list[torch.Tensor] = []
+        side = None if self.shared_experts is None else (lambda: shared.append(self.shared_experts(x_TH)))
+        y_TH = self.routed(x_TH, r, side)
+        if shared:
+            y_TH = y_TH + shared[0]
         return y_TH.view(B, T, H)
 
-    def routed(self, x_TH: torch.Tensor, r) -> torch.Tensor:
-        """Σ_k g_{t,k} FFN_{e_{t,k}}(x_t) over the routed experts (expert parallelism overrides this)."""
-        return self.experts(x_TH, r.topk_idx_TK, r.gates_TK)
+    def routed(self, x_TH: torch.Tensor, r, side=None) -> torch.Tensor:
+        """Σ_k g_{t,k} FFN_{e_{t,k}}(x_t) over the routed experts; calls `side()` (the shared experts) once,
+        here after the routed experts. Expert parallelism overrides this and runs `side()` while the routed
+        tokens travel (paper §3.2.1)."""
+        y_TH = self.experts(x_TH, r.topk_idx_TK, r.gates_TK)
+        if side is not None:
+            side()
+        return y_TH

@@ -1,0 +1,294 @@
+"""Computation-communication overlap of a forward and a backward chunk (DeepSeek-V3 §3.2.1, Fig. 4).
+
+In DualPipe's overlapped forward & backward pairs, one chunk's expert-parallel all-to-all (dispatch, combine)
+travels while the other chunk computes (attention, MLP). A chunk's anatomy follows from where it communicates:
+
+    forward   attention -> dispatch -> MLP (shared experts while the routed tokens travel, then the routed
+              experts) -> combine -> attention of the next layer ...
+    backward  the same components in reverse: combine -> MLP -> dispatch -> attention ...
+
+The all-to-alls are started with `async_op=True` and waited for separately (`dispatch.exchange_start`); every
+wait first calls `hand_over()`. `run_overlapped(forward, backward)` runs the two chunks as two *lanes* in
+lock step: the backward in a helper thread, the forward in the caller's thread, and exactly one of them runs at
+any time. A lane keeps the turn while it has work that does not need its own communication, and hands it to the
+other lane right before it would block on one of its all-to-alls, so each chunk's communication is in flight
+while the other chunk computes (forward first):
+
+    F: attention, start dispatch(F), shared experts (F)          | hand over
+    B: head/attention (B), start combine(B)                      | hand over
+    F: wait dispatch(F), routed experts (F), start combine(F)    | hand over
+    B: wait combine(B), MLP (B), start dispatch(B), shared (B)   | hand over
+    F: wait combine(F), next layer's attention (F), ...
+
+Collective ordering: both lanes issue their all-to-alls on the *same* EP groups. That is safe because the
+hand-over points are fixed places in the program (every wait on an all-to-all), not timing: the interleaving of
+the two lanes, hence the order in which collectives are issued on each group, is one deterministic sequence,
+the same on every EP peer (they run the same schedule op with the same modules). Gloo matches collectives by
+issue order, and collectives in flight together on one group are queued in that order on every rank.
+
+Numerics: each lane runs exactly the ops of the plain forward (`module(*inputs)`) and the plain backward
+(`torch.autograd.backward`) - autograd orders a backward by the graph, not by timing - so losses and gradients
+equal F-then-B bit for bit. The backward's weight gradients are computed inside it, as the FB op's B is defined
+(`pipeline.schedule`); the I/W split (`pipeline.weight_grad`) applies to the schedule's I ops unchanged.
+
+Devices: on CPU (gloo) a wait blocks the lane's thread and `a2a_wait_s` is time really spent blocked. On CUDA
+(NCCL) an `async_op=True` collective runs on the process group's own communication stream and `wait()` only
+makes the current compute stream wait for it, so the host does not block; both lanes launch onto the one
+compute stream in the lock-step order. NOTE: the CUDA path is written for that behaviour but not run here (no
+GPU); its `a2a_wait_s` counts host time only, which is not the exposed communication time on a GPU.
+
+Accounting for benchmarks: `wait_clock()` accumulates the seconds spent blocked in all-to-all waits (both
+lanes); `recording()` collects a Fig. 4-style timeline (compute and communication lanes, events in the format
+of `pipeline.overlap_timeline`).
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from typing import Callable, Optional
+
+__all__ = ["run_overlapped", "hand_over", "timed_wait", "comm_started", "wait_clock", "recording", "in_pair",
+           "OverlapRecorder"]
+
+
+class _Clock:
+    """Seconds blocked in all-to-all waits, process-wide (lanes alternate, so plain adds are safe)."""
+
+    def __init__(self):
+        self.a2a_wait_s = 0.0
+        self.waits = 0
+
+
+_CLOCK = _Clock()
+
+
+def wait_clock() -> _Clock:
+    return _CLOCK
+
+
+class _Pair:
+    """Two lanes, F (the thread that made the pair) and B (any other thread: the helper thread, or on CUDA the
+    autograd engine's device thread running the backward), one turn between them."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.turn = "F"
+        self.done = {"F": False, "B": False}
+        self.f_thread = threading.get_ident()
+        self.handovers = 0
+
+    def lane(self) -> str:
+        return "F" if threading.get_ident() == self.f_thread else "B"
+
+    @staticmethod
+    def other(lane: str) -> str:
+        return "B" if lane == "F" else "F"
+
+    def hand_over(self) -> None:
+        me = self.lane()
+        you = self.other(me)
+        with self.cond:
+            if self.done[you]:
+                return
+            self.turn = you
+            self.handovers += 1
+            self.cond.notify_all()
+            self.cond.wait_for(lambda: self.turn == me or self.done[you])
+        if _REC is not None:
+            _REC.resumed(me)
+
+    def wait_turn(self, me: str) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.turn == me or self.done[self.other(me)])
+
+    def finish(self, me: str) -> None:
+        with self.cond:
+            self.done[me] = True
+            self.turn = self.other(me)
+            self.cond.notify_all()
+
+
+_PAIR: Optional[_Pair] = None   # the pair running now (one at a time per process)
+
+
+def in_pair() -> bool:
+    return _PAIR is not None
+
+
+def hand_over() -> None:
+    """Called right before blocking on an all-to-all: give the turn to the other lane of the running pair
+    and wait until it hands back (or finishes). A no-op outside `run_overlapped`."""
+    p = _PAIR
+    if p is not None:
+        p.hand_over()
+
+
+def _lane(phase: str) -> str:
+    return _PAIR.lane() if _PAIR is not None else phase
+
+
+def comm_started(kind: str, phase: str, works: list) -> None:
+    """An all-to-all of `kind` ("dispatch" / "combine") was issued in `phase` ("F" forward / "B" backward)."""
+    if _REC is not None:
+        _REC.comm(kind, _lane(phase), works)
+
+
+def timed_wait(works: list, kind: str, phase: str) -> None:
+    """Block on `works` (after `hand_over()`), adding the blocked time to `wait_clock()`."""
+    lane = _lane(phase)
+    if _REC is not None:
+        _REC.boundary(lane, kind, "wait")
+    t0 = time.perf_counter()
+    for w in works:
+        w.wait()
+    dt = time.perf_counter() - t0
+    _CLOCK.a2a_wait_s += dt
+    _CLOCK.waits += 1
+    if _REC is not None:
+        _REC.waited(lane, t0, t0 + dt, kind)
+
+
+def run_overlapped(forward: Callable[[], object], backward: Callable[[], None]):
+    """Run `backward()` and `forward()` as the two lock-step lanes of one overlapped pair (module docstring);
+    returns forward's result. An exception in either lane is raised after both have finished."""
+    global _PAIR
+    if _PAIR is not None:
+        raise RuntimeError("run_overlapped: a pair is already running in this process")
+    pair = _Pair()
+    errors: dict[str, BaseException] = {}
+
+    def b_lane():
+        pair.wait_turn("B")
+        if _REC is not None:
+            _REC.resumed("B")
+        try:
+            backward()
+        except BaseException as e:   # noqa: BLE001 (re-raised in the caller's thread)
+            errors["B"] = e
+        finally:
+            if _REC is not None:
+                _REC.paused("B")
+            pair.finish("B")
+
+    _PAIR = pair
+    t = threading.Thread(target=b_lane, name="dsv3-overlap-backward", daemon=True)
+    out = None
+    try:
+        t.start()
+        if _REC is not None:
+            _REC.resumed("F")
+        try:
+            out = forward()
+        except BaseException as e:   # noqa: BLE001
+            errors["F"] = e
+        finally:
+            if _REC is not None:
+                _REC.paused("F")
+            pair.finish("F")
+        t.join()
+    finally:
+        _PAIR = None
+    if "F" in errors:
+        raise errors["F"]
+    if "B" in errors:
+        raise errors["B"]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# timeline recording (benchmarks)
+
+class OverlapRecorder:
+    """Events of the chunks run while recording: compute segments per lane, labelled by the component they
+    belong to, and all-to-all transfers from issue to completion (a completion callback on the work's future
+    where the backend has one, else the end of the wait). Times in seconds from the recorder's start.
+
+    A compute segment runs from the moment its lane holds the turn to its next communication event; its label
+    is the component the lane is in: forward segments after a dispatch (until the combine) are "mlp" (shared
+    experts while the tokens travel, then the routed experts), the others "attention" (attention, norms,
+    embedding / head: everything outside the MoE); backward segments after a combine (until the dispatch) are
+    "mlp", the others "attention". Waits are the exposed communication (no compute event covers them)."""
+
+    def __init__(self):
+        self.t0 = time.perf_counter()
+        self.events: list[dict] = []
+        self._seg: dict[str, Optional[float]] = {}
+        self._where: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def _now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def _label(self, lane: str) -> str:
+        return self._where.get(lane, "attention")
+
+    def _close(self, lane: str, t: float) -> None:
+        start = self._seg.get(lane)
+        if start is not None and t > start:
+            self.events.append({"lane": "compute", "chunk": lane, "label": self._label(lane), "start": start,
+                                "end": t, "mb": None})
+        self._seg[lane] = None
+
+    def resumed(self, lane: str) -> None:
+        self._seg[lane] = self._now()
+
+    def paused(self, lane: str) -> None:
+        self._close(lane, self._now())
+
+    def boundary(self, lane: str, kind: str, what: str) -> None:
+        self._close(lane, self._now())
+        mlp_after = "dispatch" if lane == "F" else "combine"
+        if what == "start":
+            self._where[lane] = "mlp" if kind == mlp_after else "attention"
+        self._seg[lane] = self._now()
+
+    def comm(self, kind: str, lane: str, works: list) -> None:
+        self.boundary(lane, kind, "start")
+        ev = {"lane": "comm", "chunk": lane, "label": kind, "start": self._now(), "end": None, "mb": None}
+        self.events.append(ev)
+        pending = [len(works)]
+
+        def done(_fut):
+            with self._lock:
+                pending[0] -= 1
+                if pending[0] == 0:
+                    ev["end"] = self._now()
+
+        for w in works:
+            try:
+                w.get_future().add_done_callback(done)
+            except (AttributeError, RuntimeError):   # no future on this backend: the wait's end stands in
+                pass
+
+    def waited(self, lane: str, t0: float, t1: float, kind: str) -> None:
+        for ev in reversed(self.events):
+            if ev["lane"] == "comm" and ev["chunk"] == lane and ev["label"] == kind and ev["end"] is None:
+                ev["end"] = t1 - self.t0
+                break
+        self._seg[lane] = self._now()
+
+    def finished(self) -> list[dict]:
+        """The events, comm transfers with a missing end closed at their start (none on gloo)."""
+        out = []
+        for ev in self.events:
+            e = dict(ev)
+            if e["end"] is None:
+                e["end"] = e["start"]
+            out.append(e)
+        return sorted(out, key=lambda e: (e["start"], e["lane"]))
+
+
+_REC: Optional[OverlapRecorder] = None
+
+
+@contextlib.contextmanager
+def recording():
+    """Record the timeline of what runs inside (yields the `OverlapRecorder`)."""
+    global _REC
+    rec = OverlapRecorder()
+    _REC = rec
+    try:
+        yield rec
+    finally:
+        _REC = None
