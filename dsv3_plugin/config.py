@@ -155,6 +155,16 @@ class ParallelConfig(_Strict):
             return self.split_weight_grads
         return self.pp > 1 and schedule_traits(self.schedule).has_w
 
+    overlap_ep_comm: Optional[bool] = Field(None, description="overlap one chunk's EP all-to-all with the other chunk's compute in the schedule's FB pairs (null = on where ep > 1 and the schedule has FB ops: dualpipe, dualpipev)")
+
+    def overlap_ep(self) -> bool:
+        """Whether `dsv3 train` runs the schedule's FB ops as overlapped pairs (paper §3.2.1, Fig. 4;
+        `parallel.overlap`): the explicit key, else on where there is EP communication to hide (ep > 1) and
+        the schedule pairs chunks (pp > 1, FB ops)."""
+        if self.overlap_ep_comm is not None:
+            return self.overlap_ep_comm
+        return self.ep > 1 and self.pp > 1 and schedule_traits(self.schedule).has_fb
+
 
 class FP8Config(_Strict):
     enabled: bool = Field(False, description="FP8 GEMMs in decoder-layer Linears and experts")
@@ -491,6 +501,11 @@ def _check_cross_fields(c: DSv3Config) -> None:
         why = "pp = 1 runs no pipeline schedule" if p.pp == 1 else f"schedule {p.schedule!r} has no W ops"
         _fail("parallel.split_weight_grads", f"true needs pp > 1 and a schedule with W ops (dualpipe, dualpipev); "
                                              f"{why}: set it false or leave it null")
+    if p.overlap_ep_comm and (p.ep == 1 or p.pp == 1 or not schedule_traits(p.schedule).has_fb):
+        why = ("ep = 1 has no all-to-all to overlap" if p.ep == 1 else "pp = 1 runs no pipeline schedule" if p.pp == 1
+               else f"schedule {p.schedule!r} has no FB ops")
+        _fail("parallel.overlap_ep_comm", f"true needs ep > 1, pp > 1 and a schedule with FB ops (dualpipe, "
+                                          f"dualpipev); {why}: set it false or leave it null")
     if c.fp8.dispatch and not c.fp8.enabled:
         _fail("fp8.dispatch", "requires fp8.enabled = true")
     if c.fp8.recipe == "tensorwise" and c.fp8.dispatch:

@@ -32,6 +32,8 @@ class ScheduleTraits:
     route turns on the last rank), else P stages. `loss_on_first_rank`: where the per-micro-batch losses come
     back. `mirror_sync`: every stage is held by two ranks (r and P-1-r), whose gradients are summed after the
     step (and whose router counts would need summing too). `has_w`: some backwards are split into I + W.
+    `has_fb`: the schedule pairs a forward chunk with a backward chunk in FB ops (DualPipe's overlapped pairs,
+    where one chunk's EP all-to-all can hide behind the other's compute: `parallel.overlap`).
     """
     name: str
     chunks_per_rank: int
@@ -42,6 +44,7 @@ class ScheduleTraits:
     even_ranks: bool = False
     mirror_sync: bool = False
     has_w: bool = False
+    has_fb: bool = False
 
     def n_stages(self, pp: int) -> int:
         return 2 * pp if self.v_shape else pp
@@ -69,9 +72,9 @@ SCHEDULES: dict[str, ScheduleTraits] = {t.name: t for t in (
     ScheduleTraits("1f1b", chunks_per_rank=1),
     ScheduleTraits("zb1p", chunks_per_rank=1, has_w=True),
     ScheduleTraits("dualpipe", chunks_per_rank=2, loss_on_first_rank=True, min_chunks_per_rank=2, even_chunks=True,
-                   even_ranks=True, mirror_sync=True, has_w=True),
+                   even_ranks=True, mirror_sync=True, has_w=True, has_fb=True),
     ScheduleTraits("dualpipev", chunks_per_rank=2, v_shape=True, loss_on_first_rank=True, min_chunks_per_rank=2,
-                   has_w=True),
+                   has_w=True, has_fb=True),
 )}
 
 

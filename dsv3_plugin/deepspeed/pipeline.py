@@ -8,7 +8,8 @@ names the data-parallel group (ZeRO-1 partitions the optimizer state and average
 pipeline group as the "model-parallel" group (so the gradient norm for clipping sums over all stages).
 
 Schedules with W ops (DualPipe, DualPipeV) defer weight gradients to them (`parallel.split_weight_grads`, on by
-default there); `idle_report` gives every rank's busy / idle time of the pipeline steps.
+default there); their FB ops overlap one chunk's EP all-to-all with the other's compute (`parallel.overlap_ep_comm`,
+on by default with ep > 1); `idle_report` gives every rank's busy / idle time of the pipeline steps.
 
 One optimizer step = one pipeline step over all `gradient_accumulation_steps` micro-batches of the JSON:
 the criterion scales each micro-batch loss by 1/gas (what `engine.backward` does), the schedule runs the
@@ -223,8 +224,12 @@ class PipelinedEngine:
         # Gradients are produced outside engine.backward (by the schedule): reduce them like DeepSpeed's own
         # pipeline engine does.
         self.engine.pipeline_parallelism = True
+        # Overlapped FB pairs (paper §3.2.1, Fig. 4; `parallel.overlap_ep_comm`): the schedule's FB ops run the
+        # stages' overlap hook, each chunk's EP all-to-all hidden behind the other chunk's compute. Off: F then B.
+        self.overlap_ep = cfg.parallel.overlap_ep()
         self.runtime = PipelineRuntime(self.stages, schedule=self.schedule, process_group=self.g.pp_group,
-                                       timeout_s=self.timeout_s, timeout_name="parallel.p2p_timeout_s")
+                                       timeout_s=self.timeout_s, timeout_name="parallel.p2p_timeout_s",
+                                       overlap=self.overlap_ep)
 
     @contextlib.contextmanager
     def _peers(self, op: str, ranks: list[int]):
@@ -244,7 +249,9 @@ class PipelinedEngine:
         crit = DSv3PipelineLoss(self.cfg, tokens_seen, scale=1.0 / self.gas)
         self.engine.train()
         self.runtime.step(ids_NT, num_chunks=self.gas, criterion=crit, labels=(labels_NT,))
-        self.step_times.append(dict(self.runtime.last_step))
+        self.step_times.append({**self.runtime.last_step,
+                                **{f"a2a_wait_s_{k}": v for k, v in self.runtime.op_a2a_wait_s.items()},
+                                **{f"op_s_{k}": v for k, v in self.runtime.op_seconds.items()}})
         sync_tied_embedding(self.runtime, self.stages)
         with self._peers("gradient all-reduce (ZeRO-1)", self.g.dp_ranks):
             self.engine.allreduce_gradients()

@@ -240,6 +240,9 @@ def resolve_pipeline_schedule(args, parser, explicit: set[str], cfg: DSv3Config,
     if cfg.parallel.split_weight_grads:   # a key training would ignore is an error, not a silent no-op
         raise ConfigError(f"{where} dsv3.parallel.split_weight_grads = true: the W split runs in `dsv3 train` only; "
                           "Megatron's layers compute weight gradients in their own backward (set it false or null)")
+    if cfg.parallel.overlap_ep_comm:
+        raise ConfigError(f"{where} dsv3.parallel.overlap_ep_comm = true: the overlapped FB pairs run in `dsv3 train` "
+                          "only (set it false or null)")
     pp = getattr(args, "pipeline_model_parallel_size", 1)
     if block == "dualpipe" and (pp > 1 or flag):
         raise ConfigError(f"{where} dsv3.parallel.schedule = 'dualpipe': not available with Megatron (it feeds "

@@ -58,6 +58,7 @@ class _Clock:
     def __init__(self):
         self.a2a_wait_s = 0.0
         self.waits = 0
+        self.handovers = 0          # turns passed between the lanes of overlapped pairs
 
 
 _CLOCK = _Clock()
@@ -93,6 +94,7 @@ class _Pair:
                 return
             self.turn = you
             self.handovers += 1
+            _CLOCK.handovers += 1
             self.cond.notify_all()
             self.cond.wait_for(lambda: self.turn == me or self.done[you])
         if _REC is not None:

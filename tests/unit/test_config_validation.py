@@ -313,3 +313,25 @@ def test_split_weight_grads_true_is_refused_on_the_megatron_path():
         resolve_pipeline_schedule(args, argparse.ArgumentParser(), set(), cfg, "the JSON's")
     cfg = load_config({"preset": "tiny", "parallel": {"pp": 2, "schedule": "dualpipev", "split_weight_grads": False}})
     assert resolve_pipeline_schedule(args, argparse.ArgumentParser(), set(), cfg, "the JSON's") == "dualpipev"
+
+
+# ---- overlapped FB pairs: on by default where there is EP communication and FB ops; true elsewhere is refused --
+@pytest.mark.parametrize("parallel, on", [({"pp": 2, "ep": 2, "schedule": "dualpipev"}, True),
+                                          ({"pp": 2, "ep": 2, "schedule": "dualpipe"}, True),
+                                          ({"pp": 2, "ep": 2, "schedule": "1f1b"}, False),
+                                          ({"pp": 2, "schedule": "dualpipev"}, False),
+                                          ({"ep": 2}, False),
+                                          ({"pp": 2, "ep": 2, "schedule": "dualpipev", "overlap_ep_comm": False}, False),
+                                          ({"pp": 2, "ep": 2, "schedule": "dualpipe", "overlap_ep_comm": True}, True)])
+def test_overlap_ep_comm_default_follows_ep_and_the_schedule(parallel, on):
+    assert load_config({"preset": "tiny", "parallel": parallel}).parallel.overlap_ep() is on
+
+
+@pytest.mark.parametrize("parallel, why", [({"pp": 2, "ep": 2, "schedule": "1f1b"}, "schedule '1f1b' has no FB ops"),
+                                           ({"pp": 1, "ep": 2, "schedule": "dualpipev"}, "pp = 1 runs no pipeline"),
+                                           ({"pp": 2, "schedule": "dualpipev"}, "ep = 1 has no all-to-all")])
+def test_overlap_ep_comm_true_without_fb_pairs_is_refused(parallel, why):
+    with pytest.raises(ConfigError, match=r"^dsv3\.parallel\.overlap_ep_comm: true needs ep > 1, pp > 1 and a "
+                                          r"schedule with FB ops .*" + why):
+        load_config({"preset": "tiny", "parallel": {**parallel, "overlap_ep_comm": True}})
+    load_config({"preset": "tiny", "parallel": {**parallel, "overlap_ep_comm": False}})   # false is fine

@@ -14,7 +14,9 @@ its `ScheduleTraits` (`schedule.SCHEDULES`), never from its name.
 - Overlap hook: when both chunks of a rank have the same type and it defines the classmethod
   `overlapped_forward_backward(f_module, f_inputs, f_loss_fn, b_module, b_loss, b_outputs, b_grads)
   -> (f_outputs, f_loss)`, FB ops call it (e.g. to hide MoE all-to-all of one chunk behind the other's
-  compute, DeepSeek-V3 §3.2.1). Otherwise F then B run in sequence.
+  compute, DeepSeek-V3 §3.2.1: `DSv3Stage`, `parallel.overlap`), unless built with `overlap=False`.
+  Otherwise F then B run in sequence. Per op kind the step records its time (`op_seconds`) and the part of it
+  spent blocked in EP all-to-all waits (`op_a2a_wait_s`, `parallel.overlap.wait_clock`).
 - Losses (and outputs) of micro-batches whose route ends on another rank than `loss_rank` (DualPipe: the
   second half ends on rank P-1) are gathered to `loss_rank` at the end of the step.
 - Schedules with `mirror_sync` (DualPipe) hold every stage twice (rank r: stages r and P-1-r); after the step
@@ -32,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dsv3_plugin.parallel.overlap import wait_clock
 from .p2p import Message, P2P, PipelineError
 from .schedule import Op, ScheduleSpec, builder, check_chunks, forward_only, schedule_traits
 from .weight_grad import WeightGradQueue
@@ -56,8 +59,10 @@ class PipelineRuntime:
                  rank_mapping: Sequence[int] | None = None, batch_dim: int = 0, timeout_s: float = 300.0,
                  p2p_shapes: list[tuple[Sequence[int], torch.dtype]] | None = None,
                  mirror_grad_sync: bool = True, device: torch.device | str | None = None,
-                 p2p_order: str | None = None, timeout_name: str = "timeout_s", schedule: str | None = None):
-        # `schedule`: a name of `SCHEDULES` (the subclasses below fix it)
+                 p2p_order: str | None = None, timeout_name: str = "timeout_s", schedule: str | None = None,
+                 overlap: bool = True):
+        # `schedule`: a name of `SCHEDULES` (the subclasses below fix it); `overlap`: use the stage type's
+        # overlap hook for FB ops where it has one (False: F then B, in sequence)
         self.schedule_name = schedule or type(self).schedule_name
         self.traits = schedule_traits(self.schedule_name)
         self.modules = list(modules) if isinstance(modules, (list, tuple)) else [modules]
@@ -100,11 +105,13 @@ class PipelineRuntime:
         if len(self.modules) != need:
             raise ValueError(f"{self.schedule_name}: each rank holds {need} stage module(s), got {len(self.modules)}")
         m0 = self.modules[0]
-        self._overlap = (len(self.modules) == 2 and type(self.modules[1]) is type(m0)
+        self._overlap = (overlap and len(self.modules) == 2 and type(self.modules[1]) is type(m0)
                          and callable(getattr(type(m0), "overlapped_forward_backward", None)))
         self.op_seconds: dict[str, float] = {}           # time per op kind of the last step
+        self.op_a2a_wait_s: dict[str, float] = {}        # ... of which blocked in EP all-to-all waits
         # the last step: wall_s, busy_s (= compute_s) and idle_s (see `step`), w_closures (deferred weight-grad
-        # GEMM jobs its W ops ran: 0 when no module defers, e.g. without `split_weight_grads`)
+        # GEMM jobs its W ops ran: 0 when no module defers, e.g. without `split_weight_grads`), a2a_wait_s (blocked
+        # in EP all-to-all waits, part of busy_s), fb_hook (FB ops run by the overlap hook)
         self.last_step: dict[str, float] = {}
         self._w_closures = 0
 
@@ -208,14 +215,18 @@ class PipelineRuntime:
         self._spec, self._training, self._criterion = spec, training, criterion
         self._mb_in, self._mb_lab = mb_in, mb_lab
         self.op_seconds = {}
+        self.op_a2a_wait_s = {}
         self.wq.clear()
         self._w_closures = 0
+        self._fb_hook = 0
+        clock = wait_clock()
         t_step, blocked0 = time.perf_counter(), self.p2p.blocked_s
         try:
             for op in spec.ops[me]:
-                t0 = time.perf_counter()
+                t0, a0 = time.perf_counter(), clock.a2a_wait_s
                 self._run(op)
                 self.op_seconds[op.kind] = self.op_seconds.get(op.kind, 0.0) + time.perf_counter() - t0
+                self.op_a2a_wait_s[op.kind] = self.op_a2a_wait_s.get(op.kind, 0.0) + clock.a2a_wait_s - a0
             compute_s = sum(self.op_seconds.values()) - (self.p2p.blocked_s - blocked0)
             if len(self.wq):
                 raise PipelineError(f"{self.schedule_name}: {len(self.wq)} weight-grad jobs left after the step")
@@ -228,7 +239,8 @@ class PipelineRuntime:
             # exchange). Two perf_counter reads per op: cheap enough to run on every step.
             idle_s = self.p2p.blocked_s - blocked0
             self.last_step = {"wall_s": time.perf_counter() - t_step, "compute_s": compute_s, "busy_s": compute_s,
-                              "idle_s": idle_s, "w_closures": self._w_closures}
+                              "idle_s": idle_s, "w_closures": self._w_closures,
+                              "a2a_wait_s": sum(self.op_a2a_wait_s.values()), "fb_hook": self._fb_hook}
         finally:
             self._state.clear()
             self._mailbox.clear()
@@ -309,6 +321,7 @@ class PipelineRuntime:
             if self._overlap:
                 f_mod, b_mod = self.modules[op.chunk], self.modules[op.chunk2]
                 loss_fn = self._loss_fn(op.chunk, op.mb)
+                self._fb_hook += 1
                 f_outs, f_loss = type(f_mod).overlapped_forward_backward(f_mod, x, loss_fn, b_mod, loss, outs, grads)
                 f_res = (x, _as_tuple(f_outs), f_loss)
             else:

@@ -21,6 +21,8 @@ from torch import nn
 
 from dsv3_plugin.model.transformer import DSv3Model
 from dsv3_plugin.model.mtp import mtp_depth_loss
+from dsv3_plugin.parallel.expert_parallel import ExpertParallelMoE
+from dsv3_plugin.parallel.overlap import run_overlapped
 from dsv3_plugin.schedule_traits import schedule_traits
 
 __all__ = ["split_layers", "model_stage_layers", "DSv3Stage", "build_stages", "stage_ids_for_rank", "n_stages_of", "min_layers",
@@ -82,7 +84,19 @@ def min_layers(schedule: str, pp: int, mtp_depth: int = 0) -> int:
         L += 1
 
 
+def _communicates(module: nn.Module) -> bool:
+    """Whether `module` runs expert-parallel all-to-alls (an EP MoE layer over more than one rank)."""
+    return any(isinstance(m, ExpertParallelMoE) and m.groups.ep_size > 1 for m in module.modules())
+
+
 class DSv3Stage(nn.Module):
+    """Decoder layers [+ embedding] [+ final norm, head, MTP] of one pipeline stage (module docstring).
+
+    Chunk anatomy (paper §3.2.1): each MoE layer's forward is attention (norm, MLA, residual, norm, router) ->
+    dispatch (all-to-all) -> MLP (shared experts while the tokens travel, then the routed experts) -> combine
+    (all-to-all); its backward is the same in reverse. The all-to-alls are started and waited for separately
+    (`dispatch.exchange_start`), which is where `overlapped_forward_backward` interleaves two chunks."""
+
     def __init__(self, model: DSv3Model, layer_ids: range, first: bool, last: bool):
         super().__init__()
         self.first, self.last = first, last
@@ -137,6 +151,28 @@ class DSv3Stage(nn.Module):
             aux_M, produced_M = self._record(aux_M, produced_M, slot, mtp.layer.mlp)
             mtp_logits.append(self.lm_head(mtp.norm(h_prev)))               # [B, S, V]
         return (logits, *mtp_logits, aux_M, produced_M)
+
+    @classmethod
+    def overlapped_forward_backward(cls, f_module, f_inputs, f_loss_fn, b_module, b_loss, b_outputs, b_grads):
+        """DualPipe's overlapped pair (paper §3.2.1, Fig. 4): the forward of `f_module` and the backward of
+        `b_module` run as the two lock-step lanes of `parallel.overlap.run_overlapped`, so each chunk's
+        dispatch / combine all-to-alls travel while the other chunk computes. Same ops as F then B on each
+        chunk (bit-identical losses and gradients). Without EP communication in either chunk: F then B."""
+        def forward():
+            outs = f_module(*f_inputs)
+            return outs, (f_loss_fn(outs) if f_loss_fn is not None else None)
+
+        def backward():
+            if b_loss is not None:
+                b_loss.backward()
+            elif b_outputs:
+                torch.autograd.backward(b_outputs, b_grads)
+
+        if not (_communicates(f_module) or _communicates(b_module)):
+            res = forward()
+            backward()
+            return res
+        return run_overlapped(forward, backward)
 
 
 def build_stages(model: DSv3Model, n_stages: int, stage_ids: Sequence[int] | None = None) -> list[DSv3Stage]:

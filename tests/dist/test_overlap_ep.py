@@ -1,0 +1,162 @@
+"""Computation-communication overlap of DualPipe's FB pairs (DeepSeek-V3 §3.2.1, Fig. 4) on 4 gloo ranks,
+pp 2 x dp 2 with EP 2 carved from each stage's data-parallel group, one spawn for everything:
+
+- the asynchronous all-to-all (`dispatch.exchange_start`, started then waited for) equals the synchronous
+  `AllToAll` bit for bit, forward and backward, plain and with the FP8 dispatch codec;
+- DualPipe and DualPipeV steps with the stages' overlap hook (`DSv3Stage.overlapped_forward_backward`: the two
+  chunks of each FB op as lock-step lanes) equal the same steps run F then B: losses and every gradient
+  `torch.equal` (each chunk runs exactly the plain forward / plain backward ops), with FP8 dispatch on and off,
+  per-expert and node-deduplicated dispatch; the hook really ran (FB ops through it, lanes handed over);
+- `dsv3 train`'s pipelined engine: `parallel.overlap_ep_comm` switches the FB path (hook vs none) and both give
+  the same losses and the same parameters after the optimizer step.
+"""
+import copy
+
+import pytest
+import torch
+
+from helpers import run_ranks
+
+PP, DP, EP = 2, 2, 2
+C, MB, T = 4, 1, 16                      # micro-batches per step, sequences per micro-batch, tokens
+BASE = {"preset": "tiny", "model": {"num_hidden_layers": 4}, "moe": {"ranks_per_node": 1},
+        "train": {"seq_len": T, "seed": 1234}}
+# each schedule runs with and without FP8 dispatch; the two dispatch modes alternate between them
+CASES = [("dualpipe", False, False), ("dualpipe", True, True), ("dualpipev", False, True), ("dualpipev", True, False)]
+
+
+def _async_vs_sync(groups):
+    """exchange_start + wait == AllToAll (forward values, input gradients), plain and FP8-encoded payloads."""
+    from dsv3_plugin.parallel.dispatch import AllToAll, FP8Codec, exchange_start
+    g = torch.Generator().manual_seed(10 + groups.ep_rank)
+    send = [3, 5] if groups.ep_rank == 0 else [4, 2]
+    recv = [3, 4] if groups.ep_rank == 0 else [5, 2]
+    out = []
+    for codec in (None, FP8Codec()):
+        x = torch.randn(sum(send), 64, generator=g)
+        w = torch.rand(sum(send), 1, generator=g)
+        ids = torch.randint(0, 8, (sum(send),), generator=g).to(torch.uint8)
+        gy = torch.randn(sum(recv), 64, generator=g)
+        gw = torch.randn(sum(recv), 1, generator=g)
+        xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
+        ya, ida, va = exchange_start([xa, ids, wa], recv, send, groups.ep_group, EP, codecs=[codec, None, None]).wait()
+        torch.autograd.backward([ya, va], [gy, gw])
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        ys = AllToAll.apply(xs, recv, send, groups.ep_group, codec)
+        vs = AllToAll.apply(ws, recv, send, groups.ep_group)
+        ids_s = AllToAll.apply(ids, recv, send, groups.ep_group)
+        torch.autograd.backward([ys, vs], [gy, gw])
+        out.append(all(torch.equal(a, b) for a, b in
+                       [(ya, ys), (va, vs), (ida, ids_s), (xa.grad, xs.grad), (wa.grad, ws.grad)]))
+    return out
+
+
+def _pipeline_case(schedule, fp8_dispatch, dedup, pg):
+    """One step with the overlap hook and one F-then-B, same stages, inputs and criterion."""
+    from dsv3_plugin.config import load_config
+    from dsv3_plugin.parallel.dispatch import FP8Codec
+    from dsv3_plugin.parallel.expert_parallel import expert_parallel
+    from dsv3_plugin.parallel.groups import build_ep_groups
+    from dsv3_plugin.parallel.overlap import wait_clock
+    from dsv3_plugin.parallel.pipeline import PipelineRuntime
+    from dsv3_plugin.parallel.pipeline.stages import DSv3PipelineLoss, build_stages, n_stages_of, stage_ids_for_rank
+    from dsv3_plugin.training.transforms import build_model
+    cfg = load_config({**BASE, "parallel": {"pp": PP, "ep": EP, "schedule": schedule}})
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    stages = build_stages(model, n_stages_of(schedule, PP), stage_ids_for_rank(schedule, PP, pg.pp_rank))
+    groups = build_ep_groups(EP, 1, pp=PP, dp_group=pg.dp_group)
+    expert_parallel(torch.nn.ModuleList(stages), groups, dedup=dedup, codec=FP8Codec() if fp8_dispatch else None)
+    gen = torch.Generator().manual_seed(50 + pg.dp_rank)
+    ids = torch.randint(0, cfg.model.vocab_size, (C * MB, T), generator=gen)
+    labels = torch.randint(0, cfg.model.vocab_size, (C * MB, T), generator=gen)
+    params = [p for st in stages for p in st.parameters()]
+    res = {}
+    for overlap in (True, False):
+        for p in params:
+            p.grad = None
+        rt = PipelineRuntime(stages, schedule=schedule, process_group=pg.pp_group, overlap=overlap)
+        h0 = wait_clock().handovers
+        out = rt.step(ids, num_chunks=C, criterion=DSv3PipelineLoss(cfg, scale=1.0 / C), labels=(labels,))
+        res[overlap] = {"losses": out.losses, "grads": [None if p.grad is None else p.grad.clone() for p in params],
+                        "fb_hook": rt.last_step["fb_hook"], "handovers": wait_clock().handovers - h0,
+                        "a2a_waits": rt.last_step["a2a_wait_s"]}
+    on, off = res[True], res[False]
+    return {"losses_equal": (on["losses"] is None and off["losses"] is None) or torch.equal(on["losses"], off["losses"]),
+            "has_losses": on["losses"] is not None,
+            "grads_equal": all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+                               for a, b in zip(on["grads"], off["grads"])),
+            "n_grads": sum(g is not None for g in on["grads"]),
+            "fb_hook": (on["fb_hook"], off["fb_hook"]), "handovers": (on["handovers"], off["handovers"])}
+
+
+DS = {"train_micro_batch_size_per_gpu": MB, "gradient_accumulation_steps": C, "gradient_clipping": 1.0,
+      "steps_per_print": 10 ** 9, "zero_optimization": {"stage": 1},
+      "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+
+
+def _engine_case(pg, key):
+    """`dsv3 train`'s engine (DeepSpeed ZeRO-1 over the stage's DP group) with parallel.overlap_ep_comm = key."""
+    from dsv3_plugin.config import load_config
+    from dsv3_plugin.deepspeed.pipeline import PipelinedEngine
+    from dsv3_plugin.training.data import MarkovData
+    from dsv3_plugin.training.transforms import build_model
+    ds = copy.deepcopy(DS)
+    ds["dsv3"] = {**BASE, "parallel": {"pp": PP, "ep": EP, "schedule": "dualpipev", "overlap_ep_comm": key}}
+    cfg = load_config(ds)
+    torch.manual_seed(cfg.train.seed)
+    pe = PipelinedEngine(build_model(cfg), ds, cfg, groups=pg)
+    data = MarkovData(cfg.model.vocab_size, cfg.train.seq_len, seed=cfg.train.seed)
+    parts = [data.batch(0, m, pg.dp_rank, MB) for m in range(C)]
+    out = pe.train_step(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))
+    params = [p.detach().clone() for p in pe.module.parameters()]
+    return out, params, pe.runtime.last_step["fb_hook"], pe.overlap_ep
+
+
+def _main():
+    from dsv3_plugin.deepspeed.pipeline import pipeline_groups
+    from dsv3_plugin.parallel.distributed import init_distributed
+    from dsv3_plugin.parallel.groups import build_ep_groups
+    init_distributed("gloo")
+    torch.set_num_threads(1)
+    pg = pipeline_groups(PP, timeout_s=120)
+    res = {"async": _async_vs_sync(build_ep_groups(EP, 1, pp=PP, dp_group=pg.dp_group))}
+    res["pipeline"] = {f"{s} fp8_dispatch={f} dedup={d}": _pipeline_case(s, f, d, pg) for s, f, d in CASES}
+    on = _engine_case(pg, True)
+    off = _engine_case(pg, False)
+    res["engine"] = {"losses_equal": on[0] == off[0], "params_equal": all(torch.equal(a, b) for a, b in zip(on[1], off[1])),
+                     "fb_hook": (on[2], off[2]), "overlap_ep": (on[3], off[3]), "loss": on[0]["loss"]}
+    return res
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return run_ranks(_main, PP * DP, timeout_s=600)
+
+
+@pytest.mark.dist
+def test_async_all_to_all_equals_sync(ranks):
+    for r in ranks:
+        assert r["async"] == [True, True]      # plain, FP8 dispatch codec
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", [f"{s} fp8_dispatch={f} dedup={d}" for s, f, d in CASES])
+def test_overlap_hook_equals_f_then_b(ranks, case):
+    for rank, r in enumerate(ranks):
+        c = r["pipeline"][case]
+        assert c["fb_hook"][0] > 0 and c["fb_hook"][1] == 0, (rank, c["fb_hook"])   # the hook ran (only with it)
+        assert c["handovers"][0] > 0 and c["handovers"][1] == 0, (rank, c["handovers"])   # the lanes alternated
+        assert c["n_grads"] > 0
+        assert c["losses_equal"], (case, rank)
+        assert c["grads_equal"], (case, rank)
+    assert ranks[0]["pipeline"][case]["has_losses"]        # the loss rank of DualPipe(V): pipeline rank 0
+
+
+@pytest.mark.dist
+def test_train_key_switches_the_fb_path(ranks):
+    for r in ranks:
+        e = r["engine"]
+        assert e["overlap_ep"] == (True, False)
+        assert e["fb_hook"][0] > 0 and e["fb_hook"][1] == 0
+        assert e["losses_equal"] and e["params_equal"], e
