@@ -251,6 +251,7 @@ class PipelinedEngine:
         self.runtime.step(ids_NT, num_chunks=self.gas, criterion=crit, labels=(labels_NT,))
         self.step_times.append({**self.runtime.last_step,
                                 **{f"a2a_wait_s_{k}": v for k, v in self.runtime.op_a2a_wait_s.items()},
+                                **{f"p2p_wait_s_{k}": v for k, v in self.runtime.op_p2p_wait_s.items()},
                                 **{f"op_s_{k}": v for k, v in self.runtime.op_seconds.items()}})
         sync_tied_embedding(self.runtime, self.stages)
         with self._peers("gradient all-reduce (ZeRO-1)", self.g.dp_ranks):

@@ -192,23 +192,24 @@ class _Exchange:
     """One asynchronous all-to-all step of several row-aligned tensors along the same routes (e.g. the
     dispatched activations, their local expert ids and routing weights): started in forward, waited for
     later; its backward likewise starts the transposed all-to-all of the gradients and waits for it later.
-    Floating tensors are differentiable, the others travel as data. Every wait first hands the turn to the
-    other lane of an overlapped pair (`overlap.hand_over`)."""
+    Floating tensors are differentiable, the others travel as data. In an overlapped pair the waits let the
+    other lane compute (`overlap.wait_comm`), and the backward lane communicates on `twin`, a second group of
+    the same ranks (`overlap.lane_group`)."""
 
-    def __init__(self, out_splits, in_splits, group, codecs, kind: str):
+    def __init__(self, out_splits, in_splits, group, codecs, kind: str, twin=None):
         self.out_splits, self.in_splits = list(out_splits), list(in_splits)
-        self.group, self.codecs, self.kind = group, codecs, kind
+        self.group, self.twin, self.codecs, self.kind = group, twin, codecs, kind
         self._fwd = self._bwd = None
 
     def start_forward(self, tensors: Sequence[torch.Tensor]) -> None:
         self.meta = [(t.shape[1] if t.dim() > 1 else 0, t.dtype) for t in tensors]
         sends = [c.encode(t) if c is not None else [t] for t, c in zip(tensors, self.codecs)]
-        self._fwd = [[_a2a_start(p, self.out_splits, self.in_splits, self.group) for p in parts] for parts in sends]
+        g = overlap.lane_group(self.group, self.twin)
+        self._fwd = [[_a2a_start(p, self.out_splits, self.in_splits, g) for p in parts] for parts in sends]
         overlap.comm_started(self.kind, "F", [w for parts in self._fwd for _, w in parts])
 
     def finish_forward(self) -> list[torch.Tensor]:
-        overlap.hand_over()
-        overlap.timed_wait([w for parts in self._fwd for _, w in parts], self.kind, "F")
+        overlap.wait_comm([w for parts in self._fwd for _, w in parts], self.kind, "F")
         out = []
         for parts, c, (h, dt) in zip(self._fwd, self.codecs, self.meta):
             bufs = [b for b, _ in parts]
@@ -218,12 +219,12 @@ class _Exchange:
 
     def start_backward(self, grads: Sequence[Optional[torch.Tensor]]) -> None:
         # the transposed routes; gradients travel in full precision (straight through the codec)
-        self._bwd = [None if g is None else _a2a_start(g, self.in_splits, self.out_splits, self.group) for g in grads]
+        grp = overlap.lane_group(self.group, self.twin)
+        self._bwd = [None if g is None else _a2a_start(g, self.in_splits, self.out_splits, grp) for g in grads]
         overlap.comm_started(self.kind, "B", [p[1] for p in self._bwd if p is not None])
 
     def finish_backward(self) -> list[Optional[torch.Tensor]]:
-        overlap.hand_over()
-        overlap.timed_wait([p[1] for p in self._bwd if p is not None], self.kind, "B")
+        overlap.wait_comm([p[1] for p in self._bwd if p is not None], self.kind, "B")
         out = [None if p is None else p[0] for p in self._bwd]
         self._bwd = None
         return out
@@ -281,26 +282,26 @@ class PendingExchange:
 
 def exchange_start(tensors: Sequence[torch.Tensor], out_splits: list[int], in_splits: list[int], group,
                    group_size: int, codecs: Optional[Sequence[Optional[DispatchCodec]]] = None,
-                   kind: str = "dispatch") -> PendingExchange:
+                   kind: str = "dispatch", twin=None) -> PendingExchange:
     """Start the variable-split all-to-all of row-aligned `tensors` (async: `async_op=True`); `.wait()` on the
     result returns what arrived, with the numerics of `all_to_all` on each (forward and backward). `codecs[i]`
     encodes tensor i's payload (e.g. FP8 dispatch); `kind` ("dispatch" / "combine") names the exchange for
-    the overlap accounting. A group of one moves nothing (codec round trip only)."""
+    the overlap accounting; `twin`: a second group of the same ranks for the backward lane of an overlapped
+    pair (`overlap.lane_group`). A group of one moves nothing (codec round trip only)."""
     codecs = list(codecs) if codecs is not None else [None] * len(tensors)
     if group_size == 1:
         return PendingExchange(None, ready=[all_to_all(t, out_splits, in_splits, group, 1, c)
                                             for t, c in zip(tensors, codecs)])
-    op = _Exchange(out_splits, in_splits, group, codecs, kind)
+    op = _Exchange(out_splits, in_splits, group, codecs, kind, twin)
     return PendingExchange(op, token=_ExchangeStart.apply(op, *tensors))
 
 
-def _exchange_counts(send_counts: torch.Tensor, group, group_size: int) -> torch.Tensor:
+def _exchange_counts(send_counts: torch.Tensor, group, group_size: int, twin=None) -> torch.Tensor:
     if group_size == 1:
         return send_counts.clone()
-    recv, work = _a2a_start(send_counts, [1] * group_size, [1] * group_size, group)
+    recv, work = _a2a_start(send_counts, [1] * group_size, [1] * group_size, overlap.lane_group(group, twin))
     overlap.comm_started("dispatch", "F", [work])
-    overlap.hand_over()
-    overlap.timed_wait([work], "dispatch", "F")
+    overlap.wait_comm([work], "dispatch", "F")
     return recv
 
 
@@ -390,26 +391,27 @@ def _dispatch_per_expert(x_TH, idx_TK, w_TK, expert_fn, L, g: EPGroups, codec, m
     e_sorted = flat_e[order]
     tok = order // K                                              # source token of each sorted pair
     send_counts = torch.bincount(e_sorted // L, minlength=g.ep_size)
-    recv_counts = _exchange_counts(send_counts, g.ep_group, g.ep_size)
+    recv_counts = _exchange_counts(send_counts, g.ep_group, g.ep_size, g.ep_group_b)
     send, recv = send_counts.tolist(), recv_counts.tolist()
     ep = (g.ep_group, g.ep_size)
+    tw = {"twin": g.ep_group_b}
 
     # dispatch: activations (codec-encoded), local expert ids [, routing weights] in one exchange
     local_ids = (e_sorted % L).to(_id_dtype(L))
     payload = [x_TH[tok], local_ids]
     if weights_to_experts:
         payload.append(w_TK.reshape(-1)[order][:, None])
-    pending = exchange_start(payload, recv, send, *ep, codecs=[codec, None, None], kind="dispatch")
+    pending = exchange_start(payload, recv, send, *ep, codecs=[codec, None, None], kind="dispatch", **tw)
     side()                                                        # e.g. shared experts, while the tokens travel
     got = pending.wait()
     x_recv, e_recv = got[0], got[1].long()                        # [N_recv, H], [N_recv] local ids
     if weights_to_experts:
         y_recv = expert_fn(x_recv, e_recv, got[2][:, 0])          # weighted rows
-        y_back = exchange_start([y_recv], send, recv, *ep, kind="combine").wait()[0]
+        y_back = exchange_start([y_recv], send, recv, *ep, kind="combine", **tw).wait()[0]
         out = combine_rows(y_back, tok, T)
     else:
         y_recv = expert_fn(x_recv, e_recv)
-        y_back = exchange_start([y_recv], send, recv, *ep, kind="combine").wait()[0]   # [T*K, H], sorted order
+        y_back = exchange_start([y_recv], send, recv, *ep, kind="combine", **tw).wait()[0]  # [T*K, H], sorted
         w_sorted = w_TK.reshape(-1)[order].to(y_back.dtype)
         out = combine_rows(y_back * w_sorted[:, None], tok, T)   # keeps only the index for backward
 
@@ -435,7 +437,7 @@ def _dispatch_dedup(x_TH, idx_TK, w_TK, expert_fn, L, g: EPGroups, codec, weight
     per_node = torch.bincount(n_idx, minlength=N)
     send_counts = torch.zeros(g.ep_size, dtype=torch.long, device=x_TH.device)
     send_counts[torch.arange(N, device=x_TH.device) * R + g.local_index] = per_node
-    recv_counts = _exchange_counts(send_counts, g.ep_group, g.ep_size)
+    recv_counts = _exchange_counts(send_counts, g.ep_group, g.ep_size, g.ep_group_b)
     send1, recv1 = send_counts.tolist(), recv_counts.tolist()
 
     # Routing metadata for the forwarding rank: the token's experts on that node as in-node indices
@@ -446,9 +448,9 @@ def _dispatch_dedup(x_TH, idx_TK, w_TK, expert_fn, L, g: EPGroups, codec, weight
                          torch.full_like(idx_TK[t_idx], LR)).to(_id_dtype(LR + 1))
     w_CK = w_TK[t_idx] * on_node.to(w_TK.dtype)                    # differentiable: gates flow back through it
 
-    ep = (g.ep_group, g.ep_size)
+    ep, tw = (g.ep_group, g.ep_size), {"twin": g.ep_group_b}
     pending = exchange_start([x_TH[t_idx], ids_CK, w_CK], recv1, send1, *ep, codecs=[codec, None, None],
-                             kind="dispatch")
+                             kind="dispatch", **tw)
     side()                                                         # e.g. shared experts, while the tokens travel
     x1, ids1, w1 = pending.wait()                                  # [C1r, H], [C1r, K], [C1r, K]
 
@@ -458,24 +460,24 @@ def _dispatch_dedup(x_TH, idx_TK, w_TK, expert_fn, L, g: EPGroups, codec, weight
     order2 = torch.argsort(e2, stable=True)                       # by expert => by owner rank in the node
     j2, k2, e2 = j[order2], k[order2], e2[order2]
     send2_counts = torch.bincount(e2 // L, minlength=R)
-    recv2_counts = _exchange_counts(send2_counts, g.node_group, R)
+    recv2_counts = _exchange_counts(send2_counts, g.node_group, R, g.node_group_b)
     send2, recv2 = send2_counts.tolist(), recv2_counts.tolist()
-    nd = (g.node_group, R)
+    nd, tn = (g.node_group, R), {"twin": g.node_group_b}
     # the in-node hop carries the encoded payload too (re-encoding a decoded pow2-scaled tile is exact)
     payload2 = [x1[j2], (e2 % L).to(_id_dtype(L))]
     if weights_to_experts:
         payload2.append(w1[j2, k2][:, None])
-    got2 = exchange_start(payload2, recv2, send2, *nd, codecs=[codec, None, None], kind="dispatch").wait()
+    got2 = exchange_start(payload2, recv2, send2, *nd, codecs=[codec, None, None], kind="dispatch", **tn).wait()
     x2, le2 = got2[0], got2[1].long()
     # Combine inside the node first: one weighted partial sum per (token, node) crosses back.
     if weights_to_experts:
         y2 = expert_fn(x2, le2, got2[2][:, 0])
-        z1 = combine_rows(exchange_start([y2], send2, recv2, *nd, kind="combine").wait()[0], j2, x1.shape[0])
+        z1 = combine_rows(exchange_start([y2], send2, recv2, *nd, kind="combine", **tn).wait()[0], j2, x1.shape[0])
     else:
         y2 = expert_fn(x2, le2)
-        y2_back = exchange_start([y2], send2, recv2, *nd, kind="combine").wait()[0]   # [C2, H] in order2
+        y2_back = exchange_start([y2], send2, recv2, *nd, kind="combine", **tn).wait()[0]   # [C2, H] in order2
         z1 = combine_rows(y2_back * w1[j2, k2].to(y2_back.dtype)[:, None], j2, x1.shape[0])
-    z_back = exchange_start([z1], send1, recv1, *ep, kind="combine").wait()[0]         # [C1, H]
+    z_back = exchange_start([z1], send1, recv1, *ep, kind="combine", **tw).wait()[0]   # [C1, H]
     out = combine_rows(z_back, t_idx, T)
 
     cross = sum(send1) - send1[g.node * R + g.local_index]

@@ -77,6 +77,10 @@ class EPGroups:
     dp_group: Any = None
     ep_ranks: list[int] = field(default_factory=lambda: [0])
     edp_ranks: list[int] = field(default_factory=lambda: [0])
+    # second groups of the same ranks as ep_group / node_group: the backward lane of an overlapped pipeline pair
+    # communicates on them (`overlap.lane_group`), so each group sees one deterministic sequence of collectives
+    ep_group_b: Any = None
+    node_group_b: Any = None
 
     @property
     def num_nodes(self) -> int:
@@ -120,6 +124,9 @@ def build_ep_groups(ep: int, ranks_per_node: int = 1, *, ep_group: Any = None,
     pipeline rank's data-parallel group (module docstring); ``dp_group`` is that group when the caller has it
     (else it is created here; at pp = 1 it is the world).
 
+    Every EP and node group of more than one rank gets a second group of the same ranks (``ep_group_b``,
+    ``node_group_b``: the backward lane of an overlapped pipeline pair, `parallel.overlap`).
+
     ``timeout_s`` bounds every wait on the groups created here (``parallel.p2p_timeout_s``; None: the value
     `distributed.set_peer_timeout` set, else torch's default for a new group, 30 minutes on gloo). Groups
     reused from an earlier call get the new value too."""
@@ -155,9 +162,18 @@ def build_ep_groups(ep: int, ranks_per_node: int = 1, *, ep_group: Any = None,
                 mine[kind] = g
                 if len(ranks) < world:
                     created.append(g)
+    for kind in ("ep", "node"):   # the second groups (always made here: a given group has no twin of its own)
+        for ranks in lay[kind]:
+            if len(ranks) == 1:
+                continue
+            g = dist.new_group(ranks, **kw)
+            if rank in ranks:
+                mine[kind + "_b"] = g
+                created.append(g)
     dp_ranks = mine_ranks["dp"]
     out = EPGroups(ep_size=ep, ep_rank=dp_ranks.index(rank) % ep, ranks_per_node=ranks_per_node,
                    ep_group=mine["ep"], node_group=mine["node"], edp_group=mine["edp"], dp_group=mine["dp"],
-                   ep_ranks=mine_ranks["ep"], edp_ranks=mine_ranks["edp"])
+                   ep_ranks=mine_ranks["ep"], edp_ranks=mine_ranks["edp"], ep_group_b=mine.get("ep_b"),
+                   node_group_b=mine.get("node_b"))
     _CACHE[key] = (out, created)
     return out

@@ -48,7 +48,7 @@ import threading
 import time
 from typing import Callable, Optional
 
-__all__ = ["run_overlapped", "hand_over", "timed_wait", "comm_started", "wait_clock", "recording", "in_pair",
+__all__ = ["run_overlapped", "wait_comm", "lane_group", "comm_started", "wait_clock", "recording", "in_pair",
            "OverlapRecorder"]
 
 
@@ -59,6 +59,8 @@ class _Clock:
         self.a2a_wait_s = 0.0
         self.waits = 0
         self.handovers = 0          # turns passed between the lanes of overlapped pairs
+        self.pairs = 0              # overlapped pairs run
+        self.lockstep_pairs = 0     # ... of which in lock step
 
 
 _CLOCK = _Clock()
@@ -70,14 +72,21 @@ def wait_clock() -> _Clock:
 
 class _Pair:
     """Two lanes, F (the thread that made the pair) and B (any other thread: the helper thread, or on CUDA the
-    autograd engine's device thread running the backward), one turn between them."""
+    autograd engine's device thread running the backward), and one compute turn between them.
 
-    def __init__(self):
+    "turns" (CPU): the turn is a lock held only while a lane computes; a lane whose all-to-all has not arrived
+    yet releases it, blocks on the transfer, then takes it back. Which lane computes when depends on timing,
+    so the B lane communicates on its own groups (`lane_group`). "lockstep" (CUDA, or no second groups): the
+    turn passes at every wait, in program order, and both lanes share the groups."""
+
+    def __init__(self, lockstep: bool):
+        self.lockstep = lockstep
         self.cond = threading.Condition()
+        self.holder: Optional[str] = "F"
         self.turn = "F"
         self.done = {"F": False, "B": False}
         self.f_thread = threading.get_ident()
-        self.handovers = 0
+        self.free_since: Optional[float] = None
 
     def lane(self) -> str:
         return "F" if threading.get_ident() == self.f_thread else "B"
@@ -86,28 +95,72 @@ class _Pair:
     def other(lane: str) -> str:
         return "B" if lane == "F" else "F"
 
-    def hand_over(self) -> None:
-        me = self.lane()
+    # -- "turns" --------------------------------------------------------------------------------------
+    def _release(self, me: str) -> None:
+        with self.cond:
+            self.holder = None
+            self.free_since = time.perf_counter()
+            self.cond.notify_all()
+        if _REC is not None:
+            _REC.paused(me)
+
+    def _acquire(self, me: str) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.holder is None)
+            self.holder = me
+            if self.free_since is not None:     # nobody computed since the release: exposed waiting
+                _CLOCK.a2a_wait_s += time.perf_counter() - self.free_since
+                self.free_since = None
+            _CLOCK.handovers += 1
+        if _REC is not None:
+            _REC.resumed(me)
+
+    # -- "lockstep" -----------------------------------------------------------------------------------
+    def _pass_turn(self, me: str) -> None:
         you = self.other(me)
         with self.cond:
             if self.done[you]:
                 return
             self.turn = you
-            self.handovers += 1
             _CLOCK.handovers += 1
             self.cond.notify_all()
             self.cond.wait_for(lambda: self.turn == me or self.done[you])
         if _REC is not None:
             _REC.resumed(me)
 
-    def wait_turn(self, me: str) -> None:
-        with self.cond:
-            self.cond.wait_for(lambda: self.turn == me or self.done[self.other(me)])
+    # -- both -----------------------------------------------------------------------------------------
+    def start(self, me: str) -> None:
+        if self.lockstep:
+            with self.cond:
+                self.cond.wait_for(lambda: self.turn == me or self.done[self.other(me)])
+            if _REC is not None:
+                _REC.resumed(me)
+        elif me == "B":
+            self._acquire(me)
+        elif _REC is not None:
+            _REC.resumed(me)
+
+    def wait(self, works: list, kind: str) -> None:
+        me = self.lane()
+        if self.lockstep:
+            self._pass_turn(me)
+            _timed(works, kind, me, count=True)
+        elif all(w.is_completed() for w in works):
+            _timed(works, kind, me, count=False)
+        else:
+            self._release(me)
+            _timed(works, kind, me, count=False)
+            self._acquire(me)
 
     def finish(self, me: str) -> None:
+        if _REC is not None:
+            _REC.paused(me)
         with self.cond:
             self.done[me] = True
             self.turn = self.other(me)
+            if self.holder == me:
+                self.holder = None
+                self.free_since = time.perf_counter() if not self.done[self.other(me)] else None
             self.cond.notify_all()
 
 
@@ -118,12 +171,17 @@ def in_pair() -> bool:
     return _PAIR is not None
 
 
-def hand_over() -> None:
-    """Called right before blocking on an all-to-all: give the turn to the other lane of the running pair
-    and wait until it hands back (or finishes). A no-op outside `run_overlapped`."""
+def lane_group(group, twin):
+    """The process group an all-to-all issued now goes on: `twin` (the same ranks, a second group) in the B
+    lane of a "turns" pair, else `group`. Both lanes issue their collectives in their own program order, so
+    each group sees one deterministic sequence, the same on every rank, whatever the timing."""
     p = _PAIR
-    if p is not None:
-        p.hand_over()
+    if p is None or p.lockstep or p.lane() == "F":
+        return group
+    if twin is None:
+        raise RuntimeError("overlap: an all-to-all in the backward lane of a pair needs the EP group's second "
+                           "group (EPGroups.ep_group_b / node_group_b)")
+    return twin
 
 
 def _lane(phase: str) -> str:
@@ -136,61 +194,71 @@ def comm_started(kind: str, phase: str, works: list) -> None:
         _REC.comm(kind, _lane(phase), works)
 
 
-def timed_wait(works: list, kind: str, phase: str) -> None:
-    """Block on `works` (after `hand_over()`), adding the blocked time to `wait_clock()`."""
-    lane = _lane(phase)
+def _timed(works: list, kind: str, lane: str, count: bool) -> None:
     if _REC is not None:
         _REC.boundary(lane, kind, "wait")
     t0 = time.perf_counter()
     for w in works:
         w.wait()
-    dt = time.perf_counter() - t0
-    _CLOCK.a2a_wait_s += dt
+    t1 = time.perf_counter()
+    if count:
+        _CLOCK.a2a_wait_s += t1 - t0
     _CLOCK.waits += 1
     if _REC is not None:
-        _REC.waited(lane, t0, t0 + dt, kind)
+        _REC.waited(lane, t0, t1, kind)
 
 
-def run_overlapped(forward: Callable[[], object], backward: Callable[[], None]):
-    """Run `backward()` and `forward()` as the two lock-step lanes of one overlapped pair (module docstring);
-    returns forward's result. An exception in either lane is raised after both have finished."""
+def wait_comm(works: list, kind: str, phase: str) -> None:
+    """Wait for the all-to-all `works` of `kind` issued in `phase` ("F" / "B"). Outside a pair: block, the
+    blocked time added to `wait_clock()`. In a pair: let the other lane compute meanwhile (`_Pair`); the time
+    neither lane computes is added."""
+    p = _PAIR
+    if p is None:
+        _timed(works, kind, phase, count=True)
+    else:
+        p.wait(works, kind)
+
+
+def run_overlapped(forward: Callable[[], object], backward: Callable[[], None], lockstep: bool = False):
+    """Run `backward()` (helper thread) and `forward()` (this thread) as the two lanes of one overlapped pair
+    (module docstring); returns forward's result. `lockstep`: pass the turn at every wait in program order (no
+    second groups needed; the CUDA path). An exception in either lane is raised after both have finished."""
     global _PAIR
     if _PAIR is not None:
         raise RuntimeError("run_overlapped: a pair is already running in this process")
-    pair = _Pair()
+    pair = _Pair(lockstep)
+    _CLOCK.pairs += 1
+    _CLOCK.lockstep_pairs += int(lockstep)
     errors: dict[str, BaseException] = {}
 
     def b_lane():
-        pair.wait_turn("B")
-        if _REC is not None:
-            _REC.resumed("B")
         try:
+            pair.start("B")
             backward()
         except BaseException as e:   # noqa: BLE001 (re-raised in the caller's thread)
             errors["B"] = e
         finally:
-            if _REC is not None:
-                _REC.paused("B")
             pair.finish("B")
 
     _PAIR = pair
+    if _REC is not None:
+        _REC.pair_begin()
     t = threading.Thread(target=b_lane, name="dsv3-overlap-backward", daemon=True)
     out = None
     try:
         t.start()
-        if _REC is not None:
-            _REC.resumed("F")
         try:
+            pair.start("F")
             out = forward()
         except BaseException as e:   # noqa: BLE001
             errors["F"] = e
         finally:
-            if _REC is not None:
-                _REC.paused("F")
             pair.finish("F")
         t.join()
     finally:
         _PAIR = None
+        if _REC is not None:
+            _REC.pair_end()
     if "F" in errors:
         raise errors["F"]
     if "B" in errors:
@@ -212,12 +280,27 @@ class OverlapRecorder:
     embedding / head: everything outside the MoE); backward segments after a combine (until the dispatch) are
     "mlp", the others "attention". Waits are the exposed communication (no compute event covers them)."""
 
-    def __init__(self):
+    def __init__(self, pair_index: Optional[int] = None):
         self.t0 = time.perf_counter()
         self.events: list[dict] = []
         self._seg: dict[str, Optional[float]] = {}
         self._where: dict[str, str] = {}
         self._lock = threading.Lock()
+        self.target = pair_index          # None: everything; k: only the k-th overlapped pair, times from its start
+        self.pairs = 0
+        self.active = pair_index is None
+
+    def pair_begin(self) -> None:
+        if self.target is not None:
+            self.active = self.pairs == self.target
+            if self.active:
+                self.t0 = time.perf_counter()
+        self.pairs += 1
+        self._seg, self._where = {}, {}
+
+    def pair_end(self) -> None:
+        if self.target is not None:
+            self.active = False
 
     def _now(self) -> float:
         return time.perf_counter() - self.t0
@@ -226,6 +309,8 @@ class OverlapRecorder:
         return self._where.get(lane, "attention")
 
     def _close(self, lane: str, t: float) -> None:
+        if not self.active:
+            return
         start = self._seg.get(lane)
         if start is not None and t > start:
             self.events.append({"lane": "compute", "chunk": lane, "label": self._label(lane), "start": start,
@@ -239,14 +324,18 @@ class OverlapRecorder:
         self._close(lane, self._now())
 
     def boundary(self, lane: str, kind: str, what: str) -> None:
+        """A communication event of `lane`: its compute segment ends here; after a start it goes on (now in
+        the component that follows), at a wait it resumes when the wait returns (`waited`)."""
         self._close(lane, self._now())
         mlp_after = "dispatch" if lane == "F" else "combine"
         if what == "start":
             self._where[lane] = "mlp" if kind == mlp_after else "attention"
-        self._seg[lane] = self._now()
+            self._seg[lane] = self._now()
 
     def comm(self, kind: str, lane: str, works: list) -> None:
         self.boundary(lane, kind, "start")
+        if not self.active:
+            return
         ev = {"lane": "comm", "chunk": lane, "label": kind, "start": self._now(), "end": None, "mb": None}
         self.events.append(ev)
         pending = [len(works)]
@@ -264,6 +353,8 @@ class OverlapRecorder:
                 pass
 
     def waited(self, lane: str, t0: float, t1: float, kind: str) -> None:
+        if not self.active:
+            return
         for ev in reversed(self.events):
             if ev["lane"] == "comm" and ev["chunk"] == lane and ev["label"] == kind and ev["end"] is None:
                 ev["end"] = t1 - self.t0
@@ -285,10 +376,11 @@ _REC: Optional[OverlapRecorder] = None
 
 
 @contextlib.contextmanager
-def recording():
-    """Record the timeline of what runs inside (yields the `OverlapRecorder`)."""
+def recording(pair_index: Optional[int] = None):
+    """Record the timeline of what runs inside (yields the `OverlapRecorder`); with `pair_index` = k only the
+    k-th overlapped pair run inside (counted from 0), its times from the pair's start."""
     global _REC
-    rec = OverlapRecorder()
+    rec = OverlapRecorder(pair_index)
     _REC = rec
     try:
         yield rec

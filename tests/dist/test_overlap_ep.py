@@ -6,11 +6,13 @@ pp 2 x dp 2 with EP 2 carved from each stage's data-parallel group, one spawn fo
 - DualPipe and DualPipeV steps with the stages' overlap hook (`DSv3Stage.overlapped_forward_backward`: the two
   chunks of each FB op as lock-step lanes) equal the same steps run F then B: losses and every gradient
   `torch.equal` (each chunk runs exactly the plain forward / plain backward ops), with FP8 dispatch on and off,
-  per-expert and node-deduplicated dispatch; the hook really ran (FB ops through it, lanes handed over);
+  per-expert and node-deduplicated dispatch, lanes taking turns (own EP groups for the backward lane) and in
+  lock step (shared groups); the hook really ran (FB ops through it, the turn passed between the lanes);
 - `dsv3 train`'s pipelined engine: `parallel.overlap_ep_comm` switches the FB path (hook vs none) and both give
   the same losses and the same parameters after the optimizer step.
 """
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -22,7 +24,12 @@ C, MB, T = 4, 1, 16                      # micro-batches per step, sequences per
 BASE = {"preset": "tiny", "model": {"num_hidden_layers": 4}, "moe": {"ranks_per_node": 1},
         "train": {"seq_len": T, "seed": 1234}}
 # each schedule runs with and without FP8 dispatch; the two dispatch modes alternate between them
-CASES = [("dualpipe", False, False), ("dualpipe", True, True), ("dualpipev", False, True), ("dualpipev", True, False)]
+# (schedule, FP8 dispatch, node-deduplicated dispatch, lockstep lanes). The lanes take turns as their all-to-alls
+# arrive, the backward lane on the second EP groups; the last case takes the groups' second groups away, so the
+# lanes pass the turn in program order on shared groups (the CUDA path's order, run on gloo).
+CASES = [("dualpipe", False, False, False), ("dualpipe", True, True, False), ("dualpipev", False, True, False),
+         ("dualpipev", True, False, False), ("dualpipev", False, True, True)]
+NAMES = [f"{s} fp8_dispatch={f} dedup={d}" + (" lockstep" if ls else "") for s, f, d, ls in CASES]
 
 
 def _async_vs_sync(groups):
@@ -51,7 +58,7 @@ def _async_vs_sync(groups):
     return out
 
 
-def _pipeline_case(schedule, fp8_dispatch, dedup, pg):
+def _pipeline_case(schedule, fp8_dispatch, dedup, lockstep, pg):
     """One step with the overlap hook and one F-then-B, same stages, inputs and criterion."""
     from dsv3_plugin.config import load_config
     from dsv3_plugin.parallel.dispatch import FP8Codec
@@ -66,6 +73,8 @@ def _pipeline_case(schedule, fp8_dispatch, dedup, pg):
     model = build_model(cfg)
     stages = build_stages(model, n_stages_of(schedule, PP), stage_ids_for_rank(schedule, PP, pg.pp_rank))
     groups = build_ep_groups(EP, 1, pp=PP, dp_group=pg.dp_group)
+    if lockstep:
+        groups = dataclasses.replace(groups, ep_group_b=None, node_group_b=None)
     expert_parallel(torch.nn.ModuleList(stages), groups, dedup=dedup, codec=FP8Codec() if fp8_dispatch else None)
     gen = torch.Generator().manual_seed(50 + pg.dp_rank)
     ids = torch.randint(0, cfg.model.vocab_size, (C * MB, T), generator=gen)
@@ -76,10 +85,11 @@ def _pipeline_case(schedule, fp8_dispatch, dedup, pg):
         for p in params:
             p.grad = None
         rt = PipelineRuntime(stages, schedule=schedule, process_group=pg.pp_group, overlap=overlap)
-        h0 = wait_clock().handovers
+        h0, l0 = wait_clock().handovers, wait_clock().lockstep_pairs
         out = rt.step(ids, num_chunks=C, criterion=DSv3PipelineLoss(cfg, scale=1.0 / C), labels=(labels,))
         res[overlap] = {"losses": out.losses, "grads": [None if p.grad is None else p.grad.clone() for p in params],
                         "fb_hook": rt.last_step["fb_hook"], "handovers": wait_clock().handovers - h0,
+                        "lockstep_pairs": wait_clock().lockstep_pairs - l0,
                         "a2a_waits": rt.last_step["a2a_wait_s"]}
     on, off = res[True], res[False]
     return {"losses_equal": (on["losses"] is None and off["losses"] is None) or torch.equal(on["losses"], off["losses"]),
@@ -87,7 +97,9 @@ def _pipeline_case(schedule, fp8_dispatch, dedup, pg):
             "grads_equal": all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
                                for a, b in zip(on["grads"], off["grads"])),
             "n_grads": sum(g is not None for g in on["grads"]),
-            "fb_hook": (on["fb_hook"], off["fb_hook"]), "handovers": (on["handovers"], off["handovers"])}
+            "fb_hook": (on["fb_hook"], off["fb_hook"]), "handovers": (on["handovers"], off["handovers"]),
+            "lockstep": on["lockstep_pairs"] == on["fb_hook"] > 0 and not off["lockstep_pairs"],
+            "turns": on["lockstep_pairs"] == off["lockstep_pairs"] == 0}
 
 
 DS = {"train_micro_batch_size_per_gpu": MB, "gradient_accumulation_steps": C, "gradient_clipping": 1.0,
@@ -121,7 +133,7 @@ def _main():
     torch.set_num_threads(1)
     pg = pipeline_groups(PP, timeout_s=120)
     res = {"async": _async_vs_sync(build_ep_groups(EP, 1, pp=PP, dp_group=pg.dp_group))}
-    res["pipeline"] = {f"{s} fp8_dispatch={f} dedup={d}": _pipeline_case(s, f, d, pg) for s, f, d in CASES}
+    res["pipeline"] = {name: _pipeline_case(*case, pg) for name, case in zip(NAMES, CASES)}
     on = _engine_case(pg, True)
     off = _engine_case(pg, False)
     res["engine"] = {"losses_equal": on[0] == off[0], "params_equal": all(torch.equal(a, b) for a, b in zip(on[1], off[1])),
@@ -141,12 +153,13 @@ def test_async_all_to_all_equals_sync(ranks):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("case", [f"{s} fp8_dispatch={f} dedup={d}" for s, f, d in CASES])
+@pytest.mark.parametrize("case", NAMES)
 def test_overlap_hook_equals_f_then_b(ranks, case):
     for rank, r in enumerate(ranks):
         c = r["pipeline"][case]
         assert c["fb_hook"][0] > 0 and c["fb_hook"][1] == 0, (rank, c["fb_hook"])   # the hook ran (only with it)
         assert c["handovers"][0] > 0 and c["handovers"][1] == 0, (rank, c["handovers"])   # the lanes alternated
+        assert c["lockstep"] if case.endswith("lockstep") else c["turns"], (case, rank)
         assert c["n_grads"] > 0
         assert c["losses_equal"], (case, rank)
         assert c["grads_equal"], (case, rank)

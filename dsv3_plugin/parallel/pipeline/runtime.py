@@ -109,6 +109,7 @@ class PipelineRuntime:
                          and callable(getattr(type(m0), "overlapped_forward_backward", None)))
         self.op_seconds: dict[str, float] = {}           # time per op kind of the last step
         self.op_a2a_wait_s: dict[str, float] = {}        # ... of which blocked in EP all-to-all waits
+        self.op_p2p_wait_s: dict[str, float] = {}        # ... and blocked in pipeline receives / sends
         # the last step: wall_s, busy_s (= compute_s) and idle_s (see `step`), w_closures (deferred weight-grad
         # GEMM jobs its W ops ran: 0 when no module defers, e.g. without `split_weight_grads`), a2a_wait_s (blocked
         # in EP all-to-all waits, part of busy_s), fb_hook (FB ops run by the overlap hook)
@@ -216,6 +217,7 @@ class PipelineRuntime:
         self._mb_in, self._mb_lab = mb_in, mb_lab
         self.op_seconds = {}
         self.op_a2a_wait_s = {}
+        self.op_p2p_wait_s = {}
         self.wq.clear()
         self._w_closures = 0
         self._fb_hook = 0
@@ -223,8 +225,9 @@ class PipelineRuntime:
         t_step, blocked0 = time.perf_counter(), self.p2p.blocked_s
         try:
             for op in spec.ops[me]:
-                t0, a0 = time.perf_counter(), clock.a2a_wait_s
+                t0, a0, b0 = time.perf_counter(), clock.a2a_wait_s, self.p2p.blocked_s
                 self._run(op)
+                self.op_p2p_wait_s[op.kind] = self.op_p2p_wait_s.get(op.kind, 0.0) + self.p2p.blocked_s - b0
                 self.op_seconds[op.kind] = self.op_seconds.get(op.kind, 0.0) + time.perf_counter() - t0
                 self.op_a2a_wait_s[op.kind] = self.op_a2a_wait_s.get(op.kind, 0.0) + clock.a2a_wait_s - a0
             compute_s = sum(self.op_seconds.values()) - (self.p2p.blocked_s - blocked0)

@@ -84,9 +84,21 @@ def min_layers(schedule: str, pp: int, mtp_depth: int = 0) -> int:
         L += 1
 
 
-def _communicates(module: nn.Module) -> bool:
-    """Whether `module` runs expert-parallel all-to-alls (an EP MoE layer over more than one rank)."""
-    return any(isinstance(m, ExpertParallelMoE) and m.groups.ep_size > 1 for m in module.modules())
+def _ep_layers(module: nn.Module) -> list[ExpertParallelMoE]:
+    """The expert-parallel MoE layers of `module` that communicate (EP over more than one rank)."""
+    return [m for m in module.modules() if isinstance(m, ExpertParallelMoE) and m.groups.ep_size > 1]
+
+
+def _needs_lockstep(layers: list[ExpertParallelMoE], module: nn.Module) -> bool:
+    """The pair's lanes pass the turn in program order (`overlap`, "lockstep") on CUDA (NCCL: communicators
+    used concurrently must see their collectives in the same order on every rank, so the issue order must not
+    depend on timing; a wait does not block the host there anyway) and where a layer's groups have no second
+    group for the backward lane; else they take turns as their all-to-alls arrive."""
+    p = next(module.parameters(), None)
+    if p is not None and p.device.type == "cuda":
+        return True
+    return any(m.groups.ep_group_b is None or (m.groups.ranks_per_node > 1 and m.groups.node_group_b is None)
+               for m in layers)
 
 
 class DSv3Stage(nn.Module):
@@ -168,11 +180,12 @@ class DSv3Stage(nn.Module):
             elif b_outputs:
                 torch.autograd.backward(b_outputs, b_grads)
 
-        if not (_communicates(f_module) or _communicates(b_module)):
+        layers = _ep_layers(f_module) + _ep_layers(b_module)
+        if not layers:
             res = forward()
             backward()
             return res
-        return run_overlapped(forward, backward)
+        return run_overlapped(forward, backward, lockstep=_needs_lockstep(layers, f_module))
 
 
 def build_stages(model: DSv3Model, n_stages: int, stage_ids: Sequence[int] | None = None) -> list[DSv3Stage]:
