@@ -123,13 +123,39 @@ def run(args) -> dict:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)
-    per_rank = spawn(_rank_main, args.pp * args.ep, a, timeout_s=3600)
-    steps = args.steps
+    res = summarize(spawn(_rank_main, args.pp * args.ep, a, timeout_s=3600), a)
+    ev = res.pop("_events")
+    if args.events and ev:
+        with open(args.events, "w") as f:
+            json.dump(ev, f, indent=1)
+        res["events"] = args.events
+    if args.timeline and ev:
+        from dsv3_plugin.parallel.pipeline.overlap_timeline import plot_overlap_timeline
+        tl = res["timeline_pair"]
+        title = (f"measured FB pair {tl['op']} on pipeline rank 0 ({args.schedule}, pp={args.pp}, ep={args.ep}, gloo, "
+                 f"{args.preset} x {args.layers} layers): {tl['pair_s'] * 1e3:.1f} ms, of which neither chunk "
+                 f"computes {tl['exposed_s'] * 1e3:.1f} ms")
+        res["timeline"] = plot_overlap_timeline(ev, args.timeline, title)
+    return res
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def summarize(per_rank: list[dict], a: dict) -> dict:
+    """The bench's JSON from the ranks' results (`_rank_main`); the timeline events under "_events"."""
+    pp, steps = a["pp"], a["steps"]
     res: dict = dict(a)
     res["ranks"] = []
     for r, pr in enumerate(per_rank):
         n_fb = pr["n_fb"] * steps
-        row = {"rank": r, "pp_rank": r % args.pp, "fb_pairs": n_fb}
+        row = {"rank": r, "pp_rank": r % pp, "fb_pairs": n_fb}
         for v in ("hook", "sequential"):
             fb = pr[v]["per_op"].get("FB", {"op_s": 0.0, "a2a_wait_s": 0.0, "p2p_wait_s": 0.0, "compute_s": 0.0})
             row[v] = {"per_op": pr[v]["per_op"], "step_wall_s": pr[v]["wall_s"] / steps,
@@ -150,16 +176,9 @@ def run(args) -> dict:
     res["step_wall_s"] = {"hook": mean("hook", "step_wall_s"), "sequential": mean("sequential", "step_wall_s")}
     res["losses_equal"] = all(pr["losses_equal"] for pr in per_rank)
     ev = per_rank[0]["events"]
-    res["timeline_pair"] = {"rank": 0, "op": per_rank[0]["fb_op"]}
-    if args.events and ev:
-        with open(args.events, "w") as f:
-            json.dump(ev, f, indent=1)
-        res["events"] = args.events
-    if args.timeline and ev:
-        from dsv3_plugin.parallel.pipeline.overlap_timeline import plot_overlap_timeline
-        exposed = sum(e["end"] - e["start"] for e in ev if e["lane"] == "comm")
-        title = (f"measured FB pair {per_rank[0]['fb_op']} on pipeline rank 0 ({args.schedule}, pp={args.pp}, "
-                 f"ep={args.ep}, gloo, {args.preset} x {args.layers} layers): all-to-all in flight {exposed * 1e3:.1f} ms, "
-                 f"pair {max(e['end'] for e in ev) * 1e3:.1f} ms")
-        res["timeline"] = plot_overlap_timeline(ev, args.timeline, title)
+    res["_events"] = ev
+    if ev:
+        pair = max(e["end"] for e in ev) - min(e["start"] for e in ev)
+        busy = _union([(e["start"], e["end"]) for e in ev if e["lane"] == "compute"])
+        res["timeline_pair"] = {"rank": 0, "op": per_rank[0]["fb_op"], "pair_s": pair, "exposed_s": pair - busy}
     return res

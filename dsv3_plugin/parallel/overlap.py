@@ -219,6 +219,43 @@ def wait_comm(works: list, kind: str, phase: str) -> None:
         p.wait(works, kind)
 
 
+class _LaneThread:
+    """The backward lanes' thread: one per process, started once and reused by every pair (a thread started
+    per FB op costs a scheduler round trip on a loaded machine)."""
+
+    def __init__(self):
+        self._jobs: list = []
+        self._cond = threading.Condition()
+        threading.Thread(target=self._loop, name="dsv3-overlap-backward", daemon=True).start()
+
+    def _loop(self):
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._jobs)
+                fn, done = self._jobs.pop(0)
+            try:
+                fn()
+            finally:
+                done.set()
+
+    def run(self, fn) -> threading.Event:
+        done = threading.Event()
+        with self._cond:
+            self._jobs.append((fn, done))
+            self._cond.notify()
+        return done
+
+
+_LANE_THREAD: Optional[_LaneThread] = None
+
+
+def _lane_thread() -> _LaneThread:
+    global _LANE_THREAD
+    if _LANE_THREAD is None:
+        _LANE_THREAD = _LaneThread()
+    return _LANE_THREAD
+
+
 def run_overlapped(forward: Callable[[], object], backward: Callable[[], None], lockstep: bool = False):
     """Run `backward()` (helper thread) and `forward()` (this thread) as the two lanes of one overlapped pair
     (module docstring); returns forward's result. `lockstep`: pass the turn at every wait in program order (no
@@ -243,10 +280,9 @@ def run_overlapped(forward: Callable[[], object], backward: Callable[[], None], 
     _PAIR = pair
     if _REC is not None:
         _REC.pair_begin()
-    t = threading.Thread(target=b_lane, name="dsv3-overlap-backward", daemon=True)
     out = None
     try:
-        t.start()
+        joined = _lane_thread().run(b_lane)
         try:
             pair.start("F")
             out = forward()
@@ -254,7 +290,7 @@ def run_overlapped(forward: Callable[[], object], backward: Callable[[], None], 
             errors["F"] = e
         finally:
             pair.finish("F")
-        t.join()
+        joined.wait()
     finally:
         _PAIR = None
         if _REC is not None:

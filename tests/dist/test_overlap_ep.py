@@ -9,7 +9,9 @@ pp 2 x dp 2 with EP 2 carved from each stage's data-parallel group, one spawn fo
   per-expert and node-deduplicated dispatch, lanes taking turns (own EP groups for the backward lane) and in
   lock step (shared groups); the hook really ran (FB ops through it, the turn passed between the lanes);
 - `dsv3 train`'s pipelined engine: `parallel.overlap_ep_comm` switches the FB path (hook vs none) and both give
-  the same losses and the same parameters after the optimizer step.
+  the same losses and the same parameters after the optimizer step;
+- `dsv3 bench overlap`'s per-rank measurement (one step per variant, tiny model) and its summary / timeline (no
+  timing is asserted).
 """
 import copy
 import dataclasses
@@ -138,7 +140,13 @@ def _main():
     off = _engine_case(pg, False)
     res["engine"] = {"losses_equal": on[0] == off[0], "params_equal": all(torch.equal(a, b) for a, b in zip(on[1], off[1])),
                      "fb_hook": (on[2], off[2]), "overlap_ep": (on[3], off[3]), "loss": on[0]["loss"]}
+    from dsv3_plugin.bench.overlap import _rank_main
+    res["bench"] = _rank_main(BENCH)
     return res
+
+
+BENCH = {"pp": PP, "ep": EP, "schedule": "dualpipev", "preset": "tiny", "layers": 8, "seq_len": T, "mtp_depth": 0,
+         "micro_batch": MB, "chunks": C, "steps": 1, "fp8_dispatch": False}
 
 
 @pytest.fixture(scope="module")
@@ -173,3 +181,27 @@ def test_train_key_switches_the_fb_path(ranks):
         assert e["overlap_ep"] == (True, False)
         assert e["fb_hook"][0] > 0 and e["fb_hook"][1] == 0
         assert e["losses_equal"] and e["params_equal"], e
+
+
+@pytest.mark.dist
+def test_bench_overlap_measures_both_variants(ranks, tmp_path):
+    from dsv3_plugin.bench.overlap import summarize
+    from dsv3_plugin.parallel.pipeline.overlap_timeline import plot_overlap_timeline
+    res = summarize([r["bench"] for r in ranks], BENCH)
+    assert res["losses_equal"]
+    assert {"ours", "baseline", "ratio", "fb_pair_wall_s", "step_wall_s"} <= res.keys()
+    for row in res["ranks"]:
+        assert row["fb_pairs"] > 0
+        assert row["hook"]["fb_pairs_through_hook"] == row["fb_pairs"]
+        assert row["sequential"]["fb_pairs_through_hook"] == 0
+        for v in ("hook", "sequential"):
+            fb = row[v]["per_op"]["FB"]
+            assert fb["op_s"] > 0 and fb["a2a_wait_s"] >= 0 and fb["compute_s"] > 0
+    ev = res["_events"]        # pipeline rank 0's middle FB pair: both chunks compute and communicate
+    assert {(e["lane"], e["chunk"]) for e in ev} == {("compute", "F"), ("compute", "B"), ("comm", "F"), ("comm", "B")}
+    assert {e["label"] for e in ev if e["lane"] == "compute"} == {"attention", "mlp"}
+    assert {e["label"] for e in ev if e["lane"] == "comm"} == {"dispatch", "combine"}
+    assert all(e["end"] >= e["start"] for e in ev)
+    assert 0 <= res["timeline_pair"]["exposed_s"] <= res["timeline_pair"]["pair_s"]
+    path = plot_overlap_timeline(ev, str(tmp_path / "pair.png"), "smoke")
+    assert (tmp_path / "pair.png").stat().st_size > 0 and path.endswith("pair.png")
