@@ -11,8 +11,9 @@ the hook (mean over ranks), `baseline` the same F then B, `ratio` = baseline / o
 `fb_pair_wall_s` is the wall time of one FB op with and without (the hook must not be slower). The first step
 of each engine is a warm-up and not measured.
 
-`--timeline PNG` draws one measured FB pair with the hook (the middle FB op of pipeline rank 0's last step)
-as a computation and a communication lane (`pipeline.overlap_timeline`); `--events JSON` writes its events.
+`--timeline PNG` draws one measured FB pair with the hook (the middle FB op of the last step on global rank
+`--timeline-rank`, by default pipeline rank pp - 1, whose two chunks are DualPipeV's middle stages) as a
+computation and a communication lane (`pipeline.overlap_timeline`); `--events JSON` writes its events.
 """
 from __future__ import annotations
 
@@ -48,6 +49,8 @@ def add_arguments(p):
     p.add_argument("--fp8-dispatch", action="store_true", help="FP8 dispatch payload (fp8.enabled, fp8.dispatch)")
     p.add_argument("--timeline", metavar="PNG", default=None, help="draw one measured FB pair with the hook")
     p.add_argument("--events", metavar="JSON", default=None, help="write that pair's timeline events")
+    p.add_argument("--timeline-rank", type=int, default=None,
+                   help="global rank whose pair is drawn (default: pp - 1, i.e. the last pipeline rank of dp rank 0)")
 
 
 def _ds(a: dict, hook: bool) -> dict:
@@ -123,7 +126,11 @@ def run(args) -> dict:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)
-    res = summarize(spawn(_rank_main, args.pp * args.ep, a, timeout_s=3600), a)
+    rank = args.pp - 1 if args.timeline_rank is None else args.timeline_rank
+    if not 0 <= rank < args.pp * args.ep:
+        print(f"error: --timeline-rank: must be in [0, {args.pp * args.ep}) (got {rank})", file=sys.stderr)
+        raise SystemExit(2)
+    res = summarize(spawn(_rank_main, args.pp * args.ep, a, timeout_s=3600), a, rank)
     ev = res.pop("_events")
     if args.events and ev:
         with open(args.events, "w") as f:
@@ -132,7 +139,7 @@ def run(args) -> dict:
     if args.timeline and ev:
         from dsv3_plugin.parallel.pipeline.overlap_timeline import plot_overlap_timeline
         tl = res["timeline_pair"]
-        title = (f"measured FB pair {tl['op']} on pipeline rank 0 ({args.schedule}, pp={args.pp}, ep={args.ep}, gloo, "
+        title = (f"measured FB pair {tl['op']} on rank {rank} (pipeline rank {rank % args.pp}; {args.schedule}, pp={args.pp}, ep={args.ep}, gloo, "
                  f"{args.preset} x {args.layers} layers): {tl['pair_s'] * 1e3:.1f} ms, of which neither chunk "
                  f"computes {tl['exposed_s'] * 1e3:.1f} ms")
         res["timeline"] = plot_overlap_timeline(ev, args.timeline, title)
@@ -148,8 +155,9 @@ def _union(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def summarize(per_rank: list[dict], a: dict) -> dict:
-    """The bench's JSON from the ranks' results (`_rank_main`); the timeline events under "_events"."""
+def summarize(per_rank: list[dict], a: dict, timeline_rank: int = 0) -> dict:
+    """The bench's JSON from the ranks' results (`_rank_main`); the events of `timeline_rank`'s drawn pair under
+    "_events"."""
     pp, steps = a["pp"], a["steps"]
     res: dict = dict(a)
     res["ranks"] = []
@@ -175,10 +183,11 @@ def summarize(per_rank: list[dict], a: dict) -> dict:
     res["fb_pair_wall_s"] = {"hook": wall_h, "sequential": wall_s, "ratio": wall_s / max(wall_h, 1e-12)}
     res["step_wall_s"] = {"hook": mean("hook", "step_wall_s"), "sequential": mean("sequential", "step_wall_s")}
     res["losses_equal"] = all(pr["losses_equal"] for pr in per_rank)
-    ev = per_rank[0]["events"]
+    ev = per_rank[timeline_rank]["events"]
     res["_events"] = ev
     if ev:
         pair = max(e["end"] for e in ev) - min(e["start"] for e in ev)
         busy = _union([(e["start"], e["end"]) for e in ev if e["lane"] == "compute"])
-        res["timeline_pair"] = {"rank": 0, "op": per_rank[0]["fb_op"], "pair_s": pair, "exposed_s": pair - busy}
+        res["timeline_pair"] = {"rank": timeline_rank, "op": per_rank[timeline_rank]["fb_op"], "pair_s": pair,
+                                "exposed_s": pair - busy}
     return res

@@ -7,38 +7,41 @@ travels while the other chunk computes (attention, MLP). A chunk's anatomy follo
               experts) -> combine -> attention of the next layer ...
     backward  the same components in reverse: combine -> MLP -> dispatch -> attention ...
 
-The all-to-alls are started with `async_op=True` and waited for separately (`dispatch.exchange_start`); every
-wait first calls `hand_over()`. `run_overlapped(forward, backward)` runs the two chunks as two *lanes* in
-lock step: the backward in a helper thread, the forward in the caller's thread, and exactly one of them runs at
-any time. A lane keeps the turn while it has work that does not need its own communication, and hands it to the
-other lane right before it would block on one of its all-to-alls, so each chunk's communication is in flight
-while the other chunk computes (forward first):
+The all-to-alls are started with `async_op=True` and waited for separately (`dispatch.exchange_start`), every
+wait through `wait_comm`. `run_overlapped(forward, backward)` runs the two chunks as two *lanes*: the backward in
+a helper thread, the forward in the caller's thread, and only one of them computes at any time (the *turn*). A
+lane keeps the turn while it has work that does not need its own communication; when it must wait for an
+all-to-all that has not arrived, it gives the turn up, blocks on the transfer and takes the turn back, so each
+chunk's communication is in flight while the other chunk computes (forward first), e.g.
 
-    F: attention, start dispatch(F), shared experts (F)          | hand over
-    B: head/attention (B), start combine(B)                      | hand over
-    F: wait dispatch(F), routed experts (F), start combine(F)    | hand over
-    B: wait combine(B), MLP (B), start dispatch(B), shared (B)   | hand over
-    F: wait combine(F), next layer's attention (F), ...
+    F: attention, start dispatch(F), shared experts (F)          | dispatch(F) not there: turn to B
+    B: head/attention (B), start combine(B)                      | combine(B) not there: turn free
+    F: routed experts (F), start combine(F)                      | ...
+    B: MLP (B), start dispatch(B), shared experts (B)            | ...
+    F: next layer's attention (F), ...
 
-Collective ordering: both lanes issue their all-to-alls on the *same* EP groups. That is safe because the
-hand-over points are fixed places in the program (every wait on an all-to-all), not timing: the interleaving of
-the two lanes, hence the order in which collectives are issued on each group, is one deterministic sequence,
-the same on every EP peer (they run the same schedule op with the same modules). Gloo matches collectives by
-issue order, and collectives in flight together on one group are queued in that order on every rank.
+Collective ordering: which lane computes when depends on timing, so the backward lane communicates on a second
+process group of the same ranks (`lane_group`; `EPGroups.ep_group_b`, `node_group_b`). Each group then carries
+one lane's collectives in that lane's program order: one deterministic sequence, the same on every EP peer
+(they run the same schedule op with the same modules), which is what gloo and NCCL need. The turn is held only
+while computing, never during a wait, so a lane blocked on a transfer never keeps the other lane from issuing
+its own: no cycle of waits can form across ranks. Without second groups ("lockstep", also the CUDA path) the
+lanes pass the turn at every wait in program order and share the groups; the issue order is then one fixed
+interleaving, again the same on every rank.
 
 Numerics: each lane runs exactly the ops of the plain forward (`module(*inputs)`) and the plain backward
 (`torch.autograd.backward`) - autograd orders a backward by the graph, not by timing - so losses and gradients
 equal F-then-B bit for bit. The backward's weight gradients are computed inside it, as the FB op's B is defined
 (`pipeline.schedule`); the I/W split (`pipeline.weight_grad`) applies to the schedule's I ops unchanged.
 
-Devices: on CPU (gloo) a wait blocks the lane's thread and `a2a_wait_s` is time really spent blocked. On CUDA
-(NCCL) an `async_op=True` collective runs on the process group's own communication stream and `wait()` only
-makes the current compute stream wait for it, so the host does not block; both lanes launch onto the one
-compute stream in the lock-step order. NOTE: the CUDA path is written for that behaviour but not run here (no
-GPU); its `a2a_wait_s` counts host time only, which is not the exposed communication time on a GPU.
+Devices: on CPU (gloo) a wait blocks the lane's thread. On CUDA (NCCL) an `async_op=True` collective runs on
+the process group's own communication stream and `wait()` only makes the current compute stream wait for it,
+so the host does not block; the lanes enqueue both chunks' kernels on the one compute stream in the lock-step
+order. NOTE: the CUDA path is written for that behaviour but has not run here (no GPU); its `a2a_wait_s`
+counts host time only, which is not the exposed communication time on a GPU.
 
-Accounting for benchmarks: `wait_clock()` accumulates the seconds spent blocked in all-to-all waits (both
-lanes); `recording()` collects a Fig. 4-style timeline (compute and communication lanes, events in the format
+Accounting for benchmarks: `wait_clock()` accumulates the seconds a rank is held up by all-to-all: the time
+spent in a wait outside a pair, the time neither lane computes inside one; `recording()` collects a Fig. 4-style timeline (compute and communication lanes, events in the format
 of `pipeline.overlap_timeline`).
 """
 from __future__ import annotations
@@ -53,7 +56,7 @@ __all__ = ["run_overlapped", "wait_comm", "lane_group", "comm_started", "wait_cl
 
 
 class _Clock:
-    """Seconds blocked in all-to-all waits, process-wide (lanes alternate, so plain adds are safe)."""
+    """Seconds a rank is held up by all-to-all, process-wide (updated under the pair's lock, or by one thread)."""
 
     def __init__(self):
         self.a2a_wait_s = 0.0

@@ -21,3 +21,13 @@ def test_bad_pipeline_bench_counts_are_usage_errors_naming_the_flag(argv, msg, c
         main(argv)
     assert e.value.code == 2
     assert msg in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, msg", [(["bench", "overlap", "--chunks", "3"], "--chunks: dualpipev"),
+                                       (["bench", "overlap", "--ep", "1"], "--ep: must be >= 2"),
+                                       (["bench", "overlap", "--preset", "huge"], "dsv3.preset: unknown preset")])
+def test_bad_overlap_bench_arguments_are_usage_errors_naming_the_flag(argv, msg, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert msg in capsys.readouterr().err
