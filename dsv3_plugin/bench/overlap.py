@@ -26,6 +26,7 @@ from dsv3_plugin.config import ConfigError, load_config
 from dsv3_plugin.deepspeed.pipeline import PipelinedEngine
 from dsv3_plugin.parallel import overlap
 from dsv3_plugin.parallel.distributed import init_distributed, spawn
+from dsv3_plugin.parallel.pipeline.overlap_timeline import plot_overlap_timeline
 from dsv3_plugin.schedule_traits import SCHEDULES, check_chunks
 from dsv3_plugin.training.data import MarkovData
 from dsv3_plugin.training.transforms import build_model
@@ -137,7 +138,6 @@ def run(args) -> dict:
             json.dump(ev, f, indent=1)
         res["events"] = args.events
     if args.timeline and ev:
-        from dsv3_plugin.parallel.pipeline.overlap_timeline import plot_overlap_timeline
         tl = res["timeline_pair"]
         title = (f"measured FB pair {tl['op']} on rank {rank} (pipeline rank {rank % args.pp}; {args.schedule}, pp={args.pp}, ep={args.ep}, gloo, "
                  f"{args.preset} x {args.layers} layers): {tl['pair_s'] * 1e3:.1f} ms, of which neither chunk "
