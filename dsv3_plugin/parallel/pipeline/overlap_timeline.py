@@ -26,6 +26,7 @@ LANES = ("compute", "comm")
 CHUNKS = ("F", "B", "W")
 # Fig. 4 caption: orange forward, green backward for input, blue backward for weights, purple PP communication.
 _COLORS = {"F": "#f28e2b", "B": "#59a14f", "W": "#4e79a7", "pp": "#9467bd"}
+_SHORT = {"attention": "ATTN", "dispatch": "DISP", "mlp": "MLP", "combine": "COMB", "weights": "W", "pp": "PP"}
 _REQUIRED = ("lane", "chunk", "label", "start", "end")
 
 
@@ -77,7 +78,8 @@ def plot_overlap_timeline(events: list[dict], path: str, title: str = "") -> str
     t1 = max(ev["end"] for ev in events)
     span = (t1 - t0) or 1.0
     y_of = {"compute": 1.0, "comm": 0.0}
-    fig, ax = plt.subplots(figsize=(13.0, 2.9))
+    n_bars = max(sum(ev["lane"] == lane for ev in events) for lane in LANES)
+    fig, ax = plt.subplots(figsize=(min(26.0, max(12.0, 0.55 * n_bars)), 2.9))
     for ev in events:
         w = ev["end"] - ev["start"]
         if w <= 0:
@@ -85,14 +87,18 @@ def plot_overlap_timeline(events: list[dict], path: str, title: str = "") -> str
         y = y_of[ev["lane"]]
         ax.barh(y, w, left=ev["start"], height=0.72, color=_color(ev), edgecolor="black", linewidth=0.5)
         arrow = "\u25b3" if ev["chunk"] == "F" else "\u25b2"      # Fig. 4: open triangle forward, filled backward
-        text = ev["label"] if ev["label"] == "pp" else f"{ev['label']} ({ev['chunk']}){arrow}"
-        if ev.get("mb") is not None:
-            text += f"\nmb {ev['mb']}"
-        # the label goes inside the bar when it fits; narrow bars get a short tag
-        if w >= 0.075 * span:
-            ax.text(ev["start"] + w / 2, y, text, ha="center", va="center", fontsize=6.5)
-        elif w >= 0.02 * span:
-            ax.text(ev["start"] + w / 2, y, ev["label"][:4], ha="center", va="center", fontsize=5, rotation=90)
+        short = _SHORT.get(ev["label"], ev["label"])
+        mb = "" if ev.get("mb") is None else f"\nmb {ev['mb']}"
+        # the whole label inside the bar when it fits, a short two-line tag in narrower bars, nothing in slivers
+        if w >= 0.07 * span:
+            text, size = (ev["label"] if ev["label"] == "pp" else f"{ev['label']} ({ev['chunk']}){arrow}") + mb, 6.5
+        elif w >= 0.018 * span:
+            text = short if ev["label"] == "pp" else (f"{short}{arrow}" if short == ev["chunk"] else
+                                                      f"{short}\n{ev['chunk']}{arrow}")
+            size = 5.5
+        else:
+            continue
+        ax.text(ev["start"] + w / 2, y, text, ha="center", va="center", fontsize=size)
     ax.set_yticks([1.0, 0.0])
     ax.set_yticklabels(["computation", "communication"])
     ax.set_ylim(-0.6, 1.6)
@@ -104,13 +110,16 @@ def plot_overlap_timeline(events: list[dict], path: str, title: str = "") -> str
                        Patch(color=_COLORS["B"], label="backward for input \u25b2"),
                        Patch(color=_COLORS["W"], label="backward for weights \u25b2"),
                        Patch(color=_COLORS["pp"], label="PP communication")],
-              loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=4, fontsize=7, frameon=False)
+              loc="upper center", bbox_to_anchor=(0.5, -0.32), ncol=4, fontsize=7, frameon=False)
     fig.tight_layout()
     d = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(suffix=".png", dir=d)
     os.close(fd)
     try:
-        fig.savefig(tmp, dpi=120)
+        fig.savefig(tmp, dpi=120, bbox_inches="tight")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)          # mkstemp's 0600 would make the figure private to its writer
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
