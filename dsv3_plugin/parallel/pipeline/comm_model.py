@@ -75,7 +75,9 @@ class Hardware:
                 raise ValueError(f"Hardware.{name}: must be > 0, got {getattr(self, name)!r}")
 
     def compute_ms(self, fp8_flops: float, bf16_flops: float) -> float:
-        """GEMMs in FP8 (§3.3.1), attention core, router and the rest in BF16, on the computation SMs."""
+        """GEMMs in FP8 (§3.3.1), attention core, router and the rest in BF16, on the computation SMs.
+        NOTE: the same rate (112 of 132 SMs) serves the no-overlap baseline, which would not need to set 20 SMs
+        aside; the baseline is therefore up to 132/112 slower in its computation than it could be."""
         share = self.mfu * (self.sms - self.comm_sms) / self.sms
         return 1e3 * (fp8_flops / (self.fp8_tflops * 1e12) + bf16_flops / (self.bf16_tflops * 1e12)) / share
 
