@@ -50,16 +50,20 @@ $(STAMP19): pyproject.toml requirements-mcore19.txt
 demo: venv
 	OMP_NUM_THREADS=1 $(VENV)/bin/dsv3 train --nproc 2 --config examples/deepspeed/demo.json --out runs/demo --overwrite
 
-# Two pytest runs: everything on .venv (megatron-core 0.16.1), then the Megatron tests on .venv-mcore19 (0.19.x);
-# the second runs even when the first fails, and `make test` fails if either did.
+# Single-process tests run on two pytest workers (pytest-xdist, one test file per worker at a time so a module's
+# fixtures run once; one thread each); the multi-process tests in tests/dist run one at a time, each already
+# spreading its ranks over the cores. Three pytest runs: those two on .venv (megatron-core 0.16.1), then the
+# Megatron tests on .venv-mcore19 (0.19.x); each runs even when one before failed, and `make test` fails if any did.
+PARALLEL_PYTEST := OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadfile
 test: venv venv-mcore19
-	rc=0; $(PY) -m pytest tests || rc=$$?; \
+	rc=0; $(PARALLEL_PYTEST) tests --ignore=tests/dist || rc=$$?; \
+	$(PY) -m pytest tests/dist || rc=$$?; \
 	echo "== Megatron tests on megatron-core 0.19 ($(VENV19)) =="; \
-	$(PY19) -m pytest $(MEGATRON_TESTS) || rc=$$?; \
+	OMP_NUM_THREADS=1 $(PY19) -m pytest -n 2 --dist loadfile $(MEGATRON_TESTS) || rc=$$?; \
 	exit $$rc
 
 test-mcore19: venv-mcore19
-	$(PY19) -m pytest $(MEGATRON_TESTS)
+	OMP_NUM_THREADS=1 $(PY19) -m pytest -n 2 --dist loadfile $(MEGATRON_TESTS)
 
 # One JSON object from examples/gpu_check.py (a Hopper GPU, <= 8 minutes on one H200); on a machine without a GPU:
 # `make gpu-check GPU_CHECK_ARGS=--dry-run` (tiny shapes on CPU; `make test` runs it too)

@@ -122,6 +122,15 @@ def _config(schedule: str) -> dict:
 EXTRA = ("dualpipev", {"fp8": False, "recompute": "none", "bf16_moments": False})
 
 
+def _no_ep_ds() -> dict:
+    """The EXTRA run without expert parallelism (ep = 1: every data-parallel rank holds all experts and ZeRO-1
+    averages the expert gradients over the whole data-parallel group): the same single-process reference."""
+    sched, c = EXTRA
+    ds = _ds(sched, c["fp8"], c["recompute"], c["bf16_moments"])
+    ds["dsv3"]["parallel"]["ep"] = 1
+    return ds
+
+
 def _full_runs(tmp):
     """Every schedule's 10-step run, one after the other in the same 4 processes (one spawn for all)."""
     from dsv3_plugin.deepspeed.train import train
@@ -129,6 +138,7 @@ def _full_runs(tmp):
     sched, c = EXTRA
     out["extra"] = train(_ds(sched, c["fp8"], c["recompute"], c["bf16_moments"]), steps=STEPS, progress=False,
                          echo=False, save=False)
+    out["no_ep"] = train(_no_ep_ds(), steps=STEPS, progress=False, echo=False, save=False)
     return out
 
 
@@ -271,21 +281,25 @@ def test_pp2_dp2_ep2_curve_biases_resume(schedule, references, runs):
 
 
 @pytest.mark.dist
-def test_pp2_dp2_ep2_dualpipev_fp8_off_curve(references, runs):
-    """The DualPipeV run with FP8 off: its curve, routing and gradient norms against the single process."""
+@pytest.mark.parametrize("run", ["extra", "no_ep"])
+def test_pp2_dp2_dualpipev_fp8_off_curve(references, runs, run):
+    """The DualPipeV runs with FP8 off, with ep = 2 and with ep = 1: curve, routing and gradient norms against
+    the single process."""
     import os
 
     from dsv3_plugin.config import load_config
     sched, c = EXTRA
     _, full, _ = runs
-    hist = full[0]["extra"]["history"]
+    assert all(f[run]["history"][-1]["loss"] == full[0][run]["history"][-1]["loss"] for f in full)
+    hist = full[0][run]["history"]
     ref = references[(c["fp8"], c["bf16_moments"])]
     cfg = load_config({"dsv3": _ds(sched, c["fp8"], c["recompute"])["dsv3"]})
-    worst = _curve_check(f"{sched} fp8=False", hist, ref, cfg, fp8=False)
+    worst = _curve_check(f"{sched} {run} fp8=False", hist, ref, cfg, fp8=False)
     if os.environ.get("TOL_REPORT"):
-        print(f"[tol] {sched} fp8=False: worst |diff| {worst[0]:.3g} at step {worst[2]} (bound {worst[1]:.3g}); "
-              f"pipelined {[round(r['loss'], 6) for r in hist]} single {[round(r['loss'], 6) for r in ref]}")
+        print(f"[tol] {sched} {run} fp8=False: worst |diff| {worst[0]:.3g} at step {worst[2]} (bound "
+              f"{worst[1]:.3g}); pipelined {[round(r['loss'], 6) for r in hist]} single "
+              f"{[round(r['loss'], 6) for r in ref]}")
     seen: dict = {}
     for rank, r in enumerate(full):
-        for key, b in _layer_biases(sched, rank % PP, r["extra"]["router_bias"]).items():
+        for key, b in _layer_biases(sched, rank % PP, r[run]["router_bias"]).items():
             assert seen.setdefault(key, b) == b, (key, rank)

@@ -110,7 +110,9 @@ def stop_a_rank(tmp_path, layout: str, victim: int, timeout_s: float = TIMEOUT_S
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("layout, victim", [("pp2", 0), ("pp2", 1), ("ep2x2", 1)])
+# One victim per layout: which pipeline rank is stopped changes only who waits on whom, not which group's
+# timeout ends the wait (`python tests/probe_robustness.py` stops ranks 0 and 1 of pp2, 1 and 2 of ep2x2).
+@pytest.mark.parametrize("layout, victim", [("pp2", 1), ("ep2x2", 1)])
 def test_stopped_peer_fails_within_configured_timeout(tmp_path, layout, victim):
     r = stop_a_rank(str(tmp_path), layout, victim)
     err = r["stderr"]

@@ -48,20 +48,51 @@ def _one_step(ds):
             "w_closures": pe.runtime.last_step["w_closures"]}
 
 
+PRECISIONS = ("fp32", "fp8", "bf16")
+
+
+def _step_config(precision: str, split: bool) -> dict:
+    ds = copy.deepcopy(DS)
+    ds["dsv3"]["fp8"] = {"enabled": precision == "fp8", "backend": "emulate"}
+    if precision == "bf16":   # BF16 parameters and gradients, FP32 masters in ZeRO-1
+        ds["bf16"] = {"enabled": True}
+    ds["dsv3"]["parallel"]["split_weight_grads"] = split
+    return ds
+
+
+def _train_config(split: bool) -> dict:
+    ds = copy.deepcopy(DS)
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}}
+    ds.pop("zero_allow_untested_optimizer")
+    ds["dsv3"]["parallel"]["split_weight_grads"] = split
+    return ds
+
+
+def _all_runs(step_configs, train_configs):
+    """Every one-step comparison and both training runs in the same 2 processes (one spawn for the module):
+    each run seeds its own weights and data, so running them in turn changes none of them."""
+    steps = [_one_step(ds) for ds in step_configs]
+    return steps, [_train(ds) for ds in train_configs]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    keys = [(p, split) for p in PRECISIONS for split in (True, False)]
+    per_rank = run_ranks(_all_runs, 2, [_step_config(*k) for k in keys], [_train_config(s) for s in (True, False)],
+                         timeout_s=900)
+    steps = {k: [r[0][i] for r in per_rank] for i, k in enumerate(keys)}
+    trains = {s: [r[1][i] for r in per_rank] for i, s in enumerate((True, False))}
+    return steps, trains
+
+
 @pytest.mark.dist
-@pytest.mark.parametrize("precision", ["fp32", "fp8", "bf16"])
-def test_dualpipev_pp2_split_on_off_same_losses_and_gradients(precision):
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_dualpipev_pp2_split_on_off_same_losses_and_gradients(runs, precision):
     """Measured on the 2-core CPU: every gradient and parameter bit-equal (0 of the bound used) in FP32, FP8
     (emulated, Linears and experts) and DeepSpeed BF16; the bound covers what is reordered in principle (below)."""
-    on = copy.deepcopy(DS)
-    on["dsv3"]["fp8"] = {"enabled": precision == "fp8", "backend": "emulate"}
-    if precision == "bf16":   # BF16 parameters and gradients, FP32 masters in ZeRO-1
-        on["bf16"] = {"enabled": True}
+    on = _step_config(precision, True)
     dt = torch.bfloat16 if precision == "bf16" else torch.float32
-    off = copy.deepcopy(on)
-    off["dsv3"]["parallel"]["split_weight_grads"] = False
-    got = run_ranks(_one_step, 2, on, timeout_s=400)
-    ref = run_ranks(_one_step, 2, off, timeout_s=400)
+    got, ref = runs[0][(precision, True)], runs[0][(precision, False)]
     from dsv3_plugin.config import load_config
     cfg = load_config({"dsv3": {**on["dsv3"]}})
     tokens = GAS * MBS * SEQ
@@ -102,14 +133,9 @@ def _train(ds):
 
 
 @pytest.mark.dist
-def test_train_summary_reports_per_rank_busy_idle_and_the_flag_changes_what_runs():
-    base = copy.deepcopy(DS)
-    base["optimizer"] = {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}}
-    base.pop("zero_allow_untested_optimizer")
-    off = copy.deepcopy(base)
-    off["dsv3"]["parallel"]["split_weight_grads"] = False
-    for ds, split in ((base, True), (off, False)):
-        summaries = run_ranks(_train, 2, ds, timeout_s=400)
+def test_train_summary_reports_per_rank_busy_idle_and_the_flag_changes_what_runs(runs):
+    for split in (True, False):
+        summaries = runs[1][split]
         pipe = summaries[0]["pipeline"]
         assert all(s["pipeline"] == pipe for s in summaries)          # gathered: the same report everywhere
         assert pipe["schedule"] == "dualpipev" and pipe["split_weight_grads"] is split

@@ -15,11 +15,17 @@ Published bubbles (DualPipe README table; PP = number of *stages*, so for DualPi
 Outside those domains `formula` is null and `formula_unchecked` still carries the expression's value, so
 users can see how far the published number is from the timeline. Activations are counted per
 (stage, micro-batch) from the start of its F to the end of its B or I (the W half keeps only the GEMM inputs).
+
+With per-component durations (`Durations.from_components`, §3.2.1's attention / dispatch / MLP / combine),
+F, B and W are the components run back to back and F&B is the two-lane schedule of `fb_overlap` (computation
+beside all-to-all and PP communication), not a free parameter; the result then also reports how much
+communication each rank leaves exposed over the step.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .fb_overlap import ChunkComponents, two_lane_pair
 from .schedule import SCHEDULES, ScheduleSpec, build_schedule
 
 __all__ = ["Durations", "SimResult", "simulate", "published_formula", "comparison_table", "plot_timeline"]
@@ -31,6 +37,25 @@ class Durations:
     b: float = 2.0
     w: float = 1.0
     fb: float | None = None       # F&B of an overlapped pair; None -> f + b
+    # per-component times; then f, b, w are their serial sums and fb the two-lane F&B (or None: no overlap)
+    components: ChunkComponents | None = None
+
+    def __post_init__(self):
+        c = self.components
+        if c is None:
+            return
+        for name, want in (("f", c.f), ("b", c.b), ("w", c.w)):
+            if getattr(self, name) != want:
+                raise ValueError(f"Durations.{name}: {getattr(self, name)!r} is not the components' {want!r} "
+                                 f"(build it with Durations.from_components)")
+        if self.fb is not None and self.fb != two_lane_pair(c).makespan:
+            raise ValueError(f"Durations.fb: {self.fb!r} is neither None (no overlap) nor the two-lane F&B "
+                             f"{two_lane_pair(c).makespan!r} of the components")
+
+    @classmethod
+    def from_components(cls, c: ChunkComponents, overlap: bool = True) -> "Durations":
+        """F, B, W from the components run back to back; F&B from the two-lane pair, or F + B without overlap."""
+        return cls(c.f, c.b, c.w, two_lane_pair(c).makespan if overlap else None, c)
 
     @property
     def fb_(self) -> float:
@@ -55,11 +80,14 @@ class SimResult:
     peak_activations: list[int]
     param_copies: list[int]
     timeline: list[dict] = field(default_factory=list)   # {rank, op, kind, start, end}
+    comm: dict | None = None     # with component durations: communication per rank, total and exposed
 
     def to_json(self, with_timeline: bool = False) -> dict:
         d = {k: getattr(self, k) for k in ("schedule", "pp", "chunks", "bubble", "formula", "formula_unchecked",
                                            "formula_text", "makespan", "idle", "busy", "peak_activations",
                                            "param_copies")}
+        if self.comm is not None:
+            d["comm"] = self.comm
         if with_timeline:
             d["timeline"] = self.timeline
         return d
@@ -133,7 +161,24 @@ def simulate(spec: ScheduleSpec, d: Durations) -> SimResult:
     idle = [makespan - b for b in busy]
     formula, unchecked, text = published_formula(spec.name, P, d)
     return SimResult(spec.name, P, spec.n_chunks, makespan, idle, busy, max(idle), formula, unchecked, text,
-                     peak, [spec.chunks_per_rank] * P, timeline)
+                     peak, [spec.chunks_per_rank] * P, timeline, _comm_per_rank(spec, d))
+
+
+def _comm_per_rank(spec: ScheduleSpec, d: Durations) -> dict | None:
+    """Communication time each rank's ops contain and the part of it left exposed: all of it in a lone F, B or
+    I (the input half of B holds all of B's communication), the two-lane model's exposed part in an F&B pair."""
+    c = d.components
+    if c is None:
+        return None
+    pair_exposed = two_lane_pair(c).exposed_comm if d.fb is not None else c.comm_f + c.comm_b
+    per_op = {"F": (c.comm_f, c.comm_f), "B": (c.comm_b, c.comm_b), "I": (c.comm_b, c.comm_b), "W": (0.0, 0.0),
+              "FB": (c.comm_f + c.comm_b, pair_exposed)}
+    total, exposed, pairs = [], [], []
+    for ops in spec.ops:
+        total.append(sum(per_op[op.kind][0] for op in ops))
+        exposed.append(sum(per_op[op.kind][1] for op in ops))
+        pairs.append(sum(op.kind == "FB" for op in ops))
+    return {"total": total, "exposed": exposed, "fb_pairs": pairs, "overlap": d.fb is not None}
 
 
 def published_formula(name: str, P: int, d: Durations) -> tuple[float | None, float | None, str]:
