@@ -106,7 +106,8 @@ def _rank_main(a: dict) -> dict:
             else:
                 losses[hook].append(engines[hook].train_step(ids, labels)["loss"])
     res = {"events": events, "fb_op": str(fb_ops[pick]) if fb_ops else None, "n_fb": len(fb_ops),
-           "losses_equal": losses[True] == losses[False]}
+           "losses_equal": losses[True] == losses[False], "losses": losses[True],
+           "engines_overlap_ep": [engines[True].overlap_ep, engines[False].overlap_ep]}
     for hook, eng in engines.items():
         times = eng.step_times[1:]
         res["hook" if hook else "sequential"] = {"per_op": _per_op(times), "wall_s": sum(t["wall_s"] for t in times),
