@@ -45,17 +45,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-baseline-small", action="store_true", help="run the baseline only at the largest size")
 
 
-def _config(target_bytes: float) -> dict:
-    """A V3-shaped HF config whose FP8 checkpoint is about `target_bytes`: MoE layers of ~0.6 GB (MLA +
-    8 routed + 1 shared expert), as many as fit."""
-    E = 8
-    attn = (_QL * _H + _HEADS * (_NOPE + _ROPE) * _QL + (_KVL + _ROPE) * _H + _HEADS * (_NOPE + _V) * _KVL
-            + _H * _HEADS * _V)
+def _config(target_bytes: float, n_experts: int = 8, heads: int = _HEADS) -> dict:
+    """A V3-shaped HF config whose FP8 checkpoint is about `target_bytes`: MoE layers of ~0.6 GB (MLA with
+    `heads` heads + `n_experts` routed + 1 shared expert; 128 heads and 8 experts by default), as many as fit."""
+    E = n_experts
+    attn = (_QL * _H + heads * (_NOPE + _ROPE) * _QL + (_KVL + _ROPE) * _H + heads * (_NOPE + _V) * _KVL
+            + _H * heads * _V)
     L = max(1, int(round(target_bytes / (attn + (E + 1) * 3 * _MI * _H))))
     return {
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 4096,
         "hidden_size": _H, "intermediate_size": 18432, "moe_intermediate_size": _MI, "num_hidden_layers": L,
-        "num_attention_heads": _HEADS, "num_key_value_heads": _HEADS, "n_shared_experts": 1,
+        "num_attention_heads": heads, "num_key_value_heads": heads, "n_shared_experts": 1,
         "n_routed_experts": E, "routed_scaling_factor": 2.5, "kv_lora_rank": _KVL, "q_lora_rank": _QL,
         "qk_rope_head_dim": _ROPE, "v_head_dim": _V, "qk_nope_head_dim": _NOPE, "n_group": 1, "topk_group": 1,
         "num_experts_per_tok": 2, "first_k_dense_replace": 0, "norm_topk_prob": True, "rms_norm_eps": 1e-6,
@@ -63,9 +63,11 @@ def _config(target_bytes: float) -> dict:
     }
 
 
-def make_synthetic_checkpoint(path: str, target_bytes: float, shard_bytes: int) -> dict:
+def make_synthetic_checkpoint(path: str, target_bytes: float, shard_bytes: int, n_experts: int = 8,
+                              heads: int = _HEADS) -> dict:
     """Write the benchmark's FP8 checkpoint; FP8 payloads are cut from one random pool (content does not
-    change the cost of dequantization; the E4M3 NaN codes are avoided)."""
+    change the cost of dequantization; the E4M3 NaN codes are avoided). `n_experts` / `heads` reshape its
+    layers (fewer heads, more experts: a checkpoint whose bytes sit mostly in experts, as V3's do)."""
     import torch
     g = torch.Generator().manual_seed(0)
     pool = torch.randint(0, 256, (64 * 2**20,), dtype=torch.uint8, generator=g)
@@ -83,7 +85,7 @@ def make_synthetic_checkpoint(path: str, target_bytes: float, shard_bytes: int) 
     def make(name, shape):
         return torch.randn(shape, generator=g) * 0.02
 
-    cfg = _config(target_bytes)
+    cfg = _config(target_bytes, n_experts, heads)
     write_released_checkpoint(path, cfg, make, fp8=True, shard_bytes=shard_bytes, fp8_tensor=fp8_tensor)
     return cfg
 
