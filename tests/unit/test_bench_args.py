@@ -31,3 +31,16 @@ def test_bad_overlap_bench_arguments_are_usage_errors_naming_the_flag(argv, msg,
         main(argv)
     assert e.value.code == 2
     assert msg in capsys.readouterr().err
+
+
+def test_convert_bench_checkpoint_shape_knobs():
+    """The synthetic checkpoint's layer shape follows n_experts / heads; the layer count fills the target size.
+    FP8 bytes of one layer at 32 heads, 10 + 1 experts: MLA (1536·7168 + 32·192·1536 + 576·7168 + 32·256·512 +
+    7168·32·128) + 11 · 3 · 2048 · 7168 = 542.1 MB, so 1.1 GB holds 2 layers."""
+    from dsv3_plugin.bench.convert import _config
+    d = _config(1.1e9, n_experts=10, heads=32)
+    assert (d["n_routed_experts"], d["num_attention_heads"], d["num_key_value_heads"]) == (10, 32, 32)
+    assert d["num_hidden_layers"] == round(1.1e9 / (1536 * 7168 + 32 * 192 * 1536 + 576 * 7168 + 32 * 256 * 512
+                                                    + 7168 * 32 * 128 + 11 * 3 * 2048 * 7168)) == 2
+    default = _config(1.2e9)
+    assert (default["n_routed_experts"], default["num_attention_heads"], default["num_hidden_layers"]) == (8, 128, 2)
