@@ -159,7 +159,7 @@ class ParallelConfig(_Strict):
 
     def overlap_ep(self) -> bool:
         """Whether `dsv3 train` runs the schedule's FB ops as overlapped pairs (paper §3.2.1, Fig. 4;
-        `parallel.overlap`): the explicit key, else on where there is EP communication to hide (ep > 1) and
+        `parallel.overlap_ep_comm`): the explicit key, else on where there is EP communication to hide (ep > 1) and
         the schedule pairs chunks (pp > 1, FB ops)."""
         if self.overlap_ep_comm is not None:
             return self.overlap_ep_comm
