@@ -3,6 +3,8 @@ UTF-8 JSON, the DeepSpeed keys, world-size rules, the memory bound — and the e
 refuses, with the same message."""
 import json
 
+import re
+
 import pytest
 
 from dsv3_plugin.cli import main
@@ -294,15 +296,6 @@ def test_split_weight_grads_default_follows_the_schedule(parallel, on):
     assert load_config({"preset": "tiny", "parallel": parallel}).parallel.split_w() is on
 
 
-@pytest.mark.parametrize("parallel, why", [({"pp": 2, "schedule": "1f1b"}, "schedule '1f1b' has no W ops"),
-                                           ({"pp": 1, "schedule": "dualpipev"}, "pp = 1 runs no pipeline schedule")])
-def test_split_weight_grads_true_without_w_ops_is_refused(parallel, why):
-    with pytest.raises(ConfigError, match=r"^dsv3\.parallel\.split_weight_grads: true needs pp > 1 and a schedule "
-                                          r"with W ops .*" + why):
-        load_config({"preset": "tiny", "parallel": {**parallel, "split_weight_grads": True}})
-    load_config({"preset": "tiny", "parallel": {**parallel, "split_weight_grads": False}})   # false is fine
-
-
 def test_split_weight_grads_true_is_refused_on_the_megatron_path():
     import argparse
     from dsv3_plugin.megatron.pretrain_gpt import resolve_pipeline_schedule
@@ -327,11 +320,19 @@ def test_overlap_ep_comm_default_follows_ep_and_the_schedule(parallel, on):
     assert load_config({"preset": "tiny", "parallel": parallel}).parallel.overlap_ep() is on
 
 
-@pytest.mark.parametrize("parallel, why", [({"pp": 2, "ep": 2, "schedule": "1f1b"}, "schedule '1f1b' has no FB ops"),
-                                           ({"pp": 1, "ep": 2, "schedule": "dualpipev"}, "pp = 1 runs no pipeline"),
-                                           ({"pp": 2, "schedule": "dualpipev"}, "ep = 1 has no all-to-all")])
-def test_overlap_ep_comm_true_without_fb_pairs_is_refused(parallel, why):
-    with pytest.raises(ConfigError, match=r"^dsv3\.parallel\.overlap_ep_comm: true needs ep > 1, pp > 1 and a "
-                                          r"schedule with FB ops .*" + why):
-        load_config({"preset": "tiny", "parallel": {**parallel, "overlap_ep_comm": True}})
-    load_config({"preset": "tiny", "parallel": {**parallel, "overlap_ep_comm": False}})   # false is fine
+_NEEDS = {"split_weight_grads": "pp > 1 and a schedule with W ops",
+          "overlap_ep_comm": "ep > 1, pp > 1 and a schedule with FB ops"}
+
+
+@pytest.mark.parametrize("key, parallel, why", [
+    ("split_weight_grads", {"pp": 2, "schedule": "1f1b"}, "schedule '1f1b' has no W ops"),
+    ("split_weight_grads", {"pp": 1, "schedule": "dualpipev"}, "pp = 1 runs no pipeline schedule"),
+    ("overlap_ep_comm", {"pp": 2, "ep": 2, "schedule": "1f1b"}, "schedule '1f1b' has no FB ops"),
+    ("overlap_ep_comm", {"pp": 1, "ep": 2, "schedule": "dualpipev"}, "pp = 1 runs no pipeline"),
+    ("overlap_ep_comm", {"pp": 2, "schedule": "dualpipev"}, "ep = 1 has no all-to-all")])
+def test_schedule_switch_true_where_it_cannot_apply_is_refused(key, parallel, why):
+    """`split_weight_grads` / `overlap_ep_comm`: true where the layout has nothing to split or overlap is refused,
+    naming the key; false is fine."""
+    with pytest.raises(ConfigError, match=rf"^dsv3\.parallel\.{key}: true needs {re.escape(_NEEDS[key])} .*" + why):
+        load_config({"preset": "tiny", "parallel": {**parallel, key: True}})
+    load_config({"preset": "tiny", "parallel": {**parallel, key: False}})
