@@ -7,8 +7,9 @@ optimizer step), one with `parallel.split_weight_grads` on and one with it off; 
 same micro-batches, the two alternating so that load drift on a shared machine hits both alike. What a step
 runs is `PipelinedEngine.train_step` (`dsv3 train`'s step without the MoE bias update and its metrics, which do
 not depend on the split). A rank's idle fraction is idle / (busy + idle) summed over the measured steps (the
-first one is a warm-up): busy = time inside F/B/W/FB stage compute, idle = time waiting on a peer (the
-runtime's own accounting, `PipelineRuntime.step`). `ours` is the mean idle fraction with the split, `baseline`
+first one is a warm-up): busy = time inside F/B/W/FB stage compute, idle = time waiting on a peer during the
+schedule (the runtime's own accounting, `PipelineRuntime.step`; DualPipe's mirror gradient exchange is reported
+apart as `grad_sync_s`). `ours` is the mean idle fraction with the split, `baseline`
 without it, `ratio` = baseline / ours (> 1: the split idles less). `w_closures` counts the deferred weight-gradient jobs
 the W ops ran (0 without the split: what runs really differs).
 """
@@ -18,7 +19,7 @@ import torch
 
 from dsv3_plugin.bench import positive_int
 from dsv3_plugin.config import ConfigError, load_config
-from dsv3_plugin.deepspeed.pipeline import PipelinedEngine
+from dsv3_plugin.deepspeed.pipeline import PipelinedEngine, idle_figures
 from dsv3_plugin.parallel.distributed import init_distributed, spawn
 from dsv3_plugin.schedule_traits import SCHEDULES, check_chunks
 from dsv3_plugin.training.data import MarkovData
@@ -70,11 +71,7 @@ def _rank_main(a: dict) -> dict:
                 engines[split].train_step(ids, labels)
         res = {}
         for split, pe in engines.items():
-            times = pe.step_times[1:]
-            busy, idle = sum(t["busy_s"] for t in times), sum(t["idle_s"] for t in times)
-            res["on" if split else "off"] = {"busy_s": busy, "idle_s": idle, "idle_fraction": idle / (busy + idle),
-                                            "wall_s": sum(t["wall_s"] for t in times),
-                                            "w_closures": sum(t["w_closures"] for t in times)}
+            res["on" if split else "off"] = idle_figures(pe.step_times[1:])
         out[schedule] = res
     return out
 

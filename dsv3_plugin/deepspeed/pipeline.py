@@ -56,7 +56,7 @@ from dsv3_plugin.errors import CheckpointError
 from .engine import gather_rng_states, restore_rng_state
 from .moe_layer import prepare_model
 
-__all__ = ["PipelineGroups", "pipeline_groups", "PipelineMPU", "PipelinedEngine"]
+__all__ = ["PipelineGroups", "pipeline_groups", "idle_figures", "PipelineMPU", "PipelinedEngine"]
 
 
 @dataclass
@@ -69,6 +69,15 @@ class PipelineGroups:
     dp_group: object
     pp_ranks: list[int]
     dp_ranks: list[int]
+
+
+def idle_figures(steps: list[dict]) -> dict:
+    """Busy / idle / mirror-exchange seconds summed over `PipelineRuntime.last_step` records, and the idle
+    fraction idle / (busy + idle): the share of the schedule's time spent waiting on a peer."""
+    busy, idle = sum(t["busy_s"] for t in steps), sum(t["idle_s"] for t in steps)
+    return {"busy_s": busy, "idle_s": idle, "idle_fraction": idle / (busy + idle) if busy + idle > 0 else 0.0,
+            "grad_sync_s": sum(t.get("grad_sync_s", 0.0) for t in steps), "wall_s": sum(t["wall_s"] for t in steps),
+            "w_closures": sum(int(t["w_closures"]) for t in steps)}
 
 
 def pipeline_groups(pp: int, timeout_s: float | None = None) -> PipelineGroups:
@@ -275,16 +284,14 @@ class PipelinedEngine:
 
     def idle_report(self, skip_first: bool = True) -> dict:
         """Every rank's busy / idle time in the pipeline steps run so far (a collective over the world: call on
-        every rank). Busy: inside F/B/W/FB stage compute; idle: waiting on a peer (see `PipelineRuntime.step`).
+        every rank). Busy: inside F/B/W/FB stage compute; idle: waiting on a peer during the schedule;
+        grad_sync: DualPipe's mirror gradient exchange (0 for the other schedules; see `PipelineRuntime.step`).
         The first step is left out when there are more (`skip_first`): it pays one-time set-up costs.
         Returns {"schedule", "split_weight_grads", "steps_measured", "ranks": [per global rank: {"rank",
-        "pp_rank", "dp_rank", "busy_s", "idle_s", "idle_fraction", "w_closures"}]}."""
+        "pp_rank", "dp_rank", "busy_s", "idle_s", "idle_fraction", "grad_sync_s", "wall_s", "w_closures"}]}."""
         steps = self.step_times[1:] if skip_first and len(self.step_times) > 1 else self.step_times
-        busy = sum(t["busy_s"] for t in steps)
-        idle = sum(t["idle_s"] for t in steps)
-        mine = {"rank": dist.get_rank(), "pp_rank": self.g.pp_rank, "dp_rank": self.g.dp_rank, "busy_s": busy,
-                "idle_s": idle, "idle_fraction": idle / (busy + idle) if busy + idle > 0 else 0.0,
-                "w_closures": sum(int(t["w_closures"]) for t in steps)}
+        mine = {"rank": dist.get_rank(), "pp_rank": self.g.pp_rank, "dp_rank": self.g.dp_rank,
+                **idle_figures(steps)}
         ranks = [None] * dist.get_world_size()
         with self._peers("all_gather_object of the pipeline busy/idle times", list(range(len(ranks)))):
             dist.all_gather_object(ranks, mine)

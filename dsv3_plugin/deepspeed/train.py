@@ -471,6 +471,9 @@ def _finish(model, history: list[dict], run: RunDir, world: int, wall_s: float, 
         fr = ", ".join(f"{r['idle_fraction']:.3f}" for r in pipeline["ranks"])
         summ["text"] += (f"\n  pipeline       idle fraction per rank {fr} ({pipeline['schedule']}, W split "
                          f"{'on' if pipeline['split_weight_grads'] else 'off'}, {pipeline['steps_measured']} steps)")
+        if any(r["grad_sync_s"] for r in pipeline["ranks"]):
+            gs = ", ".join(f"{r['grad_sync_s'] / max(r['wall_s'], 1e-12):.3f}" for r in pipeline["ranks"])
+            summ["text"] += f"\n  pipeline       mirror gradient exchange per rank {gs} of the step (not idle)"
     if run.rank == 0:
         if echo:
             print(json.dumps({"summary": {k: v for k, v in summ.items() if k != "text"}}), flush=True)

@@ -21,6 +21,37 @@ import torch
 
 __all__ = ["AdamWBF16Moments", "make_optimizer"]
 
+# Elements per slice of one update. Under ZeRO-1 the optimizer sees one flat FP32 partition holding this rank's
+# whole share of the model, so the FP32 copies of the moments (8 B per element) would otherwise be materialized
+# for all of it at once: at 1.2e9 parameters 9.6 GB of temporaries on top of the state. Every operation is
+# elementwise, so slicing changes no result (a multiple of any SIMD width: the same vector/tail split).
+SLICE = 1 << 22
+
+
+def _slices(p, *state):
+    """Matching 1-D slices of `p` and its state tensors (the whole tensors when one of them is not contiguous)."""
+    ts = (p, *state)
+    if not all(x.is_contiguous() for x in ts) or p.numel() <= SLICE:
+        return [ts]
+    flat = [x.view(-1) for x in ts]
+    return [tuple(x[i:i + SLICE] for x in flat) for i in range(0, p.numel(), SLICE)]
+
+
+def _update(p, grad, exp_avg, exp_avg_sq, t: int, b1: float, b2: float, lr: float, eps: float, wd: float):
+    """The module docstring's step on one slice (FP32 arithmetic, BF16 storage of the moments)."""
+    g = grad.float()
+    m32 = exp_avg.float().mul_(b1).add_(g, alpha=1 - b1)
+    v32 = exp_avg_sq.float().mul_(b2).addcmul_(g, g, value=1 - b2)
+    exp_avg.copy_(m32)
+    exp_avg_sq.copy_(v32)
+    bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
+    denom = v32.div_(bc2).sqrt_().add_(eps)
+    upd = m32.div_(bc1).div_(denom)
+    if p.dtype == torch.float32:
+        p.mul_(1 - lr * wd).add_(upd, alpha=-lr)
+    else:  # low-precision parameter: do the arithmetic in FP32, round once
+        p.copy_(p.float().mul_(1 - lr * wd).add_(upd, alpha=-lr))
+
 
 class AdamWBF16Moments(torch.optim.Optimizer):
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
@@ -52,18 +83,8 @@ class AdamWBF16Moments(torch.optim.Optimizer):
                     st["exp_avg_sq"] = torch.zeros_like(p, dtype=group["moment_dtype"])
                 st["step"] += 1
                 t = st["step"]
-                g = p.grad.float()
-                m32 = st["exp_avg"].float().mul_(b1).add_(g, alpha=1 - b1)
-                v32 = st["exp_avg_sq"].float().mul_(b2).addcmul_(g, g, value=1 - b2)
-                st["exp_avg"].copy_(m32)
-                st["exp_avg_sq"].copy_(v32)
-                bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
-                denom = v32.div_(bc2).sqrt_().add_(eps)
-                upd = m32.div_(bc1).div_(denom)
-                if p.dtype == torch.float32:
-                    p.mul_(1 - lr * wd).add_(upd, alpha=-lr)
-                else:  # low-precision parameter: do the arithmetic in FP32, round once
-                    p.copy_(p.float().mul_(1 - lr * wd).add_(upd, alpha=-lr))
+                for sl in _slices(p, p.grad, st["exp_avg"], st["exp_avg_sq"]):
+                    _update(*sl, t, b1, b2, lr, eps, wd)
         return loss
 
     def load_state_dict(self, state_dict: dict) -> None:

@@ -145,4 +145,5 @@ def test_train_summary_reports_per_rank_busy_idle_and_the_flag_changes_what_runs
             assert r["busy_s"] > 0 and r["idle_s"] >= 0
             assert r["idle_fraction"] == pytest.approx(r["idle_s"] / (r["busy_s"] + r["idle_s"]), rel=1e-12)
             assert (r["w_closures"] > 0) is split
+            assert r["grad_sync_s"] == 0 and r["busy_s"] + r["idle_s"] <= r["wall_s"]   # DualPipeV: no mirror pair
         assert "idle fraction per rank" in summaries[0]["text"]

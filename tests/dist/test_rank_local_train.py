@@ -4,7 +4,7 @@ at most 40% of the checkpoint; `param_bytes` is exactly its rank-local model's.
 
 NOTE: two layouts keep this test small: pp = 1 x ep = 4 (the 40% bound) and pp = 2 x dp = 2 (DualPipeV; its
 first rank holds the embedding, the head and the MTP block, so only exact equality is asserted there); pp = 2 x
-ep = 2 combines the two rules and is run at 1.3 GB by hand (README)."""
+ep = 2 combines the two rules and is run at 1.2 GB by hand (README)."""
 import json
 import os
 import subprocess

@@ -110,7 +110,7 @@ class PipelineRuntime:
         self.op_seconds: dict[str, float] = {}           # time per op kind of the last step
         self.op_a2a_wait_s: dict[str, float] = {}        # ... of which blocked in EP all-to-all waits
         self.op_p2p_wait_s: dict[str, float] = {}        # ... and blocked in pipeline receives / sends
-        # the last step: wall_s, busy_s (= compute_s) and idle_s (see `step`), w_closures (deferred weight-grad
+        # the last step: wall_s, busy_s (= compute_s), idle_s and grad_sync_s (see `step`), w_closures (deferred weight-grad
         # GEMM jobs its W ops ran: 0 when no module defers, e.g. without `split_weight_grads`), a2a_wait_s (blocked
         # in EP all-to-all waits, part of busy_s), fb_hook (FB ops run by the overlap hook)
         self.last_step: dict[str, float] = {}
@@ -235,14 +235,21 @@ class PipelineRuntime:
                 raise PipelineError(f"{self.schedule_name}: {len(self.wq)} weight-grad jobs left after the step")
             losses, outputs = self._collect(C, gather, return_outputs)
             self.p2p.wait_sends()
+            blocked_sched = self.p2p.blocked_s
+            grad_sync_s = 0.0
             if training and self.traits.mirror_sync and self.mirror_grad_sync and self.P > 1:
+                t_sync = time.perf_counter()
                 self._mirror_sync()
+                grad_sync_s = time.perf_counter() - t_sync
             # Busy: time in stage compute (F/B/I/W/FB ops, their P2P waits excluded); idle: every wait on a peer
-            # during the step (receives inside ops, the end-of-step gather, outstanding sends, the mirror
-            # exchange). Two perf_counter reads per op: cheap enough to run on every step.
-            idle_s = self.p2p.blocked_s - blocked0
+            # during the schedule (receives inside ops, the end-of-step gather, outstanding sends). DualPipe's
+            # mirror exchange is a gradient reduction like DualPipeV's / 1F1B's data-parallel all-reduce (which
+            # runs after the step, outside these figures), so it is counted apart (grad_sync_s, whole exchange
+            # wall time) rather than as pipeline idle time: a bubble is what the W split can fill, a gradient
+            # reduction is not. Two perf_counter reads per op: cheap enough to run on every step.
+            idle_s = blocked_sched - blocked0
             self.last_step = {"wall_s": time.perf_counter() - t_step, "compute_s": compute_s, "busy_s": compute_s,
-                              "idle_s": idle_s, "w_closures": self._w_closures,
+                              "idle_s": idle_s, "grad_sync_s": grad_sync_s, "w_closures": self._w_closures,
                               "a2a_wait_s": sum(self.op_a2a_wait_s.values()), "fb_hook": self._fb_hook}
         finally:
             self._state.clear()
