@@ -45,6 +45,28 @@ def test_prepare_lets_router_weights_follow_the_model_dtype_and_keeps_the_bias_f
         check_fp32_router_state(model)
 
 
+def test_a_cast_of_the_model_keeps_the_router_state_exact():
+    """A loaded bias (released checkpoints carry non-zero FP32 biases) must survive the engine's BF16 cast
+    bit for bit, not come back as a BF16-rounded FP32 (1.001 -> 1.0); the same for the kept FP32 weight."""
+    for bf16_section in (False, True):
+        model = build_model({"preset": "tiny"})
+        g = torch.Generator().manual_seed(0)
+        for moe in model.moe_layers():
+            moe.gate.e_score_correction_bias.copy_(1 + torch.rand(moe.gate.e_score_correction_bias.shape,
+                                                                  generator=g) * 1e-3)
+            moe.gate.tokens_per_expert.copy_(torch.arange(moe.gate.tokens_per_expert.numel()) + 2**24 + 1)
+        before = {n: b.clone() for n, b in model.named_buffers() if "gate." in n}
+        w_before = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith("gate.weight")}
+        prepare_mixed_precision(model, _ds(bf16={"enabled": bf16_section}))
+        model.to(torch.bfloat16)
+        for n, b in model.named_buffers():
+            if n in before:
+                assert b.dtype == torch.float32 and torch.equal(b, before[n]), n
+        for n, p in model.named_parameters():
+            if n in w_before:   # kept FP32 and exact without the bf16 section; a BF16 compute copy with it
+                assert torch.equal(p, w_before[n] if not bf16_section else w_before[n].bfloat16()), n
+
+
 def test_gating_math_stays_fp32_with_a_bf16_router_weight():
     model = build_model({"preset": "tiny"})
     prepare_mixed_precision(model, _ds(bf16={"enabled": True}))

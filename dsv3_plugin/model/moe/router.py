@@ -101,6 +101,10 @@ def group_limited_topk(biased_TE: torch.Tensor, top_k: int, n_group: int, topk_g
     return biased_TE.topk(top_k, dim=-1).indices
 
 
+def _fp32_on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t.to(device=device, dtype=torch.float32)
+
+
 class Router(nn.Module):
     """Released name: `mlp.gate` (`weight` [E, H], `e_score_correction_bias` [E])."""
 
@@ -123,14 +127,17 @@ class Router(nn.Module):
 
     def _apply(self, fn, recurse=True):
         # Keep the router's state fp32 whatever `.to(dtype)` the model gets (Megatron-LM#1482: a bf16 bias
-        # cannot represent 1e-3 steps around 1.0).
+        # cannot represent 1e-3 steps around 1.0). The fp32 values are kept aside and only moved: casting back
+        # after the model's cast would leave a loaded bias rounded to bf16 (1.001 -> 1.0).
+        keep = {n: getattr(self, n) for n in ("e_score_correction_bias", "tokens_per_expert")}
+        w = self.weight.data
         super()._apply(fn, recurse)
         if self.keep_fp32_weight and self.weight.dtype != torch.float32:
-            self.weight.data = self.weight.data.float()
-        for name in ("e_score_correction_bias", "tokens_per_expert"):
+            self.weight.data = _fp32_on((w if w.dtype == torch.float32 else self.weight.data), self.weight.device)
+        for name, old in keep.items():
             b = getattr(self, name)
             if b.dtype != torch.float32:
-                setattr(self, name, b.float())
+                setattr(self, name, _fp32_on(old if old.dtype == torch.float32 else b, b.device))
         return self
 
     def scores(self, x_TH: torch.Tensor) -> torch.Tensor:
