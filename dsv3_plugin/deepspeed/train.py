@@ -33,6 +33,7 @@ from dsv3_plugin.training.transforms import build_model
 from dsv3_plugin.training.rank_local import RankLayout, build_rank_local, param_bytes
 from dsv3_plugin.checkpoint.hf import pretrained_config
 from dsv3_plugin.config import ConfigError, load_config
+from .engine import mixed_precision_dtype
 from .train_memory import host_memory_bytes
 from .validate import validate_ds_config
 from dsv3_plugin.config import ConfigError
@@ -110,17 +111,22 @@ def _f(x) -> float:
     return 0.0 if x is None else float(x.detach())
 
 
-def _build_model(cfg, init_from: str | None, allow_non_finite: bool = False, rank: int = 0, world: int = 1):
-    """This rank's model: with pp > 1 or ep > 1 only what it owns (`training.rank_local`: its stages' layers, its
-    experts; built on `meta`, materialized in fp32, and with `init_from` only its tensors read)."""
+def _build_model(cfg, init_from: str | None, allow_non_finite: bool = False, rank: int = 0, world: int = 1,
+                 dtype: torch.dtype = torch.float32):
+    """This rank's model, its parameters created directly in `dtype` (DeepSpeed's bf16/fp16 dtype: the same values
+    DeepSpeed's own cast of an FP32 build gives, since every tensor is drawn or dequantized in FP32 and rounded
+    once; router weight, bias and counts FP32, see `engine.prepare_mixed_precision`). With pp > 1 or ep > 1 only
+    what this rank owns (`training.rank_local`: its stages' layers, its experts; built on `meta`), and with
+    `init_from` only its tensors read."""
     layout = RankLayout.for_rank(cfg, rank, world)
+    direct = not layout.is_full or dtype != torch.float32   # the FP32 full build is the plain one
     if init_from:
         # Shape from the released config.json, training knobs from the "dsv3" block (see _init_from_config).
         d = cfg.to_dict()
-        return load_pretrained(init_from, dtype=torch.float32, device="cpu", allow_non_finite=allow_non_finite,
-                               layout=None if layout.is_full else layout,
+        return load_pretrained(init_from, dtype=dtype, device="cpu", allow_non_finite=allow_non_finite,
+                               layout=layout if direct else None,
                                **{sec: d[sec] for sec in ("moe", "mtp", "parallel", "fp8", "memory", "train")})
-    return build_model(cfg) if layout.is_full else build_rank_local(cfg, layout)
+    return build_rank_local(cfg, layout, dtype) if direct else build_model(cfg)
 
 
 def _init_from_config(ds: dict, init_from: str) -> dict:
@@ -200,7 +206,7 @@ def _train(run: RunDir, ds: dict, cfg, total: int, rank: int, world: int, *, ini
            summary, allow_non_finite=False) -> dict:
     """Setup, resume, then one `_step` per optimizer step, each logged and checkpointed by `_after_step`."""
     _setup_process(cfg)
-    model = _build_model(cfg, init_from, allow_non_finite, rank, world)
+    model = _build_model(cfg, init_from, allow_non_finite, rank, world, mixed_precision_dtype(ds) or torch.float32)
     if cfg.parallel.pp > 1:
         return _train_pipelined(model, run, ds, cfg, total, rank, world, progress=progress, echo=echo,
                                 summary=summary)

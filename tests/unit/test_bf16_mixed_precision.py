@@ -128,3 +128,40 @@ def test_fp8_gemms_take_bf16_inputs():
     y32.backward(dy.float())
     assert x.grad.dtype == w.grad.dtype == torch.bfloat16
     assert torch.equal(x.grad, x32.grad.bfloat16()) and torch.equal(w.grad, w32.grad.bfloat16())
+
+
+def _cast_like_deepspeed(model):
+    prepare_mixed_precision(model, _ds(bf16={"enabled": True}))
+    return model.to(torch.bfloat16)     # what deepspeed.initialize does to the module under bf16
+
+
+@pytest.mark.parametrize("world,rank", [(1, 0), (4, 3)])
+def test_dsv3_train_builds_in_bf16_directly_with_the_values_of_the_cast_fp32_build(tmp_path, world, rank):
+    """`dsv3 train` under bf16 creates parameters in BF16 (no FP32 copy of the model first), from scratch and from
+    a released FP8 checkpoint; after the engine's cast both are bit-identical to an FP32 build cast the same way
+    (each tensor is drawn / dequantized in FP32 and rounded once), router bias and counts FP32 and exact."""
+    from dsv3_plugin.checkpoint.hf import load_pretrained
+    from dsv3_plugin.deepspeed.train import _build_model
+    from dsv3_plugin.training.rank_local import RankLayout
+    from helpers import write_rank_local_checkpoint
+    cfg, _ = write_rank_local_checkpoint(tmp_path / "ck")
+    if world > 1:
+        cfg = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"pp": 2, "ep": 2,
+                                                                                    "schedule": "dualpipev"})})
+    layout = RankLayout.for_rank(cfg, rank, world)
+    for init_from in (None, str(tmp_path / "ck")):
+        torch.manual_seed(7)
+        direct = _build_model(cfg, init_from, rank=rank, world=world, dtype=torch.bfloat16)
+        assert {p.dtype for n, p in direct.named_parameters()
+                if not n.endswith("gate.weight") and p.device.type != "meta"} == {torch.bfloat16}   # owned ones
+        torch.manual_seed(7)
+        ref = (_build_model(cfg, None, rank=rank, world=world) if init_from is None else
+               load_pretrained(init_from, layout=None if layout.is_full else layout,
+                               **{s: cfg.to_dict()[s] for s in ("moe", "mtp", "parallel", "fp8", "memory", "train")}))
+        a, b = _cast_like_deepspeed(direct).state_dict(), _cast_like_deepspeed(ref).state_dict()
+        assert a.keys() == b.keys()
+        for k in a:
+            if a[k].device.type != "meta":
+                assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), (init_from, k)
+        biases = [v for k, v in a.items() if k.endswith("e_score_correction_bias") and v.device.type != "meta"]
+        assert biases and all(v.dtype == torch.float32 for v in biases)
