@@ -263,7 +263,15 @@ def test_pp2_dp2_ep2_curve_biases_resume(schedule, references, runs):
         assert {k for k, _ in seen} == {"layer", "mtp"} and len(seen) == 4   # layers 1-3 (MoE) + MTP
         assert any(v != 0 for b in seen.values() for v in b)
 
-    # 3. 5 + 5 resumed steps = 10 steps, bit for bit
+    # 3. the summary's pipeline figures: DualPipe's mirror gradient exchange is timed apart from the idle time
+    pipe = full[0]["summary"]["pipeline"]
+    assert pipe["schedule"] == schedule and len(pipe["ranks"]) == PP * DP
+    for r in pipe["ranks"]:
+        assert (r["grad_sync_s"] > 0) is (schedule == "dualpipe")
+        assert r["busy_s"] > 0 and r["busy_s"] + r["idle_s"] + r["grad_sync_s"] <= r["wall_s"]
+    assert ("mirror gradient exchange" in full[0]["summary"]["text"]) is (schedule == "dualpipe")
+
+    # 4. 5 + 5 resumed steps = 10 steps, bit for bit
     keys = ["loss", "lm_loss", "mtp_loss", "balance_loss", "maxvio", "maxvio_layers", "tokens_seen", "gamma", "lr"]
     for rank in range(PP * DP):
         resumed = second[rank]
