@@ -76,7 +76,7 @@ def idle_figures(steps: list[dict]) -> dict:
     fraction idle / (busy + idle): the share of the schedule's time spent waiting on a peer."""
     busy, idle = sum(t["busy_s"] for t in steps), sum(t["idle_s"] for t in steps)
     return {"busy_s": busy, "idle_s": idle, "idle_fraction": idle / (busy + idle) if busy + idle > 0 else 0.0,
-            "grad_sync_s": sum(t.get("grad_sync_s", 0.0) for t in steps), "wall_s": sum(t["wall_s"] for t in steps),
+            "grad_sync_s": sum(t["grad_sync_s"] for t in steps), "wall_s": sum(t["wall_s"] for t in steps),
             "w_closures": sum(int(t["w_closures"]) for t in steps)}
 
 

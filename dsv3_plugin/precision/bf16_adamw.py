@@ -24,7 +24,9 @@ __all__ = ["AdamWBF16Moments", "make_optimizer"]
 # Elements per slice of one update. Under ZeRO-1 the optimizer sees one flat FP32 partition holding this rank's
 # whole share of the model, so the FP32 copies of the moments (8 B per element) would otherwise be materialized
 # for all of it at once: at 1.2e9 parameters 9.6 GB of temporaries on top of the state. Every operation is
-# elementwise, so slicing changes no result (a multiple of any SIMD width: the same vector/tail split).
+# elementwise and the slice length is a multiple of any SIMD width, so at one thread each element takes the same
+# vector or scalar path as in one whole-tensor op (bit-identical, tested); with more threads torch's own split
+# of an op's range decides that path anyway, sliced or not.
 SLICE = 1 << 22
 
 

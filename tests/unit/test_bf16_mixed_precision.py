@@ -135,8 +135,8 @@ def _cast_like_deepspeed(model):
     return model.to(torch.bfloat16)     # what deepspeed.initialize does to the module under bf16
 
 
-@pytest.mark.parametrize("world,rank", [(1, 0), (4, 3)])
-def test_dsv3_train_builds_in_bf16_directly_with_the_values_of_the_cast_fp32_build(tmp_path, world, rank):
+@pytest.mark.parametrize("world,rank,fp8", [(1, 0, False), (4, 3, False), (1, 0, True)])
+def test_dsv3_train_builds_in_bf16_directly_with_the_values_of_the_cast_fp32_build(tmp_path, world, rank, fp8):
     """`dsv3 train` under bf16 creates parameters in BF16 (no FP32 copy of the model first), from scratch and from
     a released FP8 checkpoint; after the engine's cast both are bit-identical to an FP32 build cast the same way
     (each tensor is drawn / dequantized in FP32 and rounded once), router bias and counts FP32 and exact."""
@@ -145,6 +145,8 @@ def test_dsv3_train_builds_in_bf16_directly_with_the_values_of_the_cast_fp32_bui
     from dsv3_plugin.training.rank_local import RankLayout
     from helpers import write_rank_local_checkpoint
     cfg, _ = write_rank_local_checkpoint(tmp_path / "ck")
+    if fp8:     # the FP8 Linear / expert transforms wrap the BF16-built modules as they wrap the FP32 ones
+        cfg = cfg.model_copy(update={"fp8": cfg.fp8.model_copy(update={"enabled": True})})
     if world > 1:
         cfg = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"pp": 2, "ep": 2,
                                                                                     "schedule": "dualpipev"})})
