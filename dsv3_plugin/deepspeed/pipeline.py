@@ -22,7 +22,10 @@ Expert parallelism (paper §3.1): EP groups are carved from each stage's data-pa
 reduced over the expert-data-parallel group, dense ones over the data-parallel group, and the gradient norm for
 clipping sums squares over the data-parallel group (EP ranks hold different experts) and the pipeline group.
 A parameter held twice in one pipeline (DualPipe's mirror stages; 1F1B's embedding copy on the last rank for
-MTP) is marked `ds_pipe_replicated` on one of its holders, so DeepSpeed counts it once in that norm.
+MTP) is marked `ds_pipe_replicated` on one of its holders, so DeepSpeed counts it once in that norm. Stages may hold
+different numbers of optimizer parameter groups (a stage without MoE layers; DeepSpeed's size split of expert
+groups), so each stage's norm is summed over the pipeline once, not once per group
+(`patches/deepspeed_zero_pipeline_norm.py`).
 
 Router counts for the bias update (§2.1.2) are summed over exactly the ranks that saw the tokens: the stage's
 data-parallel group and, for DualPipe, the mirror rank (which ran the other half of the micro-batches through
@@ -230,6 +233,7 @@ class PipelinedEngine:
             self.engine, self.optimizer, _, self.lr_scheduler = deepspeed.initialize(
                 model=self.module, model_parameters=params, optimizer=opt, config=ds, mpu=PipelineMPU(self.g))
         check_fp32_router_state(self.module)
+        self._one_norm_all_reduce()
         # Gradients are produced outside engine.backward (by the schedule): reduce them like DeepSpeed's own
         # pipeline engine does.
         self.engine.pipeline_parallelism = True
@@ -239,6 +243,24 @@ class PipelinedEngine:
         self.runtime = PipelineRuntime(self.stages, schedule=self.schedule, process_group=self.g.pp_group,
                                        timeout_s=self.timeout_s, timeout_name="parallel.p2p_timeout_s",
                                        overlap=self.overlap_ep)
+
+    def _one_norm_all_reduce(self) -> None:
+        """DeepSpeed's ZeRO optimizer all-reduces one gradient norm per parameter group over the pipeline group, and
+        the stages can hold different numbers of groups (a stage without MoE layers has no expert group; DeepSpeed
+        splits a stage's experts into groups of <= 179 M elements): sum each stage's norm over the pipeline once
+        instead (`patches/deepspeed_zero_pipeline_norm.py`). Where the patch does not apply (another DeepSpeed),
+        stages with different group counts are refused here, before the first step would pair the all-reduces
+        wrongly."""
+        from patches import deepspeed_zero_pipeline_norm
+        if self.g.pp == 1 or deepspeed_zero_pipeline_norm.apply(self.engine.optimizer):
+            return
+        counts = [None] * self.g.pp
+        with self._peers("all_gather_object of the optimizer's parameter-group counts", self.g.pp_ranks):
+            dist.all_gather_object(counts, len(self.engine.optimizer.param_groups), group=self.g.pp_group)
+        if len(set(counts)) > 1:
+            raise ConfigError(f"dsv3.parallel.pp: the pipeline ranks hold {counts} optimizer parameter groups "
+                              "(expert groups differ per stage), and this DeepSpeed's ZeRO optimizer all-reduces "
+                              "one gradient norm per group over the pipeline; use deepspeed 0.19.x")
 
     @contextlib.contextmanager
     def _peers(self, op: str, ranks: list[int]):

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 from dsv3_plugin.config import ConfigError, DSv3Config, check_numbers, got, load_config, read_ds_json
-from dsv3_plugin.parallel.pipeline.stages import min_layers, model_stage_layers, n_stages_of, stage_ids_for_rank
+from dsv3_plugin.parallel.pipeline.stages import min_layers
 from dsv3_plugin.schedule_traits import check_chunks
 from .train_memory import MemoryEstimate, check_memory
 from dsv3_plugin.precision.fp8.linear import select_backend
@@ -100,8 +100,6 @@ def _train_rules(cfg: DSv3Config) -> None:
         if m.num_hidden_layers < need:
             raise ConfigError(f"dsv3.model.num_hidden_layers: {p.schedule} with pp={p.pp} needs >= {need} decoder "
                               f"layers, or a pipeline rank is left without any parameter (got {m.num_hidden_layers})")
-        if p.ep > 1:
-            _every_rank_has_experts(cfg)
     # dsv3 train's synthetic data (dsv3_plugin.training.data.MarkovData): 4 successors per token, and torch.multinomial
     # draws from at most 2^24 categories
     if not 5 <= m.vocab_size <= 2 ** 24:
@@ -113,25 +111,6 @@ def _train_rules(cfg: DSv3Config) -> None:
     if cfg.fp8.enabled and cfg.fp8.backend in ("te", "torch"):
         import torch
         select_backend(cfg.fp8, "cuda" if torch.cuda.is_available() else "cpu")  # ConfigError naming the backend
-
-
-def _every_rank_has_experts(cfg: DSv3Config) -> None:
-    """pp > 1 with ep > 1: DeepSpeed's ZeRO-1 runs one set of collectives per expert parameter group (gradient
-    norm, partition all-gather), so a pipeline rank holding no MoE layer (neither a main layer past
-    first_k_dense_replace nor the MTP block) would issue fewer collectives than its pipeline peers and the run
-    would fail with a collective mismatch. Refused before any rank starts."""
-    p, m = cfg.parallel, cfg.model
-    ranges = model_stage_layers(m.num_hidden_layers, cfg.mtp.depth, n_stages_of(p.schedule, p.pp))
-    last = len(ranges) - 1
-    for r in range(p.pp):
-        ids = stage_ids_for_rank(p.schedule, p.pp, r)
-        moe = any(cfg.is_moe_layer(i) for s in ids for i in ranges[s]) or (last in ids and cfg.mtp.depth > 0)
-        if not moe:
-            raise ConfigError(f"dsv3.parallel.ep: with ep = {p.ep} every pipeline rank must hold a MoE layer, but "
-                              f"{p.schedule} with pp = {p.pp} leaves pipeline rank {r} only layers "
-                              f"{[i for s in ids for i in ranges[s]]} (first_k_dense_replace = "
-                              f"{m.first_k_dense_replace}, num_hidden_layers = {m.num_hidden_layers}, mtp.depth = "
-                              f"{cfg.mtp.depth}); use more layers, another schedule, or ep = 1")
 
 
 def _world_rules(cfg: DSv3Config, world: int) -> int:
