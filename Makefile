@@ -51,15 +51,18 @@ demo: venv
 	OMP_NUM_THREADS=1 $(VENV)/bin/dsv3 train --nproc 2 --config examples/deepspeed/demo.json --out runs/demo --overwrite
 
 # Single-process tests run on two pytest workers (pytest-xdist, one test file per worker at a time so a module's
-# fixtures run once; one thread each); the multi-process tests in tests/dist run one at a time, each already
-# spreading its ranks over the cores. Three pytest runs: those two on .venv (megatron-core 0.16.1), then the
-# Megatron tests on .venv-mcore19 (0.19.x); each runs even when one before failed, and `make test` fails if any did.
+# fixtures run once; one thread each). The multi-process tests in tests/dist run on two workers as well (one thread
+# per rank: their ranks wait on each other often enough that two tests at once fill the cores), except those
+# marked `serial` (short peer timeouts), which run alone afterwards at the default two threads. Four pytest runs:
+# those three on .venv (megatron-core 0.16.1), then the Megatron tests on .venv-mcore19 (0.19.x); each runs even
+# when one before failed, and `make test` fails if any did.
 # One thread per worker because two workers x two threads oversubscribe 2 cores (133 s instead of 88 s); the
 # tests pass at 2 threads as well: `OMP_NUM_THREADS=2 .venv/bin/python -m pytest -n 2 tests --ignore=tests/dist`.
 PARALLEL_PYTEST := OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadfile
 test: venv venv-mcore19
 	rc=0; $(PARALLEL_PYTEST) tests --ignore=tests/dist || rc=$$?; \
-	$(PY) -m pytest tests/dist || rc=$$?; \
+	$(PARALLEL_PYTEST) tests/dist -m "not serial" || rc=$$?; \
+	$(PY) -m pytest tests/dist -m serial || rc=$$?; \
 	echo "== Megatron tests on megatron-core 0.19 ($(VENV19)) =="; \
 	OMP_NUM_THREADS=1 $(PY19) -m pytest -n 2 --dist loadfile $(MEGATRON_TESTS) || rc=$$?; \
 	exit $$rc

@@ -2,7 +2,8 @@
 
 The same code runs under the launchers users already have (`torchrun`, the `deepspeed` launcher: they
 set RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT) and self-spawned on loopback
-(`--nproc N`, via `torch.multiprocessing`), with gloo on CPU and NCCL on GPU.
+(`--nproc N`, via `torch.multiprocessing`: forks of a forkserver that imported torch once), with gloo on CPU and
+NCCL on GPU.
 """
 from __future__ import annotations
 
@@ -195,24 +196,62 @@ def first_failure(code: int) -> tuple[bool, int]:
 
 
 def _die_with_parent(parent_pid: int) -> None:
-    """Linux: the kernel kills this rank when the spawning process dies (kill -9 included), so no rank outlives
-    it holding a run directory's lock or a port. Elsewhere a no-op."""
-    try:
-        import ctypes
-        import signal
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent_pid:  # the parent died before the call above took effect
-        os._exit(1)
+    """Kill this rank as soon as the spawning process `parent_pid` is gone (kill -9 included), so that no rank
+    outlives it holding a run directory's lock or a port. A daemon thread waits on the process (Linux: a pidfd,
+    no polling; elsewhere: a check per second). NOTE: not PR_SET_PDEATHSIG: a rank's parent is the forkserver,
+    and the forkserver outlives the spawning process as long as a rank is alive."""
+    import select
+    import signal
+    import threading
+    import time
+
+    def watch():
+        try:
+            fd = os.pidfd_open(parent_pid)
+        except (AttributeError, OSError):  # no pidfd here, or the process is already gone
+            fd = None
+        if fd is not None:
+            select.select([fd], [], [])   # readable once the process has exited
+        else:
+            while True:
+                try:
+                    os.kill(parent_pid, 0)
+                except ProcessLookupError:
+                    break
+                except PermissionError:   # alive, owned by someone else: cannot be our spawner, which is gone
+                    break
+                time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="dsv3-die-with-spawner", daemon=True).start()
+
+
+class _Stdio:
+    """The spawning process's stdout / stderr (file descriptors 1 and 2 at `spawn` time) for a rank: a forkserver's
+    child would otherwise inherit the forkserver's, i.e. whatever they were when the forkserver started (e.g. an
+    earlier test's capture)."""
+
+    def __reduce__(self):   # called while the rank's Process is pickled: the fds travel with it
+        from multiprocessing import reduction
+        return _adopt_stdio, (reduction.DupFd(1), reduction.DupFd(2))
+
+
+def _adopt_stdio(out, err) -> None:
+    for wrapped, target in ((out, 1), (err, 2)):
+        fd = wrapped.detach()
+        if fd != target:
+            os.dup2(fd, target)
+            os.close(fd)
 
 
 def _worker(local_rank: int, world: int, port: int, fn: Callable, args: tuple, queue, env: dict,
-            parent_pid: int | None = None) -> None:
+            parent_pid: int | None = None, stdio: Any = None) -> None:
     if parent_pid is not None:
         _die_with_parent(parent_pid)
     os.environ.update(env)
+    if env.get("OMP_NUM_THREADS", "").isdigit():
+        # the forkserver imported torch with the spawning process's environment: apply this rank's thread count
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     os.environ.update({"RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world),
                        "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     code = 0
@@ -251,6 +290,22 @@ def _input_error(name: str, message: str) -> ValueError:
     return {"ConfigError": ConfigError, "CheckpointError": CheckpointError}[name](message)
 
 
+# What the forkserver imports once, so that each rank starts as a fork of it instead of a fresh interpreter that
+# imports torch again (~1 s of CPU per rank). Nothing else: a module that reads the environment when imported would
+# see the spawning process's, not the rank's.
+_PRELOAD = ["torch", "torch.distributed"]
+
+
+def _context():
+    """Ranks start from a forkserver that preloaded torch (Unix); elsewhere as fresh interpreters ("spawn"). Never
+    "fork": a fork of the caller would copy its threads' state (OpenMP pool, gloo) and its CUDA context."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def spawn(fn: Callable[..., Any], nproc: int, *args: Any, env: dict | None = None,
           timeout_s: float = 600.0) -> list[Any]:
     """Run `fn(*args)` on `nproc` loopback ranks (each sets the torchrun env vars); return results by rank.
@@ -263,10 +318,11 @@ def spawn(fn: Callable[..., Any], nproc: int, *args: Any, env: dict | None = Non
     """
     import time
     port = free_port()
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.SimpleQueue()
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
-    procs = [ctx.Process(target=_worker, args=(r, nproc, port, fn, args, queue, env, os.getpid()), daemon=False)
+    procs = [ctx.Process(target=_worker, args=(r, nproc, port, fn, args, queue, env, os.getpid(), _Stdio()),
+                         daemon=False)
              for r in range(nproc)]
     results: dict[int, Any] = {}
     done = False

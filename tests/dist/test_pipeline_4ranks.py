@@ -28,6 +28,9 @@ from helpers import run_ranks
 from pipeline_stages import H, MLPStage, OverlapStage, criterion, grad_bound, make_batch, make_stages, reference
 from tolerance import check_within, model_bound
 
+# a 3 s peer timeout: `make test` runs these alone, with the cores to themselves (pyproject's `serial` marker)
+pytestmark = pytest.mark.serial
+
 RUNTIMES = {"1f1b": OneFOneB, "zb1p": ZeroBubble1P, "dualpipe": DualPipe, "dualpipev": DualPipeV}
 TIMEOUT = 3.0
 # (schedule, micro-batches, overlap hook[, p2p_order]); "pairwise" is the NCCL-safe issue order

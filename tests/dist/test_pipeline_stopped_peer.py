@@ -35,6 +35,9 @@ LAYOUTS = {
               {"preset": "tiny", "parallel": {"ep": 2, "p2p_timeout_s": TIMEOUT_S}}),
 }
 
+# an 8 s peer timeout: `make test` runs these alone, with the cores to themselves (pyproject's `serial` marker)
+pytestmark = pytest.mark.serial
+
 
 def config(path, layout: str, timeout_s: float = TIMEOUT_S) -> str:
     nproc, ds_batch, block = LAYOUTS[layout]
@@ -49,13 +52,13 @@ def config(path, layout: str, timeout_s: float = TIMEOUT_S) -> str:
 
 
 def _ranks(launcher: psutil.Process) -> list[psutil.Process]:
-    """The spawned rank processes (multiprocessing's spawn children; not its resource tracker), in rank order
-    (spawned in order, so pid order)."""
+    """The spawned rank processes (forks of multiprocessing's forkserver, a child of the launcher; not the
+    forkserver itself nor the resource tracker), in rank order (forked in order, so pid order)."""
     out = []
-    for c in launcher.children(recursive=True):
+    for c in launcher.children():
         try:
-            if any("spawn_main" in a for a in c.cmdline()):
-                out.append(c)
+            if any("forkserver" in a for a in c.cmdline()):
+                out.extend(c.children())
         except psutil.Error:
             pass
     return sorted(out, key=lambda p: p.pid)

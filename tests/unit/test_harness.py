@@ -1,3 +1,5 @@
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -28,3 +30,20 @@ def test_run_ranks_reports_failure():
     import pytest
     with pytest.raises(RuntimeError, match="rank one fails"):
         run_ranks(_boom, 2, timeout_s=60)
+
+
+def _threads_and_print(tag: str):
+    print(f"rank {os.environ['RANK']} says {tag}", flush=True)
+    return torch.get_num_threads()
+
+
+def test_spawned_ranks_get_the_callers_thread_count_and_stdout(capfd):
+    """Ranks are forks of one forkserver, which imported torch with the environment of the first `spawn` of this
+    process: each rank still runs with the OMP_NUM_THREADS it is given and writes to the caller's stdout of the
+    moment (here: a different capture per call)."""
+    from dsv3_plugin.parallel.distributed import spawn
+    for n in (2, 1):
+        assert spawn(_threads_and_print, 2, f"n={n}", env={"OMP_NUM_THREADS": str(n)}) == [n, n]
+        out = capfd.readouterr().out
+        assert sorted(line for line in out.splitlines() if "says" in line) == [f"rank 0 says n={n}",
+                                                                              f"rank 1 says n={n}"]
