@@ -226,8 +226,9 @@ CK_CFG = {"preset": "tiny", "model": {"hidden_size": 128, "num_hidden_layers": 4
           "moe": {"n_routed_experts": 16, "intermediate_size": 128, "n_group": 4, "topk_group": 2}}
 
 
-def write_rank_local_checkpoint(path) -> tuple[object, int]:
-    """A released-format FP8 checkpoint (128 x 128 blocks, MTP included) of CK_CFG; returns (cfg, bytes)."""
+def write_rank_local_checkpoint(path, block: dict = CK_CFG) -> tuple[object, int]:
+    """A released-format FP8 checkpoint (128 x 128 blocks, MTP included) of `block` (a "dsv3" block; default
+    CK_CFG); returns (cfg, bytes)."""
     import os
     import zlib
 
@@ -235,7 +236,7 @@ def write_rank_local_checkpoint(path) -> tuple[object, int]:
 
     from dsv3_plugin.checkpoint.synthetic import write_released_checkpoint
     from dsv3_plugin.config import load_config
-    cfg = load_config(CK_CFG)
+    cfg = load_config(block)
     L = cfg.model.num_hidden_layers
     main = {f"model.layers.{L}.embed_tokens.weight": "model.embed_tokens.weight",
             f"model.layers.{L}.shared_head.head.weight": "lm_head.weight"}   # MTP's copies equal the main ones

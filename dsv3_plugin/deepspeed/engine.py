@@ -57,6 +57,7 @@ from .backend import import_deepspeed, quiet_deepspeed_logs  # noqa: F401  (re-e
 from .config_keys import DEFAULT_GRADIENT_CLIPPING, SUPPORTED_ZERO_STAGES  # noqa: F401  (re-exported)
 from .config_keys import adamw_hyperparameters
 from .validate import validate_ds_config
+from .moe_layer import stacking_order
 from dsv3_plugin.model.moe.balancing import update_expert_bias
 from dsv3_plugin.model.moe.router import Router
 
@@ -320,6 +321,8 @@ def initialize(model: torch.nn.Module, config: "str | os.PathLike | dict", *, mo
         model_parameters = [p for p in model.parameters() if p.requires_grad]
     elif model_parameters is not None:
         model_parameters = list(model_parameters)   # a generator would be spent by the client optimizer
+    if model_parameters is not None and all(isinstance(p, torch.Tensor) for p in model_parameters):
+        model_parameters = stacking_order(model, model_parameters)   # expert stacks as views of ZeRO's buffer
     optimizer, ds_config = client_optimizer(model_parameters, ds_config, cfg, optimizer)
     prepare_mixed_precision(model, ds_config)
     # stdout is for dsv3 train's JSON lines: DeepSpeed's BF16_Optimizer prints memory reports there while it builds

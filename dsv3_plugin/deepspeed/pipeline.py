@@ -57,7 +57,7 @@ from dsv3_plugin.parallel.pipeline.stages import DSv3PipelineLoss, sync_tied_emb
 from dsv3_plugin.model.moe.balancing import reset_counts, routers_of, update_expert_bias
 from dsv3_plugin.errors import CheckpointError
 from .engine import gather_rng_states, restore_rng_state
-from .moe_layer import prepare_model
+from .moe_layer import prepare_model, stacking_order
 
 __all__ = ["PipelineGroups", "pipeline_groups", "idle_figures", "PipelineMPU", "PipelinedEngine"]
 
@@ -225,7 +225,7 @@ class PipelinedEngine:
         if self.split_w:
             split_weight_grads(self.module)
         self.step_times: list[dict] = []   # per train_step: the runtime's busy_s / idle_s / wall_s / w_closures
-        params = [p for p in self.module.parameters() if p.requires_grad]
+        params = stacking_order(self.module, [p for p in self.module.parameters() if p.requires_grad])
         opt, ds = client_optimizer(params, ds, cfg)   # memory.bf16_moments: the BF16-moment AdamW
         prepare_mixed_precision(self.module, ds)      # bf16: BF16 router weights, FP32 bias (engine.py)
         with self._peers("deepspeed.initialize (parameter broadcast)", self.g.dp_ranks), \

@@ -206,7 +206,9 @@ def _train(run: RunDir, ds: dict, cfg, total: int, rank: int, world: int, *, ini
            summary, allow_non_finite=False) -> dict:
     """Setup, resume, then one `_step` per optimizer step, each logged and checkpointed by `_after_step`."""
     _setup_process(cfg)
+    rss0 = _rss_bytes()   # the runtime's share of peak_rss_bytes (Python, torch, DeepSpeed, process groups)
     model = _build_model(cfg, init_from, allow_non_finite, rank, world, mixed_precision_dtype(ds) or torch.float32)
+    model.rss_before_model_bytes = rss0
     if cfg.parallel.pp > 1:
         return _train_pipelined(model, run, ds, cfg, total, rank, world, progress=progress, echo=echo,
                                 summary=summary)
@@ -229,7 +231,7 @@ def _train(run: RunDir, ds: dict, cfg, total: int, rank: int, world: int, *, ini
         loop.ema.close()
     loop.engine.dsv3.remove()
     return _finish(model, history, run, world, wall, loop.data.entropy_rate, echo, summary,
-                   getattr(model, "checkpoint_bytes_read", 0))
+                   getattr(model, "checkpoint_bytes_read", 0), rss_before_model=model.rss_before_model_bytes)
 
 
 @dataclass
@@ -408,7 +410,8 @@ def _train_pipelined(model, run: RunDir, ds: dict, cfg, total: int, rank: int, w
     with peer_failures("end of the run (pipeline busy/idle times)", cfg.parallel.p2p_timeout_s):
         pipe = pe.idle_report()
     return _finish(pe.module, history, run, world, wall, data.entropy_rate, echo, summary,
-                   getattr(model, "checkpoint_bytes_read", 0), pipeline=pipe)
+                   getattr(model, "checkpoint_bytes_read", 0), pipeline=pipe,
+                   rss_before_model=model.rss_before_model_bytes)
 
 
 def _step_pipelined(pe, data, cfg, step: int, tokens_seen: int) -> dict:
@@ -447,10 +450,12 @@ def _log_step(rec: dict, done: int, total: int, log_every: int, echo: bool, metr
 
 
 def _finish(model, history: list[dict], run: RunDir, world: int, wall_s: float, loss_floor: float, echo: bool,
-            summary: bool, checkpoint_bytes_read: int = 0, pipeline: dict | None = None) -> dict:
+            summary: bool, checkpoint_bytes_read: int = 0, pipeline: dict | None = None,
+            rss_before_model: int = 0) -> dict:
     """End of a run (both loops): PNGs, summary (JSON with `echo`, human with `summary`), and final-state
     fingerprints (plain Python values, so they can cross process boundaries). The summary carries this rank's
-    `peak_rss_bytes`, `param_bytes` and `checkpoint_bytes_read`, and under "ranks" every rank's (rank 0 prints
+    `peak_rss_bytes`, `rss_before_model_bytes`, `param_bytes` and `checkpoint_bytes_read`, and under "ranks" every
+    rank's (rank 0 prints
     it: one summary line per run). `pipeline`: the pipelined loop's per-rank busy/idle times
     (`PipelinedEngine.idle_report`), reported under the summary's "pipeline" key."""
     out = run.out
@@ -466,7 +471,7 @@ def _finish(model, history: list[dict], run: RunDir, world: int, wall_s: float, 
     if run.ckpt and history:
         files.append(os.path.join(run.ckpt, f"step{history[-1]['step']}"))
     summ = _summary(history, world, wall_s, loss_floor, files)
-    summ.update(_rank_memory(model, checkpoint_bytes_read))
+    summ.update(_rank_memory(model, checkpoint_bytes_read, rss_before_model))
     peak = max(r["peak_rss_bytes"] for r in summ["ranks"])
     read = max(r["checkpoint_bytes_read"] for r in summ["ranks"])
     summ["text"] += (f"\n  memory         peak RSS {peak / 2**30:.2f} GiB (largest rank), parameters "
@@ -492,11 +497,19 @@ def _finish(model, history: list[dict], run: RunDir, world: int, wall_s: float, 
             "notes": list(run.notes)}
 
 
-def _rank_memory(module, checkpoint_bytes_read: int) -> dict:
+def _rss_bytes() -> int:
+    import psutil
+    return int(psutil.Process().memory_info().rss)
+
+
+def _rank_memory(module, checkpoint_bytes_read: int, rss_before_model: int = 0) -> dict:
     """This rank's memory facts, and every rank's (gathered, in rank order, under "ranks"): peak RSS (ru_maxrss:
-    KiB on Linux), bytes of its parameters (after the pipeline / EP split), bytes it read from `--init-from`.
-    Collective when the process group is up: every rank calls it."""
+    KiB on Linux), the RSS just before the model was built (the process's runtime: Python, torch, DeepSpeed, the
+    process groups; peak minus it is what the model, its optimizer and the steps added), bytes of its parameters
+    (after the pipeline / EP split), bytes it read from `--init-from`. Collective when the process group is up:
+    every rank calls it."""
     mine = {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "rss_before_model_bytes": int(rss_before_model),
             "param_bytes": param_bytes(module),
             "checkpoint_bytes_read": int(checkpoint_bytes_read)}
     ranks = [mine]

@@ -61,6 +61,12 @@ def _sgd_step_matches_reference(cfg, rank, world):
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt,
                                       config={**{k: v for k, v in DS_CONFIG.items() if k != "optimizer"},
                                               "zero_allow_untested_optimizer": True})
+    # moe_param_groups hands ZeRO each layer's expert weights in stacking order: the stacks the experts compute
+    # with are views of ZeRO's flat buffer, not copies saved for backward (pipeline.weight_grad)
+    views = [m.weights()[k].data_ptr() == getattr(m.deepspeed_moe.experts.deepspeed_experts[0], kind).data_ptr()
+             for m in model.modules() if hasattr(m, "deepspeed_moe")
+             for k, kind in enumerate(("gate_proj", "up_proj", "down_proj"))]
+    errors = [] if views and all(views) else [f"rank {rank}: expert stacks are copies, not views ({views})"]
     ids, labels = _batch(rank, cfg)
     out = engine(ids, labels=labels)
     engine.backward(out.loss)
@@ -68,7 +74,7 @@ def _sgd_step_matches_reference(cfg, rank, world):
     ref_grads = dict(ref.named_parameters())
     L = cfg.moe.n_routed_experts // cfg.parallel.ep
     tokens = world * _batch(rank, cfg)[0].numel()
-    errors, n_checked = [], 0
+    n_checked = 0
     for n, p in model.named_parameters():
         delta = before[n] - p.detach()
         if ".deepspeed_moe.experts.deepspeed_experts." in n:

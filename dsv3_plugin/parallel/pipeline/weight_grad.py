@@ -89,12 +89,46 @@ def _accumulate_slices(params: list[torch.Tensor], grad_E: torch.Tensor) -> None
         _accumulate(p, grad_E[e].clone())
 
 
+class _StackedView(torch.autograd.Function):
+    """torch.stack(params) for parameters that already lie back to back in one storage: the stacked tensor
+    shares that storage instead of copying it. Backward is torch.stack's (the stacked gradient unbound into one
+    view per parameter), so gradients are the same bit for bit."""
+
+    @staticmethod
+    def forward(ctx, *params):
+        p0 = params[0]
+        return p0.new_empty(0).set_(p0.untyped_storage(), p0.storage_offset(), (len(params), *p0.shape),
+                                    (p0.numel(), *p0.stride()))
+
+    @staticmethod
+    def backward(ctx, grad_E):
+        return grad_E.unbind(0)
+
+
+def _back_to_back(params: list[torch.Tensor]) -> bool:
+    """Whether `params` are contiguous tensors of one shape and dtype, one after the other in one storage (e.g.
+    consecutive parameters of a DeepSpeed ZeRO flat buffer)."""
+    p0 = params[0]
+    if p0.device.type == "meta" or not p0.is_contiguous():
+        return False
+    step = p0.numel() * p0.element_size()
+    base = p0.untyped_storage().data_ptr()
+    return all(p.shape == p0.shape and p.dtype == p0.dtype and p.device == p0.device and p.is_contiguous()
+               and p.untyped_storage().data_ptr() == base and p.data_ptr() == p0.data_ptr() + e * step
+               for e, p in enumerate(params))
+
+
 def stack_with_grad_sink(params: list[nn.Parameter]) -> torch.Tensor:
     """torch.stack(params) for a kernel whose weights are stored as separate per-expert parameters (DeepSpeed's
     MoE layout). Autograd sends the stacked gradient back through the stack as usual; a deferred W cannot (it
     runs after the backward), so the result carries `deferred_grad_sink`: W hands it the stacked gradient and
-    it adds slice e to `params[e].grad`, the same values the stack's backward would have accumulated."""
-    w = torch.stack(params)
+    it adds slice e to `params[e].grad`, the same values the stack's backward would have accumulated.
+
+    Where the parameters lie back to back in one storage (DeepSpeed's flat ZeRO buffer, given them in that
+    order: `deepspeed.moe_layer.stacking_order`) the result is a view of it, not a copy: the copy would be saved
+    for the backward of every micro-batch in flight (a pipeline holds several), each as large as this rank's
+    experts of the layer."""
+    w = _StackedView.apply(*params) if _back_to_back(params) else torch.stack(params)
     w.deferred_grad_sink = functools.partial(_accumulate_slices, list(params))
     return w
 
