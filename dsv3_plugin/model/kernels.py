@@ -160,11 +160,17 @@ class _SplitKernelFn(torch.autograd.Function):
         return (None, None, None, dx, ds, *dws)
 
 
+# grad_fn names of a stack of parameters: torch.stack's, and pipeline.weight_grad's zero-copy stack (a view of
+# parameters that lie back to back in DeepSpeed's flat ZeRO buffer)
+_STACK_NODES = ("StackBackward0", "_StackedViewBackward")
+
+
 def stacked_params(w: torch.Tensor) -> Optional[list]:
-    """The parameters `w` was stacked from this call (`torch.stack(params)`, DeepSpeed's per-expert layout), or
-    None: a kernel can keep those references and slice them in backward instead of keeping the stack."""
+    """The parameters `w` was stacked from this call (`torch.stack(params)` or `weight_grad.stack_with_grad_sink`,
+    DeepSpeed's per-expert layout), or None: a kernel can keep those references and slice them in backward instead
+    of keeping the stack (or an FP8 copy of it)."""
     fn = None if w is None or w.is_leaf else w.grad_fn
-    if fn is None or fn.name() != "StackBackward0":
+    if fn is None or fn.name() not in _STACK_NODES:
         return None
     out = [getattr(n, "variable", None) for n, _ in fn.next_functions]
     if len(out) != w.shape[0] or any(v is None or v.shape != w.shape[1:] for v in out):

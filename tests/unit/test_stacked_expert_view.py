@@ -4,6 +4,7 @@ sink are those of `torch.stack`, bit for bit. Anything else is still stacked by 
 import torch
 from torch import nn
 
+from dsv3_plugin.model.kernels import stacked_params
 from dsv3_plugin.parallel.pipeline.weight_grad import stack_with_grad_sink
 
 
@@ -30,6 +31,9 @@ def test_back_to_back_params_stack_as_a_view_with_torch_stack_gradients():
 
     w = stack_with_grad_sink(ps)
     assert w.data_ptr() == flat.data_ptr() and torch.equal(w, torch.stack(ref))   # shared, same values
+    # the expert kernels recognise it as a stack of these parameters (they keep the parameters for backward,
+    # not the stack nor, in FP8, a quantized copy of it)
+    assert [id(p) for p in stacked_params(w)] == [id(p) for p in ps]
     _loss(w, x).backward()
     _loss(torch.stack(ref), x).backward()
     for p, r in zip(ps, ref):
@@ -53,3 +57,4 @@ def test_params_not_back_to_back_are_copied():
     for params in (gap, swapped, [nn.Parameter(torch.randn(shape)) for _ in range(E)]):
         w = stack_with_grad_sink(params)
         assert w.data_ptr() != params[0].data_ptr() and torch.equal(w, torch.stack(params))
+        assert [id(p) for p in stacked_params(w)] == [id(p) for p in params]
