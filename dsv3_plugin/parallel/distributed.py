@@ -74,9 +74,15 @@ def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> tu
             raise RuntimeError("MASTER_PORT is not set: launch with torchrun/deepspeed or use --nproc")
         os.environ["MASTER_PORT"] = str(free_port())
     backend = backend or default_backend()
+    local = int(os.environ["LOCAL_RANK"])
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(local)
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    if dist.get_world_size() > 1:
+        # Every rank has finished connecting before any rank goes on: a rank that then fails at once (bad input)
+        # and exits would otherwise take rank 0's rendezvous store with it while a peer is still connecting, and
+        # that peer would fail inside init_process_group, before it could learn that someone else failed first.
+        dist.barrier(device_ids=[local] if backend == "nccl" else None)
     return dist.get_rank(), dist.get_world_size()
 
 
