@@ -26,22 +26,27 @@ from helpers import CK_CFG, released_owned, write_rank_local_checkpoint
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def _init_from_run(tmp_path, ck, parallel: dict, nproc: int, gas: int) -> dict:
+    ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": gas, "gradient_clipping": 1.0,
+          "steps_per_print": 10**9, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+          "dsv3": {"preset": "tiny", "train": {"seq_len": 16, "seed": 5}, "parallel": parallel}}
+    name = f"pp{parallel.get('pp', 1)}_ep{parallel.get('ep', 1)}"
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(ds))
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    p = subprocess.run([sys.executable, "-m", "dsv3_plugin", "train", "--config", str(path), "--nproc", str(nproc),
+                        "--steps", "1", "--out", str(tmp_path / name), "--init-from", str(ck), "--json",
+                        "--no-progress"], capture_output=True, text=True, env=env, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])["summary"]
+
+
 @pytest.mark.parametrize("parallel,gas", [({"pp": 1, "ep": 4}, 1), ({"pp": 2, "ep": 1, "schedule": "dualpipev"}, 4)])
 def test_init_from_reads_only_each_ranks_tensors(tmp_path, parallel, gas):
     ck = tmp_path / "ck"
     cfg, size = write_rank_local_checkpoint(ck)
-    ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": gas, "gradient_clipping": 1.0,
-          "steps_per_print": 10**9, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-          "dsv3": {"preset": "tiny", "train": {"seq_len": 16, "seed": 5}, "parallel": parallel}}
-    path = tmp_path / "c.json"
-    path.write_text(json.dumps(ds))
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    p = subprocess.run([sys.executable, "-m", "dsv3_plugin", "train", "--config", str(path), "--nproc", "4",
-                        "--steps", "1", "--out", str(tmp_path / "run"), "--init-from", str(ck), "--json",
-                        "--no-progress"], capture_output=True, text=True, env=env, timeout=900)
-    assert p.returncode == 0, p.stderr[-3000:]
-    summary = json.loads(p.stdout.strip().splitlines()[-1])["summary"]
+    summary = _init_from_run(tmp_path, ck, parallel, nproc=4, gas=gas)
     ranks = summary["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1, 2, 3]
 
@@ -68,22 +73,6 @@ def test_init_from_reads_only_each_ranks_tensors(tmp_path, parallel, gas):
 # parameters, gradients and AdamW state on one rank)
 MEM_CFG = {"preset": "tiny", "model": {"hidden_size": 512, "num_hidden_layers": 4, "first_k_dense_replace": 1},
            "moe": {"n_routed_experts": 32, "intermediate_size": 512, "n_group": 4, "topk_group": 2}}
-
-
-def _init_from_run(tmp_path, ck, parallel: dict, nproc: int, gas: int) -> dict:
-    ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": gas, "gradient_clipping": 1.0,
-          "steps_per_print": 10**9, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-          "dsv3": {"preset": "tiny", "train": {"seq_len": 16, "seed": 5}, "parallel": parallel}}
-    name = f"pp{parallel.get('pp', 1)}_ep{parallel.get('ep', 1)}"
-    path = tmp_path / f"{name}.json"
-    path.write_text(json.dumps(ds))
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    p = subprocess.run([sys.executable, "-m", "dsv3_plugin", "train", "--config", str(path), "--nproc", str(nproc),
-                        "--steps", "1", "--out", str(tmp_path / name), "--init-from", str(ck), "--json",
-                        "--no-progress"], capture_output=True, text=True, env=env, timeout=900)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])["summary"]
 
 
 def test_init_from_pp2_ep2_reads_and_memory_against_one_rank(tmp_path):
