@@ -18,7 +18,7 @@ STAMP19 := $(VENV19)/.installed
 # The Megatron tests: every one runs on megatron-core 0.16.1 (.venv) and again on 0.19.x (.venv-mcore19).
 MEGATRON_TESTS := tests/megatron $(sort $(wildcard tests/*/test_megatron_*.py))
 
-.PHONY: venv venv-mcore19 demo test test-mcore19 gpu-check clean
+.PHONY: venv venv-mcore19 demo lint format test test-mcore19 gpu-check clean
 
 venv: $(STAMP)
 
@@ -53,19 +53,30 @@ demo: venv
 # Single-process tests run on two pytest workers (pytest-xdist, one test file per worker at a time so a module's
 # fixtures run once; one thread each). The multi-process tests in tests/dist run on two workers as well (one thread
 # per rank: their ranks wait on each other often enough that two tests at once fill the cores), except those
-# marked `serial` (short peer timeouts), which run alone afterwards at the default two threads. Four pytest runs:
+# marked `serial` (short peer timeouts), which run alone afterwards at the default two threads. First `make lint`, then four pytest runs:
 # those three on .venv (megatron-core 0.16.1), then the Megatron tests on .venv-mcore19 (0.19.x); each runs even
 # when one before failed, and `make test` fails if any did.
 # One thread per worker because two workers x two threads oversubscribe 2 cores (133 s instead of 88 s); the
 # tests pass at 2 threads as well: `OMP_NUM_THREADS=2 .venv/bin/python -m pytest -n 2 tests --ignore=tests/dist`.
 PARALLEL_PYTEST := OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadfile
 test: venv venv-mcore19
-	rc=0; $(PARALLEL_PYTEST) tests --ignore=tests/dist || rc=$$?; \
+	rc=0; $(MAKE) --no-print-directory lint || rc=$$?; \
+	$(PARALLEL_PYTEST) tests --ignore=tests/dist || rc=$$?; \
 	$(PARALLEL_PYTEST) tests/dist -m "not serial" || rc=$$?; \
 	$(PY) -m pytest tests/dist -m serial || rc=$$?; \
 	echo "== Megatron tests on megatron-core 0.19 ($(VENV19)) =="; \
 	OMP_NUM_THREADS=1 $(PY19) -m pytest -n 2 --dist loadfile $(MEGATRON_TESTS) || rc=$$?; \
 	exit $$rc
+
+# ruff (pinned in requirements.txt; rules and line length 120 in pyproject.toml): lint with import order, and the
+# format check. `make format` applies the formatter and the safe fixes.
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: venv
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
 
 test-mcore19: venv-mcore19
 	OMP_NUM_THREADS=1 $(PY19) -m pytest -n 2 --dist loadfile $(MEGATRON_TESTS)

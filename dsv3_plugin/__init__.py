@@ -15,6 +15,7 @@ The folders are the architecture; imports point one way (enforced by tests/unit/
 
 docs/architecture.md draws the same picture with the data flow.
 """
+
 from dsv3_plugin.checkpoint.hf import load_pretrained
 from dsv3_plugin.config import ConfigError, DSv3Config, load_config
 from dsv3_plugin.model.transformer import DSv3Model
@@ -22,5 +23,14 @@ from dsv3_plugin.training.rank_local import RankLayout, build_rank_local
 from dsv3_plugin.training.transforms import build_model
 
 __version__ = "0.1.0"
-__all__ = ["ConfigError", "DSv3Config", "load_config", "load_pretrained", "DSv3Model", "build_model", "RankLayout",
-           "build_rank_local", "__version__"]
+__all__ = [
+    "ConfigError",
+    "DSv3Config",
+    "load_config",
+    "load_pretrained",
+    "DSv3Model",
+    "build_model",
+    "RankLayout",
+    "build_rank_local",
+    "__version__",
+]

@@ -7,18 +7,19 @@ derived from it by the Megatron adapter; a released `config.json` enters through
 Every error is a `ConfigError` (a `ValueError`) whose message starts with the dotted path of the key,
 e.g. ``dsv3.moe.top_k: must be <= n_routed_experts (got 9 > 8)``.
 """
+
 from __future__ import annotations
 
 import copy
 import json
 import math
 import os
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from dsv3_plugin.json_input import read_json
-from dsv3_plugin.json_input import check_tree
+
 from dsv3_plugin.errors import ConfigError
+from dsv3_plugin.json_input import check_tree, read_json
 from dsv3_plugin.schedule_traits import check_chunks, schedule_traits
 
 __all__ = [
@@ -41,25 +42,24 @@ __all__ = [
 ]
 
 
-MAX_TIMEOUT_S = 7 * 24 * 3600.0   # a timeout beyond a week is a typo (and 1e300 s overflows timedelta)
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a timeout beyond a week is a typo (and 1e300 s overflows timedelta)
 # NOTE: integers are bounded by 10^36, not int64: sizes beyond int64 are refused by the memory estimate
 # (`deepspeed/train_memory.py`), which names the key and the bytes; this bound only keeps every product of sizes in that
 # estimate within a double (10^36^4 << 1.8e308).
-MAX_INT = 10 ** 36
+MAX_INT = 10**36
 
 
 class _Strict(BaseModel):
     # Unknown keys are errors: a misspelt feature flag must not silently do nothing. Strict types: "4" or true
     # is not an integer, 4.0 is not an integer either (an int is accepted where a float is expected), and
     # NaN / inf are refused everywhere.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, strict=True,
-                              allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, strict=True, allow_inf_nan=False)
 
 
 class ScheduleStep(_Strict):
     """One piece of a piecewise-constant schedule over tokens seen: `value` while tokens < `until_tokens`."""
 
-    until_tokens: Optional[float] = Field(None, ge=0, description="end of this piece (None = forever)")
+    until_tokens: float | None = Field(None, ge=0, description="end of this piece (None = forever)")
     value: float = Field(ge=0)
 
 
@@ -91,7 +91,7 @@ class ModelConfig(_Strict):
     intermediate_size: int = Field(gt=0, description="dense FFN width (first_k_dense_replace layers)")
     num_hidden_layers: int = Field(gt=0, description="decoder layers (MTP layers come after)")
     num_attention_heads: int = Field(gt=0, description="n_h")
-    q_lora_rank: Optional[int] = Field(None, gt=0, description="None = plain q_proj (V2-Lite style)")
+    q_lora_rank: int | None = Field(None, gt=0, description="None = plain q_proj (V2-Lite style)")
     kv_lora_rank: int = Field(gt=0, description="d_c, MLA KV compression")
     qk_nope_head_dim: int = Field(gt=0, description="d_h, per-head q/k without RoPE")
     qk_rope_head_dim: int = Field(gt=0, description="d_h^R, decoupled RoPE dim")
@@ -99,7 +99,11 @@ class ModelConfig(_Strict):
     first_k_dense_replace: int = Field(ge=0, description="the first k layers use a dense FFN")
     rms_norm_eps: float = Field(1e-6, gt=0, description="RMSNorm epsilon")
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base")
-    rope_scaling: Optional[RopeScaling] = Field(None, description="YaRN (type, factor, original_max_position_embeddings, beta_fast/slow, mscale, mscale_all_dim); null = plain RoPE")
+    rope_scaling: RopeScaling | None = Field(
+        None,
+        description="YaRN (type, factor, original_max_position_embeddings, beta_fast/slow, mscale, mscale_all_dim); "
+        "null = plain RoPE",
+    )
     rope_interleave: bool = Field(True, description="RoPE dims stored as interleaved pairs (released weights)")
     max_position_embeddings: int = Field(4096, gt=0, description="longest supported context")
     initializer_range: float = Field(0.006, gt=0, description="paper §4.2: init std 0.006")
@@ -119,7 +123,10 @@ class MoEConfig(_Strict):
     score_func: Literal["sigmoid"] = Field("sigmoid", description="affinity function (eq. 15)")
     norm_topk_prob: bool = Field(True, description="normalize gates over the selected K_r (eq. 13)")
     bias_update_speed: float = Field(0.001, ge=0, description="γ of the aux-loss-free bias update")
-    bias_update_schedule: list[ScheduleStep] = Field(default_factory=list, description="γ by tokens seen: [{until_tokens, value}, ...]; empty = constant bias_update_speed")
+    bias_update_schedule: list[ScheduleStep] = Field(
+        default_factory=list,
+        description="γ by tokens seen: [{until_tokens, value}, ...]; empty = constant bias_update_speed",
+    )
     seq_aux_alpha: float = Field(0.0001, ge=0, description="α of the sequence-wise balance loss; 0 disables")
     ranks_per_node: int = Field(1, gt=0, description="EP ranks forming one simulated node (contiguous blocks)")
     dedup_dispatch: bool = Field(True, description="send a token once per node, then forward inside the node")
@@ -133,7 +140,9 @@ class MTPConfig(_Strict):
 
     depth: int = Field(1, ge=0, description="D; 0 disables MTP")
     loss_weight: float = Field(0.3, ge=0, description="λ")
-    loss_weight_schedule: list[ScheduleStep] = Field(default_factory=list, description="λ by tokens seen (V3: 0.3 to 10T, then 0.1)")
+    loss_weight_schedule: list[ScheduleStep] = Field(
+        default_factory=list, description="λ by tokens seen (V3: 0.3 to 10T, then 0.1)"
+    )
 
     def lam(self, tokens_seen: float) -> float:
         return schedule_value(self.loss_weight, self.loss_weight_schedule, tokens_seen)
@@ -143,10 +152,20 @@ class ParallelConfig(_Strict):
     ep: int = Field(1, gt=0, description="expert-parallel degree")
     pp: int = Field(1, gt=0, description="pipeline ranks")
     schedule: Literal["1f1b", "dualpipe", "dualpipev"] = Field("1f1b", description="pipeline schedule when pp > 1")
-    num_chunks: Optional[int] = Field(None, gt=0, description="micro-batches per pipeline step (default: grad. accumulation)")
-    p2p_timeout_s: float = Field(120.0, gt=0, le=MAX_TIMEOUT_S,
-                                 description="a peer rank silent this long (p2p or collective) is an error, not a hang (<= 1 week)")
-    split_weight_grads: Optional[bool] = Field(None, description="defer weight gradients to the schedule's W ops (null = on where the schedule has W ops: dualpipe, dualpipev)")
+    num_chunks: int | None = Field(
+        None, gt=0, description="micro-batches per pipeline step (default: grad. accumulation)"
+    )
+    p2p_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        le=MAX_TIMEOUT_S,
+        description="a peer rank silent this long (p2p or collective) is an error, not a hang (<= 1 week)",
+    )
+    split_weight_grads: bool | None = Field(
+        None,
+        description="defer weight gradients to the schedule's W ops "
+        "(null = on where the schedule has W ops: dualpipe, dualpipev)",
+    )
 
     def split_w(self) -> bool:
         """Whether `dsv3 train` splits backwards into I + W: the explicit key, else on for a pipelined schedule
@@ -155,7 +174,11 @@ class ParallelConfig(_Strict):
             return self.split_weight_grads
         return self.pp > 1 and schedule_traits(self.schedule).has_w
 
-    overlap_ep_comm: Optional[bool] = Field(None, description="overlap one chunk's EP all-to-all with the other chunk's compute in the schedule's FB pairs (null = on where ep > 1 and the schedule has FB ops: dualpipe, dualpipev)")
+    overlap_ep_comm: bool | None = Field(
+        None,
+        description="overlap one chunk's EP all-to-all with the other chunk's compute in the schedule's FB pairs "
+        "(null = on where ep > 1 and the schedule has FB ops: dualpipe, dualpipev)",
+    )
 
     def overlap_ep(self) -> bool:
         """Whether `dsv3 train` runs the schedule's FB ops as overlapped pairs (paper §3.2.1, Fig. 4;
@@ -168,15 +191,28 @@ class ParallelConfig(_Strict):
 
 class FP8Config(_Strict):
     enabled: bool = Field(False, description="FP8 GEMMs in decoder-layer Linears and experts")
-    recipe: Literal["blockwise", "tensorwise"] = Field("blockwise", description="1x128 activation tiles / 128x128 weight blocks, or per-tensor (for comparison)")
+    recipe: Literal["blockwise", "tensorwise"] = Field(
+        "blockwise", description="1x128 activation tiles / 128x128 weight blocks, or per-tensor (for comparison)"
+    )
     pow2_scales: bool = Field(False, description="round scales up to powers of 2 (ue8m0)")
     dispatch: bool = Field(False, description="FP8 all-to-all payload (power-of-2 scales), BF16 combine")
-    backend: Literal["auto", "te", "torch", "emulate", "hopper-emulated"] = Field("auto", description="TE Float8BlockScaling / torch scaled_mm / exact emulation / Hopper tensor-core accumulation modelled on any device (needs mmaemu)")
-    promote_every: Optional[int] = Field(128, gt=0, description="N_C: K elements accumulated on the tensor core before FP32 promotion (null = never); only the hopper-emulated backend models it")
+    backend: Literal["auto", "te", "torch", "emulate", "hopper-emulated"] = Field(
+        "auto",
+        description="TE Float8BlockScaling / torch scaled_mm / exact emulation / Hopper tensor-core accumulation "
+        "modelled on any device (needs mmaemu)",
+    )
+    promote_every: int | None = Field(
+        128,
+        gt=0,
+        description="N_C: K elements accumulated on the tensor core before FP32 promotion (null = never); "
+        "only the hopper-emulated backend models it",
+    )
 
 
 class MemoryConfig(_Strict):
-    recompute: Literal["none", "norm_and_mla_up", "full"] = Field("none", description="activation recompute in backward (paper §3.2.3)")
+    recompute: Literal["none", "norm_and_mla_up", "full"] = Field(
+        "none", description="activation recompute in backward (paper §3.2.3)"
+    )
     ema: bool = Field(False, description="EMA of parameters in CPU memory, updated asynchronously")
     ema_decay: float = Field(0.999, gt=0, lt=1, description="EMA decay")
     bf16_moments: bool = Field(False, description="AdamW moments stored in BF16 (paper §3.3)")
@@ -187,14 +223,14 @@ class TrainConfig(_Strict):
 
     seq_len: int = Field(64, gt=1, description="tokens per sequence")
     steps: int = Field(60, gt=0, description="optimizer steps of `dsv3 train` (CLI --steps overrides)")
-    seed: int = Field(1234, ge=0, le=2 ** 63 - 1, description="seed of weights and synthetic data (0 .. 2^63-1)")
+    seed: int = Field(1234, ge=0, le=2**63 - 1, description="seed of weights and synthetic data (0 .. 2^63-1)")
     data: Literal["synthetic"] = Field("synthetic", description="data source")
     log_every: int = Field(1, gt=0, description="JSON line every N steps")
     save_every: int = Field(0, ge=0, description="0 = save only at the end")
 
 
 class DSv3Config(_Strict):
-    preset: Optional[str] = None
+    preset: str | None = None
     model: ModelConfig
     moe: MoEConfig
     mtp: MTPConfig = Field(default_factory=MTPConfig)
@@ -216,7 +252,7 @@ class DSv3Config(_Strict):
 
     # --- HF config.json bridge --------------------------------------------------------------------
     @classmethod
-    def from_hf(cls, hf: dict | str | os.PathLike, **overrides: Any) -> "DSv3Config":
+    def from_hf(cls, hf: dict | str | os.PathLike, **overrides: Any) -> DSv3Config:
         """Build from a released `config.json` (dict or path). `overrides` deep-merge on top."""
         where = "config.json"
         if not isinstance(hf, dict):
@@ -238,26 +274,46 @@ class DSv3Config(_Strict):
         rope_theta = hf.get("rope_theta", (rs or {}).get("rope_theta", 10000.0))
         rope = None
         if rs and (rs.get("type") or rs.get("rope_type")) == "yarn":
-            rope = {k: rs[k] for k in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
-                                       "mscale", "mscale_all_dim") if k in rs}
+            rope = {
+                k: rs[k]
+                for k in (
+                    "factor",
+                    "original_max_position_embeddings",
+                    "beta_fast",
+                    "beta_slow",
+                    "mscale",
+                    "mscale_all_dim",
+                )
+                if k in rs
+            }
         return {
             "model": {
-                "vocab_size": hf["vocab_size"], "hidden_size": hf["hidden_size"],
-                "intermediate_size": hf["intermediate_size"], "num_hidden_layers": hf["num_hidden_layers"],
-                "num_attention_heads": hf["num_attention_heads"], "q_lora_rank": hf.get("q_lora_rank"),
-                "kv_lora_rank": hf["kv_lora_rank"], "qk_nope_head_dim": hf["qk_nope_head_dim"],
-                "qk_rope_head_dim": hf["qk_rope_head_dim"], "v_head_dim": hf["v_head_dim"],
+                "vocab_size": hf["vocab_size"],
+                "hidden_size": hf["hidden_size"],
+                "intermediate_size": hf["intermediate_size"],
+                "num_hidden_layers": hf["num_hidden_layers"],
+                "num_attention_heads": hf["num_attention_heads"],
+                "q_lora_rank": hf.get("q_lora_rank"),
+                "kv_lora_rank": hf["kv_lora_rank"],
+                "qk_nope_head_dim": hf["qk_nope_head_dim"],
+                "qk_rope_head_dim": hf["qk_rope_head_dim"],
+                "v_head_dim": hf["v_head_dim"],
                 "first_k_dense_replace": hf.get("first_k_dense_replace", 0),
-                "rms_norm_eps": hf.get("rms_norm_eps", 1e-6), "rope_theta": rope_theta, "rope_scaling": rope,
+                "rms_norm_eps": hf.get("rms_norm_eps", 1e-6),
+                "rope_theta": rope_theta,
+                "rope_scaling": rope,
                 "rope_interleave": hf.get("rope_interleave", True),
                 "max_position_embeddings": hf.get("max_position_embeddings", 4096),
                 "initializer_range": hf.get("initializer_range", 0.006),
                 "tie_word_embeddings": hf.get("tie_word_embeddings", False),
             },
             "moe": {
-                "n_routed_experts": hf["n_routed_experts"], "n_shared_experts": hf.get("n_shared_experts") or 0,
-                "intermediate_size": hf["moe_intermediate_size"], "top_k": hf["num_experts_per_tok"],
-                "n_group": hf.get("n_group") or 1, "topk_group": hf.get("topk_group") or 1,
+                "n_routed_experts": hf["n_routed_experts"],
+                "n_shared_experts": hf.get("n_shared_experts") or 0,
+                "intermediate_size": hf["moe_intermediate_size"],
+                "top_k": hf["num_experts_per_tok"],
+                "n_group": hf.get("n_group") or 1,
+                "topk_group": hf.get("topk_group") or 1,
                 "route_scale": hf.get("routed_scaling_factor", 1.0),
                 "norm_topk_prob": hf.get("norm_topk_prob", True),
                 # NOTE: released V3 configs omit aux_loss_alpha; the paper's α=1e-4 is used then (not 0).
@@ -265,7 +321,6 @@ class DSv3Config(_Strict):
             },
             "mtp": {"depth": hf.get("num_nextn_predict_layers", 0)},
         }
-        return d
 
     def to_hf(self) -> dict:
         """The released-format `config.json` dict (what transformers' DeepseekV3Config accepts)."""
@@ -274,22 +329,44 @@ class DSv3Config(_Strict):
         if m.rope_scaling is not None:
             rope = {"type": "yarn", **m.rope_scaling.model_dump(exclude={"type"})}
         return {
-            "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
-            "vocab_size": m.vocab_size, "hidden_size": m.hidden_size, "intermediate_size": m.intermediate_size,
-            "moe_intermediate_size": e.intermediate_size, "num_hidden_layers": m.num_hidden_layers,
-            "num_attention_heads": m.num_attention_heads, "num_key_value_heads": m.num_attention_heads,
-            "n_shared_experts": e.n_shared_experts, "n_routed_experts": e.n_routed_experts,
-            "routed_scaling_factor": e.route_scale, "kv_lora_rank": m.kv_lora_rank, "q_lora_rank": m.q_lora_rank,
-            "qk_rope_head_dim": m.qk_rope_head_dim, "v_head_dim": m.v_head_dim,
-            "qk_nope_head_dim": m.qk_nope_head_dim, "n_group": e.n_group, "topk_group": e.topk_group,
-            "num_experts_per_tok": e.top_k, "first_k_dense_replace": m.first_k_dense_replace,
-            "norm_topk_prob": e.norm_topk_prob, "hidden_act": "silu",
-            "max_position_embeddings": m.max_position_embeddings, "initializer_range": m.initializer_range,
-            "rms_norm_eps": m.rms_norm_eps, "rope_theta": m.rope_theta, "rope_scaling": rope,
-            "rope_interleave": m.rope_interleave, "attention_bias": False, "attention_dropout": 0.0,
-            "tie_word_embeddings": m.tie_word_embeddings, "num_nextn_predict_layers": self.mtp.depth,
-            "topk_method": "noaux_tc", "scoring_func": "sigmoid", "aux_loss_alpha": e.seq_aux_alpha,
-            "seq_aux": e.seq_aux_alpha > 0, "torch_dtype": "bfloat16",
+            "architectures": ["DeepseekV3ForCausalLM"],
+            "model_type": "deepseek_v3",
+            "vocab_size": m.vocab_size,
+            "hidden_size": m.hidden_size,
+            "intermediate_size": m.intermediate_size,
+            "moe_intermediate_size": e.intermediate_size,
+            "num_hidden_layers": m.num_hidden_layers,
+            "num_attention_heads": m.num_attention_heads,
+            "num_key_value_heads": m.num_attention_heads,
+            "n_shared_experts": e.n_shared_experts,
+            "n_routed_experts": e.n_routed_experts,
+            "routed_scaling_factor": e.route_scale,
+            "kv_lora_rank": m.kv_lora_rank,
+            "q_lora_rank": m.q_lora_rank,
+            "qk_rope_head_dim": m.qk_rope_head_dim,
+            "v_head_dim": m.v_head_dim,
+            "qk_nope_head_dim": m.qk_nope_head_dim,
+            "n_group": e.n_group,
+            "topk_group": e.topk_group,
+            "num_experts_per_tok": e.top_k,
+            "first_k_dense_replace": m.first_k_dense_replace,
+            "norm_topk_prob": e.norm_topk_prob,
+            "hidden_act": "silu",
+            "max_position_embeddings": m.max_position_embeddings,
+            "initializer_range": m.initializer_range,
+            "rms_norm_eps": m.rms_norm_eps,
+            "rope_theta": m.rope_theta,
+            "rope_scaling": rope,
+            "rope_interleave": m.rope_interleave,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "tie_word_embeddings": m.tie_word_embeddings,
+            "num_nextn_predict_layers": self.mtp.depth,
+            "topk_method": "noaux_tc",
+            "scoring_func": "sigmoid",
+            "aux_loss_alpha": e.seq_aux_alpha,
+            "seq_aux": e.seq_aux_alpha > 0,
+            "torch_dtype": "bfloat16",
         }
 
 
@@ -297,22 +374,49 @@ class DSv3Config(_Strict):
 # Presets: data, not flags. `v3-671b` matches the released config.json (and paper §4.2 for training).
 _V3 = {
     "model": {
-        "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432, "num_hidden_layers": 61,
-        "num_attention_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
-        "qk_rope_head_dim": 64, "v_head_dim": 128, "first_k_dense_replace": 3, "rms_norm_eps": 1e-6,
+        "vocab_size": 129280,
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "num_hidden_layers": 61,
+        "num_attention_heads": 128,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "first_k_dense_replace": 3,
+        "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,
-        "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
-                         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
-        "max_position_embeddings": 163840, "initializer_range": 0.006,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 40,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        "max_position_embeddings": 163840,
+        "initializer_range": 0.006,
     },
     "moe": {
-        "n_routed_experts": 256, "n_shared_experts": 1, "intermediate_size": 2048, "top_k": 8,
-        "n_group": 8, "topk_group": 4, "route_scale": 2.5, "bias_update_speed": 0.001,
+        "n_routed_experts": 256,
+        "n_shared_experts": 1,
+        "intermediate_size": 2048,
+        "top_k": 8,
+        "n_group": 8,
+        "topk_group": 4,
+        "route_scale": 2.5,
+        "bias_update_speed": 0.001,
         "bias_update_schedule": [{"until_tokens": 14.3e12, "value": 0.001}, {"until_tokens": None, "value": 0.0}],
-        "seq_aux_alpha": 0.0001, "ranks_per_node": 8,
+        "seq_aux_alpha": 0.0001,
+        "ranks_per_node": 8,
     },
-    "mtp": {"depth": 1, "loss_weight": 0.3,
-            "loss_weight_schedule": [{"until_tokens": 10e12, "value": 0.3}, {"until_tokens": None, "value": 0.1}]},
+    "mtp": {
+        "depth": 1,
+        "loss_weight": 0.3,
+        "loss_weight_schedule": [{"until_tokens": 10e12, "value": 0.3}, {"until_tokens": None, "value": 0.1}],
+    },
     "parallel": {"ep": 64, "pp": 16, "schedule": "dualpipe"},
     "train": {"seq_len": 4096},
 }
@@ -322,17 +426,41 @@ _V3 = {
 # hidden 64 (not a multiple of 128) on purpose: ragged FP8 blocks and no 128-alignment assumptions.
 _TINY = {
     "model": {
-        "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
-        "num_attention_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
-        "qk_rope_head_dim": 8, "v_head_dim": 16, "first_k_dense_replace": 1, "rms_norm_eps": 1e-6,
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 32,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "first_k_dense_replace": 1,
+        "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,
-        "rope_scaling": {"type": "yarn", "factor": 4, "original_max_position_embeddings": 64,
-                         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
-        "max_position_embeddings": 256, "initializer_range": 0.02,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 4,
+            "original_max_position_embeddings": 64,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        "max_position_embeddings": 256,
+        "initializer_range": 0.02,
     },
     "moe": {
-        "n_routed_experts": 16, "n_shared_experts": 1, "intermediate_size": 32, "top_k": 4,
-        "n_group": 4, "topk_group": 2, "route_scale": 2.5, "bias_update_speed": 0.001, "seq_aux_alpha": 0.0001,
+        "n_routed_experts": 16,
+        "n_shared_experts": 1,
+        "intermediate_size": 32,
+        "top_k": 4,
+        "n_group": 4,
+        "topk_group": 2,
+        "route_scale": 2.5,
+        "bias_update_speed": 0.001,
+        "seq_aux_alpha": 0.0001,
     },
     "mtp": {"depth": 1, "loss_weight": 0.3},
     "train": {"seq_len": 64, "steps": 60},
@@ -352,12 +480,24 @@ def _deep_merge(base: dict, over: dict) -> dict:
 
 
 # The same family a few times larger (benches, MoE at the issue's bench shape).
-PRESETS["small"] = _deep_merge(_TINY, {
-    "model": {"vocab_size": 1024, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
-              "num_attention_heads": 8, "q_lora_rank": 96, "kv_lora_rank": 64, "qk_nope_head_dim": 32,
-              "qk_rope_head_dim": 16, "v_head_dim": 32},
-    "moe": {"n_routed_experts": 64, "intermediate_size": 128, "top_k": 8, "n_group": 8, "topk_group": 4},
-})
+PRESETS["small"] = _deep_merge(
+    _TINY,
+    {
+        "model": {
+            "vocab_size": 1024,
+            "hidden_size": 256,
+            "intermediate_size": 512,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 8,
+            "q_lora_rank": 96,
+            "kv_lora_rank": 64,
+            "qk_nope_head_dim": 32,
+            "qk_rope_head_dim": 16,
+            "v_head_dim": 32,
+        },
+        "moe": {"n_routed_experts": 64, "intermediate_size": 128, "top_k": 8, "n_group": 8, "topk_group": 4},
+    },
+)
 
 
 def _loc(loc: tuple) -> str:
@@ -395,14 +535,22 @@ def show(x: Any, limit: int = 60) -> str:
         r = json.dumps(x)
     except (TypeError, ValueError):
         r = repr(x)
-    return r if len(r) <= limit else r[:limit - 3] + "..."
+    return r if len(r) <= limit else r[: limit - 3] + "..."
 
 
 # pydantic error type -> our wording (the key path comes first, the offending value last)
-_TYPE_WORDS = {"int_type": "must be an integer", "float_type": "must be a number", "bool_type": "must be true or false",
-               "string_type": "must be a string", "list_type": "must be an array", "dict_type": "must be an object",
-               "model_type": "must be an object", "model_attributes_type": "must be an object",
-               "finite_number": "must be a finite number", "int_from_float": "must be an integer"}
+_TYPE_WORDS = {
+    "int_type": "must be an integer",
+    "float_type": "must be a number",
+    "bool_type": "must be true or false",
+    "string_type": "must be a string",
+    "list_type": "must be an array",
+    "dict_type": "must be an object",
+    "model_type": "must be an object",
+    "model_attributes_type": "must be an object",
+    "finite_number": "must be a finite number",
+    "int_from_float": "must be an integer",
+}
 
 
 def _pydantic_message(err: dict) -> str:
@@ -429,8 +577,9 @@ def check_numbers(obj: Any, prefix: tuple = ("dsv3",)) -> None:
         path, x = stack.pop()
         if isinstance(x, int) and not isinstance(x, bool) and not -MAX_INT <= x <= MAX_INT:
             digits = len(str(abs(x)))
-            raise ConfigError(f"{'.'.join(str(p) for p in path)}: must be within +-10^36 "
-                              f"(got a {digits}-digit integer)")
+            raise ConfigError(
+                f"{'.'.join(str(p) for p in path)}: must be within +-10^36 (got a {digits}-digit integer)"
+            )
         if isinstance(x, dict):
             stack.extend((path + (k,), v) for k, v in x.items())
         elif isinstance(x, list):
@@ -477,11 +626,12 @@ def _check_cross_fields(c: DSv3Config) -> None:
     if e.n_group > 1 and per_group < 2:
         _fail("moe.n_group", f"needs >= 2 experts per group for the top-2 group score (got {per_group})")
     if e.n_group > 1 and e.top_k > e.topk_group * per_group:
-        _fail("moe.top_k", f"must be <= topk_group * experts per group (got {e.top_k} > "
-                           f"{e.topk_group} * {per_group})")
+        _fail("moe.top_k", f"must be <= topk_group * experts per group (got {e.top_k} > {e.topk_group} * {per_group})")
     if m.first_k_dense_replace > m.num_hidden_layers:
-        _fail("model.first_k_dense_replace",
-              f"must be <= num_hidden_layers (got {m.first_k_dense_replace} > {m.num_hidden_layers})")
+        _fail(
+            "model.first_k_dense_replace",
+            f"must be <= num_hidden_layers (got {m.first_k_dense_replace} > {m.num_hidden_layers})",
+        )
     if m.qk_rope_head_dim % 2:
         _fail("model.qk_rope_head_dim", f"must be even for RoPE (got {m.qk_rope_head_dim})")
     _check_schedule("moe.bias_update_schedule", e.bias_update_schedule)
@@ -493,36 +643,54 @@ def _check_cross_fields(c: DSv3Config) -> None:
         _fail("moe.ranks_per_node", f"must divide parallel.ep (got {p.ep} % {e.ranks_per_node} != 0)")
     nodes = p.ep // e.ranks_per_node
     if nodes > 1 and e.n_group not in (1, nodes) and e.n_group % nodes:
-        _fail("moe.n_group", f"must be a multiple of the EP nodes for node-limited routing "
-                             f"(got {e.n_group} groups over {nodes} nodes)")
-    if p.pp > 1:   # (pp = 1: no pipeline, the schedule is not used)
+        _fail(
+            "moe.n_group",
+            f"must be a multiple of the EP nodes for node-limited routing (got {e.n_group} groups over {nodes} nodes)",
+        )
+    if p.pp > 1:  # (pp = 1: no pipeline, the schedule is not used)
         check_chunks(p.schedule, p.pp, p.num_chunks, pp_key="dsv3.parallel.pp", chunks_key="dsv3.parallel.num_chunks")
     if p.split_weight_grads and (p.pp == 1 or not schedule_traits(p.schedule).has_w):
         why = "pp = 1 runs no pipeline schedule" if p.pp == 1 else f"schedule {p.schedule!r} has no W ops"
-        _fail("parallel.split_weight_grads", f"true needs pp > 1 and a schedule with W ops (dualpipe, dualpipev); "
-                                             f"{why}: set it false or leave it null")
+        _fail(
+            "parallel.split_weight_grads",
+            f"true needs pp > 1 and a schedule with W ops (dualpipe, dualpipev); {why}: set it false or leave it null",
+        )
     if p.overlap_ep_comm and (p.ep == 1 or p.pp == 1 or not schedule_traits(p.schedule).has_fb):
-        why = ("ep = 1 has no all-to-all to overlap" if p.ep == 1 else "pp = 1 runs no pipeline schedule" if p.pp == 1
-               else f"schedule {p.schedule!r} has no FB ops")
-        _fail("parallel.overlap_ep_comm", f"true needs ep > 1, pp > 1 and a schedule with FB ops (dualpipe, "
-                                          f"dualpipev); {why}: set it false or leave it null")
+        why = (
+            "ep = 1 has no all-to-all to overlap"
+            if p.ep == 1
+            else "pp = 1 runs no pipeline schedule"
+            if p.pp == 1
+            else f"schedule {p.schedule!r} has no FB ops"
+        )
+        _fail(
+            "parallel.overlap_ep_comm",
+            f"true needs ep > 1, pp > 1 and a schedule with FB ops (dualpipe, "
+            f"dualpipev); {why}: set it false or leave it null",
+        )
     if c.fp8.dispatch and not c.fp8.enabled:
         _fail("fp8.dispatch", "requires fp8.enabled = true")
     if c.fp8.recipe == "tensorwise" and c.fp8.dispatch:
         _fail("fp8.dispatch", "FP8 dispatch uses tile scales; it needs fp8.recipe = 'blockwise'")
     nc = c.fp8.promote_every
     if nc != 128 and c.fp8.backend != "hopper-emulated":
-        _fail("fp8.promote_every", f"only fp8.backend = 'hopper-emulated' models the tensor cores' accumulation "
-                                   f"(the other backends promote every 128); got {nc} with backend {c.fp8.backend!r}")
+        _fail(
+            "fp8.promote_every",
+            f"only fp8.backend = 'hopper-emulated' models the tensor cores' accumulation "
+            f"(the other backends promote every 128); got {nc} with backend {c.fp8.backend!r}",
+        )
     if nc is not None and nc % 32:
         _fail("fp8.promote_every", f"must be a multiple of 32, the K of one FP8 WGMMA (got {nc})")
     if c.fp8.recipe == "blockwise" and (nc is None or 128 % nc):
-        _fail("fp8.promote_every", f"with fp8.recipe = 'blockwise' each 128-element group has its own scale, applied "
-                                   f"at promotion, so N_C must divide 128 (got {nc}); None or N_C > 128 needs "
-                                   f"fp8.recipe = 'tensorwise'")
+        _fail(
+            "fp8.promote_every",
+            f"with fp8.recipe = 'blockwise' each 128-element group has its own scale, applied "
+            f"at promotion, so N_C must divide 128 (got {nc}); None or N_C > 128 needs "
+            f"fp8.recipe = 'tensorwise'",
+        )
 
 
-def read_ds_json(src: "str | os.PathLike | dict") -> dict:
+def read_ds_json(src: str | os.PathLike | dict) -> dict:
     """The one reader of a DeepSpeed JSON with a "dsv3" block (`dsv3 check-config`, `dsv3 train`, the engine and
     `load_config` all use it): a file path is read by `dsv3_plugin.json_input.read_json` (not found, not UTF-8,
     not JSON, nested too deep, NaN/inf, duplicate keys: `ConfigError` naming the file); a dict gets the same
@@ -530,8 +698,8 @@ def read_ds_json(src: "str | os.PathLike | dict") -> dict:
     a copy the caller may change."""
     if isinstance(src, dict):
         if "dsv3" not in src:
-            raise ConfigError("dsv3: the DeepSpeed config has no \"dsv3\" block")
-        check_numbers(src, prefix=())   # iterative: a hostile depth is refused before deepcopy recurses
+            raise ConfigError('dsv3: the DeepSpeed config has no "dsv3" block')
+        check_numbers(src, prefix=())  # iterative: a hostile depth is refused before deepcopy recurses
         return copy.deepcopy(src)
     if not isinstance(src, (str, os.PathLike)):
         raise ConfigError(f"dsv3: a DeepSpeed config must be a path or a dict (got {type(src).__name__})")
@@ -540,11 +708,11 @@ def read_ds_json(src: "str | os.PathLike | dict") -> dict:
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: must hold a JSON object (got {got(raw)})")
     if "dsv3" not in raw:
-        raise ConfigError(f"{where}: has no \"dsv3\" block")
+        raise ConfigError(f'{where}: has no "dsv3" block')
     return raw
 
 
-def load_config(src: "str | os.PathLike | dict | DSv3Config") -> DSv3Config:
+def load_config(src: str | os.PathLike | dict | DSv3Config) -> DSv3Config:
     """Read the `"dsv3"` block of a DeepSpeed JSON (path or dict) or a bare `"dsv3"` dict.
 
     A `"preset"` key names the base (`tiny`, `small`, `v3-671b`); other keys deep-merge over it.
@@ -564,8 +732,10 @@ def load_config(src: "str | os.PathLike | dict | DSv3Config") -> DSv3Config:
         if not isinstance(m, int) or isinstance(m, bool):
             raise ConfigError(f"dsv3.moe.max_nodes_per_token: must be an integer (got {got(m)})")
         if "topk_group" in moe and moe["topk_group"] != m:
-            raise ConfigError("dsv3.moe.max_nodes_per_token: conflicts with moe.topk_group (same setting, "
-                              f"got {show(m)} vs {show(moe['topk_group'])})")
+            raise ConfigError(
+                "dsv3.moe.max_nodes_per_token: conflicts with moe.topk_group (same setting, "
+                f"got {show(m)} vs {show(moe['topk_group'])})"
+            )
         moe = dict(moe)
         moe["topk_group"] = moe.pop("max_nodes_per_token")
         block = {**block, "moe": moe}
@@ -582,10 +752,20 @@ def load_config(src: "str | os.PathLike | dict | DSv3Config") -> DSv3Config:
 def reference_table() -> str:
     """Markdown table of every `"dsv3"` key (type, tiny default, meaning), generated from the schema."""
     tiny = load_config({"preset": "tiny"}).to_dict()
-    rows = ["| key | type | tiny | meaning |", "|---|---|---|---|",
-            "| `preset` | str | `tiny` | base preset: " + ", ".join(f"`{p}`" for p in PRESETS) + " |"]
-    sections = {"model": ModelConfig, "moe": MoEConfig, "mtp": MTPConfig, "parallel": ParallelConfig,
-                "fp8": FP8Config, "memory": MemoryConfig, "train": TrainConfig}
+    rows = [
+        "| key | type | tiny | meaning |",
+        "|---|---|---|---|",
+        "| `preset` | str | `tiny` | base preset: " + ", ".join(f"`{p}`" for p in PRESETS) + " |",
+    ]
+    sections = {
+        "model": ModelConfig,
+        "moe": MoEConfig,
+        "mtp": MTPConfig,
+        "parallel": ParallelConfig,
+        "fp8": FP8Config,
+        "memory": MemoryConfig,
+        "train": TrainConfig,
+    }
     for sec, cls in sections.items():
         for name, f in cls.model_fields.items():
             ann = str(f.annotation).replace("typing.", "").replace("dsv3_plugin.config.", "")

@@ -1,5 +1,6 @@
 """Error types shared across the package (docs/architecture.md, Conventions: bad input is a `ValueError`, CLI
 exit code 2; a peer that is gone is a `PeerError`, exit code 1, reported in one message without a traceback)."""
+
 __all__ = ["ConfigError", "CheckpointError", "PeerError"]
 
 

@@ -12,6 +12,7 @@ NOTE: a UTF-8 BOM is accepted and skipped (RFC 8259 §8.1 lets parsers ignore it
 other encoding is refused with its name: JSON exchanged between systems must be UTF-8 (RFC 8259 §8.1).
 Non-finite numbers are reported with the dotted path of the key that holds them (`dsv3.moe.route_scale`).
 """
+
 from __future__ import annotations
 
 import json
@@ -21,17 +22,23 @@ from typing import Any
 
 __all__ = ["read_json", "loads_checked", "check_tree", "MAX_DEPTH", "MAX_BYTES"]
 
-MAX_DEPTH = 64                 # a DeepSpeed / HF config is nested < 6 levels deep
-MAX_BYTES = 64 * 1024 ** 2     # the largest legitimate input (a 671B model's safetensors index) is ~10 MB
-_MAX_INT_DIGITS = 4000         # below CPython's int-parsing limit (4300 digits), which raises a bare ValueError
+MAX_DEPTH = 64  # a DeepSpeed / HF config is nested < 6 levels deep
+MAX_BYTES = 64 * 1024**2  # the largest legitimate input (a 671B model's safetensors index) is ~10 MB
+_MAX_INT_DIGITS = 4000  # below CPython's int-parsing limit (4300 digits), which raises a bare ValueError
 
 
 def _fmt_path(path: tuple) -> str:
     return ".".join(str(p) for p in path) if path else "(top level)"
 
 
-def check_tree(obj: Any, where: str, error_cls: type = ValueError, overflowed: list | None = None,
-               max_depth: int = MAX_DEPTH, prefix: tuple = ()) -> None:
+def check_tree(
+    obj: Any,
+    where: str,
+    error_cls: type = ValueError,
+    overflowed: list | None = None,
+    max_depth: int = MAX_DEPTH,
+    prefix: tuple = (),
+) -> None:
     """Refuse non-finite floats (naming their dotted path) and nesting deeper than `max_depth`, iteratively
     (no recursion, so a hostile depth cannot crash the check itself). `overflowed` holds the literals that
     the parser turned into inf, in document order (dicts keep insertion order, so the walk meets them in the
@@ -80,8 +87,13 @@ def loads_checked(text: str, where: str, error_cls: type = ValueError, max_depth
         return out
 
     try:
-        obj = json.loads(text, parse_float=parse_float, parse_constant=parse_constant, parse_int=parse_int,
-                         object_pairs_hook=no_duplicates)
+        obj = json.loads(
+            text,
+            parse_float=parse_float,
+            parse_constant=parse_constant,
+            parse_int=parse_int,
+            object_pairs_hook=no_duplicates,
+        )
     except json.JSONDecodeError as e:
         raise error_cls(f"{where}: not valid JSON ({e})") from None
     except RecursionError:
@@ -90,8 +102,9 @@ def loads_checked(text: str, where: str, error_cls: type = ValueError, max_depth
     return obj
 
 
-def read_json(path: "str | os.PathLike", error_cls: type = ValueError, max_bytes: int = MAX_BYTES,
-              max_depth: int = MAX_DEPTH) -> Any:
+def read_json(
+    path: str | os.PathLike, error_cls: type = ValueError, max_bytes: int = MAX_BYTES, max_depth: int = MAX_DEPTH
+) -> Any:
     """Read and parse a UTF-8 JSON file (BOM accepted); every refusal is `error_cls("<path>: ...")`."""
     where = os.fspath(path)
     try:
@@ -112,6 +125,8 @@ def read_json(path: "str | os.PathLike", error_cls: type = ValueError, max_bytes
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
-        raise error_cls(f"{where}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start}); "
-                        "save it as UTF-8 (a latin-1 or other 8-bit encoding is not accepted)") from None
+        raise error_cls(
+            f"{where}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start}); "
+            "save it as UTF-8 (a latin-1 or other 8-bit encoding is not accepted)"
+        ) from None
     return loads_checked(text, where, error_cls, max_depth)

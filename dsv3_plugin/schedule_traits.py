@@ -12,10 +12,10 @@ at the bottom of the package, reads the same rules as the DeepSpeed adapter and 
              number of micro-batches >= 2P, losses gathered on rank 0 (DeepSeek-V3 report §3.2.1)
   DualPipeV  2P stages on P ranks (rank r: stages r and 2P-1-r), >= 2P micro-batches, losses on rank 0
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from dsv3_plugin.errors import ConfigError
 
@@ -35,6 +35,7 @@ class ScheduleTraits:
     `has_fb`: the schedule pairs a forward chunk with a backward chunk in FB ops (DualPipe's overlapped pairs,
     where one chunk's EP all-to-all can hide behind the other's compute: `parallel.overlap`).
     """
+
     name: str
     chunks_per_rank: int
     v_shape: bool = False
@@ -68,14 +69,33 @@ class ScheduleTraits:
 
 
 # The one map from a schedule's name to what it is (the config's "parallel.schedule", `dsv3 simulate --schedule`).
-SCHEDULES: dict[str, ScheduleTraits] = {t.name: t for t in (
-    ScheduleTraits("1f1b", chunks_per_rank=1),
-    ScheduleTraits("zb1p", chunks_per_rank=1, has_w=True),
-    ScheduleTraits("dualpipe", chunks_per_rank=2, loss_on_first_rank=True, min_chunks_per_rank=2, even_chunks=True,
-                   even_ranks=True, mirror_sync=True, has_w=True, has_fb=True),
-    ScheduleTraits("dualpipev", chunks_per_rank=2, v_shape=True, loss_on_first_rank=True, min_chunks_per_rank=2,
-                   has_w=True, has_fb=True),
-)}
+SCHEDULES: dict[str, ScheduleTraits] = {
+    t.name: t
+    for t in (
+        ScheduleTraits("1f1b", chunks_per_rank=1),
+        ScheduleTraits("zb1p", chunks_per_rank=1, has_w=True),
+        ScheduleTraits(
+            "dualpipe",
+            chunks_per_rank=2,
+            loss_on_first_rank=True,
+            min_chunks_per_rank=2,
+            even_chunks=True,
+            even_ranks=True,
+            mirror_sync=True,
+            has_w=True,
+            has_fb=True,
+        ),
+        ScheduleTraits(
+            "dualpipev",
+            chunks_per_rank=2,
+            v_shape=True,
+            loss_on_first_rank=True,
+            min_chunks_per_rank=2,
+            has_w=True,
+            has_fb=True,
+        ),
+    )
+}
 
 
 def schedule_traits(name: str, key: str = "schedule") -> ScheduleTraits:
@@ -86,8 +106,15 @@ def schedule_traits(name: str, key: str = "schedule") -> ScheduleTraits:
         raise ConfigError(f"{key}: unknown pipeline schedule {name!r} (choose from {sorted(SCHEDULES)})") from None
 
 
-def check_chunks(name: str, pp: int, n_chunks: Optional[int] = None, *, chunks_key: str = "n_chunks",
-                 pp_key: str = "n_ranks", why: str = "") -> ScheduleTraits:
+def check_chunks(
+    name: str,
+    pp: int,
+    n_chunks: int | None = None,
+    *,
+    chunks_key: str = "n_chunks",
+    pp_key: str = "n_ranks",
+    why: str = "",
+) -> ScheduleTraits:
     """The one check of a schedule's pipeline-rank and micro-batch counts (the config validation, the DeepSpeed
     adapter, the runtime and the builders all call it); returns the schedule's traits. `n_chunks` None: the rank
     count only. Errors are `ConfigError`s (`ValueError`s) whose message starts with the key that holds the

@@ -20,6 +20,7 @@ Sections (each {"status": "ok" | "fail" | "skipped" | "error", ...}; a skipped s
                   against transformers' DeepseekV3MoE on the same weights, and the GPU's peak
 Sections stop being started once `--budget-s` is spent (reported as skipped).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,24 +36,57 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dsv3_plugin.config import FP8Config, load_config  # noqa: E402
-from dsv3_plugin.precision.fp8.linear import EmulatedBackend, Fp8Linear, Fp8Recipe, TorchScaledMMBackend, select_backend, torch_blockwise_available
+from dsv3_plugin.precision.fp8.linear import (
+    EmulatedBackend,
+    Fp8Linear,
+    Fp8Recipe,
+    TorchScaledMMBackend,
+    select_backend,
+    torch_blockwise_available,
+)
 
 SECTIONS = ("env", "fp8_gemm", "te_linear", "tiny_logits", "fp8_model_steps", "grouped_mm", "moe")
 # Dense (no sparsity) peak tensor throughput, TFLOP/s, from NVIDIA's data sheets: (BF16, FP8).
-PEAKS = {"H200": (989.4, 1978.9), "H100 SXM": (989.4, 1978.9), "H100 80GB HBM3": (989.4, 1978.9),
-         "H100 NVL": (835.0, 1670.0), "H100 PCIe": (756.0, 1513.0), "H800": (989.4, 1978.9),
-         "A100": (312.0, None)}
-FULL = {"gemm": (512, 2048, 1024), "linear": (256, 1024, 512), "moe_tokens": 4096, "moe_hidden": 7168,
-        "moe_ffn": 2048, "moe_local_experts": (8, 32), "grouped": (2048, 7168, 2048, 8), "repeats": 5}
-DRY = {"gemm": (32, 256, 160), "linear": (32, 256, 128), "moe_tokens": 16, "moe_hidden": 64,
-       "moe_ffn": 32, "moe_local_experts": (8, 32), "grouped": (40, 64, 32, 4), "repeats": 1}
+PEAKS = {
+    "H200": (989.4, 1978.9),
+    "H100 SXM": (989.4, 1978.9),
+    "H100 80GB HBM3": (989.4, 1978.9),
+    "H100 NVL": (835.0, 1670.0),
+    "H100 PCIe": (756.0, 1513.0),
+    "H800": (989.4, 1978.9),
+    "A100": (312.0, None),
+}
+FULL = {
+    "gemm": (512, 2048, 1024),
+    "linear": (256, 1024, 512),
+    "moe_tokens": 4096,
+    "moe_hidden": 7168,
+    "moe_ffn": 2048,
+    "moe_local_experts": (8, 32),
+    "grouped": (2048, 7168, 2048, 8),
+    "repeats": 5,
+}
+DRY = {
+    "gemm": (32, 256, 160),
+    "linear": (32, 256, 128),
+    "moe_tokens": 16,
+    "moe_hidden": 64,
+    "moe_ffn": 32,
+    "moe_local_experts": (8, 32),
+    "grouped": (40, 64, 32, 4),
+    "repeats": 1,
+}
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--dry-run", action="store_true",
-                   help="CPU, tiny shapes: every code path that can run without a GPU, the same JSON keys")
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="CPU, tiny shapes: every code path that can run without a GPU, the same JSON keys",
+    )
     p.add_argument("--device", default=None, help="default: cuda (cpu with --dry-run)")
     p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     p.add_argument("--budget-s", type=float, default=420.0, help="start no new section after this many seconds")
@@ -78,9 +112,11 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> dict:
     """Bit agreement and differences of two results of the same computation."""
     a, b = a.detach().float().cpu().contiguous(), b.detach().float().cpu().contiguous()
     d = (a - b).abs()
-    return {"bit_equal_fraction": (a.view(torch.int32) == b.view(torch.int32)).float().mean().item(),
-            "max_abs_diff": d.max().item() if d.numel() else 0.0,
-            "normwise_rel_diff": (d.norm() / b.norm().clamp_min(1e-30)).item()}
+    return {
+        "bit_equal_fraction": (a.view(torch.int32) == b.view(torch.int32)).float().mean().item(),
+        "max_abs_diff": d.max().item() if d.numel() else 0.0,
+        "normwise_rel_diff": (d.norm() / b.norm().clamp_min(1e-30)).item(),
+    }
 
 
 def _within(a, b, bound) -> bool:
@@ -89,9 +125,16 @@ def _within(a, b, bound) -> bool:
 
 # --------------------------------------------------------------------------------------------------
 
+
 def sec_env(args, res):
-    out = {"status": "ok", "torch": torch.__version__, "cuda": torch.version.cuda,
-           "cuda_available": torch.cuda.is_available(), "device": str(args.device), "dry_run": args.dry_run}
+    out = {
+        "status": "ok",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+        "device": str(args.device),
+        "dry_run": args.dry_run,
+    }
     if args.device.type == "cuda":
         if not torch.cuda.is_available():
             return {"status": "error", "reason": "no CUDA device (use --dry-run on a machine without a GPU)", **out}
@@ -102,10 +145,12 @@ def sec_env(args, res):
         out["peak_source"] = "NVIDIA data sheet, dense" if peak else f"unknown GPU {name!r}"
     try:
         import transformer_engine
+
         out["transformer_engine"] = transformer_engine.__version__
     except Exception as e:  # noqa: BLE001 — TE raises RuntimeError without its CUDA library
         out["transformer_engine"] = f"not importable ({type(e).__name__})"
     from dsv3_plugin.precision.fp8.hopper import mmaemu_status
+
     out["mmaemu"] = mmaemu_status()[1]
     be, why = select_backend(FP8Config(), args.device)
     out["auto_fp8_backend"], out["auto_fp8_reason"] = be.name, why
@@ -120,13 +165,17 @@ def _operands(dev, M, K, N, pow2=True):
     dy = torch.randn(M, N, generator=g).to(dev)
     r = Fp8Recipe(pow2=pow2)
     qw, sw, kw = r.weight(w)
-    cases = {"fprop": (r.act(x), (qw, sw, kw)), "dgrad": (r.act(dy), (qw.t(), sw.t(), kw)),
-             "wgrad": (r.act(dy.t()), r.act(x.t()))}
+    cases = {
+        "fprop": (r.act(x), (qw, sw, kw)),
+        "dgrad": (r.act(dy), (qw.t(), sw.t(), kw)),
+        "wgrad": (r.act(dy.t()), r.act(x.t())),
+    }
     return x, w, dy, r, cases
 
 
 def _bound(a, b, which):
     from dsv3_plugin.precision.fp8.hopper import emulation_error_bound, hopper_error_bound
+
     (qa, sa, ka), (qb, sb, kb) = a, b
     if which == "emulate":
         return emulation_error_bound(qa, qb, sa, ka, sb, kb)
@@ -135,6 +184,7 @@ def _bound(a, b, which):
 
 def sec_fp8_gemm(args, res):
     from dsv3_plugin.precision.fp8.hopper import HopperEmulatedBackend, mmaemu_status
+
     dev = args.device
     M, K, N = args.shapes["gemm"]
     _, _, _, _, cases = _operands(dev, M, K, N)
@@ -146,7 +196,7 @@ def sec_fp8_gemm(args, res):
     for name, (a, b) in cases.items():
         ref = emu.gemm(*a, *b)
         row = {}
-        bound = _bound(a, b, "emulate") + _bound(a, b, "hopper")   # a tensor-core GEMM promoted every 128
+        bound = _bound(a, b, "emulate") + _bound(a, b, "hopper")  # a tensor-core GEMM promoted every 128
         if hop_ok:
             hop = HopperEmulatedBackend(128).gemm(*a, *b)
             row["hopper_vs_emulate"] = _diff(hop, ref)
@@ -170,18 +220,30 @@ def _te_quantized_equal(x, r):
     """Whether TE's 1×128 quantizer (pow2, amax eps 1e-4) gives our FP8 bytes and scales for x."""
     import transformer_engine_torch as tex
     from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer
-    q = Float8BlockQuantizer(fp8_dtype=tex.DType.kFloat8E4M3, rowwise=True, columnwise=False, amax_epsilon=1e-4,
-                             force_pow_2_scales=True, block_scaling_dim=1)
+
+    q = Float8BlockQuantizer(
+        fp8_dtype=tex.DType.kFloat8E4M3,
+        rowwise=True,
+        columnwise=False,
+        amax_epsilon=1e-4,
+        force_pow_2_scales=True,
+        block_scaling_dim=1,
+    )
     t = q(x)
     data = t._rowwise_data.view(torch.float8_e4m3fn)
     si = t._rowwise_scale_inv.float()
     ours_q, ours_s, _ = r.act(x)
     M, Kc = ours_s.shape
-    layouts = {"[M, K/128]": si[:M, :Kc] if si.shape[0] >= M else None,
-               "[K/128, M] (GEMM-ready)": si[:Kc, :M].t() if si.shape[0] >= Kc and si.shape[1] >= M else None}
+    layouts = {
+        "[M, K/128]": si[:M, :Kc] if si.shape[0] >= M else None,
+        "[K/128, M] (GEMM-ready)": si[:Kc, :M].t() if si.shape[0] >= Kc and si.shape[1] >= M else None,
+    }
     same_s = {k: bool(torch.equal(v, ours_s)) for k, v in layouts.items() if v is not None and v.shape == ours_s.shape}
-    return {"data_equal": bool(torch.equal(data.view(torch.uint8), ours_q.view(torch.uint8))),
-            "scales_equal_in_layout": same_s, "te_scale_shape": list(si.shape)}
+    return {
+        "data_equal": bool(torch.equal(data.view(torch.uint8), ours_q.view(torch.uint8))),
+        "scales_equal_in_layout": same_s,
+        "te_scale_shape": list(si.shape),
+    }
 
 
 def sec_te_linear(args, res):
@@ -192,6 +254,7 @@ def sec_te_linear(args, res):
     except Exception as e:  # noqa: BLE001
         return {"status": "skipped", "reason": str(e)}
     from dsv3_plugin.precision.fp8.hopper import HopperEmulatedBackend, mmaemu_status
+
     M, K, N = args.shapes["linear"]
     x, w, dy, r, cases = _operands(dev, M, K, N)
 
@@ -228,6 +291,7 @@ def sec_te_linear(args, res):
 
 def _tiny(seed=0, **ovr):
     from dsv3_plugin.training.transforms import build_model
+
     m = build_model(load_config({"preset": "tiny", **ovr}))
     m.reset_parameters(seed=seed)
     return m
@@ -235,7 +299,7 @@ def _tiny(seed=0, **ovr):
 
 def sec_tiny_logits(args, res):
     dev = args.device
-    torch.backends.cuda.matmul.allow_tf32 = False       # fp32 parity needs IEEE fp32 GEMMs
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 parity needs IEEE fp32 GEMMs
     torch.backends.cudnn.allow_tf32 = False
     m = _tiny().eval()
     ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
@@ -243,8 +307,7 @@ def sec_tiny_logits(args, res):
         ref = m(ids).logits
         got = m.to(dev)(ids.to(dev)).logits.cpu()
     d = (got - ref).abs().max().item()
-    return {"status": "ok" if d <= 1e-5 else "fail", "devices": [str(dev), "cpu"], "max_abs_diff": d,
-            "tolerance": 1e-5}
+    return {"status": "ok" if d <= 1e-5 else "fail", "devices": [str(dev), "cpu"], "max_abs_diff": d, "tolerance": 1e-5}
 
 
 def sec_fp8_model_steps(args, res):
@@ -270,9 +333,10 @@ def sec_fp8_model_steps(args, res):
 
 
 def sec_grouped_mm(args, res):
-    from dsv3_plugin.model.moe.grouped_mm import expert_kernel, grouped_mm_swiglu, swiglu_magnitudes
     from dsv3_plugin.model.kernels import apply_split
+    from dsv3_plugin.model.moe.grouped_mm import expert_kernel, grouped_mm_swiglu, swiglu_magnitudes
     from dsv3_plugin.model.moe.layer import GroupedSwiGLUKernel
+
     loop = GroupedSwiGLUKernel()
     dev = args.device
     N, H, I, E = args.shapes["grouped"]
@@ -280,11 +344,14 @@ def sec_grouped_mm(args, res):
     kernel, why = expert_kernel(dev, dt, H, I)
     g = torch.Generator().manual_seed(0)
     counts = torch.multinomial(torch.ones(E), N, replacement=True, generator=g).bincount(minlength=E).tolist()
-    counts[-1] += counts[0]                                           # one empty expert on purpose
+    counts[-1] += counts[0]  # one empty expert on purpose
     counts[0] = 0
     x = torch.randn(N, H, generator=g)
-    ws = [torch.randn(E, I, H, generator=g) * 0.05, torch.randn(E, I, H, generator=g) * 0.05,
-          torch.randn(E, H, I, generator=g) * 0.05]
+    ws = [
+        torch.randn(E, I, H, generator=g) * 0.05,
+        torch.randn(E, I, H, generator=g) * 0.05,
+        torch.randn(E, H, I, generator=g) * 0.05,
+    ]
     dy = torch.randn(N, H, generator=g)
 
     def run(fn):
@@ -292,16 +359,23 @@ def sec_grouped_mm(args, res):
         y = fn(ps[0], counts, *ps[1:])
         y.backward(dy.to(dev, dt))
         return [y.detach()] + [p.grad for p in ps]
+
     got = run(grouped_mm_swiglu)
-    ref = run(lambda x_, c, *w: apply_split(loop, list(c), x_, *w))   # the loop kernel, never grouped_mm
+    ref = run(lambda x_, c, *w: apply_split(loop, list(c), x_, *w))  # the loop kernel, never grouped_mm
     mags = swiglu_magnitudes(*(t.to(dev, dt) for t in (x,)), counts, *(w.to(dev, dt) for w in ws), dy.to(dev, dt))
     # rounding of both kernels: the stored g, u, h, y (and gradients) in `dt` plus the FP32 accumulation over the
     # longest reduction (N rows for Wgrad, H + I along the chain), twice (two kernels), to first order
-    unit = 2.0 ** -8 if dt == torch.bfloat16 else 2.0 ** -24
-    tol_scale = 2 * (6 * unit + (N + H + I) * 2.0 ** -24)
+    unit = 2.0**-8 if dt == torch.bfloat16 else 2.0**-24
+    tol_scale = 2 * (6 * unit + (N + H + I) * 2.0**-24)
     names = ("y", "dx", "dw1", "dw3", "dw2")
-    out = {"status": "ok", "kernel_selected": kernel, "reason": why, "dtype": str(dt), "N_H_I_E": [N, H, I, E],
-           "counts": counts}
+    out = {
+        "status": "ok",
+        "kernel_selected": kernel,
+        "reason": why,
+        "dtype": str(dt),
+        "N_H_I_E": [N, H, I, E],
+        "counts": counts,
+    }
     ok = True
     for n, a, b, mg in zip(names, got, ref, mags):
         within = _within(a, b, tol_scale * mg)
@@ -316,8 +390,10 @@ def _moe_pair(dev, dt, tokens, hidden, ffn, experts):
     matrix rescaled by fan-in (the builder's scale is set for hidden 256 / FFN 128) so that router scores and
     activations stay in range at hidden 7168."""
     from dsv3_plugin.bench.moe import build_pair
-    ours, theirs, x = build_pair(tokens=tokens, hidden=hidden, ffn=ffn, experts=experts, top_k=8, groups=1,
-                                 topk_group=1, shared=1, seed=0)
+
+    ours, theirs, x = build_pair(
+        tokens=tokens, hidden=hidden, ffn=ffn, experts=experts, top_k=8, groups=1, topk_group=1, shared=1, seed=0
+    )
     with torch.no_grad():
         for mod in (ours, theirs):
             for p in mod.parameters():
@@ -330,7 +406,8 @@ def _time_fwd_bwd(mod, x, g_out, repeats, dev):
     def step():
         xi = x.detach().requires_grad_(True)
         mod(xi).backward(g_out)
-    step()                                                             # warm-up (allocator, kernels, probes)
+
+    step()  # warm-up (allocator, kernels, probes)
     _sync(dev)
     ts = []
     for _ in range(repeats):
@@ -345,12 +422,20 @@ def _time_fwd_bwd(mod, x, g_out, repeats, dev):
 def sec_moe(args, res):
     from dsv3_plugin.bench.moe import moe_flops
     from dsv3_plugin.precision.fp8.experts import Fp8ExpertKernel
+
     dev = args.device
     dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
     T, H, I, R = (args.shapes[k] for k in ("moe_tokens", "moe_hidden", "moe_ffn", "repeats"))
     peak = (res.get("env") or {}).get("peak_tflops")
-    out = {"status": "ok", "dtype": str(dt), "tokens": T, "hidden": H, "expert_ffn": I, "top_k": 8,
-           "timing": f"best of {R} forward+backward passes after one warm-up"}
+    out = {
+        "status": "ok",
+        "dtype": str(dt),
+        "tokens": T,
+        "hidden": H,
+        "expert_ffn": I,
+        "top_k": 8,
+        "timing": f"best of {R} forward+backward passes after one warm-up",
+    }
     for E in args.shapes["moe_local_experts"]:
         ours, theirs, x = _moe_pair(dev, dt, T, H, I, E)
         g_out = torch.randn_like(x)
@@ -376,14 +461,21 @@ def sec_moe(args, res):
         for n in ("gate_proj", "up_proj", "down_proj"):
             setattr(ours.shared_experts, n, Fp8Linear.from_linear(getattr(ours.shared_experts, n), r, be))
         t = _time_fwd_bwd(ours, x, g_out, R, dev)
-        row["ours_fp8"] = {"tokens_per_s": T / t, "tflops": flops / t / 1e12, "ms": t * 1e3, "backend": be.name,
-                           "backend_reason": why}
+        row["ours_fp8"] = {
+            "tokens_per_s": T / t,
+            "tflops": flops / t / 1e12,
+            "ms": t * 1e3,
+            "backend": be.name,
+            "backend_reason": why,
+        }
         base = max((v["tokens_per_s"] for k, v in row.items() if k.startswith("transformers") and isinstance(v, dict)))
         row["ratio_vs_best_transformers"] = row["ours"]["tokens_per_s"] / base
         row["ratio_fp8_vs_best_transformers"] = row["ours_fp8"]["tokens_per_s"] / base
         if peak:
-            row["fraction_of_peak"] = {"ours": row["ours"]["tflops"] / peak["bf16"],
-                                       "ours_fp8": row["ours_fp8"]["tflops"] / peak["fp8"]}
+            row["fraction_of_peak"] = {
+                "ours": row["ours"]["tflops"] / peak["bf16"],
+                "ours_fp8": row["ours_fp8"]["tflops"] / peak["fp8"],
+            }
         out[f"local_experts_{E}"] = row
         del ours, theirs, x, g_out
         if dev.type == "cuda":
@@ -394,8 +486,10 @@ def sec_moe(args, res):
 def main(argv=None) -> int:
     args = parse_args(argv)
     t0 = time.perf_counter()
-    res = {"dry_run": args.dry_run, "shapes": {k: list(v) if isinstance(v, tuple) else v
-                                               for k, v in args.shapes.items()}}
+    res = {
+        "dry_run": args.dry_run,
+        "shapes": {k: list(v) if isinstance(v, tuple) else v for k, v in args.shapes.items()},
+    }
     fns = {name: globals()[f"sec_{name}"] for name in SECTIONS}
     for name in SECTIONS:
         if name not in args.sections:
@@ -411,8 +505,11 @@ def main(argv=None) -> int:
         try:
             res[name] = fns[name](args, res)
         except Exception as e:  # noqa: BLE001 — report and go on with the other sections
-            res[name] = {"status": "error", "reason": f"{type(e).__name__}: {str(e)[:400]}",
-                         "traceback": traceback.format_exc()[-1500:]}
+            res[name] = {
+                "status": "error",
+                "reason": f"{type(e).__name__}: {str(e)[:400]}",
+                "traceback": traceback.format_exc()[-1500:],
+            }
         res[name]["seconds"] = time.perf_counter() - ts
         print(f"[gpu-check] {name}: {res[name]['status']} ({res[name]['seconds']:.1f} s)", file=sys.stderr)
     res["failures"] = [n for n in SECTIONS if res[n]["status"] in ("fail", "error")]

@@ -10,6 +10,7 @@ How: DeepSpeed keeps its probed op-compatibility table in `deepspeed.ops.__compa
 dict it documents as editable: "edits to it persist"); `build_shm_op()` returns None for an op marked False.
 Applies only to deepspeed 0.19.x on the CPU accelerator; `revert()` restores the probed value.
 """
+
 from __future__ import annotations
 
 __all__ = ["apply", "revert", "applies"]
@@ -21,6 +22,7 @@ _saved: dict = {}
 def applies() -> bool:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
+
     return deepspeed.__version__.startswith("0.19.") and get_accelerator().device_name() == "cpu"
 
 
@@ -28,6 +30,7 @@ def apply() -> bool:
     if not applies():
         return False
     import deepspeed.ops
+
     table = deepspeed.ops.__compatible_ops__
     if _OP in _saved or not table.get(_OP, False):
         return False
@@ -39,4 +42,5 @@ def apply() -> bool:
 def revert() -> None:
     if _OP in _saved:
         import deepspeed.ops
+
         deepspeed.ops.__compatible_ops__[_OP] = _saved.pop(_OP)

@@ -18,9 +18,9 @@ of n^2), the same quantity as DeepSpeed's sqrt(sum over groups of sum over stage
 (in float64, then rounded to float32 like DeepSpeed's result). An invalid group norm (inf / NaN) still makes the
 whole norm inf, on every rank. `revert(optimizer)` restores DeepSpeed's method.
 """
+
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
 __all__ = ["applies", "apply", "revert"]
@@ -33,9 +33,14 @@ def applies(optimizer) -> bool:
     to) with a model-parallel group of more than one rank."""
     import deepspeed
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
     group = getattr(optimizer, "model_parallel_group", None)
-    return (deepspeed.__version__.startswith("0.19.") and isinstance(optimizer, DeepSpeedZeroOptimizer)
-            and group is not None and dist.get_world_size(group=group) > 1)
+    return (
+        deepspeed.__version__.startswith("0.19.")
+        and isinstance(optimizer, DeepSpeedZeroOptimizer)
+        and group is not None
+        and dist.get_world_size(group=group) > 1
+    )
 
 
 def _skip_model_parallel_all_reduce(tensor, op):  # the signature of the method it shadows
@@ -46,14 +51,14 @@ def apply(optimizer) -> bool:
     """Patch this optimizer instance (idempotent). True when it changed something."""
     if getattr(optimizer, _ATTR, False) or not applies(optimizer):
         return False
-    stage_norm_of = optimizer.scaled_global_norm   # DeepSpeed's bound method
+    stage_norm_of = optimizer.scaled_global_norm  # DeepSpeed's bound method
 
     def scaled_global_norm(norm_type=2):
         optimizer._model_parallel_all_reduce = _skip_model_parallel_all_reduce
         try:
-            stage_norm = stage_norm_of(norm_type)   # [] float32; inf when a group's norm is invalid
+            stage_norm = stage_norm_of(norm_type)  # [] float32; inf when a group's norm is invalid
         finally:
-            del optimizer._model_parallel_all_reduce   # the class's method again
+            del optimizer._model_parallel_all_reduce  # the class's method again
         sq = stage_norm.double().pow(2)
         dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=optimizer.model_parallel_group)
         return sq.sqrt().to(stage_norm.dtype)

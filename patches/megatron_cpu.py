@@ -28,6 +28,7 @@ What is patched, and why (megatron-core 0.16.1 and 0.19.2, the versions tested):
 Each patch refuses an untested Megatron-Core version with an error naming the version (pass `force=True` to
 try anyway).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,8 +38,16 @@ import logging
 
 import torch
 
-__all__ = ["TESTED_VERSIONS", "CPURNGStatesTracker", "apply", "revert", "is_applied", "cpu_shims",
-           "megatron_core_version", "check_version"]
+__all__ = [
+    "TESTED_VERSIONS",
+    "CPURNGStatesTracker",  # noqa: F822 (made on first access by the module __getattr__ below)
+    "apply",
+    "revert",
+    "is_applied",
+    "cpu_shims",
+    "megatron_core_version",
+    "check_version",
+]
 
 TESTED_VERSIONS = ("0.16.1", "0.19.2")
 
@@ -47,6 +56,7 @@ _saved: dict | None = None  # originals while applied
 
 def megatron_core_version() -> str:
     from megatron.core.package_info import __version__
+
     # NOTE: megatron-core appends "+<git hash>" when its install lies inside a git checkout (a venv in this repo).
     return __version__.split("+")[0]
 
@@ -57,7 +67,8 @@ def check_version(what: str, force: bool = False) -> str:
     if v not in TESTED_VERSIONS and not force:
         raise RuntimeError(
             f"{what}: megatron-core {v} is untested (tested: {', '.join(TESTED_VERSIONS)}); refusing to patch it. "
-            "Check the patched attributes against that version and add it to TESTED_VERSIONS, or pass force=True.")
+            "Check the patched attributes against that version and add it to TESTED_VERSIONS, or pass force=True."
+        )
     return v
 
 
@@ -91,6 +102,7 @@ def _on_cpu(fn):
     def wrapper(*args, **kwargs):
         with _CudaLiteralsOnCPU():
             return fn(*args, **kwargs)
+
     wrapper.__wrapped_by_megatron_cpu__ = True
     return wrapper
 

@@ -6,6 +6,7 @@ and exits the process when it fails. The megatron-core 0.19 wheel ships `helpers
 `apply()` replaces that function with one that only compiles when `helpers_cpp` does not import (a source
 checkout), keeping Megatron's barrier. Version-guarded; `revert()` restores the original.
 """
+
 from __future__ import annotations
 
 __all__ = ["TESTED_VERSIONS", "apply", "revert", "is_applied"]
@@ -20,11 +21,13 @@ def is_applied() -> bool:
 
 def _compile_dependencies_if_missing():
     import torch
+
     try:
         from megatron.core.datasets import helpers_cpp  # noqa: F401
     except ImportError:
         if torch.distributed.get_rank() == 0:
             from megatron.core.datasets.utils import compile_helpers
+
             compile_helpers()
     torch.distributed.barrier()
 
@@ -35,11 +38,15 @@ def apply(force: bool = False) -> bool:
     if _saved is not None:
         return True
     from megatron.core.package_info import __version__
-    v = __version__.split("+")[0]      # without the "+<git hash>" megatron-core adds inside a git checkout
+
+    v = __version__.split("+")[0]  # without the "+<git hash>" megatron-core adds inside a git checkout
     if v not in TESTED_VERSIONS and not force:
-        raise RuntimeError(f"patches.megatron_dataset_helpers: megatron-core {v} is untested (tested: "
-                           f"{', '.join(TESTED_VERSIONS)}); refusing to patch it (force=True to try anyway)")
+        raise RuntimeError(
+            f"patches.megatron_dataset_helpers: megatron-core {v} is untested (tested: "
+            f"{', '.join(TESTED_VERSIONS)}); refusing to patch it (force=True to try anyway)"
+        )
     import megatron.training.initialize as init
+
     _saved = init._compile_dependencies
     init._compile_dependencies = _compile_dependencies_if_missing
     return True
@@ -50,5 +57,6 @@ def revert() -> None:
     if _saved is None:
         return
     import megatron.training.initialize as init
+
     init._compile_dependencies = _saved
     _saved = None

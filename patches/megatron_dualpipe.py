@@ -13,6 +13,7 @@ Only megatron-core versions in TESTED_VERSIONS are patched; others are refused w
 version (pass force=True to try anyway). DualPipeV also needs the model laid out as two chunks per rank
 (stages r and 2P-1-r): `dsv3_plugin.megatron.dualpipev` (docs/megatron.md).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -22,27 +23,34 @@ __all__ = ["TESTED_VERSIONS", "SCHEDULES", "apply", "revert", "is_applied", "dua
 
 TESTED_VERSIONS = ("0.16.1", "0.19.2")
 SCHEDULES = ("dualpipev", "1f1b", "megatron")
-_TARGETS = ("megatron.core.pipeline_parallel.schedules", "megatron.core.pipeline_parallel",
-            "megatron.training.training")
+_TARGETS = (
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel",
+    "megatron.training.training",
+)
 _saved: dict | None = None
 
 
 def _version() -> str:
     from megatron.core.package_info import __version__
-    return __version__.split("+")[0]      # without the "+<git hash>" megatron-core adds inside a git checkout
+
+    return __version__.split("+")[0]  # without the "+<git hash>" megatron-core adds inside a git checkout
 
 
 def _schedule_of(schedule) -> str:
     from dsv3_plugin.config import ConfigError, load_config
+
     if isinstance(schedule, str) and schedule in SCHEDULES:
         return schedule
     if isinstance(schedule, str) and not schedule.endswith(".json"):
         raise ConfigError(f"pipeline schedule {schedule!r}: choose from {', '.join(SCHEDULES)}")
     cfg = load_config(schedule)
     if cfg.parallel.schedule == "dualpipe":
-        raise ConfigError("dsv3.parallel.schedule: the Megatron adapter runs 'dualpipev' or '1f1b' (or Megatron's "
-                          "own schedules); 'dualpipe' needs inputs on both pipeline ends, which Megatron's data "
-                          "path does not provide")
+        raise ConfigError(
+            "dsv3.parallel.schedule: the Megatron adapter runs 'dualpipev' or '1f1b' (or Megatron's "
+            "own schedules); 'dualpipe' needs inputs on both pipeline ends, which Megatron's data "
+            "path does not provide"
+        )
     # a block's "1f1b" is any 1F1B: Megatron's own unless the name "1f1b" is passed (as --dsv3-pipeline-schedule does)
     return "dualpipev" if cfg.parallel.schedule == "dualpipev" else "megatron"
 
@@ -56,16 +64,20 @@ def apply(schedule, force: bool = False) -> bool:
     global _saved
     v = _version()
     if v not in TESTED_VERSIONS and not force:
-        raise RuntimeError(f"patches.megatron_dualpipe: megatron-core {v} is untested (tested: "
-                           f"{', '.join(TESTED_VERSIONS)}); refusing to patch get_forward_backward_func. "
-                           "Check its signature against this version and add it to TESTED_VERSIONS, or pass force=True.")
+        raise RuntimeError(
+            f"patches.megatron_dualpipe: megatron-core {v} is untested (tested: "
+            f"{', '.join(TESTED_VERSIONS)}); refusing to patch get_forward_backward_func. "
+            "Check its signature against this version and add it to TESTED_VERSIONS, or pass force=True."
+        )
     if _saved is not None:
         return False
     name = _schedule_of(schedule)
     import importlib
+
     sched_mod = importlib.import_module("megatron.core.pipeline_parallel.schedules")
     original = sched_mod.get_forward_backward_func
     from dsv3_plugin.megatron.schedules import SCHEDULE_FUNCS
+
     ours = SCHEDULE_FUNCS.get(name)
 
     def get_forward_backward_func(pp_size=None, vp_size=None, *args, **kwargs):
@@ -73,6 +85,7 @@ def apply(schedule, force: bool = False) -> bool:
             pp = pp_size
             if pp is None:
                 from megatron.core import parallel_state
+
                 pp = parallel_state.get_pipeline_model_parallel_world_size()
             if pp > 1:
                 return ours

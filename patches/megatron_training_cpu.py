@@ -20,6 +20,7 @@ What is patched, and why:
    `device="cuda"` in the training loop (start-time all-reduce, loss/timer reductions, ...) are allocated on CPU
    (a torch function mode; the model's own tensors are already CPU).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -42,6 +43,7 @@ def _init_model_parallel_like_megatron(args, get_embedding_ranks=None, get_posit
     from datetime import timedelta  # noqa: F401  (Megatron passes minutes)
 
     from megatron.core import mpu
+
     mpu.initialize_model_parallel(
         args.tensor_model_parallel_size,
         args.pipeline_model_parallel_size,
@@ -63,12 +65,15 @@ def _init_model_parallel_like_megatron(args, get_embedding_ranks=None, get_posit
 def _wrap_initialize_distributed(orig):
     @functools.wraps(orig)
     def wrapper(get_embedding_ranks, get_position_embedding_ranks, store, skip_model_parallel_init=False):
-        orig(get_embedding_ranks, get_position_embedding_ranks, store,
-             skip_model_parallel_init=skip_model_parallel_init)
+        orig(
+            get_embedding_ranks, get_position_embedding_ranks, store, skip_model_parallel_init=skip_model_parallel_init
+        )
         from megatron.core import mpu
         from megatron.training import get_args
+
         if not skip_model_parallel_init and not mpu.model_parallel_is_initialized():
             _init_model_parallel_like_megatron(get_args(), get_embedding_ranks, get_position_embedding_ranks)
+
     return wrapper
 
 
@@ -77,10 +82,12 @@ def _wrap_set_random_seed(orig):
     def wrapper(seed_, data_parallel_random_init=False, *args, **kwargs):
         orig(seed_, data_parallel_random_init, *args, **kwargs)
         from megatron.core import mpu, tensor_parallel
+
         seed = seed_ + 100 * mpu.get_pipeline_model_parallel_rank()
         if data_parallel_random_init:
             seed += 10 * mpu.get_data_parallel_rank()
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
     return wrapper
 
 
@@ -100,12 +107,16 @@ def apply(force: bool = False) -> bool:
     if _saved is not None:
         return True
     from megatron.core.package_info import __version__
-    v = __version__.split("+")[0]      # without the "+<git hash>" megatron-core adds inside a git checkout
+
+    v = __version__.split("+")[0]  # without the "+<git hash>" megatron-core adds inside a git checkout
     if v not in TESTED_VERSIONS and not force:
-        raise RuntimeError(f"patches.megatron_training_cpu: megatron-core {v} is untested (tested: "
-                           f"{', '.join(TESTED_VERSIONS)}); refusing to patch it (force=True to try anyway)")
+        raise RuntimeError(
+            f"patches.megatron_training_cpu: megatron-core {v} is untested (tested: "
+            f"{', '.join(TESTED_VERSIONS)}); refusing to patch it (force=True to try anyway)"
+        )
     import megatron.training.initialize as init
     import megatron.training.training as tr
+
     _saved = {
         (tr, "initialize_megatron"): tr.initialize_megatron,
         (init, "_initialize_distributed"): init._initialize_distributed,
@@ -134,5 +145,6 @@ def revert() -> None:
 def cuda_literals_on_cpu():
     """Run the enclosed code (Megatron's `pretrain()`) with `device="cuda"` allocations made on CPU."""
     from patches.megatron_cpu import _CudaLiteralsOnCPU
+
     with _CudaLiteralsOnCPU():
         yield

@@ -1,10 +1,19 @@
 """Test harness: run a function on N gloo ranks on loopback; build tiny released-format checkpoints."""
+
 from __future__ import annotations
 
 from dsv3_plugin.parallel.distributed import spawn
 
-__all__ = ["run_ranks", "hf_config", "make_tiny_hf_checkpoint", "make_truncated_checkpoint", "read_stored_tensors",
-           "dequantize_by_formula", "transformers_on", "mtp_reference_logits"]
+__all__ = [
+    "run_ranks",
+    "hf_config",
+    "make_tiny_hf_checkpoint",
+    "make_truncated_checkpoint",
+    "read_stored_tensors",
+    "dequantize_by_formula",
+    "transformers_on",
+    "mtp_reference_logits",
+]
 
 
 def run_ranks(fn, nproc: int, *args, timeout_s: float = 300.0):
@@ -16,21 +25,34 @@ def run_ranks(fn, nproc: int, *args, timeout_s: float = 300.0):
 def hf_config(cfg):
     """transformers' DeepseekV3Config for our DSv3Config (fp32, eager-free SDPA attention)."""
     from transformers import DeepseekV3Config
+
     d = cfg.to_hf()
     rope = d.pop("rope_scaling")
-    d["rope_parameters"] = ({"rope_type": "yarn", "rope_theta": d["rope_theta"],
-                             **{k: v for k, v in rope.items() if k != "type"}}
-                            if rope else {"rope_type": "default", "rope_theta": d["rope_theta"]})
-    for k in ("architectures", "model_type", "torch_dtype", "topk_method", "scoring_func", "aux_loss_alpha",
-              "seq_aux", "num_nextn_predict_layers", "rope_theta"):
+    d["rope_parameters"] = (
+        {"rope_type": "yarn", "rope_theta": d["rope_theta"], **{k: v for k, v in rope.items() if k != "type"}}
+        if rope
+        else {"rope_type": "default", "rope_theta": d["rope_theta"]}
+    )
+    for k in (
+        "architectures",
+        "model_type",
+        "torch_dtype",
+        "topk_method",
+        "scoring_func",
+        "aux_loss_alpha",
+        "seq_aux",
+        "num_nextn_predict_layers",
+        "rope_theta",
+    ):
         d.pop(k, None)
     hc = DeepseekV3Config(**d)
     hc.num_nextn_predict_layers = cfg.mtp.depth
     return hc
 
 
-def make_tiny_hf_checkpoint(path, cfg, seed: int = 0, bias_scale: float = 0.05, shard_bytes: int | None = None,
-                            dtype=None):
+def make_tiny_hf_checkpoint(
+    path, cfg, seed: int = 0, bias_scale: float = 0.05, shard_bytes: int | None = None, dtype=None
+):
     """Write a released-format checkpoint for `cfg` made with transformers' `save_pretrained` (per-expert
     names), then add the MTP layer(s) at index num_hidden_layers (+k) as the released files do.
     Router biases are set nonzero (seeded) so bias-aware selection is exercised. Returns the HF model.
@@ -79,8 +101,11 @@ def make_tiny_hf_checkpoint(path, cfg, seed: int = 0, bias_scale: float = 0.05, 
             ours.lm_head.weight.copy_(hf.lm_head.weight)
         L = cfg.model.num_hidden_layers
         full = native_state_to_hf(ours.state_dict(), cfg)
-        mtp = {k: v.contiguous().clone() for k, v in full.items()
-               if k.startswith("model.layers.") and int(k.split(".")[2]) >= L}
+        mtp = {
+            k: v.contiguous().clone()
+            for k, v in full.items()
+            if k.startswith("model.layers.") and int(k.split(".")[2]) >= L
+        }
         if dtype is not None:
             mtp = {k: (v if k.endswith("e_score_correction_bias") else v.to(dtype)) for k, v in mtp.items()}
         fn = "model-mtp.safetensors"
@@ -91,6 +116,7 @@ def make_tiny_hf_checkpoint(path, cfg, seed: int = 0, bias_scale: float = 0.05, 
                 index = json.load(f)
         else:  # single file: turn it into an index so the extra shard is found
             from safetensors import safe_open
+
             with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
                 index = {"metadata": {}, "weight_map": {k: "model.safetensors" for k in f.keys()}}
         index["weight_map"].update({k: fn for k in mtp})
@@ -111,6 +137,7 @@ def make_truncated_checkpoint(ck):
     import os
 
     from dsv3_plugin.config import load_config
+
     make_tiny_hf_checkpoint(ck, load_config({"preset": "tiny"}), seed=1, shard_bytes=300_000)
     shards = sorted(f for f in os.listdir(ck) if f.endswith(".safetensors"))
     assert len(shards) >= 3
@@ -127,6 +154,7 @@ def read_stored_tensors(path) -> dict:
     import os
 
     from safetensors import safe_open
+
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
         with open(index) as f:
@@ -144,6 +172,7 @@ def dequantize_by_formula(stored: dict, block) -> dict:
     """Released tensors in fp32: FP8 weights by DeepSeek's formula written index by index,
     w[i, j] = float(w_fp8[i, j]) * scale_inv[i // b0, j // b1]; the others upcast (exact)."""
     import torch
+
     out = {}
     for n, t in stored.items():
         if n.endswith("_scale_inv"):
@@ -166,9 +195,13 @@ def transformers_on(tensors: dict, cfg, path):
     import torch
     from safetensors.torch import save_file
     from transformers import DeepseekV3ForCausalLM
+
     os.makedirs(path)
-    save_file({n: t.contiguous() for n, t in tensors.items()}, os.path.join(path, "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {n: t.contiguous() for n, t in tensors.items()},
+        os.path.join(path, "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg.to_hf(), f)
     return DeepseekV3ForCausalLM.from_pretrained(path, config=hf_config(cfg), dtype=torch.float32).eval()
@@ -182,6 +215,7 @@ def mtp_reference_logits(cfg, tensors: dict, hf, ids) -> list:
     h^k for the next depth is taken before shared_head.norm (paper Fig. 3). Returns k-th [B, T-k, V]."""
     import torch
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
+
     L, eps, T = cfg.model.num_hidden_layers, cfg.model.rms_norm_eps, ids.shape[1]
     hc = hf_config(cfg)
     hc._attn_implementation = "eager"
@@ -194,36 +228,46 @@ def mtp_reference_logits(cfg, tensors: dict, hf, ids) -> list:
 
     outs = []
     with torch.no_grad():
-        h = hf.model(ids).last_hidden_state                                    # h^0: after the final norm
+        h = hf.model(ids).last_hidden_state  # h^0: after the final norm
         for k in range(1, cfg.mtp.depth + 1):
             p = f"model.layers.{L + k - 1}."
-            w = {n[len(p):]: t for n, t in tensors.items() if n.startswith(p)}
+            w = {n[len(p) :]: t for n, t in tensors.items() if n.startswith(p)}
             block = DeepseekV3DecoderLayer(hc, L + k - 1).float().eval()
-            sd = {n: t for n, t in w.items() if ".experts." not in n
-                  and not n.startswith(("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens"))}
+            sd = {
+                n: t
+                for n, t in w.items()
+                if ".experts." not in n
+                and not n.startswith(("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens"))
+            }
             E = cfg.moe.n_routed_experts
-            if any(".experts." in n for n in w):    # transformers 5 fuses the experts in memory
+            if any(".experts." in n for n in w):  # transformers 5 fuses the experts in memory
                 sd["mlp.experts.gate_up_proj"] = torch.stack(
-                    [torch.cat([w[f"mlp.experts.{e}.gate_proj.weight"], w[f"mlp.experts.{e}.up_proj.weight"]])
-                     for e in range(E)])
+                    [
+                        torch.cat([w[f"mlp.experts.{e}.gate_proj.weight"], w[f"mlp.experts.{e}.up_proj.weight"]])
+                        for e in range(E)
+                    ]
+                )
                 sd["mlp.experts.down_proj"] = torch.stack([w[f"mlp.experts.{e}.down_proj.weight"] for e in range(E)])
             missing, unexpected = block.load_state_dict(sd, strict=False)
             assert not unexpected and not [m for m in missing if "rotary" not in m], (missing, unexpected)
             n = T - k
-            emb = tensors["model.embed_tokens.weight"][ids[:, k:]]            # Emb(t_{i+k}), i < T-k
+            emb = tensors["model.embed_tokens.weight"][ids[:, k:]]  # Emb(t_{i+k}), i < T-k
             x = torch.cat([norm(emb, w["enorm.weight"]), norm(h[:, :n], w["hnorm.weight"])], -1) @ w["eh_proj.weight"].T
             pos = torch.arange(n)[None]
             causal = torch.full((n, n), float("-inf")).triu(1)[None, None]  # additive mask, eager attention
             h = block(x, position_embeddings=hf.model.rotary_emb(x, pos), attention_mask=causal, position_ids=pos)
-            h = h[0] if isinstance(h, tuple) else h                            # h^k, before shared_head.norm
+            h = h[0] if isinstance(h, tuple) else h  # h^k, before shared_head.norm
             outs.append(norm(h, w["shared_head.norm.weight"]) @ tensors["lm_head.weight"].T)
     return outs
 
 
 # --- rank-local loads (tests/unit/test_rank_local.py, tests/dist/test_rank_local_train.py) -------------
 # Experts dominate the bytes (as in V3: 256 routed experts per layer), so a quarter of them is far below 40%.
-CK_CFG = {"preset": "tiny", "model": {"hidden_size": 128, "num_hidden_layers": 4, "first_k_dense_replace": 1},
-          "moe": {"n_routed_experts": 16, "intermediate_size": 128, "n_group": 4, "topk_group": 2}}
+CK_CFG = {
+    "preset": "tiny",
+    "model": {"hidden_size": 128, "num_hidden_layers": 4, "first_k_dense_replace": 1},
+    "moe": {"n_routed_experts": 16, "intermediate_size": 128, "n_group": 4, "topk_group": 2},
+}
 
 
 def write_rank_local_checkpoint(path, block: dict = CK_CFG) -> tuple[object, int]:
@@ -236,10 +280,13 @@ def write_rank_local_checkpoint(path, block: dict = CK_CFG) -> tuple[object, int
 
     from dsv3_plugin.checkpoint.synthetic import write_released_checkpoint
     from dsv3_plugin.config import load_config
+
     cfg = load_config(block)
     L = cfg.model.num_hidden_layers
-    main = {f"model.layers.{L}.embed_tokens.weight": "model.embed_tokens.weight",
-            f"model.layers.{L}.shared_head.head.weight": "lm_head.weight"}   # MTP's copies equal the main ones
+    main = {
+        f"model.layers.{L}.embed_tokens.weight": "model.embed_tokens.weight",
+        f"model.layers.{L}.shared_head.head.weight": "lm_head.weight",
+    }  # MTP's copies equal the main ones
 
     def make(name, shape):
         g = torch.Generator().manual_seed(zlib.crc32(main.get(name, name).encode()))
@@ -253,9 +300,10 @@ def write_rank_local_checkpoint(path, block: dict = CK_CFG) -> tuple[object, int
 def released_owned(name: str, lay, L: int) -> bool:
     """Whether a rank should read released tensor `name`, decided from the released name alone."""
     from dsv3_plugin.checkpoint.names import parse_released
+
     key = parse_released(name, L)
     if key.row.copy_of is not None:
-        return False                                   # MTP's copies of the embedding/head: shared, not read
+        return False  # MTP's copies of the embedding/head: shared, not read
     if key.expert is not None and lay.ep > 1 and key.expert not in lay.expert_range:
         return False
     if key.scope == "layer":
@@ -264,17 +312,26 @@ def released_owned(name: str, lay, L: int) -> bool:
         return lay.last
     if name == "model.embed_tokens.weight":
         return lay.embedding
-    return lay.last                                    # model.norm, lm_head
+    return lay.last  # model.norm, lm_head
 
 
 def zero1_ds(dsv3: dict, warmup_steps: int, **top) -> dict:
     """The DeepSpeed JSON the 2-rank `dsv3 train` tests share: micro-batch 2 x accumulation 2, clipping 1.0, ZeRO-1,
     torch AdamW and a linear warm-up of `warmup_steps`; `top` adds or replaces top-level keys (e.g. bf16)."""
     return {
-        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
-        "steps_per_print": 10**9, "zero_optimization": {"stage": 1},
-        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.1,
-                                                  "torch_adam": True}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 3e-4, "warmup_max_lr": 3e-3,
-                                                     "warmup_num_steps": warmup_steps}},
-        **top, "dsv3": dsv3}
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**9,
+        "zero_optimization": {"stage": 1},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.1, "torch_adam": True},
+        },
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 3e-4, "warmup_max_lr": 3e-3, "warmup_num_steps": warmup_steps},
+        },
+        **top,
+        "dsv3": dsv3,
+    }

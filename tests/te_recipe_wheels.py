@@ -4,6 +4,7 @@ from the pinned pure-Python TE wheels that `make venv` downloads (see requiremen
 The wheels are not installed: without TE's CUDA core library, `import transformer_engine` raises RuntimeError.
 The recipe module itself needs only the standard library and pydantic, so it is executed on its own, from the
 wheel's bytes, after the wheel's sha256 is checked against the pin."""
+
 from __future__ import annotations
 
 import hashlib
@@ -54,8 +55,10 @@ def load_recipe_module(version: str) -> types.ModuleType:
     sha = _pins()[version]
     wheel = wheel_dir() / f"transformer_engine-{version}-py3-none-any.whl"
     if not wheel.is_file():
-        raise FileNotFoundError(f"{wheel} is missing: run `make venv` (it downloads the wheels pinned in "
-                                f"{PINS_FILE.name}), or point DSV3_TE_WHEELS at a folder holding them")
+        raise FileNotFoundError(
+            f"{wheel} is missing: run `make venv` (it downloads the wheels pinned in "
+            f"{PINS_FILE.name}), or point DSV3_TE_WHEELS at a folder holding them"
+        )
     data = wheel.read_bytes()
     if hashlib.sha256(data).hexdigest() != sha:
         raise RuntimeError(f"{wheel}: sha256 differs from the pin in {PINS_FILE.name}")
@@ -65,7 +68,7 @@ def load_recipe_module(version: str) -> types.ModuleType:
     origin = f"{wheel}!/{RECIPE_PATH}"
     spec = importlib.util.spec_from_loader(name, loader=None, origin=origin)
     mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod          # pydantic resolves the dataclasses' annotations through sys.modules
+    sys.modules[name] = mod  # pydantic resolves the dataclasses' annotations through sys.modules
     try:
         exec(compile(src, origin, "exec"), mod.__dict__)
     except BaseException:
@@ -83,7 +86,10 @@ def fake_te_package(monkeypatch, version: str) -> types.ModuleType:
     te.__version__, te.__path__ = version, []
     common = types.ModuleType("transformer_engine.common")
     common.__path__, common.recipe, te.common = [], recipe, common
-    for name, mod in (("transformer_engine", te), ("transformer_engine.common", common),
-                      ("transformer_engine.common.recipe", recipe)):
+    for name, mod in (
+        ("transformer_engine", te),
+        ("transformer_engine.common", common),
+        ("transformer_engine.common.recipe", recipe),
+    ):
         monkeypatch.setitem(sys.modules, name, mod)
     return recipe

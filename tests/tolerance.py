@@ -20,8 +20,8 @@ longest reduction in the model, stages counts the reductions on the longest path
 decoder/MTP block, per pass), and M is the normwise proxy max|ref| of the compared tensor. That proxy
 assumes the layers do not amplify relative errors (every GEMM input here is RMS-normalized) and that the
 terms of each sum are not far larger than its result; the worst-case K·stages factor puts the bound
->= 1000x above what is observed, which leaves room for both. Such a bound is loose (2e-3 to 4e-3 of max|ref| on the tiny model), so
-tests keep it for the rounding noise and check the structure (which parameters, which rows) exactly.
+>= 1000x above what is observed, which leaves room for both. Such a bound is loose (2e-3 to 4e-3 of max|ref| on the
+tiny model), so tests keep it for the rounding noise and check the structure (which parameters, which rows) exactly.
 
 API (stable; other tests import it):
   unit_roundoff(dtype)                      u = eps/2
@@ -45,6 +45,7 @@ API (stable; other tests import it):
                                             that raises leaves its peers waiting in a collective)
 Where both sides run the identical op sequence, tests use `torch.equal` instead: no tolerance at all.
 """
+
 from __future__ import annotations
 
 import math
@@ -52,8 +53,19 @@ import os
 
 import torch
 
-__all__ = ["unit_roundoff", "gamma", "reorder_bound", "matmul_bound", "model_bound", "REDUCTIONS_PER_BLOCK",
-           "LOGITS_FP32_ABS", "perturbed_matmul_bound", "fp8_error", "assert_within", "check_within"]
+__all__ = [
+    "unit_roundoff",
+    "gamma",
+    "reorder_bound",
+    "matmul_bound",
+    "model_bound",
+    "REDUCTIONS_PER_BLOCK",
+    "LOGITS_FP32_ABS",
+    "perturbed_matmul_bound",
+    "fp8_error",
+    "assert_within",
+    "check_within",
+]
 
 # README's acceptance figure for our fp32 logits (main and MTP) against transformers / the written-out
 # formulas. It is a promise, not a rounding bound: the worst case `model_bound` allows ~3e-3 on the tiny
@@ -109,9 +121,10 @@ def fp8_error(x: torch.Tensor, scale, fp8_dtype: torch.dtype = torch.float8_e4m3
     """Largest |scale·fp8(x / scale) − x| (round to nearest, no saturation), elementwise; `scale` is a float
     or a tensor broadcastable to x (a tile's or block's decode scale, expanded)."""
     fi = torch.finfo(fp8_dtype)
-    half_subnormal_step = fi.smallest_normal * fi.eps / 2        # E4M3: 2^-6 · 2^-3 / 2 = 2^-10
-    return (unit_roundoff(fp8_dtype) * x.detach().double().abs()
-            + half_subnormal_step * torch.as_tensor(scale, dtype=torch.float64))
+    half_subnormal_step = fi.smallest_normal * fi.eps / 2  # E4M3: 2^-6 · 2^-3 / 2 = 2^-10
+    return unit_roundoff(fp8_dtype) * x.detach().double().abs() + half_subnormal_step * torch.as_tensor(
+        scale, dtype=torch.float64
+    )
 
 
 def model_bound(ref: torch.Tensor, cfg, tokens: int, passes: int = 2, dtype: torch.dtype = torch.float32):
@@ -120,9 +133,17 @@ def model_bound(ref: torch.Tensor, cfg, tokens: int, passes: int = 2, dtype: tor
     REDUCTIONS_PER_BLOCK per block (decoder layers + MTP) + 3 (final norm, lm_head, the loss's log-sum-exp
     and token mean) per pass (1: forward; 2: forward and backward), magnitude max|ref|."""
     m, e = cfg.model, cfg.moe
-    K = max(m.vocab_size, m.hidden_size, m.intermediate_size, e.intermediate_size, e.n_routed_experts,
-            m.q_lora_rank or 0, m.kv_lora_rank, m.num_attention_heads * max(cfg.qk_head_dim, m.v_head_dim),
-            int(tokens))
+    K = max(
+        m.vocab_size,
+        m.hidden_size,
+        m.intermediate_size,
+        e.intermediate_size,
+        e.n_routed_experts,
+        m.q_lora_rank or 0,
+        m.kv_lora_rank,
+        m.num_attention_heads * max(cfg.qk_head_dim, m.v_head_dim),
+        int(tokens),
+    )
     stages = passes * (REDUCTIONS_PER_BLOCK * (m.num_hidden_layers + cfg.mtp.depth) + 3)
     return reorder_bound(K, ref.detach().abs().max(), dtype, stages)
 
@@ -136,7 +157,7 @@ def assert_within(got: torch.Tensor, ref: torch.Tensor, bound, what: str) -> flo
     bound_t = torch.broadcast_to(torch.as_tensor(bound, dtype=torch.float64), diff.shape)
     if diff.numel() == 0:
         return 0.0
-    bad = ~(diff <= bound_t)                     # NaN anywhere counts as a failure
+    bad = ~(diff <= bound_t)  # NaN anywhere counts as a failure
     ratio = torch.where(bound_t > 0, diff / bound_t, torch.where(diff > 0, math.inf, 0.0))
     ratio = torch.where(torch.isnan(diff), math.inf, ratio)
     worst = int(ratio.reshape(-1).argmax())
@@ -146,9 +167,10 @@ def assert_within(got: torch.Tensor, ref: torch.Tensor, bound, what: str) -> flo
             f"{what}: {int(bad.sum())} of {diff.numel()} elements exceed the bound; worst at {idx}: "
             f"got {got.reshape(-1)[worst].item():.9g}, ref {ref.reshape(-1)[worst].item():.9g}, "
             f"|diff| {diff.reshape(-1)[worst].item():.3g} > bound {bound_t.reshape(-1)[worst].item():.3g} "
-            f"({ratio.reshape(-1)[worst].item():.3g}x)")
+            f"({ratio.reshape(-1)[worst].item():.3g}x)"
+        )
     used = float(ratio.reshape(-1)[worst])
-    if os.environ.get("TOL_REPORT"):             # TOL_REPORT=1 pytest -s: how much of each bound is used
+    if os.environ.get("TOL_REPORT"):  # TOL_REPORT=1 pytest -s: how much of each bound is used
         print(f"[tol] {used:.2e} of bound: {what}")
     return used
 

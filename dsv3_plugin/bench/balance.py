@@ -6,6 +6,7 @@ they prefer. The only difference between the two runs is γ (same seed, data, in
 `OUT/gamma_<γ>/metrics.jsonl` (the telemetry lines of `dsv3 train`) and the bench writes `OUT/routing.png`
 (`dsv3 plot-routing`). `ratio` = MaxVio_global(γ=0) / MaxVio_global(γ) (> 1: the bias update balances).
 """
+
 from __future__ import annotations
 
 import json
@@ -13,14 +14,15 @@ import os
 import sys
 
 import torch
+
 from dsv3_plugin.bench import positive_int
-from dsv3_plugin.model.moe.balancing import update_expert_bias
 from dsv3_plugin.config import load_config
-from dsv3_plugin.training.transforms import build_model
+from dsv3_plugin.model.moe.balancing import update_expert_bias
 from dsv3_plugin.parallel.expert_parallel import expert_parallel
 from dsv3_plugin.parallel.groups import single_process_groups
-from dsv3_plugin.training.telemetry import RoutingTelemetry
 from dsv3_plugin.training.routing_plot import plot_routing
+from dsv3_plugin.training.telemetry import RoutingTelemetry
+from dsv3_plugin.training.transforms import build_model
 
 __all__ = ["add_arguments", "run", "train_balance"]
 
@@ -44,11 +46,21 @@ def _batch(gen, V, B, T, s):
     return ids[:, :-1], (ids[:, 1:] * 7 + ids[:, :-1]) % V  # a learnable, token-dependent target
 
 
-def train_balance(gamma: float, out_dir: str, steps: int, warmup: int, batch: int, seq: int, zipf: float,
-                  seed: int, progress: bool = True) -> list[dict]:
+def train_balance(
+    gamma: float,
+    out_dir: str,
+    steps: int,
+    warmup: int,
+    batch: int,
+    seq: int,
+    zipf: float,
+    seed: int,
+    progress: bool = True,
+) -> list[dict]:
 
-    cfg = load_config({"preset": "tiny", "moe": {"bias_update_speed": gamma, "seq_aux_alpha": 0.0},
-                       "mtp": {"depth": 0}})
+    cfg = load_config(
+        {"preset": "tiny", "moe": {"bias_update_speed": gamma, "seq_aux_alpha": 0.0}, "mtp": {"depth": 0}}
+    )
     torch.manual_seed(seed)
     model = build_model(cfg)
     model.reset_parameters(seed=seed)
@@ -73,9 +85,11 @@ def train_balance(gamma: float, out_dir: str, steps: int, warmup: int, batch: in
             rows.append(rec)
             f.write(json.dumps(rec) + "\n")
             if progress and (step % 25 == 0 or step == steps):
-                print(f"[bench balance] γ={gamma:g} step {step}: loss {rec['loss']:.3f} maxvio_batch "
-                      f"{rec['maxvio_batch']:.3f} maxvio_global {rec['maxvio_global'] or float('nan'):.3f}",
-                      file=sys.stderr)
+                print(
+                    f"[bench balance] γ={gamma:g} step {step}: loss {rec['loss']:.3f} maxvio_batch "
+                    f"{rec['maxvio_batch']:.3f} maxvio_global {rec['maxvio_global'] or float('nan'):.3f}",
+                    file=sys.stderr,
+                )
     os.replace(tmp, os.path.join(out_dir, "metrics.jsonl"))
     return rows
 
@@ -88,11 +102,25 @@ def run(args) -> dict:
         runs[g] = (d, train_balance(g, d, args.steps, args.warmup, args.batch, args.seq, args.zipf, args.seed))
     png = plot_routing([runs[args.gamma][0], runs[0.0][0]], os.path.join(args.out, "routing.png"))
     ours, base = runs[args.gamma][1][-1], runs[0.0][1][-1]
-    return {"bench": "balance", "steps": args.steps, "warmup": args.warmup, "gamma": args.gamma,
-            "ours": {"maxvio_global": ours["maxvio_global"], "maxvio_batch_last": ours["maxvio_batch"],
-                     "loss_last": ours["loss"], "tokens_dropped": ours["tokens_dropped"]},
-            "theirs": {"name": "same run with γ = 0 (no bias update)", "maxvio_global": base["maxvio_global"],
-                       "maxvio_batch_last": base["maxvio_batch"], "loss_last": base["loss"],
-                       "tokens_dropped": base["tokens_dropped"]},
-            "ratio": base["maxvio_global"] / max(ours["maxvio_global"], 1e-12),
-            "png": png, "runs": [runs[args.gamma][0], runs[0.0][0]]}
+    return {
+        "bench": "balance",
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "gamma": args.gamma,
+        "ours": {
+            "maxvio_global": ours["maxvio_global"],
+            "maxvio_batch_last": ours["maxvio_batch"],
+            "loss_last": ours["loss"],
+            "tokens_dropped": ours["tokens_dropped"],
+        },
+        "theirs": {
+            "name": "same run with γ = 0 (no bias update)",
+            "maxvio_global": base["maxvio_global"],
+            "maxvio_batch_last": base["maxvio_batch"],
+            "loss_last": base["loss"],
+            "tokens_dropped": base["tokens_dropped"],
+        },
+        "ratio": base["maxvio_global"] / max(ours["maxvio_global"], 1e-12),
+        "png": png,
+        "runs": [runs[args.gamma][0], runs[0.0][0]],
+    }

@@ -17,6 +17,7 @@ Figures are GB/s of input bytes. `ratio` = ours / baseline at the largest size; 
 ours / copy. Peak RSS is reported at every size (ours should stay flat, bounded by the largest output
 shard + 1 GiB; the baseline grows with the model).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,9 +29,10 @@ import subprocess
 import sys
 import tempfile
 import time
+
 from dsv3_plugin.bench import positive_int
-from dsv3_plugin.checkpoint.synthetic import write_released_checkpoint
 from dsv3_plugin.checkpoint.convert import convert
+from dsv3_plugin.checkpoint.synthetic import write_released_checkpoint
 
 __all__ = ["add_arguments", "run", "make_synthetic_checkpoint"]
 
@@ -38,8 +40,11 @@ _H, _HEADS, _QL, _KVL, _NOPE, _ROPE, _V, _MI = 7168, 128, 1536, 512, 128, 64, 12
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sizes-gb", default="0.6,1.8", help="input sizes (GB of FP8 checkpoint), comma-separated; "
-                                                       "throughput is measured at the largest")
+    p.add_argument(
+        "--sizes-gb",
+        default="0.6,1.8",
+        help="input sizes (GB of FP8 checkpoint), comma-separated; throughput is measured at the largest",
+    )
     p.add_argument("--shard-mb", type=positive_int, default=256, help="input shard size (MiB)")
     p.add_argument("--dir", default=None, help="where to create the temporary checkpoints (default: $TMPDIR)")
     p.add_argument("--skip-baseline-small", action="store_true", help="run the baseline only at the largest size")
@@ -49,26 +54,48 @@ def _config(target_bytes: float, n_experts: int = 8, heads: int = _HEADS) -> dic
     """A V3-shaped HF config whose FP8 checkpoint is about `target_bytes`: MoE layers of ~0.6 GB (MLA with
     `heads` heads + `n_experts` routed + 1 shared expert; 128 heads and 8 experts by default), as many as fit."""
     E = n_experts
-    attn = (_QL * _H + heads * (_NOPE + _ROPE) * _QL + (_KVL + _ROPE) * _H + heads * (_NOPE + _V) * _KVL
-            + _H * heads * _V)
+    attn = (
+        _QL * _H + heads * (_NOPE + _ROPE) * _QL + (_KVL + _ROPE) * _H + heads * (_NOPE + _V) * _KVL + _H * heads * _V
+    )
     L = max(1, int(round(target_bytes / (attn + (E + 1) * 3 * _MI * _H))))
     return {
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 4096,
-        "hidden_size": _H, "intermediate_size": 18432, "moe_intermediate_size": _MI, "num_hidden_layers": L,
-        "num_attention_heads": heads, "num_key_value_heads": heads, "n_shared_experts": 1,
-        "n_routed_experts": E, "routed_scaling_factor": 2.5, "kv_lora_rank": _KVL, "q_lora_rank": _QL,
-        "qk_rope_head_dim": _ROPE, "v_head_dim": _V, "qk_nope_head_dim": _NOPE, "n_group": 1, "topk_group": 1,
-        "num_experts_per_tok": 2, "first_k_dense_replace": 0, "norm_topk_prob": True, "rms_norm_eps": 1e-6,
-        "num_nextn_predict_layers": 0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "vocab_size": 4096,
+        "hidden_size": _H,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": _MI,
+        "num_hidden_layers": L,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "n_shared_experts": 1,
+        "n_routed_experts": E,
+        "routed_scaling_factor": 2.5,
+        "kv_lora_rank": _KVL,
+        "q_lora_rank": _QL,
+        "qk_rope_head_dim": _ROPE,
+        "v_head_dim": _V,
+        "qk_nope_head_dim": _NOPE,
+        "n_group": 1,
+        "topk_group": 1,
+        "num_experts_per_tok": 2,
+        "first_k_dense_replace": 0,
+        "norm_topk_prob": True,
+        "rms_norm_eps": 1e-6,
+        "num_nextn_predict_layers": 0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
     }
 
 
-def make_synthetic_checkpoint(path: str, target_bytes: float, shard_bytes: int, n_experts: int = 8,
-                              heads: int = _HEADS) -> dict:
+def make_synthetic_checkpoint(
+    path: str, target_bytes: float, shard_bytes: int, n_experts: int = 8, heads: int = _HEADS
+) -> dict:
     """Write the benchmark's FP8 checkpoint; FP8 payloads are cut from one random pool (content does not
     change the cost of dequantization; the E4M3 NaN codes are avoided). `n_experts` / `heads` reshape its
     layers (fewer heads, more experts: a checkpoint whose bytes sit mostly in experts, as V3's do)."""
     import torch
+
     g = torch.Generator().manual_seed(0)
     pool = torch.randint(0, 256, (64 * 2**20,), dtype=torch.uint8, generator=g)
     pool[(pool & 0x7F) == 0x7F] = 0x3F
@@ -78,7 +105,7 @@ def make_synthetic_checkpoint(path: str, target_bytes: float, shard_bytes: int, 
         n = shape[0] * shape[1]
         o = state["off"] % (pool.numel() - n) if n < pool.numel() else 0
         state["off"] += 7919 * 4096
-        data = pool[o:o + n] if n <= pool.numel() else pool.repeat(-(-n // pool.numel()))[:n]
+        data = pool[o : o + n] if n <= pool.numel() else pool.repeat(-(-n // pool.numel()))[:n]
         grid = (-(-shape[0] // 128), -(-shape[1] // 128))
         return data.clone().view(torch.float8_e4m3fn).view(shape), torch.rand(grid, generator=g) * 1e-3
 
@@ -95,6 +122,7 @@ def _baseline(src: str, dst: str) -> None:
     """Load everything, dequantize with the plain formula, save shard by shard."""
     import torch
     from safetensors.torch import load_file, save_file
+
     idx_path = os.path.join(src, "model.safetensors.index.json")
     with open(idx_path) as f:
         wmap = json.load(f)["weight_map"]
@@ -132,6 +160,7 @@ def _copy(src: str, dst: str) -> None:
 
 def _child(approach: str, src: str, dst: str) -> None:
     import torch  # noqa: F401  (imported before the clock and the RSS base, as in every approach)
+
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
     rss0 = ru0.ru_maxrss * 1024
     t0 = time.perf_counter()
@@ -146,16 +175,29 @@ def _child(approach: str, src: str, dst: str) -> None:
     wall = time.perf_counter() - t0
     ru1 = resource.getrusage(resource.RUSAGE_SELF)
     cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
-    print(json.dumps({"wall_s": wall, "cpu_s": cpu, "peak_rss_bytes": ru1.ru_maxrss * 1024,
-                      "rss_after_imports_bytes": rss0}))
+    print(
+        json.dumps(
+            {"wall_s": wall, "cpu_s": cpu, "peak_rss_bytes": ru1.ru_maxrss * 1024, "rss_after_imports_bytes": rss0}
+        )
+    )
 
 
 def _run_child(approach: str, src: str, dst: str) -> dict:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [os.path.dirname(os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__)))), env.get("PYTHONPATH", "")] if p)
-    r = subprocess.run([sys.executable, "-m", "dsv3_plugin.bench.convert", "--child", approach, src, dst],
-                       env=env, capture_output=True, text=True)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p
+        for p in [
+            os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+            env.get("PYTHONPATH", ""),
+        ]
+        if p
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "dsv3_plugin.bench.convert", "--child", approach, src, dst],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     shutil.rmtree(dst, ignore_errors=True)
     if r.returncode != 0:
         raise RuntimeError(f"bench child {approach} failed:\n{r.stderr[-4000:]}")
@@ -168,13 +210,18 @@ def _dir_bytes(path: str) -> int:
 
 def run(args) -> dict:
     from tqdm import tqdm
+
     sizes = sorted(float(s) for s in args.sizes_gb.split(","))
     shard = args.shard_mb * 2**20
     runs = []
     with tempfile.TemporaryDirectory(prefix="dsv3-bench-convert-", dir=args.dir) as tmp:
-        steps = [(s, a) for s in sizes for a in ("copy", "ours", "ours_unchecked", "baseline")
-                 if not (args.skip_baseline_small and a == "baseline" and s != sizes[-1])
-                 and not (a == "ours_unchecked" and s != sizes[-1])]
+        steps = [
+            (s, a)
+            for s in sizes
+            for a in ("copy", "ours", "ours_unchecked", "baseline")
+            if not (args.skip_baseline_small and a == "baseline" and s != sizes[-1])
+            and not (a == "ours_unchecked" and s != sizes[-1])
+        ]
         bar = tqdm(total=len(steps), desc="bench convert", file=sys.stderr)
         for size in sizes:
             src = os.path.join(tmp, f"src-{size}")
@@ -209,11 +256,18 @@ def run(args) -> dict:
         "ours_peak_rss_bytes": big["ours"]["peak_rss_bytes"],
         "baseline_peak_rss_bytes": big["baseline"]["peak_rss_bytes"],
         "rss_bound_bytes": bound,
-        "ours_within_rss_bound": all(r["ours"]["peak_rss_bytes"] <= r["largest_output_shard_bytes"] + 2**30
-                                     for r in runs),
-        "peak_rss_by_size": [{"size_gb": r["size_gb"], "input_bytes": r["input_bytes"],
-                              "ours": r["ours"]["peak_rss_bytes"],
-                              "baseline": r.get("baseline", {}).get("peak_rss_bytes")} for r in runs],
+        "ours_within_rss_bound": all(
+            r["ours"]["peak_rss_bytes"] <= r["largest_output_shard_bytes"] + 2**30 for r in runs
+        ),
+        "peak_rss_by_size": [
+            {
+                "size_gb": r["size_gb"],
+                "input_bytes": r["input_bytes"],
+                "ours": r["ours"]["peak_rss_bytes"],
+                "baseline": r.get("baseline", {}).get("peak_rss_bytes"),
+            }
+            for r in runs
+        ],
         "runs": runs,
     }
 

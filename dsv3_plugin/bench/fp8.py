@@ -5,16 +5,24 @@ Headline (`ours` / `baseline` / `ratio`): per-token relative quantization error 
 per-tensor scale on activations whose token norms span 10^±1.5 and which carry outlier channels (×1000);
 `ratio` = per-tensor error / tile error (> 1: fine-grained scaling is more accurate).
 """
+
 from __future__ import annotations
 
 import statistics
 import time
 
 import torch
+
 from dsv3_plugin.bench import positive_int
-from dsv3_plugin.precision.fp8.quant import dequantize_blockwise, dequantize_tilewise, quantize_blockwise, quantize_tensorwise, quantize_tilewise
 from dsv3_plugin.config import FP8Config
 from dsv3_plugin.precision.fp8.linear import Fp8Recipe, select_backend
+from dsv3_plugin.precision.fp8.quant import (
+    dequantize_blockwise,
+    dequantize_tilewise,
+    quantize_blockwise,
+    quantize_tensorwise,
+    quantize_tilewise,
+)
 
 
 def add_arguments(p):
@@ -22,8 +30,14 @@ def add_arguments(p):
     p.add_argument("--hidden", type=positive_int, default=7168, help="columns (V3 hidden size by default)")
     p.add_argument("--outlier-scale", type=float, default=1000.0)
     p.add_argument("--repeat", type=positive_int, default=5)
-    p.add_argument("--gemm", type=positive_int, nargs=3, default=[4096, 7168, 7168], metavar=("M", "K", "N"),
-                   help="GEMM shape on GPU (CPU uses a 256x1024x1024 emulation check)")
+    p.add_argument(
+        "--gemm",
+        type=positive_int,
+        nargs=3,
+        default=[4096, 7168, 7168],
+        metavar=("M", "K", "N"),
+        help="GEMM shape on GPU (CPU uses a 256x1024x1024 emulation check)",
+    )
     p.add_argument("--device", default=None, help="cpu / cuda (default: cuda if available)")
 
 
@@ -63,10 +77,12 @@ def run(args) -> dict:
     qp, sp = quantize_tilewise(x, pow2=True)
     qb, sb = quantize_blockwise(x)
     qt, st = quantize_tensorwise(x)
-    err = {"tile_1x128": tok_err(dequantize_tilewise(q, s)),
-           "tile_1x128_pow2": tok_err(dequantize_tilewise(qp, sp)),
-           "block_128x128": tok_err(dequantize_blockwise(qb, sb)),
-           "per_tensor": tok_err(qt.float() * st)}
+    err = {
+        "tile_1x128": tok_err(dequantize_tilewise(q, s)),
+        "tile_1x128_pow2": tok_err(dequantize_tilewise(qp, sp)),
+        "block_128x128": tok_err(dequantize_blockwise(qb, sb)),
+        "per_tensor": tok_err(qt.float() * st),
+    }
     err["ratio"] = err["per_tensor"] / err["tile_1x128"]
     err["block_ratio"] = err["per_tensor"] / err["block_128x128"]
 
@@ -81,9 +97,16 @@ def run(args) -> dict:
 
     # --- GEMM: blockwise FP8 vs BF16 (GPU); on CPU only the emulation's agreement/cost is reported
     gemm = _gemm(args, device, sync)
-    return {"ours": err["tile_1x128"], "baseline": err["per_tensor"], "ratio": err["ratio"],
-            "metric": "mean per-token relative error on non-outlier channels (lower is better)",
-            "error": err, "quantize": quant, "gemm": gemm, "device": str(device)}
+    return {
+        "ours": err["tile_1x128"],
+        "baseline": err["per_tensor"],
+        "ratio": err["ratio"],
+        "metric": "mean per-token relative error on non-outlier channels (lower is better)",
+        "error": err,
+        "quantize": quant,
+        "gemm": gemm,
+        "device": str(device),
+    }
 
 
 def _gemm(args, device, sync) -> dict:
@@ -105,8 +128,14 @@ def _gemm(args, device, sync) -> dict:
     t_fp8 = _median_time(lambda: backend.gemm(qa, sa, ka, qw, sw, kw), args.repeat, sync)
     ab, wb = a.to(torch.bfloat16), w.to(torch.bfloat16)
     t_bf16 = _median_time(lambda: ab @ wb.t(), args.repeat, sync)
-    res = {"shape": [M, K, N], "backend": backend.name, "backend_reason": why, "rel_err_vs_fp32": rel,
-           "fp8_TFLOPs": flops / t_fp8 / 1e12, "bf16_TFLOPs": flops / t_bf16 / 1e12}
+    res = {
+        "shape": [M, K, N],
+        "backend": backend.name,
+        "backend_reason": why,
+        "rel_err_vs_fp32": rel,
+        "fp8_TFLOPs": flops / t_fp8 / 1e12,
+        "bf16_TFLOPs": flops / t_bf16 / 1e12,
+    }
     res["ratio"] = res["fp8_TFLOPs"] / res["bf16_TFLOPs"]
     if backend.name == "emulate":
         res["note"] = "emulation (exact FP8 semantics, not a speed path); GPU figures need an SM90 device"

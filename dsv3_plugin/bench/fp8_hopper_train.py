@@ -15,6 +15,7 @@ the hidden and FFN widths (≤ 128 at this size), where one window covers all of
 Headline: `ours` = final loss (mean of the last `--tail` steps) of hopper-128, `baseline` = the exact emulation's,
 `ratio` = ours / baseline; `no_promotion` carries hopper-none's figures.
 """
+
 from __future__ import annotations
 
 import math
@@ -28,9 +29,9 @@ import torch
 
 from dsv3_plugin.bench import positive_int
 from dsv3_plugin.config import load_config
+from dsv3_plugin.precision.fp8.hopper import mmaemu_status
 from dsv3_plugin.training.data import MarkovData
 from dsv3_plugin.training.transforms import build_model
-from dsv3_plugin.precision.fp8.hopper import mmaemu_status
 
 __all__ = ["add_arguments", "run", "RUNS", "train_run"]
 
@@ -54,9 +55,13 @@ def add_arguments(p) -> None:
 
 
 def _config(args, run_name: str) -> dict:
-    ovr = {"preset": "tiny", "model": {"num_hidden_layers": args.layers},
-           "moe": {"n_routed_experts": args.experts, "n_group": 2, "topk_group": 1, "top_k": 2},
-           "mtp": {"depth": 0}, "train": {"seq_len": args.seq_len}}
+    ovr = {
+        "preset": "tiny",
+        "model": {"num_hidden_layers": args.layers},
+        "moe": {"n_routed_experts": args.experts, "n_group": 2, "topk_group": 1, "top_k": 2},
+        "mtp": {"depth": 0},
+        "train": {"seq_len": args.seq_len},
+    }
     if run_name == "fp32":
         return ovr
     fp8 = {"enabled": True, "recipe": args.recipe}
@@ -77,8 +82,9 @@ def train_run(args, run_name: str, progress=None) -> dict:
     data = MarkovData(cfg.model.vocab_size, args.seq_len, seed=args.seed + 1)
     opt = torch.optim.AdamW(m.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     steps = args.steps
-    sched = torch.optim.lr_scheduler.LambdaLR(   # 5-step warmup, cosine to 10% of the peak
-        opt, lambda s: min(1.0, (s + 1) / 5) * (0.1 + 0.45 * (1 + math.cos(math.pi * s / steps))))
+    sched = torch.optim.lr_scheduler.LambdaLR(  # 5-step warmup, cosine to 10% of the peak
+        opt, lambda s: min(1.0, (s + 1) / 5) * (0.1 + 0.45 * (1 + math.cos(math.pi * s / steps)))
+    )
     losses = []
     t0 = time.perf_counter()
     for step in range(steps):
@@ -94,9 +100,12 @@ def train_run(args, run_name: str, progress=None) -> dict:
         if progress is not None:
             progress.update()
     rep = getattr(m, "fp8_report", None)
-    return {"loss": losses, "s_per_step": (time.perf_counter() - t0) / max(1, len(losses)),
-            "backend": rep.backend if rep is not None else "fp32 (no FP8)",
-            "recipe": rep.recipe if rep is not None else None}
+    return {
+        "loss": losses,
+        "s_per_step": (time.perf_counter() - t0) / max(1, len(losses)),
+        "backend": rep.backend if rep is not None else "fp32 (no FP8)",
+        "recipe": rep.recipe if rep is not None else None,
+    }
 
 
 def run(args) -> dict:
@@ -113,11 +122,14 @@ def _run(args) -> dict:
         if not ok:
             raise SystemExit(f"dsv3 bench fp8-hopper-train: {why}")
     if args.recipe == "blockwise" and "hopper-none" in args.runs:
-        raise SystemExit("dsv3 bench fp8-hopper-train: --runs hopper-none needs --recipe tensorwise (a per-128 "
-                         "scale is applied at promotion, so there is no 'no promotion' with blockwise scales)")
+        raise SystemExit(
+            "dsv3 bench fp8-hopper-train: --runs hopper-none needs --recipe tensorwise (a per-128 "
+            "scale is applied at promotion, so there is no 'no promotion' with blockwise scales)"
+        )
     if args.threads:
         torch.set_num_threads(args.threads)
     from tqdm import tqdm
+
     t0 = time.perf_counter()
     res = {}
     for name in args.runs:
@@ -126,11 +138,23 @@ def _run(args) -> dict:
     tail = min(args.tail, args.steps)
     for r in res.values():
         r["final_loss"] = statistics.mean(r["loss"][-tail:])
-    out = {"bench": "fp8-hopper-train",
-           "setup": {"steps": args.steps, "batch": args.batch, "seq_len": args.seq_len,
-                     "tokens_per_step": args.batch * args.seq_len, "layers": args.layers, "experts": args.experts,
-                     "recipe": args.recipe, "lr": args.lr, "seed": args.seed, "tail": tail},
-           "runs": res, "seconds": time.perf_counter() - t0}
+    out = {
+        "bench": "fp8-hopper-train",
+        "setup": {
+            "steps": args.steps,
+            "batch": args.batch,
+            "seq_len": args.seq_len,
+            "tokens_per_step": args.batch * args.seq_len,
+            "layers": args.layers,
+            "experts": args.experts,
+            "recipe": args.recipe,
+            "lr": args.lr,
+            "seed": args.seed,
+            "tail": tail,
+        },
+        "runs": res,
+        "seconds": time.perf_counter() - t0,
+    }
     if "emulate" in res:
         ref = res["emulate"]["loss"]
         for name, r in res.items():
@@ -138,11 +162,17 @@ def _run(args) -> dict:
             r["max_rel_diff_vs_emulate"] = max(abs(a - b) / abs(b) for a, b in zip(r["loss"][:n], ref[:n]))
         if "hopper-128" in res:
             ours, base = res["hopper-128"]["final_loss"], res["emulate"]["final_loss"]
-            out.update(ours=ours, baseline=base, ratio=ours / base,
-                       headline="final loss: Hopper-modeled FP8 with promotion every 128 (ours) vs exact emulation")
+            out.update(
+                ours=ours,
+                baseline=base,
+                ratio=ours / base,
+                headline="final loss: Hopper-modeled FP8 with promotion every 128 (ours) vs exact emulation",
+            )
         if "hopper-none" in res:
-            out["no_promotion"] = {"final_loss": res["hopper-none"]["final_loss"],
-                                   "ratio_vs_emulate": res["hopper-none"]["final_loss"] / res["emulate"]["final_loss"]}
+            out["no_promotion"] = {
+                "final_loss": res["hopper-none"]["final_loss"],
+                "ratio_vs_emulate": res["hopper-none"]["final_loss"] / res["emulate"]["final_loss"],
+            }
     if args.png:
         out["png"] = plot(out, args.png)
     return out
@@ -151,8 +181,10 @@ def _run(args) -> dict:
 def plot(out: dict, path: str) -> str:
     """Left: loss per step of every run. Right: each FP8 run's loss minus the exact emulation's. Atomic write."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     runs = out["runs"]
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12.5, 4.6))
     colors = {"fp32": "tab:gray", "emulate": "k", "hopper-128": "tab:blue", "hopper-none": "tab:red"}
@@ -168,16 +200,23 @@ def plot(out: dict, path: str) -> str:
             if name == "emulate":
                 continue
             n = min(len(ref), len(r["loss"]))
-            ax2.plot(range(1, n + 1), [a - b for a, b in zip(r["loss"][:n], ref[:n])], label=f"{name} − emulate",
-                     color=colors.get(name), lw=1.3)
+            ax2.plot(
+                range(1, n + 1),
+                [a - b for a, b in zip(r["loss"][:n], ref[:n])],
+                label=f"{name} − emulate",
+                color=colors.get(name),
+                lw=1.3,
+            )
         ax2.axhline(0, color="k", lw=0.8)
         ax2.set_xlabel("step")
         ax2.set_ylabel("loss difference to the exact emulation")
         ax2.legend()
         ax2.grid(alpha=0.3)
     s = out["setup"]
-    fig.suptitle(f"FP8 ({s['recipe']}) training under modeled Hopper accumulation: {s['layers']} layers, "
-                 f"{s['tokens_per_step']} tokens/step (Wgrad K), {s['steps']} steps")
+    fig.suptitle(
+        f"FP8 ({s['recipe']}) training under modeled Hopper accumulation: {s['layers']} layers, "
+        f"{s['tokens_per_step']} tokens/step (Wgrad K), {s['steps']} steps"
+    )
     fig.tight_layout()
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)

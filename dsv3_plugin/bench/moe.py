@@ -5,6 +5,7 @@ is `roofline_fraction` (how close the grouped expert computation gets to what th
 FLOPs counted: router, routed experts (3 GEMMs per (token, expert) pair) and shared experts, forward
 (2·m·n·k per GEMM) plus backward (2× forward). Element-wise work is not counted.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -12,6 +13,7 @@ import sys
 import time
 
 import torch
+
 from dsv3_plugin.bench import positive_int
 from dsv3_plugin.config import MoEConfig
 from dsv3_plugin.model.moe.layer import DeepSeekMoE
@@ -34,15 +36,21 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
-def build_pair(tokens=2048, hidden=256, ffn=128, experts=64, top_k=8, groups=8, topk_group=4, shared=1,
-               seed=0):
+def build_pair(tokens=2048, hidden=256, ffn=128, experts=64, top_k=8, groups=8, topk_group=4, shared=1, seed=0):
     """(ours, theirs, x): our DeepSeekMoE and transformers' DeepseekV3MoE holding identical fp32 weights."""
     from transformers import DeepseekV3Config
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
-
-    cfg = MoEConfig(n_routed_experts=experts, n_shared_experts=shared, intermediate_size=ffn, top_k=top_k,
-                    n_group=groups, topk_group=topk_group, route_scale=2.5, seq_aux_alpha=0.0)
+    cfg = MoEConfig(
+        n_routed_experts=experts,
+        n_shared_experts=shared,
+        intermediate_size=ffn,
+        top_k=top_k,
+        n_group=groups,
+        topk_group=topk_group,
+        route_scale=2.5,
+        seq_aux_alpha=0.0,
+    )
     ours = DeepSeekMoE(hidden, cfg)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -50,11 +58,21 @@ def build_pair(tokens=2048, hidden=256, ffn=128, experts=64, top_k=8, groups=8, 
             p.copy_(torch.randn(p.shape, generator=g) * 0.05)
         ours.gate.weight.mul_(4)  # spread the router's scores as a trained router would
         ours.gate.e_score_correction_bias.copy_(torch.randn(experts, generator=g) * 0.01)
-    hc = DeepseekV3Config(hidden_size=hidden, moe_intermediate_size=ffn, n_routed_experts=experts,
-                          num_experts_per_tok=top_k, n_group=groups, topk_group=topk_group,
-                          n_shared_experts=shared, routed_scaling_factor=2.5, norm_topk_prob=True,
-                          intermediate_size=4 * hidden, num_hidden_layers=1, num_attention_heads=4,
-                          vocab_size=32)
+    hc = DeepseekV3Config(
+        hidden_size=hidden,
+        moe_intermediate_size=ffn,
+        n_routed_experts=experts,
+        num_experts_per_tok=top_k,
+        n_group=groups,
+        topk_group=topk_group,
+        n_shared_experts=shared,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        vocab_size=32,
+    )
     theirs = DeepseekV3MoE(hc)
     with torch.no_grad():
         theirs.gate.weight.copy_(ours.gate.weight)
@@ -72,9 +90,9 @@ def build_pair(tokens=2048, hidden=256, ffn=128, experts=64, top_k=8, groups=8, 
 
 def moe_flops(tokens, hidden, ffn, experts, top_k, shared) -> float:
     """Forward + backward GEMM FLOPs of one MoE layer (backward = 2× forward)."""
-    fwd = 2 * tokens * hidden * experts                       # router
-    fwd += 2 * tokens * top_k * 3 * hidden * ffn              # routed experts: gate, up, down
-    fwd += 2 * tokens * 3 * hidden * ffn * shared             # shared experts
+    fwd = 2 * tokens * hidden * experts  # router
+    fwd += 2 * tokens * top_k * 3 * hidden * ffn  # routed experts: gate, up, down
+    fwd += 2 * tokens * 3 * hidden * ffn * shared  # shared experts
     return 3.0 * fwd
 
 
@@ -95,8 +113,17 @@ def run(args) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    ours, theirs, x = build_pair(args.tokens, args.hidden, args.ffn, args.experts, args.top_k, args.groups,
-                                 args.topk_group, args.shared, args.seed)
+    ours, theirs, x = build_pair(
+        args.tokens,
+        args.hidden,
+        args.ffn,
+        args.experts,
+        args.top_k,
+        args.groups,
+        args.topk_group,
+        args.shared,
+        args.seed,
+    )
     g_out = torch.randn_like(x)
     # Same numbers first (a faster wrong layer is worthless).
     y1 = _fwd_bwd(ours, x, g_out)
@@ -115,26 +142,43 @@ def run(args) -> dict:
         tg = _time(lambda: torch.mm(a, b))
         if i:  # first round warms caches/allocator
             t_ours.append(to), t_theirs.append(tt), t_gemm.append(tg)
-        print(f"[bench moe] round {i}: ours {to * 1e3:.1f} ms, transformers {tt * 1e3:.1f} ms, "
-              f"gemm {tg * 1e3:.1f} ms", file=sys.stderr)
+        print(
+            f"[bench moe] round {i}: ours {to * 1e3:.1f} ms, transformers {tt * 1e3:.1f} ms, gemm {tg * 1e3:.1f} ms",
+            file=sys.stderr,
+        )
     # Best of N for all three (the run least disturbed by other load on a shared machine); medians are
     # reported too.
     to, tt, tg = min(t_ours), min(t_theirs), min(t_gemm)
-    med = {"ours_ms": statistics.median(t_ours) * 1e3, "theirs_ms": statistics.median(t_theirs) * 1e3,
-           "gemm_ms": statistics.median(t_gemm) * 1e3}
+    med = {
+        "ours_ms": statistics.median(t_ours) * 1e3,
+        "theirs_ms": statistics.median(t_theirs) * 1e3,
+        "gemm_ms": statistics.median(t_gemm) * 1e3,
+    }
     flops = moe_flops(args.tokens, args.hidden, args.ffn, args.experts, args.top_k, args.shared)
-    gemm_gflops = 2 * args.gemm ** 3 / tg / 1e9
+    gemm_gflops = 2 * args.gemm**3 / tg / 1e9
     ours_gflops = flops / to / 1e9
     theirs_gflops = flops / tt / 1e9
     impl = getattr(theirs.config, "_experts_implementation", None) or "eager"
     return {
         "bench": "moe",
-        "shape": {"tokens": args.tokens, "hidden": args.hidden, "ffn": args.ffn, "experts": args.experts,
-                  "top_k": args.top_k, "n_group": args.groups, "topk_group": args.topk_group,
-                  "shared": args.shared, "dtype": "float32"},
+        "shape": {
+            "tokens": args.tokens,
+            "hidden": args.hidden,
+            "ffn": args.ffn,
+            "experts": args.experts,
+            "top_k": args.top_k,
+            "n_group": args.groups,
+            "topk_group": args.topk_group,
+            "shared": args.shared,
+            "dtype": "float32",
+        },
         "ours": {"tokens_per_s": args.tokens / to, "ms": to * 1e3, "gflops": ours_gflops},
-        "theirs": {"name": f"transformers DeepseekV3MoE ({impl} experts)", "tokens_per_s": args.tokens / tt,
-                   "ms": tt * 1e3, "gflops": theirs_gflops},
+        "theirs": {
+            "name": f"transformers DeepseekV3MoE ({impl} experts)",
+            "tokens_per_s": args.tokens / tt,
+            "ms": tt * 1e3,
+            "gflops": theirs_gflops,
+        },
         "ratio": tt / to,
         "gemm_gflops": gemm_gflops,
         "roofline_fraction": ours_gflops / gemm_gflops,

@@ -15,6 +15,7 @@ of each engine is a warm-up and not measured.
 `--timeline-rank`, by default pipeline rank pp - 1, whose two chunks are DualPipeV's middle stages) as a
 computation and a communication lane (`pipeline.overlap_timeline`); `--events JSON` writes its events.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,8 +38,12 @@ OPS = ("F", "B", "I", "W", "FB")
 
 def add_arguments(p):
     p.add_argument("--pp", type=positive_int, default=2, help="pipeline ranks")
-    p.add_argument("--ep", type=positive_int, default=2, help="expert-parallel degree (= data-parallel ranks; "
-                                                              "pp x ep spawned gloo processes)")
+    p.add_argument(
+        "--ep",
+        type=positive_int,
+        default=2,
+        help="expert-parallel degree (= data-parallel ranks; pp x ep spawned gloo processes)",
+    )
     p.add_argument("--schedule", choices=SCHEDULE_CHOICES, default="dualpipev", help="pipeline schedule")
     p.add_argument("--preset", default="small", help="dsv3 preset of the model")
     p.add_argument("--layers", type=positive_int, default=4, help="decoder layers")
@@ -50,20 +55,32 @@ def add_arguments(p):
     p.add_argument("--fp8-dispatch", action="store_true", help="FP8 dispatch payload (fp8.enabled, fp8.dispatch)")
     p.add_argument("--timeline", metavar="PNG", default=None, help="draw one measured FB pair with the hook")
     p.add_argument("--events", metavar="JSON", default=None, help="write that pair's timeline events")
-    p.add_argument("--timeline-rank", type=int, default=None,
-                   help="global rank whose pair is drawn (default: pp - 1, i.e. the last pipeline rank of dp rank 0)")
+    p.add_argument(
+        "--timeline-rank",
+        type=int,
+        default=None,
+        help="global rank whose pair is drawn (default: pp - 1, i.e. the last pipeline rank of dp rank 0)",
+    )
 
 
 def _ds(a: dict, hook: bool) -> dict:
-    return {"train_micro_batch_size_per_gpu": a["micro_batch"], "gradient_accumulation_steps": a["chunks"],
-            "gradient_clipping": 1.0, "steps_per_print": 10 ** 9, "zero_optimization": {"stage": 1},
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-            "dsv3": {"preset": a["preset"], "model": {"num_hidden_layers": a["layers"]},
-                     "moe": {"ranks_per_node": 1},
-                     "parallel": {"pp": a["pp"], "ep": a["ep"], "schedule": a["schedule"], "overlap_ep_comm": hook},
-                     "mtp": {"depth": a["mtp_depth"]},
-                     **({"fp8": {"enabled": True, "dispatch": True}} if a["fp8_dispatch"] else {}),
-                     "train": {"seq_len": a["seq_len"], "seed": 1234}}}
+    return {
+        "train_micro_batch_size_per_gpu": a["micro_batch"],
+        "gradient_accumulation_steps": a["chunks"],
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**9,
+        "zero_optimization": {"stage": 1},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "dsv3": {
+            "preset": a["preset"],
+            "model": {"num_hidden_layers": a["layers"]},
+            "moe": {"ranks_per_node": 1},
+            "parallel": {"pp": a["pp"], "ep": a["ep"], "schedule": a["schedule"], "overlap_ep_comm": hook},
+            "mtp": {"depth": a["mtp_depth"]},
+            **({"fp8": {"enabled": True, "dispatch": True}} if a["fp8_dispatch"] else {}),
+            "train": {"seq_len": a["seq_len"], "seed": 1234},
+        },
+    }
 
 
 def _per_op(times: list[dict]) -> dict:
@@ -97,7 +114,7 @@ def _rank_main(a: dict) -> dict:
     for step in range(a["steps"] + 1):
         parts = [data.batch(step, m, pe.g.dp_rank, a["micro_batch"]) for m in range(a["chunks"])]
         ids, labels = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-        for hook in ((True, False) if step % 2 == 0 else (False, True)):
+        for hook in (True, False) if step % 2 == 0 else (False, True):
             if hook and step == a["steps"] and fb_ops:
                 with overlap.recording(pair_index=pick) as rec:
                     losses[hook].append(engines[hook].train_step(ids, labels)["loss"])
@@ -105,21 +122,40 @@ def _rank_main(a: dict) -> dict:
                 events = [{**ev, "mb": op.mb if ev["chunk"] == "F" else op.mb2} for ev in rec.finished()]
             else:
                 losses[hook].append(engines[hook].train_step(ids, labels)["loss"])
-    res = {"events": events, "fb_op": str(fb_ops[pick]) if fb_ops else None, "n_fb": len(fb_ops),
-           "losses_equal": losses[True] == losses[False], "losses": losses[True],
-           "engines_overlap_ep": [engines[True].overlap_ep, engines[False].overlap_ep]}
+    res = {
+        "events": events,
+        "fb_op": str(fb_ops[pick]) if fb_ops else None,
+        "n_fb": len(fb_ops),
+        "losses_equal": losses[True] == losses[False],
+        "losses": losses[True],
+        "engines_overlap_ep": [engines[True].overlap_ep, engines[False].overlap_ep],
+    }
     for hook, eng in engines.items():
         times = eng.step_times[1:]
-        res["hook" if hook else "sequential"] = {"per_op": _per_op(times), "wall_s": sum(t["wall_s"] for t in times),
-                                                 "fb_hook": sum(t["fb_hook"] for t in times)}
+        res["hook" if hook else "sequential"] = {
+            "per_op": _per_op(times),
+            "wall_s": sum(t["wall_s"] for t in times),
+            "fb_hook": sum(t["fb_hook"] for t in times),
+        }
     return res
 
 
 def run(args) -> dict:
     import sys
-    a = {"pp": args.pp, "ep": args.ep, "schedule": args.schedule, "preset": args.preset, "layers": args.layers,
-         "seq_len": args.seq_len, "mtp_depth": args.mtp_depth, "micro_batch": args.micro_batch,
-         "chunks": args.chunks, "steps": args.steps, "fp8_dispatch": args.fp8_dispatch}
+
+    a = {
+        "pp": args.pp,
+        "ep": args.ep,
+        "schedule": args.schedule,
+        "preset": args.preset,
+        "layers": args.layers,
+        "seq_len": args.seq_len,
+        "mtp_depth": args.mtp_depth,
+        "micro_batch": args.micro_batch,
+        "chunks": args.chunks,
+        "steps": args.steps,
+        "fp8_dispatch": args.fp8_dispatch,
+    }
     try:
         check_chunks(args.schedule, args.pp, args.chunks, chunks_key="--chunks", pp_key="--pp")
         if args.ep < 2:
@@ -140,9 +176,12 @@ def run(args) -> dict:
         res["events"] = args.events
     if args.timeline and ev:
         tl = res["timeline_pair"]
-        title = (f"measured FB pair {tl['op']} on rank {rank} (pipeline rank {rank % args.pp}; {args.schedule}, pp={args.pp}, ep={args.ep}, gloo, "
-                 f"{args.preset} x {args.layers} layers): {tl['pair_s'] * 1e3:.1f} ms, of which neither chunk "
-                 f"computes {tl['exposed_s'] * 1e3:.1f} ms")
+        title = (
+            f"measured FB pair {tl['op']} on rank {rank} (pipeline rank {rank % args.pp}; {args.schedule}, "
+            f"pp={args.pp}, ep={args.ep}, gloo, "
+            f"{args.preset} x {args.layers} layers): {tl['pair_s'] * 1e3:.1f} ms, of which neither chunk "
+            f"computes {tl['exposed_s'] * 1e3:.1f} ms"
+        )
         res["timeline"] = plot_overlap_timeline(ev, args.timeline, title)
     return res
 
@@ -167,10 +206,13 @@ def summarize(per_rank: list[dict], a: dict, timeline_rank: int = 0) -> dict:
         row = {"rank": r, "pp_rank": r % pp, "fb_pairs": n_fb}
         for v in ("hook", "sequential"):
             fb = pr[v]["per_op"].get("FB", {"op_s": 0.0, "a2a_wait_s": 0.0, "p2p_wait_s": 0.0, "compute_s": 0.0})
-            row[v] = {"per_op": pr[v]["per_op"], "step_wall_s": pr[v]["wall_s"] / steps,
-                      "fb_pair_wall_s": fb["op_s"] / max(n_fb, 1),
-                      "fb_pair_a2a_wait_s": fb["a2a_wait_s"] / max(n_fb, 1),
-                      "fb_pairs_through_hook": pr[v]["fb_hook"]}
+            row[v] = {
+                "per_op": pr[v]["per_op"],
+                "step_wall_s": pr[v]["wall_s"] / steps,
+                "fb_pair_wall_s": fb["op_s"] / max(n_fb, 1),
+                "fb_pair_a2a_wait_s": fb["a2a_wait_s"] / max(n_fb, 1),
+                "fb_pairs_through_hook": pr[v]["fb_hook"],
+            }
         res["ranks"].append(row)
 
     def mean(v, key):
@@ -178,8 +220,10 @@ def summarize(per_rank: list[dict], a: dict, timeline_rank: int = 0) -> dict:
 
     ours, base = mean("hook", "fb_pair_a2a_wait_s"), mean("sequential", "fb_pair_a2a_wait_s")
     wall_h, wall_s = mean("hook", "fb_pair_wall_s"), mean("sequential", "fb_pair_wall_s")
-    res["figure"] = ("exposed EP all-to-all time per FB pair (s, mean over ranks), overlap hook (ours) vs F then B "
-                     "(baseline), same run")
+    res["figure"] = (
+        "exposed EP all-to-all time per FB pair (s, mean over ranks), overlap hook (ours) vs F then B "
+        "(baseline), same run"
+    )
     res["ours"], res["baseline"], res["ratio"] = ours, base, base / max(ours, 1e-12)
     res["fb_pair_wall_s"] = {"hook": wall_h, "sequential": wall_s, "ratio": wall_s / max(wall_h, 1e-12)}
     res["step_wall_s"] = {"hook": mean("hook", "step_wall_s"), "sequential": mean("sequential", "step_wall_s")}
@@ -189,6 +233,10 @@ def summarize(per_rank: list[dict], a: dict, timeline_rank: int = 0) -> dict:
     if ev:
         pair = max(e["end"] for e in ev) - min(e["start"] for e in ev)
         busy = _union([(e["start"], e["end"]) for e in ev if e["lane"] == "compute"])
-        res["timeline_pair"] = {"rank": timeline_rank, "op": per_rank[timeline_rank]["fb_op"], "pair_s": pair,
-                                "exposed_s": pair - busy}
+        res["timeline_pair"] = {
+            "rank": timeline_rank,
+            "op": per_rank[timeline_rank]["fb_op"],
+            "pair_s": pair,
+            "exposed_s": pair - busy,
+        }
     return res

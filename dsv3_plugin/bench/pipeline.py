@@ -13,6 +13,7 @@ apart as `grad_sync_s`). `ours` is the mean idle fraction with the split, `basel
 without it, `ratio` = baseline / ours (> 1: the split idles less). `w_closures` counts the deferred weight-gradient jobs
 the W ops ran (0 without the split: what runs really differs).
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,31 +26,47 @@ from dsv3_plugin.schedule_traits import SCHEDULES, check_chunks
 from dsv3_plugin.training.data import MarkovData
 from dsv3_plugin.training.transforms import build_model
 
-SCHEDULE_CHOICES = sorted(n for n, t in SCHEDULES.items() if t.has_w and n != "zb1p")   # what `dsv3 train` runs
+SCHEDULE_CHOICES = sorted(n for n, t in SCHEDULES.items() if t.has_w and n != "zb1p")  # what `dsv3 train` runs
 
 
 def add_arguments(p):
     p.add_argument("--pp", type=positive_int, default=2, help="pipeline ranks (spawned gloo processes)")
-    p.add_argument("--schedule", choices=SCHEDULE_CHOICES + ["all"], default="all",
-                   help="pipeline schedule(s) to measure (default: all with W ops)")
+    p.add_argument(
+        "--schedule",
+        choices=SCHEDULE_CHOICES + ["all"],
+        default="all",
+        help="pipeline schedule(s) to measure (default: all with W ops)",
+    )
     p.add_argument("--preset", default="tiny", help="dsv3 preset of the model")
     p.add_argument("--layers", type=positive_int, default=4, help="decoder layers")
     p.add_argument("--seq-len", type=positive_int, default=64, help="tokens per sequence")
-    p.add_argument("--mtp-depth", type=int, default=None,
-                   help="MTP depth (default: the preset's; 0 balances DualPipe(V)'s stages: MTP sits on the last one)")
+    p.add_argument(
+        "--mtp-depth",
+        type=int,
+        default=None,
+        help="MTP depth (default: the preset's; 0 balances DualPipe(V)'s stages: MTP sits on the last one)",
+    )
     p.add_argument("--micro-batch", type=positive_int, default=2, help="sequences per micro-batch")
     p.add_argument("--chunks", type=positive_int, default=8, help="micro-batches per step (>= 2 x pp)")
     p.add_argument("--steps", type=positive_int, default=4, help="measured steps per variant (after one warm-up)")
 
 
 def _ds(a: dict, schedule: str, split: bool) -> dict:
-    return {"train_micro_batch_size_per_gpu": a["micro_batch"], "gradient_accumulation_steps": a["chunks"],
-            "gradient_clipping": 1.0, "steps_per_print": 10 ** 9, "zero_optimization": {"stage": 1},
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-            "dsv3": {"preset": a["preset"], "model": {"num_hidden_layers": a["layers"]},
-                     "parallel": {"pp": a["pp"], "schedule": schedule, "split_weight_grads": split},
-                     "train": {"seq_len": a["seq_len"], "seed": 1234},
-                     **({} if a["mtp_depth"] is None else {"mtp": {"depth": a["mtp_depth"]}})}}
+    return {
+        "train_micro_batch_size_per_gpu": a["micro_batch"],
+        "gradient_accumulation_steps": a["chunks"],
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**9,
+        "zero_optimization": {"stage": 1},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "dsv3": {
+            "preset": a["preset"],
+            "model": {"num_hidden_layers": a["layers"]},
+            "parallel": {"pp": a["pp"], "schedule": schedule, "split_weight_grads": split},
+            "train": {"seq_len": a["seq_len"], "seed": 1234},
+            **({} if a["mtp_depth"] is None else {"mtp": {"depth": a["mtp_depth"]}}),
+        },
+    }
 
 
 def _rank_main(a: dict) -> dict:
@@ -67,7 +84,7 @@ def _rank_main(a: dict) -> dict:
         for step in range(a["steps"] + 1):
             parts = [data.batch(step, m, 0, a["micro_batch"]) for m in range(a["chunks"])]
             ids, labels = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-            for split in ((True, False) if step % 2 == 0 else (False, True)):
+            for split in (True, False) if step % 2 == 0 else (False, True):
                 engines[split].train_step(ids, labels)
         res = {}
         for split, pe in engines.items():
@@ -78,10 +95,19 @@ def _rank_main(a: dict) -> dict:
 
 def run(args) -> dict:
     import sys
+
     schedules = SCHEDULE_CHOICES if args.schedule == "all" else [args.schedule]
-    a = {"pp": args.pp, "preset": args.preset, "layers": args.layers, "seq_len": args.seq_len,
-         "micro_batch": args.micro_batch, "chunks": args.chunks, "steps": args.steps, "mtp_depth": args.mtp_depth,
-         "schedules": schedules}
+    a = {
+        "pp": args.pp,
+        "preset": args.preset,
+        "layers": args.layers,
+        "seq_len": args.seq_len,
+        "micro_batch": args.micro_batch,
+        "chunks": args.chunks,
+        "steps": args.steps,
+        "mtp_depth": args.mtp_depth,
+        "schedules": schedules,
+    }
     try:
         for s in schedules:
             check_chunks(s, args.pp, args.chunks, chunks_key="--chunks", pp_key="--pp")
@@ -100,12 +126,16 @@ def run(args) -> dict:
         res["schedules"][s] = {
             "idle_fraction_split": [r["idle_fraction"] for r in on],
             "idle_fraction_no_split": [r["idle_fraction"] for r in off],
-            "idle_fraction_split_mean": mean_on, "idle_fraction_no_split_mean": mean_off,
+            "idle_fraction_split_mean": mean_on,
+            "idle_fraction_no_split_mean": mean_off,
             "ratio": mean_off / max(mean_on, 1e-12),
             "per_rank": [{"rank": i, "split": r_on, "no_split": r_off} for i, (r_on, r_off) in enumerate(zip(on, off))],
         }
     first = res["schedules"][schedules[0]]
     res["figure"] = f"mean idle fraction of {schedules[0]}'s training step, W split on (ours) vs off (baseline)"
-    res["ours"], res["baseline"], res["ratio"] = (first["idle_fraction_split_mean"],
-                                                  first["idle_fraction_no_split_mean"], first["ratio"])
+    res["ours"], res["baseline"], res["ratio"] = (
+        first["idle_fraction_split_mean"],
+        first["idle_fraction_no_split_mean"],
+        first["ratio"],
+    )
     return res

@@ -14,6 +14,7 @@ dtype rule (`dtype`, default bf16): FP8 weights are dequantized to `dtype`; othe
 upcast to `dtype` when narrower, and never downcast (the fp32 router bias stays fp32). So BF16 sources
 round-trip bit-exactly through the Megatron layout with the default.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -21,17 +22,17 @@ import json
 import os
 import shutil
 import sys
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import torch
 
+from dsv3_plugin.checkpoint.hf import model_config
+from dsv3_plugin.checkpoint.integrity import check_finite, load_json
+from dsv3_plugin.checkpoint.megatron_layout import MegatronLayout
+from dsv3_plugin.checkpoint.names import released_names, released_shapes
+from dsv3_plugin.checkpoint.reader import INDEX_NAME, CheckpointReader, read_safetensors_header
+from dsv3_plugin.checkpoint.writer import StreamingSafetensorsWriter
 from dsv3_plugin.errors import CheckpointError
-from .hf import model_config
-from .integrity import check_finite, load_json
-from .megatron_layout import MegatronLayout
-from .names import released_names, released_shapes
-from .reader import INDEX_NAME, CheckpointReader, read_safetensors_header
-from .writer import StreamingSafetensorsWriter
 
 __all__ = ["convert", "load_megatron_rank", "read_layout", "atomic_output_dir", "LAYOUT_NAME", "DTYPES"]
 
@@ -52,7 +53,7 @@ def atomic_output_dir(dst: str) -> Iterator[str]:
     os.makedirs(parent, exist_ok=True)
     prefix = f".{base}.partial-"
     for stale in os.listdir(parent):  # leftovers of killed runs whose process is gone
-        if stale.startswith(prefix) and stale[len(prefix):].isdigit() and not _alive(int(stale[len(prefix):])):
+        if stale.startswith(prefix) and stale[len(prefix) :].isdigit() and not _alive(int(stale[len(prefix) :])):
             shutil.rmtree(os.path.join(parent, stale), ignore_errors=True)
     tmp = os.path.join(parent, f"{prefix}{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -107,8 +108,17 @@ def _get(reader: CheckpointReader, name: str, dtype: torch.dtype, bufs: _OutBuff
 
 def _progress(total: int, enabled: bool, desc: str):
     from tqdm import tqdm
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, file=sys.stderr,
-                disable=not enabled, dynamic_ncols=True)
+
+    return tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc=desc,
+        file=sys.stderr,
+        disable=not enabled,
+        dynamic_ncols=True,
+    )
 
 
 def _copy_side_files(src: str, dst: str, skip: set[str]) -> None:
@@ -134,13 +144,15 @@ def _check_names(reader: CheckpointReader) -> None:
         raise CheckpointError(f"{missing[0]}: missing from {reader.path} ({len(missing)} tensors missing)")
     extra = sorted(have - req - opt)
     if extra:
-        raise CheckpointError(f"{extra[0]} in {reader.info(extra[0]).file}: unexpected tensor "
-                              f"({len(extra)} unexpected)")
+        raise CheckpointError(
+            f"{extra[0]} in {reader.info(extra[0]).file}: unexpected tensor ({len(extra)} unexpected)"
+        )
     shapes = released_shapes(reader.config)
     for n in reader.names():
         if tuple(reader.shape(n)) != shapes[n]:
-            raise CheckpointError(f"{n} in {reader.info(n).file}: shape {list(reader.shape(n))}, config.json implies "
-                                  f"{list(shapes[n])}")
+            raise CheckpointError(
+                f"{n} in {reader.info(n).file}: shape {list(reader.shape(n))}, config.json implies {list(shapes[n])}"
+            )
 
 
 def _write_json(path: str, obj: dict) -> None:
@@ -158,8 +170,14 @@ def _to_hf_from_released(reader: CheckpointReader, out: str, dtype: torch.dtype,
     with bar:
         for src_file, names in by_file.items():
             fn = os.path.basename(src_file)
-            specs = [(n, reader.out_dtype(n, _target_dtype(reader.info(n).torch_dtype, reader.is_fp8(n), dtype)),
-                      reader.shape(n)) for n in names]
+            specs = [
+                (
+                    n,
+                    reader.out_dtype(n, _target_dtype(reader.info(n).torch_dtype, reader.is_fp8(n), dtype)),
+                    reader.shape(n),
+                )
+                for n in names
+            ]
             with StreamingSafetensorsWriter(os.path.join(out, fn), specs, {"format": "pt"}) as w:
                 for n, dt, _ in specs:
                     w.write(n, _get(reader, n, dt, bufs))
@@ -197,8 +215,10 @@ def _to_megatron(reader: CheckpointReader, out: str, pp: int, ep: int, dtype: to
                 dts = {_target_dtype(reader.info(h).torch_dtype, reader.is_fp8(h), dtype) for h in hfs}
                 shapes = [reader.shape(h) for h in hfs]
                 if len(dts) != 1 or len({sh[1:] for sh in shapes}) != 1:
-                    raise CheckpointError(f"{hfs[0]} in {reader.info(hfs[0]).file}: cannot be fused with {hfs[1]} "
-                                          f"into {mc} (shapes {shapes}, dtypes {sorted(map(str, dts))})")
+                    raise CheckpointError(
+                        f"{hfs[0]} in {reader.info(hfs[0]).file}: cannot be fused with {hfs[1]} "
+                        f"into {mc} (shapes {shapes}, dtypes {sorted(map(str, dts))})"
+                    )
                 dt = dts.pop()
                 shape = (sum(sh[0] for sh in shapes),) + tuple(shapes[0][1:])
                 specs.append((mc, dt, shape))
@@ -209,10 +229,15 @@ def _to_megatron(reader: CheckpointReader, out: str, pp: int, ep: int, dtype: to
                         w.write(mc, _get(reader, h, dt, bufs))
                         bar.update(reader.input_bytes(h))
                 total += w.total_bytes
-            meta_files[fn] = {"stage": s, "ep_rank": r,
-                              "tensors": {mc: [[h, reader.shape(h)[0]] for h in hfs] for mc, _, hfs in plan}}
-    _write_json(os.path.join(out, LAYOUT_NAME), {"format": LAYOUT_FORMAT, "version": 1, "dtype": _DTYPE_JSON[dtype],
-                                                 **layout.describe(), "files": meta_files})
+            meta_files[fn] = {
+                "stage": s,
+                "ep_rank": r,
+                "tensors": {mc: [[h, reader.shape(h)[0]] for h in hfs] for mc, _, hfs in plan},
+            }
+    _write_json(
+        os.path.join(out, LAYOUT_NAME),
+        {"format": LAYOUT_FORMAT, "version": 1, "dtype": _DTYPE_JSON[dtype], **layout.describe(), "files": meta_files},
+    )
     return {"tensors": len(reader.names()), "files": len(files), "output_bytes": total}
 
 
@@ -225,14 +250,27 @@ def read_layout(src: str) -> dict:
     for fn, fmeta in lay["files"].items():
         tensors = fmeta.get("tensors") if isinstance(fmeta, dict) else None
         if not isinstance(tensors, dict) or not all(
-                isinstance(parts, list) and parts and all(
-                    isinstance(x, list) and len(x) == 2 and isinstance(x[0], str) and isinstance(x[1], int)
-                    and not isinstance(x[1], bool) and x[1] >= 0 for x in parts)
-                for parts in tensors.values()):
-            raise CheckpointError(f"{p}: entry for {fn!r} must be {{\"tensors\": {{name: [[released name, rows], ...]}}}}")
-        if not all(isinstance(fmeta.get(k), int) and not isinstance(fmeta.get(k), bool) and fmeta[k] >= 0
-                   for k in ("stage", "ep_rank")):
-            raise CheckpointError(f"{p}: entry for {fn!r} needs non-negative integer \"stage\" and \"ep_rank\"")
+            isinstance(parts, list)
+            and parts
+            and all(
+                isinstance(x, list)
+                and len(x) == 2
+                and isinstance(x[0], str)
+                and isinstance(x[1], int)
+                and not isinstance(x[1], bool)
+                and x[1] >= 0
+                for x in parts
+            )
+            for parts in tensors.values()
+        ):
+            raise CheckpointError(
+                f'{p}: entry for {fn!r} must be {{"tensors": {{name: [[released name, rows], ...]}}}}'
+            )
+        if not all(
+            isinstance(fmeta.get(k), int) and not isinstance(fmeta.get(k), bool) and fmeta[k] >= 0
+            for k in ("stage", "ep_rank")
+        ):
+            raise CheckpointError(f'{p}: entry for {fn!r} needs non-negative integer "stage" and "ep_rank"')
     return lay
 
 
@@ -252,8 +290,9 @@ def _check_megatron_files(src: str, lay: dict) -> dict[str, dict]:
             if sum(rows for _, rows in parts) != (infos[mc].shape[0] if infos[mc].shape else 1):
                 raise CheckpointError(f"{mc} in {fp}: {infos[mc].shape} does not hold the rows of {parts}")
             if infos[mc].dtype not in ("F32", "BF16", "F16", "F64"):
-                raise CheckpointError(f"{mc} in {fp}: dtype {infos[mc].dtype} (the Megatron layout holds "
-                                      "floating-point weights)")
+                raise CheckpointError(
+                    f"{mc} in {fp}: dtype {infos[mc].dtype} (the Megatron layout holds floating-point weights)"
+                )
         extra = sorted(set(infos) - set(fmeta["tensors"]))
         if extra:
             raise CheckpointError(f"{extra[0]} in {fp}: unexpected tensor, not listed in {LAYOUT_NAME}")
@@ -261,9 +300,9 @@ def _check_megatron_files(src: str, lay: dict) -> dict[str, dict]:
     return headers
 
 
-def _to_hf_from_megatron(src: str, out: str, dtype: Optional[torch.dtype], progress: bool,
-                         allow_non_finite: bool) -> dict:
+def _to_hf_from_megatron(src: str, out: str, dtype: torch.dtype | None, progress: bool, allow_non_finite: bool) -> dict:
     from safetensors import safe_open
+
     lay = read_layout(src)
     headers = _check_megatron_files(src, lay)
     nonempty = [fn for fn in lay["files"] if lay["files"][fn]["tensors"]]
@@ -286,8 +325,10 @@ def _to_hf_from_megatron(src: str, out: str, dtype: Optional[torch.dtype], progr
                     specs.append((hf, dt, shape))
                     plan.append((hf, mc, r0, r0 + rows, len(parts) > 1, dt))
                     r0 += rows
-            with safe_open(os.path.join(src, fn), framework="pt", device="cpu") as f, \
-                    StreamingSafetensorsWriter(os.path.join(out, out_fn), specs, {"format": "pt"}) as w:
+            with (
+                safe_open(os.path.join(src, fn), framework="pt", device="cpu") as f,
+                StreamingSafetensorsWriter(os.path.join(out, out_fn), specs, {"format": "pt"}) as w,
+            ):
                 for hf, mc, r0, r1, split, dt in plan:
                     t = f.get_slice(mc)[r0:r1] if split else f.get_tensor(mc)
                     check_finite(t, f"{mc} (rows of {hf}) in {os.path.join(src, fn)}", allow_non_finite)
@@ -299,8 +340,16 @@ def _to_hf_from_megatron(src: str, out: str, dtype: Optional[torch.dtype], progr
 
 
 # --------------------------------------------------------------------------------------------------
-def convert(src: str, dst: str, to: str, pp: int = 1, ep: int = 1, dtype: Optional[str] = None,
-            progress: bool = True, allow_non_finite: bool = False) -> dict:
+def convert(
+    src: str,
+    dst: str,
+    to: str,
+    pp: int = 1,
+    ep: int = 1,
+    dtype: str | None = None,
+    progress: bool = True,
+    allow_non_finite: bool = False,
+) -> dict:
     """Convert checkpoint directory `src` into new directory `dst` (see module docstring); returns a summary.
 
     to = "hf-bf16" | "hf": released format (from a released source: FP8 dequantized to `dtype`, which must
@@ -350,12 +399,14 @@ def convert(src: str, dst: str, to: str, pp: int = 1, ep: int = 1, dtype: Option
     return {"to": to, "src": src, "dst": os.path.abspath(dst), **summary}
 
 
-def load_megatron_rank(path: str, stage: int, ep_rank: int, shared: bool = True,
-                       allow_non_finite: bool = False) -> dict[str, torch.Tensor]:
+def load_megatron_rank(
+    path: str, stage: int, ep_rank: int, shared: bool = True, allow_non_finite: bool = False
+) -> dict[str, torch.Tensor]:
     """State dict of pipeline stage `stage`, expert rank `ep_rank`: its experts plus (if `shared`) the
     stage's non-expert tensors, which live in the stage's ep-rank-0 file (docs/checkpoints.md). Headers are
     checked against layout.json first; NaN/Inf values raise unless `allow_non_finite`."""
     from safetensors.torch import load_file
+
     lay = read_layout(path)
     _check_megatron_files(path, lay)
     by_rank = {(m["stage"], m["ep_rank"]): fn for fn, m in lay["files"].items()}
@@ -367,6 +418,7 @@ def load_megatron_rank(path: str, stage: int, ep_rank: int, shared: bool = True,
         for n, t in sd.items():
             check_finite(t, f"{n} in {os.path.join(path, fn)}", allow_non_finite)
         return sd
+
     own = load(by_rank[(stage, ep_rank)])
     if ep_rank != 0:
         if any(".local_experts." not in n for n in own):

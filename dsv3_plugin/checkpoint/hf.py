@@ -6,22 +6,23 @@ is loaded too (transformers drops that layer), its copies of the main embedding 
 `shared_head.head`) checked to equal the main ones, which the model shares. Data comes through the one
 checkpoint reader (`reader.CheckpointReader`: lazy, FP8 block dequantization, integrity checks).
 """
+
 from __future__ import annotations
 
 import math
 import os
 from collections import defaultdict
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
+from dsv3_plugin.checkpoint.names import is_runtime_state, native_to_released, parse_native, released_to_native
+from dsv3_plugin.checkpoint.reader import CheckpointReader
 from dsv3_plugin.config import DSv3Config
 from dsv3_plugin.errors import CheckpointError
 from dsv3_plugin.model.transformer import DSv3Model
 from dsv3_plugin.training.rank_local import RankLayout, build_rank_local
 from dsv3_plugin.training.transforms import build_model
-from .names import is_runtime_state, native_to_released, parse_native, released_to_native
-from .reader import CheckpointReader
 
 __all__ = ["native_state_to_hf", "load_pretrained", "load_hf_state_into", "pretrained_config", "model_config"]
 
@@ -57,8 +58,9 @@ def native_state_to_hf(state: dict[str, torch.Tensor], cfg: DSv3Config) -> dict[
     return out
 
 
-def _load_plan(names_shapes: Iterator[tuple[str, str, tuple, bool]], state_shapes: dict[str, tuple], L: int,
-               where_dir: str) -> tuple[list[tuple[str, str, int | None]], list[tuple[str, str]]]:
+def _load_plan(
+    names_shapes: Iterator[tuple[str, str, tuple, bool]], state_shapes: dict[str, tuple], L: int, where_dir: str
+) -> tuple[list[tuple[str, str, int | None]], list[tuple[str, str]]]:
     """Match stored tensors (name, file, shape, is_float) to the model's state (native name -> shape) from the
     headers alone: raises on anything unexpected, mis-shaped, non-floating or missing. Returns
     ([(name, native, expert)], [(name, native of a shared MTP copy)])."""
@@ -86,8 +88,9 @@ def _load_plan(names_shapes: Iterator[tuple[str, str, tuple, bool]], state_shape
             raise CheckpointError(f"{where}: not a floating-point weight")
         full = tuple(state_shapes[native])
         if expert is not None and expert >= full[0]:
-            raise CheckpointError(f"{where}: unexpected tensor (expert {expert} but the config has "
-                                  f"{full[0]} routed experts)")
+            raise CheckpointError(
+                f"{where}: unexpected tensor (expert {expert} but the config has {full[0]} routed experts)"
+            )
         want = full if expert is None else full[1:]
         if tuple(shape) != want:
             raise CheckpointError(f"{where}: shape {tuple(shape)} does not match the config's {want}")
@@ -101,14 +104,17 @@ def _load_plan(names_shapes: Iterator[tuple[str, str, tuple, bool]], state_shape
         elif not got:
             missing.append(native_to_released(native, L))
     if missing:
-        raise CheckpointError(f"{missing[0]}: missing from {where_dir}"
-                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        raise CheckpointError(
+            f"{missing[0]}: missing from {where_dir}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+        )
     return plan, shared
 
 
 def _reader_plan(reader: CheckpointReader, state_shapes: dict[str, tuple], L: int):
-    items = ((n, reader.info(n).file, reader.shape(n), reader.is_fp8(n) or reader.info(n).torch_dtype.is_floating_point)
-             for n in reader.names())
+    items = (
+        (n, reader.info(n).file, reader.shape(n), reader.is_fp8(n) or reader.info(n).torch_dtype.is_floating_point)
+        for n in reader.names()
+    )
     return _load_plan(items, state_shapes, L, reader.path)
 
 
@@ -118,18 +124,18 @@ def _load_from_reader(model: torch.nn.Module, reader: CheckpointReader) -> None:
     layout = getattr(model, "rank_layout", None)
     if layout is None:
         shapes = {k: tuple(v.shape) for k, v in state.items() if _stored(k, model.cfg)}
-    else:   # the plan is checked against the full model's shapes; only the owned tensors are read
+    else:  # the plan is checked against the full model's shapes; only the owned tensors are read
         shapes = _state_shapes(model.cfg)
     plan, shared = _reader_plan(reader, shapes, L)
     with torch.no_grad():
         for name, native, expert in plan:
             dst = state[native]
             if dst.is_meta:
-                continue                         # another rank's tensor: never read
+                continue  # another rank's tensor: never read
             if expert is not None:
                 er = getattr(layout, "expert_range", None) if layout is not None and layout.ep > 1 else None
                 if er is not None and expert not in er:
-                    continue                     # another EP rank's expert: never read
+                    continue  # another EP rank's expert: never read
                 dst = dst[expert - (er.start if er is not None else 0)]
             # FP8 -> fp32: the exact product of DeepSeek's formula, then the model's dtype (one tensor at a time)
             t = reader.get(name, torch.float32 if reader.is_fp8(name) else None)
@@ -142,13 +148,16 @@ def _load_from_reader(model: torch.nn.Module, reader: CheckpointReader) -> None:
         for name, native in shared:
             t = reader.get(name, torch.float32 if reader.is_fp8(name) else None)
             if not torch.equal(t.to(state[native].dtype), state[native]):
-                raise CheckpointError(f"{name} in {os.path.basename(reader.info(name).file)}: differs from "
-                                      f"{native_to_released(native, L)}; the MTP module shares the main embedding/head "
-                                      "physically (paper §3.2.3)")
+                raise CheckpointError(
+                    f"{name} in {os.path.basename(reader.info(name).file)}: differs from "
+                    f"{native_to_released(native, L)}; the MTP module shares the main embedding/head "
+                    "physically (paper §3.2.3)"
+                )
 
 
-def load_hf_state_into(model: torch.nn.Module, path: str | os.PathLike, dtype: torch.dtype | None = None,
-                       allow_non_finite: bool = False) -> None:
+def load_hf_state_into(
+    model: torch.nn.Module, path: str | os.PathLike, dtype: torch.dtype | None = None, allow_non_finite: bool = False
+) -> None:
     """Copy every released tensor of `path` into `model` (a DSv3Model); complain about anything missing,
     unexpected, mis-shaped, non-floating or (unless `allow_non_finite`) NaN/Inf — all but the last from the
     headers, before any data is read."""
@@ -186,9 +195,14 @@ def pretrained_config(path: str | os.PathLike, **config_overrides) -> DSv3Config
     return cfg
 
 
-def load_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                    allow_non_finite: bool = False, layout: RankLayout | None = None,
-                    **config_overrides) -> "torch.nn.Module":
+def load_pretrained(
+    path: str | os.PathLike,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    allow_non_finite: bool = False,
+    layout: RankLayout | None = None,
+    **config_overrides,
+) -> torch.nn.Module:
     """Build a `DSv3Model` from a released-format directory and load its weights (MTP included).
 
     `config_overrides` deep-merge into the derived `DSv3Config` (e.g. `parallel={"ep": 2}`). NaN/Inf in

@@ -18,6 +18,7 @@ the tensor or key (CLI exit 2), never with a traceback, a hang, or silently wron
   forever); layers, and MoE layers x routed experts, are bounded by the number of tensors the directory
   actually holds (each owns at least one).
 """
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,18 @@ import torch
 
 from dsv3_plugin.errors import CheckpointError
 
-__all__ = ["parse_json", "load_json", "is_finite", "check_finite", "nonfinite_counts", "fp8_special_codes",
-           "check_scale", "check_released_config", "ALLOW_HINT", "FP8_MAX"]
+__all__ = [
+    "parse_json",
+    "load_json",
+    "is_finite",
+    "check_finite",
+    "nonfinite_counts",
+    "fp8_special_codes",
+    "check_scale",
+    "check_released_config",
+    "ALLOW_HINT",
+    "FP8_MAX",
+]
 
 ALLOW_HINT = "pass --allow-non-finite (allow_non_finite=True) to load it anyway"
 # Largest finite magnitude of each FP8 format (E4M3: 448, S.1111.110; E5M2: 57344).
@@ -87,7 +98,7 @@ def load_json(path: str, expect: type = dict, what: str = "JSON file") -> Any:
 def _chunks(t: torch.Tensor):
     flat = t.reshape(-1)
     for i in range(0, flat.numel(), _CHUNK):
-        yield flat[i:i + _CHUNK]
+        yield flat[i : i + _CHUNK]
 
 
 def is_finite(t: torch.Tensor) -> bool:
@@ -143,21 +154,41 @@ def check_scale(scale: torch.Tensor, fp8_dtype: torch.dtype, out_dtype: torch.dt
     `out_dtype` (otherwise dequantization would produce Inf from finite inputs)."""
     s = scale.float()
     if not is_finite(s):
-        raise CheckpointError(f"{where}: {_describe(s)} among {s.numel()} block scales (non-finite "
-                              f"weight_scale_inv); {ALLOW_HINT}")
+        raise CheckpointError(
+            f"{where}: {_describe(s)} among {s.numel()} block scales (non-finite weight_scale_inv); {ALLOW_HINT}"
+        )
     limit = torch.finfo(out_dtype).max / FP8_MAX[fp8_dtype]
     amax = float(s.abs().max()) if s.numel() else 0.0
     if amax > limit:
-        raise CheckpointError(f"{where}: block scale {amax:g} would overflow {str(out_dtype).replace('torch.', '')} "
-                              f"(largest FP8 value x scale > {torch.finfo(out_dtype).max:g}); {ALLOW_HINT}")
+        raise CheckpointError(
+            f"{where}: block scale {amax:g} would overflow {str(out_dtype).replace('torch.', '')} "
+            f"(largest FP8 value x scale > {torch.finfo(out_dtype).max:g}); {ALLOW_HINT}"
+        )
 
 
 # --------------------------------------------------------------------------------------------------
-_REQUIRED_POS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
-                 "qk_rope_head_dim", "v_head_dim", "intermediate_size", "moe_intermediate_size")
+_REQUIRED_POS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "kv_lora_rank",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "intermediate_size",
+    "moe_intermediate_size",
+)
 _REQUIRED_NONNEG = ("qk_nope_head_dim",)
-_OPTIONAL_NONNEG = ("q_lora_rank", "n_routed_experts", "n_shared_experts", "first_k_dense_replace",
-                    "num_nextn_predict_layers", "num_experts_per_tok", "n_group", "topk_group")
+_OPTIONAL_NONNEG = (
+    "q_lora_rank",
+    "n_routed_experts",
+    "n_shared_experts",
+    "first_k_dense_replace",
+    "num_nextn_predict_layers",
+    "num_experts_per_tok",
+    "n_group",
+    "topk_group",
+)
 
 
 def _is_int(v: Any) -> bool:
@@ -182,8 +213,9 @@ def check_released_config(cfg: dict, cfg_path: str, n_tensors: int | None = None
         if v < lo or v > 2**31 - 1:
             raise CheckpointError(f"{cfg_path}: {k} = {v} is out of range [{lo}, 2**31 - 1]")
     if "tie_word_embeddings" in cfg and not isinstance(cfg["tie_word_embeddings"], bool):
-        raise CheckpointError(f"{cfg_path}: tie_word_embeddings must be true or false "
-                              f"(got {cfg['tie_word_embeddings']!r})")
+        raise CheckpointError(
+            f"{cfg_path}: tie_word_embeddings must be true or false (got {cfg['tie_word_embeddings']!r})"
+        )
     for k in ("rope_scaling", "rope_parameters"):
         if cfg.get(k) is not None and not isinstance(cfg[k], dict):
             raise CheckpointError(f"{cfg_path}: {k} must be an object or null (got {cfg[k]!r})")
@@ -193,16 +225,21 @@ def check_released_config(cfg: dict, cfg_path: str, n_tensors: int | None = None
             raise CheckpointError(f"{cfg_path}: quantization_config must be an object (got {qc!r})")
         bs = qc.get("weight_block_size", [128, 128])
         if not (isinstance(bs, list) and len(bs) == 2 and all(_is_int(b) and 0 < b <= 2**20 for b in bs)):
-            raise CheckpointError(f"{cfg_path}: quantization_config.weight_block_size must be two positive "
-                                  f"integers (got {bs!r})")
+            raise CheckpointError(
+                f"{cfg_path}: quantization_config.weight_block_size must be two positive integers (got {bs!r})"
+            )
     if n_tensors is not None:
         layers = cfg["num_hidden_layers"] + (cfg.get("num_nextn_predict_layers") or 0)
         experts = cfg.get("n_routed_experts") or 0
         moe_layers = max(0, layers - (cfg.get("first_k_dense_replace") or 0))
         if layers > n_tensors:
-            raise CheckpointError(f"{cfg_path}: num_hidden_layers = {cfg['num_hidden_layers']} but the checkpoint "
-                                  f"holds only {n_tensors} tensors (config.json does not describe these weights)")
+            raise CheckpointError(
+                f"{cfg_path}: num_hidden_layers = {cfg['num_hidden_layers']} but the checkpoint "
+                f"holds only {n_tensors} tensors (config.json does not describe these weights)"
+            )
         if moe_layers * experts > n_tensors:
-            raise CheckpointError(f"{cfg_path}: n_routed_experts = {experts} in {moe_layers} MoE layers but the "
-                                  f"checkpoint holds only {n_tensors} tensors (config.json does not describe "
-                                  "these weights)")
+            raise CheckpointError(
+                f"{cfg_path}: n_routed_experts = {experts} in {moe_layers} MoE layers but the "
+                f"checkpoint holds only {n_tensors} tensors (config.json does not describe "
+                "these weights)"
+            )

@@ -19,12 +19,13 @@ ties them to `embedding.word_embeddings` / `output_layer`; they are kept here as
 `mtp.layers.{k}.embed_tokens.weight` / `mtp.layers.{k}.output_layer.weight` so the round trip is exact even
 when the copies differ.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
 
+from dsv3_plugin.checkpoint.names import parse_released
 from dsv3_plugin.errors import CheckpointError
-from .names import parse_released
 
 __all__ = ["Placement", "MegatronLayout", "stage_layers"]
 
@@ -32,8 +33,8 @@ __all__ = ["Placement", "MegatronLayout", "stage_layers"]
 class Placement(NamedTuple):
     stage: int
     ep_rank: int
-    name: str   # Megatron-Core name
-    part: int   # position in a dim-0 concatenation (0 unless fused)
+    name: str  # Megatron-Core name
+    part: int  # position in a dim-0 concatenation (0 unless fused)
     nparts: int
 
 
@@ -81,15 +82,25 @@ class MegatronLayout:
         r = 0
         if key.expert is not None:
             if key.expert >= self.E:
-                raise CheckpointError(f"{hf}: unexpected tensor (expert {key.expert} but the config has "
-                                      f"{self.E} routed experts)")
+                raise CheckpointError(
+                    f"{hf}: unexpected tensor (expert {key.expert} but the config has {self.E} routed experts)"
+                )
             r, j = divmod(key.expert, self.experts_per_rank)
             key = key.with_index(expert=j)
         return Placement(stage, r, key.file(), key.row.part, key.row.nparts)
 
     def describe(self) -> dict:
         """The placement facts written to layout.json."""
-        return {"pp": self.pp, "ep": self.ep, "stages": self.stages, "mtp_stage": self.pp - 1,
-                "num_experts": self.E, "experts_per_rank": self.experts_per_rank,
-                "expert_ranks": [list(range(r * self.experts_per_rank, (r + 1) * self.experts_per_rank))
-                                 for r in range(self.ep)] if self.E else []}
+        return {
+            "pp": self.pp,
+            "ep": self.ep,
+            "stages": self.stages,
+            "mtp_stage": self.pp - 1,
+            "num_experts": self.E,
+            "experts_per_rank": self.experts_per_rank,
+            "expert_ranks": [
+                list(range(r * self.experts_per_rank, (r + 1) * self.experts_per_rank)) for r in range(self.ep)
+            ]
+            if self.E
+            else [],
+        }

@@ -31,35 +31,53 @@ the caller's local index (EP) elsewhere. `parse_released`, `parse_native` and `p
 Shapes follow from the released `config.json` (`Row.shape`), and `Row.fp8` says which tensors V3's release
 stores as FP8 (every attention and MLP projection; not norms, the router, embeddings, the head or `eh_proj`).
 """
+
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Optional
+from typing import NamedTuple
 
 from dsv3_plugin.errors import CheckpointError
 
-__all__ = ["Row", "Key", "TOP", "LAYER", "MTP", "parse_released", "parse_native", "parse_file", "layer_rows",
-           "released_names", "released_shapes", "is_quantized_in_release", "is_runtime_state",
-           "released_to_native", "native_to_released", "MTP_FILE_INNER"]
+__all__ = [
+    "Row",
+    "Key",
+    "TOP",
+    "LAYER",
+    "MTP",
+    "parse_released",
+    "parse_native",
+    "parse_file",
+    "layer_rows",
+    "released_names",
+    "released_shapes",
+    "is_quantized_in_release",
+    "is_runtime_state",
+    "released_to_native",
+    "native_to_released",
+    "MTP_FILE_INNER",
+]
 
-MTP_FILE_INNER = "transformer_layer"   # the MTP block's inner layer in `--to megatron` files (all versions)
+MTP_FILE_INNER = "transformer_layer"  # the MTP block's inner layer in `--to megatron` files (all versions)
 
 
 @dataclass(frozen=True)
 class Row:
     """One tensor, named in every scheme (below the scope's prefix; `{e}` = routed expert)."""
+
     released: str
-    native: Optional[str]        # None: an MTP copy of a main tensor (`copy_of`), not stored natively
-    megatron: Optional[str]      # None: as `native`
+    native: str | None  # None: an MTP copy of a main tensor (`copy_of`), not stored natively
+    megatron: str | None  # None: as `native`
     file: str
     shape: Callable[[dict], tuple]
-    fp8: bool = False            # stored as FP8 (+ `_scale_inv`) in V3's release
-    part: int = 0                # row block of the fused `file` tensor (gate = 0, up = 1)
+    fp8: bool = False  # stored as FP8 (+ `_scale_inv`) in V3's release
+    part: int = 0  # row block of the fused `file` tensor (gate = 0, up = 1)
     nparts: int = 1
-    megatron_te: Optional[str] = None   # the name in Transformer Engine's MLA spec, if different
-    copy_of: Optional[str] = None       # released name of the main tensor this MTP tensor duplicates
-    stage: str = ""              # top-level tensors: "first" / "last" pipeline stage
+    megatron_te: str | None = None  # the name in Transformer Engine's MLA spec, if different
+    copy_of: str | None = None  # released name of the main tensor this MTP tensor duplicates
+    stage: str = ""  # top-level tensors: "first" / "last" pipeline stage
 
     @property
     def is_expert(self) -> bool:
@@ -192,8 +210,11 @@ def _index(rows, attr: str) -> dict[str, Row]:
 
 def _expert_re(rows, attr: str):
     """{regex of the expert sub-name: row} (the `{e}` placeholder captured)."""
-    return [(re.compile("^" + re.escape(getattr(r, attr)).replace(r"\{e\}", r"(\d+)") + "$"), r)
-            for r in rows if r.is_expert]
+    return [
+        (re.compile("^" + re.escape(getattr(r, attr)).replace(r"\{e\}", r"(\d+)") + "$"), r)
+        for r in rows
+        if r.is_expert
+    ]
 
 
 _TOP_BY = {s: _index(TOP, s) for s in ("released", "native", "megatron", "file")}
@@ -219,10 +240,11 @@ class Key(NamedTuple):
     """One tensor: `scope` "top" | "layer" | "mtp" (MTP's own tensors) | "mtp_layer" (MTP's decoder block);
     `index` the decoder layer (global, or the caller's local one) or the MTP depth k (0-based); `expert` the
     routed expert (global, or the caller's local one) of an expert row."""
+
     scope: str
-    index: Optional[int]
+    index: int | None
     row: Row
-    expert: Optional[int] = None
+    expert: int | None = None
 
     def released(self, num_hidden_layers: int) -> str:
         r = self.row
@@ -239,8 +261,12 @@ class Key(NamedTuple):
         r = self.row
         if r.copy_of is not None:
             return parse_released(r.copy_of, 0).native()
-        return {"top": r.native, "layer": f"layers.{self.index}.{r.native}", "mtp": f"mtp.{self.index}.{r.native}",
-                "mtp_layer": f"mtp.{self.index}.layer.{r.native}"}[self.scope]
+        return {
+            "top": r.native,
+            "layer": f"layers.{self.index}.{r.native}",
+            "mtp": f"mtp.{self.index}.{r.native}",
+            "mtp_layer": f"mtp.{self.index}.layer.{r.native}",
+        }[self.scope]
 
     def megatron(self, inner: str = MTP_FILE_INNER, te: bool = False) -> str:
         """Name in our GPTModel (`inner`: the MTP layer's inner-layer attribute, `spec.mtp_inner_layer_name()`;
@@ -250,27 +276,36 @@ class Key(NamedTuple):
         if r.copy_of is not None:
             return parse_released(r.copy_of, 0).megatron(inner, te)
         sub = r.megatron_te if te and r.megatron_te else r.megatron
-        return {"top": sub, "layer": f"decoder.layers.{self.index}.{sub}", "mtp": f"mtp.layers.{self.index}.{sub}",
-                "mtp_layer": f"mtp.layers.{self.index}.{inner}.{sub}"}[self.scope]
+        return {
+            "top": sub,
+            "layer": f"decoder.layers.{self.index}.{sub}",
+            "mtp": f"mtp.layers.{self.index}.{sub}",
+            "mtp_layer": f"mtp.layers.{self.index}.{inner}.{sub}",
+        }[self.scope]
 
     def file(self) -> str:
         """Name in `dsv3 convert --to megatron` files (fused: this key's rows are `row.part` of `row.nparts`)."""
         r = self.row
         sub = r.file.replace("{e}", str(self.expert)) if r.is_expert else r.file
-        return {"top": sub, "layer": f"decoder.layers.{self.index}.{sub}", "mtp": f"mtp.layers.{self.index}.{sub}",
-                "mtp_layer": f"mtp.layers.{self.index}.{MTP_FILE_INNER}.{sub}"}[self.scope]
+        return {
+            "top": sub,
+            "layer": f"decoder.layers.{self.index}.{sub}",
+            "mtp": f"mtp.layers.{self.index}.{sub}",
+            "mtp_layer": f"mtp.layers.{self.index}.{MTP_FILE_INNER}.{sub}",
+        }[self.scope]
 
-    def with_index(self, index: Optional[int] = None, expert: Optional[int] = None) -> "Key":
+    def with_index(self, index: int | None = None, expert: int | None = None) -> Key:
         """The same tensor with another layer index (e.g. stage-local) and/or expert index (EP-local)."""
-        return self._replace(index=self.index if index is None else index,
-                             expert=self.expert if expert is None else expert)
+        return self._replace(
+            index=self.index if index is None else index, expert=self.expert if expert is None else expert
+        )
 
 
 def _unexpected(name: str) -> CheckpointError:
     return CheckpointError(f"{name}: unexpected tensor (not part of the released DeepSeek-V3 format)")
 
 
-def _layer_sub_released(sub: str) -> tuple[Row, Optional[int]]:
+def _layer_sub_released(sub: str) -> tuple[Row, int | None]:
     row = _LAYER_BY["released"].get(sub)
     if row is not None:
         return row, None
@@ -299,11 +334,15 @@ def parse_released(name: str, num_hidden_layers: int) -> Key:
         row, e = _layer_sub_released(sub)
     except KeyError:
         raise _unexpected(name) from None
-    return Key("layer" if idx < num_hidden_layers else "mtp_layer",
-               idx if idx < num_hidden_layers else idx - num_hidden_layers, row, e)
+    return Key(
+        "layer" if idx < num_hidden_layers else "mtp_layer",
+        idx if idx < num_hidden_layers else idx - num_hidden_layers,
+        row,
+        e,
+    )
 
 
-def parse_native(name: str, expert: Optional[int] = None) -> Key:
+def parse_native(name: str, expert: int | None = None) -> Key:
     """Key of a `DSv3Model` state-dict name (for a stacked expert parameter, pass the expert row); KeyError if the
     name is not a checkpoint tensor (see `is_runtime_state`)."""
     row = _TOP_BY["native"].get(name)
@@ -321,7 +360,7 @@ def parse_native(name: str, expert: Optional[int] = None) -> Key:
             return Key("mtp", idx, row)
         if not sub.startswith("layer."):
             raise KeyError(name)
-        scope, sub = "mtp_layer", sub[len("layer."):]
+        scope, sub = "mtp_layer", sub[len("layer.") :]
     else:
         idx, sub = int(m.group(1)), m.group(2)
     row = _LAYER_BY["native"].get(sub) or _LAYER_NATIVE_EXPERT.get(sub)
@@ -350,7 +389,7 @@ def parse_file(name: str) -> list[Key]:
             return [Key("mtp", idx, row)]
         if not sub.startswith(MTP_FILE_INNER + "."):
             raise CheckpointError(f"{name}: unexpected tensor (not a Megatron-Core name of this layout)")
-        scope, sub = "mtp_layer", sub[len(MTP_FILE_INNER) + 1:]
+        scope, sub = "mtp_layer", sub[len(MTP_FILE_INNER) + 1 :]
     else:
         idx, sub = int(m.group(1)), m.group(2)
     rows = _LAYER_FILE.get(sub)
@@ -388,7 +427,7 @@ def _keys(cfg: dict) -> list[tuple[Key, bool]]:
 
     def layer(scope: str, idx: int, moe: bool):
         for r in layer_rows(cfg, moe):
-            for e in (range(E) if r.is_expert else (None,)):
+            for e in range(E) if r.is_expert else (None,):
                 out.append((Key(scope, idx, r, e), True))
 
     for i in range(L):
@@ -420,7 +459,7 @@ def released_shapes(cfg: dict) -> dict[str, tuple]:
     return {n: out[n] for n in sorted(out, key=_natural_key)}
 
 
-def is_quantized_in_release(name: str, num_hidden_layers: Optional[int] = None) -> bool:
+def is_quantized_in_release(name: str, num_hidden_layers: int | None = None) -> bool:
     """Whether V3's release stores tensor `name` as FP8 (+ `_scale_inv`). The layer count only tells MTP layers
     from decoder layers, which does not change the answer here."""
     try:
@@ -429,12 +468,12 @@ def is_quantized_in_release(name: str, num_hidden_layers: Optional[int] = None) 
         return False
 
 
-def released_to_native(name: str, num_hidden_layers: int) -> tuple[str, Optional[int], bool]:
+def released_to_native(name: str, num_hidden_layers: int) -> tuple[str, int | None, bool]:
     """(native name, expert row or None, is an MTP copy of the main embedding/head) of a released tensor."""
     key = parse_released(name, num_hidden_layers)
     return key.native(), key.expert, key.row.copy_of is not None
 
 
-def native_to_released(name: str, num_hidden_layers: int, expert: Optional[int] = None) -> str:
+def native_to_released(name: str, num_hidden_layers: int, expert: int | None = None) -> str:
     """Released name of a `DSv3Model` tensor (for a stacked expert parameter pass the expert row)."""
     return parse_native(name, expert).released(num_hidden_layers)

@@ -27,19 +27,28 @@ cache-hot block by `max(byte | 0x80) == 255` and those elements (which re-encode
 finite code's 1.75) are set to NaN: the result equals the formula's `float(w_fp8) * scale` bit for bit, NaN
 included.
 """
+
 from __future__ import annotations
 
 import math
 import os
 import struct
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterator, Optional
 
 import torch
 
+from dsv3_plugin.checkpoint.integrity import (
+    ALLOW_HINT,
+    check_finite,
+    check_released_config,
+    check_scale,
+    fp8_special_codes,
+    load_json,
+    parse_json,
+)
 from dsv3_plugin.errors import CheckpointError
-from .integrity import ALLOW_HINT, check_finite, check_released_config, check_scale, fp8_special_codes, load_json, parse_json
 
 __all__ = [
     "CheckpointReader",
@@ -57,9 +66,17 @@ SINGLE_NAME = "model.safetensors"
 SCALE_SUFFIX = "_scale_inv"
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
     "BOOL": torch.bool,
 }
 _FP8 = {"F8_E4M3", "F8_E5M2"}
@@ -93,8 +110,9 @@ def read_safetensors_header(path: str) -> tuple[dict[str, TensorInfo], dict]:
                 raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
             (n,) = struct.unpack("<Q", head)
             if n > size - 8 or n > 100 * 2**20:
-                raise CheckpointError(f"{path}: truncated or corrupt safetensors file (header of {n} bytes, "
-                                      f"file has {size})")
+                raise CheckpointError(
+                    f"{path}: truncated or corrupt safetensors file (header of {n} bytes, file has {size})"
+                )
             raw = f.read(n)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file not found") from None
@@ -126,23 +144,29 @@ def read_safetensors_header(path: str) -> tuple[dict[str, TensorInfo], dict]:
         b, e = offs
         nbytes = math.prod(shape) * SAFETENSORS_DTYPES[dt].itemsize
         if e - b != nbytes:
-            raise CheckpointError(f"{name} in {path}: header says {e - b} bytes for {dt} {list(shape)} "
-                                  f"(expected {nbytes})")
+            raise CheckpointError(
+                f"{name} in {path}: header says {e - b} bytes for {dt} {list(shape)} (expected {nbytes})"
+            )
         if e > data_len:
-            raise CheckpointError(f"{name} in {path}: data ends at byte {e} but the file holds {data_len} "
-                                  "data bytes (truncated safetensors file)")
+            raise CheckpointError(
+                f"{name} in {path}: data ends at byte {e} but the file holds {data_len} "
+                "data bytes (truncated safetensors file)"
+            )
         spans.append((b, e, name))
         out[name] = TensorInfo(name, path, dt, shape, nbytes)
     end = 0
     for b, e, name in sorted(spans):
         if b != end:  # the format packs tensors back to back: a gap or an overlap is corruption
-            raise CheckpointError(f"{name} in {path}: data starts at byte {b}, expected {end} "
-                                  f"({'overlaps the previous tensor' if b < end else 'gap before it'}; "
-                                  "corrupt safetensors file)")
+            raise CheckpointError(
+                f"{name} in {path}: data starts at byte {b}, expected {end} "
+                f"({'overlaps the previous tensor' if b < end else 'gap before it'}; "
+                "corrupt safetensors file)"
+            )
         end = e
     if end != data_len:
-        raise CheckpointError(f"{path}: {data_len - end} trailing bytes after the last tensor "
-                              "(corrupt safetensors file)")
+        raise CheckpointError(
+            f"{path}: {data_len - end} trailing bytes after the last tensor (corrupt safetensors file)"
+        )
     return out, meta
 
 
@@ -163,8 +187,12 @@ def scale_grid_shape(shape: tuple, block: tuple[int, int]) -> tuple[int, int]:
 
 # --------------------------------------------------------------------------------------------------
 # FP8 block dequantization
-def dequantize_fp8_reference(w_fp8: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
-                             dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def dequantize_fp8_reference(
+    w_fp8: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: tuple[int, int] = (128, 128),
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
     """DeepSeek's formula written plainly (the baseline and the tests' oracle): expand the scale grid to the
     weight's shape and multiply in fp32, then cast."""
     out_f, in_f = w_fp8.shape
@@ -173,7 +201,7 @@ def dequantize_fp8_reference(w_fp8: torch.Tensor, scale_inv: torch.Tensor, block
 
 
 _CHUNK_ELEMS = 1 << 20  # measured best on 2 cores: 2^18 0.51, 2^20 0.83, 2^21 0.58 G elem/s
-_POOL: Optional[ThreadPoolExecutor] = None
+_POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
 _TLS = threading.local()
 
@@ -184,22 +212,27 @@ def _pool() -> ThreadPoolExecutor:
         if _POOL is None:
             n = max(1, min(os.cpu_count() or 1, torch.get_num_threads()))
             # One intra-op thread per worker: the workers themselves are the parallelism.
-            _POOL = ThreadPoolExecutor(n, thread_name_prefix="fp8-dequant", initializer=torch.set_num_threads,
-                                       initargs=(1,))
+            _POOL = ThreadPoolExecutor(
+                n, thread_name_prefix="fp8-dequant", initializer=torch.set_num_threads, initargs=(1,)
+            )
         return _POOL
 
 
 def _buffers(numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     b = getattr(_TLS, "bufs", None)
     if b is None or b[0].numel() < numel:
-        b = (torch.empty(numel, dtype=torch.int16), torch.empty(numel, dtype=torch.float32),
-             torch.empty(numel, dtype=torch.uint8))
+        b = (
+            torch.empty(numel, dtype=torch.int16),
+            torch.empty(numel, dtype=torch.float32),
+            torch.empty(numel, dtype=torch.uint8),
+        )
         _TLS.bufs = b
     return b
 
 
-def _dequant_rows(w_fp8: torch.Tensor, scale_cols: torch.Tensor, out: torch.Tensor, r0: int, r1: int,
-                  is_e4m3: bool) -> bool:
+def _dequant_rows(
+    w_fp8: torch.Tensor, scale_cols: torch.Tensor, out: torch.Tensor, r0: int, r1: int, is_e4m3: bool
+) -> bool:
     """out[r0:r1] = w_fp8[r0:r1] * scale_cols (one row-block: scale_cols [in] already expanded per column).
     Returns True if the rows hold NaN/Inf codes (decoded as NaN/Inf, as `float(w_fp8)` does)."""
     rows, cols = r1 - r0, w_fp8.shape[1]
@@ -231,10 +264,16 @@ def _dequant_rows(w_fp8: torch.Tensor, scale_cols: torch.Tensor, out: torch.Tens
     return special
 
 
-def dequantize_fp8_blockwise(w_fp8: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
-                             dtype: torch.dtype = torch.bfloat16, out: Optional[torch.Tensor] = None,
-                             name: str = "<tensor>", check_finite: bool = False,
-                             file: Optional[str] = None) -> torch.Tensor:
+def dequantize_fp8_blockwise(
+    w_fp8: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: tuple[int, int] = (128, 128),
+    dtype: torch.dtype = torch.bfloat16,
+    out: torch.Tensor | None = None,
+    name: str = "<tensor>",
+    check_finite: bool = False,
+    file: str | None = None,
+) -> torch.Tensor:
     """Fast, exact equivalent of `dequantize_fp8_reference` (bitwise equal, NaN/Inf codes included).
 
     `w_fp8` [O, I] float8_e4m3fn/e5m2, `scale_inv` [ceil(O/b0), ceil(I/b1)] fp32 -> [O, I] `dtype`.
@@ -246,8 +285,10 @@ def dequantize_fp8_blockwise(w_fp8: torch.Tensor, scale_inv: torch.Tensor, block
         raise CheckpointError(f"{where}: FP8 weight must be 2-D for block scaling (got {list(w_fp8.shape)})")
     grid = scale_grid_shape(tuple(w_fp8.shape), block)
     if tuple(scale_inv.shape) != grid:
-        raise CheckpointError(f"{name}{SCALE_SUFFIX}: scale grid {list(scale_inv.shape)} does not match weight "
-                              f"{list(w_fp8.shape)} with {block[0]}x{block[1]} blocks (expected {list(grid)})")
+        raise CheckpointError(
+            f"{name}{SCALE_SUFFIX}: scale grid {list(scale_inv.shape)} does not match weight "
+            f"{list(w_fp8.shape)} with {block[0]}x{block[1]} blocks (expected {list(grid)})"
+        )
     if check_finite:  # finite data codes x a scale below this bound give finite products: no output pass
         check_scale(scale_inv, w_fp8.dtype, dtype, f"{name}{SCALE_SUFFIX}" + (f" in {file}" if file else ""))
     O, I = w_fp8.shape
@@ -262,8 +303,11 @@ def dequantize_fp8_blockwise(w_fp8: torch.Tensor, scale_inv: torch.Tensor, block
     cols_NI = s.repeat_interleave(block[1], 1)[:, :I].contiguous()
     # Jobs of at most _CHUNK_ELEMS elements inside one row block: their int16/fp32 buffers stay in cache.
     step = max(1, min(block[0], _CHUNK_ELEMS // max(1, I)))
-    jobs = [(r0 // block[0], r0, min(r0 + step, (r0 // block[0] + 1) * block[0], O))
-            for b0 in range(0, O, block[0]) for r0 in range(b0, min(b0 + block[0], O), step)]
+    jobs = [
+        (r0 // block[0], r0, min(r0 + step, (r0 // block[0] + 1) * block[0], O))
+        for b0 in range(0, O, block[0])
+        for r0 in range(b0, min(b0 + block[0], O), step)
+    ]
     if O * I < (1 << 20) or len(jobs) == 1:
         special = [_dequant_rows(w_fp8, cols_NI[k], out, r0, r1, is_e4m3) for k, r0, r1 in jobs]
     else:
@@ -272,8 +316,9 @@ def dequantize_fp8_blockwise(w_fp8: torch.Tensor, scale_inv: torch.Tensor, block
     if check_finite and any(special):
         n = fp8_special_codes(w_fp8)
         kind = "NaN codes (S.1111.111)" if is_e4m3 else "Inf/NaN codes (S.11111.xx)"
-        raise CheckpointError(f"{where}: {n} FP8 {kind} among {w_fp8.numel()} values (non-finite weights); "
-                              f"{ALLOW_HINT}")
+        raise CheckpointError(
+            f"{where}: {n} FP8 {kind} among {w_fp8.numel()} values (non-finite weights); {ALLOW_HINT}"
+        )
     return out
 
 
@@ -285,8 +330,14 @@ class CheckpointReader:
     `get(name, dtype)` returns one tensor, dequantized when stored as FP8.
     """
 
-    def __init__(self, path: str | os.PathLike, require_config: bool = True, max_open_files: int = 1,
-                 max_mapped_bytes: int = 256 * 2**20, allow_non_finite: bool = False):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        require_config: bool = True,
+        max_open_files: int = 1,
+        max_mapped_bytes: int = 256 * 2**20,
+        allow_non_finite: bool = False,
+    ):
         self.path = os.fspath(path)
         # safe_open memory-maps a shard; the pages read stay resident (and count in RSS) until the handle is
         # closed. So at most `max_open_files` shards are open (LRU), and a handle is dropped once
@@ -313,8 +364,9 @@ class CheckpointReader:
         bs = qc.get("weight_block_size") if isinstance(qc, dict) else None
         bs = [128, 128] if bs is None else bs
         if not (isinstance(bs, list) and len(bs) == 2 and all(_is_int(b) and b > 0 for b in bs)):
-            raise CheckpointError(f"{cfg_path}: quantization_config.weight_block_size must be two positive "
-                                  f"ints (got {bs!r})")
+            raise CheckpointError(
+                f"{cfg_path}: quantization_config.weight_block_size must be two positive ints (got {bs!r})"
+            )
         self.block: tuple[int, int] = (bs[0], bs[1])
         self.stored: dict[str, TensorInfo] = {}
         self.metadata: dict[str, dict] = {}
@@ -331,17 +383,21 @@ class CheckpointReader:
             index = load_json(idx_path, what="safetensors index")
             weight_map = index.get("weight_map")
             if not isinstance(weight_map, dict):
-                raise CheckpointError(f"{idx_path}: not a valid index (need a \"weight_map\" object mapping tensor "
-                                      f"names to shard files, got {type(weight_map).__name__})")
+                raise CheckpointError(
+                    f'{idx_path}: not a valid index (need a "weight_map" object mapping tensor '
+                    f"names to shard files, got {type(weight_map).__name__})"
+                )
             if not weight_map:
-                raise CheckpointError(f"{idx_path}: \"weight_map\" is empty (no tensors)")
+                raise CheckpointError(f'{idx_path}: "weight_map" is empty (no tensors)')
             files: dict[str, list[str]] = {}
             for name, fn in weight_map.items():
                 if not isinstance(fn, str):
                     raise CheckpointError(f"{name}: {idx_path} maps it to {fn!r}, not a shard file name")
                 if os.path.basename(fn) != fn or fn in ("", ".", ".."):
-                    raise CheckpointError(f"{idx_path}: shard name {fn!r} (of tensor {name}) is not a plain "
-                                          "file name inside the checkpoint directory")
+                    raise CheckpointError(
+                        f"{idx_path}: shard name {fn!r} (of tensor {name}) is not a plain "
+                        "file name inside the checkpoint directory"
+                    )
                 files.setdefault(fn, []).append(name)
             for fn, names in files.items():
                 fp = os.path.join(self.path, fn)
@@ -355,8 +411,7 @@ class CheckpointReader:
                         raise CheckpointError(f"{n}: listed in {idx_path} for {fp} but that file does not hold it")
                 for n, info in infos.items():
                     if weight_map.get(n) != fn:
-                        raise CheckpointError(f"{n} in {fp}: unexpected tensor, not listed for this file in "
-                                              f"{idx_path}")
+                        raise CheckpointError(f"{n} in {fp}: unexpected tensor, not listed for this file in {idx_path}")
                     self.stored[n] = info
         elif os.path.lexists(single):
             infos, meta = read_safetensors_header(single)
@@ -376,8 +431,10 @@ class CheckpointReader:
                 if base not in self.stored:
                     raise CheckpointError(f"{name} in {info.file}: unexpected scale tensor, no weight {base}")
                 if self.stored[base].dtype not in _FP8:
-                    raise CheckpointError(f"{name} in {info.file}: scale for {base}, which is stored as "
-                                          f"{self.stored[base].dtype}, not FP8")
+                    raise CheckpointError(
+                        f"{name} in {info.file}: scale for {base}, which is stored as "
+                        f"{self.stored[base].dtype}, not FP8"
+                    )
                 continue
             if info.dtype in _FP8:
                 sname = name + SCALE_SUFFIX
@@ -392,11 +449,14 @@ class CheckpointReader:
                 if tuple(sinfo.shape) != grid:
                     raise CheckpointError(
                         f"{sname} in {sinfo.file}: scale grid {list(sinfo.shape)} does not match weight "
-                        f"{list(info.shape)} with {self.block[0]}x{self.block[1]} blocks (expected {list(grid)})")
+                        f"{list(info.shape)} with {self.block[0]}x{self.block[1]} blocks (expected {list(grid)})"
+                    )
                 self.scale_of[name] = sname
             elif info.dtype not in _FLOAT:
-                raise CheckpointError(f"{name} in {info.file}: unexpected dtype {info.dtype} (weights are "
-                                      "F32/BF16/F16 or FP8 with a _scale_inv)")
+                raise CheckpointError(
+                    f"{name} in {info.file}: unexpected dtype {info.dtype} (weights are "
+                    "F32/BF16/F16 or FP8 with a _scale_inv)"
+                )
 
     # -- queries ---------------------------------------------------------------------------------
     def names(self) -> list[str]:
@@ -442,6 +502,7 @@ class CheckpointReader:
         h = self._handles.pop(file, None)
         if h is None:
             from safetensors import safe_open
+
             while len(self._handles) >= self.max_open_files:
                 self._mapped.pop(evicted := next(iter(self._handles)), None)
                 self._handles.pop(evicted)
@@ -468,13 +529,13 @@ class CheckpointReader:
             self._mapped[info.file] = 0
         return t
 
-    def out_dtype(self, name: str, dtype: Optional[torch.dtype]) -> torch.dtype:
+    def out_dtype(self, name: str, dtype: torch.dtype | None) -> torch.dtype:
         """The dtype `get(name, dtype)` returns: FP8 -> `dtype` (default bf16); others -> `dtype` if given."""
         if dtype is not None:
             return dtype
         return torch.bfloat16 if name in self.scale_of else self.info(name).torch_dtype
 
-    def get(self, name: str, dtype: Optional[torch.dtype] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def get(self, name: str, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """One logical tensor; FP8 weights are dequantized block-wise (fp32 math) to `dtype` (default bf16).
         Non-finite values (NaN/Inf weights, scales or FP8 codes) raise unless `allow_non_finite`."""
         if name not in self:
@@ -483,8 +544,16 @@ class CheckpointReader:
         info = self.stored[name]
         if name in self.scale_of:
             s = self.raw(self.scale_of[name])
-            return dequantize_fp8_blockwise(t, s, self.block, self.out_dtype(name, dtype), out=out, name=name,
-                                            check_finite=not self.allow_non_finite, file=info.file)
+            return dequantize_fp8_blockwise(
+                t,
+                s,
+                self.block,
+                self.out_dtype(name, dtype),
+                out=out,
+                name=name,
+                check_finite=not self.allow_non_finite,
+                file=info.file,
+            )
         if dtype is not None and t.dtype != dtype:
             t = t.to(dtype)  # upcasts are exact; a downcast may overflow, so the check looks at the result
         check_finite(t, f"{name} in {info.file}", self.allow_non_finite)
@@ -493,7 +562,7 @@ class CheckpointReader:
             return out
         return t
 
-    def iter_tensors(self, dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Stream (name, tensor) file by file."""
         for _, names in self.names_by_file().items():
             for n in names:
@@ -508,15 +577,16 @@ class CheckpointReader:
     def close(self) -> None:
         self._handles.clear()
 
-    def __enter__(self) -> "CheckpointReader":
+    def __enter__(self) -> CheckpointReader:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
 
-def iter_dequantized_tensors(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
-                             allow_non_finite: bool = False) -> Iterator[tuple[str, str, torch.Tensor]]:
+def iter_dequantized_tensors(
+    path: str | os.PathLike, dtype: torch.dtype = torch.float32, allow_non_finite: bool = False
+) -> Iterator[tuple[str, str, torch.Tensor]]:
     """(name, file, tensor) for every logical tensor of a released-format directory, file by file; FP8
     weights dequantized block-wise to `dtype` (fp32 by default: the exact product of the formula), other
     tensors as stored. Non-finite values raise unless `allow_non_finite`."""

@@ -8,17 +8,18 @@ Which tensors are quantized mirrors V3's release (`Row.fp8` of the name table, `
 MLP projection (dense, routed and shared experts); not norms, the router, embeddings, the output head or
 `eh_proj`.
 """
+
 from __future__ import annotations
 
 import json
 import os
-from typing import Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
 
 import torch
 
-from .names import is_quantized_in_release, released_shapes
-from .reader import INDEX_NAME, SCALE_SUFFIX, SINGLE_NAME
-from .writer import StreamingSafetensorsWriter
+from dsv3_plugin.checkpoint.names import is_quantized_in_release, released_shapes
+from dsv3_plugin.checkpoint.reader import INDEX_NAME, SCALE_SUFFIX, SINGLE_NAME
+from dsv3_plugin.checkpoint.writer import StreamingSafetensorsWriter
 
 __all__ = ["quantize_fp8_blockwise", "write_released_checkpoint", "quantize_checkpoint"]
 
@@ -38,10 +39,16 @@ def quantize_fp8_blockwise(w: torch.Tensor, block: tuple[int, int] = (128, 128))
     return q.to(torch.float8_e4m3fn).contiguous(), scale_inv.contiguous()
 
 
-def write_released_checkpoint(path: str, cfg: dict, make: Callable[[str, tuple], torch.Tensor],
-                              fp8: bool = True, shard_bytes: int = 5 * 2**30,
-                              names: Optional[Iterable[str]] = None, block: tuple[int, int] = (128, 128),
-                              fp8_tensor: Optional[Callable[[str, tuple], tuple[torch.Tensor, torch.Tensor]]] = None) -> dict:
+def write_released_checkpoint(
+    path: str,
+    cfg: dict,
+    make: Callable[[str, tuple], torch.Tensor],
+    fp8: bool = True,
+    shard_bytes: int = 5 * 2**30,
+    names: Iterable[str] | None = None,
+    block: tuple[int, int] = (128, 128),
+    fp8_tensor: Callable[[str, tuple], tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> dict:
     """Write a released-format checkpoint to directory `path` (created): config.json plus shards of at most
     `shard_bytes` (one `model.safetensors` if everything fits) with an index.
 
@@ -88,8 +95,12 @@ def write_released_checkpoint(path: str, cfg: dict, make: Callable[[str, tuple],
             total += w.total_bytes
     hf = dict(cfg)
     if fp8:
-        hf["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                                     "weight_block_size": list(block)}
+        hf["quantization_config"] = {
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "quant_method": "fp8",
+            "weight_block_size": list(block),
+        }
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf, f, indent=2)
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
@@ -99,10 +110,16 @@ def write_released_checkpoint(path: str, cfg: dict, make: Callable[[str, tuple],
     return index
 
 
-def quantize_checkpoint(src_tensors: dict[str, torch.Tensor], path: str, cfg: dict, shard_bytes: int = 5 * 2**30,
-                        block: tuple[int, int] = (128, 128)) -> dict:
+def quantize_checkpoint(
+    src_tensors: dict[str, torch.Tensor],
+    path: str,
+    cfg: dict,
+    shard_bytes: int = 5 * 2**30,
+    block: tuple[int, int] = (128, 128),
+) -> dict:
     """Store given float tensors (released names) as an FP8 released-format checkpoint at `path`."""
     # Optional tensors (the MTP block's embedding/head copies) may be absent; the rest must be there.
     names = [n for n in released_shapes(cfg) if n in src_tensors]
-    return write_released_checkpoint(path, cfg, lambda n, s: src_tensors[n], fp8=True, shard_bytes=shard_bytes,
-                                     names=names, block=block)
+    return write_released_checkpoint(
+        path, cfg, lambda n, s: src_tensors[n], fp8=True, shard_bytes=shard_bytes, names=names, block=block
+    )

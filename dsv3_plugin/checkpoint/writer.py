@@ -10,13 +10,13 @@ File format (safetensors spec): u64 little-endian header length N, N bytes of JS
 `{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}` padded with spaces
 to a multiple of 8, then the tensors' raw little-endian bytes at those offsets.
 """
+
 from __future__ import annotations
 
 import json
 import math
 import struct
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Optional
 
 import torch
 
@@ -25,16 +25,25 @@ from dsv3_plugin.errors import CheckpointError
 __all__ = ["StreamingSafetensorsWriter", "DTYPE_NAMES"]
 
 DTYPE_NAMES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.int64: "I64", torch.int32: "I32",
-    torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
 }
 
 
 class StreamingSafetensorsWriter:
     """Write `specs` = [(name, dtype, shape), ...] in that order to `path`."""
 
-    def __init__(self, path: str, specs: list[tuple[str, torch.dtype, tuple]], metadata: Optional[dict] = None):
+    def __init__(self, path: str, specs: list[tuple[str, torch.dtype, tuple]], metadata: dict | None = None):
         self.path = path
         self.specs = list(specs)
         hdr: dict = {"__metadata__": {str(k): str(v) for k, v in (metadata or {"format": "pt"}).items()}}
@@ -54,9 +63,9 @@ class StreamingSafetensorsWriter:
         self._f.write(struct.pack("<Q", len(raw)))
         self._f.write(raw)
         self._io = ThreadPoolExecutor(1, thread_name_prefix="safetensors-write")
-        self._pending: Optional[Future] = None
-        self._k = 0          # index of the tensor being written
-        self._done = 0       # bytes of it written so far
+        self._pending: Future | None = None
+        self._k = 0  # index of the tensor being written
+        self._done = 0  # bytes of it written so far
 
     def write(self, name: str, t: torch.Tensor) -> None:
         """Append `t`: the whole tensor `name`, or its next dim-0 row block."""
@@ -97,7 +106,7 @@ class StreamingSafetensorsWriter:
         if self._k != len(self.specs):
             raise CheckpointError(f"{self.specs[self._k][0]}: never written to {self.path}")
 
-    def __enter__(self) -> "StreamingSafetensorsWriter":
+    def __enter__(self) -> StreamingSafetensorsWriter:
         return self
 
     def __exit__(self, exc_type, *_) -> None:
@@ -105,4 +114,3 @@ class StreamingSafetensorsWriter:
             self.close()
         else:
             self._shutdown()
-

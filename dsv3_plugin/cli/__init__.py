@@ -3,6 +3,7 @@
 
 Exit codes (docs/architecture.md): 0 ok, 2 bad input (`ConfigError`, `CheckpointError`, argparse), 1 other failures.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -11,6 +12,7 @@ import os
 import pkgutil
 import re
 import sys
+
 from dsv3_plugin.config import ConfigError
 from dsv3_plugin.errors import CheckpointError
 
@@ -18,7 +20,9 @@ __all__ = ["main", "build_parser", "strip_launcher_args"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dsv3", description="DeepSeek-V3 training plugin for DeepSpeed and Megatron-Core")
+    parser = argparse.ArgumentParser(
+        prog="dsv3", description="DeepSeek-V3 training plugin for DeepSpeed and Megatron-Core"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):

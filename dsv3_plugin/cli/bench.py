@@ -3,9 +3,11 @@ their `ratio` (ours / baseline, > 1 is better); machine facts under `env`.
 
 Each bench is a module `dsv3_plugin.bench.<name>` with `add_arguments(parser)` and `run(args) -> dict`.
 """
+
 import importlib
 import json
 import pkgutil
+
 from dsv3_plugin import bench as bench_pkg
 from dsv3_plugin.bench import env_facts
 
@@ -18,9 +20,10 @@ def register(sub):
         if info.name.startswith("_"):
             continue
         mod = importlib.import_module(f"{bench_pkg.__name__}.{info.name}")
-        name = info.name.replace("_", "-")   # module fp8_accum -> `dsv3 bench fp8-accum` (the old spelling too)
-        bp = bsub.add_parser(name, aliases=[info.name] if name != info.name else [],
-                             help=(mod.__doc__ or "").strip().splitlines()[0])
+        name = info.name.replace("_", "-")  # module fp8_accum -> `dsv3 bench fp8-accum` (the old spelling too)
+        bp = bsub.add_parser(
+            name, aliases=[info.name] if name != info.name else [], help=(mod.__doc__ or "").strip().splitlines()[0]
+        )
         bp.add_argument("--json", action="store_true", help="print one JSON object (default: indented)")
         mod.add_arguments(bp)
         bp.set_defaults(func=_runner(mod))
@@ -32,4 +35,5 @@ def _runner(mod):
         out.setdefault("env", env_facts())
         print(json.dumps(out) if args.json else json.dumps(out, indent=2))
         return 0
+
     return run

@@ -5,6 +5,7 @@ telemetry under `moe_layers`). The first run gives the heatmap (load of each exp
 layer, normalised by the mean load: 1 = balanced); every run adds its MaxVio_batch and MaxVio_global curves,
 labelled by its bias update speed γ — pass a γ = 0 run next to a γ > 0 one to see the bias update's effect.
 """
+
 from __future__ import annotations
 
 from dsv3_plugin.training.routing_plot import plot_routing

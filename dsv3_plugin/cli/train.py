@@ -14,41 +14,70 @@ the human summary moves to stderr). Exit 2 on bad config/checkpoint/--out input 
 whichever rank found it; 1 for other failures (a rank dead or silent longer than `parallel.p2p_timeout_s`: one
 message naming the wait and the limit, no traceback).
 """
+
 from __future__ import annotations
 
 import os
 import sys
-from dsv3_plugin.deepspeed.train import train
-from dsv3_plugin.training import run_dir as rd
-from dsv3_plugin.deepspeed.train import _prepare
+
 from dsv3_plugin.config import ConfigError
+from dsv3_plugin.deepspeed.train import _prepare, train
 from dsv3_plugin.errors import PeerError
-from dsv3_plugin.parallel.distributed import launched_externally, spawn
-from dsv3_plugin.parallel.distributed import _is_input_error, first_failure, init_distributed
+from dsv3_plugin.parallel.distributed import (
+    _is_input_error,
+    first_failure,
+    init_distributed,
+    launched_externally,
+    spawn,
+)
+from dsv3_plugin.training import run_dir as rd
 
 
 def register(sub):
     p = sub.add_parser("train", help="train with DeepSpeed ZeRO-1 (tiny preset on 2 CPU ranks by default)")
-    p.add_argument("--config", help="DeepSpeed JSON with a \"dsv3\" block (default: built-in tiny config)")
+    p.add_argument("--config", help='DeepSpeed JSON with a "dsv3" block (default: built-in tiny config)')
     p.add_argument("--nproc", type=int, help="ranks to self-spawn (default 2; ignored under torchrun/deepspeed)")
-    p.add_argument("--steps", type=int, help="train up to this step (default dsv3.train.steps); with --resume "
-                                             "it is the step to reach, not a number to add")
-    p.add_argument("--out", default="runs/train", help="metrics.jsonl, train.png, routing.png and ckpt/ go here "
-                                                       "(locked while the run lasts)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        help="train up to this step (default dsv3.train.steps); with --resume "
+        "it is the step to reach, not a number to add",
+    )
+    p.add_argument(
+        "--out",
+        default="runs/train",
+        help="metrics.jsonl, train.png, routing.png and ckpt/ go here (locked while the run lasts)",
+    )
     p.add_argument("--resume", metavar="DIR", help="a previous --out dir (or its ckpt/ dir) to continue from")
     p.add_argument("--init-from", metavar="DIR", help="released-format HF checkpoint dir to start from")
     p.add_argument("--json", action="store_true", help="also print every JSON line and a JSON summary on stdout")
-    p.add_argument("--overwrite", action="store_true",
-                   help="start over in an --out that holds a previous run (deletes its metrics and checkpoints)")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start over in an --out that holds a previous run (deletes its metrics and checkpoints)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar on stderr")
-    p.add_argument("--allow-non-finite", action="store_true",
-                   help="--init-from: load NaN/Inf weights and scales instead of refusing them (exit 2)")
+    p.add_argument(
+        "--allow-non-finite",
+        action="store_true",
+        help="--init-from: load NaN/Inf weights and scales instead of refusing them (exit 2)",
+    )
     p.set_defaults(func=run)
 
 
 def _worker(config, steps, out, resume, init_from, progress, echo, overwrite, allow_non_finite=False):
-    train(config, steps=steps, out=out, resume=resume, init_from=init_from, progress=progress, echo=echo,
-          summary=True, overwrite=overwrite, allow_non_finite=allow_non_finite)
+    train(
+        config,
+        steps=steps,
+        out=out,
+        resume=resume,
+        init_from=init_from,
+        progress=progress,
+        echo=echo,
+        summary=True,
+        overwrite=overwrite,
+        allow_non_finite=allow_non_finite,
+    )
 
 
 def _precheck(args):
@@ -61,16 +90,28 @@ def _precheck(args):
     if args.resume:
         rd.resume_source(args.resume, cfg, args.nproc or 2)
     same_dir = bool(args.resume and args.out) and (
-        os.path.realpath(rd.checkpoint_dir(args.resume)) == os.path.realpath(os.path.join(args.out, "ckpt")))
+        os.path.realpath(rd.checkpoint_dir(args.resume)) == os.path.realpath(os.path.join(args.out, "ckpt"))
+    )
     prev = rd.previous_run(args.out) if args.out and not same_dir else None
     if prev and not args.overwrite:
-        raise ConfigError(f"--out {args.out}: holds a previous run ({prev}); continue it with --resume "
-                          f"{args.out}, replace it with --overwrite, or pick another --out")
+        raise ConfigError(
+            f"--out {args.out}: holds a previous run ({prev}); continue it with --resume "
+            f"{args.out}, replace it with --overwrite, or pick another --out"
+        )
 
 
 def run(args) -> int:
-    wargs = (args.config, args.steps, args.out, args.resume, args.init_from, not args.no_progress, args.json,
-             args.overwrite, args.allow_non_finite)
+    wargs = (
+        args.config,
+        args.steps,
+        args.out,
+        args.resume,
+        args.init_from,
+        not args.no_progress,
+        args.json,
+        args.overwrite,
+        args.allow_non_finite,
+    )
     if launched_externally():
         return _run_launched(wargs)
     if args.nproc is not None and args.nproc < 1:

@@ -10,8 +10,21 @@ Usage::
 
 DeepSpeed is imported only when `initialize` runs. See docs/deepspeed.md.
 """
-from .engine import (DEFAULT_GRADIENT_CLIPPING, DSv3TrainState, client_optimizer, initialize, quiet_deepspeed_logs,
-                     split_ds_config)
 
-__all__ = ["initialize", "split_ds_config", "client_optimizer", "DSv3TrainState", "quiet_deepspeed_logs",
-           "DEFAULT_GRADIENT_CLIPPING"]
+from dsv3_plugin.deepspeed.engine import (
+    DEFAULT_GRADIENT_CLIPPING,
+    DSv3TrainState,
+    client_optimizer,
+    initialize,
+    quiet_deepspeed_logs,
+    split_ds_config,
+)
+
+__all__ = [
+    "initialize",
+    "split_ds_config",
+    "client_optimizer",
+    "DSv3TrainState",
+    "quiet_deepspeed_logs",
+    "DEFAULT_GRADIENT_CLIPPING",
+]

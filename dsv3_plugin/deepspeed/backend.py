@@ -3,6 +3,7 @@
 DeepSpeed picks its accelerator when it is imported, so the CPU choice (`DS_ACCELERATOR=cpu` when CUDA is absent)
 must be made before the first `import deepspeed`; every module of this adapter imports it through here.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,7 +19,9 @@ def import_deepspeed():
         # DeepSpeed picks its accelerator at import time; without CUDA it must be told to use the CPU one.
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
+
     from patches import deepspeed_shm_comm
+
     deepspeed_shm_comm.apply()  # CPU: no JIT build of an inference-only op, no print on stdout
     return deepspeed
 
@@ -27,8 +30,10 @@ def quiet_deepspeed_logs(level: int | None = None) -> None:
     """Send DeepSpeed's log lines to stderr (its handler writes to stdout, which `dsv3 train` keeps for JSON)."""
     import logging
     import sys
+
     import_deepspeed()
     from deepspeed.utils import logger
+
     for h in logger.handlers:
         if isinstance(h, logging.StreamHandler):
             h.setStream(sys.stderr)

@@ -36,6 +36,7 @@ What it adds to the engine DeepSpeed returns (and why):
 
 DeepSpeed is imported lazily (only here), never by the core.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -50,23 +51,32 @@ import torch
 import torch.distributed as dist
 
 from dsv3_plugin.config import ConfigError, DSv3Config
+from dsv3_plugin.deepspeed.backend import import_deepspeed, quiet_deepspeed_logs  # noqa: F401  (re-exported)
+from dsv3_plugin.deepspeed.config_keys import DEFAULT_GRADIENT_CLIPPING, SUPPORTED_ZERO_STAGES, adamw_hyperparameters  # noqa: F401  (re-exported)
+from dsv3_plugin.deepspeed.moe_layer import stacking_order
+from dsv3_plugin.deepspeed.validate import validate_ds_config
 from dsv3_plugin.errors import CheckpointError
-from dsv3_plugin.parallel.distributed import new_groups_bounded
-from dsv3_plugin.precision.bf16_adamw import AdamWBF16Moments
-from .backend import import_deepspeed, quiet_deepspeed_logs  # noqa: F401  (re-exported)
-from .config_keys import DEFAULT_GRADIENT_CLIPPING, SUPPORTED_ZERO_STAGES  # noqa: F401  (re-exported)
-from .config_keys import adamw_hyperparameters
-from .validate import validate_ds_config
-from .moe_layer import stacking_order
 from dsv3_plugin.model.moe.balancing import update_expert_bias
 from dsv3_plugin.model.moe.router import Router
+from dsv3_plugin.parallel.distributed import new_groups_bounded
+from dsv3_plugin.precision.bf16_adamw import AdamWBF16Moments
 
-__all__ = ["initialize", "split_ds_config", "client_optimizer", "DSv3TrainState", "quiet_deepspeed_logs",
-           "DEFAULT_GRADIENT_CLIPPING", "mixed_precision_dtype", "prepare_mixed_precision", "check_fp32_router_state",
-           "gather_rng_states", "restore_rng_state"]
+__all__ = [
+    "initialize",
+    "split_ds_config",
+    "client_optimizer",
+    "DSv3TrainState",
+    "quiet_deepspeed_logs",
+    "DEFAULT_GRADIENT_CLIPPING",
+    "mixed_precision_dtype",
+    "prepare_mixed_precision",
+    "check_fp32_router_state",
+    "gather_rng_states",
+    "restore_rng_state",
+]
 
 
-def split_ds_config(config: "str | os.PathLike | dict") -> tuple[dict, DSv3Config]:
+def split_ds_config(config: str | os.PathLike | dict) -> tuple[dict, DSv3Config]:
     """DeepSpeed JSON (path or dict) -> (DeepSpeed's part without "dsv3", validated `DSv3Config`).
 
     The engine's view of `dsv3_plugin.deepspeed.validate.validate_ds_config` (the one validation `dsv3 check-config` and
@@ -89,8 +99,10 @@ def client_optimizer(params, ds_config: dict, cfg: DSv3Config, optimizer=None):
         return optimizer, ds_config
     if optimizer is not None:
         if not isinstance(optimizer, AdamWBF16Moments):
-            raise ConfigError(f"dsv3.memory.bf16_moments: the optimizer passed is a {type(optimizer).__name__}, not "
-                              "an AdamWBF16Moments; pass none (the \"optimizer\" section is used) or set it false")
+            raise ConfigError(
+                f"dsv3.memory.bf16_moments: the optimizer passed is a {type(optimizer).__name__}, not "
+                'an AdamWBF16Moments; pass none (the "optimizer" section is used) or set it false'
+            )
         return optimizer, ds_config
     hyper = adamw_hyperparameters(ds_config)
     ds = copy.deepcopy(ds_config)
@@ -107,6 +119,7 @@ def _moe_param_groups(params) -> list:
     if all(getattr(p, "allreduce", True) for p in params):
         return params
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
     return split_params_into_different_moe_groups_for_optimizer({"params": params, "name": "dense"})
 
 
@@ -133,8 +146,9 @@ def check_fp32_router_state(model: torch.nn.Module) -> None:
     γ = 1e-3 are below BF16's resolution around 1.0)."""
     for name, b in model.named_buffers():
         if name.endswith(("e_score_correction_bias", "tokens_per_expert")) and b.dtype != torch.float32:
-            raise RuntimeError(f"{name}: {b.dtype} after deepspeed.initialize; the router bias and its load counts "
-                               "must stay float32")
+            raise RuntimeError(
+                f"{name}: {b.dtype} after deepspeed.initialize; the router bias and its load counts must stay float32"
+            )
 
 
 def _check_model_matches(model: torch.nn.Module, cfg: DSv3Config) -> None:
@@ -146,9 +160,11 @@ def _check_model_matches(model: torch.nn.Module, cfg: DSv3Config) -> None:
     for section in ("model", "moe", "mtp"):
         for key in asked[section]:
             if built[section].get(key) != asked[section][key]:
-                raise ConfigError(f"dsv3.{section}.{key}: the model was built with {built[section].get(key)!r} "
-                                  f"but the config says {asked[section][key]!r} (build the model from the same "
-                                  f"\"dsv3\" block)")
+                raise ConfigError(
+                    f"dsv3.{section}.{key}: the model was built with {built[section].get(key)!r} "
+                    f"but the config says {asked[section][key]!r} (build the model from the same "
+                    f'"dsv3" block)'
+                )
 
 
 @dataclass
@@ -187,8 +203,10 @@ def restore_rng_state(st: dict, path: str) -> None:
     world size differs: per-rank RNG and ZeRO-1 partitions need the same layout)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     if st.get("world_size") != world:
-        raise CheckpointError(f"{path}: saved with {st.get('world_size')} ranks, resuming on {world}; per-rank RNG "
-                              "and ZeRO-1 optimizer partitions need the same data-parallel size")
+        raise CheckpointError(
+            f"{path}: saved with {st.get('world_size')} ranks, resuming on {world}; per-rank RNG "
+            "and ZeRO-1 optimizer partitions need the same data-parallel size"
+        )
     rng = st["rng"][dist.get_rank() if dist.is_initialized() else 0]
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])
@@ -259,12 +277,18 @@ class _DSv3Hooks:
     # --- checkpoints ----------------------------------------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, **kwargs):
         if self.state.pending_tokens:
-            raise RuntimeError("save_checkpoint: called inside a gradient-accumulation window "
-                               f"({self.state.pending_tokens} tokens not yet stepped); save after engine.step() "
-                               "at the boundary")
+            raise RuntimeError(
+                "save_checkpoint: called inside a gradient-accumulation window "
+                f"({self.state.pending_tokens} tokens not yet stepped); save after engine.step() "
+                "at the boundary"
+            )
         cs = dict(client_state or {})
-        cs["dsv3"] = {"tokens_seen": self.state.tokens_seen, "optimizer_steps": self.state.optimizer_steps,
-                      **gather_rng_states(), "config": self.cfg.to_dict()}
+        cs["dsv3"] = {
+            "tokens_seen": self.state.tokens_seen,
+            "optimizer_steps": self.state.optimizer_steps,
+            **gather_rng_states(),
+            "config": self.cfg.to_dict(),
+        }
         return self._orig_save(save_dir, tag=tag, client_state=cs, save_latest=save_latest, **kwargs)
 
     def load_checkpoint(self, load_dir, tag=None, **kwargs):
@@ -272,6 +296,7 @@ class _DSv3Hooks:
         if tag is None and not os.path.isfile(os.path.join(load_dir, "latest")):
             raise CheckpointError(f"{load_dir}: no DeepSpeed checkpoint (no 'latest' file; pass a tag)")
         from deepspeed.runtime.zero.utils import ZeRORuntimeException
+
         try:
             path, client_state = self._orig_load(load_dir, tag=tag, **kwargs)
         except ZeRORuntimeException as e:  # e.g. saved by another data-parallel size: the checkpoint does not fit
@@ -297,11 +322,23 @@ class _DSv3Hooks:
         """Detach the hooks (the engine goes back to plain DeepSpeed behaviour)."""
         self._hook.remove()
         self.engine.step, self.engine.save_checkpoint, self.engine.load_checkpoint = (
-            self._orig_step, self._orig_save, self._orig_load)
+            self._orig_step,
+            self._orig_save,
+            self._orig_load,
+        )
 
 
-def initialize(model: torch.nn.Module, config: "str | os.PathLike | dict", *, model_parameters=None,
-               optimizer=None, lr_scheduler=None, training_data=None, group=None, **kwargs):
+def initialize(
+    model: torch.nn.Module,
+    config: str | os.PathLike | dict,
+    *,
+    model_parameters=None,
+    optimizer=None,
+    lr_scheduler=None,
+    training_data=None,
+    group=None,
+    **kwargs,
+):
     """`deepspeed.initialize` for a `DSv3Model` with ZeRO-1 and the DeepSeek-V3 training state.
 
     `config` is a DeepSpeed JSON (path or dict) with a `"dsv3"` block; the model must be built from that block.
@@ -312,24 +349,31 @@ def initialize(model: torch.nn.Module, config: "str | os.PathLike | dict", *, mo
     ds_config, cfg = split_ds_config(config)
     _check_model_matches(model, cfg)
     if optimizer is None and "optimizer" not in ds_config:
-        raise ConfigError("optimizer: required (ZeRO stage 1 needs an optimizer: give an \"optimizer\" section "
-                          "or pass optimizer=)")
+        raise ConfigError(
+            'optimizer: required (ZeRO stage 1 needs an optimizer: give an "optimizer" section or pass optimizer=)'
+        )
     if not any(hasattr(m, "e_score_correction_bias") for m in model.modules()):
         raise ConfigError("dsv3.moe: the model has no router with an 'e_score_correction_bias' buffer")
     deepspeed = import_deepspeed()
     if model_parameters is None and optimizer is None:
         model_parameters = [p for p in model.parameters() if p.requires_grad]
     elif model_parameters is not None:
-        model_parameters = list(model_parameters)   # a generator would be spent by the client optimizer
+        model_parameters = list(model_parameters)  # a generator would be spent by the client optimizer
     if model_parameters is not None and all(isinstance(p, torch.Tensor) for p in model_parameters):
-        model_parameters = stacking_order(model, model_parameters)   # expert stacks as views of ZeRO's buffer
+        model_parameters = stacking_order(model, model_parameters)  # expert stacks as views of ZeRO's buffer
     optimizer, ds_config = client_optimizer(model_parameters, ds_config, cfg, optimizer)
     prepare_mixed_precision(model, ds_config)
     # stdout is for dsv3 train's JSON lines: DeepSpeed's BF16_Optimizer prints memory reports there while it builds
     with new_groups_bounded(cfg.parallel.p2p_timeout_s), contextlib.redirect_stdout(sys.stderr):
         engine, opt, loader, sched = deepspeed.initialize(
-            model=model, model_parameters=model_parameters, optimizer=optimizer, lr_scheduler=lr_scheduler,
-            training_data=training_data, config=ds_config, **kwargs)
+            model=model,
+            model_parameters=model_parameters,
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            training_data=training_data,
+            config=ds_config,
+            **kwargs,
+        )
     check_fp32_router_state(model)
     engine.dsv3 = _DSv3Hooks(engine, model, cfg, group=group)
     return engine, opt, loader, sched

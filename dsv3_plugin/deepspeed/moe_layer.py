@@ -34,6 +34,7 @@ parameters.
 
 Hook for the engine: `prepare_model(model, cfg)` before `deepspeed.initialize` (idempotent).
 """
+
 from __future__ import annotations
 
 import functools
@@ -43,10 +44,10 @@ import torch.distributed as dist
 from torch import nn
 
 from dsv3_plugin.config import ConfigError, DSv3Config
-from dsv3_plugin.parallel.dispatch import codec_from_config
-from dsv3_plugin.parallel.distributed import new_groups_bounded
 from dsv3_plugin.model.kernels import ExpertKernel, UsesKernel
 from dsv3_plugin.model.moe.layer import GroupedSwiGLUKernel, swiglu_rows
+from dsv3_plugin.parallel.dispatch import codec_from_config
+from dsv3_plugin.parallel.distributed import new_groups_bounded
 from dsv3_plugin.parallel.expert_parallel import ExpertParallelMoE, expert_parallel
 from dsv3_plugin.parallel.groups import EPGroups, build_ep_groups
 from dsv3_plugin.parallel.pipeline.weight_grad import stack_with_grad_sink
@@ -74,11 +75,11 @@ class _ExpertList(nn.Module):
         super().__init__()
         self.deepspeed_experts = nn.ModuleList(_Expert(hidden, inter, dtype) for _ in range(n_local))
         for p in self.deepspeed_experts.parameters():
-            p.allreduce = False          # not reduced over the whole DP group ...
-            p.group_name = group_name    # ... but over this EP degree's expert-data-parallel group
+            p.allreduce = False  # not reduced over the whole DP group ...
+            p.group_name = group_name  # ... but over this EP degree's expert-data-parallel group
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def deepspeed_experts_class():
     """The `deepspeed.moe.layer.MoE` subclass (built on first use: DeepSpeed is imported lazily)."""
     from deepspeed.moe.layer import MoE
@@ -86,11 +87,20 @@ def deepspeed_experts_class():
     class DeepSpeedExperts(MoE, UsesKernel):
         """This rank's routed experts as a DeepSpeed MoE module (see the module docstring)."""
 
-        leaf_kernel_weights = False   # the kernel gets the per-expert parameters stacked each call
+        leaf_kernel_weights = False  # the kernel gets the per-expert parameters stacked each call
 
-        def __init__(self, num_experts: int, ep_size: int, ep_ranks: list[int], hidden: int, inter: int,
-                     dtype=None, kernel: ExpertKernel | None = None, timeout_s: float | None = None,
-                     groups: EPGroups | None = None):
+        def __init__(
+            self,
+            num_experts: int,
+            ep_size: int,
+            ep_ranks: list[int],
+            hidden: int,
+            inter: int,
+            dtype=None,
+            kernel: ExpertKernel | None = None,
+            timeout_s: float | None = None,
+            groups: EPGroups | None = None,
+        ):
             nn.Module.__init__(self)  # NOTE: not MoE.__init__ (it builds DeepSpeed's own gate/dispatcher)
             self.kernel = kernel if kernel is not None else GroupedSwiGLUKernel()
             self.num_experts = num_experts
@@ -100,17 +110,21 @@ def deepspeed_experts_class():
             self.use_residual = False
             self.enable_expert_tensor_parallelism = False
             self.ep_ranks = list(ep_ranks)
-            self.timeout_s = timeout_s    # parallel.p2p_timeout_s: bounds DeepSpeed's EP/EDP groups made below
-            self.ep_groups = groups       # dsv3's groups: registered as DeepSpeed's (set_deepspeed_parallelism)
+            self.timeout_s = timeout_s  # parallel.p2p_timeout_s: bounds DeepSpeed's EP/EDP groups made below
+            self.ep_groups = groups  # dsv3's groups: registered as DeepSpeed's (set_deepspeed_parallelism)
             self.deepspeed_moe = nn.Module()
-            self.deepspeed_moe.experts = _ExpertList(self.num_local_experts, hidden, inter,
-                                                     self.expert_group_name, dtype)
+            self.deepspeed_moe.experts = _ExpertList(
+                self.num_local_experts, hidden, inter, self.expert_group_name, dtype
+            )
 
         def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False, **_) -> None:
             from deepspeed.utils import groups
+
             if use_data_before_expert_parallel_:
-                raise ConfigError("use_data_before_expert_parallelism: unsupported with dsv3 expert parallelism "
-                                  "(EP groups must be contiguous rank blocks)")
+                raise ConfigError(
+                    "use_data_before_expert_parallelism: unsupported with dsv3 expert parallelism "
+                    "(EP groups must be contiguous rank blocks)"
+                )
             g = self.ep_groups
             if g is not None and g.ep_group is not None and g.edp_group is not None:
                 # dsv3's EP/EDP groups become DeepSpeed's under its name for this EP degree. Needed with
@@ -127,15 +141,20 @@ def deepspeed_experts_class():
                     groups._create_expert_and_data_parallel(self.ep_size)
             ds_ranks = dist.get_process_group_ranks(groups._get_expert_parallel_group(self.expert_group_name))
             if sorted(ds_ranks) != sorted(self.ep_ranks):
-                raise RuntimeError(f"DeepSpeed's EP group {ds_ranks} differs from dsv3's {self.ep_ranks}: "
-                                   "expert gradients would be reduced over the wrong ranks")
+                raise RuntimeError(
+                    f"DeepSpeed's EP group {ds_ranks} differs from dsv3's {self.ep_ranks}: "
+                    "expert gradients would be reduced over the wrong ranks"
+                )
 
-        grad_sink_weights = True   # the stacks carry a sink: a deferred W adds each expert's slice to its .grad
+        grad_sink_weights = True  # the stacks carry a sink: a deferred W adds each expert's slice to its .grad
 
         def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             ex = self.deepspeed_moe.experts.deepspeed_experts
-            return (stack_with_grad_sink([e.gate_proj for e in ex]), stack_with_grad_sink([e.up_proj for e in ex]),
-                    stack_with_grad_sink([e.down_proj for e in ex]))
+            return (
+                stack_with_grad_sink([e.gate_proj for e in ex]),
+                stack_with_grad_sink([e.up_proj for e in ex]),
+                stack_with_grad_sink([e.down_proj for e in ex]),
+            )
 
         def expert_rows(self, x_NH: torch.Tensor, expert_N: torch.Tensor, scale_N=None) -> torch.Tensor:
             return swiglu_rows(x_NH, expert_N, *self.weights(), self.kernel, scale_N)
@@ -151,9 +170,17 @@ def _to_deepspeed_experts(layer: ExpertParallelMoE, timeout_s: float | None = No
     old = layer.experts
     _, inter, hidden = old.gate_proj.shape
     cls = deepspeed_experts_class()
-    new = cls(layer.cfg.n_routed_experts, layer.groups.ep_size, layer.groups.ep_ranks, hidden, inter,
-              dtype=old.gate_proj.dtype, kernel=old.kernel, timeout_s=timeout_s,
-              groups=layer.groups).to(old.gate_proj.device)
+    new = cls(
+        layer.cfg.n_routed_experts,
+        layer.groups.ep_size,
+        layer.groups.ep_ranks,
+        hidden,
+        inter,
+        dtype=old.gate_proj.dtype,
+        kernel=old.kernel,
+        timeout_s=timeout_s,
+        groups=layer.groups,
+    ).to(old.gate_proj.device)
     for i, e in enumerate(new.deepspeed_moe.experts.deepspeed_experts):
         e.gate_proj.copy_(old.gate_proj[i])
         e.up_proj.copy_(old.up_proj[i])
@@ -173,10 +200,8 @@ def prepare_model(model: nn.Module, cfg: DSv3Config, dp_group=None) -> nn.Module
     pp = cfg.parallel.pp if dist.is_initialized() else 1
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world % pp or (world // pp) % ep:
-        raise ConfigError(f"dsv3.parallel.ep: must divide the data-parallel size (got ep={ep}, world={world}, "
-                          f"pp={pp})")
-    groups = build_ep_groups(ep, cfg.moe.ranks_per_node, timeout_s=cfg.parallel.p2p_timeout_s, pp=pp,
-                             dp_group=dp_group)
+        raise ConfigError(f"dsv3.parallel.ep: must divide the data-parallel size (got ep={ep}, world={world}, pp={pp})")
+    groups = build_ep_groups(ep, cfg.moe.ranks_per_node, timeout_s=cfg.parallel.p2p_timeout_s, pp=pp, dp_group=dp_group)
     expert_parallel(model, groups, dedup=cfg.moe.dedup_dispatch, codec=codec_from_config(cfg))
     if ep > 1:
         cls = deepspeed_experts_class()
@@ -194,12 +219,17 @@ def stacking_order(model: nn.Module, params: list) -> list:
     Parameters not in `params` stay out."""
     params = list(params)
     present = {id(p) for p in params}
-    stacks: dict[int, list] = {}   # id(param) -> the regrouped list of its module
+    stacks: dict[int, list] = {}  # id(param) -> the regrouped list of its module
     for m in model.modules():
         if isinstance(m, UsesKernel) and getattr(m, "grad_sink_weights", False) and hasattr(m, "deepspeed_moe"):
             ex = m.deepspeed_moe.experts.deepspeed_experts
-            group = [p for kind in ("gate_proj", "up_proj", "down_proj") for e in ex
-                     for p in [getattr(e, kind)] if id(p) in present]
+            group = [
+                p
+                for kind in ("gate_proj", "up_proj", "down_proj")
+                for e in ex
+                for p in [getattr(e, kind)]
+                if id(p) in present
+            ]
             for p in group:
                 stacks[id(p)] = group
     out, done = [], set()
@@ -217,5 +247,6 @@ def moe_param_groups(model: nn.Module, name: str = "dense", **group_options) -> 
     """Optimizer param groups with expert parameters split out per EDP group (for a client optimizer; the
     engine does the same itself when the DeepSpeed JSON has an "optimizer")."""
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
     params = stacking_order(model, [p for p in model.parameters() if p.requires_grad])
     return split_params_into_different_moe_groups_for_optimizer({"params": params, "name": name, **group_options})

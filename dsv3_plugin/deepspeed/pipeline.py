@@ -32,6 +32,7 @@ data-parallel group and, for DualPipe, the mirror rank (which ran the other half
 its copy of the same stages). Checkpoints: DeepSpeed's (one model file per pipeline rank, ZeRO-1 partitions,
 expert files) plus the dsv3 state in `client_state["dsv3"]` (every rank's RNG, the optimizer-step count).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -44,20 +45,29 @@ import torch.distributed as dist
 from torch import nn
 
 from dsv3_plugin.config import ConfigError
-from .backend import import_deepspeed
-from .engine import check_fp32_router_state, client_optimizer, prepare_mixed_precision
-from dsv3_plugin.parallel.pipeline import PipelineRuntime
-from dsv3_plugin.schedule_traits import check_chunks
-from dsv3_plugin.parallel.pipeline.stages import build_stages, n_stages_of, stage_ids_for_rank
-from dsv3_plugin.errors import PeerError
-from dsv3_plugin.parallel.distributed import new_groups_bounded, peer_failures
-from dsv3_plugin.parallel.pipeline.p2p import PipelineError, PipelinePeerError
-from dsv3_plugin.parallel.pipeline.weight_grad import split_weight_grads
-from dsv3_plugin.parallel.pipeline.stages import DSv3PipelineLoss, sync_tied_embedding
+from dsv3_plugin.deepspeed.backend import import_deepspeed
+from dsv3_plugin.deepspeed.engine import (
+    check_fp32_router_state,
+    client_optimizer,
+    gather_rng_states,
+    prepare_mixed_precision,
+    restore_rng_state,
+)
+from dsv3_plugin.deepspeed.moe_layer import prepare_model, stacking_order
+from dsv3_plugin.errors import CheckpointError, PeerError
 from dsv3_plugin.model.moe.balancing import reset_counts, routers_of, update_expert_bias
-from dsv3_plugin.errors import CheckpointError
-from .engine import gather_rng_states, restore_rng_state
-from .moe_layer import prepare_model, stacking_order
+from dsv3_plugin.parallel.distributed import new_groups_bounded, peer_failures
+from dsv3_plugin.parallel.pipeline import PipelineRuntime
+from dsv3_plugin.parallel.pipeline.p2p import PipelineError, PipelinePeerError
+from dsv3_plugin.parallel.pipeline.stages import (
+    DSv3PipelineLoss,
+    build_stages,
+    n_stages_of,
+    stage_ids_for_rank,
+    sync_tied_embedding,
+)
+from dsv3_plugin.parallel.pipeline.weight_grad import split_weight_grads
+from dsv3_plugin.schedule_traits import check_chunks
 
 __all__ = ["PipelineGroups", "pipeline_groups", "idle_figures", "PipelineMPU", "PipelinedEngine"]
 
@@ -78,9 +88,14 @@ def idle_figures(steps: list[dict]) -> dict:
     """Busy / idle / mirror-exchange seconds summed over `PipelineRuntime.last_step` records, and the idle
     fraction idle / (busy + idle): the share of the schedule's time spent waiting on a peer."""
     busy, idle = sum(t["busy_s"] for t in steps), sum(t["idle_s"] for t in steps)
-    return {"busy_s": busy, "idle_s": idle, "idle_fraction": idle / (busy + idle) if busy + idle > 0 else 0.0,
-            "grad_sync_s": sum(t["grad_sync_s"] for t in steps), "wall_s": sum(t["wall_s"] for t in steps),
-            "w_closures": sum(int(t["w_closures"]) for t in steps)}
+    return {
+        "busy_s": busy,
+        "idle_s": idle,
+        "idle_fraction": idle / (busy + idle) if busy + idle > 0 else 0.0,
+        "grad_sync_s": sum(t["grad_sync_s"] for t in steps),
+        "wall_s": sum(t["wall_s"] for t in steps),
+        "w_closures": sum(int(t["w_closures"]) for t in steps),
+    }
 
 
 def pipeline_groups(pp: int, timeout_s: float | None = None) -> PipelineGroups:
@@ -190,9 +205,10 @@ class PipelinedEngine:
     raises `PipelinePeerError` (a `PeerError`) naming the operation, the ranks and the timeout, instead of
     hanging."""
 
-    def __init__(self, model, ds_config: dict, cfg, groups: PipelineGroups | None = None,
-                 timeout_s: float | None = None):
-        try:   # the adapter's import applies its CPU patch (no JIT build of an inference-only comm op)
+    def __init__(
+        self, model, ds_config: dict, cfg, groups: PipelineGroups | None = None, timeout_s: float | None = None
+    ):
+        try:  # the adapter's import applies its CPU patch (no JIT build of an inference-only comm op)
             deepspeed = import_deepspeed()
         except ImportError:
             import deepspeed
@@ -202,8 +218,9 @@ class PipelinedEngine:
         self.g = groups or pipeline_groups(cfg.parallel.pp, self.timeout_s)
         ds = copy.deepcopy(ds_config)
         self.gas = int(ds.get("gradient_accumulation_steps", 1))
-        self.traits = check_chunks(self.schedule, self.g.pp, self.gas, chunks_key="gradient_accumulation_steps",
-                                   pp_key="dsv3.parallel.pp")
+        self.traits = check_chunks(
+            self.schedule, self.g.pp, self.gas, chunks_key="gradient_accumulation_steps", pp_key="dsv3.parallel.pp"
+        )
         mbs = int(ds.get("train_micro_batch_size_per_gpu", 1))
         self.micro_batch = mbs
         ds["gradient_accumulation_steps"] = 1
@@ -214,7 +231,7 @@ class PipelinedEngine:
         self.stage_ids = ids
         self.stages = build_stages(model, n_stages_of(self.schedule, self.g.pp), ids)
         self.module = _LocalStages(self.stages)
-        if cfg.parallel.ep > 1:   # this rank's stages' experts over the stage's EP group (collective: every rank)
+        if cfg.parallel.ep > 1:  # this rank's stages' experts over the stage's EP group (collective: every rank)
             prepare_model(self.module, cfg, dp_group=self.g.dp_group)
         _mark_replicated(self.stages, self.traits, self.g)
         self.optimizer_steps = 0
@@ -224,14 +241,17 @@ class PipelinedEngine:
         self.split_w = cfg.parallel.split_w()
         if self.split_w:
             split_weight_grads(self.module)
-        self.step_times: list[dict] = []   # per train_step: the runtime's busy_s / idle_s / wall_s / w_closures
+        self.step_times: list[dict] = []  # per train_step: the runtime's busy_s / idle_s / wall_s / w_closures
         params = stacking_order(self.module, [p for p in self.module.parameters() if p.requires_grad])
-        opt, ds = client_optimizer(params, ds, cfg)   # memory.bf16_moments: the BF16-moment AdamW
-        prepare_mixed_precision(self.module, ds)      # bf16: BF16 router weights, FP32 bias (engine.py)
-        with self._peers("deepspeed.initialize (parameter broadcast)", self.g.dp_ranks), \
-                new_groups_bounded(self.timeout_s):
+        opt, ds = client_optimizer(params, ds, cfg)  # memory.bf16_moments: the BF16-moment AdamW
+        prepare_mixed_precision(self.module, ds)  # bf16: BF16 router weights, FP32 bias (engine.py)
+        with (
+            self._peers("deepspeed.initialize (parameter broadcast)", self.g.dp_ranks),
+            new_groups_bounded(self.timeout_s),
+        ):
             self.engine, self.optimizer, _, self.lr_scheduler = deepspeed.initialize(
-                model=self.module, model_parameters=params, optimizer=opt, config=ds, mpu=PipelineMPU(self.g))
+                model=self.module, model_parameters=params, optimizer=opt, config=ds, mpu=PipelineMPU(self.g)
+            )
         check_fp32_router_state(self.module)
         self._one_norm_all_reduce()
         # Gradients are produced outside engine.backward (by the schedule): reduce them like DeepSpeed's own
@@ -240,9 +260,14 @@ class PipelinedEngine:
         # Overlapped FB pairs (paper §3.2.1, Fig. 4; `parallel.overlap_ep_comm`): the schedule's FB ops run the
         # stages' overlap hook, each chunk's EP all-to-all hidden behind the other chunk's compute. Off: F then B.
         self.overlap_ep = cfg.parallel.overlap_ep()
-        self.runtime = PipelineRuntime(self.stages, schedule=self.schedule, process_group=self.g.pp_group,
-                                       timeout_s=self.timeout_s, timeout_name="parallel.p2p_timeout_s",
-                                       overlap=self.overlap_ep)
+        self.runtime = PipelineRuntime(
+            self.stages,
+            schedule=self.schedule,
+            process_group=self.g.pp_group,
+            timeout_s=self.timeout_s,
+            timeout_name="parallel.p2p_timeout_s",
+            overlap=self.overlap_ep,
+        )
 
     def _one_norm_all_reduce(self) -> None:
         """DeepSpeed's ZeRO optimizer all-reduces one gradient norm per parameter group over the pipeline group, and
@@ -252,15 +277,18 @@ class PipelinedEngine:
         stages with different group counts are refused here, before the first step would pair the all-reduces
         wrongly."""
         from patches import deepspeed_zero_pipeline_norm
+
         if self.g.pp == 1 or deepspeed_zero_pipeline_norm.apply(self.engine.optimizer):
             return
         counts = [None] * self.g.pp
         with self._peers("all_gather_object of the optimizer's parameter-group counts", self.g.pp_ranks):
             dist.all_gather_object(counts, len(self.engine.optimizer.param_groups), group=self.g.pp_group)
         if len(set(counts)) > 1:
-            raise ConfigError(f"dsv3.parallel.pp: the pipeline ranks hold {counts} optimizer parameter groups "
-                              "(expert groups differ per stage), and this DeepSpeed's ZeRO optimizer all-reduces "
-                              "one gradient norm per group over the pipeline; use deepspeed 0.19.x")
+            raise ConfigError(
+                f"dsv3.parallel.pp: the pipeline ranks hold {counts} optimizer parameter groups "
+                "(expert groups differ per stage), and this DeepSpeed's ZeRO optimizer all-reduces "
+                "one gradient norm per group over the pipeline; use deepspeed 0.19.x"
+            )
 
     @contextlib.contextmanager
     def _peers(self, op: str, ranks: list[int]):
@@ -280,21 +308,29 @@ class PipelinedEngine:
         crit = DSv3PipelineLoss(self.cfg, tokens_seen, scale=1.0 / self.gas)
         self.engine.train()
         self.runtime.step(ids_NT, num_chunks=self.gas, criterion=crit, labels=(labels_NT,))
-        self.step_times.append({**self.runtime.last_step,
-                                **{f"a2a_wait_s_{k}": v for k, v in self.runtime.op_a2a_wait_s.items()},
-                                **{f"p2p_wait_s_{k}": v for k, v in self.runtime.op_p2p_wait_s.items()},
-                                **{f"op_s_{k}": v for k, v in self.runtime.op_seconds.items()}})
+        self.step_times.append(
+            {
+                **self.runtime.last_step,
+                **{f"a2a_wait_s_{k}": v for k, v in self.runtime.op_a2a_wait_s.items()},
+                **{f"p2p_wait_s_{k}": v for k, v in self.runtime.op_p2p_wait_s.items()},
+                **{f"op_s_{k}": v for k, v in self.runtime.op_seconds.items()},
+            }
+        )
         sync_tied_embedding(self.runtime, self.stages)
         with self._peers("gradient all-reduce (ZeRO-1)", self.g.dp_ranks):
             self.engine.allreduce_gradients()
-        with self._peers("optimizer step (gradient norm over the pipeline, ZeRO-1 all-gather)",
-                         sorted(set(self.g.pp_ranks) | set(self.g.dp_ranks))):
+        with self._peers(
+            "optimizer step (gradient norm over the pipeline, ZeRO-1 all-gather)",
+            sorted(set(self.g.pp_ranks) | set(self.g.dp_ranks)),
+        ):
             self.engine.step()
         self.optimizer_steps += 1
         sums_4 = torch.zeros(4, dtype=torch.float64)
         for rec in crit.records:
-            sums_4 += torch.tensor([float(rec[k]) if rec[k] is not None else 0.0
-                                    for k in ("loss", "lm_loss", "mtp_loss", "balance_loss")], dtype=torch.float64)
+            sums_4 += torch.tensor(
+                [float(rec[k]) if rec[k] is not None else 0.0 for k in ("loss", "lm_loss", "mtp_loss", "balance_loss")],
+                dtype=torch.float64,
+            )
         # the ranks where micro-batches end (the loss rank; DualPipe: ranks 0 and P-1, half each) hold the sums
         # of their micro-batches, the others zeros: sum over the pipeline, then average over DP
         with self._peers("loss all-reduce over the pipeline", self.g.pp_ranks):
@@ -312,13 +348,16 @@ class PipelinedEngine:
         Returns {"schedule", "split_weight_grads", "steps_measured", "ranks": [per global rank: {"rank",
         "pp_rank", "dp_rank", "busy_s", "idle_s", "idle_fraction", "grad_sync_s", "wall_s", "w_closures"}]}."""
         steps = self.step_times[1:] if skip_first and len(self.step_times) > 1 else self.step_times
-        mine = {"rank": dist.get_rank(), "pp_rank": self.g.pp_rank, "dp_rank": self.g.dp_rank,
-                **idle_figures(steps)}
+        mine = {"rank": dist.get_rank(), "pp_rank": self.g.pp_rank, "dp_rank": self.g.dp_rank, **idle_figures(steps)}
         ranks = [None] * dist.get_world_size()
         with self._peers("all_gather_object of the pipeline busy/idle times", list(range(len(ranks)))):
             dist.all_gather_object(ranks, mine)
-        return {"schedule": self.schedule, "split_weight_grads": self.split_w, "steps_measured": len(steps),
-                "ranks": ranks}
+        return {
+            "schedule": self.schedule,
+            "split_weight_grads": self.split_w,
+            "steps_measured": len(steps),
+            "ranks": ranks,
+        }
 
     def gather_pipeline(self, obj) -> list:
         """`obj` of every rank of this pipeline, in pipeline-rank order (time-limited like every other wait)."""
@@ -358,8 +397,12 @@ class PipelinedEngine:
         peer = self.g.pp_ranks[mirror]
         other = torch.empty_like(counts_LE)
         with self._peers("expert-load exchange with the DualPipe mirror rank", [self.g.pp_ranks[self.g.pp_rank], peer]):
-            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, counts_LE, peer, group=self.g.pp_group),
-                                            dist.P2POp(dist.irecv, other, peer, group=self.g.pp_group)])
+            works = dist.batch_isend_irecv(
+                [
+                    dist.P2POp(dist.isend, counts_LE, peer, group=self.g.pp_group),
+                    dist.P2POp(dist.irecv, other, peer, group=self.g.pp_group),
+                ]
+            )
             for w in works:
                 self.runtime.p2p._wait(w, f"expert-load exchange with mirror pipeline rank {mirror}")
         return counts_LE + other
@@ -384,8 +427,7 @@ class PipelinedEngine:
         state (all-gathered: DeepSpeed writes client_state from each stage's data-parallel rank 0 only), the
         optimizer-step count and the config. Call between steps (router counts are zero there)."""
         cs = dict(client_state or {})
-        cs["dsv3"] = {**gather_rng_states(), "optimizer_steps": self.optimizer_steps,
-                      "config": self.cfg.to_dict()}
+        cs["dsv3"] = {**gather_rng_states(), "optimizer_steps": self.optimizer_steps, "config": self.cfg.to_dict()}
         with self._peers("save_checkpoint", sorted(set(self.g.pp_ranks) | set(self.g.dp_ranks))):
             self.engine.save_checkpoint(save_dir, tag=tag, client_state=cs)
 
@@ -403,5 +445,5 @@ class PipelinedEngine:
             raise CheckpointError(f"{path}: client_state has no 'dsv3' entry (not saved by dsv3 train)")
         restore_rng_state(st, str(path))
         self.optimizer_steps = int(st.get("optimizer_steps", 0))
-        reset_counts(self.module)   # counts of an interrupted step must not leak into the next update
+        reset_counts(self.module)  # counts of an interrupted step must not leak into the next update
         return client

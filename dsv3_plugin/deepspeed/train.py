@@ -10,6 +10,7 @@ once-per-step bias update, see `dsv3_plugin.deepspeed`). Metrics are means over 
 Resume: `--steps` is the step to reach, not a count to add; a checkpoint stores the next step index (the
 data position: batches are a pure function of (seed, step, micro-batch, rank)) and the engine's dsv3 state.
 """
+
 from __future__ import annotations
 
 import copy
@@ -25,28 +26,24 @@ from typing import Any
 
 import torch
 
-from dsv3_plugin.training.run_dir import RunDir, checkpoint_dir
-from dsv3_plugin.config import read_ds_json
-from dsv3_plugin.errors import CheckpointError
-from dsv3_plugin.checkpoint.hf import load_pretrained
-from dsv3_plugin.training.transforms import build_model
-from dsv3_plugin.training.rank_local import RankLayout, build_rank_local, param_bytes
-from dsv3_plugin.checkpoint.hf import pretrained_config
-from dsv3_plugin.config import ConfigError, load_config
-from .engine import mixed_precision_dtype
-from .train_memory import host_memory_bytes
-from .validate import validate_ds_config
-from dsv3_plugin.config import ConfigError
-from dsv3_plugin.parallel.distributed import init_distributed, peer_failures, set_peer_timeout
+from dsv3_plugin.checkpoint.hf import load_pretrained, pretrained_config
+from dsv3_plugin.config import ConfigError, load_config, read_ds_json
 from dsv3_plugin.deepspeed import initialize, quiet_deepspeed_logs
-from dsv3_plugin.training.data import MarkovData
-from .moe_layer import prepare_model  # experts sharded over parallel.ep (DeepSpeed MoE groups)
-from dsv3_plugin.training.telemetry import RoutingTelemetry
-from dsv3_plugin.training.ema import EMA
-from .pipeline import PipelinedEngine
-from dsv3_plugin.training.telemetry import read_metrics
-from dsv3_plugin.training.routing_plot import plot_routing
+from dsv3_plugin.deepspeed.engine import mixed_precision_dtype
+from dsv3_plugin.deepspeed.moe_layer import prepare_model  # experts sharded over parallel.ep (DeepSpeed MoE groups)
+from dsv3_plugin.deepspeed.pipeline import PipelinedEngine
+from dsv3_plugin.deepspeed.train_memory import host_memory_bytes
+from dsv3_plugin.deepspeed.validate import validate_ds_config
+from dsv3_plugin.errors import CheckpointError
 from dsv3_plugin.model.moe.balancing import maxvio
+from dsv3_plugin.parallel.distributed import init_distributed, peer_failures, set_peer_timeout
+from dsv3_plugin.training.data import MarkovData
+from dsv3_plugin.training.ema import EMA
+from dsv3_plugin.training.rank_local import RankLayout, build_rank_local, param_bytes
+from dsv3_plugin.training.routing_plot import plot_routing
+from dsv3_plugin.training.run_dir import RunDir, checkpoint_dir
+from dsv3_plugin.training.telemetry import RoutingTelemetry, read_metrics
+from dsv3_plugin.training.transforms import build_model
 
 __all__ = ["DEFAULT_DS_CONFIG", "train", "resolve_ds_config", "checkpoint_dir", "maxvio_of", "window_maxvio"]
 
@@ -57,16 +54,19 @@ DEFAULT_DS_CONFIG: dict = {
     "gradient_clipping": 1.0,
     "steps_per_print": 1000000,
     "zero_optimization": {"stage": 1},
-    "optimizer": {"type": "AdamW",
-                  "params": {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "torch_adam": True}},
-    "scheduler": {"type": "WarmupLR",
-                  "params": {"warmup_min_lr": 3e-4, "warmup_max_lr": 3e-3, "warmup_num_steps": 10,
-                             "warmup_type": "linear"}},
+    "optimizer": {
+        "type": "AdamW",
+        "params": {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "torch_adam": True},
+    },
+    "scheduler": {
+        "type": "WarmupLR",
+        "params": {"warmup_min_lr": 3e-4, "warmup_max_lr": 3e-3, "warmup_num_steps": 10, "warmup_type": "linear"},
+    },
     "dsv3": {"preset": "tiny", "moe": {"bias_update_speed": 0.01}, "train": {"seq_len": 64, "steps": 60, "seed": 1234}},
 }
 
 
-def resolve_ds_config(config: "str | os.PathLike | dict | None") -> dict:
+def resolve_ds_config(config: str | os.PathLike | dict | None) -> dict:
     """The DeepSpeed JSON as a dict (the built-in default when None), read by the one reader `config.read_ds_json`
     (ConfigError naming the file when it is not UTF-8 JSON with a "dsv3" block)."""
     if config is None:
@@ -111,28 +111,39 @@ def _f(x) -> float:
     return 0.0 if x is None else float(x.detach())
 
 
-def _build_model(cfg, init_from: str | None, allow_non_finite: bool = False, rank: int = 0, world: int = 1,
-                 dtype: torch.dtype = torch.float32):
+def _build_model(
+    cfg,
+    init_from: str | None,
+    allow_non_finite: bool = False,
+    rank: int = 0,
+    world: int = 1,
+    dtype: torch.dtype = torch.float32,
+):
     """This rank's model, its parameters created directly in `dtype` (DeepSpeed's bf16/fp16 dtype: the same values
     DeepSpeed's own cast of an FP32 build gives, since every tensor is drawn or dequantized in FP32 and rounded
     once; router weight, bias and counts FP32, see `engine.prepare_mixed_precision`). With pp > 1 or ep > 1 only
     what this rank owns (`training.rank_local`: its stages' layers, its experts; built on `meta`), and with
     `init_from` only its tensors read."""
     layout = RankLayout.for_rank(cfg, rank, world)
-    direct = not layout.is_full or dtype != torch.float32   # the FP32 full build is the plain one
+    direct = not layout.is_full or dtype != torch.float32  # the FP32 full build is the plain one
     if init_from:
         # Shape from the released config.json, training knobs from the "dsv3" block (see _init_from_config).
         d = cfg.to_dict()
-        return load_pretrained(init_from, dtype=dtype, device="cpu", allow_non_finite=allow_non_finite,
-                               layout=layout if direct else None,
-                               **{sec: d[sec] for sec in ("moe", "mtp", "parallel", "fp8", "memory", "train")})
+        return load_pretrained(
+            init_from,
+            dtype=dtype,
+            device="cpu",
+            allow_non_finite=allow_non_finite,
+            layout=layout if direct else None,
+            **{sec: d[sec] for sec in ("moe", "mtp", "parallel", "fp8", "memory", "train")},
+        )
     return build_rank_local(cfg, layout, dtype) if direct else build_model(cfg)
 
 
 def _init_from_config(ds: dict, init_from: str) -> dict:
     """Model shape from the released config.json; training knobs (γ, λ, α schedules, train.*) from the JSON."""
     if not isinstance(ds.get("dsv3"), dict):
-        raise ConfigError("dsv3: the DeepSpeed JSON has no \"dsv3\" block")
+        raise ConfigError('dsv3: the DeepSpeed JSON has no "dsv3" block')
     hf_path = os.path.join(init_from, "config.json")
     if not os.path.isfile(hf_path):
         raise CheckpointError(f"{hf_path}: not found (--init-from needs a released-format checkpoint dir)")
@@ -161,8 +172,9 @@ def _prepare(ds_config, steps, init_from, world_size: int | None = None):
         world_size = torch.distributed.get_world_size()
     local = os.environ.get("LOCAL_WORLD_SIZE")
     ranks_on_host = int(local) if local and local.isdigit() and int(local) > 0 else (world_size or 1)
-    checked = validate_ds_config(ds, target="train", world_size=world_size, ranks_on_host=ranks_on_host,
-                                 host_memory=host_memory_bytes())
+    checked = validate_ds_config(
+        ds, target="train", world_size=world_size, ranks_on_host=ranks_on_host, host_memory=host_memory_bytes()
+    )
     cfg = checked.cfg
     total = steps if steps is not None else cfg.train.steps
     if total <= 0:
@@ -170,10 +182,20 @@ def _prepare(ds_config, steps, init_from, world_size: int | None = None):
     return checked.full(), cfg, total
 
 
-def train(ds_config: "str | os.PathLike | dict | None" = None, *, steps: int | None = None,
-          out: str | None = None, resume: str | None = None, init_from: str | None = None,
-          progress: bool = True, echo: bool = False, summary: bool = False, save: bool = True,
-          overwrite: bool = False, allow_non_finite: bool = False) -> dict:
+def train(
+    ds_config: str | os.PathLike | dict | None = None,
+    *,
+    steps: int | None = None,
+    out: str | None = None,
+    resume: str | None = None,
+    init_from: str | None = None,
+    progress: bool = True,
+    echo: bool = False,
+    summary: bool = False,
+    save: bool = True,
+    overwrite: bool = False,
+    allow_non_finite: bool = False,
+) -> dict:
     """Train on this rank (call after, or let it call, `init_distributed()`).
 
     Returns {"history": per-step metric dicts, "summary", "router_bias": {buffer name: list},
@@ -195,23 +217,45 @@ def train(ds_config: "str | os.PathLike | dict | None" = None, *, steps: int | N
     with peer_failures("dsv3 train (start-up, resume or end of the run)", cfg.parallel.p2p_timeout_s):
         run = RunDir(out, resume, cfg, rank, world, overwrite, save)
         try:
-            return _train(run, ds, cfg, total, rank, world, init_from=init_from, progress=progress, echo=echo,
-                          summary=summary, allow_non_finite=allow_non_finite)
+            return _train(
+                run,
+                ds,
+                cfg,
+                total,
+                rank,
+                world,
+                init_from=init_from,
+                progress=progress,
+                echo=echo,
+                summary=summary,
+                allow_non_finite=allow_non_finite,
+            )
         finally:
             run.close()
 
 
 # --- the loop ----------------------------------------------------------------------------------------
-def _train(run: RunDir, ds: dict, cfg, total: int, rank: int, world: int, *, init_from, progress, echo,
-           summary, allow_non_finite=False) -> dict:
+def _train(
+    run: RunDir,
+    ds: dict,
+    cfg,
+    total: int,
+    rank: int,
+    world: int,
+    *,
+    init_from,
+    progress,
+    echo,
+    summary,
+    allow_non_finite=False,
+) -> dict:
     """Setup, resume, then one `_step` per optimizer step, each logged and checkpointed by `_after_step`."""
     _setup_process(cfg)
-    rss0 = _rss_bytes()   # the runtime's share of peak_rss_bytes (Python, torch, DeepSpeed, process groups)
+    rss0 = _rss_bytes()  # the runtime's share of peak_rss_bytes (Python, torch, DeepSpeed, process groups)
     model = _build_model(cfg, init_from, allow_non_finite, rank, world, mixed_precision_dtype(ds) or torch.float32)
     model.rss_before_model_bytes = rss0
     if cfg.parallel.pp > 1:
-        return _train_pipelined(model, run, ds, cfg, total, rank, world, progress=progress, echo=echo,
-                                summary=summary)
+        return _train_pipelined(model, run, ds, cfg, total, rank, world, progress=progress, echo=echo, summary=summary)
     loop = _setup(model, ds, cfg, rank, world)
     start = _resume(loop, run)
     run.start_metrics(start)
@@ -230,18 +274,28 @@ def _train(run: RunDir, ds: dict, cfg, total: int, rank: int, world: int, *, ini
     if loop.ema is not None:
         loop.ema.close()
     loop.engine.dsv3.remove()
-    return _finish(model, history, run, world, wall, loop.data.entropy_rate, echo, summary,
-                   getattr(model, "checkpoint_bytes_read", 0), rss_before_model=model.rss_before_model_bytes)
+    return _finish(
+        model,
+        history,
+        run,
+        world,
+        wall,
+        loop.data.entropy_rate,
+        echo,
+        summary,
+        getattr(model, "checkpoint_bytes_read", 0),
+        rss_before_model=model.rss_before_model_bytes,
+    )
 
 
 @dataclass
 class _Loop:
     """What the pp = 1 loop holds across steps."""
 
-    engine: Any                 # DeepSpeed engine with the dsv3 hooks (`engine.dsv3`)
-    telemetry: Any              # RoutingTelemetry: loads, MaxVio_batch/global, cross-node copies, dropped tokens
-    ema: Any                    # EMA or None (memory.ema)
-    data: Any                   # MarkovData
+    engine: Any  # DeepSpeed engine with the dsv3 hooks (`engine.dsv3`)
+    telemetry: Any  # RoutingTelemetry: loads, MaxVio_batch/global, cross-node copies, dropped tokens
+    ema: Any  # EMA or None (memory.ema)
+    data: Any  # MarkovData
     rank: int
     world: int
 
@@ -294,7 +348,7 @@ def _step(loop: _Loop, step: int) -> dict:
         ids, labels = loop.data.batch(step, micro, loop.rank, mbs, device=engine.device)
         o = engine(ids, labels=labels)
         engine.backward(o.loss)
-        engine.step()     # the last micro-batch's call steps the optimizer and the router biases
+        engine.step()  # the last micro-batch's call steps the optimizer and the router biases
         sums_4 += torch.tensor([_f(o.loss), _f(o.lm_loss), _f(o.mtp_loss), _f(o.balance_loss)], dtype=torch.float64)
     if torch.distributed.is_initialized():
         sums_4 = sums_4.to(engine.device)
@@ -306,17 +360,28 @@ def _step(loop: _Loop, step: int) -> dict:
     dt = time.perf_counter() - t0
     st = engine.dsv3.state
     mv = maxvio_of(st.last_stats)
-    return {"step": step + 1, "loss": means[0], "lm_loss": means[1], "mtp_loss": means[2],
-            "balance_loss": means[3], "maxvio": sum(mv) / len(mv) if mv else 0.0,
-            "tokens_per_s": st.last_step_tokens / dt, "tokens_seen": st.tokens_seen,
-            "gamma": st.last_gamma, "lr": float(engine.get_lr()[0]), "grad_norm": _grad_norm(engine),
-            "maxvio_layers": mv, **loop.telemetry.record(st.last_stats)}  # collective: every rank records
+    return {
+        "step": step + 1,
+        "loss": means[0],
+        "lm_loss": means[1],
+        "mtp_loss": means[2],
+        "balance_loss": means[3],
+        "maxvio": sum(mv) / len(mv) if mv else 0.0,
+        "tokens_per_s": st.last_step_tokens / dt,
+        "tokens_seen": st.tokens_seen,
+        "gamma": st.last_gamma,
+        "lr": float(engine.get_lr()[0]),
+        "grad_norm": _grad_norm(engine),
+        "maxvio_layers": mv,
+        **loop.telemetry.record(st.last_stats),
+    }  # collective: every rank records
 
 
 def _save(loop: _Loop, run: RunDir, tag: str, done: int) -> None:
     """The DeepSpeed checkpoint with the data position and telemetry, and this rank's EMA shard."""
-    loop.engine.save_checkpoint(run.ckpt, tag=tag,
-                                client_state={"data_step": done, "telemetry": loop.telemetry.state_dict()})
+    loop.engine.save_checkpoint(
+        run.ckpt, tag=tag, client_state={"data_step": done, "telemetry": loop.telemetry.state_dict()}
+    )
     if loop.ema is not None:  # each rank its own shard (DeepSpeed's client_state is written by rank 0 only)
         _atomic_save(loop.ema.state_dict(), _ema_path(run.ckpt, tag, loop.rank))
 
@@ -339,6 +404,7 @@ def _drop_startup_warning() -> None:
     import logging
 
     from deepspeed.utils import logger
+
     msg = "Attempting to get learning rate from scheduler before it has started"
     if not any(getattr(f, "dsv3_msg", None) == msg for f in logger.filters):
         f = logging.Filter()
@@ -351,6 +417,7 @@ def _bar(show: bool, total: int, start: int, desc: str):
     if not show:
         return None
     from tqdm import tqdm
+
     return tqdm(total=total, initial=start, desc=desc, unit="step", file=sys.stderr, dynamic_ncols=True)
 
 
@@ -363,12 +430,13 @@ def _ema(module, cfg, dp_rank: int, dp: int):
     ep = cfg.parallel.ep
     dense = sorted(n for n, p in module.named_parameters() if getattr(p, "allreduce", True))
     expert = sorted(n for n, p in module.named_parameters() if not getattr(p, "allreduce", True))
-    names = dense[dp_rank::dp] + expert[dp_rank // ep::dp // ep]
+    names = dense[dp_rank::dp] + expert[dp_rank // ep :: dp // ep]
     return EMA(module, cfg.memory.ema_decay, names=names)
 
 
-def _train_pipelined(model, run: RunDir, ds: dict, cfg, total: int, rank: int, world: int, *, progress, echo,
-                     summary) -> dict:
+def _train_pipelined(
+    model, run: RunDir, ds: dict, cfg, total: int, rank: int, world: int, *, progress, echo, summary
+) -> dict:
     """`"parallel": {"pp": P > 1, "schedule": ...}`: pipelines of P consecutive ranks, ZeRO-1 over the
     data-parallel group (`dsv3_plugin.deepspeed.pipeline.PipelinedEngine`), experts over EP groups carved from
     it; one pipeline step over the JSON's gradient_accumulation_steps micro-batches per optimizer step; the data
@@ -409,9 +477,19 @@ def _train_pipelined(model, run: RunDir, ds: dict, cfg, total: int, rank: int, w
         ema.close()
     with peer_failures("end of the run (pipeline busy/idle times)", cfg.parallel.p2p_timeout_s):
         pipe = pe.idle_report()
-    return _finish(pe.module, history, run, world, wall, data.entropy_rate, echo, summary,
-                   getattr(model, "checkpoint_bytes_read", 0), pipeline=pipe,
-                   rss_before_model=model.rss_before_model_bytes)
+    return _finish(
+        pe.module,
+        history,
+        run,
+        world,
+        wall,
+        data.entropy_rate,
+        echo,
+        summary,
+        getattr(model, "checkpoint_bytes_read", 0),
+        pipeline=pipe,
+        rss_before_model=model.rss_before_model_bytes,
+    )
 
 
 def _step_pipelined(pe, data, cfg, step: int, tokens_seen: int) -> dict:
@@ -424,14 +502,22 @@ def _step_pipelined(pe, data, cfg, step: int, tokens_seen: int) -> dict:
     m = pe.train_step(ids, labels, tokens_seen=float(tokens_seen))
     gamma = cfg.moe.gamma(float(tokens_seen))
     stats = pe.update_expert_bias(gamma)
-    step_tokens = ids.numel() * g.dp            # every rank of a pipeline trains on the same tokens
+    step_tokens = ids.numel() * g.dp  # every rank of a pipeline trains on the same tokens
     # (MoE layer index, MaxVio) of every local MoE layer of every pipeline rank
     per_rank = pe.gather_pipeline([(s["moe_index"], float(s["maxvio"])) for s in stats])
-    mv = [v for _, v in sorted(dict(x for xs in per_rank for x in xs).items())]   # model order, DualPipe's mirrors once
+    mv = [v for _, v in sorted(dict(x for xs in per_rank for x in xs).items())]  # model order, DualPipe's mirrors once
     dt = time.perf_counter() - t0
-    return {"step": step + 1, **m, "maxvio": sum(mv) / len(mv) if mv else 0.0,
-            "tokens_per_s": step_tokens / dt, "tokens_seen": tokens_seen + step_tokens, "gamma": gamma,
-            "lr": float(pe.engine.get_lr()[0]), "grad_norm": _grad_norm(pe.engine), "maxvio_layers": mv}
+    return {
+        "step": step + 1,
+        **m,
+        "maxvio": sum(mv) / len(mv) if mv else 0.0,
+        "tokens_per_s": step_tokens / dt,
+        "tokens_seen": tokens_seen + step_tokens,
+        "gamma": gamma,
+        "lr": float(pe.engine.get_lr()[0]),
+        "grad_norm": _grad_norm(pe.engine),
+        "maxvio_layers": mv,
+    }
 
 
 def _log_step(rec: dict, done: int, total: int, log_every: int, echo: bool, metrics_path, bar) -> None:
@@ -449,9 +535,19 @@ def _log_step(rec: dict, done: int, total: int, log_every: int, echo: bool, metr
         bar.update(1)
 
 
-def _finish(model, history: list[dict], run: RunDir, world: int, wall_s: float, loss_floor: float, echo: bool,
-            summary: bool, checkpoint_bytes_read: int = 0, pipeline: dict | None = None,
-            rss_before_model: int = 0) -> dict:
+def _finish(
+    model,
+    history: list[dict],
+    run: RunDir,
+    world: int,
+    wall_s: float,
+    loss_floor: float,
+    echo: bool,
+    summary: bool,
+    checkpoint_bytes_read: int = 0,
+    pipeline: dict | None = None,
+    rss_before_model: int = 0,
+) -> dict:
     """End of a run (both loops): PNGs, summary (JSON with `echo`, human with `summary`), and final-state
     fingerprints (plain Python values, so they can cross process boundaries). The summary carries this rank's
     `peak_rss_bytes`, `rss_before_model_bytes`, `param_bytes` and `checkpoint_bytes_read`, and under "ranks" every
@@ -474,14 +570,18 @@ def _finish(model, history: list[dict], run: RunDir, world: int, wall_s: float, 
     summ.update(_rank_memory(model, checkpoint_bytes_read, rss_before_model))
     peak = max(r["peak_rss_bytes"] for r in summ["ranks"])
     read = max(r["checkpoint_bytes_read"] for r in summ["ranks"])
-    summ["text"] += (f"\n  memory         peak RSS {peak / 2**30:.2f} GiB (largest rank), parameters "
-                     f"{summ['param_bytes'] / 2**30:.3f} GiB on this rank"
-                     + (f", read {read / 1e9:.3f} GB of the checkpoint (largest rank)" if read else ""))
+    summ["text"] += (
+        f"\n  memory         peak RSS {peak / 2**30:.2f} GiB (largest rank), parameters "
+        f"{summ['param_bytes'] / 2**30:.3f} GiB on this rank"
+        + (f", read {read / 1e9:.3f} GB of the checkpoint (largest rank)" if read else "")
+    )
     if pipeline is not None and history:
         summ["pipeline"] = pipeline
         fr = ", ".join(f"{r['idle_fraction']:.3f}" for r in pipeline["ranks"])
-        summ["text"] += (f"\n  pipeline       idle fraction per rank {fr} ({pipeline['schedule']}, W split "
-                         f"{'on' if pipeline['split_weight_grads'] else 'off'}, {pipeline['steps_measured']} steps)")
+        summ["text"] += (
+            f"\n  pipeline       idle fraction per rank {fr} ({pipeline['schedule']}, W split "
+            f"{'on' if pipeline['split_weight_grads'] else 'off'}, {pipeline['steps_measured']} steps)"
+        )
         if any(r["grad_sync_s"] for r in pipeline["ranks"]):
             gs = ", ".join(f"{r['grad_sync_s'] / max(r['wall_s'], 1e-12):.3f}" for r in pipeline["ranks"])
             summ["text"] += f"\n  pipeline       mirror gradient exchange per rank {gs} of the step (not idle)"
@@ -493,12 +593,18 @@ def _finish(model, history: list[dict], run: RunDir, world: int, wall_s: float, 
     with torch.no_grad():
         biases = {n: b.tolist() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")}
         checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
-    return {"history": history, "summary": summ, "router_bias": biases, "param_checksum": checksum,
-            "notes": list(run.notes)}
+    return {
+        "history": history,
+        "summary": summ,
+        "router_bias": biases,
+        "param_checksum": checksum,
+        "notes": list(run.notes),
+    }
 
 
 def _rss_bytes() -> int:
     import psutil
+
     return int(psutil.Process().memory_info().rss)
 
 
@@ -508,10 +614,12 @@ def _rank_memory(module, checkpoint_bytes_read: int, rss_before_model: int = 0) 
     process groups; peak minus it is what the model, its optimizer and the steps added), bytes of its parameters
     (after the pipeline / EP split), bytes it read from `--init-from`. Collective when the process group is up:
     every rank calls it."""
-    mine = {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "rss_before_model_bytes": int(rss_before_model),
-            "param_bytes": param_bytes(module),
-            "checkpoint_bytes_read": int(checkpoint_bytes_read)}
+    mine = {
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "rss_before_model_bytes": int(rss_before_model),
+        "param_bytes": param_bytes(module),
+        "checkpoint_bytes_read": int(checkpoint_bytes_read),
+    }
     ranks = [mine]
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         ranks = [None] * torch.distributed.get_world_size()
@@ -538,42 +646,67 @@ def _summary(history: list[dict], world: int, wall_s: float, loss_floor: float, 
         return {"steps": 0, "line": text, "text": text}
     first, last = history[0], history[-1]
     n = len(history)
-    k = max(1, min(10, n // 2))                     # window: up to 10 steps at each end, never overlapping
+    k = max(1, min(10, n // 2))  # window: up to 10 steps at each end, never overlapping
     head, tail = history[:k], history[-k:]
     tps = sum(r["tokens_per_s"] for r in tail) / len(tail)
     mv_first, mv_last = window_maxvio(head), window_maxvio(tail)
     dropped = [r.get("tokens_dropped") for r in history if r.get("tokens_dropped") is not None]
-    line = (f"dsv3 train: steps {first['step']}-{last['step']} on {world} rank(s) in {wall_s:.1f} s "
-            f"({tps:,.0f} tokens/s)")
-    lines = [line,
-             f"  loss           {first['loss']:.3f} -> {last['loss']:.3f}   (LM {first['lm_loss']:.3f} -> "
-             f"{last['lm_loss']:.3f}; the data's floor is {loss_floor:.2f})"]
+    line = (
+        f"dsv3 train: steps {first['step']}-{last['step']} on {world} rank(s) in {wall_s:.1f} s ({tps:,.0f} tokens/s)"
+    )
+    lines = [
+        line,
+        f"  loss           {first['loss']:.3f} -> {last['loss']:.3f}   (LM {first['lm_loss']:.3f} -> "
+        f"{last['lm_loss']:.3f}; the data's floor is {loss_floor:.2f})",
+    ]
     if mv_first is not None and n > 1:
         s0, s1 = (f"steps {w[0]['step']}-{w[-1]['step']}" if k > 1 else f"step {w[0]['step']}" for w in (head, tail))
-        lines.append(f"  MaxVio_global  {mv_first:.3f} over {s0} -> {mv_last:.3f} over {s1}   "
-                     f"(max expert load / mean - 1; 0 = balanced)")
-        lines.append(f"                 {last['maxvio_global']:.3f} over the whole run; per-step batches "
-                     f"(MaxVio_batch) {first['maxvio_batch']:.3f} -> {last['maxvio_batch']:.3f}")
+        lines.append(
+            f"  MaxVio_global  {mv_first:.3f} over {s0} -> {mv_last:.3f} over {s1}   "
+            f"(max expert load / mean - 1; 0 = balanced)"
+        )
+        lines.append(
+            f"                 {last['maxvio_global']:.3f} over the whole run; per-step batches "
+            f"(MaxVio_batch) {first['maxvio_batch']:.3f} -> {last['maxvio_batch']:.3f}"
+        )
     else:
-        lines.append(f"  MaxVio         {first['maxvio']:.3f} -> {last['maxvio']:.3f}   "
-                     f"(per step, mean over MoE layers; 0 = balanced)")
+        lines.append(
+            f"  MaxVio         {first['maxvio']:.3f} -> {last['maxvio']:.3f}   "
+            f"(per step, mean over MoE layers; 0 = balanced)"
+        )
     if dropped:
         lines.append(f"  tokens dropped {sum(dropped)}")
     if files:
         lines.append("  wrote " + ", ".join(files))
     ok = all(math.isfinite(r["loss"]) for r in history)
-    return {"steps": n, "first_step": first["step"], "last_step": last["step"], "wall_s": wall_s,
-            "first_loss": first["loss"], "last_loss": last["loss"], "first_maxvio": first["maxvio"],
-            "last_maxvio": last["maxvio"], "window": k, "maxvio_global_first_window": mv_first,
-            "maxvio_global_last_window": mv_last, "maxvio_global_run": last.get("maxvio_global"),
-            "tokens_dropped": sum(dropped) if dropped else None, "tokens_per_s": tps, "finite": ok,
-            "files": files, "line": line, "text": "\n".join(lines)}
+    return {
+        "steps": n,
+        "first_step": first["step"],
+        "last_step": last["step"],
+        "wall_s": wall_s,
+        "first_loss": first["loss"],
+        "last_loss": last["loss"],
+        "first_maxvio": first["maxvio"],
+        "last_maxvio": last["maxvio"],
+        "window": k,
+        "maxvio_global_first_window": mv_first,
+        "maxvio_global_last_window": mv_last,
+        "maxvio_global_run": last.get("maxvio_global"),
+        "tokens_dropped": sum(dropped) if dropped else None,
+        "tokens_per_s": tps,
+        "finite": ok,
+        "files": files,
+        "line": line,
+        "text": "\n".join(lines),
+    }
 
 
 def _write_png(rows: list[dict], path: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     steps = [r["step"] for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
     a.plot(steps, [r["loss"] for r in rows], label="loss")

@@ -18,47 +18,64 @@ refused only when it certainly cannot fit.
 The message names the key that drives the estimate: the size key whose reduction to the `tiny` preset's value
 (1 for the micro-batch) would shrink the estimate the most.
 """
+
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
 
 from dsv3_plugin.config import PRESETS, ConfigError, DSv3Config
+from dsv3_plugin.deepspeed.config_keys import micro_batch
 from dsv3_plugin.training.memory_plan import layer_activation_bytes, param_counts
-from .config_keys import micro_batch
 
 __all__ = ["MemoryEstimate", "estimate_train_memory", "check_memory", "host_memory_bytes", "format_bytes"]
 
 # size keys the estimate depends on, as (section, name); DeepSpeed's micro-batch is handled apart
-_SIZE_KEYS = [("model", k) for k in ("num_hidden_layers", "hidden_size", "vocab_size", "intermediate_size",
-                                     "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
-                                     "qk_rope_head_dim", "v_head_dim")] + \
-             [("moe", k) for k in ("n_routed_experts", "intermediate_size", "n_shared_experts", "top_k")] + \
-             [("mtp", "depth"), ("train", "seq_len")]
+_SIZE_KEYS = (
+    [
+        ("model", k)
+        for k in (
+            "num_hidden_layers",
+            "hidden_size",
+            "vocab_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "q_lora_rank",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "qk_rope_head_dim",
+            "v_head_dim",
+        )
+    ]
+    + [("moe", k) for k in ("n_routed_experts", "intermediate_size", "n_shared_experts", "top_k")]
+    + [("mtp", "depth"), ("train", "seq_len")]
+)
 _MBS = "train_micro_batch_size_per_gpu"
 
 
 @dataclass
 class MemoryEstimate:
-    host_bytes: float           # ranks_on_host x per_rank_bytes
+    host_bytes: float  # ranks_on_host x per_rank_bytes
     per_rank_bytes: float
     ranks_on_host: int
-    params: int                 # P, the whole model
-    parts: dict = field(default_factory=dict)   # build / weights / gradients / optimizer / activations (bytes)
+    params: int  # P, the whole model
+    parts: dict = field(default_factory=dict)  # build / weights / gradients / optimizer / activations (bytes)
     budget_bytes: int | None = None
 
     def line(self) -> str:
         p = self.parts
-        return (f"{format_bytes(self.host_bytes)} for {self.ranks_on_host} rank(s) on this host: per rank "
-                f"max(build {format_bytes(p['build'])}, weights {format_bytes(p['weights'])} + gradients "
-                f"{format_bytes(p['gradients'])} + optimizer {format_bytes(p['optimizer'])} + activations "
-                f"{format_bytes(p['activations'])}); {self.params:,} parameters")
+        return (
+            f"{format_bytes(self.host_bytes)} for {self.ranks_on_host} rank(s) on this host: per rank "
+            f"max(build {format_bytes(p['build'])}, weights {format_bytes(p['weights'])} + gradients "
+            f"{format_bytes(p['gradients'])} + optimizer {format_bytes(p['optimizer'])} + activations "
+            f"{format_bytes(p['activations'])}); {self.params:,} parameters"
+        )
 
 
 def format_bytes(n: float) -> str:
-    for unit, k in (("PiB", 1024 ** 5), ("TiB", 1024 ** 4), ("GiB", 1024 ** 3), ("MiB", 1024 ** 2), ("KiB", 1024)):
+    for unit, k in (("PiB", 1024**5), ("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
         if n >= k:
-            return f"{n / k:.3g} {unit}" if n < 1024 ** 6 else f"{n:.3g} bytes"
+            return f"{n / k:.3g} {unit}" if n < 1024**6 else f"{n:.3g} bytes"
     return f"{int(n)} B"
 
 
@@ -82,8 +99,9 @@ def _estimate(cfg: DSv3Config, mbs: int, world: int, ranks_on_host: int, lp: flo
     L, k, D = m.num_hidden_layers, min(m.first_k_dense_replace, m.num_hidden_layers), cfg.mtp.depth
     moe_layer = pc["attn"] + pc["shared_experts"] + pc["router"] + pc["routed_experts"]
     head = m.hidden_size if m.tie_word_embeddings else pc["head"]
-    P = (k * (pc["attn"] + pc["dense_mlp"]) + (L - k) * moe_layer + pc["embed"] + head
-         + pc["mtp_extra"] + D * moe_layer)   # mtp_extra already counts all D modules
+    P = (
+        k * (pc["attn"] + pc["dense_mlp"]) + (L - k) * moe_layer + pc["embed"] + head + pc["mtp_extra"] + D * moe_layer
+    )  # mtp_extra already counts all D modules
     dp = max(1, world // p.pp)
     # the rank's share: the other EP ranks' routed experts removed, then an even part of the pipeline (the
     # fullest rank holds at least that much)
@@ -91,16 +109,27 @@ def _estimate(cfg: DSv3Config, mbs: int, world: int, ranks_on_host: int, lp: flo
     tokens = mbs * cfg.train.seq_len
     fp8 = cfg.fp8.enabled
     rec = cfg.memory.recompute
-    per_token = (k * layer_activation_bytes(cfg, False, rec, fp8, act_bytes=int(lp))
-                 + (L - k + D) * layer_activation_bytes(cfg, True, rec, fp8, act_bytes=int(lp))) / p.pp
+    per_token = (
+        k * layer_activation_bytes(cfg, False, rec, fp8, act_bytes=int(lp))
+        + (L - k + D) * layer_activation_bytes(cfg, True, rec, fp8, act_bytes=int(lp))
+    ) / p.pp
     acts = tokens * per_token + 4.0 * tokens * m.vocab_size * (1 + D)
     # with pp = ep = 1 the whole model is built; otherwise only the rank's part (`training.rank_local`)
-    parts = {"build": 4.0 * (P if p.pp == 1 and p.ep == 1 else P_rank), "weights": lp * P_rank,
-             "gradients": lp * P_rank,
-             "optimizer": 12.0 * P / (p.pp * dp), "activations": acts}
+    parts = {
+        "build": 4.0 * (P if p.pp == 1 and p.ep == 1 else P_rank),
+        "weights": lp * P_rank,
+        "gradients": lp * P_rank,
+        "optimizer": 12.0 * P / (p.pp * dp),
+        "activations": acts,
+    }
     per_rank = max(parts["build"], parts["weights"] + parts["gradients"] + parts["optimizer"] + acts)
-    return MemoryEstimate(host_bytes=ranks_on_host * per_rank, per_rank_bytes=per_rank,
-                          ranks_on_host=ranks_on_host, params=int(P), parts=parts)
+    return MemoryEstimate(
+        host_bytes=ranks_on_host * per_rank,
+        per_rank_bytes=per_rank,
+        ranks_on_host=ranks_on_host,
+        params=int(P),
+        parts=parts,
+    )
 
 
 def estimate_train_memory(cfg: DSv3Config, mbs: int = 1, world: int = 1, ranks_on_host: int = 1) -> MemoryEstimate:
@@ -136,10 +165,14 @@ def check_memory(cfg: DSv3Config, ds: dict, world: int, ranks_on_host: int, budg
     est = _estimate(cfg, mbs, world, ranks_on_host, lp)
     est.budget_bytes = budget
     if est.host_bytes > budget:
-        if est.per_rank_bytes <= budget:   # one rank fits: the number of ranks sharing the host is the problem
-            raise ConfigError(f"--nproc: {ranks_on_host} ranks on one host need at least {est.line()} -- more "
-                              f"than the {format_bytes(budget)} of this host; use fewer ranks per host")
+        if est.per_rank_bytes <= budget:  # one rank fits: the number of ranks sharing the host is the problem
+            raise ConfigError(
+                f"--nproc: {ranks_on_host} ranks on one host need at least {est.line()} -- more "
+                f"than the {format_bytes(budget)} of this host; use fewer ranks per host"
+            )
         key, val = _driver(cfg, mbs, world, ranks_on_host, est.host_bytes, lp)
-        raise ConfigError(f"{key}: dsv3 train needs at least {est.line()} -- more than the {format_bytes(budget)} "
-                          f"of this host; {key} = {val} drives the estimate")
+        raise ConfigError(
+            f"{key}: dsv3 train needs at least {est.line()} -- more than the {format_bytes(budget)} "
+            f"of this host; {key} = {val} drives the estimate"
+        )
     return est

@@ -9,8 +9,8 @@ What it checks, in this order (the first failure is reported):
 1. the file: UTF-8 (a BOM is accepted), valid JSON, nesting < 64, no NaN/inf, no duplicate keys (`json_input`);
    numbers anywhere: finite, integers within int64;
 2. the `"dsv3"` block: strict types, ranges, cross-field rules (`dsv3_plugin.config`);
-3. the DeepSpeed keys the engine reads (`dsv3_plugin.deepspeed.config_keys`): ZeRO stage 1 only, gradient clipping, batch sizes,
-   optimizer and LR scheduler, fp16/bf16, and DeepSpeed's own config parser as a backstop;
+3. the DeepSpeed keys the engine reads (`dsv3_plugin.deepspeed.config_keys`): ZeRO stage 1 only, gradient
+   clipping, batch sizes, optimizer and LR scheduler, fp16/bf16, and DeepSpeed's own config parser as a backstop;
 4. rules of the DeepSpeed path: at least one MoE layer (the bias update needs a router); with memory.bf16_moments
    an AdamW optimizer section (the engine builds the BF16-moment AdamW from it);
 5. with `target="train"`: what `dsv3 train` does not support (a pipeline rank left without parameters), its
@@ -22,19 +22,20 @@ What it checks, in this order (the first failure is reported):
 7. with `host_memory`: the memory `dsv3 train` needs for this shape on `ranks_on_host` ranks, refused with the
    estimate and the key that drives it when it exceeds the host's memory (`train_memory.py`).
 """
+
 from __future__ import annotations
 
 import copy
 import os
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal
 
 from dsv3_plugin.config import ConfigError, DSv3Config, check_numbers, got, load_config, read_ds_json
+from dsv3_plugin.deepspeed.config_keys import adamw_hyperparameters, check_deepspeed_keys, resolve_batch
+from dsv3_plugin.deepspeed.train_memory import MemoryEstimate, check_memory
 from dsv3_plugin.parallel.pipeline.stages import min_layers
-from dsv3_plugin.schedule_traits import check_chunks
-from .train_memory import MemoryEstimate, check_memory
 from dsv3_plugin.precision.fp8.linear import select_backend
-from .config_keys import adamw_hyperparameters, check_deepspeed_keys, resolve_batch
+from dsv3_plugin.schedule_traits import check_chunks
 
 __all__ = ["validate_ds_config", "CheckedConfig", "pipeline_microbatch_rule"]
 
@@ -43,11 +44,11 @@ __all__ = ["validate_ds_config", "CheckedConfig", "pipeline_microbatch_rule"]
 class CheckedConfig:
     """What `validate_ds_config` returns: the config split and normalised."""
 
-    ds: dict                          # DeepSpeed's part, no "dsv3"; zero stage, clipping (and batch keys) explicit
-    cfg: DSv3Config                   # the validated "dsv3" block
-    block: dict                       # the "dsv3" block as given (re-attach it to hand the JSON on)
-    world_size: Optional[int]         # the world the rules were checked for (None: world rules not checked)
-    memory: Optional[MemoryEstimate]  # the host-memory estimate (None: not checked)
+    ds: dict  # DeepSpeed's part, no "dsv3"; zero stage, clipping (and batch keys) explicit
+    cfg: DSv3Config  # the validated "dsv3" block
+    block: dict  # the "dsv3" block as given (re-attach it to hand the JSON on)
+    world_size: int | None  # the world the rules were checked for (None: world rules not checked)
+    memory: MemoryEstimate | None  # the host-memory estimate (None: not checked)
 
     def full(self) -> dict:
         """The normalised DeepSpeed JSON with its "dsv3" block (what the engine and the pipeline read)."""
@@ -60,11 +61,19 @@ def pipeline_microbatch_rule(cfg: DSv3Config, gas: int) -> None:
     p = cfg.parallel
     if p.pp <= 1:
         return
-    check_chunks(p.schedule, p.pp, gas, chunks_key="gradient_accumulation_steps", pp_key="dsv3.parallel.pp",
-                 why=f"; with pp={p.pp} the DeepSpeed path runs the step's micro-batches through the pipeline")
+    check_chunks(
+        p.schedule,
+        p.pp,
+        gas,
+        chunks_key="gradient_accumulation_steps",
+        pp_key="dsv3.parallel.pp",
+        why=f"; with pp={p.pp} the DeepSpeed path runs the step's micro-batches through the pipeline",
+    )
     if p.num_chunks is not None and p.num_chunks != gas:
-        raise ConfigError(f"dsv3.parallel.num_chunks: the DeepSpeed path runs gradient_accumulation_steps "
-                          f"micro-batches per pipeline step; set them equal (got {p.num_chunks} vs {gas})")
+        raise ConfigError(
+            f"dsv3.parallel.num_chunks: the DeepSpeed path runs gradient_accumulation_steps "
+            f"micro-batches per pipeline step; set them equal (got {p.num_chunks} vs {gas})"
+        )
 
 
 def _deepspeed_path_rules(cfg: DSv3Config, ds: dict) -> None:
@@ -72,22 +81,28 @@ def _deepspeed_path_rules(cfg: DSv3Config, ds: dict) -> None:
     topo = ds.get("use_data_before_expert_parallelism", False)
     if not isinstance(topo, bool):
         raise ConfigError(f"use_data_before_expert_parallelism: must be true or false (got {got(topo)})")
-    if topo and cfg.parallel.ep > 1:   # dsv3_plugin.deepspeed.moe_layer lays EP groups out as contiguous blocks
-        raise ConfigError("use_data_before_expert_parallelism: unsupported with dsv3 expert parallelism "
-                          "(EP groups must be contiguous rank blocks)")
-    if cfg.memory.bf16_moments and "optimizer" in ds:   # (without the section the engine needs optimizer=)
+    if topo and cfg.parallel.ep > 1:  # dsv3_plugin.deepspeed.moe_layer lays EP groups out as contiguous blocks
+        raise ConfigError(
+            "use_data_before_expert_parallelism: unsupported with dsv3 expert parallelism "
+            "(EP groups must be contiguous rank blocks)"
+        )
+    if cfg.memory.bf16_moments and "optimizer" in ds:  # (without the section the engine needs optimizer=)
         adamw_hyperparameters(ds)
     acc = (ds.get("data_types") or {}).get("grad_accum_dtype")
     if cfg.parallel.pp > 1 and (ds.get("bf16") or {}).get("enabled") is True and acc in ("fp32", "float32", "float"):
         # that pair selects DeepSpeed's BF16_Optimizer, which moves gradients into its FP32 accumulators inside
         # engine.backward; the pipeline's schedule runs the backward itself, so they would stay empty
-        raise ConfigError(f"data_types.grad_accum_dtype: {acc!r} with bf16 and dsv3.parallel.pp = {cfg.parallel.pp} "
-                          "is not supported (the pipeline runs backward outside DeepSpeed's BF16_Optimizer); drop it "
-                          "(ZeRO-1 then reduces BF16 gradients into its FP32 master weights)")
+        raise ConfigError(
+            f"data_types.grad_accum_dtype: {acc!r} with bf16 and dsv3.parallel.pp = {cfg.parallel.pp} "
+            "is not supported (the pipeline runs backward outside DeepSpeed's BF16_Optimizer); drop it "
+            "(ZeRO-1 then reduces BF16 gradients into its FP32 master weights)"
+        )
     if m.first_k_dense_replace >= m.num_hidden_layers and cfg.mtp.depth == 0:
-        raise ConfigError(f"dsv3.model.first_k_dense_replace: leaves no MoE layer (= num_hidden_layers = "
-                          f"{m.num_hidden_layers}, and mtp.depth = 0); the DeepSpeed path updates router biases "
-                          "and needs at least one")
+        raise ConfigError(
+            f"dsv3.model.first_k_dense_replace: leaves no MoE layer (= num_hidden_layers = "
+            f"{m.num_hidden_layers}, and mtp.depth = 0); the DeepSpeed path updates router biases "
+            "and needs at least one"
+        )
 
 
 def _train_rules(cfg: DSv3Config) -> None:
@@ -98,18 +113,25 @@ def _train_rules(cfg: DSv3Config) -> None:
         # no parameter, and DeepSpeed's optimizer refuses an empty parameter list (pipeline/stages.py).
         need = min_layers(p.schedule, p.pp, cfg.mtp.depth)
         if m.num_hidden_layers < need:
-            raise ConfigError(f"dsv3.model.num_hidden_layers: {p.schedule} with pp={p.pp} needs >= {need} decoder "
-                              f"layers, or a pipeline rank is left without any parameter (got {m.num_hidden_layers})")
+            raise ConfigError(
+                f"dsv3.model.num_hidden_layers: {p.schedule} with pp={p.pp} needs >= {need} decoder "
+                f"layers, or a pipeline rank is left without any parameter (got {m.num_hidden_layers})"
+            )
     # dsv3 train's synthetic data (dsv3_plugin.training.data.MarkovData): 4 successors per token, and torch.multinomial
     # draws from at most 2^24 categories
-    if not 5 <= m.vocab_size <= 2 ** 24:
-        raise ConfigError(f"dsv3.model.vocab_size: dsv3 train's synthetic data needs 5 <= vocab_size <= 2^24 = "
-                          f"{2 ** 24} (got {m.vocab_size})")
+    if not 5 <= m.vocab_size <= 2**24:
+        raise ConfigError(
+            f"dsv3.model.vocab_size: dsv3 train's synthetic data needs 5 <= vocab_size <= 2^24 = "
+            f"{2**24} (got {m.vocab_size})"
+        )
     if cfg.train.seq_len > m.max_position_embeddings:
-        raise ConfigError(f"dsv3.train.seq_len: must be <= model.max_position_embeddings "
-                          f"(got {cfg.train.seq_len} > {m.max_position_embeddings})")
+        raise ConfigError(
+            f"dsv3.train.seq_len: must be <= model.max_position_embeddings "
+            f"(got {cfg.train.seq_len} > {m.max_position_embeddings})"
+        )
     if cfg.fp8.enabled and cfg.fp8.backend in ("te", "torch"):
         import torch
+
         select_backend(cfg.fp8, "cuda" if torch.cuda.is_available() else "cpu")  # ConfigError naming the backend
 
 
@@ -124,14 +146,20 @@ def _world_rules(cfg: DSv3Config, world: int) -> int:
     if p.pp == 1 and world % p.ep:
         raise ConfigError(f"dsv3.parallel.ep: must divide the world size (got ep={p.ep}, world={world})")
     if dp % p.ep:
-        raise ConfigError(f"dsv3.parallel.ep: must divide the data-parallel size (got ep={p.ep}, "
-                          f"dp={dp} = world {world} / pp {p.pp})")
+        raise ConfigError(
+            f"dsv3.parallel.ep: must divide the data-parallel size (got ep={p.ep}, dp={dp} = world {world} / pp {p.pp})"
+        )
     return dp
 
 
-def validate_ds_config(config: "str | os.PathLike | dict", *, target: Literal["train", "engine"] = "train",
-                       world_size: Optional[int] = None, ranks_on_host: Optional[int] = None,
-                       host_memory: Optional[int] = None) -> CheckedConfig:
+def validate_ds_config(
+    config: str | os.PathLike | dict,
+    *,
+    target: Literal["train", "engine"] = "train",
+    world_size: int | None = None,
+    ranks_on_host: int | None = None,
+    host_memory: int | None = None,
+) -> CheckedConfig:
     """Validate a DeepSpeed JSON (path or dict) with a "dsv3" block; see the module docstring for the order.
 
     target: "train" adds what `dsv3 train` needs on this machine; "engine" is `deepspeed.initialize`'s view.

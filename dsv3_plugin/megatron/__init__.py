@@ -6,20 +6,40 @@ when first used. Megatron-LM usage: `python -m dsv3_plugin.megatron.pretrain_gpt
 `--spec dsv3_plugin.megatron layer_spec` names our layer spec (the attribute is created on first access).
 See docs/megatron.md.
 """
+
 from __future__ import annotations
 
 import importlib
 
-__all__ = ["layer_spec", "get_layer_spec", "get_mtp_block_spec", "to_transformer_config", "DSv3TransformerConfig",
-           "build_gpt_model", "gpt_builder", "forward_logits", "DSv3FFN", "MegatronRouter", "SDPACoreAttention",
-           "load_hf_checkpoint", "load_megatron_checkpoint"]
+__all__ = [
+    "layer_spec",
+    "get_layer_spec",
+    "get_mtp_block_spec",
+    "to_transformer_config",
+    "DSv3TransformerConfig",
+    "build_gpt_model",
+    "gpt_builder",
+    "forward_logits",
+    "DSv3FFN",
+    "MegatronRouter",
+    "SDPACoreAttention",
+    "load_hf_checkpoint",
+    "load_megatron_checkpoint",
+]
 
 _WHERE = {
-    "get_layer_spec": "spec", "get_mtp_block_spec": "spec",
-    "to_transformer_config": "config", "DSv3TransformerConfig": "config",
-    "build_gpt_model": "gpt", "gpt_builder": "gpt", "forward_logits": "gpt",
-    "DSv3FFN": "moe", "MegatronRouter": "moe", "SDPACoreAttention": "attention",
-    "load_hf_checkpoint": "weights", "load_megatron_checkpoint": "weights",
+    "get_layer_spec": "spec",
+    "get_mtp_block_spec": "spec",
+    "to_transformer_config": "config",
+    "DSv3TransformerConfig": "config",
+    "build_gpt_model": "gpt",
+    "gpt_builder": "gpt",
+    "forward_logits": "gpt",
+    "DSv3FFN": "moe",
+    "MegatronRouter": "moe",
+    "SDPACoreAttention": "attention",
+    "load_hf_checkpoint": "weights",
+    "load_megatron_checkpoint": "weights",
 }
 
 

@@ -18,10 +18,11 @@ NOTE: Megatron's MTP loss divides each depth's summed CE by the number of unmask
 ours (paper eq. 24) divides by T. With λ passed unchanged the MTP gradient is T/(T−k) larger in Megatron's
 training loop; the logits are identical.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -29,19 +30,26 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from dsv3_plugin.config import ConfigError, DSv3Config, load_config
 
-__all__ = ["DSv3TransformerConfig", "to_transformer_config", "dsv3_config_of", "apply_schedules",
-           "set_bias_update_rate", "follow_schedules"]
+__all__ = [
+    "DSv3TransformerConfig",
+    "to_transformer_config",
+    "dsv3_config_of",
+    "apply_schedules",
+    "set_bias_update_rate",
+    "follow_schedules",
+]
 
 
 @dataclasses.dataclass
 class DSv3TransformerConfig(MLATransformerConfig):
     """Megatron's MLA config carrying the `DSv3Config` it came from (survives `dataclasses.replace`)."""
 
-    dsv3_config: Optional[Any] = None
+    dsv3_config: Any | None = None
 
 
-def to_transformer_config(cfg: DSv3Config | dict | str, tokens_seen: float = 0.0,
-                          **overrides: Any) -> DSv3TransformerConfig:
+def to_transformer_config(
+    cfg: DSv3Config | dict | str, tokens_seen: float = 0.0, **overrides: Any
+) -> DSv3TransformerConfig:
     """Megatron config for `cfg`. `overrides` are Megatron field names (parallel sizes, dtypes, recompute...)
     applied last; a model-shape override that contradicts `cfg` is a ConfigError naming the key."""
     cfg = load_config(cfg)
@@ -49,47 +57,85 @@ def to_transformer_config(cfg: DSv3Config | dict | str, tokens_seen: float = 0.0
     L, k = m.num_hidden_layers, m.first_k_dense_replace
     rs = m.rope_scaling
     fields: dict[str, Any] = dict(
-        num_layers=L, hidden_size=m.hidden_size, ffn_hidden_size=m.intermediate_size,
-        num_attention_heads=m.num_attention_heads, num_query_groups=m.num_attention_heads,
-        normalization="RMSNorm", layernorm_epsilon=m.rms_norm_eps, gated_linear_unit=True,
-        activation_func=F.silu, add_bias_linear=False, add_qkv_bias=False,
-        hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False, bias_dropout_fusion=False,
-        masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
-        init_method_std=m.initializer_range, qk_layernorm=True,
+        num_layers=L,
+        hidden_size=m.hidden_size,
+        ffn_hidden_size=m.intermediate_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_attention_heads,
+        normalization="RMSNorm",
+        layernorm_epsilon=m.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        init_method_std=m.initializer_range,
+        qk_layernorm=True,
         # MLA
-        multi_latent_attention=True, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
-        qk_head_dim=m.qk_nope_head_dim, qk_pos_emb_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim,
-        kv_channels=m.qk_nope_head_dim + m.qk_rope_head_dim, rotary_base=m.rope_theta,
+        multi_latent_attention=True,
+        q_lora_rank=m.q_lora_rank,
+        kv_lora_rank=m.kv_lora_rank,
+        qk_head_dim=m.qk_nope_head_dim,
+        qk_pos_emb_head_dim=m.qk_rope_head_dim,
+        v_head_dim=m.v_head_dim,
+        kv_channels=m.qk_nope_head_dim + m.qk_rope_head_dim,
+        rotary_base=m.rope_theta,
         rope_type="yarn" if rs is not None else "rope",
         # Without YaRN the softmax-scale correction must vanish: scaling factor 1 and mscale_all_dim 0.
         rotary_scaling_factor=rs.factor if rs is not None else 1.0,
-        original_max_position_embeddings=rs.original_max_position_embeddings if rs is not None else
-        m.max_position_embeddings,
-        beta_fast=rs.beta_fast if rs is not None else 32.0, beta_slow=rs.beta_slow if rs is not None else 1.0,
-        mscale=rs.mscale if rs is not None else 1.0, mscale_all_dim=rs.mscale_all_dim if rs is not None else 0.0,
+        original_max_position_embeddings=rs.original_max_position_embeddings
+        if rs is not None
+        else m.max_position_embeddings,
+        beta_fast=rs.beta_fast if rs is not None else 32.0,
+        beta_slow=rs.beta_slow if rs is not None else 1.0,
+        mscale=rs.mscale if rs is not None else 1.0,
+        mscale_all_dim=rs.mscale_all_dim if rs is not None else 0.0,
         # MoE: what Megatron's own machinery (bias update in finalize_model_grads, logging) reads
-        num_moe_experts=e.n_routed_experts, moe_router_topk=e.top_k, moe_ffn_hidden_size=e.intermediate_size,
-        moe_shared_expert_intermediate_size=(e.intermediate_size * e.n_shared_experts
-                                             if e.n_shared_experts else None),
+        num_moe_experts=e.n_routed_experts,
+        moe_router_topk=e.top_k,
+        moe_ffn_hidden_size=e.intermediate_size,
+        moe_shared_expert_intermediate_size=(e.intermediate_size * e.n_shared_experts if e.n_shared_experts else None),
         moe_layer_freq=[0] * k + [1] * (L - k),
-        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
         moe_router_bias_update_rate=cfg.moe.gamma(tokens_seen),
         moe_router_num_groups=e.n_group if e.n_group > 1 else None,
         moe_router_group_topk=e.topk_group if e.n_group > 1 else None,
-        moe_router_topk_scaling_factor=e.route_scale, moe_router_dtype="fp32",
+        moe_router_topk_scaling_factor=e.route_scale,
+        moe_router_dtype="fp32",
         moe_router_load_balancing_type="seq_aux_loss" if e.seq_aux_alpha > 0 else "none",
         moe_aux_loss_coeff=e.seq_aux_alpha,
-        mtp_num_layers=cfg.mtp.depth or None, mtp_loss_scaling_factor=cfg.mtp.lam(tokens_seen),
+        mtp_num_layers=cfg.mtp.depth or None,
+        mtp_loss_scaling_factor=cfg.mtp.lam(tokens_seen),
         params_dtype=torch.float32,
         dsv3_config=cfg,
     )
-    model_keys = {"num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "q_lora_rank",
-                   "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "num_moe_experts",
-                   "moe_router_topk", "moe_ffn_hidden_size", "mtp_num_layers"}
+    model_keys = {
+        "num_layers",
+        "hidden_size",
+        "ffn_hidden_size",
+        "num_attention_heads",
+        "q_lora_rank",
+        "kv_lora_rank",
+        "qk_head_dim",
+        "qk_pos_emb_head_dim",
+        "v_head_dim",
+        "num_moe_experts",
+        "moe_router_topk",
+        "moe_ffn_hidden_size",
+        "mtp_num_layers",
+    }
     for key, val in overrides.items():
         if key in model_keys and val is not None and val != fields[key]:
-            raise ConfigError(f"megatron.{key}: {val!r} contradicts the dsv3 config ({fields[key]!r}); "
-                              "change the dsv3 config instead")
+            raise ConfigError(
+                f"megatron.{key}: {val!r} contradicts the dsv3 config ({fields[key]!r}); change the dsv3 config instead"
+            )
     fields.update(overrides)
     return DSv3TransformerConfig(**fields)
 
@@ -98,9 +144,11 @@ def dsv3_config_of(config) -> DSv3Config:
     """The `DSv3Config` a Megatron config was derived from, or a clear error."""
     cfg = getattr(config, "dsv3_config", None)
     if cfg is None:
-        raise ConfigError("megatron config: has no dsv3_config; build it with "
-                          "dsv3_plugin.megatron.to_transformer_config(cfg) (or pass --dsv3-config to "
-                          "pretrain_gpt.py with patches/pretrain_gpt.diff applied)")
+        raise ConfigError(
+            "megatron config: has no dsv3_config; build it with "
+            "dsv3_plugin.megatron.to_transformer_config(cfg) (or pass --dsv3-config to "
+            "pretrain_gpt.py with patches/pretrain_gpt.diff applied)"
+        )
     return load_config(cfg)
 
 
@@ -125,6 +173,8 @@ def follow_schedules(model, tokens_seen_fn) -> None:
     """Keep γ and λ on schedule without touching the training loop: before every forward of `model` (a GPTModel
     built from our spec), read `tokens_seen_fn()` and `apply_schedules`. Used for Megatron-LM runs, where
     tokens seen = consumed samples × sequence length."""
+
     def hook(module, args, kwargs=None):
         apply_schedules(module.config, float(tokens_seen_fn()))
+
     model.register_forward_pre_hook(hook)

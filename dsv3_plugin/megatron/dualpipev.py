@@ -19,10 +19,11 @@ offsets and its first/last-stage tests are wrong for the V. What this module cha
   the original's after each step (`sum_embedding_copy_grads`, the local form of Megatron's all-reduce). Both
   copies then get identical updates; Megatron's checkpoints already store the copy as a replica of the original.
 """
+
 from __future__ import annotations
 
 import weakref
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 from megatron.core.transformer.enums import LayerType
@@ -31,25 +32,32 @@ from megatron.core.transformer.pipeline_parallel_layer_layout import PipelinePar
 from dsv3_plugin.config import ConfigError
 from dsv3_plugin.parallel.pipeline.stages import split_layers
 
-__all__ = ["DualPipeVLayout", "v_stage", "stage_ends", "stage_layer_counts", "embedding_ranks",
-           "tie_embedding_copy", "sum_embedding_copy_grads", "shared_weights"]
+__all__ = [
+    "DualPipeVLayout",
+    "v_stage",
+    "stage_ends",
+    "stage_layer_counts",
+    "embedding_ranks",
+    "tie_embedding_copy",
+    "sum_embedding_copy_grads",
+    "shared_weights",
+]
 
 
-def v_stage(pp_rank: int, vp_stage: Optional[int], pp_size: int) -> int:
+def v_stage(pp_rank: int, vp_stage: int | None, pp_size: int) -> int:
     """Model stage held by chunk `vp_stage` (0 or 1) of pipeline rank `pp_rank`: r, or 2P-1-r."""
     if vp_stage not in (0, 1):
         raise ValueError(f"DualPipeV: a pipeline rank holds model chunks 0 and 1 (got vp_stage {vp_stage!r})")
     return pp_rank if vp_stage == 0 else 2 * pp_size - 1 - pp_rank
 
 
-def stage_ends(pp_rank: int, vp_stage: Optional[int], pp_size: int) -> tuple[bool, bool]:
+def stage_ends(pp_rank: int, vp_stage: int | None, pp_size: int) -> tuple[bool, bool]:
     """(pre_process, post_process) of a chunk: embedding on stage 0, head/MTP/loss on stage 2P-1 (both rank 0)."""
     s = v_stage(pp_rank, vp_stage, pp_size)
     return s == 0, s == 2 * pp_size - 1
 
 
-def stage_layer_counts(num_layers: int, pp_size: int, first: Optional[int] = None,
-                       last: Optional[int] = None) -> list[int]:
+def stage_layer_counts(num_layers: int, pp_size: int, first: int | None = None, last: int | None = None) -> list[int]:
     """Decoder layers per model stage (2P of them, model order). `first` / `last` fix stages 0 and 2P-1
     (Megatron-LM's `--decoder-first/last-pipeline-num-layers`); the rest are split as evenly as possible, the
     earlier stages taking the remainder (like `dsv3_plugin.parallel.pipeline.stages.split_layers`)."""
@@ -64,9 +72,11 @@ def stage_layer_counts(num_layers: int, pp_size: int, first: Optional[int] = Non
     free = [s for s in range(n) if s not in fixed]
     if rest < len(free) or (not free and rest):
         held = f" ({sum(fixed.values())} of them in the fixed first/last stages)" if fixed else ""
-        raise ConfigError(f"DualPipeV with --pipeline-model-parallel-size {pp_size} cuts the model into {n} stages: "
-                          f"{num_layers} decoder layers{held} leave a stage without a layer; use fewer pipeline "
-                          "ranks or more layers")
+        raise ConfigError(
+            f"DualPipeV with --pipeline-model-parallel-size {pp_size} cuts the model into {n} stages: "
+            f"{num_layers} decoder layers{held} leave a stage without a layer; use fewer pipeline "
+            "ranks or more layers"
+        )
     counts = [0] * n
     for s, c in fixed.items():
         counts[s] = c
@@ -79,7 +89,7 @@ class DualPipeVLayout(PipelineParallelLayerLayout):
     """Megatron's pipeline layer layout for the V: `stages[s]` lists the layers of model stage s (embedding in
     stage 0; MTP layers and the loss in stage 2P-1); rank r's chunks 0 and 1 are stages r and 2P-1-r."""
 
-    def __init__(self, stage_layers: Sequence[int], mtp_num_layers: Optional[int] = None):
+    def __init__(self, stage_layers: Sequence[int], mtp_num_layers: int | None = None):
         n = len(stage_layers)
         if n < 2 or n % 2:
             raise ValueError(f"DualPipeVLayout: needs an even number (2P) of stages, got {n}")
@@ -91,21 +101,23 @@ class DualPipeVLayout(PipelineParallelLayerLayout):
         super().__init__([stages[v_stage(r, vp, P)] for vp in range(2) for r in range(P)], P)
         self.stages = stages
         self.stage_layers = [int(c) for c in stage_layers]
-        self.flatten_layout = [t for s in stages for t in s]        # model order (Megatron's: interleaved)
+        self.flatten_layout = [t for s in stages for t in s]  # model order (Megatron's: interleaved)
 
     def __repr__(self) -> str:
         return f"DualPipeVLayout(stage_layers={self.stage_layers}, mtp={self.stages[-1].count(LayerType.mtp)})"
 
-    def get_layer_offset(self, layer_type: LayerType = LayerType.decoder, vp_stage: Optional[int] = None,
-                         pp_rank: Optional[int] = None) -> int:
+    def get_layer_offset(
+        self, layer_type: LayerType = LayerType.decoder, vp_stage: int | None = None, pp_rank: int | None = None
+    ) -> int:
         """Layers of `layer_type` before this chunk's stage, in model (V) order."""
         if pp_rank is None:
             from megatron.core import parallel_state
+
             pp_rank = parallel_state.get_pipeline_model_parallel_rank()
         s = v_stage(pp_rank, 0 if vp_stage is None else vp_stage, self.pipeline_model_parallel_size)
         return sum(stage.count(layer_type) for stage in self.stages[:s])
 
-    def validate_layer_layout(self, num_layers: int, mtp_num_layers: Optional[int]) -> bool:
+    def validate_layer_layout(self, num_layers: int, mtp_num_layers: int | None) -> bool:
         """Megatron's checks, in model order: one embedding first, one loss last, `num_layers` decoder layers,
         the MTP layers in the last stage after the decoder layers. Returns False (MTP is not standalone: it
         sits with the output head and the loss)."""
@@ -133,7 +145,7 @@ def embedding_ranks(pp_ranks: list[int], *_) -> list[int]:
 
 def _unwrap(chunk):
     while not hasattr(chunk, "shared_embedding_or_output_weight") and hasattr(chunk, "module"):
-        chunk = chunk.module          # Megatron DDP / Float16Module wrappers
+        chunk = chunk.module  # Megatron DDP / Float16Module wrappers
     return chunk
 
 
@@ -152,7 +164,7 @@ def shared_weights(chunks) -> list[torch.nn.Parameter]:
     return out
 
 
-_first_chunk: Optional[weakref.ref] = None
+_first_chunk: weakref.ref | None = None
 
 
 def tie_embedding_copy(chunk, pre_process: bool, post_process: bool) -> None:
@@ -169,8 +181,10 @@ def tie_embedding_copy(chunk, pre_process: bool, post_process: bool) -> None:
         return
     first = _first_chunk() if _first_chunk is not None else None
     if first is None:
-        raise RuntimeError("DualPipeV: the chunk of stage 2P-1 was built before the one of stage 0 on pipeline "
-                           "rank 0; build chunk 0 first (Megatron's get_model does)")
+        raise RuntimeError(
+            "DualPipeV: the chunk of stage 2P-1 was built before the one of stage 0 on pipeline "
+            "rank 0; build chunk 0 first (Megatron's get_model does)"
+        )
     src = shared_weights([first])
     if len(src) != 1 or src[0].shape != mine[0].shape:
         raise RuntimeError("DualPipeV: the stage-0 chunk has no word embedding matching the last stage's copy")

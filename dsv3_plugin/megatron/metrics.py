@@ -7,13 +7,14 @@ over stages, averaged over data parallel, per micro-batch, as its log line), `ro
 (all routers of all stages), `word_embedding_sums` (float64 sum of every copy of the word embedding: the
 original and the copies MTP / tied heads keep on the last stage, which must stay identical).
 """
+
 from __future__ import annotations
 
 import json
 
 import torch.distributed as dist
 
-from .dualpipev import shared_weights
+from dsv3_plugin.megatron.dualpipev import shared_weights
 
 __all__ = ["MetricsRecorder", "record_iteration"]
 
@@ -31,6 +32,7 @@ class MetricsRecorder:
 
     def __enter__(self):
         import megatron.training.training as tr
+
         self._orig = tr.train_step
         orig = self._orig
         path = self.path
@@ -45,6 +47,7 @@ class MetricsRecorder:
 
     def __exit__(self, *exc):
         import megatron.training.training as tr
+
         tr.train_step = self._orig
 
 
@@ -53,14 +56,19 @@ def record_iteration(path: str, loss_dict: dict, model) -> None:
     from megatron.core.num_microbatches_calculator import get_num_microbatches
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
     from megatron.training import get_args
+
     routers = [m for chunk in model for m in chunk.modules() if hasattr(m, "expert_bias")]
     mtp = MTPLossLoggingHelper.tracker.get("loss_values")
-    mine = {"dp": ps.get_data_parallel_rank(with_context_parallel=True), "pp": ps.get_pipeline_model_parallel_rank(),
-            "tp": ps.get_tensor_model_parallel_rank(),
-            "losses": {k.replace(" ", "_"): float(v) for k, v in loss_dict.items()},
-            "bias": float(sum(r.expert_bias.detach().double().abs().sum() for r in routers)), "routers": len(routers),
-            "mtp": [float(x) for x in mtp.detach().double()] if mtp is not None else None,
-            "emb": [float(w.detach().double().sum()) for w in shared_weights(model)]}
+    mine = {
+        "dp": ps.get_data_parallel_rank(with_context_parallel=True),
+        "pp": ps.get_pipeline_model_parallel_rank(),
+        "tp": ps.get_tensor_model_parallel_rank(),
+        "losses": {k.replace(" ", "_"): float(v) for k, v in loss_dict.items()},
+        "bias": float(sum(r.expert_bias.detach().double().abs().sum() for r in routers)),
+        "routers": len(routers),
+        "mtp": [float(x) for x in mtp.detach().double()] if mtp is not None else None,
+        "emb": [float(w.detach().double().sum()) for w in shared_weights(model)],
+    }
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     if dist.get_rank() != 0:
@@ -71,7 +79,7 @@ def record_iteration(path: str, loss_dict: dict, model) -> None:
         line.update(e["losses"])
     dps = sorted({e["dp"] for e in every if e["tp"] == 0})
     mtp_dp = []
-    for d in dps:     # Megatron's own MTP logging: sum over stages, mean over data parallel, per micro-batch
+    for d in dps:  # Megatron's own MTP logging: sum over stages, mean over data parallel, per micro-batch
         parts = [e["mtp"] for e in every if e["tp"] == 0 and e["dp"] == d and e["mtp"] is not None]
         if parts:
             mtp_dp.append([sum(col) for col in zip(*parts)])

@@ -20,21 +20,21 @@ MTP layer k sees the sequence rolled by k with zeros in the last k positions (Me
 k positions do not exist in the paper's MTP (eq. 22 runs on T−k tokens): they are cut off before routing, so
 expert loads, the balance loss and every real position equal our standalone model's; their FFN output is 0.
 """
+
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
 
 import torch
 from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
+from dsv3_plugin.megatron.config import dsv3_config_of
 from dsv3_plugin.model.moe.layer import DeepSeekMoE, DenseMLP
 from dsv3_plugin.model.moe.router import Router, skip_counting
 from dsv3_plugin.parallel.expert_parallel import ExpertParallelMoE
 from dsv3_plugin.parallel.groups import build_ep_groups
-from .config import dsv3_config_of
 
 __all__ = ["MegatronRouter", "DSv3FFN", "ffn_kind"]
 
@@ -58,13 +58,17 @@ def _megatron_ep_groups(cfg):
     `dsv3_plugin.parallel.groups` (EP rank j owns experts [j·E/P, (j+1)·E/P)), so its groups are used as they are.
     """
     from megatron.core import parallel_state as ps
+
     if not ps.model_parallel_is_initialized() or ps.get_expert_model_parallel_world_size() == 1:
         return None
     if ps.get_tensor_model_parallel_world_size() > 1 or ps.get_expert_tensor_parallel_world_size() > 1:
         raise ValueError("DSv3FFN: expert parallelism with tensor parallelism > 1 is not supported")
-    return build_ep_groups(ps.get_expert_model_parallel_world_size(), cfg.moe.ranks_per_node,
-                           ep_group=ps.get_expert_model_parallel_group(),
-                           edp_group=ps.get_expert_data_parallel_group())
+    return build_ep_groups(
+        ps.get_expert_model_parallel_world_size(),
+        cfg.moe.ranks_per_node,
+        ep_group=ps.get_expert_model_parallel_group(),
+        edp_group=ps.get_expert_data_parallel_group(),
+    )
 
 
 def ffn_kind(cfg, layer_number: int) -> str:
@@ -79,14 +83,21 @@ class DSv3FFN(MegatronModule):
     parameters are created in `set_layer_number`, which `TransformerLayer.__init__` calls right after.
     """
 
-    def __init__(self, config, submodules=None, layer_number: Optional[int] = None, pg_collection=None,
-                 is_mtp_layer: bool = False, **kwargs):
+    def __init__(
+        self,
+        config,
+        submodules=None,
+        layer_number: int | None = None,
+        pg_collection=None,
+        is_mtp_layer: bool = False,
+        **kwargs,
+    ):
         super().__init__(config=config)
         self.cfg = dsv3_config_of(config)
         self.pg_collection = pg_collection
         self.is_mtp_layer = bool(is_mtp_layer)
-        self.layer_number: Optional[int] = None
-        self.kind: Optional[str] = None
+        self.layer_number: int | None = None
+        self.kind: str | None = None
         if config.sequence_parallel or getattr(config, "context_parallel_size", 1) > 1:
             raise ValueError("DSv3FFN: sequence_parallel / context_parallel_size > 1 are not supported")
         if layer_number is not None:
@@ -117,7 +128,7 @@ class DSv3FFN(MegatronModule):
                     p.allreduce = False
             self.moe.gate = MegatronRouter(m.hidden_size, self.cfg.moe)
         if torch.cuda.is_available() and not self.config.use_cpu_initialization:
-            self.to(torch.cuda.current_device())   # where Megatron puts its own parameters
+            self.to(torch.cuda.current_device())  # where Megatron puts its own parameters
         self._init_weights()
 
     @torch.no_grad()
@@ -126,6 +137,7 @@ class DSv3FFN(MegatronModule):
         parameters from the model-parallel stream (identical on every DP/EP rank), routed experts from the
         expert-parallel stream (different per EP rank, as Megatron seeds it). The router stays fp32."""
         from megatron.core.tensor_parallel.random import get_expert_parallel_rng_tracker_name
+
         dtype = self.config.params_dtype
         tracker = tensor_parallel.get_cuda_rng_tracker()
         params = list(self.named_parameters())
@@ -152,7 +164,7 @@ class DSv3FFN(MegatronModule):
         """k for the k-th MTP layer (its last k positions are padding), 0 for decoder layers."""
         return max(0, self.layer_number - self.cfg.model.num_hidden_layers)
 
-    def forward(self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor] = None, **kwargs):
+    def forward(self, hidden_states: torch.Tensor, padding_mask: torch.Tensor | None = None, **kwargs):
         if self.kind is None:
             raise RuntimeError("DSv3FFN: set_layer_number() was never called (not built by a TransformerLayer)")
         x_SBH = hidden_states
@@ -160,16 +172,18 @@ class DSv3FFN(MegatronModule):
             return self.dense(x_SBH), None
         if padding_mask is not None and bool(padding_mask.any()):
             # Padded tokens would be routed and counted in the expert loads the bias update uses.
-            raise ValueError("DSv3FFN: padding_mask with padded positions is not supported by the DeepSeekMoE "
-                             "layers (pack the sequences)")
+            raise ValueError(
+                "DSv3FFN: padding_mask with padded positions is not supported by the DeepSeekMoE "
+                "layers (pack the sequences)"
+            )
         S = x_SBH.shape[0]
         valid = S - self.num_mtp_shift
-        x_BSH = x_SBH[:valid].transpose(0, 1)                 # [b, s', h]: per-sequence balance loss
+        x_BSH = x_SBH[:valid].transpose(0, 1)  # [b, s', h]: per-sequence balance loss
         # Megatron's activation recompute runs the forward under no_grad, then again with grad in backward
         # (both while `is_checkpointing()`): count the loads in the first pass only.
         recompute_pass = tensor_parallel.random.is_checkpointing() and torch.is_grad_enabled()
         with skip_counting() if recompute_pass else contextlib.nullcontext():
-            y_SBH = self.moe(x_BSH).transpose(0, 1)           # [s', b, h]
+            y_SBH = self.moe(x_BSH).transpose(0, 1)  # [s', b, h]
         if valid < S:
             pad = y_SBH.new_zeros((S - valid,) + tuple(y_SBH.shape[1:]))
             y_SBH = torch.cat([y_SBH, pad], dim=0)

@@ -9,6 +9,7 @@ differ from depth 2 on.
 `DSv3MTPLayer` returns the normed state as Megatron expects (the shared output head reads it) and attaches the
 pre-norm h^k to it; the next `DSv3MTPLayer` picks that up instead. Gradients flow through both uses.
 """
+
 from __future__ import annotations
 
 from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
@@ -20,8 +21,8 @@ _ATTR = "_dsv3_mtp_pre_norm"
 
 class DSv3MTPLayer(MultiTokenPredictionLayer):
     def _postprocess(self, hidden_states):
-        out = super()._postprocess(hidden_states)      # final_layernorm: what the shared head reads
-        setattr(out, _ATTR, hidden_states)              # h^k for the next depth (eq. 21)
+        out = super()._postprocess(hidden_states)  # final_layernorm: what the shared head reads
+        setattr(out, _ATTR, hidden_states)  # h^k for the next depth (eq. 21)
         return out
 
     def forward(self, *args, **kwargs):

@@ -33,33 +33,53 @@ counterparts with a printed note; the same flags given explicitly are refused wi
 is patched except `patches/megatron_dataset_helpers.py` (the wheel ships the dataset helpers compiled but
 `pretrain()` tries to rebuild them with a Makefile the wheel does not have).
 """
+
 from __future__ import annotations
 
 import math
 import os
 import sys
 from functools import partial
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from dsv3_plugin.config import ConfigError, DSv3Config, load_config
+from dsv3_plugin.megatron.dualpipev import embedding_ranks, stage_ends
+from dsv3_plugin.megatron.gpt import OUR_SPEC, add_dsv3_args, dualpipev_layout, dualpipev_selected, gpt_builder
+from dsv3_plugin.megatron.metrics import MetricsRecorder
+from dsv3_plugin.megatron.spec import mcore_version_tuple
 from dsv3_plugin.parallel.distributed import spawn
-from .dualpipev import embedding_ranks, stage_ends
-from .gpt import OUR_SPEC, add_dsv3_args, dualpipev_layout, dualpipev_selected, gpt_builder
-from .metrics import MetricsRecorder
-from .spec import mcore_version_tuple
 
-__all__ = ["main", "parse_megatron_args", "set_megatron_globals", "reconcile_args", "dsv3_arg_values", "model_provider", "forward_step",
-           "train_valid_test_datasets_provider", "resolve_pipeline_schedule", "MIN_MEGATRON_CORE",
-           "MEGATRON_MOE_ONLY_FLAGS", "PIPELINE_SCHEDULES"]
+__all__ = [
+    "main",
+    "parse_megatron_args",
+    "set_megatron_globals",
+    "reconcile_args",
+    "dsv3_arg_values",
+    "model_provider",
+    "forward_step",
+    "train_valid_test_datasets_provider",
+    "resolve_pipeline_schedule",
+    "MIN_MEGATRON_CORE",
+    "MEGATRON_MOE_ONLY_FLAGS",
+    "PIPELINE_SCHEDULES",
+]
 
 MIN_MEGATRON_CORE = (0, 19)
 
 # Megatron-LM flags that configure Megatron's own MoELayer / router implementation; our DeepSeekMoE ignores them.
-MEGATRON_MOE_ONLY_FLAGS = ("moe_grouped_gemm", "moe_router_fusion", "moe_permute_fusion", "moe_shared_expert_overlap",
-                           "moe_router_pre_softmax", "moe_token_dispatcher_type", "moe_expert_capacity_factor",
-                           "moe_pad_expert_input_to_capacity", "moe_use_legacy_grouped_gemm")
+MEGATRON_MOE_ONLY_FLAGS = (
+    "moe_grouped_gemm",
+    "moe_router_fusion",
+    "moe_permute_fusion",
+    "moe_shared_expert_overlap",
+    "moe_router_pre_softmax",
+    "moe_token_dispatcher_type",
+    "moe_expert_capacity_factor",
+    "moe_pad_expert_input_to_capacity",
+    "moe_use_legacy_grouped_gemm",
+)
 
 
 def _require_megatron_training() -> None:
@@ -71,13 +91,17 @@ def _require_megatron_training() -> None:
         raise RuntimeError(
             f"dsv3_plugin.megatron.pretrain_gpt: megatron-core {v} has no megatron.training (its wheel ships it from "
             f"{MIN_MEGATRON_CORE[0]}.{MIN_MEGATRON_CORE[1]} on). Install megatron-core>=0.19, or use Megatron-LM's "
-            "pretrain_gpt.py with patches/pretrain_gpt.diff (core_v0.16.x)") from e
+            "pretrain_gpt.py with patches/pretrain_gpt.diff (core_v0.16.x)"
+        ) from e
     if mcore_version_tuple() < MIN_MEGATRON_CORE:
-        raise RuntimeError(f"dsv3_plugin.megatron.pretrain_gpt: needs megatron-core >= 0.19 (its pretrain() API); "
-                           f"found {v}. With Megatron-LM 0.16 use patches/pretrain_gpt.diff")
+        raise RuntimeError(
+            f"dsv3_plugin.megatron.pretrain_gpt: needs megatron-core >= 0.19 (its pretrain() API); "
+            f"found {v}. With Megatron-LM 0.16 use patches/pretrain_gpt.diff"
+        )
 
 
 # --- Megatron-LM flags <-> the "dsv3" block -------------------------------------------------------------------
+
 
 def dsv3_arg_values(cfg: DSv3Config) -> list[tuple[str, str, Any]]:
     """(Megatron-LM argument dest, dsv3 key it comes from, value) for every model flag the dsv3 block fixes."""
@@ -113,8 +137,11 @@ def dsv3_arg_values(cfg: DSv3Config) -> list[tuple[str, str, Any]]:
         ("num_experts", "moe.n_routed_experts", e.n_routed_experts),
         ("moe_router_topk", "moe.top_k", e.top_k),
         ("moe_ffn_hidden_size", "moe.intermediate_size", e.intermediate_size),
-        ("moe_shared_expert_intermediate_size", "moe.n_shared_experts x moe.intermediate_size",
-         e.intermediate_size * e.n_shared_experts if e.n_shared_experts else None),
+        (
+            "moe_shared_expert_intermediate_size",
+            "moe.n_shared_experts x moe.intermediate_size",
+            e.intermediate_size * e.n_shared_experts if e.n_shared_experts else None,
+        ),
         ("moe_layer_freq", "model.first_k_dense_replace", [0] * k + [1] * (L - k)),
         ("moe_router_score_function", "moe (sigmoid gates)", "sigmoid"),
         ("moe_router_enable_expert_bias", "moe (aux-loss-free bias)", True),
@@ -137,10 +164,10 @@ def dsv3_arg_values(cfg: DSv3Config) -> list[tuple[str, str, Any]]:
 
 
 def _norm(dest: str, v: Any, L: int) -> Any:
-    if dest == "moe_layer_freq" and isinstance(v, int):       # Megatron: every v-th layer is MoE
+    if dest == "moe_layer_freq" and isinstance(v, int):  # Megatron: every v-th layer is MoE
         return [1 if i % v == 0 else 0 for i in range(L)]
     if dest != "moe_layer_freq" and isinstance(v, (list, tuple)) and len(v) == 1:
-        return v[0]                                            # nargs="+" flags (load balancing type, coeff)
+        return v[0]  # nargs="+" flags (load balancing type, coeff)
     return v
 
 
@@ -188,24 +215,32 @@ def reconcile_args(args, parser, explicit: set[str], cfg: DSv3Config, where: str
         got = getattr(args, dest)
         if dest in explicit:
             if not _same(_norm(dest, got, L), want):
-                raise ConfigError(f"{_setting(parser, dest, got)}: contradicts {where} dsv3.{key} = {want!r}; "
-                                  "drop the flag or change the dsv3 block")
+                raise ConfigError(
+                    f"{_setting(parser, dest, got)}: contradicts {where} dsv3.{key} = {want!r}; "
+                    "drop the flag or change the dsv3 block"
+                )
         elif not _same(_norm(dest, got, L), want):
             setattr(args, dest, want)
             notes.append(f"{_setting(parser, dest, want)} (from dsv3.{key})")
     if cfg.fp8.enabled:
-        raise ConfigError(f"{where} dsv3.fp8.enabled: the plugin's FP8 path runs under `dsv3 train`/DeepSpeed; with "
-                          "Megatron use its Transformer Engine recipes (--fp8-format e4m3 --fp8-recipe blockwise)")
+        raise ConfigError(
+            f"{where} dsv3.fp8.enabled: the plugin's FP8 path runs under `dsv3 train`/DeepSpeed; with "
+            "Megatron use its Transformer Engine recipes (--fp8-format e4m3 --fp8-recipe blockwise)"
+        )
     spec = getattr(args, "spec", None)
     if not spec or tuple(spec) == OUR_SPEC:
         for dest in MEGATRON_MOE_ONLY_FLAGS:
             if dest in explicit and hasattr(args, dest) and getattr(args, dest) != parser.get_default(dest):
-                raise ConfigError(f"{_flag(parser, dest)}: configures Megatron's own MoE layer, which the dsv3 layer "
-                                  "spec replaces with DeepSeekMoE; drop the flag (or pass a Megatron --spec)")
+                raise ConfigError(
+                    f"{_flag(parser, dest)}: configures Megatron's own MoE layer, which the dsv3 layer "
+                    "spec replaces with DeepSeekMoE; drop the flag (or pass a Megatron --spec)"
+                )
     if getattr(args, "tokenizer_type", None) == "NullTokenizer":
         if "vocab_size" in explicit and args.vocab_size != cfg.model.vocab_size:
-            raise ConfigError(f"--vocab-size {args.vocab_size}: contradicts {where} dsv3.model.vocab_size = "
-                              f"{cfg.model.vocab_size}; drop the flag or change the dsv3 block")
+            raise ConfigError(
+                f"--vocab-size {args.vocab_size}: contradicts {where} dsv3.model.vocab_size = "
+                f"{cfg.model.vocab_size}; drop the flag or change the dsv3 block"
+            )
         if args.vocab_size is None:
             args.vocab_size = cfg.model.vocab_size
             notes.append(f"--vocab-size {cfg.model.vocab_size} (from dsv3.model.vocab_size)")
@@ -237,28 +272,38 @@ def resolve_pipeline_schedule(args, parser, explicit: set[str], cfg: DSv3Config,
     one side only) and flags our schedule cannot honour are ConfigErrors naming both."""
     flag = getattr(args, "dsv3_pipeline_schedule", None)
     block = cfg.parallel.schedule if "schedule" in cfg.parallel.model_fields_set else None
-    if cfg.parallel.split_weight_grads:   # a key training would ignore is an error, not a silent no-op
-        raise ConfigError(f"{where} dsv3.parallel.split_weight_grads = true: the W split runs in `dsv3 train` only; "
-                          "Megatron's layers compute weight gradients in their own backward (set it false or null)")
+    if cfg.parallel.split_weight_grads:  # a key training would ignore is an error, not a silent no-op
+        raise ConfigError(
+            f"{where} dsv3.parallel.split_weight_grads = true: the W split runs in `dsv3 train` only; "
+            "Megatron's layers compute weight gradients in their own backward (set it false or null)"
+        )
     if cfg.parallel.overlap_ep_comm:
-        raise ConfigError(f"{where} dsv3.parallel.overlap_ep_comm = true: the overlapped FB pairs run in `dsv3 train` "
-                          "only (set it false or null)")
+        raise ConfigError(
+            f"{where} dsv3.parallel.overlap_ep_comm = true: the overlapped FB pairs run in `dsv3 train` "
+            "only (set it false or null)"
+        )
     pp = getattr(args, "pipeline_model_parallel_size", 1)
     if block == "dualpipe" and (pp > 1 or flag):
-        raise ConfigError(f"{where} dsv3.parallel.schedule = 'dualpipe': not available with Megatron (it feeds "
-                          "micro-batches in from both pipeline ends; Megatron's data path has one); use "
-                          "\"dualpipev\" (same schedule, V layout, half the ranks) or \"1f1b\"")
+        raise ConfigError(
+            f"{where} dsv3.parallel.schedule = 'dualpipe': not available with Megatron (it feeds "
+            "micro-batches in from both pipeline ends; Megatron's data path has one); use "
+            '"dualpipev" (same schedule, V layout, half the ranks) or "1f1b"'
+        )
     if flag is not None and block is not None and (flag == "dualpipev") != (block == "dualpipev"):
-        raise ConfigError(f"--dsv3-pipeline-schedule {flag}: contradicts {where} dsv3.parallel.schedule = "
-                          f"{block!r}; drop the flag or change the dsv3 block")
+        raise ConfigError(
+            f"--dsv3-pipeline-schedule {flag}: contradicts {where} dsv3.parallel.schedule = "
+            f"{block!r}; drop the flag or change the dsv3 block"
+        )
     chosen = flag or ("dualpipev" if block == "dualpipev" else "megatron")
     if chosen == "megatron" or pp == 1:
         return chosen
     for dest, why in _OURS_REFUSED:
         v = getattr(args, dest, None)
         if v not in (None, False):
-            raise ConfigError(f"{_flag(parser, dest)}: {why}; not with --dsv3-pipeline-schedule {chosen} "
-                              f"(the plugin's {chosen} runs the pipeline)")
+            raise ConfigError(
+                f"{_flag(parser, dest)}: {why}; not with --dsv3-pipeline-schedule {chosen} "
+                f"(the plugin's {chosen} runs the pipeline)"
+            )
     return chosen
 
 
@@ -275,14 +320,18 @@ def apply_pipeline_schedule(args, schedule: str, cfg: DSv3Config) -> list[str]:
         pp, dp = args.pipeline_model_parallel_size, args.data_parallel_size
         n_mb = args.global_batch_size // (args.micro_batch_size * dp)
         if n_mb < 2 * pp:
-            raise ConfigError(f"--global-batch-size {args.global_batch_size}: DualPipeV needs >= 2 x "
-                              f"--pipeline-model-parallel-size = {2 * pp} micro-batches per step (has {n_mb}: "
-                              f"--micro-batch-size {args.micro_batch_size}, data parallel {dp})")
+            raise ConfigError(
+                f"--global-batch-size {args.global_batch_size}: DualPipeV needs >= 2 x "
+                f"--pipeline-model-parallel-size = {2 * pp} micro-batches per step (has {n_mb}: "
+                f"--micro-batch-size {args.micro_batch_size}, data parallel {dp})"
+            )
         args.virtual_pipeline_model_parallel_size = 2
-        layout = dualpipev_layout(args, cfg)       # refuses a split that leaves a stage empty, before any process
-        return [f"pipeline schedule: the plugin's dualpipev over {pp} pipeline ranks, {2 * pp} stages with "
-                f"{layout.stage_layers} decoder layers (rank r holds stages r and {2 * pp - 1}-r; embedding, "
-                "output head, MTP and loss on rank 0)"]
+        layout = dualpipev_layout(args, cfg)  # refuses a split that leaves a stage empty, before any process
+        return [
+            f"pipeline schedule: the plugin's dualpipev over {pp} pipeline ranks, {2 * pp} stages with "
+            f"{layout.stage_layers} decoder layers (rank r holds stages r and {2 * pp - 1}-r; embedding, "
+            "output head, MTP and loss on rank 0)"
+        ]
     return [f"pipeline schedule: the plugin's {schedule} over {args.pipeline_model_parallel_size} pipeline ranks"]
 
 
@@ -314,8 +363,9 @@ def adapt_to_cpu(args, parser, explicit: set[str]) -> list[str]:
     return notes
 
 
-def parse_megatron_args(argv: list[str], world_size: Optional[int] = None, on_cpu: Optional[bool] = None,
-                        set_globals: bool = True):
+def parse_megatron_args(
+    argv: list[str], world_size: int | None = None, on_cpu: bool | None = None, set_globals: bool = True
+):
     """Megatron-LM's argument parsing + ours + Megatron's `validate_args`, as `pretrain()` expects them.
     Returns (args, notes). `world_size` overrides WORLD_SIZE (checking a launch script without starting it)."""
     from megatron.training import arguments as margs
@@ -324,13 +374,21 @@ def parse_megatron_args(argv: list[str], world_size: Optional[int] = None, on_cp
 
     def provider(parser):
         parser = add_dsv3_args(parser)
-        parser.add_argument("--dsv3-metrics", type=str, default=None,
-                            help="append one JSON line per iteration (rank 0): losses, sum of |router bias|")
-        parser.add_argument("--dsv3-pipeline-schedule", choices=PIPELINE_SCHEDULES, default=None,
-                            help="with --pipeline-model-parallel-size > 1, run the plugin's pipeline schedule as "
-                                 "Megatron's forward-backward function: dualpipev (two chunks per rank, the V) or "
-                                 "1f1b; default: the dsv3 block's parallel.schedule if \"dualpipev\", else "
-                                 "Megatron's own schedules")
+        parser.add_argument(
+            "--dsv3-metrics",
+            type=str,
+            default=None,
+            help="append one JSON line per iteration (rank 0): losses, sum of |router bias|",
+        )
+        parser.add_argument(
+            "--dsv3-pipeline-schedule",
+            choices=PIPELINE_SCHEDULES,
+            default=None,
+            help="with --pipeline-model-parallel-size > 1, run the plugin's pipeline schedule as "
+            "Megatron's forward-backward function: dualpipev (two chunks per rank, the V) or "
+            '1f1b; default: the dsv3 block\'s parallel.schedule if "dualpipev", else '
+            "Megatron's own schedules",
+        )
         captured["parser"] = parser
         return parser
 
@@ -349,7 +407,7 @@ def parse_megatron_args(argv: list[str], world_size: Optional[int] = None, on_cp
                 os.environ["WORLD_SIZE"] = saved_ws
     parser = captured["parser"]
     if not args.dsv3_config:
-        raise ConfigError("--dsv3-config: required (a JSON file with a \"dsv3\" block)")
+        raise ConfigError('--dsv3-config: required (a JSON file with a "dsv3" block)')
     explicit = explicit_dests(parser, argv)
     cfg = load_config(args.dsv3_config)
     notes = reconcile_args(args, parser, explicit, cfg, args.dsv3_config)
@@ -366,18 +424,23 @@ def parse_megatron_args(argv: list[str], world_size: Optional[int] = None, on_cp
 def set_megatron_globals(args) -> None:
     """Megatron's global args, tokenizer (-> padded vocabulary), timers; the tokenizer must cover the model."""
     from megatron.training.global_vars import set_global_variables
+
     set_global_variables(args)
     cfg = load_config(args.dsv3_config)
     vocab = getattr(args, "padded_vocab_size", None)
     if vocab is not None and vocab < cfg.model.vocab_size:
-        raise ConfigError(f"tokenizer vocabulary (padded: {vocab}) is smaller than {args.dsv3_config} "
-                          f"dsv3.model.vocab_size = {cfg.model.vocab_size}")
+        raise ConfigError(
+            f"tokenizer vocabulary (padded: {vocab}) is smaller than {args.dsv3_config} "
+            f"dsv3.model.vocab_size = {cfg.model.vocab_size}"
+        )
 
 
 # --- what Megatron-LM's pretrain_gpt.py provides to pretrain() --------------------------------------------------
 
+
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
     from megatron.training import get_args
+
     return gpt_builder(get_args(), pre_process, post_process, vp_stage=vp_stage, pg_collection=pg_collection)
 
 
@@ -389,11 +452,14 @@ def _reads_data(vp_stage=None) -> bool:
     """Whether this chunk holds the first or the last model stage (the ones that read tokens / labels): for
     DualPipeV both are chunks of pipeline rank 0 (stages 0 and 2P-1), else Megatron's own rule."""
     from megatron.training import get_args
+
     args = get_args()
     if dualpipev_selected(args):
         from megatron.core import parallel_state as ps
+
         return any(stage_ends(ps.get_pipeline_model_parallel_rank(), vp_stage, args.pipeline_model_parallel_size))
     from megatron.training.utils import is_first_or_last_pipeline_stage
+
     return is_first_or_last_pipeline_stage(vp_stage)
 
 
@@ -418,14 +484,16 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 
 def forward_step(data_iterator, model, return_schedule_plan: bool = False):
-    from megatron.training import get_timers
     from megatron.core.utils import get_attr_wrapped_model
+    from megatron.training import get_timers
+
     if return_schedule_plan:
         raise ConfigError("--overlap-moe-expert-parallel-comm: not supported with the dsv3 layers")
     timers = get_timers()
     timers("batch-generator", log_level=2).start()
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(
-        data_iterator, get_attr_wrapped_model(model, "vp_stage"))
+        data_iterator, get_attr_wrapped_model(model, "vp_stage")
+    )
     timers("batch-generator").stop()
     output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
     return output, partial(loss_func, loss_mask)
@@ -433,6 +501,7 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
 
 def _is_dataset_built_on_rank(vp_stage=None) -> bool:
     from megatron.core import parallel_state as ps
+
     return ps.get_tensor_model_parallel_rank() == 0 and _reads_data(vp_stage)
 
 
@@ -442,17 +511,27 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
     from megatron.training import get_args, get_tokenizer
     from megatron.training.utils import get_blend_and_blend_per_split
+
     args = get_args()
     blend, blend_per_split = get_blend_and_blend_per_split(args)
     config = GPTDatasetConfig(
-        random_seed=args.seed, sequence_length=args.seq_length, blend=blend, blend_per_split=blend_per_split,
-        split=args.split, path_to_cache=args.data_cache_path, mmap_bin_files=args.mmap_bin_files,
-        tokenizer=get_tokenizer(), reset_position_ids=args.reset_position_ids,
-        reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
-        create_attention_mask=args.create_attention_mask_in_dataloader)
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=blend,
+        blend_per_split=blend_per_split,
+        split=args.split,
+        path_to_cache=args.data_cache_path,
+        mmap_bin_files=args.mmap_bin_files,
+        tokenizer=get_tokenizer(),
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.create_attention_mask_in_dataloader,
+    )
     cls = MockGPTDataset if args.mock_data else GPTDataset
-    return BlendedMegatronDatasetBuilder(cls, train_val_test_num_samples,
-                                         partial(_is_dataset_built_on_rank, vp_stage), config).build()
+    return BlendedMegatronDatasetBuilder(
+        cls, train_val_test_num_samples, partial(_is_dataset_built_on_rank, vp_stage), config
+    ).build()
 
 
 train_valid_test_datasets_provider.is_distributed = True
@@ -460,12 +539,14 @@ train_valid_test_datasets_provider.is_distributed = True
 
 # --- entry point -----------------------------------------------------------------------------------------------
 
+
 def _patches():
     try:
         from patches import megatron_cpu, megatron_dataset_helpers, megatron_dualpipe, megatron_training_cpu
     except ImportError as e:
-        raise RuntimeError("patches/ not importable: run from the dsv3-plugin checkout root or put it on "
-                           "PYTHONPATH") from e
+        raise RuntimeError(
+            "patches/ not importable: run from the dsv3-plugin checkout root or put it on PYTHONPATH"
+        ) from e
     return megatron_cpu, megatron_training_cpu, megatron_dataset_helpers, megatron_dualpipe
 
 
@@ -480,6 +561,7 @@ def run(argv: list[str]) -> int:
     applied = []
     try:
         import megatron.training.training  # noqa: F401  (binds get_forward_backward_func; patched below)
+
         for mod, wanted in ((dataset_helpers, True), (megatron_cpu, on_cpu), (training_cpu, on_cpu)):
             if wanted and not mod.is_applied() and mod.apply():
                 applied.append(mod)
@@ -494,14 +576,20 @@ def run(argv: list[str]) -> int:
         from megatron.core.enums import ModelType
         from megatron.training import pretrain
         from megatron.training.argument_utils import pretrain_cfg_container_from_args
+
         cfg_container = pretrain_cfg_container_from_args(args, None)
         metrics = MetricsRecorder(args.dsv3_metrics) if args.dsv3_metrics else contextlib.nullcontext()
         loop = training_cpu.cuda_literals_on_cpu() if on_cpu else contextlib.nullcontext()
         with metrics, loop:
             # DualPipeV: the embedding's copies all live on pipeline rank 0, so its embedding group is that rank
-            pretrain(cfg_container, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step,
-                     model_provider=model_provider,
-                     get_embedding_ranks=embedding_ranks if dualpipev_selected(args) else None)
+            pretrain(
+                cfg_container,
+                train_valid_test_datasets_provider,
+                ModelType.encoder_or_decoder,
+                forward_step,
+                model_provider=model_provider,
+                get_embedding_ranks=embedding_ranks if dualpipev_selected(args) else None,
+            )
     finally:
         for mod in reversed(applied):
             mod.revert()
@@ -512,22 +600,23 @@ def _spawned(argv: list[str]) -> int:
     # A spawned rank inherits the "spawn" start method; Megatron's data-loader workers (a local
     # worker_init_fn) need "fork", which is what they get under torchrun.
     import multiprocessing
+
     multiprocessing.set_start_method("fork", force=True)
     try:
         return run(argv)
-    except SystemExit as e:            # Megatron ends --exit-interval / --exit-duration runs with sys.exit(0)
+    except SystemExit as e:  # Megatron ends --exit-interval / --exit-duration runs with sys.exit(0)
         if e.code in (0, None):
             return 0
         raise
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     nproc = None
     if "--nproc" in argv:
         i = argv.index("--nproc")
         nproc = int(argv[i + 1])
-        del argv[i:i + 2]
+        del argv[i : i + 2]
     try:
         if nproc:
             spawn(_spawned, nproc, argv, timeout_s=float(os.environ.get("DSV3_SPAWN_TIMEOUT_S", "3600")))

@@ -3,6 +3,7 @@ when there is no GPU, Megatron's model-parallel groups and RNG seeds; and teardo
 
 Works self-spawned (`dsv3_plugin.parallel.distributed.spawn`) and under torchrun (RANK/WORLD_SIZE/... from the env).
 """
+
 from __future__ import annotations
 
 import torch
@@ -16,8 +17,10 @@ def _cpu_patch():
     try:
         from patches import megatron_cpu
     except ImportError as e:
-        raise RuntimeError("patches.megatron_cpu not importable: run from the dsv3-plugin checkout root "
-                           "(or put it on PYTHONPATH) to use Megatron-Core on CPU") from e
+        raise RuntimeError(
+            "patches.megatron_cpu not importable: run from the dsv3-plugin checkout root "
+            "(or put it on PYTHONPATH) to use Megatron-Core on CPU"
+        ) from e
     return megatron_cpu
 
 
@@ -28,15 +31,18 @@ def init_megatron(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1234) -> tu
         _cpu_patch().apply()
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
     if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                     expert_model_parallel_size=ep)
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep
+        )
     model_parallel_cuda_manual_seed(seed)
     return rank, world
 
 
 def shutdown_megatron() -> None:
     from megatron.core import parallel_state as ps
+
     ps.destroy_model_parallel()
     if not torch.cuda.is_available():
         _cpu_patch().revert()
@@ -45,6 +51,13 @@ def shutdown_megatron() -> None:
 def wrap_ddp(model, **ddp_overrides):
     """Megatron's DistributedDataParallel (what `finalize_model_grads` expects), fp32 grads, plain all-reduce."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    ddp_config = DistributedDataParallelConfig(**{"grad_reduce_in_fp32": True, "overlap_grad_reduce": False,
-                                                 "use_distributed_optimizer": False, **ddp_overrides})
+
+    ddp_config = DistributedDataParallelConfig(
+        **{
+            "grad_reduce_in_fp32": True,
+            "overlap_grad_reduce": False,
+            "use_distributed_optimizer": False,
+            **ddp_overrides,
+        }
+    )
     return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)

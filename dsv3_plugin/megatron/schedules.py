@@ -23,18 +23,19 @@ conventions, kept:
 Not supported (refused by the entry point): `--overlap-grad-reduce` / `--overlap-param-gather` (their no_sync /
 param-sync hooks are not driven), `collect_non_loss_data`.
 """
+
 from __future__ import annotations
 
 import inspect
 import itertools
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from dsv3_plugin.megatron.dualpipev import sum_embedding_copy_grads
 from dsv3_plugin.parallel.pipeline.runtime import DualPipeV, OneFOneB
-from .dualpipev import sum_embedding_copy_grads
 
 __all__ = ["forward_backward_dualpipev", "forward_backward_1f1b", "MegatronChunkStage", "SCHEDULE_FUNCS"]
 
@@ -54,7 +55,7 @@ class MegatronChunkStage(nn.Module):
     def forward(self, *inputs: torch.Tensor):
         target = self.chunk
         while not hasattr(target, "set_input_tensor") and hasattr(target, "module"):
-            target = target.module          # Megatron DDP / Float16Module wrappers
+            target = target.module  # Megatron DDP / Float16Module wrappers
         target.set_input_tensor([None] if self.is_first or not inputs else list(inputs))
         output_tensor, loss_func = self.forward_step_func(self.data_iterator, self.chunk)
         self.loss_funcs.append(loss_func)
@@ -65,11 +66,13 @@ def _pp_group(pg_collection):
     if pg_collection is not None and getattr(pg_collection, "pp", None) is not None:
         return pg_collection.pp
     from megatron.core import parallel_state
+
     return parallel_state.get_pipeline_model_parallel_group()
 
 
 def _config_of(chunk):
     from megatron.core.utils import get_model_config
+
     return get_model_config(chunk)
 
 
@@ -83,7 +86,7 @@ def _runtime(cls, chunks, group, config):
         first = dist.get_rank(group) == 0
         # chunk 0 of pipeline rank 0 is the first stage (both schedules); DualPipeV's chunk 1 never is
         stages = [MegatronChunkStage(c, is_first=first and i == 0) for i, c in enumerate(chunks)]
-        cfg = getattr(config, "dsv3_config", None)      # a config built from a dsv3 block carries its P2P limit
+        cfg = getattr(config, "dsv3_config", None)  # a config built from a dsv3 block carries its P2P limit
         timeout = float(cfg.parallel.p2p_timeout_s) if cfg is not None else 600.0
         rt = cls(stages, process_group=group, timeout_s=timeout, timeout_name="dsv3.parallel.p2p_timeout_s")
         _RUNTIMES[key] = rt
@@ -93,16 +96,28 @@ def _runtime(cls, chunks, group, config):
 def _iterators(data_iterator, n: int) -> list[Iterator | None]:
     if isinstance(data_iterator, (list, tuple)):
         if len(data_iterator) != n:
-            raise ValueError(f"pipeline schedule: need one data iterator per model chunk ({n}), "
-                             f"got {len(data_iterator)}")
+            raise ValueError(
+                f"pipeline schedule: need one data iterator per model chunk ({n}), got {len(data_iterator)}"
+            )
         return list(data_iterator)
     if data_iterator is None:
         return [None] * n
     return list(itertools.tee(data_iterator, n)) if n > 1 else [data_iterator]
 
 
-def _forward_backward(cls, n_chunks: int, *, forward_step_func, data_iterator, model, num_microbatches: int,
-                      forward_only: bool, collect_non_loss_data: bool, pg_collection, force_all_reduce: bool):
+def _forward_backward(
+    cls,
+    n_chunks: int,
+    *,
+    forward_step_func,
+    data_iterator,
+    model,
+    num_microbatches: int,
+    forward_only: bool,
+    collect_non_loss_data: bool,
+    pg_collection,
+    force_all_reduce: bool,
+):
     name = cls.schedule_name
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     if len(chunks) != n_chunks:
@@ -117,7 +132,7 @@ def _forward_backward(cls, n_chunks: int, *, forward_step_func, data_iterator, m
 
     forward_data_store: list = []
     total_tokens = torch.zeros([], dtype=torch.int)
-    last = rt.modules[-1]                 # the chunk holding the last stage (on rt.loss_rank)
+    last = rt.modules[-1]  # the chunk holding the last stage (on rt.loss_rank)
 
     def criterion(*outputs):
         nonlocal total_tokens
@@ -133,7 +148,7 @@ def _forward_backward(cls, n_chunks: int, *, forward_step_func, data_iterator, m
             loss = loss / num_microbatches
         forward_data_store.append(reduced)
         if not forward_only and config.grad_scale_func is not None:
-            loss = config.grad_scale_func(loss)       # what backward sees (Megatron's backward_step does this)
+            loss = config.grad_scale_func(loss)  # what backward sees (Megatron's backward_step does this)
         return loss
 
     _set_aux_loss_scales(config, num_microbatches)
@@ -142,8 +157,9 @@ def _forward_backward(cls, n_chunks: int, *, forward_step_func, data_iterator, m
             rt.step(num_chunks=num_microbatches, criterion=criterion)
     else:
         rt.step(num_chunks=num_microbatches, criterion=criterion)
-    forward_data_store, total_tokens = _to_last_rank(rt, group, forward_data_store, total_tokens,
-                                                     mtp_metrics=not forward_only)
+    forward_data_store, total_tokens = _to_last_rank(
+        rt, group, forward_data_store, total_tokens, mtp_metrics=not forward_only
+    )
     if not forward_only:
         if config.finalize_model_grads_func is not None:
             kw = {}
@@ -171,46 +187,88 @@ def _to_last_rank(rt, group, store: list, total_tokens: torch.Tensor, mtp_metric
     tracker = None
     if mtp_metrics:
         from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
         tracker = MTPLossLoggingHelper.tracker
     mtp = None
     if rt.rank == rt.loss_rank and tracker is not None and "loss_values" in tracker:
         mtp = {k: tracker[k].detach().clone() for k in _MTP_KEYS if k in tracker}
         for k in mtp:
-            tracker[k].zero_()                   # moved, not copied: the sum over stages is unchanged
+            tracker[k].zero_()  # moved, not copied: the sum over stages is unchanged
     box = [store, total_tokens, mtp] if rt.rank == rt.loss_rank else [None, None, None]
     dist.broadcast_object_list(box, src=rt.pipe_to_global[rt.loss_rank], group=group)
     if rt.rank == last and box[2] is not None:
         from megatron.core import parallel_state
+
         for k, v in box[2].items():
             v = v.to(rt.device)
             tracker[k] = tracker[k] + v if k in tracker else v
-        if tracker.get("avg_group") is None:     # what the MTP block sets where it runs
+        if tracker.get("avg_group") is None:  # what the MTP block sets where it runs
             tracker["avg_group"] = parallel_state.get_data_parallel_group(with_context_parallel=True)
     return (box[0] if rt.rank == last else []), box[1]
 
 
-def forward_backward_dualpipev(*, forward_step_func, data_iterator, model, num_microbatches: int, seq_length: int,
-                               micro_batch_size: int, decoder_seq_length=None, forward_only: bool = False,
-                               collect_non_loss_data: bool = False, first_val_step=None,
-                               adjust_tensor_shapes_fn=None, p2p_communicator=None, pg_collection=None,
-                               force_all_reduce: bool = False):
+def forward_backward_dualpipev(
+    *,
+    forward_step_func,
+    data_iterator,
+    model,
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    decoder_seq_length=None,
+    forward_only: bool = False,
+    collect_non_loss_data: bool = False,
+    first_val_step=None,
+    adjust_tensor_shapes_fn=None,
+    p2p_communicator=None,
+    pg_collection=None,
+    force_all_reduce: bool = False,
+):
     """DualPipeV over the pipeline group: two chunks per rank (stages r and 2P-1-r), >= 2P micro-batches."""
-    return _forward_backward(DualPipeV, 2, forward_step_func=forward_step_func, data_iterator=data_iterator,
-                             model=model, num_microbatches=num_microbatches, forward_only=forward_only,
-                             collect_non_loss_data=collect_non_loss_data, pg_collection=pg_collection,
-                             force_all_reduce=force_all_reduce)
+    return _forward_backward(
+        DualPipeV,
+        2,
+        forward_step_func=forward_step_func,
+        data_iterator=data_iterator,
+        model=model,
+        num_microbatches=num_microbatches,
+        forward_only=forward_only,
+        collect_non_loss_data=collect_non_loss_data,
+        pg_collection=pg_collection,
+        force_all_reduce=force_all_reduce,
+    )
 
 
-def forward_backward_1f1b(*, forward_step_func, data_iterator, model, num_microbatches: int, seq_length: int,
-                          micro_batch_size: int, decoder_seq_length=None, forward_only: bool = False,
-                          collect_non_loss_data: bool = False, first_val_step=None,
-                          adjust_tensor_shapes_fn=None, p2p_communicator=None, pg_collection=None,
-                          force_all_reduce: bool = False):
+def forward_backward_1f1b(
+    *,
+    forward_step_func,
+    data_iterator,
+    model,
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    decoder_seq_length=None,
+    forward_only: bool = False,
+    collect_non_loss_data: bool = False,
+    first_val_step=None,
+    adjust_tensor_shapes_fn=None,
+    p2p_communicator=None,
+    pg_collection=None,
+    force_all_reduce: bool = False,
+):
     """Our 1F1B (the baseline DualPipeV is compared with) over the pipeline group: one chunk per rank."""
-    return _forward_backward(OneFOneB, 1, forward_step_func=forward_step_func, data_iterator=data_iterator,
-                             model=model, num_microbatches=num_microbatches, forward_only=forward_only,
-                             collect_non_loss_data=collect_non_loss_data, pg_collection=pg_collection,
-                             force_all_reduce=force_all_reduce)
+    return _forward_backward(
+        OneFOneB,
+        1,
+        forward_step_func=forward_step_func,
+        data_iterator=data_iterator,
+        model=model,
+        num_microbatches=num_microbatches,
+        forward_only=forward_only,
+        collect_non_loss_data=collect_non_loss_data,
+        pg_collection=pg_collection,
+        force_all_reduce=force_all_reduce,
+    )
 
 
 SCHEDULE_FUNCS = {"dualpipev": forward_backward_dualpipev, "1f1b": forward_backward_1f1b}
@@ -228,7 +286,9 @@ def _set_aux_loss_scales(config, num_microbatches: int) -> None:
         scale = scale / num_microbatches
     if getattr(config, "num_moe_experts", None) is not None:
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
         MoEAuxLossAutoScaler.set_loss_scale(scale)
     if getattr(config, "mtp_num_layers", None) is not None:
         from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
         MTPLossAutoScaler.set_loss_scale(scale)

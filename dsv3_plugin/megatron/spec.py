@@ -15,22 +15,21 @@ The MLP is plugged in the way Megatron-Core 0.15–0.17 builds it (`build_module
 `MlpBuilder` protocol), which `_build_ffn` provides. Tested: 0.16.1 and 0.19.2. From 0.19 the MTP layer's inner
 layer is `mtp_model_layer` (was `transformer_layer`) and is numbered 1..D with `is_mtp_layer=True`.
 """
+
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 from megatron.core.package_info import __version__
-
-MCORE_VERSION = __version__.split("+")[0]   # megatron-core adds "+<git hash>" when installed inside a git checkout
-
-import dataclasses
-
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
-from .attention import SDPACoreAttention
-from .moe import DSv3FFN
-from .mtp import DSv3MTPLayer
+from dsv3_plugin.megatron.attention import SDPACoreAttention
+from dsv3_plugin.megatron.moe import DSv3FFN
+from dsv3_plugin.megatron.mtp import DSv3MTPLayer
+
+MCORE_VERSION = __version__.split("+")[0]  # megatron-core adds "+<git hash>" when installed inside a git checkout
 
 
 class LatentMLASelfAttention(MLASelfAttention):
@@ -54,8 +53,17 @@ class LatentMLASelfAttention(MLASelfAttention):
             classes["linear_q_proj"] = submodules.linear_q_proj
         return classes
 
-__all__ = ["LatentMLASelfAttention", "get_layer_spec", "get_mtp_block_spec", "have_te", "mlp_submodule", "mtp_inner_layer_name",
-           "MCORE_VERSION", "mcore_version_tuple"]
+
+__all__ = [
+    "LatentMLASelfAttention",
+    "get_layer_spec",
+    "get_mtp_block_spec",
+    "have_te",
+    "mlp_submodule",
+    "mtp_inner_layer_name",
+    "MCORE_VERSION",
+    "mcore_version_tuple",
+]
 
 
 def _version_tuple(v: str) -> tuple[int, int]:
@@ -85,9 +93,10 @@ def _build_ffn(config, pg_collection=None, is_mtp_layer=False, name=None, **kw):
 def mlp_submodule():
     """What goes into `TransformerLayerSubmodules.mlp` for the installed Megatron-Core."""
     from megatron.core.transformer.spec_utils import ModuleSpec
+
     if _version_tuple(MCORE_VERSION) >= (0, 18):
-        return _build_ffn                     # MlpBuilder protocol (>= 0.18)
-    return ModuleSpec(module=DSv3FFN)         # build_module(spec, config=...) (0.15 - 0.17)
+        return _build_ffn  # MlpBuilder protocol (>= 0.18)
+    return ModuleSpec(module=DSv3FFN)  # build_module(spec, config=...) (0.15 - 0.17)
 
 
 def _local_layer_spec():
@@ -129,16 +138,17 @@ def _local_layer_spec():
 
 def _te_layer_spec():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-    spec = get_gpt_layer_with_transformer_engine_spec(num_experts=None, qk_layernorm=True,
-                                                      multi_latent_attention=True)
+
+    spec = get_gpt_layer_with_transformer_engine_spec(num_experts=None, qk_layernorm=True, multi_latent_attention=True)
     spec.submodules.mlp = mlp_submodule()
     # The TE spec fuses the pre-MLP norm into its fused MLP; ours is a plain module, so it needs its own norm.
     from megatron.core.extensions.transformer_engine import TENorm
+
     spec.submodules.pre_mlp_layernorm = TENorm
     return spec
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cached(use_te: bool):
     return _te_layer_spec() if use_te else _local_layer_spec()
 
@@ -153,6 +163,7 @@ def mtp_inner_layer_name() -> str:
     """Attribute (and state-dict) name of the transformer layer inside Megatron's MTP layer:
     `transformer_layer` up to 0.18, `mtp_model_layer` from 0.19 on."""
     from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayerSubmodules
+
     fields = MultiTokenPredictionLayerSubmodules.__dataclass_fields__
     return "mtp_model_layer" if "mtp_model_layer" in fields else "transformer_layer"
 
@@ -165,16 +176,27 @@ def get_mtp_block_spec(config, use_te: bool | None = None, layer_spec=None):
     use_te = have_te() if use_te is None else use_te
     if use_te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
         block = get_gpt_mtp_block_spec(config, layer_spec or get_layer_spec(True), use_transformer_engine=True)
         for layer in block.layer_specs:
             layer.module = DSv3MTPLayer
         return block
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
     from megatron.core.transformer.multi_token_prediction import (
-        MultiTokenPredictionBlockSubmodules, MultiTokenPredictionLayerSubmodules)
+        MultiTokenPredictionBlockSubmodules,
+        MultiTokenPredictionLayerSubmodules,
+    )
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
-    layer = ModuleSpec(module=DSv3MTPLayer, submodules=MultiTokenPredictionLayerSubmodules(
-        enorm=WrappedTorchNorm, hnorm=WrappedTorchNorm, eh_proj=ColumnParallelLinear,
-        layer_norm=WrappedTorchNorm, **{mtp_inner_layer_name(): layer_spec or get_layer_spec(False)}))
+
+    layer = ModuleSpec(
+        module=DSv3MTPLayer,
+        submodules=MultiTokenPredictionLayerSubmodules(
+            enorm=WrappedTorchNorm,
+            hnorm=WrappedTorchNorm,
+            eh_proj=ColumnParallelLinear,
+            layer_norm=WrappedTorchNorm,
+            **{mtp_inner_layer_name(): layer_spec or get_layer_spec(False)},
+        ),
+    )
     return MultiTokenPredictionBlockSubmodules(layer_specs=[layer] * config.mtp_num_layers)

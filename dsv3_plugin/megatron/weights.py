@@ -19,10 +19,11 @@ Pipeline stages load only their own layers (Megatron numbers layers per stage); 
 loads its contiguous block of experts (expert e on EP rank e // (E/ep)). Tensor parallelism > 1 is not supported
 by these loaders.
 """
+
 from __future__ import annotations
 
 import os
-from typing import Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -30,7 +31,7 @@ from dsv3_plugin.checkpoint.convert import LAYOUT_NAME, load_megatron_rank, read
 from dsv3_plugin.checkpoint.names import Key, parse_file, parse_released
 from dsv3_plugin.checkpoint.reader import CheckpointReader
 from dsv3_plugin.errors import CheckpointError
-from .spec import mtp_inner_layer_name
+from dsv3_plugin.megatron.spec import mtp_inner_layer_name
 
 __all__ = ["hf_to_megatron_name", "load_hf_checkpoint", "load_megatron_checkpoint", "megatron_layout_to_ours"]
 
@@ -44,21 +45,30 @@ class _Target:
 
     def __init__(self, name, te_name=None, index=None, part=0, nparts=1, shared=False, stage_local=False):
         self.name, self.te_name, self.index, self.part, self.nparts = name, te_name, index, part, nparts
-        self.shared = shared            # an MTP copy of the embedding/head: Megatron shares the main one
+        self.shared = shared  # an MTP copy of the embedding/head: Megatron shares the main one
         self.stage_local = stage_local  # exists only on some pipeline stages: skipped where the model lacks it
 
 
-def _target(key: Key, inner: str, index: Optional[int] = None, part: int = 0, nparts: int = 1,
-            stage_local: bool = False) -> _Target:
+def _target(
+    key: Key, inner: str, index: int | None = None, part: int = 0, nparts: int = 1, stage_local: bool = False
+) -> _Target:
     name, te = key.megatron(inner), key.megatron(inner, te=True)
-    return _Target(name, te if te != name else None, index, part, nparts, shared=key.row.copy_of is not None,
-                   stage_local=stage_local)
+    return _Target(
+        name,
+        te if te != name else None,
+        index,
+        part,
+        nparts,
+        shared=key.row.copy_of is not None,
+        stage_local=stage_local,
+    )
 
 
 def _model_geometry(model):
     """(L total decoder layers, first global layer on this stage, layers on this stage, ep size, ep rank)."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
     config = model.config
     offset = get_transformer_layer_offset(config, getattr(model, "vp_stage", None))
     n_local = len(model.decoder.layers) if hasattr(model, "decoder") else 0
@@ -69,8 +79,9 @@ def _model_geometry(model):
     return config.num_layers, offset, n_local, ep, ep_rank
 
 
-def hf_to_megatron_name(hf: str, L: int, offset: int, n_local: int, n_experts: int, ep: int,
-                        ep_rank: int, inner: Optional[str] = None) -> Optional[_Target]:
+def hf_to_megatron_name(
+    hf: str, L: int, offset: int, n_local: int, n_experts: int, ep: int, ep_rank: int, inner: str | None = None
+) -> _Target | None:
     """Target of released tensor `hf` in this rank's model, None if it belongs to another stage / EP rank.
     CheckpointError for a name outside the released format."""
     inner = inner or mtp_inner_layer_name()
@@ -84,15 +95,16 @@ def hf_to_megatron_name(hf: str, L: int, offset: int, n_local: int, n_experts: i
     if key.expert is None:
         return _target(key, inner)
     if key.expert >= n_experts:
-        raise CheckpointError(f"{hf}: unexpected tensor (expert {key.expert} but the model has {n_experts} "
-                              "routed experts)")
+        raise CheckpointError(
+            f"{hf}: unexpected tensor (expert {key.expert} but the model has {n_experts} routed experts)"
+        )
     per_rank = n_experts // ep
     if key.expert // per_rank != ep_rank:
         return None
     return _target(key, inner, index=key.expert % per_rank)
 
 
-def megatron_layout_to_ours(name: str, inner: Optional[str] = None) -> list[_Target]:
+def megatron_layout_to_ours(name: str, inner: str | None = None) -> list[_Target]:
     """Targets of one tensor of the converter's Megatron-Core layout (a fused fc1 has two: gate, up rows)."""
     inner = inner or mtp_inner_layer_name()
     return [_target(k, inner, index=k.expert, part=k.row.part, nparts=k.row.nparts) for k in parse_file(name)]
@@ -120,15 +132,17 @@ def _assign(model, items: Iterable[tuple[str, _Target, tuple, Callable[[], torch
         if tgt.name not in state and tgt.te_name in state:
             tgt.name = tgt.te_name
         if tgt.name not in state and tgt.stage_local:
-            continue                                   # held by another pipeline stage
+            continue  # held by another pipeline stage
         if tgt.name not in state:
-            raise CheckpointError(f"{src}: maps to {tgt.name}, which this model does not have "
-                                  "(model built for a different config?)")
+            raise CheckpointError(
+                f"{src}: maps to {tgt.name}, which this model does not have (model built for a different config?)"
+            )
         dst = state[tgt.name]
         if tgt.index is not None:
             if tuple(dst.shape[1:]) != shape or tgt.index >= dst.shape[0]:
-                raise CheckpointError(f"{src}: shape {shape} does not fit {tgt.name}[{tgt.index}] "
-                                      f"of {tuple(dst.shape)}")
+                raise CheckpointError(
+                    f"{src}: shape {shape} does not fit {tgt.name}[{tgt.index}] of {tuple(dst.shape)}"
+                )
             rows = filled_rows.setdefault(tgt.name, set())
             if tgt.index in rows:
                 raise CheckpointError(f"{src}: {tgt.name}[{tgt.index}] given twice")
@@ -144,8 +158,9 @@ def _assign(model, items: Iterable[tuple[str, _Target, tuple, Callable[[], torch
         plan.append((src, tgt, read))
     missing = sorted(wanted - done)
     if missing:
-        raise CheckpointError(f"{where}: {len(missing)} of this model's tensors are not in the checkpoint, "
-                              f"e.g. {missing[:4]}")
+        raise CheckpointError(
+            f"{where}: {len(missing)} of this model's tensors are not in the checkpoint, e.g. {missing[:4]}"
+        )
     shared_checks = []
     for src, tgt, read in plan:
         t = read()
@@ -159,8 +174,10 @@ def _assign(model, items: Iterable[tuple[str, _Target, tuple, Callable[[], torch
             (dst.data if tgt.index is None else dst.data[tgt.index]).copy_(t.to(dst.dtype))
     for src, name, t in shared_checks:
         if name in state and not torch.equal(state[name].detach().to(t.dtype), t):
-            raise CheckpointError(f"{src}: differs from {name}; Megatron's MTP shares the main "
-                                  "embedding/output layer and cannot hold a separate copy")
+            raise CheckpointError(
+                f"{src}: differs from {name}; Megatron's MTP shares the main "
+                "embedding/output layer and cannot hold a separate copy"
+            )
 
 
 def load_hf_checkpoint(model, path: str | os.PathLike, allow_non_finite: bool = False) -> None:
@@ -172,23 +189,36 @@ def load_hf_checkpoint(model, path: str | os.PathLike, allow_non_finite: bool = 
     inner = mtp_inner_layer_name()
     with CheckpointReader(path, allow_non_finite=allow_non_finite) as reader:
         if reader.config.get("num_hidden_layers") != L:
-            raise CheckpointError(f"{reader.config_path}: num_hidden_layers {reader.config.get('num_hidden_layers')}"
-                                  f" but the model has {L} decoder layers")
+            raise CheckpointError(
+                f"{reader.config_path}: num_hidden_layers {reader.config.get('num_hidden_layers')}"
+                f" but the model has {L} decoder layers"
+            )
 
         def items():
             for name in reader.names():
                 tgt = hf_to_megatron_name(name, L, offset, n_local, E, ep, ep_rank, inner)
                 if tgt is not None:
                     # FP8 -> fp32: the exact product of the formula; the parameter's dtype comes after
-                    yield (f"{name} in {os.path.basename(reader.info(name).file)}", tgt, reader.shape(name),
-                           lambda n=name: reader.get(n, torch.float32 if reader.is_fp8(n) else None))
+                    yield (
+                        f"{name} in {os.path.basename(reader.info(name).file)}",
+                        tgt,
+                        reader.shape(name),
+                        lambda n=name: reader.get(n, torch.float32 if reader.is_fp8(n) else None),
+                    )
+
         _assign(model, items(), os.fspath(path))
 
 
-def load_megatron_checkpoint(model, path: str | os.PathLike, pp_rank: Optional[int] = None,
-                             ep_rank: Optional[int] = None, allow_non_finite: bool = False) -> None:
+def load_megatron_checkpoint(
+    model,
+    path: str | os.PathLike,
+    pp_rank: int | None = None,
+    ep_rank: int | None = None,
+    allow_non_finite: bool = False,
+) -> None:
     """Load this rank's file(s) of `dsv3 convert --to megatron` output (Megatron-Core names, `layout.json`)."""
     from megatron.core import parallel_state as ps
+
     init = ps.model_parallel_is_initialized()
     pp_rank = (ps.get_pipeline_model_parallel_rank() if init else 0) if pp_rank is None else pp_rank
     ep_rank = (ps.get_expert_model_parallel_rank() if init else 0) if ep_rank is None else ep_rank
@@ -200,13 +230,16 @@ def load_megatron_checkpoint(model, path: str | os.PathLike, pp_rank: Optional[i
     ep = ps.get_expert_model_parallel_world_size() if init else 1
     pp = ps.get_pipeline_model_parallel_world_size() if init else 1
     if layout.get("ep", 1) != ep or layout.get("pp", 1) != pp:
-        raise CheckpointError(f"{layout_path}: written for pp={layout.get('pp')} ep={layout.get('ep')}, "
-                              f"this run has pp={pp} ep={ep}")
+        raise CheckpointError(
+            f"{layout_path}: written for pp={layout.get('pp')} ep={layout.get('ep')}, this run has pp={pp} ep={ep}"
+        )
     _, offset, n_local, _, _ = _model_geometry(model)
     stages = layout.get("stages")
     if isinstance(stages, list) and pp_rank < len(stages) and stages[pp_rank] != list(range(offset, offset + n_local)):
-        raise CheckpointError(f"{layout_path}: stage {pp_rank} holds layers {stages[pp_rank]}, this model's stage "
-                              f"has {list(range(offset, offset + n_local))} (different pipeline split)")
+        raise CheckpointError(
+            f"{layout_path}: stage {pp_rank} holds layers {stages[pp_rank]}, this model's stage "
+            f"has {list(range(offset, offset + n_local))} (different pipeline split)"
+        )
     sd = load_megatron_rank(path, pp_rank, ep_rank, allow_non_finite=allow_non_finite)
     inner = mtp_inner_layer_name()
 
@@ -214,4 +247,5 @@ def load_megatron_checkpoint(model, path: str | os.PathLike, pp_rank: Optional[i
         for name, t in sd.items():
             for tgt in megatron_layout_to_ours(name, inner):
                 yield f"{name} in {path}", tgt, tuple(t.shape), lambda t=t: t
+
     _assign(model, items(), path)

@@ -16,6 +16,7 @@ Shape-suffix legend (used in names such as `scores_TE` and in `# [B, T, H]` comm
 FP8 code (precision/fp8) uses the GEMM convention instead: Y [M, N] = X [M, K] · W[N, K]ᵀ, where K is the
 contracted dimension (not top-k) — each module's docstring says which convention it uses.
 """
-from .transformer import DecoderLayer, DSv3Model, DSv3Output
+
+from dsv3_plugin.model.transformer import DecoderLayer, DSv3Model, DSv3Output
 
 __all__ = ["DSv3Model", "DecoderLayer", "DSv3Output"]

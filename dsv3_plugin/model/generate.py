@@ -16,6 +16,7 @@ plain greedy decoding; each main forward yields 1 + [accepted] tokens.
 NOTE: the model has no KV cache, so every forward recomputes the whole prefix (both modes alike);
 "tokens per forward" counts main-model forward passes, which is what speculation saves.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -27,10 +28,10 @@ __all__ = ["GenerationResult", "greedy_generate", "mtp_draft"]
 
 @dataclass
 class GenerationResult:
-    tokens: list[int]                 # generated tokens only (prompt excluded)
-    forward_passes: int               # main-model forwards
-    drafts: int = 0                   # MTP drafts proposed
-    accepted: int = 0                 # drafts the main model confirmed
+    tokens: list[int]  # generated tokens only (prompt excluded)
+    forward_passes: int  # main-model forwards
+    drafts: int = 0  # MTP drafts proposed
+    accepted: int = 0  # drafts the main model confirmed
     accept_history: list[bool] = field(default_factory=list)
 
     @property
@@ -42,9 +43,14 @@ class GenerationResult:
         return len(self.tokens) / max(1, self.forward_passes)
 
     def to_dict(self) -> dict:
-        return {"tokens": self.tokens, "forward_passes": self.forward_passes, "drafts": self.drafts,
-                "accepted": self.accepted, "acceptance_rate": self.acceptance_rate,
-                "tokens_per_forward": self.tokens_per_forward}
+        return {
+            "tokens": self.tokens,
+            "forward_passes": self.forward_passes,
+            "drafts": self.drafts,
+            "accepted": self.accepted,
+            "acceptance_rate": self.acceptance_rate,
+            "tokens_per_forward": self.tokens_per_forward,
+        }
 
 
 @torch.no_grad()
@@ -62,8 +68,9 @@ def mtp_draft(model, seq_1T: torch.Tensor, hidden_1TH: torch.Tensor, next_token:
 
 
 @torch.no_grad()
-def greedy_generate(model, prompt_ids: list[int], max_new_tokens: int, speculative: str | None = None
-                    ) -> GenerationResult:
+def greedy_generate(
+    model, prompt_ids: list[int], max_new_tokens: int, speculative: str | None = None
+) -> GenerationResult:
     """Greedy decoding of `max_new_tokens` tokens after `prompt_ids` (batch of one); `speculative="mtp"`
     drafts with the depth-1 MTP module and verifies with the main model (same output)."""
     if speculative not in (None, "mtp"):

@@ -5,6 +5,7 @@ Every matrix draws its values from its own generator, seeded from (the model's b
 depends on nothing else in the model, so a rank that materializes only the parameters it owns (its pipeline
 stages, its slice of the experts; `training.rank_local`) gets exactly the values a full model would hold.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -17,13 +18,13 @@ __all__ = ["draw_base_seed", "param_seed", "init_parameter_"]
 def draw_base_seed() -> int:
     """One draw from the global CPU generator: building a model advances it, so successive models differ, and
     the same `torch.manual_seed` before a full or a rank-local build gives the same weights."""
-    return int(torch.randint(0, 2 ** 62, (1,), device="cpu"))
+    return int(torch.randint(0, 2**62, (1,), device="cpu"))
 
 
 def param_seed(base: int, name: str, expert: int | None = None) -> int:
     """Stable 63-bit seed of one tensor (hashlib: the same in every process, unlike `hash`)."""
     key = f"{base}/{name}" if expert is None else f"{base}/{name}#{expert}"
-    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") & (2 ** 63 - 1)
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") & (2**63 - 1)
 
 
 # fp32 draws per block of rows: bounds the temporary of a large matrix (V3's embedding is 3.7 GB in fp32)
@@ -33,7 +34,7 @@ _BLOCK_ELEMS = 1 << 22
 def _fill_normal_(t: torch.Tensor, g: torch.Generator, std: float) -> None:
     rows = max(1, _BLOCK_ELEMS // max(1, t[0].numel()))
     for r0 in range(0, t.shape[0], rows):
-        dst = t[r0:r0 + rows]
+        dst = t[r0 : r0 + rows]
         dst.copy_(torch.randn(dst.shape, generator=g, dtype=torch.float32).mul_(std).to(t.dtype))
 
 

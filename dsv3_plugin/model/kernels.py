@@ -22,28 +22,48 @@ wraps any precision's kernel and the numbers are the inner kernel's, bit for bit
 Modules that run a kernel derive from `UsesKernel` and hold it as `self.kernel`; transforms replace or wrap
 that attribute (`rebase` swaps the innermost, precision kernel and keeps the wrappers).
 """
+
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Optional, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["ExpertKernel", "LinearKernel", "SplitKernel", "KernelWrapper", "apply_split", "expert_spans",
-           "stacked_params",
-           "UsesKernel", "KernelLinear", "PlainLinearKernel", "base_kernel", "rebase", "find_wrapper"]
+__all__ = [
+    "ExpertKernel",
+    "LinearKernel",
+    "SplitKernel",
+    "KernelWrapper",
+    "apply_split",
+    "expert_spans",
+    "stacked_params",
+    "UsesKernel",
+    "KernelLinear",
+    "PlainLinearKernel",
+    "base_kernel",
+    "rebase",
+    "find_wrapper",
+]
 
 
 class ExpertKernel(Protocol):
-    def __call__(self, x_NH: torch.Tensor, counts: Sequence[int], w1_EIH: torch.Tensor, w3_EIH: torch.Tensor,
-                 w2_EHI: torch.Tensor, scale_N: Optional[torch.Tensor] = None) -> torch.Tensor: ...
+    def __call__(
+        self,
+        x_NH: torch.Tensor,
+        counts: Sequence[int],
+        w1_EIH: torch.Tensor,
+        w3_EIH: torch.Tensor,
+        w2_EHI: torch.Tensor,
+        scale_N: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
 
 
 class LinearKernel(Protocol):
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor,
-                 bias: Optional[torch.Tensor] = None) -> torch.Tensor: ...
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 def expert_spans(counts: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -70,13 +90,13 @@ class SplitKernel:
       weight_grads(saved, meta, carry, need_w) -> grads          one per weight (None where not needed)
     """
 
-    defers_weight_grads = False   # True when W does not run inside the backward (a deferral wrapper)
-    row_scale = False             # an expert kernel that takes `scale_N` (the routing weights, see below)
+    defers_weight_grads = False  # True when W does not run inside the backward (a deferral wrapper)
+    row_scale = False  # an expert kernel that takes `scale_N` (the routing weights, see below)
 
     def __call__(self, *args, **kwargs) -> torch.Tensor:
         return self.call(self, *args, **kwargs)
 
-    def call(self, via: "SplitKernel", *args, **kwargs) -> torch.Tensor:
+    def call(self, via: SplitKernel, *args, **kwargs) -> torch.Tensor:
         """Run this kernel's math through `via` (this kernel, or a wrapper whose parts override ours)."""
         raise NotImplementedError
 
@@ -99,8 +119,10 @@ class KernelWrapper(SplitKernel):
 
     def __init__(self, inner: SplitKernel):
         if not isinstance(inner, SplitKernel):
-            raise TypeError(f"{type(self).__name__}: can only wrap a SplitKernel, got {type(inner).__name__} "
-                            "(a kernel must expose its forward / input_grad / weight_grads parts to be wrapped)")
+            raise TypeError(
+                f"{type(self).__name__}: can only wrap a SplitKernel, got {type(inner).__name__} "
+                "(a kernel must expose its forward / input_grad / weight_grads parts to be wrapped)"
+            )
         self.inner = inner
 
     @property
@@ -126,7 +148,7 @@ class KernelWrapper(SplitKernel):
     def run_weight_grads(self, job, weights, need_w):
         return self.inner.run_weight_grads(job, weights, need_w)
 
-    def rewrap(self, inner: SplitKernel) -> "KernelWrapper":
+    def rewrap(self, inner: SplitKernel) -> KernelWrapper:
         new = copy.copy(self)
         new.inner = inner
         return new
@@ -143,7 +165,7 @@ class _SplitKernelFn(torch.autograd.Function):
         y, saved, meta = kernel.forward(static, x if scale is None else (x, scale), weights, need_w)
         ctx.save_for_backward(*saved)
         ctx.kernel, ctx.meta, ctx.scaled = kernel, meta, scale is not None
-        ctx.weights = weights   # the tensors themselves: a deferred W writes their .grad
+        ctx.weights = weights  # the tensors themselves: a deferred W writes their .grad
         return y
 
     @staticmethod
@@ -165,7 +187,7 @@ class _SplitKernelFn(torch.autograd.Function):
 _STACK_NODES = ("StackBackward0", "_StackedViewBackward")
 
 
-def stacked_params(w: torch.Tensor) -> Optional[list]:
+def stacked_params(w: torch.Tensor) -> list | None:
     """The parameters `w` was stacked from this call (`torch.stack(params)` or `weight_grad.stack_with_grad_sink`,
     DeepSpeed's per-expert layout), or None: a kernel can keep those references and slice them in backward instead
     of keeping the stack (or an FP8 copy of it)."""
@@ -178,8 +200,9 @@ def stacked_params(w: torch.Tensor) -> Optional[list]:
     return out
 
 
-def apply_split(via: SplitKernel, static: Any, x: torch.Tensor, *weights: Optional[torch.Tensor],
-                scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+def apply_split(
+    via: SplitKernel, static: Any, x: torch.Tensor, *weights: torch.Tensor | None, scale: torch.Tensor | None = None
+) -> torch.Tensor:
     """Run `via`'s parts as one autograd node over `x` and `weights` (None allowed, e.g. no bias).
 
     `scale` (expert kernels with `row_scale`): per-row factors applied inside the kernel; its forward then gets
@@ -197,7 +220,7 @@ def base_kernel(kernel):
     return kernel
 
 
-def find_wrapper(kernel, cls: type) -> Optional[KernelWrapper]:
+def find_wrapper(kernel, cls: type) -> KernelWrapper | None:
     """The first wrapper of type `cls` around `kernel`'s base, or None."""
     while isinstance(kernel, KernelWrapper):
         if isinstance(kernel, cls):
@@ -228,6 +251,7 @@ class UsesKernel:
 # --------------------------------------------------------------------------------------------------
 # Linear layers
 
+
 class PlainLinearKernel(SplitKernel):
     """y = x · weightᵀ + bias in the operands' precision (FP32/BF16)."""
 
@@ -242,13 +266,13 @@ class PlainLinearKernel(SplitKernel):
 
     def input_grad(self, saved, meta, dy, need):
         x, weight = saved
-        return (dy @ weight if need[0] else None), dy                  # dx [..., K]
+        return (dy @ weight if need[0] else None), dy  # dx [..., K]
 
     def weight_grads(self, saved, meta, dy, need_w):
         x, _ = saved
-        g_NO = dy.reshape(-1, dy.shape[-1])                            # [N, out]
-        x_NI = x.reshape(-1, x.shape[-1])                              # [N, in]
-        gw = g_NO.t() @ x_NI if need_w[0] else None                    # [out, in]
+        g_NO = dy.reshape(-1, dy.shape[-1])  # [N, out]
+        x_NI = x.reshape(-1, x.shape[-1])  # [N, in]
+        gw = g_NO.t() @ x_NI if need_w[0] else None  # [out, in]
         gb = g_NO.sum(0) if need_w[1] else None
         return gw, gb
 
@@ -260,15 +284,14 @@ class KernelLinear(UsesKernel, nn.Linear):
     """nn.Linear whose GEMMs run through `self.kernel` (a LinearKernel; default `PlainLinearKernel`). Same
     parameters and state_dict keys as nn.Linear."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, kernel=None, device=None,
-                 dtype=None):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, kernel=None, device=None, dtype=None):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.kernel = kernel if kernel is not None else PlainLinearKernel()
 
     @classmethod
-    def from_linear(cls, lin: nn.Linear, kernel=None) -> "KernelLinear":
+    def from_linear(cls, lin: nn.Linear, kernel=None) -> KernelLinear:
         new = cls(lin.in_features, lin.out_features, lin.bias is not None, kernel, device="meta")
-        new.weight = lin.weight   # the same Parameter objects: optimizer state and checkpoints keep working
+        new.weight = lin.weight  # the same Parameter objects: optimizer state and checkpoints keep working
         new.bias = lin.bias
         return new
 

@@ -5,6 +5,7 @@ keys and values share one compressed latent c_KV (kv_lora_rank) plus a single de
 all heads (`kv_a_proj_with_mqa` produces both). kv_b_proj expands c_KV into per-head [k_nope | v].
 Names follow the released checkpoints.
 """
+
 from __future__ import annotations
 
 import torch
@@ -12,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv3_plugin.config import ModelConfig
-from .norm import RMSNorm
-from .rope import apply_rope, softmax_scale
+from dsv3_plugin.model.norm import RMSNorm
+from dsv3_plugin.model.rope import apply_rope, softmax_scale
 
 __all__ = ["MLA"]
 
@@ -83,5 +84,5 @@ class MLA(nn.Module):
 
     def forward(self, x_BTH: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x_BTH.shape
-        o = self.attention(self.q_down(x_BTH), self.kv_a_proj_with_mqa(x_BTH), cos, sin)[..., :self.d_v]
+        o = self.attention(self.q_down(x_BTH), self.kv_a_proj_with_mqa(x_BTH), cos, sin)[..., : self.d_v]
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.n_heads * self.d_v))

@@ -14,13 +14,14 @@ Megatron-Core); the paper's eq. 21 writes the other order. h^0 is the main model
 final RMSNorm (the tensor that feeds lm_head), as vLLM, SGLang and Megatron-Core feed it. Emb and OutHead
 are the main model's modules (shared physically). Positions inside TRM_k run 0..T-k-1.
 """
+
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .norm import RMSNorm
+from dsv3_plugin.model.norm import RMSNorm
 
 __all__ = ["MTPLayer", "mtp_depth_loss"]
 
@@ -37,8 +38,9 @@ class MTPLayer(nn.Module):
         self.layer = layer
         self.norm = RMSNorm(hidden_size, eps)
 
-    def forward(self, h_prev_BSH: torch.Tensor, emb_BSH: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, h_prev_BSH: torch.Tensor, emb_BSH: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
         """h_prev, emb: [B, S, H] aligned (S = T - k). Returns h^k [B, S, H] (before `norm`)."""
         x = self.eh_proj(torch.cat([self.enorm(emb_BSH), self.hnorm(h_prev_BSH)], dim=-1))
         return self.layer(x, cos, sin)
@@ -48,6 +50,7 @@ def mtp_depth_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, full_T: in
     """L^k of eq. 24: token CE summed over the S = T - k predicted positions, divided by B·T (full T).
     Labels equal to -100 are ignored (and still counted in T, as the equation's fixed 1/T)."""
     B = logits_BSV.shape[0]
-    ce = F.cross_entropy(logits_BSV.reshape(-1, logits_BSV.shape[-1]).float(), labels_BS.reshape(-1),
-                         ignore_index=-100, reduction="sum")
+    ce = F.cross_entropy(
+        logits_BSV.reshape(-1, logits_BSV.shape[-1]).float(), labels_BS.reshape(-1), ignore_index=-100, reduction="sum"
+    )
     return ce / (B * full_T)

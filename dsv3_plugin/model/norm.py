@@ -1,4 +1,5 @@
 """RMSNorm (Zhang & Sennrich 2019), computed in fp32 and cast back, as DeepSeek-V3 and transformers do."""
+
 import torch
 from torch import nn
 

@@ -5,6 +5,7 @@ DeepSeek-V3 applies RoPE only to the `qk_rope_head_dim` part of queries and the 
 `rope_interleave=True` handles it. YaRN blends interpolated and extrapolated frequencies with a linear ramp
 between the `beta_fast`/`beta_slow` correction dimensions, and scales the softmax by mscale(factor)^2.
 """
+
 from __future__ import annotations
 
 import math

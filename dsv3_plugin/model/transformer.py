@@ -3,22 +3,22 @@
 Module names follow the released checkpoint (minus the `model.` prefix), so the HF key map in
 `checkpoint/hf.py` is a rename, not a reshuffle. Device-agnostic PyTorch: no framework imports here.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dsv3_plugin.config import DSv3Config, load_config
-from .mla import MLA
-from .init import draw_base_seed, init_parameter_
-from .moe.layer import DeepSeekMoE, DenseMLP, GroupedExperts
-from .mtp import MTPLayer, mtp_depth_loss
-from .norm import RMSNorm
-from .rope import RotaryEmbedding
+from dsv3_plugin.model.init import draw_base_seed, init_parameter_
+from dsv3_plugin.model.mla import MLA
+from dsv3_plugin.model.moe.layer import DeepSeekMoE, DenseMLP, GroupedExperts
+from dsv3_plugin.model.mtp import MTPLayer, mtp_depth_loss
+from dsv3_plugin.model.norm import RMSNorm
+from dsv3_plugin.model.rope import RotaryEmbedding
 
 __all__ = ["DecoderLayer", "DSv3Model", "DSv3Output"]
 
@@ -34,8 +34,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(m.hidden_size, m.rms_norm_eps)
         self.self_attn = MLA(m)
         self.post_attention_layernorm = RMSNorm(m.hidden_size, m.rms_norm_eps)
-        self.mlp = (DeepSeekMoE(m.hidden_size, cfg.moe) if cfg.is_moe_layer(layer_idx)
-                    else DenseMLP(m.hidden_size, m.intermediate_size))
+        self.mlp = (
+            DeepSeekMoE(m.hidden_size, cfg.moe)
+            if cfg.is_moe_layer(layer_idx)
+            else DenseMLP(m.hidden_size, m.intermediate_size)
+        )
 
     def forward(self, x_BTH: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x_BTH = x_BTH + self.self_attn(self.input_layernorm(x_BTH), cos, sin)
@@ -44,13 +47,13 @@ class DecoderLayer(nn.Module):
 
 @dataclass
 class DSv3Output:
-    logits: torch.Tensor                         # [B, T, V]
+    logits: torch.Tensor  # [B, T, V]
     mtp_logits: list[torch.Tensor] = field(default_factory=list)  # k-th: [B, T-k, V], row i -> token i+k+1
-    hidden: Optional[torch.Tensor] = None        # [B, T, H] after the final norm
-    loss: Optional[torch.Tensor] = None          # lm + λ·mtp + balance
-    lm_loss: Optional[torch.Tensor] = None
-    mtp_loss: Optional[torch.Tensor] = None      # (1/D) Σ_k L^k (unweighted by λ)
-    balance_loss: Optional[torch.Tensor] = None  # Σ over MoE layers of α·L_Bal
+    hidden: torch.Tensor | None = None  # [B, T, H] after the final norm
+    loss: torch.Tensor | None = None  # lm + λ·mtp + balance
+    lm_loss: torch.Tensor | None = None
+    mtp_loss: torch.Tensor | None = None  # (1/D) Σ_k L^k (unweighted by λ)
+    balance_loss: torch.Tensor | None = None  # Σ over MoE layers of α·L_Bal
 
 
 class DSv3Model(nn.Module):
@@ -76,7 +79,8 @@ class DSv3Model(nn.Module):
                 self.lm_head.weight = self.embed_tokens.weight
             self.mtp = nn.ModuleList(
                 MTPLayer(m.hidden_size, m.rms_norm_eps, DecoderLayer(cfg, m.num_hidden_layers + k))
-                for k in range(cfg.mtp.depth))
+                for k in range(cfg.mtp.depth)
+            )
         self.rotary = RotaryEmbedding(m)
         self.reset_parameters(self.init_seed)
 
@@ -88,7 +92,7 @@ class DSv3Model(nn.Module):
         ones it owns with the same values)."""
         base = draw_base_seed() if seed is None else seed
         std = self.cfg.model.initializer_range
-        seen: set[int] = set()   # a tied head is the embedding: initialised once, under the embedding's name
+        seen: set[int] = set()  # a tied head is the embedding: initialised once, under the embedding's name
         for mod_name, mod in self.named_modules():
             for pname, p in mod.named_parameters(recurse=False):
                 if p.is_meta or id(p) in seen:
@@ -108,8 +112,9 @@ class DSv3Model(nn.Module):
     def rope(self, T: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rotary(torch.arange(T, device=device), dtype)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                tokens_seen: float = 0.0) -> DSv3Output:
+    def forward(
+        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, tokens_seen: float = 0.0
+    ) -> DSv3Output:
         B, T = input_ids.shape
         for moe in self.moe_layers():
             moe.aux_loss = None  # a depth skipped below (T too short) must not leave a stale loss
@@ -125,9 +130,9 @@ class DSv3Model(nn.Module):
             S = T - k
             if S <= 0:
                 break
-            emb = self.embed_tokens(input_ids[:, k:])                       # Emb(t_{i+k}), [B, S, H]
-            h_prev = mtp(h_prev[:, :S], emb, cos[:S], sin[:S])              # h^k, [B, S, H]
-            mtp_logits.append(self.lm_head(mtp.norm(h_prev)))               # [B, S, V]
+            emb = self.embed_tokens(input_ids[:, k:])  # Emb(t_{i+k}), [B, S, H]
+            h_prev = mtp(h_prev[:, :S], emb, cos[:S], sin[:S])  # h^k, [B, S, H]
+            mtp_logits.append(self.lm_head(mtp.norm(h_prev)))  # [B, S, V]
 
         out = DSv3Output(logits=logits, mtp_logits=mtp_logits, hidden=hidden)
         if labels is not None:

@@ -27,19 +27,21 @@ are decoded on arrival. Only the forward dispatch payload is encoded; gradients 
 full precision (the paper's FP8 dispatch with BF16 combine), i.e. the backward is straight-through. The
 quantizer itself belongs to the FP8 module; `IdentityCodec` and `BF16Codec` are provided here.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Protocol, Sequence
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from . import overlap
-from .groups import EPGroups, single_process_groups
-from dsv3_plugin.precision.fp8 import quant as fp8
 from dsv3_plugin.config import ConfigError
 from dsv3_plugin.model.moe.layer import combine_rows
+from dsv3_plugin.parallel import overlap
+from dsv3_plugin.parallel.groups import EPGroups, single_process_groups
+from dsv3_plugin.precision.fp8 import quant as fp8
 
 __all__ = [
     "DispatchCodec",
@@ -106,8 +108,10 @@ class FP8Codec:
         try:
             self._pack, self._unpack = fp8.pack_dispatch, fp8.unpack_dispatch
         except (ImportError, AttributeError):
-            raise ConfigError("dsv3.fp8.dispatch: this build has no FP8 dispatch quantizer "
-                              "(dsv3_plugin.precision.fp8.quant.pack_dispatch); set fp8.dispatch = false") from None
+            raise ConfigError(
+                "dsv3.fp8.dispatch: this build has no FP8 dispatch quantizer "
+                "(dsv3_plugin.precision.fp8.quant.pack_dispatch); set fp8.dispatch = false"
+            ) from None
 
     def encode(self, x_NH):
         return [self._pack(x_NH)]
@@ -119,7 +123,7 @@ class FP8Codec:
         return hidden + 4 * -(-hidden // 128)
 
 
-def codec_from_config(cfg) -> Optional[DispatchCodec]:
+def codec_from_config(cfg) -> DispatchCodec | None:
     """The dispatch payload codec a `DSv3Config` asks for (`fp8.dispatch`), or None (send as is)."""
     return FP8Codec() if cfg.fp8.dispatch else None
 
@@ -127,14 +131,16 @@ def codec_from_config(cfg) -> Optional[DispatchCodec]:
 # ---------------------------------------------------------------------------------------------------
 # autograd all-to-all with variable split sizes
 
+
 def _a2a_start(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group):
     """Issue one all-to-all with `async_op=True`: (receive buffer, work). The buffer is valid after
     `work.wait()` (on CUDA/NCCL: for the streams that waited)."""
     out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
     # gloo has no all-to-all for bool or 8-bit floats: move their bytes.
     if x.dtype == torch.bool or x.element_size() == 1 and x.dtype != torch.uint8:
-        work = dist.all_to_all_single(out.view(torch.uint8), x.contiguous().view(torch.uint8), out_splits,
-                                      in_splits, group=group, async_op=True)
+        work = dist.all_to_all_single(
+            out.view(torch.uint8), x.contiguous().view(torch.uint8), out_splits, in_splits, group=group, async_op=True
+        )
     else:
         work = dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group, async_op=True)
     return out, work
@@ -166,8 +172,14 @@ class AllToAll(torch.autograd.Function):
         return _a2a_raw(grad, in_splits, out_splits, ctx.group), None, None, None, None
 
 
-def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, group_size: int,
-               codec: Optional[DispatchCodec] = None) -> torch.Tensor:
+def all_to_all(
+    x: torch.Tensor,
+    out_splits: list[int],
+    in_splits: list[int],
+    group,
+    group_size: int,
+    codec: DispatchCodec | None = None,
+) -> torch.Tensor:
     """Differentiable variable-split all-to-all; a no-op copy-free path for a group of one."""
     if group_size == 1:
         if codec is not None and not isinstance(codec, IdentityCodec):
@@ -217,13 +229,13 @@ class _Exchange:
         self._fwd = None
         return out
 
-    def start_backward(self, grads: Sequence[Optional[torch.Tensor]]) -> None:
+    def start_backward(self, grads: Sequence[torch.Tensor | None]) -> None:
         # the transposed routes; gradients travel in full precision (straight through the codec)
         grp = overlap.lane_group(self.group, self.twin)
         self._bwd = [None if g is None else _a2a_start(g, self.in_splits, self.out_splits, grp) for g in grads]
         overlap.comm_started(self.kind, "B", [p[1] for p in self._bwd if p is not None])
 
-    def finish_backward(self) -> list[Optional[torch.Tensor]]:
+    def finish_backward(self) -> list[torch.Tensor | None]:
         overlap.wait_comm([p[1] for p in self._bwd if p is not None], self.kind, "B")
         out = [None if p is None else p[0] for p in self._bwd]
         self._bwd = None
@@ -269,7 +281,7 @@ class _ExchangeWait(torch.autograd.Function):
 class PendingExchange:
     """Handle of a started `exchange_start`: `wait()` returns the received tensors (differentiable)."""
 
-    def __init__(self, op: Optional[_Exchange], token=None, ready: Optional[list] = None):
+    def __init__(self, op: _Exchange | None, token=None, ready: list | None = None):
         self._op, self._token, self._ready = op, token, ready
 
     def wait(self) -> list[torch.Tensor]:
@@ -280,9 +292,16 @@ class PendingExchange:
         return list(outs) if isinstance(outs, (tuple, list)) else [outs]
 
 
-def exchange_start(tensors: Sequence[torch.Tensor], out_splits: list[int], in_splits: list[int], group,
-                   group_size: int, codecs: Optional[Sequence[Optional[DispatchCodec]]] = None,
-                   kind: str = "dispatch", twin=None) -> PendingExchange:
+def exchange_start(
+    tensors: Sequence[torch.Tensor],
+    out_splits: list[int],
+    in_splits: list[int],
+    group,
+    group_size: int,
+    codecs: Sequence[DispatchCodec | None] | None = None,
+    kind: str = "dispatch",
+    twin=None,
+) -> PendingExchange:
     """Start the variable-split all-to-all of row-aligned `tensors` (async: `async_op=True`); `.wait()` on the
     result returns what arrived, with the numerics of `all_to_all` on each (forward and backward). `codecs[i]`
     encodes tensor i's payload (e.g. FP8 dispatch); `kind` ("dispatch" / "combine") names the exchange for
@@ -290,8 +309,9 @@ def exchange_start(tensors: Sequence[torch.Tensor], out_splits: list[int], in_sp
     pair (`overlap.lane_group`). A group of one moves nothing (codec round trip only)."""
     codecs = list(codecs) if codecs is not None else [None] * len(tensors)
     if group_size == 1:
-        return PendingExchange(None, ready=[all_to_all(t, out_splits, in_splits, group, 1, c)
-                                            for t, c in zip(tensors, codecs)])
+        return PendingExchange(
+            None, ready=[all_to_all(t, out_splits, in_splits, group, 1, c) for t, c in zip(tensors, codecs)]
+        )
     op = _Exchange(out_splits, in_splits, group, codecs, kind, twin)
     return PendingExchange(op, token=_ExchangeStart.apply(op, *tensors))
 
@@ -307,6 +327,7 @@ def _exchange_counts(send_counts: torch.Tensor, group, group_size: int, twin=Non
 
 # ---------------------------------------------------------------------------------------------------
 
+
 @dataclass
 class DispatchStats:
     """What one dispatch sent from this rank. Combine sends the same number of rows back along the same
@@ -314,11 +335,11 @@ class DispatchStats:
 
     mode: str
     tokens: int = 0
-    copies: int = 0               # token rows leaving this rank in dispatch, all hops, self-sends included
-    cross_node_copies: int = 0    # rows that cross a node boundary
-    cross_node_bytes: int = 0     # their payload bytes (codec-encoded activations)
+    copies: int = 0  # token rows leaving this rank in dispatch, all hops, self-sends included
+    cross_node_copies: int = 0  # rows that cross a node boundary
+    cross_node_bytes: int = 0  # their payload bytes (codec-encoded activations)
     cross_node_meta_bytes: int = 0  # routing metadata that travels with them (expert ids, gate weights)
-    intra_node_copies: int = 0    # rows moved between different ranks of one node
+    intra_node_copies: int = 0  # rows moved between different ranks of one node
     extra: dict = field(default_factory=dict)
 
     @property
@@ -326,14 +347,21 @@ class DispatchStats:
         return self.cross_node_copies / max(self.tokens, 1)
 
     def as_dict(self) -> dict:
-        return {"mode": self.mode, "tokens": self.tokens, "copies": self.copies,
-                "cross_node_copies": self.cross_node_copies, "cross_node_bytes": self.cross_node_bytes,
-                "cross_node_meta_bytes": self.cross_node_meta_bytes, "intra_node_copies": self.intra_node_copies,
-                "cross_node_per_token": self.cross_node_per_token}
+        return {
+            "mode": self.mode,
+            "tokens": self.tokens,
+            "copies": self.copies,
+            "cross_node_copies": self.cross_node_copies,
+            "cross_node_bytes": self.cross_node_bytes,
+            "cross_node_meta_bytes": self.cross_node_meta_bytes,
+            "intra_node_copies": self.intra_node_copies,
+            "cross_node_per_token": self.cross_node_per_token,
+        }
 
 
-def count_cross_node_copies(idx_TK: torch.Tensor, num_experts: int, ep_size: int, ranks_per_node: int,
-                            src_rank: int, dedup: bool) -> tuple[int, int]:
+def count_cross_node_copies(
+    idx_TK: torch.Tensor, num_experts: int, ep_size: int, ranks_per_node: int, src_rank: int, dedup: bool
+) -> tuple[int, int]:
     """(cross-node copies, rows moved between ranks of the sender's node) that `moe_dispatch_combine` sends
     from EP rank `src_rank` for routing `idx_TK`, without communicating (used by the dispatch bench and
     tests). Copies a forwarding rank makes inside a remote node are counted by that rank, not here."""
@@ -350,10 +378,18 @@ def count_cross_node_copies(idx_TK: torch.Tensor, num_experts: int, ep_size: int
     return int(hit_TN.sum() - hit_TN[:, my_node].sum()), 0
 
 
-def moe_dispatch_combine(x_TH: torch.Tensor, idx_TK: torch.Tensor, w_TK: torch.Tensor, expert_fn: ExpertFn,
-                         num_experts: int, groups: Optional[EPGroups] = None, dedup: bool = True,
-                         codec: Optional[DispatchCodec] = None, weights_to_experts: bool = False,
-                         while_dispatching: Optional[Callable[[], None]] = None) -> tuple[torch.Tensor, DispatchStats]:
+def moe_dispatch_combine(
+    x_TH: torch.Tensor,
+    idx_TK: torch.Tensor,
+    w_TK: torch.Tensor,
+    expert_fn: ExpertFn,
+    num_experts: int,
+    groups: EPGroups | None = None,
+    dedup: bool = True,
+    codec: DispatchCodec | None = None,
+    weights_to_experts: bool = False,
+    while_dispatching: Callable[[], None] | None = None,
+) -> tuple[torch.Tensor, DispatchStats]:
     """Routed-expert output sum_k w_{t,k} FFN_{e_{t,k}}(x_t) for this rank's tokens, with experts sharded over
     ``groups.ep_group``. ``expert_fn(x_NH, local_expert_N)`` runs this rank's experts on the rows it
     receives (local ids in [0, E/P)). ``while_dispatching()`` runs while the dispatched tokens travel (the
@@ -363,14 +399,16 @@ def moe_dispatch_combine(x_TH: torch.Tensor, idx_TK: torch.Tensor, w_TK: torch.T
     # scale_N)` applies it before its down projection (no k·H expert outputs kept for the weight's gradient)
     g = groups or single_process_groups()
     if idx_TK.shape != w_TK.shape or idx_TK.shape[0] != x_TH.shape[0]:
-        raise ValueError(f"dispatch: idx {tuple(idx_TK.shape)}, weights {tuple(w_TK.shape)} and tokens "
-                         f"{tuple(x_TH.shape)} disagree")
+        raise ValueError(
+            f"dispatch: idx {tuple(idx_TK.shape)}, weights {tuple(w_TK.shape)} and tokens {tuple(x_TH.shape)} disagree"
+        )
     L = g.experts_per_rank(num_experts)
     side = while_dispatching or (lambda: None)
     if dedup and g.num_nodes > 1:
         return _dispatch_dedup(x_TH, idx_TK, w_TK, expert_fn, L, g, codec, weights_to_experts, side)
-    return _dispatch_per_expert(x_TH, idx_TK, w_TK, expert_fn, L, g, codec, "dedup" if dedup else "per_expert",
-                                weights_to_experts, side)
+    return _dispatch_per_expert(
+        x_TH, idx_TK, w_TK, expert_fn, L, g, codec, "dedup" if dedup else "per_expert", weights_to_experts, side
+    )
 
 
 def _id_dtype(n: int) -> torch.dtype:
@@ -382,14 +420,15 @@ def _payload_bytes(codec, x_TH) -> int:
     return (codec or IdentityCodec()).bytes_per_row(x_TH.shape[1], x_TH.element_size())
 
 
-def _dispatch_per_expert(x_TH, idx_TK, w_TK, expert_fn, L, g: EPGroups, codec, mode, weights_to_experts=False,
-                         side=lambda: None):
+def _dispatch_per_expert(
+    x_TH, idx_TK, w_TK, expert_fn, L, g: EPGroups, codec, mode, weights_to_experts=False, side=lambda: None
+):
     T, K = idx_TK.shape
-    flat_e = idx_TK.reshape(-1)                                   # [T*K]
+    flat_e = idx_TK.reshape(-1)  # [T*K]
     # Sorting by expert id also sorts by owner rank (owner = e // L): contiguous send blocks.
     order = torch.argsort(flat_e, stable=True)
     e_sorted = flat_e[order]
-    tok = order // K                                              # source token of each sorted pair
+    tok = order // K  # source token of each sorted pair
     send_counts = torch.bincount(e_sorted // L, minlength=g.ep_size)
     recv_counts = _exchange_counts(send_counts, g.ep_group, g.ep_size, g.ep_group_b)
     send, recv = send_counts.tolist(), recv_counts.tolist()
@@ -402,38 +441,42 @@ def _dispatch_per_expert(x_TH, idx_TK, w_TK, expert_fn, L, g: EPGroups, codec, m
     if weights_to_experts:
         payload.append(w_TK.reshape(-1)[order][:, None])
     pending = exchange_start(payload, recv, send, *ep, codecs=[codec, None, None], kind="dispatch", **tw)
-    side()                                                        # e.g. shared experts, while the tokens travel
+    side()  # e.g. shared experts, while the tokens travel
     got = pending.wait()
-    x_recv, e_recv = got[0], got[1].long()                        # [N_recv, H], [N_recv] local ids
+    x_recv, e_recv = got[0], got[1].long()  # [N_recv, H], [N_recv] local ids
     if weights_to_experts:
-        y_recv = expert_fn(x_recv, e_recv, got[2][:, 0])          # weighted rows
+        y_recv = expert_fn(x_recv, e_recv, got[2][:, 0])  # weighted rows
         y_back = exchange_start([y_recv], send, recv, *ep, kind="combine", **tw).wait()[0]
         out = combine_rows(y_back, tok, T)
     else:
         y_recv = expert_fn(x_recv, e_recv)
         y_back = exchange_start([y_recv], send, recv, *ep, kind="combine", **tw).wait()[0]  # [T*K, H], sorted
         w_sorted = w_TK.reshape(-1)[order].to(y_back.dtype)
-        out = combine_rows(y_back * w_sorted[:, None], tok, T)   # keeps only the index for backward
+        out = combine_rows(y_back * w_sorted[:, None], tok, T)  # keeps only the index for backward
 
     R = g.ranks_per_node
     cross = sum(n for r, n in enumerate(send) if r // R != g.node)
     intra = sum(n for r, n in enumerate(send) if r // R == g.node and r != g.ep_rank)
-    stats = DispatchStats(mode=mode, tokens=T, copies=T * K, cross_node_copies=cross,
-                          cross_node_bytes=cross * _payload_bytes(codec, x_TH),
-                          cross_node_meta_bytes=cross * local_ids.element_size(),
-                          intra_node_copies=intra)
+    stats = DispatchStats(
+        mode=mode,
+        tokens=T,
+        copies=T * K,
+        cross_node_copies=cross,
+        cross_node_bytes=cross * _payload_bytes(codec, x_TH),
+        cross_node_meta_bytes=cross * local_ids.element_size(),
+        intra_node_copies=intra,
+    )
     return out.to(x_TH.dtype), stats
 
 
-def _dispatch_dedup(x_TH, idx_TK, w_TK, expert_fn, L, g: EPGroups, codec, weights_to_experts=False,
-                    side=lambda: None):
+def _dispatch_dedup(x_TH, idx_TK, w_TK, expert_fn, L, g: EPGroups, codec, weights_to_experts=False, side=lambda: None):
     T, K = idx_TK.shape
     R, N = g.ranks_per_node, g.num_nodes
     node_TK = idx_TK // (L * R)
     hit_TN = torch.zeros(T, N, dtype=torch.bool, device=idx_TK.device)
     hit_TN.scatter_(1, node_TK, True)
     # One (token, node) pair per selected node, grouped by node: node n's rows go to EP rank n*R + local_index.
-    n_idx, t_idx = hit_TN.t().nonzero(as_tuple=True)             # [C1] each, sorted by node
+    n_idx, t_idx = hit_TN.t().nonzero(as_tuple=True)  # [C1] each, sorted by node
     per_node = torch.bincount(n_idx, minlength=N)
     send_counts = torch.zeros(g.ep_size, dtype=torch.long, device=x_TH.device)
     send_counts[torch.arange(N, device=x_TH.device) * R + g.local_index] = per_node
@@ -443,21 +486,23 @@ def _dispatch_dedup(x_TH, idx_TK, w_TK, expert_fn, L, g: EPGroups, codec, weight
     # Routing metadata for the forwarding rank: the token's experts on that node as in-node indices
     # (e - node*L*R, compact dtype); slots on other nodes carry the sentinel L*R and gate weight 0.
     LR = L * R
-    on_node = node_TK[t_idx] == n_idx[:, None]                     # [C1, K]
-    ids_CK = torch.where(on_node, idx_TK[t_idx] - n_idx[:, None] * LR,
-                         torch.full_like(idx_TK[t_idx], LR)).to(_id_dtype(LR + 1))
-    w_CK = w_TK[t_idx] * on_node.to(w_TK.dtype)                    # differentiable: gates flow back through it
+    on_node = node_TK[t_idx] == n_idx[:, None]  # [C1, K]
+    ids_CK = torch.where(on_node, idx_TK[t_idx] - n_idx[:, None] * LR, torch.full_like(idx_TK[t_idx], LR)).to(
+        _id_dtype(LR + 1)
+    )
+    w_CK = w_TK[t_idx] * on_node.to(w_TK.dtype)  # differentiable: gates flow back through it
 
     ep, tw = (g.ep_group, g.ep_size), {"twin": g.ep_group_b}
-    pending = exchange_start([x_TH[t_idx], ids_CK, w_CK], recv1, send1, *ep, codecs=[codec, None, None],
-                             kind="dispatch", **tw)
-    side()                                                         # e.g. shared experts, while the tokens travel
-    x1, ids1, w1 = pending.wait()                                  # [C1r, H], [C1r, K], [C1r, K]
+    pending = exchange_start(
+        [x_TH[t_idx], ids_CK, w_CK], recv1, send1, *ep, codecs=[codec, None, None], kind="dispatch", **tw
+    )
+    side()  # e.g. shared experts, while the tokens travel
+    x1, ids1, w1 = pending.wait()  # [C1r, H], [C1r, K], [C1r, K]
 
     # Stage 2, inside the node: forward each received token to the owners of its selected experts.
     j, k = (ids1 < LR).nonzero(as_tuple=True)
-    e2 = ids1[j, k].long()                                         # in-node expert index, owner = e2 // L
-    order2 = torch.argsort(e2, stable=True)                       # by expert => by owner rank in the node
+    e2 = ids1[j, k].long()  # in-node expert index, owner = e2 // L
+    order2 = torch.argsort(e2, stable=True)  # by expert => by owner rank in the node
     j2, k2, e2 = j[order2], k[order2], e2[order2]
     send2_counts = torch.bincount(e2 // L, minlength=R)
     recv2_counts = _exchange_counts(send2_counts, g.node_group, R, g.node_group_b)
@@ -475,15 +520,20 @@ def _dispatch_dedup(x_TH, idx_TK, w_TK, expert_fn, L, g: EPGroups, codec, weight
         z1 = combine_rows(exchange_start([y2], send2, recv2, *nd, kind="combine", **tn).wait()[0], j2, x1.shape[0])
     else:
         y2 = expert_fn(x2, le2)
-        y2_back = exchange_start([y2], send2, recv2, *nd, kind="combine", **tn).wait()[0]   # [C2, H] in order2
+        y2_back = exchange_start([y2], send2, recv2, *nd, kind="combine", **tn).wait()[0]  # [C2, H] in order2
         z1 = combine_rows(y2_back * w1[j2, k2].to(y2_back.dtype)[:, None], j2, x1.shape[0])
-    z_back = exchange_start([z1], send1, recv1, *ep, kind="combine", **tw).wait()[0]   # [C1, H]
+    z_back = exchange_start([z1], send1, recv1, *ep, kind="combine", **tw).wait()[0]  # [C1, H]
     out = combine_rows(z_back, t_idx, T)
 
     cross = sum(send1) - send1[g.node * R + g.local_index]
-    stats = DispatchStats(mode="dedup", tokens=T, copies=sum(send1) + sum(send2),
-                          cross_node_copies=cross, cross_node_bytes=cross * _payload_bytes(codec, x_TH),
-                          cross_node_meta_bytes=cross * K * (ids_CK.element_size() + w_CK.element_size()),
-                          intra_node_copies=sum(send2) - send2[g.local_index],
-                          extra={"forwarded_rows": sum(send2)})
+    stats = DispatchStats(
+        mode="dedup",
+        tokens=T,
+        copies=sum(send1) + sum(send2),
+        cross_node_copies=cross,
+        cross_node_bytes=cross * _payload_bytes(codec, x_TH),
+        cross_node_meta_bytes=cross * K * (ids_CK.element_size() + w_CK.element_size()),
+        intra_node_copies=sum(send2) - send2[g.local_index],
+        extra={"forwarded_rows": sum(send2)},
+    )
     return out.to(x_TH.dtype), stats

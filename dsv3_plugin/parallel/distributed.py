@@ -5,6 +5,7 @@ set RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT) and self-spawned
 (`--nproc N`, via `torch.multiprocessing`: forks of a forkserver that imported torch once), with gloo on CPU and
 NCCL on GPU.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -12,12 +13,14 @@ import os
 import re
 import socket
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
 from dsv3_plugin.config import ConfigError
 from dsv3_plugin.errors import CheckpointError, PeerError
 
@@ -86,7 +89,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> tu
     return dist.get_rank(), dist.get_world_size()
 
 
-_PEER_TIMEOUT: timedelta | None = None   # what set_peer_timeout was last given (None: never called)
+_PEER_TIMEOUT: timedelta | None = None  # what set_peer_timeout was last given (None: never called)
 # What gloo / NCCL / c10d say when a peer is gone or silent past the group's timeout.
 _COMM_FAILURE = re.compile(r"gloo|nccl|timed? ?out|connection (closed|reset|refused)|broken pipe", re.I)
 
@@ -146,8 +149,9 @@ def new_groups_bounded(timeout_s: float | None):
 
 
 @contextlib.contextmanager
-def peer_failures(op: str, timeout_s: float, ranks: list[int] | None = None,
-                  limit_name: str = "parallel.p2p_timeout_s"):
+def peer_failures(
+    op: str, timeout_s: float, ranks: list[int] | None = None, limit_name: str = "parallel.p2p_timeout_s"
+):
     """Turn a communication failure inside the block (gloo: "Timed out waiting ...ms", "Connection closed by
     peer"; NCCL: the watchdog's error) into a `PeerError` naming the operation, the ranks and the limit;
     any other exception passes unchanged."""
@@ -161,8 +165,10 @@ def peer_failures(op: str, timeout_s: float, ranks: list[int] | None = None,
         first = (str(e).splitlines() or [""])[0][:300]
         me = dist.get_rank() if dist.is_initialized() else 0
         over = f" over global ranks {ranks}" if ranks is not None else ""
-        raise PeerError(f"global rank {me}: {op}{over} failed (peer dead, or silent longer than {limit_name} = "
-                        f"{timeout_s:g}s): {type(e).__name__}: {first}") from e
+        raise PeerError(
+            f"global rank {me}: {op}{over} failed (peer dead, or silent longer than {limit_name} = "
+            f"{timeout_s:g}s): {type(e).__name__}: {first}"
+        ) from e
 
 
 def _is_input_error(e: BaseException) -> bool:
@@ -181,6 +187,7 @@ def first_failure(code: int) -> tuple[bool, int]:
     if not (dist.is_available() and dist.is_initialized()):
         return True, code
     import sys
+
     sys.stderr.flush()
     saved = os.dup(2)
     null = os.open(os.devnull, os.O_WRONLY)
@@ -194,6 +201,7 @@ def first_failure(code: int) -> tuple[bool, int]:
         return False, int(store.get("dsv3/exit_code"))
     except Exception:
         import time
+
         time.sleep(5)  # the first failure's process is gone: let the launcher see its exit code first
         return False, code
     finally:
@@ -217,14 +225,14 @@ def _die_with_parent(parent_pid: int) -> None:
         except (AttributeError, OSError):  # no pidfd here, or the process is already gone
             fd = None
         if fd is not None:
-            select.select([fd], [], [])   # readable once the process has exited
+            select.select([fd], [], [])  # readable once the process has exited
         else:
             while True:
                 try:
                     os.kill(parent_pid, 0)
                 except ProcessLookupError:
                     break
-                except PermissionError:   # alive, owned by someone else: cannot be our spawner, which is gone
+                except PermissionError:  # alive, owned by someone else: cannot be our spawner, which is gone
                     break
                 time.sleep(1.0)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -237,8 +245,9 @@ class _Stdio:
     child would otherwise inherit the forkserver's, i.e. whatever they were when the forkserver started (e.g. an
     earlier test's capture)."""
 
-    def __reduce__(self):   # called while the rank's Process is pickled: the fds travel with it
+    def __reduce__(self):  # called while the rank's Process is pickled: the fds travel with it
         from multiprocessing import reduction
+
         return _adopt_stdio, (reduction.DupFd(1), reduction.DupFd(2))
 
 
@@ -250,21 +259,39 @@ def _adopt_stdio(out, err) -> None:
             os.close(fd)
 
 
-def _worker(local_rank: int, world: int, port: int, fn: Callable, args: tuple, queue, env: dict,
-            parent_pid: int | None = None, stdio: Any = None) -> None:
+def _worker(
+    local_rank: int,
+    world: int,
+    port: int,
+    fn: Callable,
+    args: tuple,
+    queue,
+    env: dict,
+    parent_pid: int | None = None,
+    stdio: Any = None,
+) -> None:
     if parent_pid is not None:
         _die_with_parent(parent_pid)
     os.environ.update(env)
     if env.get("OMP_NUM_THREADS", "").isdigit():
         # the forkserver imported torch with the spawning process's environment: apply this rank's thread count
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-    os.environ.update({"RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world),
-                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    os.environ.update(
+        {
+            "RANK": str(local_rank),
+            "LOCAL_RANK": str(local_rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
     code = 0
     try:
         out = fn(*args)
         # Pickle here: tensors would otherwise travel as shared memory of a process that is about to exit.
         import io
+
         buf = io.BytesIO()
         torch.save(out, buf)
         queue.put((local_rank, "ok", buf.getvalue()))
@@ -288,6 +315,7 @@ def _worker(local_rank: int, world: int, port: int, fn: Callable, args: tuple, q
                 pass
     if code:
         import sys
+
         sys.stdout.flush(), sys.stderr.flush()
         os._exit(code)  # skip interpreter teardown: threads of a broken process group can block it
 
@@ -312,8 +340,9 @@ def _context():
     return ctx
 
 
-def spawn(fn: Callable[..., Any], nproc: int, *args: Any, env: dict | None = None,
-          timeout_s: float = 600.0) -> list[Any]:
+def spawn(
+    fn: Callable[..., Any], nproc: int, *args: Any, env: dict | None = None, timeout_s: float = 600.0
+) -> list[Any]:
     """Run `fn(*args)` on `nproc` loopback ranks (each sets the torchrun env vars); return results by rank.
 
     `fn` must be picklable (module level). It should call `init_distributed()` itself, exactly as it
@@ -323,13 +352,15 @@ def spawn(fn: Callable[..., Any], nproc: int, *args: Any, env: dict | None = Non
     with its message only, and only if no rank failed otherwise). The other ranks are stopped.
     """
     import time
+
     port = free_port()
     ctx = _context()
     queue = ctx.SimpleQueue()
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
-    procs = [ctx.Process(target=_worker, args=(r, nproc, port, fn, args, queue, env, os.getpid(), _Stdio()),
-                         daemon=False)
-             for r in range(nproc)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, nproc, port, fn, args, queue, env, os.getpid(), _Stdio()), daemon=False)
+        for r in range(nproc)
+    ]
     results: dict[int, Any] = {}
     done = False
     try:
@@ -342,6 +373,7 @@ def spawn(fn: Callable[..., Any], nproc: int, *args: Any, env: dict | None = Non
                 r, status, out = queue.get()
                 if status == "ok":
                     import io
+
                     results[r] = torch.load(io.BytesIO(out), weights_only=False)  # our own child's result
                 else:
                     failures.append((r, status, out))
@@ -349,8 +381,9 @@ def spawn(fn: Callable[..., Any], nproc: int, *args: Any, env: dict | None = Non
                 time.sleep(0.2)
                 if queue.empty():
                     dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                    failures.append((dead[0], "error", f"rank(s) {dead} died (exit codes "
-                                                       f"{[procs[i].exitcode for i in dead]})"))
+                    failures.append(
+                        (dead[0], "error", f"rank(s) {dead} died (exit codes {[procs[i].exitcode for i in dead]})")
+                    )
             elif time.monotonic() > deadline:
                 failures.append((-1, "error", f"timed out after {timeout_s:.0f}s"))
             else:

@@ -16,40 +16,47 @@ Telemetry: each layer sums, per optimizer step, the tokens it routed, the rows i
 and the cross-node copies and bytes its dispatch sent (`dispatch_counters`); `training/telemetry.py` reduces them
 over the EP group (routed − processed = dropped tokens, which must be 0) and resets them.
 """
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 import torch
 from torch import nn
 
 from dsv3_plugin.config import ConfigError, MoEConfig
-from .dispatch import DispatchCodec, moe_dispatch_combine
 from dsv3_plugin.model.kernels import ExpertKernel
 from dsv3_plugin.model.moe.layer import DeepSeekMoE, DenseMLP, GroupedExperts
-from .groups import EPGroups
 from dsv3_plugin.model.moe.router import Router, counting_enabled
+from dsv3_plugin.parallel.dispatch import DispatchCodec, moe_dispatch_combine
+from dsv3_plugin.parallel.groups import EPGroups
 
 __all__ = ["ExpertParallelMoE", "expert_parallel", "COUNTER_KEYS", "check_node_limit_config"]
 
-COUNTER_KEYS = ("tokens", "routed_rows", "processed_rows", "cross_node_copies", "cross_node_bytes",
-                "copies")
+COUNTER_KEYS = ("tokens", "routed_rows", "processed_rows", "cross_node_copies", "cross_node_bytes", "copies")
 
 
 def check_node_limit_config(cfg: MoEConfig, groups: EPGroups) -> None:
     """Groups must not straddle nodes, or the group limit would not bound the nodes a token uses."""
     nodes = groups.num_nodes
     if nodes > 1 and cfg.n_group > 1 and cfg.n_group % nodes:
-        raise ConfigError(f"dsv3.moe.n_group: must be a multiple of the EP nodes for node-limited routing "
-                          f"(got {cfg.n_group} groups over {nodes} nodes)")
+        raise ConfigError(
+            f"dsv3.moe.n_group: must be a multiple of the EP nodes for node-limited routing "
+            f"(got {cfg.n_group} groups over {nodes} nodes)"
+        )
 
 
 class ExpertParallelMoE(DeepSeekMoE):
     """DeepSeekMoE with routed experts sharded over `groups.ep_group` (EP rank j owns experts
     [j·E/P, (j+1)·E/P)). Parameter names are DeepSeekMoE's; `experts.*` hold the local slab only."""
 
-    def __init__(self, hidden_size: int, cfg: MoEConfig, groups: EPGroups, dedup: Optional[bool] = None,
-                 codec: Optional[DispatchCodec] = None, kernel: Optional[ExpertKernel] = None):
+    def __init__(
+        self,
+        hidden_size: int,
+        cfg: MoEConfig,
+        groups: EPGroups,
+        dedup: bool | None = None,
+        codec: DispatchCodec | None = None,
+        kernel: ExpertKernel | None = None,
+    ):
         nn.Module.__init__(self)  # not DeepSeekMoE.__init__: it would allocate all E experts on every rank
         check_node_limit_config(cfg, groups)
         self.cfg = cfg
@@ -59,15 +66,22 @@ class ExpertParallelMoE(DeepSeekMoE):
         self.local_experts = groups.local_expert_range(cfg.n_routed_experts)
         self.gate = Router(hidden_size, cfg)
         self.experts = GroupedExperts(len(self.local_experts), hidden_size, cfg.intermediate_size, kernel)
-        self.shared_experts = (DenseMLP(hidden_size, cfg.intermediate_size * cfg.n_shared_experts)
-                               if cfg.n_shared_experts > 0 else None)
+        self.shared_experts = (
+            DenseMLP(hidden_size, cfg.intermediate_size * cfg.n_shared_experts) if cfg.n_shared_experts > 0 else None
+        )
         self.aux_loss: torch.Tensor | None = None
         self.dispatch_counters = dict.fromkeys(COUNTER_KEYS, 0)
 
     @classmethod
     @torch.no_grad()
-    def from_dense(cls, moe: DeepSeekMoE, groups: EPGroups, dedup: Optional[bool] = None,
-                   codec: Optional[DispatchCodec] = None, share: bool = False) -> "ExpertParallelMoE":
+    def from_dense(
+        cls,
+        moe: DeepSeekMoE,
+        groups: EPGroups,
+        dedup: bool | None = None,
+        codec: DispatchCodec | None = None,
+        share: bool = False,
+    ) -> ExpertParallelMoE:
         """Shard a full DeepSeekMoE, keeping this rank's experts. `share=False` copies router, bias and shared
         experts (the source stays usable, e.g. as a reference); `share=True` takes over the source's router
         and shared-expert modules themselves, whatever their class (FP8 linears, a Megatron router). The local
@@ -98,17 +112,27 @@ class ExpertParallelMoE(DeepSeekMoE):
         ep.train(moe.training)
         return ep
 
-    def _expert_fn(self, x_NH: torch.Tensor, local_expert_N: torch.Tensor,
-                   scale_N: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def _expert_fn(
+        self, x_NH: torch.Tensor, local_expert_N: torch.Tensor, scale_N: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if self.training and counting_enabled():
             self.dispatch_counters["processed_rows"] += int(x_NH.shape[0])
         return self.experts.expert_rows(x_NH, local_expert_N, scale_N)
 
     def routed(self, x_TH: torch.Tensor, r, side=None) -> torch.Tensor:
         # `side` (the shared experts) runs while the dispatched tokens travel (async all-to-all, §3.2.1)
-        y_TH, st = moe_dispatch_combine(x_TH, r.topk_idx_TK, r.gates_TK, self._expert_fn,
-                                        self.cfg.n_routed_experts, self.groups, self.dedup, self.codec,
-                                        weights_to_experts=True, while_dispatching=side)
+        y_TH, st = moe_dispatch_combine(
+            x_TH,
+            r.topk_idx_TK,
+            r.gates_TK,
+            self._expert_fn,
+            self.cfg.n_routed_experts,
+            self.groups,
+            self.dedup,
+            self.codec,
+            weights_to_experts=True,
+            while_dispatching=side,
+        )
         self.last_dispatch = st
         if self.training and counting_enabled():
             c = self.dispatch_counters
@@ -123,11 +147,15 @@ class ExpertParallelMoE(DeepSeekMoE):
         self.dispatch_counters = dict.fromkeys(COUNTER_KEYS, 0)
 
 
-def expert_parallel(model: nn.Module, groups: EPGroups, dedup: Optional[bool] = None,
-                    codec: Optional[DispatchCodec] = None) -> nn.Module:
+def expert_parallel(
+    model: nn.Module, groups: EPGroups, dedup: bool | None = None, codec: DispatchCodec | None = None
+) -> nn.Module:
     """Replace every (non-parallel) DeepSeekMoE in `model` by its expert-parallel shard, in place."""
-    targets = [(name, mod) for name, mod in model.named_modules()
-               if isinstance(mod, DeepSeekMoE) and not isinstance(mod, ExpertParallelMoE)]
+    targets = [
+        (name, mod)
+        for name, mod in model.named_modules()
+        if isinstance(mod, DeepSeekMoE) and not isinstance(mod, ExpertParallelMoE)
+    ]
     for name, mod in targets:
         ep = ExpertParallelMoE.from_dense(mod, groups, dedup, codec, share=True)
         parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model

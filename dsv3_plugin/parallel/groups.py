@@ -22,11 +22,12 @@ groups join the DP ranks with the same EP rank, and nodes are blocks of ``ranks_
 pp = 1 this is the layout above. NOTE: DeepSpeed's own group builder assumes pipeline stages are contiguous
 rank blocks (pp outermost); the DeepSpeed adapter registers these groups under DeepSpeed's names instead.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any
 
 import torch.distributed as dist
 
@@ -44,18 +45,17 @@ def ep_layout(world: int, ep: int, ranks_per_node: int, pp: int = 1) -> dict[str
     dp = world // pp
     if ep <= 0 or dp % ep:
         what = "the world size" if pp == 1 else f"the data-parallel size (world {world} / pp {pp})"
-        raise ConfigError(f"dsv3.parallel.ep: must divide {what} (got ep={ep}, "
-                          f"{'world' if pp == 1 else 'dp'}={dp})")
+        raise ConfigError(f"dsv3.parallel.ep: must divide {what} (got ep={ep}, {'world' if pp == 1 else 'dp'}={dp})")
     if ranks_per_node <= 0 or ep % ranks_per_node:
         raise ConfigError(f"dsv3.moe.ranks_per_node: must divide parallel.ep (got {ranks_per_node}, ep={ep})")
     out: dict[str, list[list[int]]] = {"dp": [], "ep": [], "edp": [], "node": []}
     for p in range(pp):
         dp_ranks = [d * pp + p for d in range(dp)]
         out["dp"].append(dp_ranks)
-        out["ep"] += [dp_ranks[i * ep:(i + 1) * ep] for i in range(dp // ep)]
+        out["ep"] += [dp_ranks[i * ep : (i + 1) * ep] for i in range(dp // ep)]
         out["edp"] += [dp_ranks[j::ep] for j in range(ep)]
-        out["node"] += [dp_ranks[n * ranks_per_node:(n + 1) * ranks_per_node] for n in range(dp // ranks_per_node)]
-    if pp > 1:   # creation order of every kind: pipeline rank 0's groups first (all ranks create all groups)
+        out["node"] += [dp_ranks[n * ranks_per_node : (n + 1) * ranks_per_node] for n in range(dp // ranks_per_node)]
+    if pp > 1:  # creation order of every kind: pipeline rank 0's groups first (all ranks create all groups)
         return out
     return {"dp": [list(range(world))], "ep": out["ep"], "edp": out["edp"], "node": out["node"]}
 
@@ -98,8 +98,9 @@ class EPGroups:
 
     def experts_per_rank(self, num_experts: int) -> int:
         if num_experts % self.ep_size:
-            raise ConfigError(f"dsv3.parallel.ep: must divide moe.n_routed_experts "
-                              f"(got {num_experts} % {self.ep_size} != 0)")
+            raise ConfigError(
+                f"dsv3.parallel.ep: must divide moe.n_routed_experts (got {num_experts} % {self.ep_size} != 0)"
+            )
         return num_experts // self.ep_size
 
     def local_expert_range(self, num_experts: int) -> range:
@@ -115,9 +116,16 @@ def single_process_groups() -> EPGroups:
 _CACHE: dict[tuple, EPGroups] = {}
 
 
-def build_ep_groups(ep: int, ranks_per_node: int = 1, *, ep_group: Any = None,
-                    edp_group: Optional[Any] = None, timeout_s: Optional[float] = None, pp: int = 1,
-                    dp_group: Optional[Any] = None) -> EPGroups:
+def build_ep_groups(
+    ep: int,
+    ranks_per_node: int = 1,
+    *,
+    ep_group: Any = None,
+    edp_group: Any | None = None,
+    timeout_s: float | None = None,
+    pp: int = 1,
+    dp_group: Any | None = None,
+) -> EPGroups:
     """Create (once per layout) the DP/EP/EDP/node groups of this rank. Collective: every rank must call it
     with the same arguments. ``ep_group``/``edp_group`` may be passed in (e.g. DeepSpeed's own groups with the
     same layout), then only the node groups are created here. ``pp`` > 1: the groups are carved from each
@@ -162,7 +170,7 @@ def build_ep_groups(ep: int, ranks_per_node: int = 1, *, ep_group: Any = None,
                 mine[kind] = g
                 if len(ranks) < world:
                     created.append(g)
-    for kind in ("ep", "node"):   # the second groups (always made here: a given group has no twin of its own)
+    for kind in ("ep", "node"):  # the second groups (always made here: a given group has no twin of its own)
         for ranks in lay[kind]:
             if len(ranks) == 1:
                 continue
@@ -171,9 +179,18 @@ def build_ep_groups(ep: int, ranks_per_node: int = 1, *, ep_group: Any = None,
                 mine[kind + "_b"] = g
                 created.append(g)
     dp_ranks = mine_ranks["dp"]
-    out = EPGroups(ep_size=ep, ep_rank=dp_ranks.index(rank) % ep, ranks_per_node=ranks_per_node,
-                   ep_group=mine["ep"], node_group=mine["node"], edp_group=mine["edp"], dp_group=mine["dp"],
-                   ep_ranks=mine_ranks["ep"], edp_ranks=mine_ranks["edp"], ep_group_b=mine.get("ep_b"),
-                   node_group_b=mine.get("node_b"))
+    out = EPGroups(
+        ep_size=ep,
+        ep_rank=dp_ranks.index(rank) % ep,
+        ranks_per_node=ranks_per_node,
+        ep_group=mine["ep"],
+        node_group=mine["node"],
+        edp_group=mine["edp"],
+        dp_group=mine["dp"],
+        ep_ranks=mine_ranks["ep"],
+        edp_ranks=mine_ranks["edp"],
+        ep_group_b=mine.get("ep_b"),
+        node_group_b=mine.get("node_b"),
+    )
     _CACHE[key] = (out, created)
     return out

@@ -41,18 +41,27 @@ order. NOTE: the CUDA path is written for that behaviour but has not run here (n
 counts host time only, which is not the exposed communication time on a GPU.
 
 Accounting for benchmarks: `wait_clock()` accumulates the seconds a rank is held up by all-to-all: the time
-spent in a wait outside a pair, the time neither lane computes inside one; `recording()` collects a Fig. 4-style timeline (compute and communication lanes, events in the format
-of `pipeline.overlap_timeline`).
+spent in a wait outside a pair, the time neither lane computes inside one; `recording()` collects a Fig. 4-style
+timeline (compute and communication lanes, events in the format of `pipeline.overlap_timeline`).
 """
+
 from __future__ import annotations
 
 import contextlib
 import threading
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
-__all__ = ["run_overlapped", "wait_comm", "lane_group", "comm_started", "wait_clock", "recording", "in_pair",
-           "OverlapRecorder"]
+__all__ = [
+    "run_overlapped",
+    "wait_comm",
+    "lane_group",
+    "comm_started",
+    "wait_clock",
+    "recording",
+    "in_pair",
+    "OverlapRecorder",
+]
 
 
 class _Clock:
@@ -61,9 +70,9 @@ class _Clock:
     def __init__(self):
         self.a2a_wait_s = 0.0
         self.waits = 0
-        self.handovers = 0          # turns passed between the lanes of overlapped pairs
-        self.pairs = 0              # overlapped pairs run
-        self.lockstep_pairs = 0     # ... of which in lock step
+        self.handovers = 0  # turns passed between the lanes of overlapped pairs
+        self.pairs = 0  # overlapped pairs run
+        self.lockstep_pairs = 0  # ... of which in lock step
 
 
 _CLOCK = _Clock()
@@ -85,11 +94,11 @@ class _Pair:
     def __init__(self, lockstep: bool):
         self.lockstep = lockstep
         self.cond = threading.Condition()
-        self.holder: Optional[str] = "F"
+        self.holder: str | None = "F"
         self.turn = "F"
         self.done = {"F": False, "B": False}
         self.f_thread = threading.get_ident()
-        self.free_since: Optional[float] = None
+        self.free_since: float | None = None
 
     def lane(self) -> str:
         return "F" if threading.get_ident() == self.f_thread else "B"
@@ -111,7 +120,7 @@ class _Pair:
         with self.cond:
             self.cond.wait_for(lambda: self.holder is None)
             self.holder = me
-            if self.free_since is not None:     # nobody computed since the release: exposed waiting
+            if self.free_since is not None:  # nobody computed since the release: exposed waiting
                 _CLOCK.a2a_wait_s += time.perf_counter() - self.free_since
                 self.free_since = None
             _CLOCK.handovers += 1
@@ -167,7 +176,7 @@ class _Pair:
             self.cond.notify_all()
 
 
-_PAIR: Optional[_Pair] = None   # the pair running now (one at a time per process)
+_PAIR: _Pair | None = None  # the pair running now (one at a time per process)
 
 
 def in_pair() -> bool:
@@ -182,8 +191,10 @@ def lane_group(group, twin):
     if p is None or p.lockstep or p.lane() == "F":
         return group
     if twin is None:
-        raise RuntimeError("overlap: an all-to-all in the backward lane of a pair needs the EP group's second "
-                           "group (EPGroups.ep_group_b / node_group_b)")
+        raise RuntimeError(
+            "overlap: an all-to-all in the backward lane of a pair needs the EP group's second "
+            "group (EPGroups.ep_group_b / node_group_b)"
+        )
     return twin
 
 
@@ -249,7 +260,7 @@ class _LaneThread:
         return done
 
 
-_LANE_THREAD: Optional[_LaneThread] = None
+_LANE_THREAD: _LaneThread | None = None
 
 
 def _lane_thread() -> _LaneThread:
@@ -275,7 +286,7 @@ def run_overlapped(forward: Callable[[], object], backward: Callable[[], None], 
         try:
             pair.start("B")
             backward()
-        except BaseException as e:   # noqa: BLE001 (re-raised in the caller's thread)
+        except BaseException as e:  # noqa: BLE001 (re-raised in the caller's thread)
             errors["B"] = e
         finally:
             pair.finish("B")
@@ -289,7 +300,7 @@ def run_overlapped(forward: Callable[[], object], backward: Callable[[], None], 
         try:
             pair.start("F")
             out = forward()
-        except BaseException as e:   # noqa: BLE001
+        except BaseException as e:  # noqa: BLE001
             errors["F"] = e
         finally:
             pair.finish("F")
@@ -308,6 +319,7 @@ def run_overlapped(forward: Callable[[], object], backward: Callable[[], None], 
 # ---------------------------------------------------------------------------------------------------
 # timeline recording (benchmarks)
 
+
 class OverlapRecorder:
     """Events of the chunks run while recording: compute segments per lane, labelled by the component they
     belong to, and all-to-all transfers from issue to completion (a completion callback on the work's future
@@ -319,13 +331,13 @@ class OverlapRecorder:
     embedding / head: everything outside the MoE); backward segments after a combine (until the dispatch) are
     "mlp", the others "attention". Waits are the exposed communication (no compute event covers them)."""
 
-    def __init__(self, pair_index: Optional[int] = None):
+    def __init__(self, pair_index: int | None = None):
         self.t0 = time.perf_counter()
         self.events: list[dict] = []
-        self._seg: dict[str, Optional[float]] = {}
+        self._seg: dict[str, float | None] = {}
         self._where: dict[str, str] = {}
         self._lock = threading.Lock()
-        self.target = pair_index          # None: everything; k: only the k-th overlapped pair, times from its start
+        self.target = pair_index  # None: everything; k: only the k-th overlapped pair, times from its start
         self.pairs = 0
         self.active = pair_index is None
 
@@ -352,8 +364,9 @@ class OverlapRecorder:
             return
         start = self._seg.get(lane)
         if start is not None and t > start:
-            self.events.append({"lane": "compute", "chunk": lane, "label": self._label(lane), "start": start,
-                                "end": t, "mb": None})
+            self.events.append(
+                {"lane": "compute", "chunk": lane, "label": self._label(lane), "start": start, "end": t, "mb": None}
+            )
         self._seg[lane] = None
 
     def resumed(self, lane: str) -> None:
@@ -388,7 +401,7 @@ class OverlapRecorder:
         for w in works:
             try:
                 w.get_future().add_done_callback(done)
-            except (AttributeError, RuntimeError):   # no future on this backend: the wait's end stands in
+            except (AttributeError, RuntimeError):  # no future on this backend: the wait's end stands in
                 pass
 
     def waited(self, lane: str, t0: float, t1: float, kind: str) -> None:
@@ -411,11 +424,11 @@ class OverlapRecorder:
         return sorted(out, key=lambda e: (e["start"], e["lane"]))
 
 
-_REC: Optional[OverlapRecorder] = None
+_REC: OverlapRecorder | None = None
 
 
 @contextlib.contextmanager
-def recording(pair_index: Optional[int] = None):
+def recording(pair_index: int | None = None):
     """Record the timeline of what runs inside (yields the `OverlapRecorder`); with `pair_index` = k only the
     k-th overlapped pair run inside (counted from 0), its times from the pair's start."""
     global _REC

@@ -15,6 +15,7 @@ BF16 would); only what is carried to the next step is rounded. This halves optim
 With DeepSpeed, pass the instance as the client optimizer (`deepspeed.initialize(optimizer=...)`); ZeRO-1
 then partitions its state like any torch optimizer's.
 """
+
 from __future__ import annotations
 
 import torch
@@ -36,7 +37,7 @@ def _slices(p, *state):
     if not all(x.is_contiguous() for x in ts) or p.numel() <= SLICE:
         return [ts]
     flat = [x.view(-1) for x in ts]
-    return [tuple(x[i:i + SLICE] for x in flat) for i in range(0, p.numel(), SLICE)]
+    return [tuple(x[i : i + SLICE] for x in flat) for i in range(0, p.numel(), SLICE)]
 
 
 def _update(p, grad, exp_avg, exp_avg_sq, t: int, b1: float, b2: float, lr: float, eps: float, wd: float):
@@ -46,7 +47,7 @@ def _update(p, grad, exp_avg, exp_avg_sq, t: int, b1: float, b2: float, lr: floa
     v32 = exp_avg_sq.float().mul_(b2).addcmul_(g, g, value=1 - b2)
     exp_avg.copy_(m32)
     exp_avg_sq.copy_(v32)
-    bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
+    bc1, bc2 = 1 - b1**t, 1 - b2**t
     denom = v32.div_(bc2).sqrt_().add_(eps)
     upd = m32.div_(bc1).div_(denom)
     if p.dtype == torch.float32:
@@ -56,13 +57,23 @@ def _update(p, grad, exp_avg, exp_avg_sq, t: int, b1: float, b2: float, lr: floa
 
 
 class AdamWBF16Moments(torch.optim.Optimizer):
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
-                 weight_decay: float = 0.1, moment_dtype: torch.dtype = torch.bfloat16):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.1,
+        moment_dtype: torch.dtype = torch.bfloat16,
+    ):
         if lr < 0 or eps < 0 or weight_decay < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
-            raise ValueError(f"AdamWBF16Moments: invalid hyper-parameters lr={lr} betas={betas} eps={eps} "
-                             f"weight_decay={weight_decay}")
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                                      moment_dtype=moment_dtype))
+            raise ValueError(
+                f"AdamWBF16Moments: invalid hyper-parameters lr={lr} betas={betas} eps={eps} "
+                f"weight_decay={weight_decay}"
+            )
+        super().__init__(
+            params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, moment_dtype=moment_dtype)
+        )
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -101,14 +112,18 @@ class AdamWBF16Moments(torch.optim.Optimizer):
 
     def state_bytes(self) -> int:
         """Bytes held by the moment tensors (the figure BF16 moments halve)."""
-        return sum(t.numel() * t.element_size() for s in self.state.values() for k, t in s.items()
-                   if isinstance(t, torch.Tensor))
+        return sum(
+            t.numel() * t.element_size()
+            for s in self.state.values()
+            for k, t in s.items()
+            if isinstance(t, torch.Tensor)
+        )
 
 
-def make_optimizer(params, bf16_moments: bool, lr: float, betas=(0.9, 0.95), eps: float = 1e-8,
-                   weight_decay: float = 0.1) -> torch.optim.Optimizer:
+def make_optimizer(
+    params, bf16_moments: bool, lr: float, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1
+) -> torch.optim.Optimizer:
     """AdamW as in the paper (β = 0.9/0.95, wd 0.1); BF16 moments when `memory.bf16_moments` is on."""
     if bf16_moments:
         return AdamWBF16Moments(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-

@@ -17,6 +17,7 @@ ln(vocab) for an untrained model.
 Batches are a pure function of (seed, step, micro-batch, rank): no iterator state, so the data position of a
 checkpoint is just the next step index, and a resumed run sees exactly the batches an uninterrupted run sees.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -36,8 +37,7 @@ def batch_seed(seed: int, step: int, micro: int, rank: int) -> int:
 class MarkovData:
     """Deterministic synthetic token stream; see the module docstring for the construction."""
 
-    def __init__(self, vocab_size: int, seq_len: int, seed: int = 1234, branching: int = 4,
-                 zipf_a: float = 1.1):
+    def __init__(self, vocab_size: int, seq_len: int, seed: int = 1234, branching: int = 4, zipf_a: float = 1.1):
         if vocab_size < branching + 1:
             raise ValueError(f"vocab_size must exceed branching (got {vocab_size} <= {branching})")
         if seq_len < 2:
@@ -48,8 +48,9 @@ class MarkovData:
         pop_V = (rank_of_token.double() + 1.0).pow(-zipf_a)
         self.popularity_V = (pop_V / pop_V.sum()).float()  # [V]
         # Successor table [V, K]: distinct successors per token, drawn by popularity.
-        self.successors_VK = torch.multinomial(self.popularity_V.expand(vocab_size, -1), branching,
-                                               replacement=False, generator=g)
+        self.successors_VK = torch.multinomial(
+            self.popularity_V.expand(vocab_size, -1), branching, replacement=False, generator=g
+        )
         q_K = 1.0 / (torch.arange(branching, dtype=torch.float64) + 1.0) ** 2
         self.branch_probs_K = (q_K / q_K.sum()).float()  # [K]
 
@@ -63,8 +64,9 @@ class MarkovData:
     def uniform_loss(self) -> float:
         return math.log(self.vocab_size)
 
-    def batch(self, step: int, micro: int, rank: int, batch_size: int,
-              device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(
+        self, step: int, micro: int, rank: int, batch_size: int, device: torch.device | str = "cpu"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(input_ids [B, T], labels [B, T]) with labels[b, i] = token i+1 (already shifted)."""
         g = torch.Generator().manual_seed(batch_seed(self.seed, step, micro, rank))
         B, T = batch_size, self.seq_len

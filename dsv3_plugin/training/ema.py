@@ -13,10 +13,11 @@ element-wise FP32 ops in the same order as `async_=False`, hence bit-identical r
 `state_dict()` / `load_state_dict()` (tensors + decay + update count) make it resumable; `copy_to(model)`
 loads the averaged weights into a model for evaluation.
 """
+
 from __future__ import annotations
 
 import threading
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -31,8 +32,7 @@ def ema_update_(ema: torch.Tensor, param: torch.Tensor, decay: float) -> None:
 
 
 class EMA:
-    def __init__(self, model: nn.Module, decay: float = 0.999, async_: bool = True,
-                 names: Optional[Iterable[str]] = None):
+    def __init__(self, model: nn.Module, decay: float = 0.999, async_: bool = True, names: Iterable[str] | None = None):
         if not 0.0 < decay < 1.0:
             raise ValueError(f"EMA: decay must be in (0, 1) (got {decay}); config key dsv3.memory.ema_decay")
         self.model, self.decay, self.async_ = model, float(decay), async_
@@ -40,14 +40,15 @@ class EMA:
         self._params = {n: p for n, p in model.named_parameters() if wanted is None or n in wanted}
         pin = torch.cuda.is_available() and any(p.is_cuda for p in self._params.values())
         self.shadow = {n: p.detach().to("cpu", torch.float32, copy=True) for n, p in self._params.items()}
-        self._staging = {n: torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=pin)
-                         for n, p in self._params.items()}
+        self._staging = {
+            n: torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=pin) for n, p in self._params.items()
+        }
         self.num_updates = 0
-        self._thread: Optional[threading.Thread] = None
-        self._error: Optional[BaseException] = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
 
     @classmethod
-    def from_config(cls, model: nn.Module, cfg, rank: int = 0, world_size: int = 1) -> "Optional[EMA]":
+    def from_config(cls, model: nn.Module, cfg, rank: int = 0, world_size: int = 1) -> EMA | None:
         """`memory.ema` / `memory.ema_decay` of a DSv3Config; None when disabled. With data parallelism every
         rank holds the full parameters (ZeRO-1), so the EMA is sharded by name: rank r averages the
         parameters r, r + world_size, ... (in name order) and checkpoints its own shard."""
@@ -98,7 +99,7 @@ class EMA:
 
     # -------------------------------------------------------------------------------- use / resume
     @torch.no_grad()
-    def copy_to(self, model: Optional[nn.Module] = None) -> None:
+    def copy_to(self, model: nn.Module | None = None) -> None:
         """Load the averaged weights into `model` (default: the tracked model)."""
         self.wait()
         params = dict((model or self.model).named_parameters())
@@ -107,8 +108,11 @@ class EMA:
 
     def state_dict(self) -> dict:
         self.wait()
-        return {"decay": self.decay, "num_updates": self.num_updates,
-                "shadow": {n: t.clone() for n, t in self.shadow.items()}}
+        return {
+            "decay": self.decay,
+            "num_updates": self.num_updates,
+            "shadow": {n: t.clone() for n, t in self.shadow.items()},
+        }
 
     def load_state_dict(self, sd: dict) -> None:
         self.wait()
@@ -118,12 +122,12 @@ class EMA:
         missing = sorted(set(self.shadow) - set(shadow))
         extra = sorted(set(shadow) - set(self.shadow))
         if missing or extra:
-            raise ValueError(f"EMA.load_state_dict: parameter names differ (missing {missing[:3]}, "
-                             f"unexpected {extra[:3]})")
+            raise ValueError(
+                f"EMA.load_state_dict: parameter names differ (missing {missing[:3]}, unexpected {extra[:3]})"
+            )
         for n, t in shadow.items():
             if tuple(t.shape) != tuple(self.shadow[n].shape):
-                raise ValueError(f"EMA.load_state_dict: {n}: shape {tuple(t.shape)} != "
-                                 f"{tuple(self.shadow[n].shape)}")
+                raise ValueError(f"EMA.load_state_dict: {n}: shape {tuple(t.shape)} != {tuple(self.shadow[n].shape)}")
             self.shadow[n].copy_(t)
         self.decay = float(sd.get("decay", self.decay))
         self.num_updates = int(sd.get("num_updates", 0))

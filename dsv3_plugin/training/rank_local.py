@@ -15,6 +15,7 @@ layer are a `GroupedExperts` of the local experts only, tagged with `expert_rang
 (`parallel.expert_parallel`) takes such a slab as it is, so the model is meant for the EP transform
 (`ep` > 1 models compute correctly only after it, as the full model's experts would be missing).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from dsv3_plugin.model.rope import RotaryEmbedding
 from dsv3_plugin.model.transformer import DSv3Model
 from dsv3_plugin.parallel.pipeline.stages import model_stage_layers
 from dsv3_plugin.schedule_traits import schedule_traits
-from .transforms import apply_transforms
+from dsv3_plugin.training.transforms import apply_transforms
 
 __all__ = ["RankLayout", "build_rank_local", "param_bytes", "owned_native_names"]
 
@@ -54,24 +55,40 @@ class RankLayout:
         if not 0 <= self.pp_rank < self.pp:
             raise ConfigError(f"dsv3.parallel.pp: pipeline rank {self.pp_rank} outside 0..{self.pp - 1}")
         if t.even_ranks and self.pp > 1 and self.pp % 2:
-            raise ConfigError(f"dsv3.parallel.pp: {self.schedule} needs an even number of pipeline ranks "
-                              f"(got {self.pp})")
+            raise ConfigError(
+                f"dsv3.parallel.pp: {self.schedule} needs an even number of pipeline ranks (got {self.pp})"
+            )
         if self.ep < 1 or self.n_experts % self.ep:
-            raise ConfigError(f"dsv3.parallel.ep: must divide moe.n_routed_experts "
-                              f"(got {self.n_experts} % {self.ep})")
+            raise ConfigError(f"dsv3.parallel.ep: must divide moe.n_routed_experts (got {self.n_experts} % {self.ep})")
         if not 0 <= self.ep_rank < self.ep:
             raise ConfigError(f"dsv3.parallel.ep: expert-parallel rank {self.ep_rank} outside 0..{self.ep - 1}")
 
     @classmethod
-    def of(cls, cfg: DSv3Config, pp_rank: int = 0, ep_rank: int = 0, *, pp: int | None = None,
-           ep: int | None = None, schedule: str | None = None) -> "RankLayout":
+    def of(
+        cls,
+        cfg: DSv3Config,
+        pp_rank: int = 0,
+        ep_rank: int = 0,
+        *,
+        pp: int | None = None,
+        ep: int | None = None,
+        schedule: str | None = None,
+    ) -> RankLayout:
         """Layout of (pp_rank, ep_rank) for `cfg` (pp, ep, schedule default to `cfg.parallel`)."""
         p = cfg.parallel
-        return cls(cfg.model.num_hidden_layers, cfg.mtp.depth, cfg.moe.n_routed_experts,
-                   schedule or p.schedule, pp or p.pp, pp_rank, ep or p.ep, ep_rank)
+        return cls(
+            cfg.model.num_hidden_layers,
+            cfg.mtp.depth,
+            cfg.moe.n_routed_experts,
+            schedule or p.schedule,
+            pp or p.pp,
+            pp_rank,
+            ep or p.ep,
+            ep_rank,
+        )
 
     @classmethod
-    def for_rank(cls, cfg: DSv3Config, rank: int, world: int) -> "RankLayout":
+    def for_rank(cls, cfg: DSv3Config, rank: int, world: int) -> RankLayout:
         """Global rank `rank` of `world` as `dsv3 train` lays ranks out: a pipeline is `pp` consecutive ranks
         (rank = dp_rank * pp + pp_rank, `deepspeed.pipeline.pipeline_groups`) and EP groups are contiguous blocks
         of `ep` data-parallel ranks (`parallel.groups.ep_layout`: ep_rank = dp_rank % ep)."""
@@ -80,8 +97,7 @@ class RankLayout:
             raise ConfigError(f"dsv3.parallel.pp: must divide the world size (got pp={pp}, world={world})")
         dp_rank, pp_rank = divmod(rank, pp)
         if (world // pp) % ep:
-            raise ConfigError(f"dsv3.parallel.ep: must divide the data-parallel size {world // pp} "
-                              f"(got ep={ep})")
+            raise ConfigError(f"dsv3.parallel.ep: must divide the data-parallel size {world // pp} (got ep={ep})")
         return cls.of(cfg, pp_rank, dp_rank % ep)
 
     # -- what this rank holds ----------------------------------------------------------------------------
@@ -156,9 +172,16 @@ def _param_dtype(module: nn.Module, dtype: torch.dtype) -> torch.dtype:
 
 
 @torch.no_grad()
-def build_rank_local(cfg: DSv3Config | dict | str, layout: RankLayout, dtype: torch.dtype = torch.float32,
-                     device: str | torch.device = "cpu", *, materialize: bool = True, init: bool = True,
-                     transforms: bool = True) -> DSv3Model:
+def build_rank_local(
+    cfg: DSv3Config | dict | str,
+    layout: RankLayout,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    *,
+    materialize: bool = True,
+    init: bool = True,
+    transforms: bool = True,
+) -> DSv3Model:
     """The `DSv3Model` of `layout`'s rank: owned parameters on `device` in `dtype` (the router fp32), initialised
     as the full model built after the same seed would be (`init`; False leaves them uninitialised, for a
     checkpoint to fill), everything else on `meta`. `materialize=False` keeps the owned parameters on `meta`
@@ -169,12 +192,17 @@ def build_rank_local(cfg: DSv3Config | dict | str, layout: RankLayout, dtype: to
     at its (local) size and filled on its own."""
     cfg = load_config(cfg)
     if (layout.num_layers, layout.mtp_depth, layout.n_experts) != (
-            cfg.model.num_hidden_layers, cfg.mtp.depth, cfg.moe.n_routed_experts):
-        raise ConfigError("dsv3.parallel: the rank layout was made for another model shape "
-                          f"(layers/MTP/experts {layout.num_layers}/{layout.mtp_depth}/{layout.n_experts}, config "
-                          f"{cfg.model.num_hidden_layers}/{cfg.mtp.depth}/{cfg.moe.n_routed_experts})")
+        cfg.model.num_hidden_layers,
+        cfg.mtp.depth,
+        cfg.moe.n_routed_experts,
+    ):
+        raise ConfigError(
+            "dsv3.parallel: the rank layout was made for another model shape "
+            f"(layers/MTP/experts {layout.num_layers}/{layout.mtp_depth}/{layout.n_experts}, config "
+            f"{cfg.model.num_hidden_layers}/{cfg.mtp.depth}/{cfg.moe.n_routed_experts})"
+        )
     with torch.device("meta"):
-        model = DSv3Model(cfg)      # draws the same base seed from the global generator as a full build
+        model = DSv3Model(cfg)  # draws the same base seed from the global generator as a full build
     target = torch.device("meta") if not materialize else torch.device(device)
     er = layout.expert_range
     # 1. owned MoE layers get a slab of their local experts only (still on meta)
@@ -195,7 +223,7 @@ def build_rank_local(cfg: DSv3Config | dict | str, layout: RankLayout, dtype: to
                 continue
             seen.add(id(p))
             if cfg.model.tie_word_embeddings and name == "lm_head.weight":
-                name = "embed_tokens.weight"   # a tied head is the embedding (keyed under its name)
+                name = "embed_tokens.weight"  # a tied head is the embedding (keyed under its name)
             t = torch.empty(p.shape, dtype=_param_dtype(mod, dtype), device=target)
             if init and materialize:
                 offset = getattr(mod, "expert_range", range(0)).start if isinstance(mod, GroupedExperts) else None
@@ -209,7 +237,7 @@ def build_rank_local(cfg: DSv3Config | dict | str, layout: RankLayout, dtype: to
         model.lm_head.weight = model.embed_tokens.weight
     if materialize:
         with torch.device(target):
-            model.rotary = RotaryEmbedding(cfg.model)   # every stage computes its RoPE tables
+            model.rotary = RotaryEmbedding(cfg.model)  # every stage computes its RoPE tables
     model.rank_layout = layout
     if transforms:
         apply_transforms(model, cfg, device=device)

@@ -18,9 +18,10 @@ RMSNorm and full: `torch.utils.checkpoint` (non-reentrant). Both are applied by 
 subclass that checkpoints the wrapped method — parameter names, `state_dict` and `deepcopy` are unchanged,
 and `remove_recompute` swaps back. Recomputation is the same arithmetic on the same inputs, so losses and
 gradients are bit-identical; the router's expert counts are not incremented again during recompute
-(`router.skip_counting`). `saved_activation_bytes` measures what autograd keeps (saved-tensor hooks, storages deduplicated and sized
-after the forward, so the freed q, k, v count zero).
+(`router.skip_counting`). `saved_activation_bytes` measures what autograd keeps (saved-tensor hooks, storages
+deduplicated and sized after the forward, so the freed q, k, v count zero).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -31,12 +32,20 @@ from torch.utils.checkpoint import checkpoint
 
 from dsv3_plugin.config import ConfigError
 from dsv3_plugin.model.mla import MLA
-from dsv3_plugin.model.transformer import DecoderLayer
-from dsv3_plugin.model.norm import RMSNorm
 from dsv3_plugin.model.moe.router import skip_counting
+from dsv3_plugin.model.norm import RMSNorm
+from dsv3_plugin.model.transformer import DecoderLayer
 
-__all__ = ["MODES", "apply_recompute", "remove_recompute", "saved_activation_bytes",
-           "RecomputedRMSNorm", "RecomputedMLA", "RecomputedNormsDecoderLayer", "RecomputedDecoderLayer"]
+__all__ = [
+    "MODES",
+    "apply_recompute",
+    "remove_recompute",
+    "saved_activation_bytes",
+    "RecomputedRMSNorm",
+    "RecomputedMLA",
+    "RecomputedNormsDecoderLayer",
+    "RecomputedDecoderLayer",
+]
 
 MODES = ("none", "norm_and_mla_up", "full")
 
@@ -66,7 +75,7 @@ class _QKVRecompute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, holder, *latents):
         ctx.holder = holder
-        ctx.save_for_backward(*latents)    # what the saved-tensor hooks (and the memory plan) see
+        ctx.save_for_backward(*latents)  # what the saved-tensor hooks (and the memory plan) see
         holder.latents = latents
         with torch.no_grad():
             return holder.fn(*latents)
@@ -74,7 +83,7 @@ class _QKVRecompute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         holder = ctx.holder
-        if holder.recomputed is None:   # the attention backward did not run its pre-hook (no refill)
+        if holder.recomputed is None:  # the attention backward did not run its pre-hook (no refill)
             holder.refill()
         latents, outs = holder.recomputed
         holder.recomputed = None
@@ -168,10 +177,16 @@ class RecomputedDecoderLayer(DecoderLayer):
         return _ckpt(super().forward, x_BTH, cos, sin)
 
 
-_SWAPS = {"norm_and_mla_up": {RMSNorm: RecomputedRMSNorm, MLA: RecomputedMLA, DecoderLayer: RecomputedNormsDecoderLayer},
-          "full": {DecoderLayer: RecomputedDecoderLayer}}
-_BASE = {RecomputedRMSNorm: RMSNorm, RecomputedMLA: MLA, RecomputedDecoderLayer: DecoderLayer,
-         RecomputedNormsDecoderLayer: DecoderLayer}
+_SWAPS = {
+    "norm_and_mla_up": {RMSNorm: RecomputedRMSNorm, MLA: RecomputedMLA, DecoderLayer: RecomputedNormsDecoderLayer},
+    "full": {DecoderLayer: RecomputedDecoderLayer},
+}
+_BASE = {
+    RecomputedRMSNorm: RMSNorm,
+    RecomputedMLA: MLA,
+    RecomputedDecoderLayer: DecoderLayer,
+    RecomputedNormsDecoderLayer: DecoderLayer,
+}
 
 
 def remove_recompute(model: nn.Module) -> None:
@@ -211,7 +226,7 @@ def saved_activation_bytes(model: nn.Module, fn) -> int:
     def pack(t):
         st = t.untyped_storage()
         if st.data_ptr() not in param_storages and st.device.type != "meta":
-            seen.setdefault(st._cdata, st)   # one entry per storage; holding it keeps its identity unique
+            seen.setdefault(st._cdata, st)  # one entry per storage; holding it keeps its identity unique
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

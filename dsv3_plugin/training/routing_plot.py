@@ -5,6 +5,7 @@ Reads each run's `metrics.jsonl` (routing telemetry under `moe_layers`). The fir
 expert over steps, one MoE layer, normalised by the mean load: 1 = balanced); every run adds its MaxVio_batch and
 MaxVio_global curves, labelled by its bias update speed γ (report §2.1.2, Eq. 16).
 """
+
 from __future__ import annotations
 
 import os
@@ -25,6 +26,7 @@ def _label(rows: list[dict], run_dir: str) -> str:
 
 def plot_routing(run_dirs: list[str], out: str | None = None, layer: str | None = None) -> str:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
@@ -39,15 +41,29 @@ def plot_routing(run_dirs: list[str], out: str | None = None, layer: str | None 
         lay = layer or names[0]
         if lay not in names:
             raise ConfigError(f"dsv3: --layer {lay!r} not in {d} (layers: {', '.join(names)})")
-        loads = np.array([r["moe_layers"][lay]["loads"] for r in with_layers], dtype=float)   # [steps, E]
-        heat.append((d, rows, lay, [r["step"] for r in with_layers],
-                     loads / np.maximum(loads.mean(axis=1, keepdims=True), 1e-12)))
+        loads = np.array([r["moe_layers"][lay]["loads"] for r in with_layers], dtype=float)  # [steps, E]
+        heat.append(
+            (
+                d,
+                rows,
+                lay,
+                [r["step"] for r in with_layers],
+                loads / np.maximum(loads.mean(axis=1, keepdims=True), 1e-12),
+            )
+        )
     vmax = max(float(h[4].max()) for h in heat)
 
     fig, axes = plt.subplots(1, len(heat) + 1, figsize=(6 * (len(heat) + 1), 4.8))
     for a, (d, rows, lay, steps, rel) in zip(axes, heat):
-        im = a.imshow(rel.T, aspect="auto", origin="lower", cmap="viridis", vmin=0, vmax=vmax,
-                      extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5, rel.shape[1] - 0.5))
+        im = a.imshow(
+            rel.T,
+            aspect="auto",
+            origin="lower",
+            cmap="viridis",
+            vmin=0,
+            vmax=vmax,
+            extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5, rel.shape[1] - 0.5),
+        )
         fig.colorbar(im, ax=a, label="load / mean load")
         a.set_xlabel("step"), a.set_ylabel("expert"), a.set_title(f"{_label(rows, d)}: {lay} loads")
     b = axes[-1]
@@ -55,8 +71,14 @@ def plot_routing(run_dirs: list[str], out: str | None = None, layer: str | None 
         rows = [r for r in rows if r.get("maxvio_batch") is not None]
         x = [r["step"] for r in rows]
         lab = _label(rows, d)
-        b.plot(x, [max(r["maxvio_batch"], 1e-3) for r in rows], color=f"C{i}", alpha=0.35, lw=1,
-               label=f"{lab} MaxVio_batch")
+        b.plot(
+            x,
+            [max(r["maxvio_batch"], 1e-3) for r in rows],
+            color=f"C{i}",
+            alpha=0.35,
+            lw=1,
+            label=f"{lab} MaxVio_batch",
+        )
         g = [(r["step"], max(r["maxvio_global"], 1e-3)) for r in rows if r.get("maxvio_global") is not None]
         if g:
             b.plot(*zip(*g), color=f"C{i}", lw=2, label=f"{lab} MaxVio_global")
@@ -65,8 +87,9 @@ def plot_routing(run_dirs: list[str], out: str | None = None, layer: str | None 
     b.set_xlabel("step"), b.set_ylabel("MaxVio (mean over MoE layers)"), b.set_title("load imbalance")
     b.legend(fontsize=7)
     fig.tight_layout()
-    out = out or os.path.join(run_dirs[0] if os.path.isdir(run_dirs[0]) else os.path.dirname(run_dirs[0]),
-                              "routing.png")
+    out = out or os.path.join(
+        run_dirs[0] if os.path.isdir(run_dirs[0]) else os.path.dirname(run_dirs[0]), "routing.png"
+    )
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     tmp = out + ".tmp.png"
     fig.savefig(tmp, dpi=110)

@@ -22,6 +22,7 @@ Why each piece:
 `RunDir` is what one training call does with all of this; the functions are its pieces (and the CLI's checks
 before any rank starts).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -39,9 +40,29 @@ from dsv3_plugin.config import ConfigError
 from dsv3_plugin.errors import CheckpointError
 from dsv3_plugin.parallel.distributed import _input_error
 
-__all__ = ["RunDir", "RunLock", "checkpoint_dir", "resume_source", "check_out_path", "probe_lock", "config_identity", "identity_hash", "write_run_record",
-           "read_run_record", "check_identity", "previous_run", "clear_run", "mark_complete", "read_marker", "tag_problem",
-           "resolve_resume", "read_jsonl", "LOCK_FILE", "RUN_RECORD", "COMPLETE_MARKER"]
+__all__ = [
+    "RunDir",
+    "RunLock",
+    "checkpoint_dir",
+    "resume_source",
+    "check_out_path",
+    "probe_lock",
+    "config_identity",
+    "identity_hash",
+    "write_run_record",
+    "read_run_record",
+    "check_identity",
+    "previous_run",
+    "clear_run",
+    "mark_complete",
+    "read_marker",
+    "tag_problem",
+    "resolve_resume",
+    "read_jsonl",
+    "LOCK_FILE",
+    "RUN_RECORD",
+    "COMPLETE_MARKER",
+]
 
 LOCK_FILE = ".dsv3.lock"
 RUN_RECORD = "run.json"
@@ -83,8 +104,9 @@ class RunLock:
         self.path = os.path.join(out, LOCK_FILE)
         self.fd: int | None = None
 
-    def acquire(self) -> "RunLock":
+    def acquire(self) -> RunLock:
         import fcntl
+
         _mkdir(self.out)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -93,10 +115,15 @@ class RunLock:
             os.close(fd)
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise
-            raise ConfigError(f"--out {self.out}: in use by another dsv3 train ({_holder(self.path)}); wait for it "
-                              "to finish or stop it, or pick another --out") from None
-        info = {"pid": os.getpid(), "host": os.uname().nodename,
-                "started": datetime.datetime.now().isoformat(timespec="seconds")}
+            raise ConfigError(
+                f"--out {self.out}: in use by another dsv3 train ({_holder(self.path)}); wait for it "
+                "to finish or stop it, or pick another --out"
+            ) from None
+        info = {
+            "pid": os.getpid(),
+            "host": os.uname().nodename,
+            "started": datetime.datetime.now().isoformat(timespec="seconds"),
+        }
         os.ftruncate(fd, 0)
         os.write(fd, (json.dumps(info) + "\n").encode())
         self.fd = fd
@@ -134,16 +161,27 @@ def probe_lock(out: str) -> None:
 
 # Keys that decide what a checkpoint holds (tensor shapes, which experts exist, how state is partitioned).
 # Training knobs (γ / λ schedules, α, lr, steps, fp8, recompute, EMA decay, seed) may change on resume.
-_MOE_SHAPE = ("n_routed_experts", "n_shared_experts", "intermediate_size", "top_k", "n_group", "topk_group",
-              "score_func")
+_MOE_SHAPE = (
+    "n_routed_experts",
+    "n_shared_experts",
+    "intermediate_size",
+    "top_k",
+    "n_group",
+    "topk_group",
+    "score_func",
+)
 
 
 def config_identity(cfg) -> dict:
     """The sections of a DSv3Config a checkpoint belongs to."""
     d = cfg.to_dict()
     par = {k: v for k, v in d["parallel"].items() if k != "p2p_timeout_s"}  # a wait limit, not state
-    return {"model": d["model"], "moe": {k: d["moe"][k] for k in _MOE_SHAPE}, "mtp": {"depth": d["mtp"]["depth"]},
-            "parallel": par}
+    return {
+        "model": d["model"],
+        "moe": {k: d["moe"][k] for k in _MOE_SHAPE},
+        "mtp": {"depth": d["mtp"]["depth"]},
+        "parallel": par,
+    }
 
 
 def identity_hash(ident: dict) -> str:
@@ -195,9 +233,11 @@ def check_identity(saved_hash: str, saved_ident: dict | None, cfg, where: str) -
     if saved_hash == identity_hash(ident):
         return
     diff = _first_difference(saved_ident, ident, "dsv3") if saved_ident else None
-    raise CheckpointError(f"--resume {where}: this checkpoint belongs to another run's config "
-                          f"({diff or f'config hash {saved_hash} there, {identity_hash(ident)} here'}); "
-                          "resume with the config it was written with, or start a new run")
+    raise CheckpointError(
+        f"--resume {where}: this checkpoint belongs to another run's config "
+        f"({diff or f'config hash {saved_hash} there, {identity_hash(ident)} here'}); "
+        "resume with the config it was written with, or start a new run"
+    )
 
 
 def previous_run(out: str) -> str | None:
@@ -228,6 +268,7 @@ def clear_run(out: str) -> None:
 
 # --- checkpoint completeness -----------------------------------------------------------------------------------
 
+
 def mark_complete(ckpt: str, tag: str, step: int, world: int, config_hash: str) -> None:
     """Rank 0, after a barrier that follows every rank's last file of `tag`: record the files and sizes."""
     d = os.path.join(ckpt, tag)
@@ -238,8 +279,10 @@ def mark_complete(ckpt: str, tag: str, step: int, world: int, config_hash: str) 
                 continue
             p = os.path.join(root, n)
             files[os.path.relpath(p, d)] = os.path.getsize(p)
-    _atomic_json({"tag": tag, "step": step, "world_size": world, "config_hash": config_hash, "files": files},
-                 os.path.join(d, COMPLETE_MARKER))
+    _atomic_json(
+        {"tag": tag, "step": step, "world_size": world, "config_hash": config_hash, "files": files},
+        os.path.join(d, COMPLETE_MARKER),
+    )
 
 
 def read_marker(ckpt: str, tag: str) -> dict | None:
@@ -303,13 +346,15 @@ def resolve_resume(ckpt: str, run_root: str | None) -> tuple[str, str | None]:
             if m and tag_problem(ckpt, n) is None:
                 tags.append((int(m.group(1)), n))
     if not tags:
-        raise CheckpointError(f"--resume {ckpt}: no complete checkpoint to resume from ({problem}); start a new "
-                              "run (another --out, or --overwrite to replace this one) or resume another run")
+        raise CheckpointError(
+            f"--resume {ckpt}: no complete checkpoint to resume from ({problem}); start a new "
+            "run (another --out, or --overwrite to replace this one) or resume another run"
+        )
     tag = max(tags)[1]
     return tag, f"dsv3 train: {ckpt}: {problem}; resuming from {tag}, the newest complete checkpoint"
 
 
-def checkpoint_dir(path: "str | os.PathLike") -> str:
+def checkpoint_dir(path: str | os.PathLike) -> str:
     """A run's OUT dir or its `ckpt/` dir -> the DeepSpeed checkpoint dir (the one with `latest` and the tags)."""
     path = os.fspath(path)
     sub = os.path.join(path, "ckpt")
@@ -332,13 +377,16 @@ def resume_source(resume: str, cfg, world: int | None = None) -> tuple[str, str,
         check_identity(saved, record["identity"] if record else None, cfg, resume)
     saved_world = marker.get("world_size") if marker else (record.get("world_size") if record else None)
     if world is not None and isinstance(saved_world, int) and saved_world != world:
-        raise CheckpointError(f"--resume {resume}: {tag} was saved by {saved_world} rank(s), this run has {world}; "
-                              "ZeRO-1's optimizer partitions and each rank's RNG state need the same number: resume "
-                              f"with --nproc {saved_world} (or that many ranks under torchrun / deepspeed)")
+        raise CheckpointError(
+            f"--resume {resume}: {tag} was saved by {saved_world} rank(s), this run has {world}; "
+            "ZeRO-1's optimizer partitions and each rank's RNG state need the same number: resume "
+            f"with --nproc {saved_world} (or that many ranks under torchrun / deepspeed)"
+        )
     return ck, tag, note
 
 
 # --- metrics.jsonl ---------------------------------------------------------------------------------------------
+
 
 def read_jsonl(path: str) -> tuple[list[dict], str | None]:
     """The JSON lines of `path` and, if its last line is torn (an interrupted write), a note saying it was
@@ -353,14 +401,17 @@ def read_jsonl(path: str) -> tuple[list[dict], str | None]:
         try:
             rows.append(json.loads(line))
         except (ValueError, UnicodeDecodeError) as e:
-            if any(x.strip() for x in lines[i + 1:]):
-                raise ConfigError(f"{path}:{i + 1}: not a JSON line ({e}); only a torn last line is dropped "
-                                  "automatically — remove or fix this one") from None
+            if any(x.strip() for x in lines[i + 1 :]):
+                raise ConfigError(
+                    f"{path}:{i + 1}: not a JSON line ({e}); only a torn last line is dropped "
+                    "automatically — remove or fix this one"
+                ) from None
             torn = f"dropped a torn last line of {path} ({len(line)} bytes; the write was interrupted)"
     return rows, torn
 
 
 # --- one run ---------------------------------------------------------------------------------------------------
+
 
 class RunDir:
     """What one `dsv3_plugin.deepspeed.train.train()` call does with its run directory: the lock, the config record, the
@@ -399,12 +450,15 @@ class RunDir:
                 if note:
                     d["notes"].append(note)
             if out:
-                d["same_dir"] = bool(resume) and (os.path.realpath(d["resume_ckpt"])
-                                                  == os.path.realpath(os.path.join(out, "ckpt")))
+                d["same_dir"] = bool(resume) and (
+                    os.path.realpath(d["resume_ckpt"]) == os.path.realpath(os.path.join(out, "ckpt"))
+                )
                 prev = None if d["same_dir"] else previous_run(out)
                 if prev and not overwrite:
-                    raise ConfigError(f"--out {out}: holds a previous run ({prev}); continue it with "
-                                      f"--resume {out}, replace it with --overwrite, or pick another --out")
+                    raise ConfigError(
+                        f"--out {out}: holds a previous run ({prev}); continue it with "
+                        f"--resume {out}, replace it with --overwrite, or pick another --out"
+                    )
                 if prev:
                     clear_run(out)
                 metrics = os.path.join(out, "metrics.jsonl")

@@ -18,18 +18,17 @@ Cross-node copies and dropped tokens come from expert-parallel layers (`moe_para
 also at EP = 1); they are all-reduced over `group` here and reset. Layers without dispatch counters report
 them as null.
 """
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from dsv3_plugin.model.moe.balancing import maxvio
-from dsv3_plugin.errors import CheckpointError
-from .run_dir import read_jsonl
 from dsv3_plugin.config import ConfigError
+from dsv3_plugin.errors import CheckpointError
+from dsv3_plugin.model.moe.balancing import maxvio
+from dsv3_plugin.training.run_dir import read_jsonl
 
 __all__ = ["RoutingTelemetry", "read_metrics"]
 
@@ -39,30 +38,38 @@ class RoutingTelemetry:
         self.group = group
         self.warmup_steps = warmup_steps
         self.steps = 0
-        named = [(n, m) for n, m in model.named_modules()
-                 if hasattr(m, "e_score_correction_bias") and hasattr(m, "tokens_per_expert")]
+        named = [
+            (n, m)
+            for n, m in model.named_modules()
+            if hasattr(m, "e_score_correction_bias") and hasattr(m, "tokens_per_expert")
+        ]
         self.router_names = [n for n, _ in named]
         # the MoE layer owning each router (for its dispatch counters), same order as balancing.routers_of
         owners = {id(getattr(m, "gate", None)): m for m in model.modules() if hasattr(m, "gate")}
         self.layers = [owners.get(id(r)) for _, r in named]
         self.layer_names = [n.rsplit(".gate", 1)[0] if n.endswith(".gate") else n for n in self.router_names]
-        self.global_loads: Optional[torch.Tensor] = None  # [L, E], summed after warm-up
+        self.global_loads: torch.Tensor | None = None  # [L, E], summed after warm-up
 
     def state_dict(self) -> dict:
         """The running totals (steps recorded, loads summed since warm-up): saved with a checkpoint so that
         MaxVio_global after a resume is the uninterrupted run's."""
-        return {"steps": self.steps, "warmup_steps": self.warmup_steps, "router_names": list(self.router_names),
-                "global_loads": None if self.global_loads is None else self.global_loads.tolist()}
+        return {
+            "steps": self.steps,
+            "warmup_steps": self.warmup_steps,
+            "router_names": list(self.router_names),
+            "global_loads": None if self.global_loads is None else self.global_loads.tolist(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if state["router_names"] != self.router_names:
-            raise CheckpointError(f"telemetry state: saved for routers {state['router_names']}, "
-                                  f"this model has {self.router_names}")
+            raise CheckpointError(
+                f"telemetry state: saved for routers {state['router_names']}, this model has {self.router_names}"
+            )
         self.steps, self.warmup_steps = int(state["steps"]), int(state["warmup_steps"])
         g = state["global_loads"]
         self.global_loads = None if g is None else torch.tensor(g, dtype=torch.float64)  # [L, E]
 
-    def _dispatch_counters(self) -> Optional[torch.Tensor]:
+    def _dispatch_counters(self) -> torch.Tensor | None:
         """[L, 4]: tokens, routed rows, processed rows, cross-node copies (summed over `group`), or None."""
         keys = ("tokens", "routed_rows", "processed_rows", "cross_node_copies")
         have = [m is not None and hasattr(m, "dispatch_counters") for m in self.layers]
@@ -72,8 +79,9 @@ class RoutingTelemetry:
         c = torch.tensor(rows, dtype=torch.float64)
         if dist.is_available() and dist.is_initialized():
             # NCCL reduces device tensors only: use the device the routers live on
-            dev = next((m.gate.e_score_correction_bias.device for m in self.layers if m is not None),
-                       torch.device("cpu"))
+            dev = next(
+                (m.gate.e_score_correction_bias.device for m in self.layers if m is not None), torch.device("cpu")
+            )
             c = c.to(dev)
             dist.all_reduce(c, group=self.group)
             c = c.cpu()
@@ -94,9 +102,13 @@ class RoutingTelemetry:
         counters = self._dispatch_counters()
         layers = {}
         for i, name in enumerate(self.layer_names):
-            rec = {"loads": [int(v) for v in loads_LE[i].tolist()], "maxvio_batch": maxvio(loads_LE[i]),
-                   "maxvio_global": maxvio(self.global_loads[i]) if self.global_loads is not None else None,
-                   "cross_node_per_token": None, "tokens_dropped": None}
+            rec = {
+                "loads": [int(v) for v in loads_LE[i].tolist()],
+                "maxvio_batch": maxvio(loads_LE[i]),
+                "maxvio_global": maxvio(self.global_loads[i]) if self.global_loads is not None else None,
+                "cross_node_per_token": None,
+                "tokens_dropped": None,
+            }
             if counters is not None and not torch.isnan(counters[i, 0]):
                 tok, routed, processed, cross = counters[i].tolist()
                 rec["cross_node_per_token"] = cross / tok if tok else 0.0
@@ -109,9 +121,13 @@ class RoutingTelemetry:
             return sum(xs) / len(xs) if xs else None
 
         dropped = [v["tokens_dropped"] for v in vals if v["tokens_dropped"] is not None]
-        return {"maxvio_batch": mean("maxvio_batch"), "maxvio_global": mean("maxvio_global"),
-                "cross_node_per_token": mean("cross_node_per_token"),
-                "tokens_dropped": sum(dropped) if dropped else None, "moe_layers": layers}
+        return {
+            "maxvio_batch": mean("maxvio_batch"),
+            "maxvio_global": mean("maxvio_global"),
+            "cross_node_per_token": mean("cross_node_per_token"),
+            "tokens_dropped": sum(dropped) if dropped else None,
+            "moe_layers": layers,
+        }
 
 
 def read_metrics(run_dir: str) -> list[dict]:

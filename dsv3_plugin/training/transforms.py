@@ -15,6 +15,7 @@ state_dict keys never change, so checkpoints load before or after):
 The order matters where two transforms touch one module: FP8 replaces the innermost kernel and W-split wraps
 whatever kernel is there, so FP8 under the W split keeps both (see `model.kernels`).
 """
+
 from __future__ import annotations
 
 import torch
@@ -38,8 +39,9 @@ def build_model(cfg: DSv3Config | dict | str) -> DSv3Model:
     return apply_transforms(DSv3Model(cfg), cfg)
 
 
-def apply_transforms(model: nn.Module, cfg: DSv3Config, *, split_w: bool = False,
-                     device: torch.device | str | None = None) -> nn.Module:
+def apply_transforms(
+    model: nn.Module, cfg: DSv3Config, *, split_w: bool = False, device: torch.device | str | None = None
+) -> nn.Module:
     """Apply, in place and in order, FP8 (`cfg.fp8.enabled`), recompute (`cfg.memory.recompute`) and, with
     `split_w`, the weight-gradient split. Expert parallelism needs process groups and is applied by the
     framework adapter between recompute and the W split (see the module docstring). `device`: where the GEMMs
@@ -63,25 +65,27 @@ def convert_to_fp8(model: nn.Module, cfg: FP8Config, device: torch.device | str 
     if device is None:
         p = next(model.parameters(), None)
         device = p.device if p is not None else torch.device("cpu")
-    backend = AutoBackend(cfg, rep)   # one shared instance: re-resolves if the model moves to another device
+    backend = AutoBackend(cfg, rep)  # one shared instance: re-resolves if the model moves to another device
     backend.resolve(torch.device(device))
     layer_prefixes = [n for n, m in model.named_modules() if isinstance(m, DecoderLayer)]
     for name, mod in list(model.named_modules()):
         inside = any(name == p or name.startswith(p + ".") for p in layer_prefixes)
         if isinstance(mod, nn.Linear) and not inside:
-            rep.high_precision.append(name)       # lm_head, MTP eh_proj
+            rep.high_precision.append(name)  # lm_head, MTP eh_proj
         elif type(mod) is nn.Linear:
             parent_name, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent_name), attr, Fp8Linear.from_linear(mod, recipe, backend))
             rep.converted.append(name)
-        elif isinstance(mod, KernelLinear):       # a seam already installed (e.g. by the W split): keep wrappers
+        elif isinstance(mod, KernelLinear):  # a seam already installed (e.g. by the W split): keep wrappers
             if not isinstance(base_kernel(mod.kernel), Fp8LinearKernel):
                 mod.kernel = rebase(mod.kernel, Fp8LinearKernel(recipe, backend))
             rep.converted.append(name)
         elif isinstance(mod, nn.Linear):
-            raise TypeError(f"convert_to_fp8: {name} is a {type(mod).__name__} (an nn.Linear subclass without a "
-                            "kernel seam): it cannot be put on the FP8 path")
-        elif isinstance(mod, DenseMLP) and inside:   # its Linears follow in this walk
+            raise TypeError(
+                f"convert_to_fp8: {name} is a {type(mod).__name__} (an nn.Linear subclass without a "
+                "kernel seam): it cannot be put on the FP8 path"
+            )
+        elif isinstance(mod, DenseMLP) and inside:  # its Linears follow in this walk
             mod.act = Fp8SwiGLUAct(recipe)
         elif isinstance(mod, GroupedExperts) and inside:
             mod.kernel = rebase(mod.kernel, Fp8ExpertKernel(recipe, backend, dispatch=cfg.dispatch))

@@ -6,8 +6,10 @@
    --pp 2 --ep 2`;
 3. `dsv3 train --init-from <bf16 dir>`: DeepSpeed ZeRO-1 on 2 gloo ranks for a few steps.
 
-    PYTHONPATH=. DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 python examples/finetune_from_checkpoint/run.py [--out runs/finetune_example]
+    PYTHONPATH=. DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 python examples/finetune_from_checkpoint/run.py \
+        [--out runs/finetune_example]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,7 +18,6 @@ import os
 import shutil
 import subprocess
 import sys
-
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -28,6 +29,7 @@ def make_fp8_checkpoint(path: str, seed: int = 0) -> None:
     from dsv3_plugin.checkpoint.synthetic import quantize_checkpoint
     from dsv3_plugin.config import load_config
     from dsv3_plugin.training.transforms import build_model
+
     cfg = load_config({"preset": "tiny"})
     model = build_model(cfg)
     model.reset_parameters(seed=seed)
@@ -59,13 +61,33 @@ def main() -> int:
     print(f"FP8 checkpoint: {len(os.listdir(fp8)) - 2} shards in {fp8}", file=sys.stderr)
     dsv3("convert", fp8, bf16, "--to", "hf-bf16")
     dsv3("convert", fp8, meg, "--to", "megatron", "--pp", "2", "--ep", "2")
-    r = dsv3("train", "--config", os.path.join(REPO, "examples", "deepspeed", "ds_config.json"),
-             "--init-from", bf16, "--nproc", "2", "--steps", str(args.steps), "--out", os.path.join(args.out, "train"),
-             "--json", "--no-progress")
+    r = dsv3(
+        "train",
+        "--config",
+        os.path.join(REPO, "examples", "deepspeed", "ds_config.json"),
+        "--init-from",
+        bf16,
+        "--nproc",
+        "2",
+        "--steps",
+        str(args.steps),
+        "--out",
+        os.path.join(args.out, "train"),
+        "--json",
+        "--no-progress",
+    )
     lines = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     steps = [line for line in lines if "step" in line]
-    print(json.dumps({"steps": len(steps), "first_loss": steps[0]["loss"], "last_loss": steps[-1]["loss"],
-                      "megatron_files": sorted(f for f in os.listdir(meg) if f.endswith(".safetensors"))}))
+    print(
+        json.dumps(
+            {
+                "steps": len(steps),
+                "first_loss": steps[0]["loss"],
+                "last_loss": steps[-1]["loss"],
+                "megatron_files": sorted(f for f in os.listdir(meg) if f.endswith(".safetensors")),
+            }
+        )
+    )
     return 0
 
 

@@ -9,6 +9,7 @@ step: step, loss (LM loss; Megatron adds λ·MTP and α·balance through its los
 maxvio (mean over MoE layers of max load / mean load − 1), bias_update_rate; then the LM loss on a held-out
 batch before and after training.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,19 +27,19 @@ def synthetic_batch(step: int, rank: int, batch: int, seq: int, vocab: int) -> t
     g = torch.Generator().manual_seed(1000 * step + rank)
     start = torch.randint(0, vocab, (batch, 1), generator=g)
     stride = torch.randint(1, 4, (batch, 1), generator=g)
-    return (start + stride * torch.arange(seq + 1)[None]) % vocab   # [B, T+1]
+    return (start + stride * torch.arange(seq + 1)[None]) % vocab  # [B, T+1]
 
 
 def train(args) -> list[dict]:
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from dsv3_plugin.model.moe.balancing import maxvio
     from dsv3_plugin.config import load_config
     from dsv3_plugin.megatron.config import apply_schedules
     from dsv3_plugin.megatron.gpt import build_gpt_model, causal_inputs
     from dsv3_plugin.megatron.runtime import init_megatron, shutdown_megatron, wrap_ddp
     from dsv3_plugin.megatron.weights import load_hf_checkpoint
+    from dsv3_plugin.model.moe.balancing import maxvio
 
     rank, world = init_megatron(ep=args.ep, seed=args.seed)
     cfg = load_config(args.config if args.config.endswith(".json") else {"preset": args.config})
@@ -48,8 +49,10 @@ def train(args) -> list[dict]:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     model.to(device)
     ddp = wrap_ddp(model)
-    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=0.0, clip_grad=1.0,
-                                                 use_distributed_optimizer=False), [ddp])
+    opt = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=0.0, clip_grad=1.0, use_distributed_optimizer=False),
+        [ddp],
+    )
     routers = [m for m in model.modules() if hasattr(m, "expert_bias")]
     seq, bsz = args.seq_len, args.micro_batch
 
@@ -75,7 +78,7 @@ def train(args) -> list[dict]:
         data = synthetic_batch(step, rank, bsz, seq, cfg.model.vocab_size).to(device)
         ids, labels = data[:, :-1], data[:, 1:]
         pos, mask = causal_inputs(ids)
-        loss_BT = ddp(ids, pos, mask, labels=labels)           # per-token LM loss [B, T]
+        loss_BT = ddp(ids, pos, mask, labels=labels)  # per-token LM loss [B, T]
         loss = loss_BT.float().mean()
         loss.backward()
         # Global-batch loads for telemetry (finalize_model_grads all-reduces and zeroes its own copy).
@@ -88,9 +91,13 @@ def train(args) -> list[dict]:
         if world > 1:
             torch.distributed.all_reduce(lm)
             lm /= world
-        line = {"step": step, "loss": round(float(lm), 6), "grad_norm": float(grad_norm or 0.0),
-                "maxvio": (sum(maxvio(l) for l in loads) / len(loads)) if loads is not None else 0.0,
-                "bias_update_rate": rate}
+        line = {
+            "step": step,
+            "loss": round(float(lm), 6),
+            "grad_norm": float(grad_norm or 0.0),
+            "maxvio": (sum(maxvio(l) for l in loads) / len(loads)) if loads is not None else 0.0,
+            "bias_update_rate": rate,
+        }
         lines.append(line)
         if rank == 0:
             print(json.dumps(line), flush=True)
@@ -108,7 +115,7 @@ def _worker(args):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", default="tiny", help="dsv3 preset name or a JSON file with a \"dsv3\" block")
+    p.add_argument("--config", default="tiny", help='dsv3 preset name or a JSON file with a "dsv3" block')
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--micro-batch", type=int, default=4)
@@ -120,6 +127,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.nproc:
         from dsv3_plugin.parallel.distributed import spawn
+
         spawn(_worker, args.nproc, args)
     else:
         train(args)

@@ -7,6 +7,7 @@ report the MTP acceptance rate against chance (1/vocab).
 Prints one JSON object: acceptance rate, tokens per forward pass, chance level, losses, and whether the
 speculative output equals plain greedy decoding. Takes ~1-2 minutes on 2 CPU cores.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,12 +33,12 @@ def main() -> int:
 
     from tqdm import tqdm
 
-    from dsv3_plugin.model.moe.balancing import update_expert_bias
     from dsv3_plugin.checkpoint.hf import load_pretrained, native_state_to_hf
     from dsv3_plugin.checkpoint.synthetic import quantize_checkpoint
     from dsv3_plugin.config import load_config
-    from dsv3_plugin.training.data import MarkovData
     from dsv3_plugin.model.generate import greedy_generate
+    from dsv3_plugin.model.moe.balancing import update_expert_bias
+    from dsv3_plugin.training.data import MarkovData
     from dsv3_plugin.training.transforms import build_model
 
     torch.manual_seed(args.seed)
@@ -73,23 +74,35 @@ def main() -> int:
         spec = greedy_generate(fp8, p, args.new_tokens, speculative="mtp")
         identical &= plain.tokens == spec.tokens
         acc, drafts = acc + spec.accepted, drafts + spec.drafts
-        fwd_spec, fwd_plain, ntok = fwd_spec + spec.forward_passes, fwd_plain + plain.forward_passes, ntok + len(spec.tokens)
+        fwd_spec, fwd_plain, ntok = (
+            fwd_spec + spec.forward_passes,
+            fwd_plain + plain.forward_passes,
+            ntok + len(spec.tokens),
+        )
     # Acceptance on held-out *data* prefixes (not only on greedy continuations): how often the MTP head's
     # guess for token i+2 equals the main model's greedy choice there, given the true token i+1.
     with torch.no_grad():
         ids, _ = data.batch(20_000, 0, 0, 16)
         out = fp8(ids)
         agree = (out.mtp_logits[0][:, :-1].argmax(-1) == out.logits[:, 1:-1].argmax(-1)).float().mean()
-    print(json.dumps({
-        "steps": args.steps, "first_losses": first, "last_losses": last,
-        "entropy_rate_nats": data.entropy_rate,
-        "checkpoint": "FP8 released format (128x128 blocks)" + (f" at {path}" if args.out else ""),
-        "acceptance_rate": acc / max(1, drafts), "drafts": drafts,
-        "acceptance_on_data_prefixes": float(agree),
-        "chance_acceptance": 1.0 / cfg.model.vocab_size,
-        "tokens_per_forward_speculative": ntok / fwd_spec, "tokens_per_forward_plain": ntok / fwd_plain,
-        "speculative_equals_plain_greedy": identical,
-    }))
+    print(
+        json.dumps(
+            {
+                "steps": args.steps,
+                "first_losses": first,
+                "last_losses": last,
+                "entropy_rate_nats": data.entropy_rate,
+                "checkpoint": "FP8 released format (128x128 blocks)" + (f" at {path}" if args.out else ""),
+                "acceptance_rate": acc / max(1, drafts),
+                "drafts": drafts,
+                "acceptance_on_data_prefixes": float(agree),
+                "chance_acceptance": 1.0 / cfg.model.vocab_size,
+                "tokens_per_forward_speculative": ntok / fwd_spec,
+                "tokens_per_forward_plain": ntok / fwd_plain,
+                "speculative_equals_plain_greedy": identical,
+            }
+        )
+    )
     tmp.cleanup()
     return 0 if identical else 1
 

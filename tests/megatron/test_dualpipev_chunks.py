@@ -8,27 +8,31 @@ batch losses, accumulated gradients), then re-initializes Megatron with PP = 2 a
 builds the chunks with the `DualPipeVLayout` config, copies the reference weights in by global layer number, and
 runs one DualPipeV step.
 """
+
 import pytest
 import torch
-
 from helpers import run_ranks
 
-L, P, C, B, T = 4, 2, 4, 2, 16            # layers, pipeline ranks, micro-batches, micro-batch size, sequence
+L, P, C, B, T = 4, 2, 4, 2, 16  # layers, pipeline ranks, micro-batches, micro-batch size, sequence
 DSV3 = {"preset": "tiny", "model": {"num_hidden_layers": L}}
 
 
 def _mp_init(pp, vpp=None, get_embedding_ranks=None):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=pp,
-                                 virtual_pipeline_model_parallel_size=vpp, get_embedding_ranks=get_embedding_ranks)
+
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        get_embedding_ranks=get_embedding_ranks,
+    )
     model_parallel_cuda_manual_seed(1234)
 
 
 def _data():
     g = torch.Generator().manual_seed(7)
-    return [(torch.randint(0, 256, (B, T), generator=g), torch.randint(0, 256, (B, T), generator=g))
-            for _ in range(C)]
+    return [(torch.randint(0, 256, (B, T), generator=g), torch.randint(0, 256, (B, T), generator=g)) for _ in range(C)]
 
 
 def _loss_func(output_tensor):
@@ -39,6 +43,7 @@ def _loss_func(output_tensor):
 
 def _forward_step(data_iterator, model):
     from dsv3_plugin.megatron.gpt import causal_inputs
+
     tokens, labels = next(data_iterator)
     pos, mask = causal_inputs(tokens)
     return model(tokens, pos, mask, labels=labels), _loss_func
@@ -53,26 +58,32 @@ def _global_name(name, offset):
 
 def _worker():
     from dsv3_plugin.parallel.distributed import init_distributed
+
     r, _ = init_distributed()
+    import megatron.core.pipeline_parallel as pp_pkg
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
     from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+    from tolerance import check_within, model_bound
 
-    import megatron.core.pipeline_parallel as pp_pkg
     from dsv3_plugin.config import load_config
-    from dsv3_plugin.megatron.dualpipev import (DualPipeVLayout, embedding_ranks, stage_ends, stage_layer_counts,
-                                                tie_embedding_copy)
+    from dsv3_plugin.megatron.dualpipev import (
+        DualPipeVLayout,
+        embedding_ranks,
+        stage_ends,
+        stage_layer_counts,
+        tie_embedding_copy,
+    )
     from dsv3_plugin.megatron.gpt import build_gpt_model
     from dsv3_plugin.megatron.schedules import forward_backward_dualpipev
     from patches import megatron_cpu, megatron_dualpipe
     from patches.megatron_cpu import _CudaLiteralsOnCPU
-    from tolerance import check_within, model_bound
 
     cfg = load_config(DSV3)
     data = _data()
     megatron_cpu.apply()
     rep = {}
-    with _CudaLiteralsOnCPU():            # Megatron's embedding sync calls Tensor.cuda() at build time
+    with _CudaLiteralsOnCPU():  # Megatron's embedding sync calls Tensor.cuda() at build time
         # -- reference: the whole model, no pipeline, micro-batch by micro-batch
         _mp_init(1)
         torch.manual_seed(0)
@@ -95,20 +106,35 @@ def _worker():
         chunks = []
         for vp in range(2):
             pre, post = stage_ends(r, vp, P)
-            m = build_gpt_model(DSV3, pre_process=pre, post_process=post, vp_stage=vp,
-                                pipeline_model_parallel_size=P, virtual_pipeline_model_parallel_size=2,
-                                pipeline_model_parallel_layout=layout, pipeline_dtype=torch.float32)
+            m = build_gpt_model(
+                DSV3,
+                pre_process=pre,
+                post_process=post,
+                vp_stage=vp,
+                pipeline_model_parallel_size=P,
+                virtual_pipeline_model_parallel_size=2,
+                pipeline_model_parallel_layout=layout,
+                pipeline_dtype=torch.float32,
+            )
             tie_embedding_copy(m, pre, post)
             m.vp_stage = vp
             chunks.append(m)
         rep["layers"] = [[layer.layer_number for layer in c.decoder.layers] for c in chunks]
-        rep["ends"] = [(c.pre_process, c.post_process, hasattr(c, "mtp"), hasattr(c, "output_layer"),
-                        c.decoder.final_layernorm is not None if hasattr(c.decoder, "final_layernorm") else False)
-                       for c in chunks]
+        rep["ends"] = [
+            (
+                c.pre_process,
+                c.post_process,
+                hasattr(c, "mtp"),
+                hasattr(c, "output_layer"),
+                c.decoder.final_layernorm is not None if hasattr(c.decoder, "final_layernorm") else False,
+            )
+            for c in chunks
+        ]
         # the embedding copy on the last stage equals the (freshly built) first stage's before any load
         if r == 0:
-            rep["copy_tied_at_build"] = torch.equal(chunks[0].embedding.word_embeddings.weight,
-                                                    chunks[1].embedding.word_embeddings.weight)
+            rep["copy_tied_at_build"] = torch.equal(
+                chunks[0].embedding.word_embeddings.weight, chunks[1].embedding.word_embeddings.weight
+            )
         # reference weights in, by global layer number
         missing = []
         with torch.no_grad():
@@ -129,12 +155,17 @@ def _worker():
         with megatron_dualpipe.dualpipe_schedule("dualpipev"):
             fb = pp_pkg.get_forward_backward_func()
             rep["hooked"] = fb is forward_backward_dualpipev
-            store = fb(forward_step_func=_forward_step, data_iterator=iter(data), model=chunks, num_microbatches=C,
-                       seq_length=T, micro_batch_size=B)
+            store = fb(
+                forward_step_func=_forward_step,
+                data_iterator=iter(data),
+                model=chunks,
+                num_microbatches=C,
+                seq_length=T,
+                micro_batch_size=B,
+            )
         rep["n_store"] = len(store)
         if r == P - 1:
-            rep["losses_equal"] = len(store) == C and all(torch.equal(a["lm loss"], b) for a, b in
-                                                          zip(store, ref_sums))
+            rep["losses_equal"] = len(store) == C and all(torch.equal(a["lm loss"], b) for a, b in zip(store, ref_sums))
         errs = []
         for vp, c in enumerate(chunks):
             off = layout.get_layer_offset(vp_stage=vp, pp_rank=r)
@@ -145,8 +176,9 @@ def _worker():
                 errs.append(check_within(p.grad, want, model_bound(want, cfg, C * B * T, passes=2), name))
         rep["grad_errors"] = [e for e in errs if e]
         if r == 0:
-            rep["copies_equal_grads"] = torch.equal(chunks[0].embedding.word_embeddings.weight.grad,
-                                                    chunks[1].embedding.word_embeddings.weight.grad)
+            rep["copies_equal_grads"] = torch.equal(
+                chunks[0].embedding.word_embeddings.weight.grad, chunks[1].embedding.word_embeddings.weight.grad
+            )
         ps.destroy_model_parallel()
     megatron_cpu.revert()
     return rep
@@ -165,6 +197,6 @@ def test_v_chunks_of_gptmodel_run_dualpipev_like_pp1():
     for rep in reps:
         assert rep["missing"] == [] and rep["hooked"] is True
         assert rep["grad_errors"] == [], rep["grad_errors"]
-    assert reps[1]["losses_equal"] is True and reps[1]["n_store"] == C     # on the last pipeline rank
+    assert reps[1]["losses_equal"] is True and reps[1]["n_store"] == C  # on the last pipeline rank
     assert reps[0]["n_store"] == 0
-    assert reps[0]["copies_equal_grads"] is True          # the copy's gradient summed with the original's
+    assert reps[0]["copies_equal_grads"] is True  # the copy's gradient summed with the original's

@@ -3,6 +3,7 @@ records its arguments (no process is started), then Megatron's own argument pars
 recorded flags with the world size the script declares (nodes x processes per node), through the entry point's
 parsing (dsv3 block <-> Megatron flags). Needs `megatron.training` (megatron-core >= 0.19's wheel; 0.16.1's wheel
 has no argument module, so this is skipped there)."""
+
 import json
 import os
 import stat
@@ -25,25 +26,34 @@ def _recorded_launch(tmp_path):
     ds = tmp_path / "ds_v3.json"
     ds.write_text(json.dumps({"dsv3": {"preset": "v3-671b", "parallel": {"schedule": "1f1b"}}}))
     record = tmp_path / "argv"
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "DSV3_RECORD": str(record),
-           "DS_JSON": str(ds), "CKPT": str(tmp_path / "ckpt")}
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "DSV3_RECORD": str(record),
+        "DS_JSON": str(ds),
+        "CKPT": str(tmp_path / "ckpt"),
+    }
     subprocess.run(["bash", SCRIPT], env=env, check=True, cwd=tmp_path, timeout=60)
     argv = record.read_text().split("\0")[:-1]
     i = argv.index("-m")
-    launcher, module, flags = argv[:i], argv[i + 1], argv[i + 2:]
+    launcher, module, flags = argv[:i], argv[i + 1], argv[i + 2 :]
     opt = lambda name: int(launcher[launcher.index(name) + 1])  # noqa: E731
     return module, opt("--nnodes") * opt("--nproc-per-node"), flags
 
 
 def test_launch_script_passes_megatrons_validate_args(tmp_path):
     from dsv3_plugin.megatron.pretrain_gpt import parse_megatron_args
+
     module, world, flags = _recorded_launch(tmp_path)
     assert module == "dsv3_plugin.megatron.pretrain_gpt"
     assert world == 2048
     args, notes = parse_megatron_args(flags, world_size=world, on_cpu=False, set_globals=False)
-    assert notes == []                                       # every model flag given, all agree with the preset
+    assert notes == []  # every model flag given, all agree with the preset
     assert (args.pipeline_model_parallel_size, args.expert_model_parallel_size, args.data_parallel_size) == (
-        16, 64, 128)
+        16,
+        64,
+        128,
+    )
     assert args.decoder_first_pipeline_num_layers + 14 * 4 + args.decoder_last_pipeline_num_layers == 61
     assert (args.num_layers, args.mtp_num_layers, args.num_experts, args.moe_router_topk) == (61, 1, 256, 8)
     assert (args.q_lora_rank, args.kv_lora_rank, args.qk_head_dim, args.qk_pos_emb_head_dim) == (1536, 512, 128, 64)
@@ -54,6 +64,7 @@ def test_launch_script_passes_megatrons_validate_args(tmp_path):
 def test_wrong_world_size_is_refused_by_megatron(tmp_path):
     """What the old script hit: 8 processes cannot hold TP x PP = 16 (Megatron's own check fires)."""
     from dsv3_plugin.megatron.pretrain_gpt import parse_megatron_args
+
     _, _, flags = _recorded_launch(tmp_path)
     with pytest.raises(AssertionError):
         parse_megatron_args(flags, world_size=8, on_cpu=False, set_globals=False)

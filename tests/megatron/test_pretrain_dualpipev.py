@@ -13,6 +13,7 @@ batch 8 (4 micro-batches, the least DualPipeV takes at PP = 2), sequence 32, fp3
 Needs megatron-core >= 0.19 (`megatron.training` in the wheel): skipped on 0.16.1 (the V chunks and the schedule
 run there in tests/megatron/test_dualpipev_chunks.py, without `pretrain()`).
 """
+
 import json
 import os
 import re
@@ -22,32 +23,80 @@ import time
 
 import pytest
 
-pytest.importorskip("megatron.training", reason="megatron-core < 0.19: no megatron.training (Megatron's pretrain() "
-                    "loop) in the wheel; the V chunks and the schedule are tested there by test_dualpipev_chunks.py")
+pytest.importorskip(
+    "megatron.training",
+    reason="megatron-core < 0.19: no megatron.training (Megatron's pretrain() "
+    "loop) in the wheel; the V chunks and the schedule are tested there by test_dualpipev_chunks.py",
+)
 pytestmark = pytest.mark.dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DSV3 = {"preset": "tiny", "model": {"num_hidden_layers": 4}}
 MBS, GBS, SEQ = 2, 8, 32
-FLAGS = ["--spec", "dsv3_plugin.megatron", "layer_spec", "--micro-batch-size", str(MBS), "--global-batch-size",
-         str(GBS), "--seq-length", str(SEQ), "--train-iters", "11", "--lr", "3e-3", "--min-lr", "3e-4",
-         "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--mock-data", "--tokenizer-type", "NullTokenizer",
-         "--log-interval", "1", "--eval-interval", "100", "--eval-iters", "0", "--seed", "1234"]
-LOADED = 5                                   # the PP = 2 runs resume from the iteration-5 checkpoint
+FLAGS = [
+    "--spec",
+    "dsv3_plugin.megatron",
+    "layer_spec",
+    "--micro-batch-size",
+    str(MBS),
+    "--global-batch-size",
+    str(GBS),
+    "--seq-length",
+    str(SEQ),
+    "--train-iters",
+    "11",
+    "--lr",
+    "3e-3",
+    "--min-lr",
+    "3e-4",
+    "--lr-decay-style",
+    "cosine",
+    "--lr-warmup-iters",
+    "2",
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--log-interval",
+    "1",
+    "--eval-interval",
+    "100",
+    "--eval-iters",
+    "0",
+    "--seed",
+    "1234",
+]
+LOADED = 5  # the PP = 2 runs resume from the iteration-5 checkpoint
 
 
 def _run(tmp, name, nproc, extra):
     metrics = tmp / f"{name}.jsonl"
-    cmd = [sys.executable, "-m", "dsv3_plugin.megatron.pretrain_gpt", "--nproc", str(nproc),
-           "--dsv3-config", str(tmp / "ds.json"), "--dsv3-metrics", str(metrics)] + FLAGS + extra
+    cmd = (
+        [
+            sys.executable,
+            "-m",
+            "dsv3_plugin.megatron.pretrain_gpt",
+            "--nproc",
+            str(nproc),
+            "--dsv3-config",
+            str(tmp / "ds.json"),
+            "--dsv3-metrics",
+            str(metrics),
+        ]
+        + FLAGS
+        + extra
+    )
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     t0 = time.perf_counter()
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     wall = time.perf_counter() - t0
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     iter_ms = [float(x) for x in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", p.stdout)]
-    return {"metrics": [json.loads(l) for l in metrics.read_text().splitlines()], "log": p.stdout,
-            "wall_s": wall, "iter_ms": iter_ms}
+    return {
+        "metrics": [json.loads(l) for l in metrics.read_text().splitlines()],
+        "log": p.stdout,
+        "wall_s": wall,
+        "iter_ms": iter_ms,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +106,12 @@ def runs(tmp_path_factory):
     ck, ck_v = str(tmp / "ckpt"), str(tmp / "ckpt_v")
     out = {"pp1": _run(tmp, "pp1", 1, ["--save", ck, "--save-interval", str(LOADED)])}
     load = ["--load", ck, "--ckpt-step", str(LOADED), "--pipeline-model-parallel-size", "2", "--exit-interval", "10"]
-    out["dualpipev"] = _run(tmp, "dualpipev", 2, load + ["--dsv3-pipeline-schedule", "dualpipev", "--save", ck_v,
-                                                         "--save-interval", str(LOADED)])
+    out["dualpipev"] = _run(
+        tmp,
+        "dualpipev",
+        2,
+        load + ["--dsv3-pipeline-schedule", "dualpipev", "--save", ck_v, "--save-interval", str(LOADED)],
+    )
     out["1f1b"] = _run(tmp, "1f1b", 2, load + ["--dsv3-pipeline-schedule", "1f1b"])
     # and back: the V's iteration-10 checkpoint, loaded at PP = 1, trains iteration 11
     out["v_to_pp1"] = _run(tmp, "v_to_pp1", 1, ["--load", ck_v])
@@ -66,13 +119,17 @@ def runs(tmp_path_factory):
     print("\niteration | " + " | ".join(f"{k} lm loss" for k in out))
     ref = {r["iteration"]: r for r in out["pp1"]["metrics"]}
     for it in sorted(ref):
-        row = [ref[it]["lm_loss"]] + [next((r["lm_loss"] for r in out[k]["metrics"] if r["iteration"] == it), None)
-                                      for k in ("dualpipev", "1f1b", "v_to_pp1")]
+        row = [ref[it]["lm_loss"]] + [
+            next((r["lm_loss"] for r in out[k]["metrics"] if r["iteration"] == it), None)
+            for k in ("dualpipev", "1f1b", "v_to_pp1")
+        ]
         print(f"{it} | " + " | ".join("-" if v is None else f"{v:.9g}" for v in row))
     for k, r in out.items():
         its = r["iter_ms"][1:] or r["iter_ms"]
-        print(f"{k}: wall {r['wall_s']:.1f} s, {len(r['iter_ms'])} iterations, median iteration "
-              f"{sorted(its)[len(its) // 2]:.0f} ms (first one excluded)")
+        print(
+            f"{k}: wall {r['wall_s']:.1f} s, {len(r['iter_ms'])} iterations, median iteration "
+            f"{sorted(its)[len(its) // 2]:.0f} ms (first one excluded)"
+        )
     return out
 
 
@@ -84,21 +141,25 @@ def _padded_vocab(log: str) -> int:
 
 def test_the_v_layout_is_what_runs(runs):
     log = runs["dualpipev"]["log"]
-    assert ("pipeline schedule: the plugin's dualpipev over 2 pipeline ranks, 4 stages with [1, 1, 1, 1] decoder "
-            "layers (rank r holds stages r and 3-r") in log
+    assert (
+        "pipeline schedule: the plugin's dualpipev over 2 pipeline ranks, 4 stages with [1, 1, 1, 1] decoder "
+        "layers (rank r holds stages r and 3-r"
+    ) in log
     assert "successfully loaded checkpoint from" in log and "at iteration 5" in log
     assert "pipeline schedule: the plugin's 1f1b over 2 pipeline ranks" in runs["1f1b"]["log"]
-    assert "mtp_1 loss" in log                           # Megatron logs the MTP loss computed on rank 0 too
+    assert "mtp_1 loss" in log  # Megatron logs the MTP loss computed on rank 0 too
     for k in ("dualpipev", "1f1b"):
-        assert [r["iteration"] for r in runs[k]["metrics"]] == list(range(LOADED + 1, 11))   # 5 iterations
+        assert [r["iteration"] for r in runs[k]["metrics"]] == list(range(LOADED + 1, 11))  # 5 iterations
     assert [r["iteration"] for r in runs["pp1"]["metrics"]] == list(range(1, 12))
     assert [r["iteration"] for r in runs["v_to_pp1"]["metrics"]] == [11]
     assert "at iteration 10" in runs["v_to_pp1"]["log"]
 
 
 def test_losses_equal_the_pp1_run(runs):
-    from dsv3_plugin.config import load_config
     from tolerance import assert_within, model_bound
+
+    from dsv3_plugin.config import load_config
+
     ref = {r["iteration"]: r for r in runs["pp1"]["metrics"]}
     cfg = load_config({**DSV3, "model": {**DSV3["model"], "vocab_size": _padded_vocab(runs["pp1"]["log"])}})
     for k in ("dualpipev", "1f1b"):
@@ -108,7 +169,7 @@ def test_losses_equal_the_pp1_run(runs):
         # checkpoint), the same micro-batches, the same per-micro-batch ops, and the per-micro-batch loss sums
         # added in micro-batch order on the rank Megatron reduces them on. Equal, not close.
         assert (first["lm_loss"], first["mtp_1_loss"]) == (r0["lm_loss"], r0["mtp_1_loss"]), (k, first, r0)
-        assert first["router_bias_abs_sum"] == r0["router_bias_abs_sum"], (k, first, r0)   # same loads, same update
+        assert first["router_bias_abs_sum"] == r0["router_bias_abs_sum"], (k, first, r0)  # same loads, same update
         for r in rest:
             # From iteration 7 on the weights carry the rounding of sums the pipeline orders differently: the word
             # embedding's gradient (the token lookup's and the MTP block's contributions, accumulated per micro-
@@ -119,35 +180,45 @@ def test_losses_equal_the_pp1_run(runs):
             passes = 2 * (r["iteration"] - first["iteration"]) + 1
             for key in ("lm_loss", "mtp_1_loss"):
                 want = ref[r["iteration"]][key]
-                assert_within(r[key], want, model_bound(_t(want), cfg, GBS * SEQ, passes=passes),
-                              f"{k} iteration {r['iteration']} {key} vs PP=1 (reordered embedding-grad and grad-"
-                              "norm sums)")
+                assert_within(
+                    r[key],
+                    want,
+                    model_bound(_t(want), cfg, GBS * SEQ, passes=passes),
+                    f"{k} iteration {r['iteration']} {key} vs PP=1 (reordered embedding-grad and grad-norm sums)",
+                )
 
 
 def test_a_checkpoint_saved_by_the_v_resumes_at_pp1(runs):
     """The V saves Megatron checkpoints under global layer numbers (the replica of the embedding copy not
     stored twice): loaded at PP = 1 its iteration-10 weights train iteration 11 like the PP = 1 run's own."""
-    from dsv3_plugin.config import load_config
     from tolerance import assert_within, model_bound
+
+    from dsv3_plugin.config import load_config
+
     got, want = runs["v_to_pp1"]["metrics"][0], runs["pp1"]["metrics"][10]
     cfg = load_config({**DSV3, "model": {**DSV3["model"], "vocab_size": _padded_vocab(runs["pp1"]["log"])}})
     for key in ("lm_loss", "mtp_1_loss"):
         # weights of iteration 10 in the V vs at PP = 1: the reorderings of iterations 6..10 (as above), + this forward
-        assert_within(got[key], want[key], model_bound(_t(want[key]), cfg, GBS * SEQ, passes=2 * 5 + 1),
-                      f"iteration 11 {key} from the V's checkpoint vs PP=1")
+        assert_within(
+            got[key],
+            want[key],
+            model_bound(_t(want[key]), cfg, GBS * SEQ, passes=2 * 5 + 1),
+            f"iteration 11 {key} from the V's checkpoint vs PP=1",
+        )
 
 
 def _t(x):
     import torch
+
     return torch.tensor(x, dtype=torch.float64)
 
 
 def test_router_biases_updated_by_finalize_model_grads(runs):
-    cfg_gamma, E = 0.001, 16                              # tiny preset: bias_update_speed, n_routed_experts
+    cfg_gamma, E = 0.001, 16  # tiny preset: bias_update_speed, n_routed_experts
     for k in ("pp1", "dualpipev", "1f1b"):
         s = runs[k]["metrics"]
         R = s[0]["routers"]
-        assert R == 4                                     # 3 MoE decoder layers + the MTP layer, over all stages
+        assert R == 4  # 3 MoE decoder layers + the MTP layer, over all stages
         # b <- b + gamma * sign(mean - load): each of R*E entries moves by 0 or exactly gamma per iteration
         for a, b in zip(s, s[1:]):
             assert abs(b["router_bias_abs_sum"] - a["router_bias_abs_sum"]) <= R * E * cfg_gamma + 1e-6, (k, a, b)

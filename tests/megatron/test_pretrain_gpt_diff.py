@@ -8,6 +8,7 @@ not copy other projects' files, so:
   id is the one in the diff's `index` line (checked this way when the diff was written: it applies to
   core_v0.16.0/0.16.1, with offset 70 to core_v0.17.0, and not to core_v0.18.0 or later).
 """
+
 import os
 import re
 import subprocess
@@ -63,8 +64,10 @@ def test_diff_is_well_formed_and_applies_to_its_preimage(tmp_path):
 
 
 def test_names_the_diff_adds_resolve():
-    from dsv3_plugin.megatron.gpt import add_dsv3_args, select_builder
     import argparse
+
+    from dsv3_plugin.megatron.gpt import add_dsv3_args, select_builder
+
     parser = add_dsv3_args(argparse.ArgumentParser())
     assert parser.parse_args(["--dsv3-config", "ds.json"]).dsv3_config == "ds.json"
     assert callable(select_builder(lambda *a, **k: None))
@@ -73,11 +76,13 @@ def test_names_the_diff_adds_resolve():
 @pytest.mark.skipif(not os.environ.get("MEGATRON_LM_DIR"), reason="set MEGATRON_LM_DIR to a Megatron-LM git clone")
 def test_diff_applies_to_megatron_lm_core_v0_16_1(tmp_path):
     src = os.environ["MEGATRON_LM_DIR"]
-    blob = subprocess.run(["git", "-C", src, "rev-parse", "core_v0.16.1:pretrain_gpt.py"], check=True,
-                          capture_output=True, text=True).stdout.strip()
+    blob = subprocess.run(
+        ["git", "-C", src, "rev-parse", "core_v0.16.1:pretrain_gpt.py"], check=True, capture_output=True, text=True
+    ).stdout.strip()
     index = open(DIFF).read().splitlines()[1].split()[1].split("..")[0]
     assert blob.startswith(index)
-    content = subprocess.run(["git", "-C", src, "show", "core_v0.16.1:pretrain_gpt.py"], check=True,
-                             capture_output=True).stdout
+    content = subprocess.run(
+        ["git", "-C", src, "show", "core_v0.16.1:pretrain_gpt.py"], check=True, capture_output=True
+    ).stdout
     (tmp_path / "pretrain_gpt.py").write_bytes(content)
     subprocess.run(["git", "apply", "--check", DIFF], cwd=tmp_path, check=True)

@@ -6,6 +6,7 @@ for bit (same op sequence on both sides; model, optimizer, LR schedule, RNG and 
 
 Needs megatron-core >= 0.19 (`megatron.training` in the wheel): skipped on 0.16.1, run by `make test`'s 0.19 run.
 """
+
 import json
 import os
 import subprocess
@@ -17,17 +18,53 @@ pytest.importorskip("megatron.training", reason="megatron-core < 0.19: no megatr
 pytestmark = pytest.mark.dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FLAGS = ["--micro-batch-size", "2", "--global-batch-size", "8", "--seq-length", "32", "--train-iters", "10",
-         "--lr", "3e-3", "--min-lr", "3e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
-         "--mock-data", "--tokenizer-type", "NullTokenizer", "--log-interval", "1", "--eval-interval", "100",
-         "--eval-iters", "0", "--seed", "1234"]
+FLAGS = [
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--seq-length",
+    "32",
+    "--train-iters",
+    "10",
+    "--lr",
+    "3e-3",
+    "--min-lr",
+    "3e-4",
+    "--lr-decay-style",
+    "cosine",
+    "--lr-warmup-iters",
+    "2",
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--log-interval",
+    "1",
+    "--eval-interval",
+    "100",
+    "--eval-iters",
+    "0",
+    "--seed",
+    "1234",
+]
 
 
 def _run(tmp, name, launcher, extra):
     metrics = tmp / f"{name}.jsonl"
-    cmd = [sys.executable, "-m", "dsv3_plugin.megatron.pretrain_gpt", "--nproc", "2"] if launcher == "nproc" else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "dsv3_plugin.megatron.pretrain_gpt"]
+    cmd = (
+        [sys.executable, "-m", "dsv3_plugin.megatron.pretrain_gpt", "--nproc", "2"]
+        if launcher == "nproc"
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "dsv3_plugin.megatron.pretrain_gpt",
+        ]
+    )
     cmd += ["--dsv3-config", str(tmp / "ds.json"), "--dsv3-metrics", str(metrics)] + FLAGS + extra
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
@@ -43,8 +80,9 @@ def runs(tmp_path_factory):
     # 10 straight iterations (torchrun), saving Megatron checkpoints at 5 and 10 ...
     straight, log = _run(tmp, "straight", "torchrun", ["--save", ck, "--save-interval", "5"])
     # ... then a new run (self-spawned ranks) that loads the one of iteration 5 and trains 6..10.
-    resumed, log_resumed = _run(tmp, "resumed", "nproc", ["--load", ck, "--ckpt-step", "5", "--save", ck2,
-                                                          "--save-interval", "5"])
+    resumed, log_resumed = _run(
+        tmp, "resumed", "nproc", ["--load", ck, "--ckpt-step", "5", "--save", ck2, "--save-interval", "5"]
+    )
     return {"straight": straight, "resumed": resumed, "log": log, "log_resumed": log_resumed, "ckpt": ck2}
 
 
@@ -52,18 +90,19 @@ def test_ten_iterations_and_the_loss_falls(runs):
     s = runs["straight"]
     assert [r["iteration"] for r in s] == list(range(1, 11))
     loss = [r["lm_loss"] for r in s]
-    assert all(l == l and 0 < l < 20 for l in loss)                   # finite
-    assert sum(loss[-3:]) / 3 < sum(loss[:3]) / 3 - 0.3, loss        # measured: 5.57 -> ~4.4
-    assert "mtp_1 loss" in runs["log"]                                # Megatron's MTP block trains too
+    assert all(l == l and 0 < l < 20 for l in loss)  # finite
+    assert sum(loss[-3:]) / 3 < sum(loss[:3]) / 3 - 0.3, loss  # measured: 5.57 -> ~4.4
+    assert "mtp_1 loss" in runs["log"]  # Megatron's MTP block trains too
 
 
 def test_router_bias_stepped_by_finalize_model_grads(runs):
     from dsv3_plugin.config import load_config
+
     cfg = load_config({"preset": "tiny"})
     gamma, E = cfg.moe.bias_update_speed, cfg.moe.n_routed_experts
     s = runs["straight"]
     R = s[0]["routers"]
-    assert R == 3                                                     # 2 MoE decoder layers + the MTP layer
+    assert R == 3  # 2 MoE decoder layers + the MTP layer
     # b <- b + gamma * sign(mean - load): every step moves each of R*E entries by 0 or exactly gamma.
     prev = 0.0
     for r in s:
@@ -76,6 +115,6 @@ def test_router_bias_stepped_by_finalize_model_grads(runs):
 def test_checkpoint_resume_continues_exactly(runs):
     s, b = runs["straight"], runs["resumed"]
     assert [r["iteration"] for r in b] == [6, 7, 8, 9, 10]
-    assert b == s[5:], (b, s[5:])                                  # losses and biases, bit for bit
+    assert b == s[5:], (b, s[5:])  # losses and biases, bit for bit
     assert "successfully loaded checkpoint from" in runs["log_resumed"] and "at iteration 5" in runs["log_resumed"]
     assert open(os.path.join(runs["ckpt"], "latest_checkpointed_iteration.txt")).read().strip() == "10"

@@ -1,6 +1,7 @@
 """patches/megatron_training_cpu.py and patches/megatron_dataset_helpers.py: reversible (the exact original
 objects come back), version-guarded, the CPU shims never applied with CUDA. They patch `megatron.training`,
 which megatron-core's wheel ships from 0.19 on: on 0.16.1 these tests skip (the 0.19 environment runs them)."""
+
 import importlib
 import os
 import sys
@@ -17,8 +18,15 @@ helpers = importlib.import_module("patches.megatron_dataset_helpers")
 def _state():
     import megatron.training.initialize as init
     import megatron.training.training as tr
-    return (tr.initialize_megatron, init._initialize_distributed, init._set_random_seed, init._compile_dependencies,
-            torch.cuda.get_rng_state, torch.cuda.set_rng_state)
+
+    return (
+        tr.initialize_megatron,
+        init._initialize_distributed,
+        init._set_random_seed,
+        init._compile_dependencies,
+        torch.cuda.get_rng_state,
+        torch.cuda.set_rng_state,
+    )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU shims are never applied on CUDA machines")
@@ -27,9 +35,9 @@ def test_apply_and_revert_restore_the_exact_objects():
     assert training_cpu.apply() is True and helpers.apply() is True
     try:
         assert _state() != before
-        assert training_cpu.apply() is True                     # idempotent
+        assert training_cpu.apply() is True  # idempotent
         state = torch.get_rng_state()
-        assert torch.equal(torch.cuda.get_rng_state(), state)   # checkpoints store the CPU generator
+        assert torch.equal(torch.cuda.get_rng_state(), state)  # checkpoints store the CPU generator
     finally:
         training_cpu.revert()
         helpers.revert()
@@ -38,6 +46,7 @@ def test_apply_and_revert_restore_the_exact_objects():
 
 def test_untested_version_is_refused(monkeypatch):
     import megatron.core.package_info as pi
+
     monkeypatch.setattr(pi, "__version__", "0.20.0")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     before = _state()
@@ -59,4 +68,5 @@ def test_dataset_helpers_ship_compiled():
     """What makes the patch right: the wheel has helpers_cpp compiled, and no Makefile to rebuild it."""
     import megatron.core.datasets as d
     from megatron.core.datasets import helpers_cpp  # noqa: F401
+
     assert not os.path.exists(os.path.join(os.path.dirname(d.__file__), "Makefile"))

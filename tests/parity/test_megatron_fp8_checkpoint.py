@@ -15,12 +15,12 @@ Both sides hold identical fp32 weights, so the README's fp32 logits figure (1e-5
 
 Runs on megatron-core 0.16.1 and 0.19.2 (`make test` runs the tests/*/test_megatron_*.py files on both).
 """
+
 import os
 import zlib
 
 import pytest
 import torch
-
 from helpers import dequantize_by_formula, mtp_reference_logits, read_stored_tensors, run_ranks, transformers_on
 from tolerance import LOGITS_FP32_ABS, assert_within
 
@@ -29,8 +29,11 @@ CASES = {
     # ragged block; sharded files
     "tiny_block32": ({}, (32, 32), 60_000),
     # no q latent, no YaRN, MTP depth 2; 128x128 blocks: every grid is one ragged block; one file
-    "no_q_latent_mtp2_block128": ({"model": {"q_lora_rank": None, "rope_scaling": None}, "mtp": {"depth": 2}},
-                                  (128, 128), None),
+    "no_q_latent_mtp2_block128": (
+        {"model": {"q_lora_rank": None, "rope_scaling": None}, "mtp": {"depth": 2}},
+        (128, 128),
+        None,
+    ),
 }
 KV = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
 
@@ -39,6 +42,7 @@ def _make(cfg):
     """Seeded value of every released tensor (by name): norms ~1, weights ~0.05, router bias ~0.1. The MTP copies of
     the embedding/head get the main tensors' values, as released files do."""
     from dsv3_plugin.checkpoint.names import parse_released
+
     L = cfg.model.num_hidden_layers
 
     def make(name, shape):
@@ -48,6 +52,7 @@ def _make(cfg):
         if name.endswith("e_score_correction_bias"):
             return 0.1 * x
         return 0.05 * x if len(shape) > 1 else 1 + 0.1 * x
+
     return make
 
 
@@ -69,12 +74,18 @@ def _worker(root, names):
             logits, mtp = forward_logits(model, ids)
         sd = model.state_dict()
         inner = mtp_inner_layer_name()
-        out[name] = {"ids": ids, "logits": logits, "mtp": mtp, "params": {
-            KV: sd["decoder.layers.0.self_attention.linear_kv_down_proj.weight"],
-            "model.layers.1.mlp.experts.5.up_proj.weight": sd["decoder.layers.1.mlp.moe.experts.up_proj"][5],
-            f"model.layers.{cfg.model.num_hidden_layers}.mlp.experts.2.down_proj.weight":
-                sd[f"mtp.layers.0.{inner}.mlp.moe.experts.down_proj"][2],
-        }}
+        out[name] = {
+            "ids": ids,
+            "logits": logits,
+            "mtp": mtp,
+            "params": {
+                KV: sd["decoder.layers.0.self_attention.linear_kv_down_proj.weight"],
+                "model.layers.1.mlp.experts.5.up_proj.weight": sd["decoder.layers.1.mlp.moe.experts.up_proj"][5],
+                f"model.layers.{cfg.model.num_hidden_layers}.mlp.experts.2.down_proj.weight": sd[
+                    f"mtp.layers.0.{inner}.mlp.moe.experts.down_proj"
+                ][2],
+            },
+        }
     shutdown_megatron()
     return out
 
@@ -83,18 +94,30 @@ def _worker(root, names):
 def results(tmp_path_factory):
     from dsv3_plugin.checkpoint.synthetic import write_released_checkpoint
     from dsv3_plugin.config import load_config
+
     root = tmp_path_factory.mktemp("mega_fp8")
     refs = {}
     for name, (over, block, shard) in CASES.items():
         cfg = load_config({"preset": "tiny", **over})
         d = os.path.join(root, name)
         make = _make(cfg)
-        write_released_checkpoint(os.path.join(d, "fp8"), cfg.to_hf(), make, fp8=True, block=block,
-                                  **({"shard_bytes": shard} if shard else {}))
+        write_released_checkpoint(
+            os.path.join(d, "fp8"),
+            cfg.to_hf(),
+            make,
+            fp8=True,
+            block=block,
+            **({"shard_bytes": shard} if shard else {}),
+        )
         stored = read_stored_tensors(os.path.join(d, "fp8"))
         deq = dequantize_by_formula(stored, block)
-        refs[name] = {"cfg": cfg, "stored": stored, "deq": deq, "make": make,
-                      "hf": transformers_on(deq, cfg, os.path.join(d, "dequantized"))}
+        refs[name] = {
+            "cfg": cfg,
+            "stored": stored,
+            "deq": deq,
+            "make": make,
+            "hf": transformers_on(deq, cfg, os.path.join(d, "dequantized")),
+        }
     got = run_ranks(_worker, 1, str(root), list(CASES))[0]
     return got, refs
 
@@ -107,8 +130,8 @@ def test_weights_come_from_fp8_dequantized_exactly(results, name):
     assert n_fp8 > 0.8 * sum(not n.endswith("_scale_inv") and t.dim() == 2 for n, t in ref["stored"].items())
     for n, p in got[name]["params"].items():
         assert ref["stored"][n].dtype == torch.float8_e4m3fn, n
-        assert torch.equal(p, ref["deq"][n]), n                                      # the formula, bit for bit
-        assert not torch.equal(p, ref["make"](n, tuple(p.shape))), n                 # quantization changed it
+        assert torch.equal(p, ref["deq"][n]), n  # the formula, bit for bit
+        assert not torch.equal(p, ref["make"](n, tuple(p.shape))), n  # quantization changed it
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -118,9 +141,13 @@ def test_logits_match_transformers_on_the_same_files(results, name):
     with torch.no_grad():
         want = ref["hf"](r["ids"]).logits
     assert r["logits"].shape == want.shape
-    assert want.abs().mean() > 0.05                                  # real logits, not a degenerate model
-    assert_within(r["logits"], want, LOGITS_FP32_ABS,
-                  f"{name} (megatron-core {got['version']}): GPTModel from FP8 files vs transformers")
+    assert want.abs().mean() > 0.05  # real logits, not a degenerate model
+    assert_within(
+        r["logits"],
+        want,
+        LOGITS_FP32_ABS,
+        f"{name} (megatron-core {got['version']}): GPTModel from FP8 files vs transformers",
+    )
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -131,5 +158,9 @@ def test_mtp_logits_match_the_formula_on_the_same_files(results, name):
     assert len(r["mtp"]) == len(want) == ref["cfg"].mtp.depth >= 1
     for k, (g, w) in enumerate(zip(r["mtp"], want), 1):
         assert g.shape == w.shape == (2, 24 - k, ref["cfg"].model.vocab_size)
-        assert_within(g, w, LOGITS_FP32_ABS, f"{name} (megatron-core {got['version']}): Megatron MTP depth {k} "
-                                             "vs eqs. 21-23 with transformers' block")
+        assert_within(
+            g,
+            w,
+            LOGITS_FP32_ABS,
+            f"{name} (megatron-core {got['version']}): Megatron MTP depth {k} vs eqs. 21-23 with transformers' block",
+        )

@@ -1,11 +1,12 @@
 """MTP logits vs a reference built from the paper's formula (eqs. 21-23) with transformers' own decoder
 block, RMSNorm and head, fed the released MTP tensors read straight from the files."""
+
 import torch
+from helpers import make_tiny_hf_checkpoint, mtp_reference_logits, read_stored_tensors
+from tolerance import LOGITS_FP32_ABS, assert_within, model_bound
 
 from dsv3_plugin import load_pretrained
 from dsv3_plugin.config import load_config
-from helpers import make_tiny_hf_checkpoint, mtp_reference_logits, read_stored_tensors
-from tolerance import LOGITS_FP32_ABS, assert_within, model_bound
 
 
 def test_mtp_logits_match_formula(tmp_path):

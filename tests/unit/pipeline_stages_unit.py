@@ -1,4 +1,5 @@
 """A tiny stage for single-process pipeline tests."""
+
 import torch
 from torch import nn
 

@@ -3,8 +3,15 @@ import pytest
 from dsv3_plugin.cli import main
 
 
-@pytest.mark.parametrize("argv", [["bench", "moe", "--tokens", "-5"], ["bench", "dispatch", "--nodes", "0"],
-                                  ["bench", "fp8", "--gemm", "1", "0", "2"], ["bench", "convert", "--shard-mb", "x"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bench", "moe", "--tokens", "-5"],
+        ["bench", "dispatch", "--nodes", "0"],
+        ["bench", "fp8", "--gemm", "1", "0", "2"],
+        ["bench", "convert", "--shard-mb", "x"],
+    ],
+)
 def test_bad_bench_sizes_are_usage_errors(argv, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)
@@ -12,13 +19,20 @@ def test_bad_bench_sizes_are_usage_errors(argv, capsys):
     assert "argument --" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv, msg", [(["bench", "pipeline", "--chunks", "3"], "--chunks: dualpipe"),
-                                       (["bench", "pipeline", "--pp", "3", "--schedule", "dualpipe"],
-                                        "--pp: dualpipe needs an even number of pipeline ranks"),
-                                       (["bench", "pipeline", "--preset", "huge"], "dsv3.preset: unknown preset"),
-                                       (["bench", "overlap", "--chunks", "3"], "--chunks: dualpipev"),
-                                       (["bench", "overlap", "--ep", "1"], "--ep: must be >= 2"),
-                                       (["bench", "overlap", "--preset", "huge"], "dsv3.preset: unknown preset")])
+@pytest.mark.parametrize(
+    "argv, msg",
+    [
+        (["bench", "pipeline", "--chunks", "3"], "--chunks: dualpipe"),
+        (
+            ["bench", "pipeline", "--pp", "3", "--schedule", "dualpipe"],
+            "--pp: dualpipe needs an even number of pipeline ranks",
+        ),
+        (["bench", "pipeline", "--preset", "huge"], "dsv3.preset: unknown preset"),
+        (["bench", "overlap", "--chunks", "3"], "--chunks: dualpipev"),
+        (["bench", "overlap", "--ep", "1"], "--ep: must be >= 2"),
+        (["bench", "overlap", "--preset", "huge"], "dsv3.preset: unknown preset"),
+    ],
+)
 def test_bad_pipeline_and_overlap_bench_arguments_are_usage_errors_naming_the_flag(argv, msg, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)
@@ -31,9 +45,16 @@ def test_convert_bench_checkpoint_shape_knobs():
     FP8 bytes of one layer at 32 heads, 10 + 1 experts: MLA (1536·7168 + 32·192·1536 + 576·7168 + 32·256·512 +
     7168·32·128) + 11 · 3 · 2048 · 7168 = 542.1 MB, so 1.1 GB holds 2 layers."""
     from dsv3_plugin.bench.convert import _config
+
     d = _config(1.1e9, n_experts=10, heads=32)
     assert (d["n_routed_experts"], d["num_attention_heads"], d["num_key_value_heads"]) == (10, 32, 32)
-    assert d["num_hidden_layers"] == round(1.1e9 / (1536 * 7168 + 32 * 192 * 1536 + 576 * 7168 + 32 * 256 * 512
-                                                    + 7168 * 32 * 128 + 11 * 3 * 2048 * 7168)) == 2
+    assert (
+        d["num_hidden_layers"]
+        == round(
+            1.1e9
+            / (1536 * 7168 + 32 * 192 * 1536 + 576 * 7168 + 32 * 256 * 512 + 7168 * 32 * 128 + 11 * 3 * 2048 * 7168)
+        )
+        == 2
+    )
     default = _config(1.2e9)
     assert (default["n_routed_experts"], default["num_attention_heads"], default["num_hidden_layers"]) == (8, 128, 2)

@@ -1,9 +1,10 @@
 """memory.bf16_moments: AdamW with BF16 moments tracks FP32 AdamW and halves the optimizer state."""
+
 import torch
+from tolerance import assert_within, reorder_bound, unit_roundoff
 from torch import nn
 
 from dsv3_plugin.precision.bf16_adamw import AdamWBF16Moments, make_optimizer
-from tolerance import assert_within, reorder_bound, unit_roundoff
 
 
 def _run(opt_cls, steps=30, **kw):
@@ -34,13 +35,17 @@ def test_matches_fp32_adamw_closely_and_halves_state():
     # over steps (the feedback of the slightly different weights on later gradients is second order).
     c = unit_roundoff(torch.bfloat16) * (1 / (1 - 0.9) + 1 / (2 * (1 - 0.95)))
     for (n, p16), p32, acc in zip(m16.named_parameters(), m32.parameters(), m32.steps_abs):
-        assert_within(p16, p32, c * acc + reorder_bound(8, p32.abs(), stages=30),
-                      f"{n}: BF16-moment AdamW vs FP32 AdamW after 30 steps")
+        assert_within(
+            p16,
+            p32,
+            c * acc + reorder_bound(8, p32.abs(), stages=30),
+            f"{n}: BF16-moment AdamW vs FP32 AdamW after 30 steps",
+        )
     st = next(iter(o16.state.values()))
     assert st["exp_avg"].dtype == torch.bfloat16 and st["exp_avg_sq"].dtype == torch.bfloat16
     n = sum(p.numel() for p in m16.parameters())
-    assert o16.state_bytes() == 2 * 2 * n                                # vs 2 * 4 * n for FP32 moments
-    assert next(m16.parameters()).dtype == torch.float32                 # FP32 master weights
+    assert o16.state_bytes() == 2 * 2 * n  # vs 2 * 4 * n for FP32 moments
+    assert next(m16.parameters()).dtype == torch.float32  # FP32 master weights
 
 
 def test_one_step_formula_and_rounding():
@@ -56,8 +61,9 @@ def test_one_step_formula_and_rounding():
     # Same formula, other association/op order: no reduction, but a chain of <= 10 roundings each side
     # (moments 2-3, bias corrections 1 each, sqrt, +eps, the division, decay, the step) on terms of size
     # |p|·(1 − lr·wd) and lr·|update|.
-    assert_within(p.detach(), expect, reorder_bound(10, p0.abs() * 0.99 + 0.1 * upd.abs()),
-                  "one AdamW step vs the formula")
+    assert_within(
+        p.detach(), expect, reorder_bound(10, p0.abs() * 0.99 + 0.1 * upd.abs()), "one AdamW step vs the formula"
+    )
     assert torch.equal(opt.state[p]["exp_avg"], m.bfloat16())
 
 
@@ -89,11 +95,12 @@ def test_sliced_update_equals_the_whole_tensor_update(monkeypatch):
     FP32 temporaries stay bounded. Every operation is elementwise; at one thread the whole tensor and the slices
     (multiples of the SIMD width) put the same elements on the same vector/scalar path: bit-identical."""
     import dsv3_plugin.precision.bf16_adamw as mod
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         out = {}
-        for slice_len in (1 << 30, 1 << 12):          # no slicing / 2.5 slices of 4096 plus a ragged tail
+        for slice_len in (1 << 30, 1 << 12):  # no slicing / 2.5 slices of 4096 plus a ragged tail
             monkeypatch.setattr(mod, "SLICE", slice_len)
             g = torch.Generator().manual_seed(3)
             p = nn.Parameter(torch.randn(10 * 1024 + 37, generator=g))

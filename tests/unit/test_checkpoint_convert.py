@@ -1,5 +1,6 @@
 """Streaming conversion: hf-bf16 dequantization, Megatron (pp, ep) layout and its exact inverse, atomicity,
 corrupt inputs through the CLI (exit 2, message names the tensor/file, no DST left)."""
+
 import json
 import os
 import re
@@ -10,14 +11,13 @@ import time
 
 import pytest
 import torch
+from test_checkpoint_reader import KV, _rewrite, _shard_of, make_fp8_ckpt, tiny_hf_cfg
 
 from dsv3_plugin.checkpoint.convert import convert, load_megatron_rank
 from dsv3_plugin.checkpoint.megatron_layout import MegatronLayout, stage_layers
 from dsv3_plugin.checkpoint.reader import CheckpointReader, dequantize_fp8_reference
 from dsv3_plugin.checkpoint.synthetic import write_released_checkpoint
 from dsv3_plugin.cli import main as cli_main
-
-from test_checkpoint_reader import KV, _rewrite, _shard_of, make_fp8_ckpt, tiny_hf_cfg
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -56,8 +56,9 @@ def test_hf_bf16_dequantizes_exactly(tmp_path):
     convert(src, str(fp32), "hf", dtype="fp32", progress=False)
     o32 = CheckpointReader(str(fp32))
     assert all(o32.get(n).dtype == torch.float32 for n in o32.names())
-    assert torch.equal(o32.get(KV), dequantize_fp8_reference(r.raw(KV), r.raw(KV + "_scale_inv"), (32, 32),
-                                                             dtype=torch.float32))
+    assert torch.equal(
+        o32.get(KV), dequantize_fp8_reference(r.raw(KV), r.raw(KV + "_scale_inv"), (32, 32), dtype=torch.float32)
+    )
 
 
 def test_megatron_pp2_ep2_places_every_tensor_once_and_round_trips(tmp_path):
@@ -96,9 +97,14 @@ def test_megatron_pp2_ep2_places_every_tensor_once_and_round_trips(tmp_path):
     fc1 = files[(0, 0)]["decoder.layers.0.mlp.linear_fc1.weight"]
     assert [h for h, _ in fc1] == ["model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"]
     sd = load_megatron_rank(str(meg), 1, 1)
-    assert "decoder.final_layernorm.weight" in sd and "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight" in sd
-    assert sd["decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"].shape == (2 * cfg["moe_intermediate_size"],
-                                                                                       cfg["hidden_size"])
+    assert (
+        "decoder.final_layernorm.weight" in sd
+        and "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight" in sd
+    )
+    assert sd["decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"].shape == (
+        2 * cfg["moe_intermediate_size"],
+        cfg["hidden_size"],
+    )
     back = tmp_path / "back"
     convert(str(meg), str(back), "hf", progress=False)
     _assert_same(str(bf16), str(back))  # bit-exact round trip
@@ -114,7 +120,12 @@ def test_layout_split_rules():
     assert sum(map(len, stage_layers(61, 16))) == 61
     lay = MegatronLayout(tiny_hf_cfg(n_routed_experts=8), pp=1, ep=4)
     p = lay.place("model.layers.2.mlp.experts.7.up_proj.weight")
-    assert (p.stage, p.ep_rank, p.name, p.part) == (0, 3, "decoder.layers.2.mlp.experts.local_experts.1.linear_fc1.weight", 1)
+    assert (p.stage, p.ep_rank, p.name, p.part) == (
+        0,
+        3,
+        "decoder.layers.2.mlp.experts.local_experts.1.linear_fc1.weight",
+        1,
+    )
     with pytest.raises(ValueError, match="--ep 3: must divide n_routed_experts"):
         MegatronLayout(tiny_hf_cfg(n_routed_experts=8), pp=1, ep=3)
     with pytest.raises(ValueError, match="model.layers.0.foo.weight: unexpected tensor"):
@@ -126,14 +137,22 @@ def _cli(args, capsys):
     return rc, capsys.readouterr().err
 
 
-@pytest.mark.parametrize("corruption", ["truncated", "missing_scale", "wrong_grid", "wrong_shape", "missing_file",
-                                        "missing_tensor", "unexpected_tensor"])
+@pytest.mark.parametrize(
+    "corruption",
+    ["truncated", "missing_scale", "wrong_grid", "wrong_shape", "missing_file", "missing_tensor", "unexpected_tensor"],
+)
 def test_corrupt_inputs_exit_2_and_leave_nothing(tmp_path, capsys, corruption):
     src = make_fp8_ckpt(tmp_path / "fp8")
     fn = _shard_of(src, KV)
-    expect = {"truncated": re.escape(fn), "missing_scale": re.escape(KV) + ".*FP8 weight without",
-              "wrong_grid": re.escape(KV + "_scale_inv") + ".*scale grid", "wrong_shape": "", "missing_file":
-              "points to missing file.*" + re.escape(fn), "missing_tensor": "", "unexpected_tensor": ""}[corruption]
+    expect = {
+        "truncated": re.escape(fn),
+        "missing_scale": re.escape(KV) + ".*FP8 weight without",
+        "wrong_grid": re.escape(KV + "_scale_inv") + ".*scale grid",
+        "wrong_shape": "",
+        "missing_file": "points to missing file.*" + re.escape(fn),
+        "missing_tensor": "",
+        "unexpected_tensor": "",
+    }[corruption]
     p = os.path.join(src, fn)
     if corruption == "truncated":
         with open(p, "rb") as f:
@@ -198,8 +217,21 @@ def test_kill_9_leaves_no_dst_and_rerun_works(tmp_path):
     write_released_checkpoint(src, cfg, lambda n, s: torch.randn(s, generator=g) * 0.05, shard_bytes=2 << 20)
     dst = tmp_path / "out"
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "dsv3_plugin", "convert", src, str(dst), "--to", "megatron", "--pp", "2",
-           "--dtype", "fp32", "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dsv3_plugin",
+        "convert",
+        src,
+        str(dst),
+        "--to",
+        "megatron",
+        "--pp",
+        "2",
+        "--dtype",
+        "fp32",
+        "--no-progress",
+    ]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     partial = tmp_path / f".out.partial-{proc.pid}"
     deadline = time.monotonic() + 120
@@ -222,13 +254,15 @@ def test_streaming_writer_matches_safetensors_and_checks_order(tmp_path):
     from safetensors.torch import load_file
 
     from dsv3_plugin.checkpoint.writer import StreamingSafetensorsWriter
+
     a = torch.randn(5, 3).to(torch.bfloat16)
     b = torch.arange(7, dtype=torch.float32)
     e = torch.zeros(0, 4)
     p = str(tmp_path / "x.safetensors")
-    with StreamingSafetensorsWriter(p, [("a", torch.bfloat16, (5, 3)), ("e", torch.float32, (0, 4)),
-                                        ("b", torch.float32, (7,))]) as w:
-        w.write("a", a[:2])   # row blocks of one tensor
+    with StreamingSafetensorsWriter(
+        p, [("a", torch.bfloat16, (5, 3)), ("e", torch.float32, (0, 4)), ("b", torch.float32, (7,))]
+    ) as w:
+        w.write("a", a[:2])  # row blocks of one tensor
         w.write("a", a[2:])
         w.write("e", e)
         w.write("b", b)

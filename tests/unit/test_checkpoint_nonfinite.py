@@ -2,25 +2,25 @@
 that reads weights (`CheckpointReader`, `load_pretrained`, `dsv3 convert`, `dsv3 generate`), unless the opt-out
 `allow_non_finite` / `--allow-non-finite` is given; and the fast FP8 dequantization decodes E4M3's NaN code as
 DeepSeek's formula `float(w_fp8) * scale` does: as NaN."""
+
 import os
 import re
 import shutil
 
 import pytest
 import torch
+from test_checkpoint_reader import KV, _rewrite, _shard_of, tiny_hf_cfg
 
 from dsv3_plugin import load_pretrained
 from dsv3_plugin.checkpoint.convert import convert
 from dsv3_plugin.checkpoint.reader import CheckpointReader, dequantize_fp8_blockwise, dequantize_fp8_reference
+from dsv3_plugin.checkpoint.synthetic import write_released_checkpoint
 from dsv3_plugin.cli import main as cli_main
 from dsv3_plugin.errors import CheckpointError
 
-from dsv3_plugin.checkpoint.synthetic import write_released_checkpoint
-from test_checkpoint_reader import KV, _rewrite, _shard_of, tiny_hf_cfg
-
-NORM = "model.layers.0.input_layernorm.weight"             # BF16 in the file
-BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"    # FP32 in the file
-EMB = "model.layers.3.eh_proj.weight"                       # BF16 in the release, 2-D
+NORM = "model.layers.0.input_layernorm.weight"  # BF16 in the file
+BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"  # FP32 in the file
+EMB = "model.layers.3.eh_proj.weight"  # BF16 in the release, 2-D
 
 
 def _same_bits_nan_aware(a, b):
@@ -33,8 +33,8 @@ def test_fast_dequant_decodes_e4m3_nan_code_as_nan(shape, dtype):
     g = torch.Generator().manual_seed(3)
     w = (torch.randn(shape, generator=g) * 4).to(torch.float8_e4m3fn)
     u8 = w.view(torch.uint8).view(-1)
-    u8[::97] = 0x7F      # +NaN code
-    u8[5::131] = 0xFF    # -NaN code
+    u8[::97] = 0x7F  # +NaN code
+    u8[5::131] = 0xFF  # -NaN code
     grid = (-(-shape[0] // 128), -(-shape[1] // 128))
     s = torch.rand(grid, generator=g) * 1e-2 + 1e-4
     ref = dequantize_fp8_reference(w, s, dtype=dtype)
@@ -48,10 +48,11 @@ def test_fast_dequant_decodes_e4m3_nan_code_as_nan(shape, dtype):
 def test_fast_dequant_e5m2_inf_and_nan_codes():
     w = torch.randn(200, 150).to(torch.float8_e5m2)
     u8 = w.view(torch.uint8).view(-1)
-    u8[3], u8[10], u8[20] = 0x7C, 0xFC, 0x7E   # +Inf, -Inf, NaN
+    u8[3], u8[10], u8[20] = 0x7C, 0xFC, 0x7E  # +Inf, -Inf, NaN
     s = torch.full((2, 2), 0.5)
-    assert _same_bits_nan_aware(dequantize_fp8_blockwise(w, s, dtype=torch.float32),
-                                dequantize_fp8_reference(w, s, dtype=torch.float32))
+    assert _same_bits_nan_aware(
+        dequantize_fp8_blockwise(w, s, dtype=torch.float32), dequantize_fp8_reference(w, s, dtype=torch.float32)
+    )
     with pytest.raises(CheckpointError, match=r"3 FP8 Inf/NaN codes"):
         dequantize_fp8_blockwise(w, s, check_finite=True, name="w")
 
@@ -68,6 +69,7 @@ def _scale(value):
         s = d[KV + "_scale_inv"].clone()
         s[1, 0] = value
         d[KV + "_scale_inv"] = s
+
     return edit
 
 
@@ -76,6 +78,7 @@ def _bf16(name, value):
         t = d[name].clone()
         t.view(-1)[7] = value
         d[name] = t
+
     return edit
 
 
@@ -83,7 +86,11 @@ CASES = {  # case: (tensor whose shard is edited, edit, message regex (after the
     "fp8_nan_code": (KV, _set_fp8_code, re.escape(KV) + r" in .*: 1 FP8 NaN codes"),
     "inf_scale": (KV, _scale(float("inf")), re.escape(KV + "_scale_inv") + r" in .*: 1 \+Inf among 4 block scales"),
     "nan_scale": (KV, _scale(float("nan")), re.escape(KV + "_scale_inv") + r" in .*: 1 NaN among 4 block scales"),
-    "overflowing_scale": (KV, _scale(1e37), re.escape(KV + "_scale_inv") + r" in .*: block scale 1e\+37 would overflow"),
+    "overflowing_scale": (
+        KV,
+        _scale(1e37),
+        re.escape(KV + "_scale_inv") + r" in .*: block scale 1e\+37 would overflow",
+    ),
     "nan_bf16_weight": (NORM, _bf16(NORM, float("nan")), re.escape(NORM) + r" in .*: 1 NaN among 64 values"),
     "neg_inf_bf16_eh_proj": (EMB, _bf16(EMB, float("-inf")), re.escape(EMB) + r" in .*: 1 -Inf among"),
     "inf_fp32_router_bias": (BIAS, _bf16(BIAS, float("inf")), re.escape(BIAS) + r" in .*: 1 \+Inf among"),
@@ -95,12 +102,15 @@ def make_loadable_fp8_ckpt(path, shard_bytes=40_000, block=(32, 32)):
     main ones (values are a function of the canonical tensor name)."""
     cfg = tiny_hf_cfg()
     L = cfg["num_hidden_layers"]
-    canon = {f"model.layers.{L}.embed_tokens.weight": "model.embed_tokens.weight",
-             f"model.layers.{L}.shared_head.head.weight": "lm_head.weight"}
+    canon = {
+        f"model.layers.{L}.embed_tokens.weight": "model.embed_tokens.weight",
+        f"model.layers.{L}.shared_head.head.weight": "lm_head.weight",
+    }
 
     def make(name, shape):
         g = torch.Generator().manual_seed(sum(map(ord, canon.get(name, name))))
         return torch.randn(shape, generator=g) * 0.05 + (1.0 if len(shape) == 1 else 0.0)
+
     write_released_checkpoint(str(path), cfg, make, shard_bytes=shard_bytes, block=block)
     return str(path)
 
@@ -143,14 +153,16 @@ def test_non_finite_refused_everywhere_and_allowed_on_request(clean, tmp_path, c
     with CheckpointReader(dst) as r, pytest.raises(CheckpointError, match=re.escape(name)):
         r.get(name)
     capsys.readouterr()
-    assert cli_main(["generate", "--model", d, "--prompt-ids", "1,2", "--max-new-tokens", "2",
-                     "--allow-non-finite"]) == 0
+    assert (
+        cli_main(["generate", "--model", d, "--prompt-ids", "1,2", "--max-new-tokens", "2", "--allow-non-finite"]) == 0
+    )
 
 
 def test_megatron_layout_non_finite_refused_and_allowed(clean, tmp_path, capsys):
     meg = str(tmp_path / "meg")
     convert(clean, meg, "megatron", pp=2, ep=2, progress=False)
     from safetensors.torch import load_file, save_file
+
     fn = "mp_rank_pp000_ep000.safetensors"
     sd = load_file(os.path.join(meg, fn))
     key = "decoder.layers.0.input_layernorm.weight"
@@ -161,8 +173,8 @@ def test_megatron_layout_non_finite_refused_and_allowed(clean, tmp_path, capsys)
     assert re.search(re.escape(key) + r" .*" + re.escape(fn) + ": 1 NaN", capsys.readouterr().err)
     assert not (tmp_path / "back").exists()
     from dsv3_plugin.checkpoint.convert import load_megatron_rank
+
     with pytest.raises(CheckpointError, match=re.escape(key) + " in .*" + re.escape(fn)):
         load_megatron_rank(meg, 0, 0)
     assert torch.isnan(load_megatron_rank(meg, 0, 0, allow_non_finite=True)[key]).sum() == 1
-    assert cli_main(["convert", meg, str(tmp_path / "back"), "--to", "hf", "--no-progress",
-                     "--allow-non-finite"]) == 0
+    assert cli_main(["convert", meg, str(tmp_path / "back"), "--to", "hf", "--no-progress", "--allow-non-finite"]) == 0

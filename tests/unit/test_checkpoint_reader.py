@@ -1,4 +1,5 @@
 """Released-format reader: FP8 block dequantization (exact vs DeepSeek's formula) and corrupt-input errors."""
+
 import json
 import os
 import re
@@ -7,7 +8,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dsv3_plugin.checkpoint.reader import CheckpointReader, dequantize_fp8_blockwise, dequantize_fp8_reference, read_safetensors_header
+from dsv3_plugin.checkpoint.reader import (
+    CheckpointReader,
+    dequantize_fp8_blockwise,
+    dequantize_fp8_reference,
+    read_safetensors_header,
+)
 from dsv3_plugin.checkpoint.synthetic import quantize_fp8_blockwise, write_released_checkpoint
 from dsv3_plugin.config import load_config
 from dsv3_plugin.errors import CheckpointError
@@ -21,8 +27,13 @@ def tiny_hf_cfg(**over):
 
 def make_fp8_ckpt(path, shard_bytes=40_000, block=(32, 32), seed=0, cfg=None):
     g = torch.Generator().manual_seed(seed)
-    write_released_checkpoint(str(path), cfg or tiny_hf_cfg(), lambda n, s: torch.randn(s, generator=g) * 0.05,
-                              shard_bytes=shard_bytes, block=block)
+    write_released_checkpoint(
+        str(path),
+        cfg or tiny_hf_cfg(),
+        lambda n, s: torch.randn(s, generator=g) * 0.05,
+        shard_bytes=shard_bytes,
+        block=block,
+    )
     return str(path)
 
 
@@ -63,7 +74,7 @@ def test_quantize_roundtrip_is_close():
     q, s = quantize_fp8_blockwise(w)
     assert q.dtype == torch.float8_e4m3fn and s.shape == (5, 2)
     back = dequantize_fp8_blockwise(q, s, dtype=torch.float32)
-    assert (back - w).abs().max() <= w.abs().max() * 2 ** -3  # E4M3 keeps 3 mantissa bits
+    assert (back - w).abs().max() <= w.abs().max() * 2**-3  # E4M3 keeps 3 mantissa bits
 
 
 def test_reader_sharded_fp8(tmp_path):
@@ -104,6 +115,7 @@ def test_missing_scale(tmp_path):
 
     def drop(d):
         del d[KV + "_scale_inv"]
+
     _rewrite(path, fn, drop)
     idx = os.path.join(path, "model.safetensors.index.json")
     with open(idx) as f:
@@ -119,8 +131,10 @@ def test_wrong_grid(tmp_path):
     path = make_fp8_ckpt(tmp_path / "ck")
     fn = _shard_of(path, KV)
     _rewrite(path, fn, lambda d: d.__setitem__(KV + "_scale_inv", torch.ones(1, 2)))
-    with pytest.raises(CheckpointError, match=re.escape(KV + "_scale_inv") + r" in .*" + re.escape(fn)
-                       + r": scale grid \[1, 2\].*expected \[2, 2\]"):
+    with pytest.raises(
+        CheckpointError,
+        match=re.escape(KV + "_scale_inv") + r" in .*" + re.escape(fn) + r": scale grid \[1, 2\].*expected \[2, 2\]",
+    ):
         CheckpointReader(path)
 
 
@@ -136,6 +150,7 @@ def test_dtype_surprise_and_orphan_scale(tmp_path):
 
     def to_bf16(d):
         d[KV] = d[KV].to(torch.bfloat16)
+
     _rewrite(path2, fn2, to_bf16)
     with pytest.raises(CheckpointError, match=re.escape(KV + "_scale_inv") + r" in .*stored as BF16, not FP8"):
         CheckpointReader(path2)

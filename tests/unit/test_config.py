@@ -14,17 +14,21 @@ INVALID = [
     ({"moe": {"topk_group": 5}}, "dsv3.moe.topk_group"),
     ({"moe": {"top_k": 1, "topk_group": 2}}, "dsv3.moe.top_k"),
     ({"moe": {"n_group": 16, "topk_group": 2}}, "dsv3.moe.n_group"),  # 1 expert per group
-    ({"moe": {"top_k": 12, "topk_group": 2}}, "dsv3.moe.top_k"),       # > 2 groups x 4 experts
+    ({"moe": {"top_k": 12, "topk_group": 2}}, "dsv3.moe.top_k"),  # > 2 groups x 4 experts
     ({"moe": {"n_routed_experts": 0}}, "dsv3.moe.n_routed_experts"),
     ({"moe": {"n_shared_experts": -1}}, "dsv3.moe.n_shared_experts"),
     ({"moe": {"route_scale": 0}}, "dsv3.moe.route_scale"),
     ({"moe": {"score_func": "softmax"}}, "dsv3.moe.score_func"),
     ({"moe": {"bias_update_speed": -0.001}}, "dsv3.moe.bias_update_speed"),
     ({"moe": {"seq_aux_alpha": -1}}, "dsv3.moe.seq_aux_alpha"),
-    ({"moe": {"bias_update_schedule": [{"until_tokens": 10, "value": 0.1}, {"until_tokens": 5, "value": 0}]}},
-     "dsv3.moe.bias_update_schedule.1.until_tokens"),
-    ({"moe": {"bias_update_schedule": [{"until_tokens": None, "value": 0.1}, {"until_tokens": 5, "value": 0}]}},
-     "dsv3.moe.bias_update_schedule.0.until_tokens"),
+    (
+        {"moe": {"bias_update_schedule": [{"until_tokens": 10, "value": 0.1}, {"until_tokens": 5, "value": 0}]}},
+        "dsv3.moe.bias_update_schedule.1.until_tokens",
+    ),
+    (
+        {"moe": {"bias_update_schedule": [{"until_tokens": None, "value": 0.1}, {"until_tokens": 5, "value": 0}]}},
+        "dsv3.moe.bias_update_schedule.0.until_tokens",
+    ),
     ({"moe": {"bias_update_schedule": [{"until_tokens": 5}]}}, "dsv3.moe.bias_update_schedule.0.value"),
     ({"moe": {"typo_key": 1}}, "dsv3.moe.typo_key"),
     ({"moe": {"max_nodes_per_token": 3, "topk_group": 2}}, "dsv3.moe.max_nodes_per_token"),
@@ -38,8 +42,10 @@ INVALID = [
     ({"model": {"vocab": 10}}, "dsv3.model.vocab"),
     ({"mtp": {"depth": -1}}, "dsv3.mtp.depth"),
     ({"mtp": {"loss_weight": -0.3}}, "dsv3.mtp.loss_weight"),
-    ({"mtp": {"loss_weight_schedule": [{"until_tokens": -1, "value": 0.3}]}},
-     "dsv3.mtp.loss_weight_schedule.0.until_tokens"),
+    (
+        {"mtp": {"loss_weight_schedule": [{"until_tokens": -1, "value": 0.3}]}},
+        "dsv3.mtp.loss_weight_schedule.0.until_tokens",
+    ),
     ({"parallel": {"ep": 3}}, "dsv3.parallel.ep"),
     ({"parallel": {"ep": 0}}, "dsv3.parallel.ep"),
     ({"parallel": {"schedule": "gpipe"}}, "dsv3.parallel.schedule"),
@@ -79,16 +85,42 @@ def test_example_message_format():
 def test_v3_preset_matches_released_config():
     c = load_config({"preset": "v3-671b"})
     hf = c.to_hf()
-    released = {"vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
-                "num_hidden_layers": 61, "num_attention_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
-                "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
-                "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
-                "first_k_dense_replace": 3, "norm_topk_prob": True, "max_position_embeddings": 163840,
-                "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "num_nextn_predict_layers": 1}
+    released = {
+        "vocab_size": 129280,
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": 2048,
+        "num_hidden_layers": 61,
+        "num_attention_heads": 128,
+        "n_shared_experts": 1,
+        "n_routed_experts": 256,
+        "routed_scaling_factor": 2.5,
+        "kv_lora_rank": 512,
+        "q_lora_rank": 1536,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "qk_nope_head_dim": 128,
+        "n_group": 8,
+        "topk_group": 4,
+        "num_experts_per_tok": 8,
+        "first_k_dense_replace": 3,
+        "norm_topk_prob": True,
+        "max_position_embeddings": 163840,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "num_nextn_predict_layers": 1,
+    }
     for k, v in released.items():
         assert hf[k] == v, k
-    assert hf["rope_scaling"] == {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
-                                  "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+    assert hf["rope_scaling"] == {
+        "type": "yarn",
+        "factor": 40,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    }
     assert c.moe.seq_aux_alpha == 0.0001 and c.moe.bias_update_speed == 0.001
 
 
@@ -104,8 +136,15 @@ def test_from_hf_round_trip_and_missing_aux_alpha():
 
 def test_reads_dsv3_block_of_deepspeed_json(tmp_path):
     p = tmp_path / "ds.json"
-    p.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1},
-                             "dsv3": {"preset": "tiny", "moe": {"max_nodes_per_token": 1}}}))
+    p.write_text(
+        json.dumps(
+            {
+                "train_micro_batch_size_per_gpu": 2,
+                "zero_optimization": {"stage": 1},
+                "dsv3": {"preset": "tiny", "moe": {"max_nodes_per_token": 1}},
+            }
+        )
+    )
     c = load_config(p)
     assert c.moe.topk_group == 1 and c.preset == "tiny"
     assert set(PRESETS) >= {"tiny", "v3-671b"}
@@ -113,8 +152,10 @@ def test_reads_dsv3_block_of_deepspeed_json(tmp_path):
 
 def test_check_config_exit_codes(tmp_path, capsys):
     good = tmp_path / "good.json"
-    ds = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3,
-                                                                                        "torch_adam": True}}}
+    ds = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+    }
     good.write_text(json.dumps({**ds, "dsv3": {"preset": "tiny"}}))
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({**ds, "dsv3": {"preset": "tiny", "moe": {"top_k": 99}}}))
@@ -130,6 +171,7 @@ def test_check_config_exit_codes(tmp_path, capsys):
 def test_check_config_console_script(tmp_path):
     import subprocess
     import sys
+
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"dsv3": {"moe": {"n_group": 5}}}))
     r = subprocess.run([sys.executable, "-m", "dsv3_plugin", "check-config", str(bad)], capture_output=True, text=True)

@@ -5,6 +5,7 @@ pre-spawn check of `dsv3 train` for the same number of ranks.
 
 Seed: DSV3_FUZZ_SEED (default below); the seed and the counts are printed (`pytest -s` shows them).
 """
+
 import copy
 import json
 import os
@@ -35,8 +36,11 @@ def _bases():
     pipe.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=4)
     pipe["dsv3"].update(model={"num_hidden_layers": 4}, parallel={"pp": 2, "schedule": "dualpipev"})
     ep = copy.deepcopy(DEFAULT_DS_CONFIG)
-    ep["dsv3"].update(parallel={"ep": 2}, moe={"ranks_per_node": 1, "n_group": 4, "topk_group": 2},
-                      fp8={"enabled": True, "backend": "emulate"})
+    ep["dsv3"].update(
+        parallel={"ep": 2},
+        moe={"ranks_per_node": 1, "n_group": 4, "topk_group": 2},
+        fp8={"enabled": True, "backend": "emulate"},
+    )
     tbs = copy.deepcopy(DEFAULT_DS_CONFIG)
     del tbs["train_micro_batch_size_per_gpu"]
     tbs["train_batch_size"] = 8
@@ -44,23 +48,84 @@ def _bases():
 
 
 # value pool: ("lit", text) is written into the JSON text verbatim (non-finite and overflowing literals)
-VALUES = ["4", "x", "", True, False, None, [], {}, [1, 2], {"a": 1}, 0, -1, 1, 2, 3, 7, 64, 0.5, -0.5, 1e-9, 2.0,
-          2 ** 31, 10 ** 7, 10 ** 30, 10 ** 40, 1e30, ("lit", "1e400"), ("lit", "-1e400"), ("lit", "NaN"),
-          ("lit", "Infinity"), ("lit", "1" + "0" * 60)]
+VALUES = [
+    "4",
+    "x",
+    "",
+    True,
+    False,
+    None,
+    [],
+    {},
+    [1, 2],
+    {"a": 1},
+    0,
+    -1,
+    1,
+    2,
+    3,
+    7,
+    64,
+    0.5,
+    -0.5,
+    1e-9,
+    2.0,
+    2**31,
+    10**7,
+    10**30,
+    10**40,
+    1e30,
+    ("lit", "1e400"),
+    ("lit", "-1e400"),
+    ("lit", "NaN"),
+    ("lit", "Infinity"),
+    ("lit", "1" + "0" * 60),
+]
 DS_MUTATIONS = [
-    ("zero_optimization", [{"stage": 0}, {"stage": 2}, {"stage": 3}, {"stage": "1"}, {"stage": True}, 1,
-                           {"stage": 1, "bogus": 1}, {"stage": 1, "reduce_bucket_size": "big"}, {}]),
-    ("optimizer", [None, {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}, {"type": "SGD", "params": {}},
-                   {"type": "Nope"}, {"type": 5}, {"type": "AdamW", "params": {"lr": -1, "torch_adam": True}},
-                   {"type": "AdamW", "params": {"betas": [0.9], "torch_adam": True}}, {"type": "Lion"},
-                   {"type": "AdamW", "params": {"max_grad_norm": 1.0, "torch_adam": True}}, []]),
-    ("scheduler", [None, {"type": "WarmupLR"}, {"type": "WarmupLR", "params": {"warmup_num_steps": "10"}},
-                   {"type": "WarmupDecayLR", "params": {}}, {"type": "OneCycle", "params": {"cycle_min_lr": 1e-4,
-                                                                                          "cycle_max_lr": 1e-3}},
-                   {"type": "Bogus", "params": {}}, "WarmupLR"]),
-    ("train_micro_batch_size_per_gpu", [None, 0, 3, "4", 4.0, 10 ** 9]),
+    (
+        "zero_optimization",
+        [
+            {"stage": 0},
+            {"stage": 2},
+            {"stage": 3},
+            {"stage": "1"},
+            {"stage": True},
+            1,
+            {"stage": 1, "bogus": 1},
+            {"stage": 1, "reduce_bucket_size": "big"},
+            {},
+        ],
+    ),
+    (
+        "optimizer",
+        [
+            None,
+            {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+            {"type": "SGD", "params": {}},
+            {"type": "Nope"},
+            {"type": 5},
+            {"type": "AdamW", "params": {"lr": -1, "torch_adam": True}},
+            {"type": "AdamW", "params": {"betas": [0.9], "torch_adam": True}},
+            {"type": "Lion"},
+            {"type": "AdamW", "params": {"max_grad_norm": 1.0, "torch_adam": True}},
+            [],
+        ],
+    ),
+    (
+        "scheduler",
+        [
+            None,
+            {"type": "WarmupLR"},
+            {"type": "WarmupLR", "params": {"warmup_num_steps": "10"}},
+            {"type": "WarmupDecayLR", "params": {}},
+            {"type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3}},
+            {"type": "Bogus", "params": {}},
+            "WarmupLR",
+        ],
+    ),
+    ("train_micro_batch_size_per_gpu", [None, 0, 3, "4", 4.0, 10**9]),
     ("gradient_accumulation_steps", [None, 0, 2, 3, 8, True]),
-    ("train_batch_size", [None, 7, 8, 16, 10 ** 12]),
+    ("train_batch_size", [None, 7, 8, 16, 10**12]),
     ("gradient_clipping", [None, -1, 0, "yes", 1e30]),
     ("fp16", [{"enabled": True}, {"enabled": "yes"}, True]),
     ("bf16", [{"enabled": True}, {"enabled": 1}]),
@@ -155,6 +220,7 @@ def _cases():
 def _builds(path: str, world: int) -> None:
     """An accepted config: the model builds (meta device: shapes only) and dsv3 train's pre-spawn check passes."""
     from dsv3_plugin.training.transforms import build_model
+
     ds, cfg, total = _prepare(path, None, None, world_size=world)
     assert total >= 1
     with torch.device("meta"):
@@ -184,8 +250,10 @@ def test_fuzzed_configs_exit_0_or_2_and_accepted_ones_build(tmp_path, capsys):
         except ConfigError as e:
             pytest.fail(f"seed {SEED} case {i} ({what}): check-config accepted it but train refuses: {e}")
     with capsys.disabled():
-        print(f"\nconfig fuzz: seed {SEED}, {len(cases)} mutations, {accepted} accepted (all built), "
-              f"{refused} refused with exit 2")
+        print(
+            f"\nconfig fuzz: seed {SEED}, {len(cases)} mutations, {accepted} accepted (all built), "
+            f"{refused} refused with exit 2"
+        )
     assert len(cases) >= 200 and accepted >= 10 and refused >= 100
 
 
@@ -199,8 +267,13 @@ def test_fuzzed_configs_through_the_cli_process(tmp_path):
     for i, (data, world, what) in enumerate(cases):
         path = tmp_path / f"s{i}.json"
         path.write_bytes(data)
-        r = subprocess.run([sys.executable, "-m", "dsv3_plugin", "check-config", str(path), "--nproc", str(world)],
-                           capture_output=True, text=True, env=env, timeout=300)
+        r = subprocess.run(
+            [sys.executable, "-m", "dsv3_plugin", "check-config", str(path), "--nproc", str(world)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
         assert r.returncode in (0, 2), (what, r.stderr[-2000:])
         assert "Traceback" not in r.stderr, (what, r.stderr[-2000:])
         assert (r.returncode == 0) == r.stdout.startswith("ok: "), (what, r.stdout, r.stderr)

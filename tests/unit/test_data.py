@@ -1,4 +1,5 @@
 """Synthetic Markov data: deterministic per (seed, step, micro-batch, rank), shifted labels, skewed, learnable."""
+
 import math
 
 import torch
@@ -10,7 +11,12 @@ def test_deterministic_and_distinct():
     d = MarkovData(256, 32, seed=1)
     a = d.batch(3, 1, 0, 4)
     assert all(torch.equal(x, y) for x, y in zip(a, MarkovData(256, 32, seed=1).batch(3, 1, 0, 4)))
-    for other in (d.batch(3, 1, 1, 4), d.batch(4, 1, 0, 4), d.batch(3, 0, 0, 4), MarkovData(256, 32, seed=2).batch(3, 1, 0, 4)):
+    for other in (
+        d.batch(3, 1, 1, 4),
+        d.batch(4, 1, 0, 4),
+        d.batch(3, 0, 0, 4),
+        MarkovData(256, 32, seed=2).batch(3, 1, 0, 4),
+    ):
         assert not torch.equal(a[0], other[0])
 
 

@@ -1,9 +1,10 @@
 """Single-process checks of the dispatch module: EP=1 path against the plain formula, copy counting, codecs."""
+
 import pytest
 import torch
+from tolerance import assert_within, reorder_bound
 
 from dsv3_plugin.parallel.dispatch import BF16Codec, count_cross_node_copies, moe_dispatch_combine
-from tolerance import assert_within, reorder_bound
 
 E, H, K = 8, 5, 3
 
@@ -41,8 +42,12 @@ def test_ep1_matches_formula(dedup):
     # Reordered (float64): per-row bmm vs einsum (K = H = 5), and the k-sum by index_add_ vs .sum(1) (K = 3):
     # 2 reductions forward; the gradients of Σ out² add the backward bmm/einsum, the reduction of dW over
     # tokens (T = 10) and the k-broadcast: 5 deep.
-    assert_within(out, ref, reorder_bound(H, _envelope(x, W, idx, w), torch.float64, stages=2),
-                     f"EP=1 dispatch vs formula (dedup={dedup})")
+    assert_within(
+        out,
+        ref,
+        reorder_bound(H, _envelope(x, W, idx, w), torch.float64, stages=2),
+        f"EP=1 dispatch vs formula (dedup={dedup})",
+    )
     g1 = torch.autograd.grad(out.square().sum(), (W, x, w))
     g2 = torch.autograd.grad(ref.square().sum(), (W, x, w))
     env = _envelope(x, W, idx, w, loss=lambda o: o.square().sum())
@@ -59,8 +64,8 @@ def test_bf16_codec_forward_rounds_backward_straight_through():
     # experts saw the bf16-rounded payload: float64 reordering only (as above), the rounding is the same
     bound = reorder_bound(H, _envelope(xq, W, idx, w), torch.float64, stages=2)
     assert_within(out, ref, bound, "BF16 payload dispatch vs formula on bf16-rounded x")
-    assert ((out - _formula(x, W, idx, w)).abs() > bound).any()     # ... and not the unrounded one
-    gx, = torch.autograd.grad(out.sum(), x)
+    assert ((out - _formula(x, W, idx, w)).abs() > bound).any()  # ... and not the unrounded one
+    (gx,) = torch.autograd.grad(out.sum(), x)
     assert gx.abs().sum() > 0
 
 
@@ -86,10 +91,12 @@ def test_fp8_dispatch_codec_from_config():
     gradient flows straight through; a build without the FP8 quantizer refuses the key by name."""
     from dsv3_plugin.config import ConfigError, load_config
     from dsv3_plugin.parallel.dispatch import FP8Codec, codec_from_config
+
     cfg = load_config({"preset": "tiny", "fp8": {"enabled": True, "dispatch": True}})
     assert codec_from_config(load_config({"preset": "tiny"})) is None
     try:
         from dsv3_plugin.precision.fp8 import quant as fp8
+
         have = hasattr(fp8, "pack_dispatch")
     except ImportError:
         have = False
@@ -106,9 +113,13 @@ def test_fp8_dispatch_codec_from_config():
     xq = fp8.unpack_dispatch(fp8.pack_dispatch(x32.detach()), H, torch.float32)
     ref = _formula(xq, W32, idx, w.detach().float())
     # the experts saw exactly the FP8-rounded payload; float32 reordering of bmm/einsum and the k-sum remains
-    assert_within(out, ref, reorder_bound(H, _envelope(xq, W32, idx, w), stages=2),
-                     "FP8 payload dispatch vs formula on the decoded payload")
-    assert not torch.equal(xq, x32.detach())                 # the payload really was quantized
-    gx, = torch.autograd.grad(out.sum(), x32)
+    assert_within(
+        out,
+        ref,
+        reorder_bound(H, _envelope(xq, W32, idx, w), stages=2),
+        "FP8 payload dispatch vs formula on the decoded payload",
+    )
+    assert not torch.equal(xq, x32.detach())  # the payload really was quantized
+    (gx,) = torch.autograd.grad(out.sum(), x32)
     assert gx.abs().sum() > 0
-    assert codec.bytes_per_row(H, 4) == H + 4                 # H bytes of FP8 + one fp32 scale per 128
+    assert codec.bytes_per_row(H, 4) == H + 4  # H bytes of FP8 + one fp32 scale per 128

@@ -1,11 +1,12 @@
 """Grouped expert computation (sorted rows, per-expert GEMMs into preallocated slices, hand-written backward)
 against autograd over the plain per-expert formula."""
+
 import pytest
 import torch
 import torch.nn.functional as F
+from tolerance import assert_within, reorder_bound
 
 from dsv3_plugin.model.moe.layer import GroupedExperts, grouped_swiglu, swiglu_rows
-from tolerance import assert_within, reorder_bound
 
 
 def _weights(E, I, H, dtype, seed=0):
@@ -22,8 +23,9 @@ def test_gradcheck_with_empty_experts():
 
 def _per_row(x, e, w1, w3, w2, act=F.silu):
     """The plain per-expert formula, one row at a time (the reference's summation order)."""
-    return torch.stack([F.linear(act(F.linear(x[n], w1[e[n]])) * F.linear(x[n], w3[e[n]]), w2[e[n]])
-                        for n in range(x.shape[0])])
+    return torch.stack(
+        [F.linear(act(F.linear(x[n], w1[e[n]])) * F.linear(x[n], w3[e[n]]), w2[e[n]]) for n in range(x.shape[0])]
+    )
 
 
 def _envelope(x, e, w, gy):
@@ -43,8 +45,8 @@ def test_matches_plain_autograd_fp32(presorted, seed):
     w = _weights(E, I, H, torch.float32, seed=1 + seed)
     g = torch.Generator().manual_seed(100 + seed)
     x = torch.randn(N, H, generator=g).requires_grad_(True)
-    e = torch.randint(0, E - 1, (N,), generator=g)      # the last expert gets no rows
-    if presorted:                                       # the no-sort fast path (EP = 1)
+    e = torch.randint(0, E - 1, (N,), generator=g)  # the last expert gets no rows
+    if presorted:  # the no-sort fast path (EP = 1)
         e = e.sort().values
     gy = torch.randn(N, H, generator=g)
     y = swiglu_rows(x, e, *w)
@@ -56,9 +58,14 @@ def test_matches_plain_autograd_fp32(presorted, seed):
     # passes through 4 reductions (W2ᵀgy, then W1ᵀ·, W3ᵀ· and their sum); magnitudes from the envelope.
     env = _envelope(x, e, w, gy)
     for name, a, b, m in zip(("y", "dx", "dw1", "dw3", "dw2"), (y, *got), (ref, *want), env):
-        assert_within(a, b, reorder_bound(H, m, stages=4), f"grouped SwiGLU {name} vs per-row autograd "
-                         f"(expert GEMMs blocked differently, presorted={presorted}, seed={seed})")
-    assert torch.count_nonzero(got[1][E - 1]) == 0        # unused expert: exact zero gradient
+        assert_within(
+            a,
+            b,
+            reorder_bound(H, m, stages=4),
+            f"grouped SwiGLU {name} vs per-row autograd "
+            f"(expert GEMMs blocked differently, presorted={presorted}, seed={seed})",
+        )
+    assert torch.count_nonzero(got[1][E - 1]) == 0  # unused expert: exact zero gradient
 
 
 def test_grouped_experts_forward_and_no_rows():
@@ -80,6 +87,7 @@ def test_grouped_experts_forward_and_no_rows():
 def test_bench_pair_is_the_same_layer_as_transformers():
     """`dsv3 bench moe` compares like with like: same outputs and gradients at a small shape."""
     from dsv3_plugin.bench.moe import build_pair
+
     ours, theirs, x = build_pair(tokens=48, hidden=32, ffn=16, experts=8, top_k=4, groups=4, topk_group=2)
     gy = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
     outs = []
@@ -93,7 +101,10 @@ def test_bench_pair_is_the_same_layer_as_transformers():
     # selection). Longest reduction: a down_proj gradient over <= 48 tokens; 3 reductions forward (gate|up,
     # down, the k-sum + shared), 4 more backward (down ᵀ, gate|up ᵀ + their sum, the gates' normalization).
     # Magnitude: max|ref| of each tensor.
-    pairs = {"y": (outs[0][0], outs[1][0], 3), "dx": (outs[0][1], outs[1][1], 7),
-             "d down_proj": (ours.experts.down_proj.grad, theirs.experts.down_proj.grad, 7)}
+    pairs = {
+        "y": (outs[0][0], outs[1][0], 3),
+        "dx": (outs[0][1], outs[1][1], 7),
+        "d down_proj": (ours.experts.down_proj.grad, theirs.experts.down_proj.grad, 7),
+    }
     for name, (a, b, stages) in pairs.items():
         assert_within(a, b, reorder_bound(48, b.abs().max(), stages=stages), f"bench pair {name}: ours vs transformers")

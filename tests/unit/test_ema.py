@@ -1,12 +1,13 @@
 """memory.ema: asynchronous CPU EMA equals the synchronous one bit for bit, and resumes from a checkpoint."""
+
 import os
 
 import pytest
 import torch
+from tolerance import assert_within, reorder_bound
 from torch import nn
 
 from dsv3_plugin.training.ema import EMA, ema_update_
-from tolerance import assert_within, reorder_bound
 
 
 def _model_and_data(seed=0):
@@ -104,6 +105,7 @@ def test_errors():
 
 def test_from_config_shards_by_rank():
     from dsv3_plugin.config import load_config
+
     m, _ = _model_and_data()
     assert EMA.from_config(m, load_config({"preset": "tiny"})) is None
     cfg = load_config({"preset": "tiny", "memory": {"ema": True, "ema_decay": 0.99}})

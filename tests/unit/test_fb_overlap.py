@@ -1,5 +1,6 @@
 """The two-lane F&B model (paper §3.2.1, Fig. 4), its use in the pipeline simulator, the first-principles
 component times of the report's setup, and `dsv3 simulate`'s component / --paper-setup flags."""
+
 import json
 from dataclasses import replace
 
@@ -16,8 +17,19 @@ from dsv3_plugin.parallel.pipeline.simulate import Durations, simulate
 # Per layer: computation 1 + 1 + 0.5 + 1 + 1 + 0.5 = 5; each communication fits behind the computation it
 # overlaps (combine_b 0.5 <= attention 1; dispatch 0.5 <= mlp_b + mlp_w; dispatch_b 1 <= mlp_w + mlp;
 # combine 0.75 + two PP sends 0.5 <= attention_b + attention_w 1.5).
-HIDDEN = ChunkComponents(attention=1.0, dispatch=0.5, mlp=1.0, combine=0.75, combine_b=0.5, mlp_b=1.0,
-                         dispatch_b=1.0, attention_b=1.0, mlp_w=0.5, attention_w=0.5, pp=0.25)
+HIDDEN = ChunkComponents(
+    attention=1.0,
+    dispatch=0.5,
+    mlp=1.0,
+    combine=0.75,
+    combine_b=0.5,
+    mlp_b=1.0,
+    dispatch_b=1.0,
+    attention_b=1.0,
+    mlp_w=0.5,
+    attention_w=0.5,
+    pp=0.25,
+)
 
 
 @pytest.mark.parametrize("layers", [1, 2, 3])
@@ -67,7 +79,7 @@ def test_components_drive_the_pipeline_simulator():
     for r, ops in enumerate(spec.ops):
         n = {k: sum(op.kind == k for op in ops) for k in ("F", "B", "I", "W", "FB")}
         lone = n["F"] * c.comm_f + (n["B"] + n["I"]) * c.comm_b
-        assert ov.comm["exposed"][r] == lone                    # the pairs hide all of theirs
+        assert ov.comm["exposed"][r] == lone  # the pairs hide all of theirs
         assert no.comm["exposed"][r] == no.comm["total"][r] == lone + n["FB"] * (c.comm_f + c.comm_b)
         assert ov.comm["fb_pairs"][r] == n["FB"] > 0
     with pytest.raises(ValueError, match="Durations.f"):
@@ -84,13 +96,13 @@ def test_paper_setup_numbers_from_the_stated_constants():
     """Recomputed here from the report's numbers, not by calling the derivation's helpers."""
     comp, det = paper_setup(Hardware(mfu=0.5))
     T, h, H = 4096, 7168, 128
-    rate_fp8 = 1979e12 * 0.5 * 112 / 132        # FP8 GEMMs (§3.3) on the 112 SMs not spent on communication
-    rate_bf16 = 989e12 * 0.5 * 112 / 132        # core attention and the router stay BF16
-    proj = 7168 * 1536 + 1536 * H * 192 + 7168 * 576 + 512 * H * 256 + H * 128 * 7168     # MLA q/kv/o
-    core = 2 * T * H * (192 + 128) * (T + 1) / 2                                       # causal QK^T and PV
+    rate_fp8 = 1979e12 * 0.5 * 112 / 132  # FP8 GEMMs (§3.3) on the 112 SMs not spent on communication
+    rate_bf16 = 989e12 * 0.5 * 112 / 132  # core attention and the router stay BF16
+    proj = 7168 * 1536 + 1536 * H * 192 + 7168 * 576 + 512 * H * 256 + H * 128 * 7168  # MLA q/kv/o
+    core = 2 * T * H * (192 + 128) * (T + 1) / 2  # causal QK^T and PV
     router = 2 * T * h * 256
-    mlp = 2 * T * 3 * h * 2048 * 9                                                    # 8 routed + 1 shared
-    up = 1536 * H * 192 + 512 * H * 256                                                # recomputed in backward
+    mlp = 2 * T * 3 * h * 2048 * 9  # 8 routed + 1 shared
+    up = 1536 * H * 192 + 512 * H * 256  # recomputed in backward
     ib = 50e9
     exp_ms = {
         "attention": (2 * T * proj / rate_fp8 + (core + router) / rate_bf16) * 1e3,
@@ -101,8 +113,7 @@ def test_paper_setup_numbers_from_the_stated_constants():
         "dispatch": T * 4 * 7 / 8 * (h + h // 128 * 4) / ib * 1e3,
         "combine": T * 4 * 7 / 8 * h * 2 / ib * 1e3,
     }
-    exp_ms.update(mlp_b=exp_ms["mlp"], mlp_w=exp_ms["mlp"], combine_b=exp_ms["dispatch"],
-                  dispatch_b=exp_ms["combine"])
+    exp_ms.update(mlp_b=exp_ms["mlp"], mlp_w=exp_ms["mlp"], combine_b=exp_ms["dispatch"], dispatch_b=exp_ms["combine"])
     # the same sums in a different order: a few dozen roundings of 2^-53 each, far inside rel 1e-12
     for k, v in exp_ms.items():
         assert getattr(comp, k) == pytest.approx(v, rel=1e-12), k
@@ -113,8 +124,11 @@ def test_paper_setup_numbers_from_the_stated_constants():
     pair = two_lane_pair(comp)
     ratio = pair.compute / pair.a2a
     assert ratio == pytest.approx(
-        4 * sum(exp_ms[k] for k in ("attention", "mlp", "attention_b", "mlp_b", "attention_w", "mlp_w"))
-        / (4 * sum(exp_ms[k] for k in ("dispatch", "combine", "combine_b", "dispatch_b"))), rel=1e-12)
+        4
+        * sum(exp_ms[k] for k in ("attention", "mlp", "attention_b", "mlp_b", "attention_w", "mlp_w"))
+        / (4 * sum(exp_ms[k] for k in ("dispatch", "combine", "combine_b", "dispatch_b"))),
+        rel=1e-12,
+    )
     # break-even: hidden just below it, exposed just above
     be = break_even_mfu(Hardware())
     assert 0 < be < 1
@@ -139,9 +153,36 @@ def test_cli_paper_setup_json_and_fig4(tmp_path, capsys):
     assert out["paper_setup"]["hardware"]["mfu"] == 0.5 and "break_even_mfu" in out["paper_setup"]
     assert png.read_bytes()[:4] == b"\x89PNG"
     # explicit components: the hidden cell above on 2 DualPipeV ranks
-    args = ["simulate", "--schedule", "dualpipev", "--pp", "2", "--json", "--attention", "1", "--dispatch", "0.5",
-            "--mlp", "1", "--combine", "0.75", "--combine-b", "0.5", "--mlp-b", "1", "--dispatch-b", "1",
-            "--attention-b", "1", "--mlp-w", "0.5", "--attention-w", "0.5", "--pp-comm", "0.25"]
+    args = [
+        "simulate",
+        "--schedule",
+        "dualpipev",
+        "--pp",
+        "2",
+        "--json",
+        "--attention",
+        "1",
+        "--dispatch",
+        "0.5",
+        "--mlp",
+        "1",
+        "--combine",
+        "0.75",
+        "--combine-b",
+        "0.5",
+        "--mlp-b",
+        "1",
+        "--dispatch-b",
+        "1",
+        "--attention-b",
+        "1",
+        "--mlp-w",
+        "0.5",
+        "--attention-w",
+        "0.5",
+        "--pp-comm",
+        "0.25",
+    ]
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["fb_pair"]["fb"] == 5.0 and out["fb_pair"]["exposed_comm"] == 0.0
@@ -149,18 +190,21 @@ def test_cli_paper_setup_json_and_fig4(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["comm"]["overlap"] is False
 
 
-@pytest.mark.parametrize("argv,flag", [
-    (["--paper-setup", "--mfu", "0"], "--mfu"),
-    (["--paper-setup", "--mfu", "1.5"], "--mfu"),
-    (["--paper-setup", "--ib-gbps", "0"], "--ib-gbps"),
-    (["--mfu", "0.5"], "--mfu"),
-    (["--paper-setup", "--f", "1"], "--f"),
-    (["--paper-setup", "--attention", "1"], "--attention"),
-    (["--attention", "1"], "--dispatch"),
-    (["--fig4", "x.png"], "--fig4"),
-    (["--layers", "2"], "--layers"),
-    (["--paper-setup", "--layers", "0"], "--layers"),
-])
+@pytest.mark.parametrize(
+    "argv,flag",
+    [
+        (["--paper-setup", "--mfu", "0"], "--mfu"),
+        (["--paper-setup", "--mfu", "1.5"], "--mfu"),
+        (["--paper-setup", "--ib-gbps", "0"], "--ib-gbps"),
+        (["--mfu", "0.5"], "--mfu"),
+        (["--paper-setup", "--f", "1"], "--f"),
+        (["--paper-setup", "--attention", "1"], "--attention"),
+        (["--attention", "1"], "--dispatch"),
+        (["--fig4", "x.png"], "--fig4"),
+        (["--layers", "2"], "--layers"),
+        (["--paper-setup", "--layers", "0"], "--layers"),
+    ],
+)
 def test_cli_bad_flags_exit_2_naming_the_flag(argv, flag, capsys):
     assert main(["simulate", *argv]) == 2
     assert flag in capsys.readouterr().err

@@ -1,4 +1,5 @@
 """`dsv3 bench fp8 --json` runs and reports the issue's figures (no timing assertions)."""
+
 import json
 
 from dsv3_plugin.cli import main

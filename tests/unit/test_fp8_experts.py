@@ -1,5 +1,6 @@
 """FP8 expert SwiGLU with FP8-cached SwiGLU inputs (report §3.3.3): same forward as three FP8 Linears,
 gradients within FP8 error, fewer saved bytes."""
+
 import torch
 import torch.nn.functional as F
 
@@ -28,7 +29,7 @@ def _grads(fn, params, dy):
 
 
 def test_forward_bit_identical_and_grads_close():
-    rel = lambda a, b: ((a - b).norm() / b.norm()).item()                # noqa: E731
+    rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
     for recipe in (Fp8Recipe(), Fp8Recipe("tensorwise"), Fp8Recipe(pow2=True)):
         x, (w1, w3, w2) = _params()
         ps = (x, w1, w3, w2)
@@ -38,7 +39,7 @@ def test_forward_bit_identical_and_grads_close():
         _, exact = _grads(lambda: F.silu(x @ w1.t()) * (x @ w3.t()) @ w2.t(), ps, dy)
         assert torch.equal(y, y_ref)
         for a, b, e in zip(got, ref, exact):
-            assert 0 < rel(a, b) < 0.08                                   # the FP8 rounding of cached g, u
+            assert 0 < rel(a, b) < 0.08  # the FP8 rounding of cached g, u
             assert rel(a, e) < 0.1 and rel(a, e) < 1.3 * rel(b, e), (rel(a, e), rel(b, e))
 
 

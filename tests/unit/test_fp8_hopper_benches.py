@@ -1,5 +1,6 @@
 """`dsv3 bench fp8-accum` and `dsv3 bench fp8-hopper-train` at small sizes: JSON conventions (ours, baseline,
 ratio, env), the PNGs, bounds honoured, and usage errors. Needs the pinned mmaemu (`make venv`)."""
+
 import json
 
 import pytest
@@ -17,8 +18,30 @@ def _need_mmaemu():
 
 def test_fp8_accum_bench(tmp_path, capsys):
     png = tmp_path / "accum.png"
-    assert main(["bench", "fp8-accum", "--json", "--m", "4", "--n", "16", "--ks", "512", "4096", "--nc", "64", "128",
-                 "none", "--png", str(png), "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "fp8-accum",
+                "--json",
+                "--m",
+                "4",
+                "--n",
+                "16",
+                "--ks",
+                "512",
+                "4096",
+                "--nc",
+                "64",
+                "128",
+                "none",
+                "--png",
+                str(png),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert {"ours", "baseline", "ratio", "env", "errors", "paper", "seconds"} <= set(out)
     assert out["ratio"] == pytest.approx(out["baseline"] / out["ours"])
@@ -39,14 +62,35 @@ def test_fp8_accum_usage_errors(argv, capsys):
 
 def test_fp8_hopper_train_bench(tmp_path, capsys):
     png = tmp_path / "train.png"
-    assert main(["bench", "fp8-hopper-train", "--json", "--steps", "3", "--batch", "2", "--seq-len", "16",
-                 "--runs", "emulate", "hopper-128", "hopper-none", "--png", str(png), "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "fp8-hopper-train",
+                "--json",
+                "--steps",
+                "3",
+                "--batch",
+                "2",
+                "--seq-len",
+                "16",
+                "--runs",
+                "emulate",
+                "hopper-128",
+                "hopper-none",
+                "--png",
+                str(png),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert {"ours", "baseline", "ratio", "env", "no_promotion", "runs", "setup"} <= set(out)
     runs = out["runs"]
     assert [len(runs[r]["loss"]) for r in runs] == [3, 3, 3]
     assert runs["emulate"]["backend"] == "emulate" and runs["hopper-128"]["backend"] == "hopper-emulated"
-    assert runs["hopper-128"]["loss"] != runs["emulate"]["loss"]          # the modeled accumulation really ran
+    assert runs["hopper-128"]["loss"] != runs["emulate"]["loss"]  # the modeled accumulation really ran
     assert out["ratio"] == pytest.approx(runs["hopper-128"]["final_loss"] / runs["emulate"]["final_loss"])
     assert png.stat().st_size > 10_000
 

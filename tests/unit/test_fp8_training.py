@@ -1,4 +1,5 @@
 """FP8 in the real model: conversion scope (report §3.3.1) and 200 CPU training steps within 0.25% of FP32."""
+
 import math
 import statistics
 
@@ -9,15 +10,19 @@ from dsv3_plugin.precision.fp8.linear import Fp8Linear
 from dsv3_plugin.training.transforms import build_model
 
 # Smaller than `tiny` to keep 2×200 emulated steps affordable: 1 dense + 1 MoE layer (4 experts, top-2).
-OVR = {"preset": "tiny", "model": {"num_hidden_layers": 2, "vocab_size": 64},
-       "moe": {"n_routed_experts": 4, "n_group": 2, "topk_group": 1, "top_k": 2}, "mtp": {"depth": 0}}
+OVR = {
+    "preset": "tiny",
+    "model": {"num_hidden_layers": 2, "vocab_size": 64},
+    "moe": {"n_routed_experts": 4, "n_group": 2, "topk_group": 1, "top_k": 2},
+    "mtp": {"depth": 0},
+}
 
 
 def test_convert_scope_names_and_grads():
     cfg = load_config({"preset": "tiny", "fp8": {"enabled": True}})
     m = build_model(cfg)
     ref = build_model(load_config({"preset": "tiny"}))
-    assert list(m.state_dict()) == list(ref.state_dict())              # checkpoints load unchanged
+    assert list(m.state_dict()) == list(ref.state_dict())  # checkpoints load unchanged
     rep = m.fp8_report
     assert rep.backend == "emulate" and rep.recipe == "blockwise"
     assert isinstance(m.layers[0].self_attn.q_a_proj, Fp8Linear)
@@ -34,7 +39,7 @@ def test_convert_scope_names_and_grads():
     out.loss.backward()
     out_ref.loss.backward()
     assert abs(out.loss.item() - out_ref.loss.item()) < 0.01 * out_ref.loss.item()
-    assert out.loss.item() != out_ref.loss.item()                       # the FP8 path really ran
+    assert out.loss.item() != out_ref.loss.item()  # the FP8 path really ran
     g, g_ref = m.layers[1].mlp.experts.gate_proj.grad, ref.layers[1].mlp.experts.gate_proj.grad
     assert g is not None and torch.nn.functional.cosine_similarity(g.flatten(), g_ref.flatten(), 0) > 0.9
 
@@ -61,7 +66,8 @@ def _train(fp8: bool, batches, steps=200):
     m.reset_parameters(seed=0)
     opt = torch.optim.AdamW(m.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 10) * (0.1 + 0.45 * (1 + math.cos(math.pi * s / steps))))
+        opt, lambda s: min(1.0, (s + 1) / 10) * (0.1 + 0.45 * (1 + math.cos(math.pi * s / steps)))
+    )
     losses = []
     for ids, lab in batches[:steps]:
         out = m(ids, lab)
@@ -79,11 +85,11 @@ def test_fp8_training_200_steps_within_quarter_percent_of_fp32():
     batches = _batches(208)
     l32, h32 = _train(False, batches)
     l8, h8 = _train(True, batches)
-    assert l32[0] > 3.5 and statistics.mean(l32[-20:]) < 2.3                 # it learned
+    assert l32[0] > 3.5 and statistics.mean(l32[-20:]) < 2.3  # it learned
     final32, final8 = statistics.mean(l32[-20:]), statistics.mean(l8[-20:])  # same 20 final batches
     assert abs(final8 - final32) / final32 < 0.0025, (final8, final32)
     assert abs(h8 - h32) / h32 < 0.0025, (h8, h32)
-    assert l8 != l32                                                          # and FP8 was really used
+    assert l8 != l32  # and FP8 was really used
 
 
 def test_fp8_dispatch_flag_changes_expert_numerics():

@@ -1,9 +1,11 @@
 """Greedy decoding with MTP speculative decoding: identical output to plain greedy, exact bookkeeping of
 acceptance, the MTP draft equals the model's own MTP logits, and the CLI on an FP8 checkpoint."""
+
 import json
 
 import pytest
 import torch
+from helpers import make_tiny_hf_checkpoint
 
 import dsv3_plugin.model.generate as gen
 from dsv3_plugin import load_pretrained
@@ -12,7 +14,6 @@ from dsv3_plugin.checkpoint.synthetic import quantize_checkpoint
 from dsv3_plugin.cli import main as cli_main
 from dsv3_plugin.config import load_config
 from dsv3_plugin.model.generate import greedy_generate, mtp_draft
-from helpers import make_tiny_hf_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,7 @@ def _plain_reference(model, prompt, n):
     with torch.no_grad():
         for _ in range(n):
             seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq[len(prompt):]
+    return seq[len(prompt) :]
 
 
 def test_plain_greedy_matches_naive_loop(tiny):
@@ -91,14 +92,37 @@ def test_cli_generate_on_fp8_checkpoint(tiny, tmp_path, capsys):
         floats = {n: r.get(n, torch.float32) for n in r.names()}
         cfg = dict(r.config)
     quantize_checkpoint(floats, str(tmp_path / "fp8"), cfg, block=(32, 32))
-    rc = cli_main(["generate", "--model", str(tmp_path / "fp8"), "--prompt-ids", "1,2,3", "--max-new-tokens", "8",
-                   "--speculative", "mtp", "--json"])
+    rc = cli_main(
+        [
+            "generate",
+            "--model",
+            str(tmp_path / "fp8"),
+            "--prompt-ids",
+            "1,2,3",
+            "--max-new-tokens",
+            "8",
+            "--speculative",
+            "mtp",
+            "--json",
+        ]
+    )
     out = json.loads(capsys.readouterr().out)
     fp8_model = load_pretrained(tmp_path / "fp8")
     assert rc == 0 and out["tokens"] == _plain_reference(fp8_model, [1, 2, 3], 8)
     assert out["acceptance_rate"] is not None and out["tokens_per_forward"] >= 1.0
-    rc = cli_main(["generate", "--model", str(tmp_path / "fp8"), "--prompt-ids", "1,2,3", "--max-new-tokens", "4",
-                   "--speculative", "mtp"])
+    rc = cli_main(
+        [
+            "generate",
+            "--model",
+            str(tmp_path / "fp8"),
+            "--prompt-ids",
+            "1,2,3",
+            "--max-new-tokens",
+            "4",
+            "--speculative",
+            "mtp",
+        ]
+    )
     text = capsys.readouterr().out
     assert rc == 0 and "MTP acceptance rate:" in text and "tokens per forward pass:" in text
     rc = cli_main(["generate", "--model", str(tmp_path / "fp8"), "--prompt-ids", "1,999", "--max-new-tokens", "4"])

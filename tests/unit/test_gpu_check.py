@@ -1,5 +1,6 @@
 """`make gpu-check` (examples/gpu_check.py) in its --dry-run mode, so that the GPU script cannot rot: argument
 parsing, shapes, every section's code path that runs without a GPU, and the JSON keys the GPU run reports."""
+
 import json
 import os
 import subprocess
@@ -11,9 +12,10 @@ SECTIONS = ["env", "fp8_gemm", "te_linear", "tiny_logits", "fp8_model_steps", "g
 
 
 def _run(*args, timeout=600):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}       # many tiny ops: one thread is fastest on a shared machine
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env,
-                          timeout=timeout)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # many tiny ops: one thread is fastest on a shared machine
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=timeout
+    )
 
 
 def test_dry_run_reports_every_section(tmp_path):
@@ -26,16 +28,23 @@ def test_dry_run_reports_every_section(tmp_path):
     assert set(SECTIONS) <= set(res) and {"shapes", "seconds"} <= set(res)
     for s in SECTIONS:
         assert res[s]["status"] in ("ok", "skipped"), (s, res[s])
-    assert res["te_linear"]["status"] == "skipped" and res["te_linear"]["reason"]   # no TE / GPU here
-    for kind in ("fprop", "dgrad", "wgrad"):   # the Hopper-modeled backend ran against the emulation
+    assert res["te_linear"]["status"] == "skipped" and res["te_linear"]["reason"]  # no TE / GPU here
+    for kind in ("fprop", "dgrad", "wgrad"):  # the Hopper-modeled backend ran against the emulation
         row = res["fp8_gemm"][kind]
         assert row["hopper_within_bound"] is True and 0 <= row["hopper_vs_emulate"]["bit_equal_fraction"] <= 1
     assert res["tiny_logits"]["max_abs_diff"] <= 1e-5
     assert {"y", "dx", "dw1", "dw3", "dw2", "kernel_selected"} <= set(res["grouped_mm"])
     for e in (8, 32):
         row = res["moe"][f"local_experts_{e}"]
-        assert {"ours", "ours_fp8", "transformers_eager", "ratio_vs_best_transformers",
-                "ratio_fp8_vs_best_transformers", "flops_per_pass", "ours_vs_transformers"} <= set(row)
+        assert {
+            "ours",
+            "ours_fp8",
+            "transformers_eager",
+            "ratio_vs_best_transformers",
+            "ratio_fp8_vs_best_transformers",
+            "flops_per_pass",
+            "ours_vs_transformers",
+        } <= set(row)
         assert row["ours"]["tokens_per_s"] > 0 and row["ours_vs_transformers"]["normwise_rel_diff"] < 1e-5
     assert res["shapes"]["moe_local_experts"] == [8, 32]
 

@@ -1,12 +1,19 @@
 """Routed experts through `torch.nn.functional.grouped_mm` (the CUDA path): group layout, numerics against a
 float64 reference (torch 2.13 runs grouped_mm on CPU in FP32/BF16, forward and backward), and the selection."""
+
 import pytest
 import torch
 
+from dsv3_plugin.model.kernels import apply_split
 from dsv3_plugin.model.moe import grouped_mm as gme
 from dsv3_plugin.model.moe import layer as moe
-from dsv3_plugin.model.kernels import apply_split
-from dsv3_plugin.model.moe.grouped_mm import ALIGN_ROWS, expert_kernel, grouped_mm_swiglu, padded_offsets, swiglu_magnitudes
+from dsv3_plugin.model.moe.grouped_mm import (
+    ALIGN_ROWS,
+    expert_kernel,
+    grouped_mm_swiglu,
+    padded_offsets,
+    swiglu_magnitudes,
+)
 
 
 def test_padded_offsets_layout():
@@ -14,7 +21,7 @@ def test_padded_offsets_layout():
     offs, pos, Np = padded_offsets(counts, 16)
     assert offs.dtype == torch.int32 and offs.tolist() == [16, 16, 48, 64, 64, 80] and Np == 80
     assert pos.tolist() == [0, 1, 2] + list(range(16, 33)) + list(range(48, 64)) + [64]
-    assert all(int(o) % ALIGN_ROWS == 0 for o in offs)                 # 16-byte aligned groups for BF16 and FP8
+    assert all(int(o) % ALIGN_ROWS == 0 for o in offs)  # 16-byte aligned groups for BF16 and FP8
     offs, pos, Np = padded_offsets([0, 0], 16)
     assert offs.tolist() == [0, 0] and pos.numel() == 0 and Np == 0
 
@@ -23,8 +30,11 @@ def _problem(counts, H=64, I=32, seed=0):
     g = torch.Generator().manual_seed(seed)
     E, N = len(counts), sum(counts)
     x = torch.randn(N, H, generator=g)
-    ws = [torch.randn(E, I, H, generator=g) * 0.1, torch.randn(E, I, H, generator=g) * 0.1,
-          torch.randn(E, H, I, generator=g) * 0.1]
+    ws = [
+        torch.randn(E, I, H, generator=g) * 0.1,
+        torch.randn(E, I, H, generator=g) * 0.1,
+        torch.randn(E, H, I, generator=g) * 0.1,
+    ]
     return x, ws, torch.randn(N, H, generator=g)
 
 
@@ -40,7 +50,7 @@ def _reference(x, ws, counts, dy):
     ps = [t.detach().double().requires_grad_() for t in (x, *ws)]
     outs, s = [], 0
     for e, n in enumerate(counts):
-        xe = ps[0][s:s + n]
+        xe = ps[0][s : s + n]
         outs.append((torch.nn.functional.silu(xe @ ps[1][e].t()) * (xe @ ps[2][e].t())) @ ps[3][e].t())
         s += n
     y = torch.cat(outs)
@@ -60,11 +70,11 @@ def test_grouped_mm_swiglu_matches_float64(counts, dtype):
     N, H, I = x.shape[0], x.shape[1], ws[0].shape[1]
     # First-order rounding bound: the kernel stores g, u, silu(g)·u, y and the gradients' intermediates in `dtype`
     # (≤ 6 roundings on any path) and accumulates in FP32 over at most N + H + I terms along a path.
-    unit = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -24
-    scale = 6 * unit + (N + H + I) * 2.0 ** -24
+    unit = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-24
+    scale = 6 * unit + (N + H + I) * 2.0**-24
     for name, a, b, m in zip(("y", "dx", "dw1", "dw3", "dw2"), got, ref, mags):
         assert bool(((a.double() - b).abs() <= scale * m).all()), name
-    assert torch.count_nonzero(got[2][[e for e, n in enumerate(counts) if n == 0]]) == 0   # unused experts
+    assert torch.count_nonzero(got[2][[e for e, n in enumerate(counts) if n == 0]]) == 0  # unused experts
 
 
 def test_grouped_mm_equals_the_loop_kernel_on_cpu():
@@ -73,10 +83,10 @@ def test_grouped_mm_equals_the_loop_kernel_on_cpu():
     counts = [5, 0, 11, 16]
     x, ws, dy = _problem(counts, seed=3)
     got = _run(grouped_mm_swiglu, x, ws, counts, dy)
-    loop = moe.GroupedSwiGLUKernel()   # the loop kernel itself (apply_split never takes the grouped path)
+    loop = moe.GroupedSwiGLUKernel()  # the loop kernel itself (apply_split never takes the grouped path)
     ref = _run(lambda x_, c, *w: apply_split(loop, list(c), x_, *w), x, ws, counts, dy)
     mags = swiglu_magnitudes(x, counts, *ws, dy)
-    scale = 2 * (6 + sum(counts) + 64 + 32) * 2.0 ** -24
+    scale = 2 * (6 + sum(counts) + 64 + 32) * 2.0**-24
     for a, b, m in zip(got, ref, mags):
         assert bool(((a.double() - b.double()).abs() <= scale * m).all())
 
@@ -86,7 +96,7 @@ def test_expert_kernel_selection(monkeypatch):
     assert expert_kernel(torch.device("cpu"), torch.bfloat16, 64, 32)[0] == "loop"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
     assert expert_kernel(cuda, torch.bfloat16, 7168, 2048) == ("grouped_mm", "torch.nn.functional.grouped_mm on sm90")
-    assert expert_kernel(cuda, torch.float32, 7168, 2048)[0] == "loop"          # documented for BF16 only
+    assert expert_kernel(cuda, torch.float32, 7168, 2048)[0] == "loop"  # documented for BF16 only
     kind, why = expert_kernel(cuda, torch.bfloat16, 100, 2048)
     assert kind == "loop" and "multiples of 8" in why
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (7, 5))
@@ -103,6 +113,7 @@ def test_grouped_swiglu_dispatches_by_kernel(monkeypatch):
     def spy(*a, **k):
         calls.append(1)
         return gme.grouped_mm_swiglu(*a, **k)
+
     counts = [4, 0, 6]
     x, ws, dy = _problem(counts)
     monkeypatch.setattr(moe, "grouped_mm_swiglu", spy)
@@ -112,4 +123,4 @@ def test_grouped_swiglu_dispatches_by_kernel(monkeypatch):
     y_grouped = moe.grouped_swiglu(x, counts, *ws)
     assert calls
     m = swiglu_magnitudes(x, counts, *ws, torch.ones_like(dy))[0]
-    assert bool(((y_grouped.double() - y_loop.double()).abs() <= 2 * (6 + 10 + 64 + 32) * 2.0 ** -24 * m).all())
+    assert bool(((y_grouped.double() - y_loop.double()).abs() <= 2 * (6 + 10 + 64 + 32) * 2.0**-24 * m).all())

@@ -2,9 +2,9 @@ import os
 
 import torch
 import torch.distributed as dist
+from helpers import run_ranks
 
 from dsv3_plugin.parallel.distributed import init_distributed
-from helpers import run_ranks
 
 
 def _allreduce_rank():
@@ -28,6 +28,7 @@ def test_run_ranks_allreduce():
 
 def test_run_ranks_reports_failure():
     import pytest
+
     with pytest.raises(RuntimeError, match="rank one fails"):
         run_ranks(_boom, 2, timeout_s=60)
 
@@ -42,8 +43,11 @@ def test_spawned_ranks_get_the_callers_thread_count_and_stdout(capfd):
     process: each rank still runs with the OMP_NUM_THREADS it is given and writes to the caller's stdout of the
     moment (here: a different capture per call)."""
     from dsv3_plugin.parallel.distributed import spawn
+
     for n in (2, 1):
         assert spawn(_threads_and_print, 2, f"n={n}", env={"OMP_NUM_THREADS": str(n)}) == [n, n]
         out = capfd.readouterr().out
-        assert sorted(line for line in out.splitlines() if "says" in line) == [f"rank 0 says n={n}",
-                                                                              f"rank 1 says n={n}"]
+        assert sorted(line for line in out.splitlines() if "says" in line) == [
+            f"rank 0 says n={n}",
+            f"rank 1 says n={n}",
+        ]

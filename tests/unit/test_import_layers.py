@@ -5,6 +5,7 @@ Layers, lowest first (a module may import its own layer and the ones below):
   errors, json_input, schedule_traits, config  <  model  <  precision  <  parallel  <  training  <  checkpoint
   <  deepspeed, megatron  <  cli, bench  <  the top-level package (public API; imported by nothing inside).
 """
+
 from __future__ import annotations
 
 import ast
@@ -53,7 +54,7 @@ def _resolve(module: str, path: pathlib.Path, node: ast.ImportFrom) -> list[str]
     """Absolute package-internal modules an ImportFrom refers to ([] for external ones)."""
     if node.level:
         base = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
-        base = base[:len(base) - (node.level - 1)]
+        base = base[: len(base) - (node.level - 1)]
         target = ".".join(base + ([node.module] if node.module else []))
     else:
         target = node.module or ""
@@ -96,8 +97,9 @@ def test_imports_point_one_way():
             if t == PKG and m != PKG:
                 bad.append(f"{path.relative_to(ROOT.parent)}:{line}: imports the top-level package")
             elif _layer(t) > _layer(m):
-                bad.append(f"{path.relative_to(ROOT.parent)}:{line}: {m} (layer {_layer(m)}) imports {t} "
-                           f"(layer {_layer(t)})")
+                bad.append(
+                    f"{path.relative_to(ROOT.parent)}:{line}: {m} (layer {_layer(m)}) imports {t} (layer {_layer(t)})"
+                )
     assert not bad, "imports against the layer order:\n" + "\n".join(bad)
 
 
@@ -114,7 +116,7 @@ def test_no_import_cycle():
             if t not in graph or t == m or m.startswith(t + "."):
                 continue  # a module importing its own package's __init__ (a parent) is not a cycle of modules
             if state.get(t) == 1:
-                cycles.append(stack[stack.index(t):] + [t])
+                cycles.append(stack[stack.index(t) :] + [t])
             elif t not in state:
                 visit(t)
         stack.pop()
@@ -127,8 +129,12 @@ def test_no_import_cycle():
 
 
 def test_internal_imports_at_module_top():
-    inside = [f"{p.relative_to(ROOT.parent)}:{line}: {t}" for m, p in MODULES.items()
-              for line, t, top in _imports(m, p) if not top]
+    inside = [
+        f"{p.relative_to(ROOT.parent)}:{line}: {t}"
+        for m, p in MODULES.items()
+        for line, t, top in _imports(m, p)
+        if not top
+    ]
     assert not inside, "package-internal imports inside functions:\n" + "\n".join(inside)
 
 

@@ -1,14 +1,15 @@
 """Bad released-format directories give a CheckpointError naming the tensor and file."""
+
 import json
 
 import pytest
 import torch
+from helpers import make_tiny_hf_checkpoint
 from safetensors.torch import load_file, save_file
 
 from dsv3_plugin import load_pretrained
 from dsv3_plugin.config import load_config
 from dsv3_plugin.errors import CheckpointError
-from helpers import make_tiny_hf_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -20,6 +21,7 @@ def ckpt(tmp_path_factory):
 
 def _copy(src, dst):
     import shutil
+
     shutil.copytree(src, dst)
     return dst
 

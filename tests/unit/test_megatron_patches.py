@@ -1,5 +1,6 @@
 """patches/megatron_cpu.py (reversible, version-guarded, never on CUDA machines), plugin import side effects,
 the SDPA core attention and the DSv3Config -> Megatron config bridge. Single process, no process group."""
+
 import importlib
 import math
 import os
@@ -7,7 +8,6 @@ import sys
 
 import pytest
 import torch
-
 from tolerance import assert_within, reorder_bound
 
 # `patches/` is a top-level directory of the checkout, not part of the installed package.
@@ -20,23 +20,33 @@ def _megatron_state():
     import megatron.core.optimizer.optimizer as mopt
     import megatron.core.tensor_parallel.random as mrandom
     import megatron.core.transformer.multi_latent_attention as mla
-    return (torch.cuda.current_device, mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED,
-            mla.HAVE_TE, mopt.FP32Optimizer.__dict__["__init__"], mopt.clip_grad_by_total_norm_fp32,
-            cg.get_grad_norm_fp32)
+
+    return (
+        torch.cuda.current_device,
+        mrandom._CUDA_RNG_STATE_TRACKER,
+        mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED,
+        mla.HAVE_TE,
+        mopt.FP32Optimizer.__dict__["__init__"],
+        mopt.clip_grad_by_total_norm_fp32,
+        cg.get_grad_norm_fp32,
+    )
 
 
 def test_importing_the_package_does_not_import_megatron():
     import subprocess
-    code = ("import sys, dsv3_plugin.megatron as m; assert 'megatron' not in sys.modules, 'megatron imported'; "
-            "assert 'patches.megatron_cpu' not in sys.modules")
+
+    code = (
+        "import sys, dsv3_plugin.megatron as m; assert 'megatron' not in sys.modules, 'megatron imported'; "
+        "assert 'patches.megatron_cpu' not in sys.modules"
+    )
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=root,
-                   env={**os.environ, "PYTHONPATH": root})
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root, env={**os.environ, "PYTHONPATH": root})
 
 
 def test_importing_the_plugin_changes_nothing():
     before = _megatron_state()
     import dsv3_plugin.megatron as plugin
+
     for mod in ("spec", "moe", "attention", "config", "gpt", "weights", "runtime", "pretrain_gpt"):
         importlib.import_module(f"dsv3_plugin.megatron.{mod}")
     plugin.get_layer_spec(False)
@@ -47,13 +57,14 @@ def test_importing_the_plugin_changes_nothing():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU shims are never applied on CUDA machines")
 def test_apply_and_revert_restore_the_exact_objects():
     import megatron.core.transformer.multi_latent_attention as mla
+
     before = _megatron_state()
     assert megatron_cpu.apply() is True
     try:
         assert torch.cuda.current_device() == torch.device("cpu")
         assert mla.HAVE_TE is False
         assert _megatron_state() != before
-        assert megatron_cpu.apply() is True            # idempotent
+        assert megatron_cpu.apply() is True  # idempotent
     finally:
         megatron_cpu.revert()
     assert _megatron_state() == before
@@ -86,9 +97,9 @@ def test_cpu_rng_tracker_forks_named_states():
     outside = torch.get_rng_state()
     with tracker.fork():
         a = torch.rand(3)
-    assert torch.equal(torch.get_rng_state(), outside)        # caller's stream untouched
+    assert torch.equal(torch.get_rng_state(), outside)  # caller's stream untouched
     with tracker.fork():
-        b = torch.rand(3)                                      # the named stream continues
+        b = torch.rand(3)  # the named stream continues
     g = torch.Generator().manual_seed(7)
     ref = torch.rand(6, generator=g)
     assert torch.equal(torch.cat([a, b]), ref)
@@ -99,9 +110,9 @@ def _sdpa(k_dim=12, v_dim=8):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from dsv3_plugin.megatron.attention import SDPACoreAttention
+
     cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, attention_dropout=0.0)
-    return SDPACoreAttention(cfg, 1, AttnMaskType.causal, "self", softmax_scale=0.3, k_channels=k_dim,
-                             v_channels=v_dim)
+    return SDPACoreAttention(cfg, 1, AttnMaskType.causal, "self", softmax_scale=0.3, k_channels=k_dim, v_channels=v_dim)
 
 
 def test_sdpa_core_attention_matches_softmax_reference():
@@ -119,7 +130,7 @@ def test_sdpa_core_attention_matches_softmax_reference():
     # Megatron's explicit mask (True = masked) combines with causality: masking key 0 changes row >= 1 only
     mask = torch.zeros(1, 1, s, s, dtype=torch.bool)
     mask[..., 0] = True
-    mask[..., 0, 0] = False                                    # row 0 keeps its only key
+    mask[..., 0, 0] = False  # row 0 keeps its only key
     out2 = attn(q, k, v, mask)
     scores2 = scores.masked_fill(mask[0], -math.inf)
     ref2 = torch.einsum("bhst,tbhd->sbhd", scores2.softmax(-1), v).reshape(s, b, h * 8)
@@ -133,7 +144,7 @@ def _sdpa_bound(q, k, v, scores_BHST, scale=0.3):
     s = scores_BHST.shape[-1]
     ds = reorder_bound(q.shape[-1], scale * torch.einsum("sbhd,tbhd->bhst", q.abs(), k.abs()))
     p = scores_BHST.double().softmax(-1)
-    dp = p * (ds + (p * ds).sum(-1, keepdim=True)) + reorder_bound(s + 2, p)     # + exp, Σ, divide
+    dp = p * (ds + (p * ds).sum(-1, keepdim=True)) + reorder_bound(s + 2, p)  # + exp, Σ, divide
     va = v.abs().double()
     bound = torch.einsum("bhst,tbhd->sbhd", dp, va) + reorder_bound(s, torch.einsum("bhst,tbhd->sbhd", p, va))
     return bound.reshape(s, q.shape[1], -1)
@@ -142,6 +153,7 @@ def _sdpa_bound(q, k, v, scores_BHST, scale=0.3):
 def test_config_bridge_and_contradiction_errors():
     from dsv3_plugin.config import ConfigError, load_config
     from dsv3_plugin.megatron.config import to_transformer_config
+
     cfg = load_config({"preset": "tiny"})
     tc = to_transformer_config(cfg)
     assert (tc.num_layers, tc.hidden_size, tc.q_lora_rank, tc.qk_head_dim, tc.qk_pos_emb_head_dim) == (3, 64, 32, 16, 8)
@@ -161,13 +173,13 @@ def test_megatron_lm_args_must_agree_with_dsv3_config(tmp_path):
 
     from dsv3_plugin.config import ConfigError
     from dsv3_plugin.megatron.gpt import transformer_config_from_args
+
     p = tmp_path / "ds.json"
     p.write_text(json.dumps({"dsv3": {"preset": "tiny"}}))
     ok = transformer_config_from_args(argparse.Namespace(dsv3_config=str(p), num_layers=3, hidden_size=None))
     assert ok.num_layers == 3
     with pytest.raises(ConfigError, match=r"^--hidden-size: 128 contradicts"):
         transformer_config_from_args(argparse.Namespace(dsv3_config=str(p), hidden_size=128))
-
 
 
 def test_spec_flag_selects_the_layer_spec():
@@ -180,12 +192,14 @@ def test_spec_flag_selects_the_layer_spec():
     from dsv3_plugin.config import ConfigError
     from dsv3_plugin.megatron.gpt import selected_layer_spec
     from dsv3_plugin.megatron.spec import get_layer_spec
+
     ours = get_layer_spec(False)
     assert selected_layer_spec(argparse.Namespace(spec=None), None, False) is ours
     assert selected_layer_spec(argparse.Namespace(spec=["dsv3_plugin.megatron", "layer_spec"]), None, False) is ours
-    other = selected_layer_spec(argparse.Namespace(
-        spec=["megatron.core.models.gpt.gpt_layer_specs", "get_gpt_layer_local_spec"]), None, False)
-    assert isinstance(other, ModuleSpec) and other is not ours       # Megatron's own local spec, called
+    other = selected_layer_spec(
+        argparse.Namespace(spec=["megatron.core.models.gpt.gpt_layer_specs", "get_gpt_layer_local_spec"]), None, False
+    )
+    assert isinstance(other, ModuleSpec) and other is not ours  # Megatron's own local spec, called
     with pytest.raises(ConfigError, match=r"^--spec other.module layer_spec: cannot import"):
         selected_layer_spec(argparse.Namespace(spec=["other.module", "layer_spec"]), None, False)
 
@@ -195,7 +209,8 @@ def test_spec_reachable_the_way_megatron_lm_imports_it():
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     from dsv3_plugin.megatron.attention import SDPACoreAttention
-    spec = import_module(("dsv3_plugin.megatron", "layer_spec"))      # what `--spec dsv3_plugin.megatron layer_spec` does
+
+    spec = import_module(("dsv3_plugin.megatron", "layer_spec"))  # what `--spec dsv3_plugin.megatron layer_spec` does
     assert spec is not None and spec.module is TransformerLayer
     assert spec.submodules.self_attention.submodules.core_attention is SDPACoreAttention
 
@@ -204,6 +219,7 @@ def test_megatron_lm_integration_refuses_untested_version(monkeypatch):
     import megatron.core.package_info as pi
 
     from dsv3_plugin.megatron.gpt import check_megatron_version
+
     monkeypatch.delenv("DSV3_ALLOW_UNTESTED_MEGATRON", raising=False)
     monkeypatch.setattr(pi, "__version__", "0.18.0")
     with pytest.raises(RuntimeError, match=r"megatron-core 0\.18\.0 is untested"):
@@ -216,17 +232,24 @@ def test_schedules_follow_tokens_seen():
     from dsv3_plugin.config import load_config
     from dsv3_plugin.megatron.config import apply_schedules, follow_schedules, to_transformer_config
     from dsv3_plugin.megatron.gpt import _megatron_lm_tokens_seen
-    cfg = load_config({"preset": "tiny",
-                       "moe": {"bias_update_schedule": [{"until_tokens": 1000, "value": 0.001},
-                                                        {"until_tokens": None, "value": 0.0}]},
-                       "mtp": {"loss_weight_schedule": [{"until_tokens": 500, "value": 0.3},
-                                                        {"until_tokens": None, "value": 0.1}]}})
+
+    cfg = load_config(
+        {
+            "preset": "tiny",
+            "moe": {
+                "bias_update_schedule": [{"until_tokens": 1000, "value": 0.001}, {"until_tokens": None, "value": 0.0}]
+            },
+            "mtp": {
+                "loss_weight_schedule": [{"until_tokens": 500, "value": 0.3}, {"until_tokens": None, "value": 0.1}]
+            },
+        }
+    )
     tc = to_transformer_config(cfg)
     assert (tc.moe_router_bias_update_rate, tc.mtp_loss_scaling_factor) == (0.001, 0.3)
     assert apply_schedules(tc, 600) == (0.001, 0.1) and tc.mtp_loss_scaling_factor == 0.1
     assert apply_schedules(tc, 2000) == (0.0, 0.1) and tc.moe_router_bias_update_rate == 0.0
 
-    class Fake(torch.nn.Module):          # stands in for the GPTModel: the hook only reads `.config`
+    class Fake(torch.nn.Module):  # stands in for the GPTModel: the hook only reads `.config`
         def __init__(self):
             super().__init__()
             self.config = to_transformer_config(cfg)
@@ -239,20 +262,22 @@ def test_schedules_follow_tokens_seen():
     follow_schedules(m, lambda: _megatron_lm_tokens_seen(args))
     m(torch.zeros(1))
     assert m.config.moe_router_bias_update_rate == 0.001
-    args.consumed_train_samples = 20                  # 1280 tokens
+    args.consumed_train_samples = 20  # 1280 tokens
     m(torch.zeros(1))
     assert (m.config.moe_router_bias_update_rate, m.config.mtp_loss_scaling_factor) == (0.0, 0.1)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="uses the CPU shims")
 def test_ffn_adapter_through_the_018_builder_protocol():
-    """What TransformerLayer does from core 0.18 on (run for real by the 0.19 tests): `mlp = builder(config=, pg_collection=, is_mtp_layer=,
-    name=)`, then `set_layer_number(n)`, then `mlp(hidden [s, b, h], padding_mask=...) -> (out, None)`."""
+    """What TransformerLayer does from core 0.18 on (run for real by the 0.19 tests): `mlp = builder(config=,
+    pg_collection=, is_mtp_layer=, name=)`, then `set_layer_number(n)`, then
+    `mlp(hidden [s, b, h], padding_mask=...) -> (out, None)`."""
     import megatron.core.tensor_parallel.random as mrandom
 
     from dsv3_plugin.config import load_config
     from dsv3_plugin.megatron.config import to_transformer_config
     from dsv3_plugin.megatron.spec import _build_ffn
+
     cfg = load_config({"preset": "tiny"})
     tc = to_transformer_config(cfg)
     with megatron_cpu.cpu_shims():
@@ -264,7 +289,7 @@ def test_ffn_adapter_through_the_018_builder_protocol():
         moe = _build_ffn(config=tc, pg_collection=None, is_mtp_layer=False, name="decoder.layers.1.mlp")
         moe.set_layer_number(2)
         mtp = _build_ffn(config=tc, pg_collection=None, is_mtp_layer=True, name="mtp.layers.0.mlp")
-        mtp.set_layer_number(1)                       # 0.19 numbers MTP layers 1..D (is_mtp_layer=True)
+        mtp.set_layer_number(1)  # 0.19 numbers MTP layers 1..D (is_mtp_layer=True)
     assert (dense.kind, moe.kind, mtp.kind, mtp.num_mtp_shift) == ("dense", "moe", "moe", 1)
     x_SBH = torch.randn(6, 2, cfg.model.hidden_size, generator=torch.Generator().manual_seed(0))
     out, bias = dense(x_SBH, padding_mask=None)
@@ -276,7 +301,7 @@ def test_ffn_adapter_through_the_018_builder_protocol():
     assert torch.equal(out, moe.moe(x_SBH.transpose(0, 1)).transpose(0, 1))
     mtp.train()
     out, _ = mtp(x_SBH)
-    assert torch.equal(out[-1], torch.zeros_like(out[-1]))                    # the rolled-in padding row
+    assert torch.equal(out[-1], torch.zeros_like(out[-1]))  # the rolled-in padding row
     assert float(mtp.moe.gate.local_tokens_per_expert.sum()) == 5 * 2 * cfg.moe.top_k
     assert mtp.moe.gate.expert_bias is mtp.moe.gate.e_score_correction_bias
     pad = torch.zeros(2, 6, dtype=torch.bool)

@@ -1,6 +1,7 @@
 """`dsv3 memory-plan`: the activation plan equals what the model saves for backward (measured with saved-tensor
 hooks), per component, schedule in-flight counts from the op lists, per-rank parameters, ZeRO-1, the paper's
 setup, and the CLI."""
+
 import json
 from pathlib import Path
 
@@ -9,12 +10,20 @@ import torch
 
 from dsv3_plugin.cli import main
 from dsv3_plugin.config import ConfigError, load_config
-from dsv3_plugin.training.memory_plan import (COMPONENTS, inflight_peak, microbatch_activation, param_counts, plan,
-                                              plan_ranks, rank_param_count, rank_params)
+from dsv3_plugin.training.memory_plan import (
+    COMPONENTS,
+    inflight_peak,
+    microbatch_activation,
+    param_counts,
+    plan,
+    plan_ranks,
+    rank_param_count,
+    rank_params,
+)
 from dsv3_plugin.training.recompute import apply_recompute, saved_activation_bytes
 from dsv3_plugin.training.transforms import build_model
 
-B, T = 2, 64      # one micro-batch: B·T = 128 tokens (a whole FP8 tile along the tokens)
+B, T = 2, 64  # one micro-batch: B·T = 128 tokens (a whole FP8 tile along the tokens)
 
 
 def _measure(cfg, dtype=torch.float32):
@@ -92,11 +101,14 @@ def test_v3_plan_per_rank_and_schedule_relations():
         assert r.total_GiB == pytest.approx(r.params_GiB + r.grads_GiB + r.optimizer_GiB + r.activations_GiB)
         assert sum(r.activations_by_component_GiB.values()) == pytest.approx(r.activations_GiB)
         assert set(r.activations_by_component_GiB) == set(COMPONENTS)
-        assert r.grads_GiB == pytest.approx(2 * r.params_GiB)                 # FP32 grads of BF16 params
+        assert r.grads_GiB == pytest.approx(2 * r.params_GiB)  # FP32 grads of BF16 params
     pc = param_counts(cfg)
-    total = (sum(pc[k] for k in ("embed", "head")) + 3 * (pc["attn"] + pc["dense_mlp"])
-             + 58 * (pc["attn"] + pc["shared_experts"] + pc["router"] + pc["routed_experts"]))
-    assert 660e9 < total < 680e9                                               # 671B without MTP (report: 671B)
+    total = (
+        sum(pc[k] for k in ("embed", "head"))
+        + 3 * (pc["attn"] + pc["dense_mlp"])
+        + 58 * (pc["attn"] + pc["shared_experts"] + pc["router"] + pc["routed_experts"])
+    )
+    assert 660e9 < total < 680e9  # 671B without MTP (report: 671B)
     # every parameter sits on some rank: summed over the pipeline ranks of one EP rank = model / (EP for experts)
     one_ep = sum(rank_params(cfg, "1f1b", 16, r, 64).total for r in range(16))
     full = total + pc["mtp_extra"] + pc["attn"] + pc["shared_experts"] + pc["router"] + pc["routed_experts"]
@@ -105,8 +117,9 @@ def test_v3_plan_per_rank_and_schedule_relations():
     d0 = rank_params(cfg, "dualpipe", 16, 0, 64)
     assert d0.stages == [0, 15] and d0.by_part["embed"] == pc["embed"]
     # the paper's techniques shrink what they target
-    small = {r.schedule: r for r in plan(cfg, 16, 64, 128, 4096, bf16_moments=True, recompute="norm_and_mla_up",
-                                         fp8=True)}
+    small = {
+        r.schedule: r for r in plan(cfg, 16, 64, 128, 4096, bf16_moments=True, recompute="norm_and_mla_up", fp8=True)
+    }
     for s in rows:
         assert small[s].optimizer_GiB < rows[s].optimizer_GiB
         assert small[s].activations_GiB < 0.5 * rows[s].activations_GiB
@@ -122,13 +135,15 @@ def test_paper_setup_fits_80_gib_with_the_paper_techniques():
     """PP16 DualPipe, EP64, ZeRO-1 over DP 128, micro-batch 1 x 4096, recompute of norms and MLA up-projections,
     FP8 caching, BF16 moments, EMA on the host: every rank's plan is below 80 GiB (README states the margin)."""
     cfg = load_config({"preset": "v3-671b", "memory": {"ema": True}})
-    ranks = plan_ranks(cfg, "dualpipe", 16, 64, 128, micro_batch=(1, 4096), recompute="norm_and_mla_up", fp8=True,
-                       bf16_moments=True)
+    ranks = plan_ranks(
+        cfg, "dualpipe", 16, 64, 128, micro_batch=(1, 4096), recompute="norm_and_mla_up", fp8=True, bf16_moments=True
+    )
     assert [sum(r.inflight) for r in ranks] == [17] * 16
     assert max(r.total_GiB for r in ranks) < 80
-    assert all(r.ema_cpu_GiB > 0 for r in ranks)                                # on the host, not in total
-    plain = plan_ranks(cfg, "dualpipe", 16, 64, 128, micro_batch=(1, 4096), recompute="none", fp8=False,
-                       bf16_moments=False)
+    assert all(r.ema_cpu_GiB > 0 for r in ranks)  # on the host, not in total
+    plain = plan_ranks(
+        cfg, "dualpipe", 16, 64, 128, micro_batch=(1, 4096), recompute="none", fp8=False, bf16_moments=False
+    )
     assert min(r.total_GiB for r in plain) > 80
     # the README's table is this plan
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
@@ -144,8 +159,10 @@ def test_cli_table_json_and_bad_input(capsys):
     d = json.loads(capsys.readouterr().out)
     assert [r["schedule"] for r in d["ranks"]] == ["1f1b", "dualpipe", "dualpipev"] and d["world_size"] == 2048
     assert set(d["ranks"][1]["activations_by_component_GiB"]) == set(COMPONENTS)
-    assert main(["memory-plan", "--preset", "v3-671b", "--pp", "16", "--ep", "64", "--dp", "128", "--json",
-                 "--all-ranks"]) == 0
+    assert (
+        main(["memory-plan", "--preset", "v3-671b", "--pp", "16", "--ep", "64", "--dp", "128", "--json", "--all-ranks"])
+        == 0
+    )
     d = json.loads(capsys.readouterr().out)
     assert len(d["ranks"]) == 3 * 16 and [r["pp_rank"] for r in d["ranks"][16:32]] == list(range(16))
     assert main(["memory-plan", "--preset", "v3-671b", "--pp", "16", "--ep", "64", "--dp", "96"]) == 2

@@ -1,11 +1,13 @@
 """The activation-memory techniques the memory plan counts on (report §3.2.3, §3.3.3): each one keeps less for
 backward (measured with saved-tensor hooks) and leaves losses and gradients unchanged — bit for bit where the
 op sequence is the same, within a derived bound where it is not."""
+
 import copy
 
 import pytest
 import torch
 import torch.nn.functional as F
+from tolerance import assert_within, gamma, reorder_bound
 
 from dsv3_plugin.config import load_config
 from dsv3_plugin.model.moe.layer import GroupedExperts, GroupedSwiGLUKernel, combine_rows, swiglu_rows
@@ -15,7 +17,6 @@ from dsv3_plugin.precision.fp8.linear import EmulatedBackend, Fp8Linear, Fp8Reci
 from dsv3_plugin.precision.fp8.quant import dequantize_tilewise
 from dsv3_plugin.training.recompute import MODES, apply_recompute, saved_activation_bytes
 from dsv3_plugin.training.transforms import build_model
-from tolerance import assert_within, gamma, reorder_bound
 
 
 def _saved(fn, params=()):
@@ -57,7 +58,7 @@ def test_combine_rows_and_fp32_router_linear_are_autograd_bit_for_bit():
     out = combine_rows(y, idx, 9)
     out.backward(dout)
     assert torch.equal(out, ref) and torch.equal(y.grad, ref_grad)
-    assert _saved(lambda: combine_rows(y * 1, idx, 9)) == idx.numel() * 8        # only the index
+    assert _saved(lambda: combine_rows(y * 1, idx, 9)) == idx.numel() * 8  # only the index
     for dt in (torch.float32, torch.bfloat16):
         x = torch.randn(33, 64, generator=g).to(dt).requires_grad_()
         w = (0.02 * torch.randn(8, 64, generator=g)).requires_grad_()
@@ -85,7 +86,7 @@ def _experts(kernel, T=48, H=64, I=32, E=4, K=2, seed=0):
 
 
 class _ScaleAfter(GroupedSwiGLUKernel):
-    row_scale = False      # the routing weight multiplies the expert outputs afterwards (the old order)
+    row_scale = False  # the routing weight multiplies the expert outputs afterwards (the old order)
 
 
 def test_routing_weight_before_down_projection():
@@ -131,7 +132,7 @@ def test_fp8_experts_routing_weight_gradient():
         dh = be.gemm(*r.act(dy), qw2.t(), sw2.t(), kw2)
         want = (dh * h).sum(-1)
     assert_within(gates.grad[:, 0], want, reorder_bound(128, (dh.abs() * h.abs()).sum(-1), stages=2), "FP8 d gate")
-    assert not torch.allclose(want, want * gates.detach()[:, 0])                # the check can see a stray s
+    assert not torch.allclose(want, want * gates.detach()[:, 0])  # the check can see a stray s
 
 
 def test_fp8_weights_requantized_in_backward_bit_identical():
@@ -146,12 +147,12 @@ def test_fp8_weights_requantized_in_backward_bit_identical():
     lin(x).backward(dy)
     ref = (x.grad.clone(), lin.weight.grad.clone())
     x.grad = lin.weight.grad = None
-    w_view = lin.weight * 1.0                         # not a leaf: its FP8 copy is kept
+    w_view = lin.weight * 1.0  # not a leaf: its FP8 copy is kept
     y = lin.kernel(x, w_view)
     y.backward(dy)
     assert torch.equal(x.grad, ref[0]) and torch.equal(lin.weight.grad, ref[1])
     kept = _saved(lambda: lin(x), [lin.weight])
-    assert kept == 256 * 256 + 4 * 256 * 2           # Xᵀ in FP8 (M = 256 tokens) + 1×128 scales, no weight
+    assert kept == 256 * 256 + 4 * 256 * 2  # Xᵀ in FP8 (M = 256 tokens) + 1×128 scales, no weight
 
 
 def test_fp8_linears_share_one_input_cache():
@@ -200,8 +201,9 @@ def test_experts_stacked_from_per_expert_parameters_keep_no_copy(fp8):
     stacked-parameter layout, bit for bit."""
     kernel = Fp8ExpertKernel(Fp8Recipe()) if fp8 else GroupedSwiGLUKernel()
     ex, x, idx, gates, dy = _experts(kernel, T=64, H=128, I=128, E=4, K=2)
-    per = [[torch.nn.Parameter(w[e].detach().clone()) for e in range(4)]
-           for w in (ex.gate_proj, ex.up_proj, ex.down_proj)]
+    per = [
+        [torch.nn.Parameter(w[e].detach().clone()) for e in range(4)] for w in (ex.gate_proj, ex.up_proj, ex.down_proj)
+    ]
     rows = x.detach()[:64].repeat(2, 1).requires_grad_()
     expert_N = idx.reshape(-1)[:128]
     dy_rows = dy.repeat(2, 1)
@@ -216,9 +218,10 @@ def test_experts_stacked_from_per_expert_parameters_keep_no_copy(fp8):
         assert all(torch.equal(p.grad, w_ref[e]) for e, p in enumerate(ps))
     flat = [p for ps in per for p in ps]
     stacked = _saved(lambda: swiglu_rows(rows, expert_N, *(torch.stack(p) for p in per), kernel), flat)
-    leaf = _saved(lambda: swiglu_rows(rows, expert_N, ex.gate_proj, ex.up_proj, ex.down_proj, kernel),
-                  list(ex.parameters()))
-    assert stacked == leaf                                   # no weight-sized tensor kept either way
+    leaf = _saved(
+        lambda: swiglu_rows(rows, expert_N, ex.gate_proj, ex.up_proj, ex.down_proj, kernel), list(ex.parameters())
+    )
+    assert stacked == leaf  # no weight-sized tensor kept either way
 
 
 @pytest.mark.parametrize("dedup", [False, True])
@@ -249,4 +252,4 @@ def test_expert_parallel_path_sends_the_routing_weight_with_the_rows(dedup):
     kept_ep = _saved(lambda: ep(x), list(ep.parameters()))
     kept_sp = _saved(lambda: moe(x), list(moe.parameters()))
     rows = x.shape[0] * x.shape[1] * K
-    assert kept_ep <= kept_sp + 8 * rows * 2                  # at most a couple of index vectors more
+    assert kept_ep <= kept_sp + 8 * rows * 2  # at most a couple of index vectors more

@@ -1,7 +1,7 @@
 import torch
 
-from dsv3_plugin.model.moe.balancing import update_expert_bias
 from dsv3_plugin.config import load_config
+from dsv3_plugin.model.moe.balancing import update_expert_bias
 from dsv3_plugin.training.transforms import build_model
 
 

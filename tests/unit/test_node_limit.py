@@ -2,13 +2,14 @@
 Nodes are contiguous expert blocks (EP rank j owns E/P experts; nodes are blocks of ranks_per_node ranks);
 the router's groups tile the nodes, so at most `topk_group` = M nodes are ever selected, and dedup dispatch
 makes at most M cross-node copies per token."""
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsv3_plugin.config import MoEConfig
-from dsv3_plugin.parallel.dispatch import count_cross_node_copies
 from dsv3_plugin.model.moe.router import Router, group_limited_topk
+from dsv3_plugin.parallel.dispatch import count_cross_node_copies
 
 
 @st.composite

@@ -1,4 +1,5 @@
 """The Fig. 4-style two-lane picture (paper §3.2.1): writes a PNG atomically, rejects malformed events by name."""
+
 import os
 
 import pytest
@@ -28,19 +29,22 @@ def test_writes_a_png(tmp_path):
     assert plot_overlap_timeline(_pair(), str(path), title="one FB pair") == str(path)
     data = path.read_bytes()
     assert data[:4] == b"\x89PNG" and len(data) > 5_000
-    assert os.listdir(tmp_path) == ["fig4.png"]          # the temp file was renamed, none left behind
+    assert os.listdir(tmp_path) == ["fig4.png"]  # the temp file was renamed, none left behind
 
 
-@pytest.mark.parametrize("mutate,field", [
-    (lambda e: e.pop("lane"), "events[2].lane"),
-    (lambda e: e.update(lane="network"), "events[2].lane"),
-    (lambda e: e.update(chunk="I"), "events[2].chunk"),
-    (lambda e: e.update(label=""), "events[2].label"),
-    (lambda e: e.update(start="0"), "events[2].start"),
-    (lambda e: e.update(end=float("nan")), "events[2].end"),
-    (lambda e: e.update(end=0.5), "events[2].end"),          # before its start (1.0)
-    (lambda e: e.update(mb=1.0), "events[2].mb"),
-])
+@pytest.mark.parametrize(
+    "mutate,field",
+    [
+        (lambda e: e.pop("lane"), "events[2].lane"),
+        (lambda e: e.update(lane="network"), "events[2].lane"),
+        (lambda e: e.update(chunk="I"), "events[2].chunk"),
+        (lambda e: e.update(label=""), "events[2].label"),
+        (lambda e: e.update(start="0"), "events[2].start"),
+        (lambda e: e.update(end=float("nan")), "events[2].end"),
+        (lambda e: e.update(end=0.5), "events[2].end"),  # before its start (1.0)
+        (lambda e: e.update(mb=1.0), "events[2].mb"),
+    ],
+)
 def test_bad_events_name_the_field(tmp_path, mutate, field):
     events = _pair()
     mutate(events[2])

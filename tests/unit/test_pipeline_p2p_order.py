@@ -6,12 +6,13 @@ ranks execute in issue order (one FIFO per direction pair), a send completes onl
 receive, the CPU blocks on receives only. "pairwise" order must never deadlock or mismatch; "sender" order
 (fine on gloo, whose sends are asynchronous) does deadlock under this model for DualPipe.
 """
+
 import pytest
 import torch
 import torch.distributed as dist
+from pipeline_stages_unit import H, Stage
 
 from dsv3_plugin.parallel.pipeline import DualPipe, DualPipeV, OneFOneB
-from pipeline_stages_unit import H, Stage
 
 RUNTIMES = {"1f1b": OneFOneB, "dualpipe": DualPipe, "dualpipev": DualPipeV}
 
@@ -53,11 +54,11 @@ def replay_nccl(seqs) -> str:
     """'ok', 'deadlock' or 'mismatch' under per-pair FIFO rendezvous semantics."""
     P = len(seqs)
     pc = [0] * P
-    fifo = {(a, b): [] for a in range(P) for b in range(P) if a != b}   # ops rank a issued toward b
-    blocked = [None] * P                                              # the recv a rank's CPU waits on
+    fifo = {(a, b): [] for a in range(P) for b in range(P) if a != b}  # ops rank a issued toward b
+    blocked = [None] * P  # the recv a rank's CPU waits on
     while True:
         progress = False
-        for r in range(P):                     # issue until a receive blocks the CPU
+        for r in range(P):  # issue until a receive blocks the CPU
             while blocked[r] is None and pc[r] < len(seqs[r]):
                 kind, peer, key = seqs[r][pc[r]]
                 pc[r] += 1
@@ -66,13 +67,13 @@ def replay_nccl(seqs) -> str:
                 if kind == "recv":
                     blocked[r] = op
                 progress = True
-        for (a, b), q in fifo.items():         # match heads pairwise
+        for (a, b), q in fifo.items():  # match heads pairwise
             if a < b:
                 qb = fifo[(b, a)]
                 while q and qb:
                     ka, kb = q[0], qb[0]
                     if {ka[0], kb[0]} != {"send", "recv"}:
-                        break                  # both heads send (or both receive): this pair is stuck
+                        break  # both heads send (or both receive): this pair is stuck
                     if ka[1] != kb[1]:
                         return "mismatch"
                     for op in (q.pop(0), qb.pop(0)):
@@ -88,8 +89,18 @@ def replay_nccl(seqs) -> str:
             return "deadlock"
 
 
-@pytest.mark.parametrize("name,P,C", [("1f1b", 4, 6), ("dualpipe", 2, 4), ("dualpipe", 4, 8), ("dualpipe", 6, 14),
-                                      ("dualpipev", 2, 5), ("dualpipev", 4, 8), ("dualpipev", 4, 11)])
+@pytest.mark.parametrize(
+    "name,P,C",
+    [
+        ("1f1b", 4, 6),
+        ("dualpipe", 2, 4),
+        ("dualpipe", 4, 8),
+        ("dualpipe", 6, 14),
+        ("dualpipev", 2, 5),
+        ("dualpipev", 4, 8),
+        ("dualpipev", 4, 11),
+    ],
+)
 def test_pairwise_order_is_nccl_safe(name, P, C, monkeypatch):
     assert replay_nccl(_calls(name, P, C, "pairwise", monkeypatch)) == "ok"
 

@@ -1,14 +1,14 @@
 """DSv3Model cut into pipeline stages: composing the stages gives the model's loss and gradients bit for bit."""
+
 import copy
 
 import pytest
 import torch
+from tolerance import assert_within, model_bound
 
 from dsv3_plugin.config import load_config
-from dsv3_plugin.model.transformer import DSv3Model
-from dsv3_plugin.training.transforms import build_model
 from dsv3_plugin.parallel.pipeline.stages import DSv3PipelineLoss, build_stages, split_layers, stage_ids_for_rank
-from tolerance import assert_within, model_bound
+from dsv3_plugin.training.transforms import build_model
 
 
 def tiny(layers=4):
@@ -58,6 +58,7 @@ def test_split_weight_grads_defers_linear_and_expert_gemms():
     from dsv3_plugin.model.kernels import KernelLinear, UsesKernel, find_wrapper
     from dsv3_plugin.model.moe.layer import GroupedExperts
     from dsv3_plugin.parallel.pipeline.weight_grad import DeferredWeightGrads, WeightGradQueue, split_weight_grads
+
     torch.manual_seed(0)
     model = build_model(tiny(3))
     model.train()
@@ -65,11 +66,14 @@ def test_split_weight_grads_defers_linear_and_expert_gemms():
     ids, labels = torch.randint(0, 256, (2, 12)), torch.randint(0, 256, (2, 12))
     ref(ids, labels).loss.backward()
     n = split_weight_grads(model)
-    deferred = [m for m in model.modules()
-                if isinstance(m, UsesKernel) and find_wrapper(m.kernel, DeferredWeightGrads) is not None]
+    deferred = [
+        m
+        for m in model.modules()
+        if isinstance(m, UsesKernel) and find_wrapper(m.kernel, DeferredWeightGrads) is not None
+    ]
     n_exp = sum(isinstance(m, GroupedExperts) for m in deferred)
     n_lin = sum(isinstance(m, KernelLinear) for m in deferred)
-    assert n_exp == 3 and n == n_exp + n_lin == len(deferred)     # 2 MoE layers + the MTP layer
+    assert n_exp == 3 and n == n_exp + n_lin == len(deferred)  # 2 MoE layers + the MTP layer
     assert not any(type(m) is torch.nn.Linear for m in model.modules())
     assert model.state_dict().keys() == ref.state_dict().keys()
     q = WeightGradQueue()
@@ -86,5 +90,9 @@ def test_split_weight_grads_defers_linear_and_expert_gemms():
     # dX and dW run as plain matmuls in the I op and the W closure instead of autograd's linear/grouped
     # backward kernels, so their blocking differs, and the differences flow back through every block.
     for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
-        assert_within(p.grad, r.grad, model_bound(r.grad, model.cfg, ids.numel(), passes=1),
-                         f"{name}.grad, deferred W-GEMMs vs autograd")
+        assert_within(
+            p.grad,
+            r.grad,
+            model_bound(r.grad, model.cfg, ids.numel(), passes=1),
+            f"{name}.grad, deferred W-GEMMs vs autograd",
+        )

@@ -1,9 +1,10 @@
 """Rank-local models and loads (`training.rank_local`, `checkpoint.hf.load_pretrained(layout=...)`): a rank
 builds and reads only what it owns, with the values the full model / full load holds."""
-import os
 
 import pytest
 import torch
+from helpers import CK_CFG, released_owned
+from helpers import write_rank_local_checkpoint as write_checkpoint
 
 from dsv3_plugin.checkpoint.hf import load_pretrained
 from dsv3_plugin.checkpoint.names import is_runtime_state, native_to_released, released_names
@@ -13,7 +14,6 @@ from dsv3_plugin.parallel.pipeline.stages import min_layers, model_stage_layers
 from dsv3_plugin.training.memory_plan import rank_param_count
 from dsv3_plugin.training.rank_local import RankLayout, build_rank_local, param_bytes
 from dsv3_plugin.training.transforms import build_model
-from helpers import CK_CFG, released_owned, write_rank_local_checkpoint as write_checkpoint
 
 
 def _is_routed(native: str) -> bool:
@@ -22,7 +22,7 @@ def _is_routed(native: str) -> bool:
 
 def _owned_slice(full: torch.Tensor, native: str, lay: RankLayout) -> torch.Tensor:
     if _is_routed(native) and lay.ep > 1:
-        return full[lay.expert_range.start:lay.expert_range.stop]
+        return full[lay.expert_range.start : lay.expert_range.stop]
     return full
 
 
@@ -53,8 +53,14 @@ def test_min_layers_follows_the_model_split(mtp):
 def test_rank_local_build_holds_the_full_models_values(sched, pp, ep, fp8):
     """Same seed -> every owned tensor equals the full model's (its EP slice for routed experts; torch.equal: the
     same draws), everything else stays on meta, and the ranks together own every parameter."""
-    cfg = load_config({"preset": "tiny", "model": {"num_hidden_layers": 4}, "fp8": {"enabled": fp8},
-                       "parallel": {"pp": pp, "ep": ep, "schedule": sched}})
+    cfg = load_config(
+        {
+            "preset": "tiny",
+            "model": {"num_hidden_layers": 4},
+            "fp8": {"enabled": fp8},
+            "parallel": {"pp": pp, "ep": ep, "schedule": sched},
+        }
+    )
     torch.manual_seed(7)
     full = build_model(cfg)
     after_full = torch.rand(3)
@@ -65,7 +71,7 @@ def test_rank_local_build_holds_the_full_models_values(sched, pp, ep, fp8):
             lay = RankLayout.of(cfg, pr, er)
             torch.manual_seed(7)
             m = build_rank_local(cfg, lay)
-            assert torch.equal(torch.rand(3), after_full)    # the global generator advanced alike
+            assert torch.equal(torch.rand(3), after_full)  # the global generator advanced alike
             for k, v in m.state_dict().items():
                 if not lay.owns(k):
                     assert v.is_meta, k
@@ -78,16 +84,17 @@ def test_rank_local_build_holds_the_full_models_values(sched, pp, ep, fp8):
 
 
 def test_rank_local_build_in_bf16_keeps_the_router_fp32():
-    cfg = load_config({"preset": "tiny", "model": {"num_hidden_layers": 6},
-                       "parallel": {"pp": 2, "ep": 2, "schedule": "1f1b"}})
+    cfg = load_config(
+        {"preset": "tiny", "model": {"num_hidden_layers": 6}, "parallel": {"pp": 2, "ep": 2, "schedule": "1f1b"}}
+    )
     lay = RankLayout.of(cfg, 1, 1)
-    assert lay.layer_ids == [4, 5]                         # 6 layers + head + MTP over 2 stages: 4 | 2
+    assert lay.layer_ids == [4, 5]  # 6 layers + head + MTP over 2 stages: 4 | 2
     m = build_rank_local(cfg, lay, dtype=torch.bfloat16)
     assert m.layers[4].mlp.experts.gate_proj.dtype == torch.bfloat16
     assert m.layers[4].mlp.experts.gate_proj.shape[0] == cfg.moe.n_routed_experts // 2
     assert m.layers[4].mlp.gate.weight.dtype == torch.float32
     assert m.layers[4].mlp.gate.e_score_correction_bias.dtype == torch.float32
-    assert m.embed_tokens.weight.is_meta is False          # the last stage's MTP reuses the embedding
+    assert m.embed_tokens.weight.is_meta is False  # the last stage's MTP reuses the embedding
     assert m.layers[0].self_attn.q_a_proj.weight.is_meta
 
 
@@ -145,7 +152,7 @@ def test_v3_671b_dualpipe_rank_matches_the_plan_and_the_released_names(pp_rank):
     assert abs(got - plan_bytes) <= 0.01 * plan_bytes, (got, plan_bytes)
     assert sum(p.numel() for p in owned.values()) == rank_param_count(cfg, "dualpipe", 16, 64, pp_rank)["total"]
     L = cfg.model.num_hidden_layers
-    mine = set()      # the released names of this rank's checkpoint tensors: parameters and the router biases
+    mine = set()  # the released names of this rank's checkpoint tensors: parameters and the router biases
     for n, p in m.state_dict().items():
         if not lay.owns(n) or is_runtime_state(n):
             continue
@@ -157,4 +164,4 @@ def test_v3_671b_dualpipe_rank_matches_the_plan_and_the_released_names(pp_rank):
     req, opt = released_names(cfg.to_hf())
     assert mine == {n for n in req | opt if released_owned(n, lay, L)}
     assert "model.layers.61.eh_proj.weight" in mine and "model.layers.3.mlp.experts.3.up_proj.weight" in mine
-    assert "model.layers.4.self_attn.o_proj.weight" not in mine and param_bytes(m) > got   # the rest: meta
+    assert "model.layers.4.self_attn.o_proj.weight" not in mine and param_bytes(m) > got  # the rest: meta

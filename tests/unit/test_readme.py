@@ -6,8 +6,9 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def test_readme_config_table_is_current():
-    assert reference_table() in README.read_text(), \
-        "README's \"dsv3\" table is stale: paste dsv3_plugin.config.reference_table() output"
+    assert reference_table() in README.read_text(), (
+        'README\'s "dsv3" table is stale: paste dsv3_plugin.config.reference_table() output'
+    )
 
 
 def test_readme_shows_the_two_commands():

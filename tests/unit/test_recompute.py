@@ -1,12 +1,13 @@
 """memory.recompute (report §3.2.3): bit-identical losses/gradients, fewer saved activation bytes."""
+
 import copy
 
 import pytest
 import torch
 
 from dsv3_plugin.config import ConfigError, load_config
-from dsv3_plugin.training.transforms import build_model
 from dsv3_plugin.training.recompute import MODES, apply_recompute, remove_recompute, saved_activation_bytes
+from dsv3_plugin.training.transforms import build_model
 
 
 @pytest.fixture(scope="module")
@@ -22,8 +23,11 @@ def base():
 def _step(m, ids, lab):
     out = m(ids, lab)
     out.loss.backward()
-    return out.loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}, \
-        [mo.gate.tokens_per_expert.clone() for mo in m.moe_layers()]
+    return (
+        out.loss.detach(),
+        {n: p.grad.clone() for n, p in m.named_parameters()},
+        [mo.gate.tokens_per_expert.clone() for mo in m.moe_layers()],
+    )
 
 
 def test_recompute_bit_identical_and_saves_memory(base):
@@ -37,7 +41,7 @@ def test_recompute_bit_identical_and_saves_memory(base):
         for mo in mm.moe_layers():
             mo.gate.tokens_per_expert.zero_()
         res[mode] = _step(mm, ids, lab)
-        assert list(mm.state_dict()) == list(m.state_dict())           # names unchanged
+        assert list(mm.state_dict()) == list(m.state_dict())  # names unchanged
     ref_loss, ref_grads, ref_counts = res["none"]
     for mode in ("norm_and_mla_up", "full"):
         loss, grads, counts = res[mode]
@@ -56,7 +60,7 @@ def test_recompute_through_config_and_removal(base):
     m2.load_state_dict(m.state_dict())
     assert type(m2.layers[0].input_layernorm).__name__ == "RecomputedRMSNorm"
     assert type(m2.layers[0].self_attn).__name__ == "RecomputedMLA"
-    assert type(m2.layers[0].self_attn.q_a_layernorm).__name__ == "RMSNorm"   # inside the recomputed q_up
+    assert type(m2.layers[0].self_attn.q_a_layernorm).__name__ == "RMSNorm"  # inside the recomputed q_up
     remove_recompute(m2)
     assert type(m2.layers[0].input_layernorm).__name__ == "RMSNorm"
     with pytest.raises(ConfigError, match=r"dsv3\.memory\.recompute"):

@@ -2,13 +2,13 @@
 
 import torch
 import torch.nn.functional as F
-
-from dsv3_plugin.model.moe.balancing import maxvio, seq_balance_loss, update_expert_bias
-from dsv3_plugin.config import load_config
-from dsv3_plugin.training.transforms import build_model
-from dsv3_plugin.model.mtp import mtp_depth_loss
-from dsv3_plugin.model.moe.router import Router, group_limited_topk, skip_counting
 from tolerance import assert_within, reorder_bound
+
+from dsv3_plugin.config import load_config
+from dsv3_plugin.model.moe.balancing import maxvio, seq_balance_loss, update_expert_bias
+from dsv3_plugin.model.moe.router import Router, group_limited_topk, skip_counting
+from dsv3_plugin.model.mtp import mtp_depth_loss
+from dsv3_plugin.training.transforms import build_model
 
 
 def _router(**moe):
@@ -49,7 +49,7 @@ def test_bias_and_router_stay_fp32_under_bf16_model():
         assert moe.gate.e_score_correction_bias.dtype == torch.float32
         assert moe.gate.weight.dtype == torch.float32
     assert "layers.1.mlp.gate.e_score_correction_bias" in model.state_dict()  # persistent
-    assert "layers.1.mlp.gate.tokens_per_expert" not in model.state_dict()    # per-step, not saved
+    assert "layers.1.mlp.gate.tokens_per_expert" not in model.state_dict()  # per-step, not saved
 
 
 # 2. Group score = sum of the top-2 biased scores; unselected groups masked with -inf (not 0.0).
@@ -63,8 +63,20 @@ def test_group_score_is_top2_biased_sum():
 def test_minus_inf_vs_zero_group_mask():
     # Kept group (0): its competitors have negative biased scores. Masking the other group with 0.0
     # (transformers 4.x) lets a masked expert win a top-k slot; -inf never does.
-    biased = torch.tensor([[0.30, -0.20, -0.30, -0.40,   # group 0: sum top2 = 0.10
-                            0.05, 0.04, -0.90, -0.90]])  # group 1: sum top2 = 0.09  -> masked
+    biased = torch.tensor(
+        [
+            [
+                0.30,
+                -0.20,
+                -0.30,
+                -0.40,  # group 0: sum top2 = 0.10
+                0.05,
+                0.04,
+                -0.90,
+                -0.90,
+            ]
+        ]
+    )  # group 1: sum top2 = 0.09  -> masked
     idx = group_limited_topk(biased, top_k=2, n_group=2, topk_group=1)
     assert set(idx[0].tolist()) <= {0, 1, 2, 3}
     zero_masked = biased.clone()
@@ -101,8 +113,12 @@ def test_seq_balance_loss_matches_eqs_17_to_20():
         ref += alpha * sum(fi * pi for fi, pi in zip(f, P))
     # float32 vs this float64 loop: every term is positive, so Σ|terms| is the loss itself; 5 reductions of
     # length <= E = 8 (s/Σs over E, the mean over T, Σ f·P over E, α, the mean over B).
-    assert_within(loss.double(), torch.tensor(ref / B, dtype=torch.float64), reorder_bound(E, ref / B, stages=5),
-                  "sequence-wise balance loss vs eqs. 17-20")
+    assert_within(
+        loss.double(),
+        torch.tensor(ref / B, dtype=torch.float64),
+        reorder_bound(E, ref / B, stages=5),
+        "sequence-wise balance loss vs eqs. 17-20",
+    )
 
 
 def test_seq_balance_loss_ignores_bias_and_groups():
@@ -114,7 +130,7 @@ def test_seq_balance_loss_ignores_bias_and_groups():
     before = moe.aux_loss.item()
     moe.gate.e_score_correction_bias.copy_(torch.linspace(-5, 5, 16))  # changes selection, not the loss
     model(ids)
-    assert moe.aux_loss.item() == before       # the first MoE layer's scores: the same ops on the same input
+    assert moe.aux_loss.item() == before  # the first MoE layer's scores: the same ops on the same input
 
 
 # 4. Bias update: sign(mean − count), γ, in place, fp32, once per call (= once per optimizer step).
@@ -128,7 +144,7 @@ def test_bias_update_sign_rule_and_counts_reset():
     # 0 + γ·(±1): exactly float32(γ), as the literal below
     assert torch.equal(r.e_score_correction_bias, torch.tensor([-0.001, 0.001, 0.001, 0.001]))
     assert r.tokens_per_expert.sum() == 0
-    assert stats[0]["maxvio"] == 10 / 5 - 1    # 10 / mean 5 - 1: exact in float
+    assert stats[0]["maxvio"] == 10 / 5 - 1  # 10 / mean 5 - 1: exact in float
     assert maxvio(torch.tensor([5.0, 5.0])) == 0.0
 
 
@@ -164,4 +180,4 @@ def test_mtp_loss_divides_by_full_T_and_lambda():
     model = build_model(cfg).train()
     ids = torch.randint(0, 256, (2, 12), generator=g)
     out = model(ids, labels=torch.roll(ids, -1, 1))
-    assert torch.equal(out.loss, out.lm_loss + 0.25 * out.mtp_loss)   # α = 0: no balance term; same ops
+    assert torch.equal(out.loss, out.lm_loss + 0.25 * out.mtp_loss)  # α = 0: no balance term; same ops

@@ -1,5 +1,6 @@
 """The run directory of `dsv3 train` (dsv3_plugin.training.run_dir): the OS lock, checkpoint completeness and the choice
 of the tag to resume, config identity, torn metrics lines; and the launcher arguments `dsv3` accepts."""
+
 import json
 import os
 import signal
@@ -38,7 +39,7 @@ def test_lock_names_holder_and_goes_with_a_killed_holder(tmp_path):
         p.wait()
     lock = rd.RunLock(out).acquire()  # the kernel released it with the killed process
     with pytest.raises(ConfigError, match=f"pid {os.getpid()}"):
-        rd.RunLock(out).acquire()     # a second descriptor in the same process is refused too
+        rd.RunLock(out).acquire()  # a second descriptor in the same process is refused too
     lock.release()
     rd.probe_lock(out)
 
@@ -53,8 +54,9 @@ def test_out_path_checks(tmp_path):
     rd.check_out_path(str(tmp_path / "new" / "dir"))  # creatable: fine
 
 
-def _fake_tag(ck, step, h="h0", world=2, files=("mp_rank_00_model_states.pt",
-                                                 "zero_pp_rank_0_mp_rank_00_optim_states.pt")):
+def _fake_tag(
+    ck, step, h="h0", world=2, files=("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+):
     d = os.path.join(ck, f"step{step}")
     os.makedirs(d)
     for n in files:
@@ -82,18 +84,30 @@ def test_resume_follows_a_valid_latest(run):
     assert rd.resolve_resume(ck, out) == ("step6", None)
 
 
-@pytest.mark.parametrize("damage, problem, tag", [
-    (lambda ck: open(os.path.join(ck, "latest"), "w").close(), "'latest' is empty", "step6"),
-    (lambda ck: os.remove(os.path.join(ck, "latest")), "there is no 'latest' file", "step6"),
-    (lambda ck: open(os.path.join(ck, "latest"), "w").write("step9"), "'step9', which does not exist", "step6"),
-    (lambda ck: os.remove(os.path.join(ck, "step6", rd.COMPLETE_MARKER)), "'step6', which is incomplete (no valid",
-     "step4"),
-    (lambda ck: os.remove(os.path.join(ck, "step6", "zero_pp_rank_0_mp_rank_00_optim_states.pt")),
-     "zero_pp_rank_0_mp_rank_00_optim_states.pt is missing", "step4"),
-    (lambda ck: open(os.path.join(ck, "step6", "mp_rank_00_model_states.pt"), "ab").write(b"!"),
-     "mp_rank_00_model_states.pt holds 17 bytes, 16 were written", "step4"),
-    (lambda ck: open(os.path.join(ck, "step6", rd.COMPLETE_MARKER), "w").write('{"tag": "st'), "no valid", "step4"),
-])
+@pytest.mark.parametrize(
+    "damage, problem, tag",
+    [
+        (lambda ck: open(os.path.join(ck, "latest"), "w").close(), "'latest' is empty", "step6"),
+        (lambda ck: os.remove(os.path.join(ck, "latest")), "there is no 'latest' file", "step6"),
+        (lambda ck: open(os.path.join(ck, "latest"), "w").write("step9"), "'step9', which does not exist", "step6"),
+        (
+            lambda ck: os.remove(os.path.join(ck, "step6", rd.COMPLETE_MARKER)),
+            "'step6', which is incomplete (no valid",
+            "step4",
+        ),
+        (
+            lambda ck: os.remove(os.path.join(ck, "step6", "zero_pp_rank_0_mp_rank_00_optim_states.pt")),
+            "zero_pp_rank_0_mp_rank_00_optim_states.pt is missing",
+            "step4",
+        ),
+        (
+            lambda ck: open(os.path.join(ck, "step6", "mp_rank_00_model_states.pt"), "ab").write(b"!"),
+            "mp_rank_00_model_states.pt holds 17 bytes, 16 were written",
+            "step4",
+        ),
+        (lambda ck: open(os.path.join(ck, "step6", rd.COMPLETE_MARKER), "w").write('{"tag": "st'), "no valid", "step4"),
+    ],
+)
 def test_resume_falls_back_to_the_newest_complete_tag(run, damage, problem, tag):
     out, ck = run
     damage(ck)
@@ -106,8 +120,11 @@ def test_resume_refuses_without_a_complete_tag(run):
     out, ck = run
     for s in (2, 4, 6):
         os.remove(os.path.join(ck, f"step{s}", rd.COMPLETE_MARKER))
-    with pytest.raises(CheckpointError, match=r"no complete checkpoint to resume from \('latest' names tag 'step6', "
-                                              r"which is incomplete.*start a new run"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"no complete checkpoint to resume from \('latest' names tag 'step6', "
+        r"which is incomplete.*start a new run",
+    ):
         rd.resolve_resume(ck, out)
 
 
@@ -122,12 +139,16 @@ def test_legacy_checkpoint_without_run_record_trusts_latest(tmp_path):
 def test_identity_names_the_key_that_differs():
     a = load_config({"preset": "tiny"})
     b = load_config({"preset": "tiny", "model": {"hidden_size": 128}})
-    c = load_config({"preset": "tiny", "moe": {"bias_update_speed": 0.5}, "train": {"steps": 7},
-                     "parallel": {"p2p_timeout_s": 5.0}})
+    c = load_config(
+        {"preset": "tiny", "moe": {"bias_update_speed": 0.5}, "train": {"steps": 7}, "parallel": {"p2p_timeout_s": 5.0}}
+    )
     ia = rd.config_identity(a)
     rd.check_identity(rd.identity_hash(ia), ia, c, "runs/x")  # training knobs may change on resume
-    with pytest.raises(CheckpointError, match=r"--resume runs/x: this checkpoint belongs to another run's config "
-                                              r"\(dsv3\.model\.hidden_size: 64 in the checkpoint's run, 128 in"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"--resume runs/x: this checkpoint belongs to another run's config "
+        r"\(dsv3\.model\.hidden_size: 64 in the checkpoint's run, 128 in",
+    ):
         rd.check_identity(rd.identity_hash(ia), ia, b, "runs/x")
     with pytest.raises(CheckpointError, match="config hash"):
         rd.check_identity(rd.identity_hash(ia), None, b, "runs/x")
@@ -160,14 +181,18 @@ def test_previous_run_and_clear(tmp_path):
     assert sorted(os.listdir(out)) == ["mine.txt"]
 
 
-@pytest.mark.parametrize("argv, rest, local", [
-    (["--local_rank=1", "train", "--steps", "2"], ["train", "--steps", "2"], "1"),
-    (["train", "--local-rank", "0", "--steps", "2"], ["train", "--steps", "2"], "0"),
-    (["train", "--steps", "2", "--local_rank=3"], ["train", "--steps", "2"], "3"),
-    (["check-config", "a.json"], ["check-config", "a.json"], None),
-])
+@pytest.mark.parametrize(
+    "argv, rest, local",
+    [
+        (["--local_rank=1", "train", "--steps", "2"], ["train", "--steps", "2"], "1"),
+        (["train", "--local-rank", "0", "--steps", "2"], ["train", "--steps", "2"], "0"),
+        (["train", "--steps", "2", "--local_rank=3"], ["train", "--steps", "2"], "3"),
+        (["check-config", "a.json"], ["check-config", "a.json"], None),
+    ],
+)
 def test_launcher_local_rank_accepted_anywhere(monkeypatch, argv, rest, local):
     from dsv3_plugin.cli import build_parser, strip_launcher_args
+
     monkeypatch.setenv("LOCAL_RANK", "")  # recorded, so the value set below is undone after the test
     monkeypatch.delenv("LOCAL_RANK")
     assert strip_launcher_args(argv) == rest
@@ -178,6 +203,7 @@ def test_launcher_local_rank_accepted_anywhere(monkeypatch, argv, rest, local):
 def test_local_rank_before_subcommand_parses(monkeypatch, capsys):
     """What the deepspeed launcher runs: `dsv3 --local_rank=0 train ...` (argparse refused it before)."""
     from dsv3_plugin.cli import main
+
     monkeypatch.setenv("LOCAL_RANK", "")
     monkeypatch.delenv("LOCAL_RANK")
     assert main(["--local_rank=0", "train", "--nproc", "0"]) == 2
@@ -194,7 +220,10 @@ def test_resume_refuses_another_world_size(tmp_path):
     ck = os.path.join(out, "ckpt")
     _fake_tag(ck, 4, h=rd.identity_hash(rd.config_identity(cfg)), world=2)
     assert rd.resume_source(out, cfg, world=2)[1] == "step4"
-    assert rd.resume_source(out, cfg)[1] == "step4"           # world unknown: not checked
-    with pytest.raises(CheckpointError, match=rf"--resume {out}: step4 was saved by 2 rank\(s\), this run has 1; "
-                                              r".*--nproc 2"):
+    assert rd.resume_source(out, cfg)[1] == "step4"  # world unknown: not checked
+    with pytest.raises(
+        CheckpointError,
+        match=rf"--resume {out}: step4 was saved by 2 rank\(s\), this run has 1; "
+        r".*--nproc 2",
+    ):
         rd.resume_source(out, cfg, world=1)

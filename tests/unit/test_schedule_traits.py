@@ -1,5 +1,6 @@
 """Schedule traits (`SCHEDULES`) agree with the schedules they describe, and `check_chunks` is the one rule for
 pipeline-rank and micro-batch counts (config validation, DeepSpeed adapter, runtime and builders)."""
+
 import pytest
 import torch
 
@@ -19,7 +20,7 @@ def test_traits_describe_the_built_schedule(name, P):
             check_chunks(name, P)
         return
     C = t.min_chunks(P)
-    spec = build_schedule(name, P, C)                 # the fewest micro-batches the traits allow: builds, valid
+    spec = build_schedule(name, P, C)  # the fewest micro-batches the traits allow: builds, valid
     spec.validate()
     assert spec.traits is t and spec.chunks_per_rank == t.chunks_per_rank and spec.n_stages == t.n_stages(P)
     for r in range(P):
@@ -43,8 +44,11 @@ def test_traits_describe_the_built_schedule(name, P):
 
 
 def test_check_chunks_names_the_key_it_was_given():
-    with pytest.raises(ConfigError, match=r"^gradient_accumulation_steps: dualpipev needs >= 2\*pp = 4 micro-batches "
-                                          r"\(got 3\); why$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^gradient_accumulation_steps: dualpipev needs >= 2\*pp = 4 micro-batches "
+        r"\(got 3\); why$",
+    ):
         check_chunks("dualpipev", 2, 3, chunks_key="gradient_accumulation_steps", why="; why")
     with pytest.raises(ConfigError, match=r"^dsv3\.parallel\.num_chunks: dualpipe needs an even number"):
         check_chunks("dualpipe", 2, 5, chunks_key="dsv3.parallel.num_chunks")
@@ -68,12 +72,16 @@ def test_min_layers_is_the_fewest_that_leave_no_rank_empty(name, pp):
     need = min_layers(name, pp)
 
     def empty_ranks(L):
-        cfg = load_config({"preset": "tiny", "model": {"num_hidden_layers": L, "first_k_dense_replace": 0},
-                           "mtp": {"depth": 0}})
+        cfg = load_config(
+            {"preset": "tiny", "model": {"num_hidden_layers": L, "first_k_dense_replace": 0}, "mtp": {"depth": 0}}
+        )
         torch.manual_seed(0)
         model = DSv3Model(cfg)
-        return [r for r in range(pp)
-                if not any(_has_params(s) for s in build_stages(model, t.n_stages(pp), t.stage_ids(pp, r)))]
+        return [
+            r
+            for r in range(pp)
+            if not any(_has_params(s) for s in build_stages(model, t.n_stages(pp), t.stage_ids(pp, r)))
+        ]
 
     assert empty_ranks(max(need, 1)) == []
     if need > 1:

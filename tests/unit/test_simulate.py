@@ -1,4 +1,5 @@
 """Simulator of the pipeline schedules (the runtime's own op lists) against the published bubble formulas."""
+
 import json
 
 import pytest
@@ -9,8 +10,16 @@ from dsv3_plugin.parallel.pipeline.simulate import Durations, comparison_table, 
 
 # Every duration is a multiple of 1/2, so each start/finish time, idle sum and formula value is a small
 # dyadic rational, exact in binary floating point in any order: bubbles compare with ==, no tolerance.
-UNIT_CELLS = [(1, 2, 1, None), (1, 2, 1, 2.0), (1, 2, 1, 2.5), (2, 4, 2, 5.0), (2, 3, 1, None), (3, 4, 1, 5.5),
-              (1, 1, 0, None), (2, 3, 1, 3.0)]
+UNIT_CELLS = [
+    (1, 2, 1, None),
+    (1, 2, 1, 2.0),
+    (1, 2, 1, 2.5),
+    (2, 4, 2, 5.0),
+    (2, 3, 1, None),
+    (3, 4, 1, 5.5),
+    (1, 1, 0, None),
+    (2, 3, 1, 3.0),
+]
 
 
 @pytest.mark.parametrize("P", [2, 4, 8])
@@ -29,19 +38,29 @@ def test_zb1p_bubble_inside_and_outside_its_domain(P):
         res = simulate(build_schedule("zb1p", P, 3 * P), Durations(F, B, W))
         assert W <= min(F, B - W)
         assert res.bubble == res.formula == (P - 1) * (F + B - 2 * W)
-    res = simulate(build_schedule("zb1p", P, 3 * P), Durations(1, 3, 2))    # W > F: outside
+    res = simulate(build_schedule("zb1p", P, 3 * P), Durations(1, 3, 2))  # W > F: outside
     assert res.formula is None and res.formula_unchecked == 0
     assert res.bubble == (P - 1) * max(1 + 3 - 4, 1, 3 - 2)
 
 
-@pytest.mark.parametrize("name,P", [("dualpipe", 2), ("dualpipe", 4), ("dualpipe", 8), ("dualpipev", 1),
-                                    ("dualpipev", 2), ("dualpipev", 4), ("dualpipev", 8)])
+@pytest.mark.parametrize(
+    "name,P",
+    [
+        ("dualpipe", 2),
+        ("dualpipe", 4),
+        ("dualpipe", 8),
+        ("dualpipev", 1),
+        ("dualpipev", 2),
+        ("dualpipev", 4),
+        ("dualpipev", 8),
+    ],
+)
 def test_dualpipe_bubbles_in_the_unit_cell(name, P):
     for F, B, W, FB in UNIT_CELLS:
         fb = F + B if FB is None else FB
         for C in {2 * P, 2 * P + 2, 5 * P + (P % 2)}:
             res = simulate(build_schedule(name, P, C), Durations(F, B, W, FB))
-            stages_half = P / 2 if name == "dualpipe" else P        # PP/2 with PP = number of stages
+            stages_half = P / 2 if name == "dualpipe" else P  # PP/2 with PP = number of stages
             want = (stages_half - 1) * (fb + B - 3 * W)
             assert res.formula is not None and res.bubble == want, (name, P, C, F, B, W, FB)
             assert res.bubble == max(res.idle)
@@ -66,8 +85,8 @@ def test_memory_and_parameter_copies():
         d = simulate(build_schedule("dualpipe", P, 4 * P), Durations())
         v = simulate(build_schedule("dualpipev", P, 4 * P), Durations())
         one = simulate(build_schedule("1f1b", P, 4 * P), Durations())
-        assert d.peak_activations == [P + 1] * P           # README: PP + 1 (PP = stages = ranks)
-        assert v.peak_activations == [2 * P + 1] * P       # PP + 1 with PP = 2P half-size stages
+        assert d.peak_activations == [P + 1] * P  # README: PP + 1 (PP = stages = ranks)
+        assert v.peak_activations == [2 * P + 1] * P  # PP + 1 with PP = 2P half-size stages
         assert one.peak_activations == list(range(P, 0, -1))
         assert d.param_copies == v.param_copies == [2] * P and one.param_copies == [1] * P
 
@@ -96,7 +115,7 @@ def test_schedule_invariants_and_errors():
     with pytest.raises(ValueError, match="before its F"):
         spec.validate()
     spec.ops[0] = [Op("F", 0, 0), Op("B", 0, 0), Op("F", 0, 1), Op("B", 0, 1)]
-    spec.ops[1] = [Op("F", 0, 1), Op("B", 0, 1), Op("F", 0, 0), Op("B", 0, 0)]   # waits for F of mb 1 first
+    spec.ops[1] = [Op("F", 0, 1), Op("B", 0, 1), Op("F", 0, 0), Op("B", 0, 0)]  # waits for F of mb 1 first
     spec.validate()
     with pytest.raises(RuntimeError, match="deadlocks"):
         simulate(spec, Durations())
@@ -104,8 +123,31 @@ def test_schedule_invariants_and_errors():
 
 def test_cli_json_png_table(tmp_path, capsys):
     png = tmp_path / "t.png"
-    assert main(["simulate", "--schedule", "dualpipev", "--pp", "4", "--chunks", "10", "--f", "1", "--b", "2",
-                 "--w", "1", "--fb", "2.5", "--json", "--png", str(png)]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--schedule",
+                "dualpipev",
+                "--pp",
+                "4",
+                "--chunks",
+                "10",
+                "--f",
+                "1",
+                "--b",
+                "2",
+                "--w",
+                "1",
+                "--fb",
+                "2.5",
+                "--json",
+                "--png",
+                str(png),
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     for k in ("bubble", "formula", "makespan", "idle", "peak_activations", "param_copies"):
         assert k in out

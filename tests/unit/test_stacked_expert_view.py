@@ -1,6 +1,7 @@
 """`weight_grad.stack_with_grad_sink`: per-expert parameters that lie back to back in one storage (DeepSpeed's
 flat ZeRO buffer) are stacked as a view of it, not a copy; forward values, autograd gradients and the deferred-W
 sink are those of `torch.stack`, bit for bit. Anything else is still stacked by copying."""
+
 import torch
 from torch import nn
 
@@ -13,7 +14,7 @@ def _params_in(flat: torch.Tensor, E: int, shape) -> list[nn.Parameter]:
     n = shape[0] * shape[1]
     ps = [nn.Parameter(torch.empty(shape)) for _ in range(E)]
     for e, p in enumerate(ps):
-        p.data = flat[e * n:(e + 1) * n].view(shape)
+        p.data = flat[e * n : (e + 1) * n].view(shape)
     return ps
 
 
@@ -24,13 +25,13 @@ def _loss(w_EIH, x):
 def test_back_to_back_params_stack_as_a_view_with_torch_stack_gradients():
     g = torch.Generator().manual_seed(0)
     E, shape = 4, (8, 16)
-    flat = torch.randn(E * 8 * 16 + 5, generator=g)   # ZeRO pads the end of a group's buffer
+    flat = torch.randn(E * 8 * 16 + 5, generator=g)  # ZeRO pads the end of a group's buffer
     ps = _params_in(flat, E, shape)
     ref = [nn.Parameter(p.detach().clone()) for p in ps]
     x = torch.randn(3, 16, generator=g)
 
     w = stack_with_grad_sink(ps)
-    assert w.data_ptr() == flat.data_ptr() and torch.equal(w, torch.stack(ref))   # shared, same values
+    assert w.data_ptr() == flat.data_ptr() and torch.equal(w, torch.stack(ref))  # shared, same values
     # the expert kernels recognise it as a stack of these parameters (they keep the parameters for backward,
     # not the stack nor, in FP8, a quantized copy of it)
     assert [id(p) for p in stacked_params(w)] == [id(p) for p in ps]
@@ -51,9 +52,9 @@ def test_params_not_back_to_back_are_copied():
     E, shape = 3, (4, 4)
     flat = torch.randn(E * 16 + 16)
     ps = _params_in(flat, E, shape)
-    gap = ps[:1] + [nn.Parameter(torch.empty(shape))] + ps[2:]   # one elsewhere
-    gap[1].data = flat[32:48].view(shape) * 1.0                    # a separate storage
-    swapped = [ps[1], ps[0], ps[2]]                                # in the buffer, out of order
+    gap = ps[:1] + [nn.Parameter(torch.empty(shape))] + ps[2:]  # one elsewhere
+    gap[1].data = flat[32:48].view(shape) * 1.0  # a separate storage
+    swapped = [ps[1], ps[0], ps[2]]  # in the buffer, out of order
     for params in (gap, swapped, [nn.Parameter(torch.randn(shape)) for _ in range(E)]):
         w = stack_with_grad_sink(params)
         assert w.data_ptr() != params[0].data_ptr() and torch.equal(w, torch.stack(params))

@@ -5,14 +5,15 @@ TE declares `fp8_quant_fwd_inp` / `fp8_quant_fwd_weight` / `fp8_quant_bwd_grad` 
 of a pydantic dataclass: passed as constructor keywords they are dropped without an error, and the recipe keeps
 TE's defaults (amax_epsilon 0.0, power_2_scale from an environment variable). TE's quantizers read them from
 the recipe instance (`recipe.fp8_quant_fwd_inp.power_2_scale`, `.amax_epsilon`), which is what is checked here."""
+
 import dataclasses
 
 import pytest
+from te_recipe_wheels import fake_te_package, pinned_versions
 
 from dsv3_plugin.config import FP8Config
-from dsv3_plugin.precision.fp8.quant import AMAX_EPS
 from dsv3_plugin.precision.fp8.linear import te_recipe_spec, to_te_recipe
-from te_recipe_wheels import fake_te_package, pinned_versions
+from dsv3_plugin.precision.fp8.quant import AMAX_EPS
 
 VERSIONS = pinned_versions()
 QPARAMS = ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad")
@@ -41,7 +42,7 @@ def test_to_te_recipe_holds_every_requested_value(monkeypatch, version, recipe, 
         assert getattr(cls, k).amax_epsilon == 0.0
     if recipe == "blockwise":
         assert (r.x_block_scaling_dim, r.w_block_scaling_dim, r.grad_block_scaling_dim) == (1, 2, 1)
-    elif "use_power_2_scales" in {f.name for f in dataclasses.fields(cls)}:     # TE 2.20: quantizers' flag
+    elif "use_power_2_scales" in {f.name for f in dataclasses.fields(cls)}:  # TE 2.20: quantizers' flag
         assert r.use_power_2_scales is pow2
     # set on the instance only: TE's class defaults and other recipes are untouched
     fresh = cls()

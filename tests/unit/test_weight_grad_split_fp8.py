@@ -2,6 +2,7 @@
 modules go through `split_weight_grads` gives FP8's loss and gradients, its GEMMs still run in the FP8 kernels
 (Linears and routed experts), and their Wgrad GEMMs wait for the W op. The same for the expert-parallel layer,
 and for BF16 (the plain kernels)."""
+
 import copy
 import os
 import sys
@@ -11,14 +12,14 @@ import pytest
 import torch
 
 from dsv3_plugin.config import load_config
-from dsv3_plugin.precision.fp8.linear import EmulatedBackend
-from dsv3_plugin.training.transforms import build_model
 from dsv3_plugin.parallel.expert_parallel import expert_parallel
 from dsv3_plugin.parallel.groups import build_ep_groups
 from dsv3_plugin.parallel.pipeline.weight_grad import WeightGradQueue, split_weight_grads
+from dsv3_plugin.precision.fp8.linear import EmulatedBackend
+from dsv3_plugin.training.transforms import build_model
 
-U32 = 2.0 ** -24   # unit roundoff of float32
-U16 = 2.0 ** -8    # unit roundoff of bfloat16
+U32 = 2.0**-24  # unit roundoff of float32
+U16 = 2.0**-8  # unit roundoff of bfloat16
 
 
 class GemmSpy:
@@ -61,6 +62,7 @@ class LinearOperands:
             i = len(self.xs[name])
             self.xs[name].append(inp[0].detach().reshape(-1, inp[0].shape[-1]))
             out.register_hook(lambda g: self.gs[name].__setitem__(i, g.detach().reshape(-1, g.shape[-1])))
+
         return fwd
 
     def wgrad_bound(self, name: str, u: float) -> torch.Tensor:
@@ -106,9 +108,9 @@ def _check_fp8_gemms(spy, callers=("experts", "linear")):
     """The split run made the same FP8 GEMMs as the reference, with every Wgrad in W and nothing else there."""
     for who in callers:
         ref_w, ref_fd = spy.n("ref", who, "wgrad"), spy.n("ref", who, "fprop/dgrad")
-        assert ref_w > 0 and ref_fd > 0, who                                   # the FP8 kernels ran at all
+        assert ref_w > 0 and ref_fd > 0, who  # the FP8 kernels ran at all
         assert spy.n("F", who, "wgrad") == spy.n("I", who, "wgrad") == 0, who  # no Wgrad before W ...
-        assert spy.n("W", who, "wgrad") == ref_w, who                          # ... all of them in W
+        assert spy.n("W", who, "wgrad") == ref_w, who  # ... all of them in W
         assert spy.n("F", who, "fprop/dgrad") + spy.n("I", who, "fprop/dgrad") == ref_fd, who
         assert spy.n("W", who, "fprop/dgrad") == 0, who
 
@@ -121,7 +123,7 @@ def test_fp8_with_weight_grad_split_equals_fp8(monkeypatch):
     ref = copy.deepcopy(model)
     ids, labels = _data(cfg)
     rep = model.fp8_report
-    plain = {n: m for n, m in ref.named_modules() if type(m) is torch.nn.Linear}    # lm_head, MTP eh_proj
+    plain = {n: m for n, m in ref.named_modules() if type(m) is torch.nn.Linear}  # lm_head, MTP eh_proj
     assert set(plain) == {"lm_head", "mtp.0.eh_proj"} and set(plain) <= set(rep.high_precision)
     ops = LinearOperands(plain)
     spy = GemmSpy(monkeypatch)
@@ -131,24 +133,25 @@ def test_fp8_with_weight_grad_split_equals_fp8(monkeypatch):
 
     n_split = split_weight_grads(model)
     loss, waiting = _split_run(model, ids, labels, spy)
-    assert torch.equal(loss, out_ref.loss)                      # the experts still ran in FP8 (forward)
-    _check_fp8_gemms(spy)                                       # ... and backward; Wgrads in W
+    assert torch.equal(loss, out_ref.loss)  # the experts still ran in FP8 (forward)
+    _check_fp8_gemms(spy)  # ... and backward; Wgrads in W
     assert n_split == len(rep.converted) + len(rep.grouped) + len(plain)
-    fp8_weights = {f"{n}.weight" for n in rep.converted} | {f"{n}.{p}" for n in rep.grouped
-                                                            for p in ("gate_proj", "up_proj", "down_proj")}
+    fp8_weights = {f"{n}.weight" for n in rep.converted} | {
+        f"{n}.{p}" for n in rep.grouped for p in ("gate_proj", "up_proj", "down_proj")
+    }
     assert fp8_weights <= waiting and {f"{n}.weight" for n in plain} <= waiting
 
     refp = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         r = refp[name].grad
-        if name.endswith(".weight") and name[:-len(".weight")] in plain:
+        if name.endswith(".weight") and name[: -len(".weight")] in plain:
             # The plain Linears' deferred Wgrad is dYᵀ·X, autograd's is (Xᵀ·dY)ᵀ: the same sums over the
             # B·T rows, reduced in another order. Everything upstream gets bit-identical input gradients.
             # (Local bound; to be replaced by the suite's shared tolerance helper.)
-            bound = ops.wgrad_bound(name[:-len(".weight")], U32)
+            bound = ops.wgrad_bound(name[: -len(".weight")], U32)
             assert ((p.grad.double() - r.double()).abs() <= bound).all(), name
         else:
-            assert torch.equal(p.grad, r), name                 # the identical op sequence, run later
+            assert torch.equal(p.grad, r), name  # the identical op sequence, run later
 
 
 def test_fp8_expert_parallel_layer_with_split_runs_and_defers_fp8_experts(monkeypatch):
@@ -156,7 +159,7 @@ def test_fp8_expert_parallel_layer_with_split_runs_and_defers_fp8_experts(monkey
     torch.manual_seed(0)
     model = build_model(cfg)
     model.train()
-    expert_parallel(model, build_ep_groups(1))              # EP layer takes the experts' kernel (FP8)
+    expert_parallel(model, build_ep_groups(1))  # EP layer takes the experts' kernel (FP8)
     ref = copy.deepcopy(model)
     ids, labels = _data(cfg)
     spy = GemmSpy(monkeypatch)
@@ -199,14 +202,14 @@ def test_bf16_split_experts_bit_identical_linears_within_reordering_bound():
             assert ((p.grad.double() - r.double()).abs() <= ops.wgrad_bound(mod, U16)).all(), name
         elif ".experts." in name:
             assert name in waiting and p.grad.dtype == torch.bfloat16
-            assert torch.equal(p.grad, r), name                   # same grouped kernel, W run later
+            assert torch.equal(p.grad, r), name  # same grouped kernel, W run later
 
 
 # ---------------------------------------------------------------------------------------------- the seam itself
 def test_deferred_wrapper_composes_with_fp8_expert_kernel_and_refuses_opaque_kernels():
-    from dsv3_plugin.precision.fp8.experts import Fp8ExpertKernel
     from dsv3_plugin.model.kernels import KernelWrapper, base_kernel
     from dsv3_plugin.parallel.pipeline.weight_grad import DeferredWeightGrads, defer_weight_grads
+    from dsv3_plugin.precision.fp8.experts import Fp8ExpertKernel
 
     g = torch.Generator().manual_seed(0)
     E, H, I, counts = 4, 200, 136, [30, 0, 50, 20]
@@ -218,7 +221,7 @@ def test_deferred_wrapper_composes_with_fp8_expert_kernel_and_refuses_opaque_ker
         xx = x.clone().requires_grad_()
         pp = [torch.nn.Parameter(w.clone()) for w in ws]
         y = kernel(xx, counts, *pp)
-        with (queue.deferring("t") if queue is not None else torch.enable_grad()):
+        with queue.deferring("t") if queue is not None else torch.enable_grad():
             y.backward(dy)
         before = [p.grad for p in pp]
         if queue is not None:
@@ -230,21 +233,21 @@ def test_deferred_wrapper_composes_with_fp8_expert_kernel_and_refuses_opaque_ker
     dk = defer_weight_grads(k)
     assert isinstance(dk, DeferredWeightGrads) and base_kernel(dk) is k and defer_weight_grads(dk) is dk
     y1, dx1, before, dw1 = run(dk, WeightGradQueue())
-    assert all(b is None for b in before)                        # W waited for the queue
+    assert all(b is None for b in before)  # W waited for the queue
     assert torch.equal(y0, y1) and torch.equal(dx0, dx1)
     assert all(torch.equal(a, b) for a, b in zip(dw0, dw1))
-    assert torch.equal(dw1[0][1], torch.zeros(I, H))              # an expert without rows: zero gradient
+    assert torch.equal(dw1[0][1], torch.zeros(I, H))  # an expert without rows: zero gradient
     with pytest.raises(TypeError, match="SplitKernel"):
         DeferredWeightGrads(lambda *a: a[0])
     assert isinstance(dk, KernelWrapper)
 
 
 def test_split_refuses_linear_subclass_without_seam_and_fp8_after_split_keeps_deferral():
-    from dsv3_plugin.precision.fp8.linear import Fp8LinearKernel
-    from dsv3_plugin.training.transforms import convert_to_fp8
-    from dsv3_plugin.precision.fp8.experts import Fp8ExpertKernel
     from dsv3_plugin.model.kernels import base_kernel
     from dsv3_plugin.parallel.pipeline.weight_grad import DeferredWeightGrads
+    from dsv3_plugin.precision.fp8.experts import Fp8ExpertKernel
+    from dsv3_plugin.precision.fp8.linear import Fp8LinearKernel
+    from dsv3_plugin.training.transforms import convert_to_fp8
 
     class MyLinear(torch.nn.Linear):
         pass
@@ -252,10 +255,11 @@ def test_split_refuses_linear_subclass_without_seam_and_fp8_after_split_keeps_de
     seq = torch.nn.Sequential(torch.nn.Linear(4, 4), MyLinear(4, 4))
     with pytest.raises(TypeError, match=r"split_weight_grads: 1 is a MyLinear"):
         split_weight_grads(seq)
-    assert type(seq[0]) is torch.nn.Linear                        # checked before anything was changed
+    assert type(seq[0]) is torch.nn.Linear  # checked before anything was changed
     from dsv3_plugin.model.moe.layer import GroupedExperts, grouped_swiglu
+
     with pytest.raises(TypeError, match="not a kernels.SplitKernel"):
-        split_weight_grads(GroupedExperts(2, 4, 4, kernel=grouped_swiglu))   # an opaque callable kernel
+        split_weight_grads(GroupedExperts(2, 4, 4, kernel=grouped_swiglu))  # an opaque callable kernel
 
     # FP8 applied after the split: the innermost kernels become FP8, the deferral stays around them, and the
     # model computes what FP8-then-split computes
@@ -309,14 +313,14 @@ def test_deepspeed_expert_module_runs_the_kernel_it_is_built_with(monkeypatch, s
 
     y0, g0 = run("grouped")
     fp8 = layer.experts.kernel
-    if split_first:      # the deferring kernel is carried over by the conversion
+    if split_first:  # the deferring kernel is carried over by the conversion
         split_weight_grads(layer.experts)
     _to_deepspeed_experts(layer)
     assert base_kernel(layer.experts.kernel) is fp8 and type(layer.experts).__name__ == "DeepSpeedExperts"
-    y1, g1 = run("deepspeed")        # outside an I op a deferring kernel runs its W at once
+    y1, g1 = run("deepspeed")  # outside an I op a deferring kernel runs its W at once
     assert torch.equal(y0, y1)
-    assert torch.equal(torch.stack(g1[0::3]), g0[0])              # per-expert gate_proj = the stacked slab
-    assert torch.equal(torch.stack(g1[2::3]), g0[2])              # ... and down_proj
+    assert torch.equal(torch.stack(g1[0::3]), g0[0])  # per-expert gate_proj = the stacked slab
+    assert torch.equal(torch.stack(g1[2::3]), g0[2])  # ... and down_proj
     assert spy.n("deepspeed", "experts", "wgrad") == spy.n("grouped", "experts", "wgrad") > 0
     q = WeightGradQueue()
     if not split_first:
@@ -328,9 +332,11 @@ def test_deepspeed_expert_module_runs_the_kernel_it_is_built_with(monkeypatch, s
     spy.phase = "I"
     with q.deferring("mb1"):
         y2.square().sum().backward()
-    assert all(p.grad is None for p in layer.experts.parameters())   # all expert Wgrads wait for W
+    assert all(p.grad is None for p in layer.experts.parameters())  # all expert Wgrads wait for W
     spy.phase = "W"
     assert q.pop("mb1") > 0
-    assert spy.n("I", "experts", "wgrad") == 0 and spy.n("W", "experts", "wgrad") == spy.n("grouped", "experts", "wgrad")
+    assert spy.n("I", "experts", "wgrad") == 0 and spy.n("W", "experts", "wgrad") == spy.n(
+        "grouped", "experts", "wgrad"
+    )
     for a, b in zip(layer.experts.parameters(), g1):
         assert torch.equal(a.grad, b)

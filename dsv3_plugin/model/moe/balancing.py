@@ -19,9 +19,10 @@ Sequence-wise balance loss (eqs. 17-20): per sequence of T tokens,
     P_i = 1/T · Σ_t s_{i,t} / Σ_j s_{j,t}                 (normalized over all N_r experts)
     L_Bal = α Σ_i f_i P_i,  averaged over the sequences of the batch.
 """
+
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -36,7 +37,9 @@ def seq_balance_loss(scores_BTE: torch.Tensor, top_k: int, alpha: float) -> torc
     with torch.no_grad():
         plain_idx_BTK = scores_BTE.topk(top_k, dim=-1).indices
         hits_BE = torch.zeros(B, E, dtype=scores_BTE.dtype, device=scores_BTE.device)
-        hits_BE.scatter_add_(1, plain_idx_BTK.reshape(B, -1), torch.ones_like(plain_idx_BTK.reshape(B, -1), dtype=scores_BTE.dtype))
+        hits_BE.scatter_add_(
+            1, plain_idx_BTK.reshape(B, -1), torch.ones_like(plain_idx_BTK.reshape(B, -1), dtype=scores_BTE.dtype)
+        )
         f_BE = hits_BE * (E / (top_k * T))
     p_BE = (scores_BTE / scores_BTE.sum(dim=-1, keepdim=True)).mean(dim=1)
     return alpha * (f_BE * p_BE).sum(dim=-1).mean()
@@ -59,9 +62,12 @@ def reset_counts(model: nn.Module) -> None:
 
 
 @torch.no_grad()
-def update_expert_bias(model: nn.Module | Iterable[nn.Module], gamma: float,
-                       group: dist.ProcessGroup | None = None,
-                       reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[dict]:
+def update_expert_bias(
+    model: nn.Module | Iterable[nn.Module],
+    gamma: float,
+    group: dist.ProcessGroup | None = None,
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> list[dict]:
     """Apply b <- b + γ·sign(mean − load) once, from the counts summed since the last call.
 
     Counts of all routers are stacked and all-reduced in one collective over `group` (default: the world

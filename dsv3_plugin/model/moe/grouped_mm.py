@@ -15,6 +15,7 @@ multiple of 16 bytes. Hence:
 Selection (`expert_kernel`): this path on a CUDA device when all of the above hold; everywhere else (CPU, FP32
 models, odd widths) the existing loop kernel of `moe.grouped_swiglu`.
 """
+
 from __future__ import annotations
 
 import torch
@@ -48,19 +49,26 @@ def padded_offsets(counts: list[int], align: int = ALIGN_ROWS, device=None) -> t
     -> (offs int32 [E]: end row of each group in the padded layout, pos int64 [N]: padded row of each of the N
     input rows (grouped by expert, `counts[e]` rows for expert e), Np: padded row count)."""
     c = torch.tensor(counts, dtype=torch.int64)
-    padded = (c + align - 1) // align * align                          # [E]
+    padded = (c + align - 1) // align * align  # [E]
     ends = torch.cumsum(padded, 0)
-    start_pad = ends - padded                                          # first padded row of each group
-    start_in = torch.cumsum(c, 0) - c                                  # first input row of each group
+    start_pad = ends - padded  # first padded row of each group
+    start_in = torch.cumsum(c, 0) - c  # first input row of each group
     n = int(c.sum())
-    shift = torch.repeat_interleave(start_pad - start_in, c)           # [N]
+    shift = torch.repeat_interleave(start_pad - start_in, c)  # [N]
     pos = torch.arange(n, dtype=torch.int64) + shift
     Np = int(ends[-1]) if len(counts) else 0
     return ends.to(torch.int32).to(device), pos.to(device), Np
 
 
-def grouped_mm_swiglu(x_NH: torch.Tensor, counts: list[int], w1_EIH: torch.Tensor, w3_EIH: torch.Tensor,
-                      w2_EHI: torch.Tensor, align: int = ALIGN_ROWS, scale_N: torch.Tensor | None = None) -> torch.Tensor:
+def grouped_mm_swiglu(
+    x_NH: torch.Tensor,
+    counts: list[int],
+    w1_EIH: torch.Tensor,
+    w3_EIH: torch.Tensor,
+    w2_EHI: torch.Tensor,
+    align: int = ALIGN_ROWS,
+    scale_N: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Same contract as `moe.grouped_swiglu` (rows sorted by expert, `counts[e]` rows for expert e; `scale_N`
     multiplies each row's SwiGLU output before W2), computed with three `grouped_mm` calls; differentiable
     through grouped_mm's autograd."""
@@ -70,18 +78,24 @@ def grouped_mm_swiglu(x_NH: torch.Tensor, counts: list[int], w1_EIH: torch.Tenso
     if x_NH.shape[0] == 0:
         return x_NH.new_zeros(0, w2_EHI.shape[1])
     offs, pos, Np = padded_offsets(counts, align, x_NH.device)
-    x_pad = x_NH.new_zeros(Np, H).index_copy(0, pos, x_NH)            # [Np, H], zero rows between groups
-    g = F.grouped_mm(x_pad, w1_EIH.transpose(-2, -1), offs=offs)      # [Np, I]  (W1ᵀ: column-major view)
+    x_pad = x_NH.new_zeros(Np, H).index_copy(0, pos, x_NH)  # [Np, H], zero rows between groups
+    g = F.grouped_mm(x_pad, w1_EIH.transpose(-2, -1), offs=offs)  # [Np, I]  (W1ᵀ: column-major view)
     u = F.grouped_mm(x_pad, w3_EIH.transpose(-2, -1), offs=offs)
     a = F.silu(g) * u
     if scale_N is not None:
         a = a * x_NH.new_zeros(Np).index_copy(0, pos, scale_N.to(x_NH.dtype))[:, None]
-    y_pad = F.grouped_mm(a, w2_EHI.transpose(-2, -1), offs=offs)   # [Np, H]
+    y_pad = F.grouped_mm(a, w2_EHI.transpose(-2, -1), offs=offs)  # [Np, H]
     return y_pad.index_select(0, pos)
 
 
-def swiglu_magnitudes(x_NH: torch.Tensor, counts: list[int], w1_EIH: torch.Tensor, w3_EIH: torch.Tensor,
-                      w2_EHI: torch.Tensor, dy_NH: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def swiglu_magnitudes(
+    x_NH: torch.Tensor,
+    counts: list[int],
+    w1_EIH: torch.Tensor,
+    w3_EIH: torch.Tensor,
+    w2_EHI: torch.Tensor,
+    dy_NH: torch.Tensor,
+) -> tuple[torch.Tensor, ...]:
     """Float64 majorants of y and of the gradients (dx, dw1, dw3, dw2), for rounding-error tolerances.
 
     The SwiGLU with every operand replaced by its absolute value and silu(g) ⊙ u by 1.1·|g|·|u| (|silu(g)| ≤ |g|,
@@ -90,7 +104,7 @@ def swiglu_magnitudes(x_NH: torch.Tensor, counts: list[int], w1_EIH: torch.Tenso
     xs, a1, a3, a2 = (t.detach().double().abs().requires_grad_() for t in (x_NH, w1_EIH, w3_EIH, w2_EHI))
     outs, s = [], 0
     for e, n in enumerate(counts):
-        xe = xs[s:s + n]
+        xe = xs[s : s + n]
         outs.append((1.1 * (xe @ a1[e].t()) * (xe @ a3[e].t())) @ a2[e].t())
         s += n
     y = torch.cat(outs) if outs else xs.new_zeros(0, w2_EHI.shape[1])

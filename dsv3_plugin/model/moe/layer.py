@@ -6,20 +6,29 @@ computation is grouped: tokens are sorted by expert and each expert multiplies o
 of masking the whole batch per expert. No capacity factor and no token dropping (paper §2.1.2). The expert
 math is a kernel (`kernels.ExpertKernel`) the experts call: this module's `GroupedSwiGLUKernel` by default.
 """
+
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .balancing import seq_balance_loss
 from dsv3_plugin.config import MoEConfig
-from .grouped_mm import expert_kernel, grouped_mm_swiglu
 from dsv3_plugin.model.kernels import ExpertKernel, SplitKernel, UsesKernel, apply_split, expert_spans, stacked_params
-from .router import Router
+from dsv3_plugin.model.moe.balancing import seq_balance_loss
+from dsv3_plugin.model.moe.grouped_mm import expert_kernel, grouped_mm_swiglu
+from dsv3_plugin.model.moe.router import Router
 
-__all__ = ["DenseMLP", "GroupedExperts", "GroupedSwiGLUKernel", "DeepSeekMoE", "grouped_swiglu", "swiglu_rows",
-           "combine_rows", "swiglu_act"]
+__all__ = [
+    "DenseMLP",
+    "GroupedExperts",
+    "GroupedSwiGLUKernel",
+    "DeepSeekMoE",
+    "grouped_swiglu",
+    "swiglu_rows",
+    "combine_rows",
+    "swiglu_act",
+]
 
 
 def swiglu_act(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -86,8 +95,7 @@ class GroupedSwiGLUKernel(SplitKernel):
         dt = torch.promote_types(x_NH.dtype, w1_EIH.dtype)
         if via is self and expert_kernel(x_NH.device, dt, w1_EIH.shape[2], w1_EIH.shape[1])[0] == "grouped_mm":
             # CUDA + BF16: three grouped GEMMs (autograd's backward, so not when a wrapper splits off W)
-            return grouped_mm_swiglu(x_NH.to(dt), counts, w1_EIH.to(dt), w3_EIH.to(dt), w2_EHI.to(dt),
-                                     scale_N=scale_N)
+            return grouped_mm_swiglu(x_NH.to(dt), counts, w1_EIH.to(dt), w3_EIH.to(dt), w2_EHI.to(dt), scale_N=scale_N)
         # the weights are cast inside the Function (their gradients cast back there), so the parameters
         # themselves reach it: a deferred W writes their .grad
         return apply_split(via, list(counts), x_NH.to(dt), w1_EIH, w3_EIH, w2_EHI, scale=scale_N)
@@ -109,7 +117,7 @@ class GroupedSwiGLUKernel(SplitKernel):
             torch.mm(x_NH[s:t], w3_EIH[e].t(), out=u_NI[s:t])
         silu_NI = F.silu(g_NI)
         a_NI = silu_NI * u_NI
-        sa_NI = a_NI if s_N is None else a_NI * s_N[:, None].to(dt)        # the routing weight, before W2
+        sa_NI = a_NI if s_N is None else a_NI * s_N[:, None].to(dt)  # the routing weight, before W2
         y_NH = x_NH.new_empty(N, H)
         for e, s, t in spans:
             torch.mm(sa_NI[s:t], w2_EHI[e].t(), out=y_NH[s:t])
@@ -132,14 +140,14 @@ class GroupedSwiGLUKernel(SplitKernel):
         dy_NH = dy_NH.contiguous()
         da_NI = torch.empty_like(g_NI)
         for e, s, t in spans:
-            torch.mm(dy_NH[s:t], W(w2_EHI, srcs[2], e, wdt), out=da_NI[s:t])   # dL/d(s·a) = dy·W2
+            torch.mm(dy_NH[s:t], W(w2_EHI, srcs[2], e, wdt), out=da_NI[s:t])  # dL/d(s·a) = dy·W2
         ds_N = None
         if s_N is not None:
             if need_s:
-                ds_N = (da_NI * a_NI).sum(-1).to(s_N.dtype)                 # dL/ds = <dy·W2, a>
-            da_NI = da_NI * s_N[:, None].to(da_NI.dtype)                    # dL/da
-        du_NI = da_NI * silu_NI                                              # dL/du
-        dg_NI = torch.ops.aten.silu_backward(da_NI * u_NI, g_NI)             # dL/dg (one fused pass)
+                ds_N = (da_NI * a_NI).sum(-1).to(s_N.dtype)  # dL/ds = <dy·W2, a>
+            da_NI = da_NI * s_N[:, None].to(da_NI.dtype)  # dL/da
+        du_NI = da_NI * silu_NI  # dL/du
+        dg_NI = torch.ops.aten.silu_backward(da_NI * u_NI, g_NI)  # dL/dg (one fused pass)
         dx = None
         if need_x:
             dx = torch.empty_like(x_NH)
@@ -151,7 +159,7 @@ class GroupedSwiGLUKernel(SplitKernel):
     def weight_grads(self, saved, meta, carry, need_w):
         x_NH, _, _, _, a_NI, s_N, _, _, _ = saved
         if s_N is not None and need_w[2]:
-            a_NI = a_NI * s_N[:, None].to(a_NI.dtype)                        # s·a, as in forward
+            a_NI = a_NI * s_N[:, None].to(a_NI.dtype)  # s·a, as in forward
         spans, w_dtypes, _, wdt, w_meta = meta
         dy_NH, dg_NI, du_NI = carry
         hit = [e for e, _, _ in spans]
@@ -170,9 +178,9 @@ class GroupedSwiGLUKernel(SplitKernel):
         dw1, dw3, dw2 = (wgrad(m, n) for m, n in zip(w_meta, need_w))
         for e, s, t in spans:
             if dw2 is not None:
-                torch.mm(dy_NH[s:t].t(), a_NI[s:t], out=dw2[e])              # [H, I]
+                torch.mm(dy_NH[s:t].t(), a_NI[s:t], out=dw2[e])  # [H, I]
             if dw1 is not None:
-                torch.mm(dg_NI[s:t].t(), x_NH[s:t], out=dw1[e])              # [I, H]
+                torch.mm(dg_NI[s:t].t(), x_NH[s:t], out=dw1[e])  # [I, H]
             if dw3 is not None:
                 torch.mm(du_NI[s:t].t(), x_NH[s:t], out=dw3[e])
         return tuple(None if g is None else g.to(dt) for g, dt in zip((dw1, dw3, dw2), w_dtypes))
@@ -181,8 +189,9 @@ class GroupedSwiGLUKernel(SplitKernel):
         return "GroupedSwiGLUKernel()"
 
 
-def grouped_swiglu(x_NH: torch.Tensor, counts: list[int], w1_EIH: torch.Tensor, w3_EIH: torch.Tensor,
-                   w2_EHI: torch.Tensor) -> torch.Tensor:
+def grouped_swiglu(
+    x_NH: torch.Tensor, counts: list[int], w1_EIH: torch.Tensor, w3_EIH: torch.Tensor, w2_EHI: torch.Tensor
+) -> torch.Tensor:
     """SwiGLU per expert over rows already sorted by expert; `counts[e]` rows belong to expert e
     (`GroupedSwiGLUKernel`, the default expert kernel; on CUDA with BF16 experts it runs
     `grouped_mm_experts.grouped_mm_swiglu`)."""
@@ -210,23 +219,23 @@ class GroupedExperts(UsesKernel, nn.Module):
 
     def forward(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, gates_TK: torch.Tensor) -> torch.Tensor:
         T, K = topk_idx_TK.shape
-        flat_idx = topk_idx_TK.reshape(-1)                      # [T*K] expert of each (token, slot)
-        order = torch.argsort(flat_idx, stable=True)            # group the (token, slot) pairs by expert
+        flat_idx = topk_idx_TK.reshape(-1)  # [T*K] expert of each (token, slot)
+        order = torch.argsort(flat_idx, stable=True)  # group the (token, slot) pairs by expert
         counts = torch.bincount(flat_idx, minlength=self.n_experts).tolist()
-        token_of = order // K                                   # source token of each sorted row
+        token_of = order // K  # source token of each sorted row
         gates_N = gates_TK.reshape(-1)[order]
         if getattr(self.kernel, "row_scale", False):
             # the routing weight scales the SwiGLU output before W2: the k·H expert outputs per token are
             # not kept for the gate's gradient (it comes from the SwiGLU output the kernel keeps anyway)
-            y_NH = self.kernel(x_TH[token_of], counts, self.gate_proj, self.up_proj, self.down_proj,
-                               scale_N=gates_N)
+            y_NH = self.kernel(x_TH[token_of], counts, self.gate_proj, self.up_proj, self.down_proj, scale_N=gates_N)
         else:
             y_NH = self.kernel(x_TH[token_of], counts, self.gate_proj, self.up_proj, self.down_proj)
             y_NH = y_NH * gates_N[:, None].to(y_NH.dtype)
         return combine_rows(y_NH.to(x_TH.dtype), token_of, T)
 
-    def expert_rows(self, x_NH: torch.Tensor, expert_N: torch.Tensor,
-                    scale_N: torch.Tensor | None = None) -> torch.Tensor:
+    def expert_rows(
+        self, x_NH: torch.Tensor, expert_N: torch.Tensor, scale_N: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """SwiGLU of expert `expert_N[n]` on row n, in input row order (what expert-parallel dispatch hands to
         the experts a rank owns), times `scale_N[n]` when given (applied before the down projection)."""
         return swiglu_rows(x_NH, expert_N, self.gate_proj, self.up_proj, self.down_proj, self.kernel, scale_N)
@@ -241,9 +250,15 @@ def _run_scaled(kernel, x_NH, counts, w1_EIH, w3_EIH, w2_EHI, scale_N):
     return y_NH * scale_N[:, None].to(y_NH.dtype)
 
 
-def swiglu_rows(x_NH: torch.Tensor, expert_N: torch.Tensor, w1_EIH: torch.Tensor, w3_EIH: torch.Tensor,
-                w2_EHI: torch.Tensor, kernel: ExpertKernel = grouped_swiglu,
-                scale_N: torch.Tensor | None = None) -> torch.Tensor:
+def swiglu_rows(
+    x_NH: torch.Tensor,
+    expert_N: torch.Tensor,
+    w1_EIH: torch.Tensor,
+    w3_EIH: torch.Tensor,
+    w2_EHI: torch.Tensor,
+    kernel: ExpertKernel = grouped_swiglu,
+    scale_N: torch.Tensor | None = None,
+) -> torch.Tensor:
     """SwiGLU of expert `expert_N[n]` on row n (times `scale_N[n]`, inside the kernel when it has `row_scale`),
     rows in any order: sort by expert, grouped GEMMs (`kernel`), unsort."""
     counts = torch.bincount(expert_N, minlength=w1_EIH.shape[0]).tolist()
@@ -251,8 +266,9 @@ def swiglu_rows(x_NH: torch.Tensor, expert_N: torch.Tensor, w1_EIH: torch.Tensor
         # already grouped (EP = 1, one source rank)
         return _run_scaled(kernel, x_NH, counts, w1_EIH, w3_EIH, w2_EHI, scale_N)
     order = torch.argsort(expert_N, stable=True)
-    y_sorted = _run_scaled(kernel, x_NH[order], counts, w1_EIH, w3_EIH, w2_EHI,
-                           None if scale_N is None else scale_N[order])
+    y_sorted = _run_scaled(
+        kernel, x_NH[order], counts, w1_EIH, w3_EIH, w2_EHI, None if scale_N is None else scale_N[order]
+    )
     return torch.empty_like(y_sorted).index_copy_(0, order, y_sorted)
 
 
@@ -265,8 +281,9 @@ class DeepSeekMoE(nn.Module):
         self.cfg = cfg
         self.gate = Router(hidden_size, cfg)
         self.experts = GroupedExperts(cfg.n_routed_experts, hidden_size, cfg.intermediate_size)
-        self.shared_experts = (DenseMLP(hidden_size, cfg.intermediate_size * cfg.n_shared_experts)
-                               if cfg.n_shared_experts > 0 else None)
+        self.shared_experts = (
+            DenseMLP(hidden_size, cfg.intermediate_size * cfg.n_shared_experts) if cfg.n_shared_experts > 0 else None
+        )
         self.aux_loss: torch.Tensor | None = None
 
     def forward(self, x_BTH: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ Paper eqs. 13-16 and §2.1.2 ("the bias term is only used for routing"), DeepSee
 The sequence-wise balance loss (eqs. 17-20) is in `balancing.py`; it uses the plain top-k of s.
 No capacity, no token dropping.
 """
+
 from __future__ import annotations
 
 import contextlib

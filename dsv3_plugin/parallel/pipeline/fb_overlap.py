@@ -16,6 +16,7 @@ waits for is *exposed*: the computation lane's idle time, F&B - (computation tim
 nobody to overlap with: its components run back to back (NOTE: real kernels could still overlap e.g. the
 shared expert with the dispatch; the model does not).
 """
+
 from __future__ import annotations
 
 import math
@@ -31,6 +32,7 @@ class ChunkComponents:
     Forward: attention, dispatch, mlp, combine. Backward for input: combine_b, mlp_b, dispatch_b,
     attention_b (run in that order). Backward for weights: mlp_w, attention_w. `pp`: sending one chunk's
     boundary tensor (activation forward, its gradient backward) to the neighbouring stage."""
+
     attention: float
     dispatch: float
     mlp: float
@@ -61,8 +63,11 @@ class ChunkComponents:
     @property
     def b(self) -> float:
         """Full backward: input and weight parts."""
-        return self.layers * (self.combine_b + self.mlp_b + self.dispatch_b + self.attention_b
-                              + self.mlp_w + self.attention_w) + self.pp
+        return (
+            self.layers
+            * (self.combine_b + self.mlp_b + self.dispatch_b + self.attention_b + self.mlp_w + self.attention_w)
+            + self.pp
+        )
 
     @property
     def w(self) -> float:
@@ -88,18 +93,25 @@ class ChunkComponents:
 
 @dataclass
 class PairTimeline:
-    makespan: float            # F&B of the pair
-    compute: float             # busy time of the computation lane
-    comm: float                # busy time of the communication lane (all-to-all + PP)
-    a2a: float                 # all-to-all part of `comm`
-    exposed_comm: float        # idle time of the computation lane (= makespan - compute): communication not hidden
-    serial: float              # F + B: the same components with no overlap
-    events: list[dict] = field(default_factory=list)   # overlap_timeline events
+    makespan: float  # F&B of the pair
+    compute: float  # busy time of the computation lane
+    comm: float  # busy time of the communication lane (all-to-all + PP)
+    a2a: float  # all-to-all part of `comm`
+    exposed_comm: float  # idle time of the computation lane (= makespan - compute): communication not hidden
+    serial: float  # F + B: the same components with no overlap
+    events: list[dict] = field(default_factory=list)  # overlap_timeline events
 
     def to_json(self) -> dict:
-        return {"fb": self.makespan, "compute": self.compute, "comm": self.comm, "a2a": self.a2a,
-                "exposed_comm": self.exposed_comm, "hidden_comm": self.comm - self.exposed_comm,
-                "serial_f_plus_b": self.serial, "compute_to_a2a": (self.compute / self.a2a if self.a2a else None)}
+        return {
+            "fb": self.makespan,
+            "compute": self.compute,
+            "comm": self.comm,
+            "a2a": self.a2a,
+            "exposed_comm": self.exposed_comm,
+            "hidden_comm": self.comm - self.exposed_comm,
+            "serial_f_plus_b": self.serial,
+            "compute_to_a2a": (self.compute / self.a2a if self.a2a else None),
+        }
 
 
 def _pair_ops(c: ChunkComponents):
@@ -107,21 +119,27 @@ def _pair_ops(c: ChunkComponents):
     L = c.layers
     compute, comm = [], []
     for i in range(L):
-        j = L - 1 - i                                    # the backward micro-batch walks the layers down
-        compute += [(("F", "attention", i), "F", "attention", i, c.attention, ("F", "combine", i - 1) if i else None),
-                    (("B", "mlp", j), "B", "mlp", j, c.mlp_b, ("B", "combine", j)),
-                    (("W", "mlp", j), "W", "weights", j, c.mlp_w, ("B", "mlp", j)),
-                    (("F", "mlp", i), "F", "mlp", i, c.mlp, ("F", "dispatch", i)),
-                    (("B", "attention", j), "B", "attention", j, c.attention_b, ("B", "dispatch", j)),
-                    (("W", "attention", j), "W", "weights", j, c.attention_w, ("B", "attention", j))]
-        after = ("B", "attention", j + 1) if j < L - 1 else None     # the layer above's attention backward
-        comm += [(("B", "combine", j), "B", "combine", j, c.combine_b, after),
-                 (("F", "dispatch", i), "F", "dispatch", i, c.dispatch, ("F", "attention", i)),
-                 (("B", "dispatch", j), "B", "dispatch", j, c.dispatch_b, ("B", "mlp", j)),
-                 (("F", "combine", i), "F", "combine", i, c.combine, ("F", "mlp", i))]
-    if c.pp > 0:   # each chunk sends its boundary tensor once it exists
-        comm += [(("F", "pp", L - 1), "F", "pp", L - 1, c.pp, ("F", "combine", L - 1)),
-                 (("B", "pp", 0), "B", "pp", 0, c.pp, ("B", "attention", 0))]
+        j = L - 1 - i  # the backward micro-batch walks the layers down
+        compute += [
+            (("F", "attention", i), "F", "attention", i, c.attention, ("F", "combine", i - 1) if i else None),
+            (("B", "mlp", j), "B", "mlp", j, c.mlp_b, ("B", "combine", j)),
+            (("W", "mlp", j), "W", "weights", j, c.mlp_w, ("B", "mlp", j)),
+            (("F", "mlp", i), "F", "mlp", i, c.mlp, ("F", "dispatch", i)),
+            (("B", "attention", j), "B", "attention", j, c.attention_b, ("B", "dispatch", j)),
+            (("W", "attention", j), "W", "weights", j, c.attention_w, ("B", "attention", j)),
+        ]
+        after = ("B", "attention", j + 1) if j < L - 1 else None  # the layer above's attention backward
+        comm += [
+            (("B", "combine", j), "B", "combine", j, c.combine_b, after),
+            (("F", "dispatch", i), "F", "dispatch", i, c.dispatch, ("F", "attention", i)),
+            (("B", "dispatch", j), "B", "dispatch", j, c.dispatch_b, ("B", "mlp", j)),
+            (("F", "combine", i), "F", "combine", i, c.combine, ("F", "mlp", i)),
+        ]
+    if c.pp > 0:  # each chunk sends its boundary tensor once it exists
+        comm += [
+            (("F", "pp", L - 1), "F", "pp", L - 1, c.pp, ("F", "combine", L - 1)),
+            (("B", "pp", 0), "B", "pp", 0, c.pp, ("B", "attention", 0)),
+        ]
     return {"compute": compute, "comm": comm}
 
 
@@ -143,18 +161,27 @@ def two_lane_pair(c: ChunkComponents, mb_f: int | None = None, mb_b: int | None 
                     break
                 start = max(free[lane], done[dep]) if dep is not None else free[lane]
                 if lane == "compute":
-                    idle += start - free[lane]       # the computation lane waits for a communication
+                    idle += start - free[lane]  # the computation lane waits for a communication
                 end = start + dur
                 done[key] = end
                 free[lane] = end
-                events.append({"lane": lane, "chunk": chunk, "label": label, "start": start, "end": end,
-                               "mb": mb_f if chunk == "F" else mb_b, "layer": layer})
+                events.append(
+                    {
+                        "lane": lane,
+                        "chunk": chunk,
+                        "label": label,
+                        "start": start,
+                        "end": end,
+                        "mb": mb_f if chunk == "F" else mb_b,
+                        "layer": layer,
+                    }
+                )
                 pos[lane] += 1
                 progress = True
-    if any(pos[k] < len(v) for k, v in lanes.items()):      # cannot happen for the order above
+    if any(pos[k] < len(v) for k, v in lanes.items()):  # cannot happen for the order above
         raise RuntimeError(f"two_lane_pair: lanes stuck at {pos}")
     makespan = max(free.values())
-    idle += makespan - free["compute"]              # communication still running after the last computation
+    idle += makespan - free["compute"]  # communication still running after the last computation
     compute = c.compute_f + c.compute_b
     comm = c.comm_f + c.comm_b
     a2a = c.layers * (c.dispatch + c.combine + c.combine_b + c.dispatch_b)

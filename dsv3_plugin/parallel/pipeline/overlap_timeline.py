@@ -14,6 +14,7 @@ Labels are free text; the components are named "attention", "dispatch", "mlp", "
 backward), "weights" (W) and "pp" (PP send/receive on the comm lane). The same function draws a simulated
 pair and a measured one (timestamps from the runtime).
 """
+
 from __future__ import annotations
 
 import math
@@ -70,6 +71,7 @@ def plot_overlap_timeline(events: list[dict], path: str, title: str = "") -> str
     Writes the PNG atomically (temp file in the target folder, then os.replace) and returns `path`."""
     validate_events(events)
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
@@ -86,15 +88,18 @@ def plot_overlap_timeline(events: list[dict], path: str, title: str = "") -> str
             continue
         y = y_of[ev["lane"]]
         ax.barh(y, w, left=ev["start"], height=0.72, color=_color(ev), edgecolor="black", linewidth=0.5)
-        arrow = "\u25b3" if ev["chunk"] == "F" else "\u25b2"      # Fig. 4: open triangle forward, filled backward
+        arrow = "\u25b3" if ev["chunk"] == "F" else "\u25b2"  # Fig. 4: open triangle forward, filled backward
         short = _SHORT.get(ev["label"], ev["label"])
         mb = "" if ev.get("mb") is None else f"\nmb {ev['mb']}"
         # the whole label inside the bar when it fits, a short two-line tag in narrower bars, nothing in slivers
         if w >= 0.07 * span:
             text, size = (ev["label"] if ev["label"] == "pp" else f"{ev['label']} ({ev['chunk']}){arrow}") + mb, 6.5
         elif w >= 0.018 * span:
-            text = short if ev["label"] == "pp" else (f"{short}{arrow}" if short == ev["chunk"] else
-                                                      f"{short}\n{ev['chunk']}{arrow}")
+            text = (
+                short
+                if ev["label"] == "pp"
+                else (f"{short}{arrow}" if short == ev["chunk"] else f"{short}\n{ev['chunk']}{arrow}")
+            )
             size = 5.5
         else:
             continue
@@ -106,11 +111,19 @@ def plot_overlap_timeline(events: list[dict], path: str, title: str = "") -> str
     ax.set_xlabel("time")
     if title:
         ax.set_title(title, fontsize=9)
-    ax.legend(handles=[Patch(color=_COLORS["F"], label="forward chunk \u25b3"),
-                       Patch(color=_COLORS["B"], label="backward for input \u25b2"),
-                       Patch(color=_COLORS["W"], label="backward for weights \u25b2"),
-                       Patch(color=_COLORS["pp"], label="PP communication")],
-              loc="upper center", bbox_to_anchor=(0.5, -0.32), ncol=4, fontsize=7, frameon=False)
+    ax.legend(
+        handles=[
+            Patch(color=_COLORS["F"], label="forward chunk \u25b3"),
+            Patch(color=_COLORS["B"], label="backward for input \u25b2"),
+            Patch(color=_COLORS["W"], label="backward for weights \u25b2"),
+            Patch(color=_COLORS["pp"], label="PP communication"),
+        ],
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.32),
+        ncol=4,
+        fontsize=7,
+        frameon=False,
+    )
     fig.tight_layout()
     d = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(suffix=".png", dir=d)
@@ -119,7 +132,7 @@ def plot_overlap_timeline(events: list[dict], path: str, title: str = "") -> str
         fig.savefig(tmp, dpi=120, bbox_inches="tight")
         umask = os.umask(0)
         os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)          # mkstemp's 0600 would make the figure private to its writer
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would make the figure private to its writer
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

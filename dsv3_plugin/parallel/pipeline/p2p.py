@@ -9,11 +9,12 @@ Receives are posted in the sender's order (both ends derive it from the same sch
 NCCL's in-order matching needs, and every wait has a timeout: a dead or stuck peer raises within
 `timeout_s` with the peer's rank and the message that did not come.
 """
+
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -24,12 +25,21 @@ __all__ = ["PipelineError", "PipelinePeerError", "Message", "P2P", "HEADER_LEN",
 
 MAX_TENSORS = 8
 MAX_DIMS = 6
-_PER_TENSOR = 3 + MAX_DIMS          # dtype code, requires_grad, ndim, dims
+_PER_TENSOR = 3 + MAX_DIMS  # dtype code, requires_grad, ndim, dims
 HEADER_LEN = 6 + MAX_TENSORS * _PER_TENSOR
-_MAGIC = 0x44533350                 # "DS3P"
+_MAGIC = 0x44533350  # "DS3P"
 _KINDS = {"act": 1, "grad": 2, "loss": 3, "out": 4}
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool,
-           torch.uint8, torch.int8]
+_DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+]
 
 
 class PipelineError(RuntimeError):
@@ -42,6 +52,7 @@ class PipelinePeerError(PipelineError, PeerError):
 
 class Message:
     """Identity of one message: (kind, micro-batch, chunk at the receiver)."""
+
     __slots__ = ("kind", "mb", "chunk")
 
     def __init__(self, kind: str, mb: int, chunk: int):
@@ -77,7 +88,7 @@ def _decode(h: torch.Tensor) -> tuple[tuple, list[tuple[torch.dtype, bool, tuple
     for i in range(v[4]):
         o = 6 + i * _PER_TENSOR
         nd = v[o + 2]
-        metas.append((_DTYPES[v[o]], bool(v[o + 1]), tuple(v[o + 3:o + 3 + nd])))
+        metas.append((_DTYPES[v[o]], bool(v[o + 1]), tuple(v[o + 3 : o + 3 + nd])))
     return (kind, v[2], v[3]), metas
 
 
@@ -88,18 +99,26 @@ def _fmt(metas) -> str:
 class P2P:
     """Sends and ordered, checked, time-limited receives for one rank of a pipeline group."""
 
-    def __init__(self, group, rank_map: Sequence[int], my_rank: int, device: torch.device, timeout_s: float,
-                 expected: list[tuple[tuple[int, ...], torch.dtype]] | None = None, timeout_name: str = "timeout_s"):
+    def __init__(
+        self,
+        group,
+        rank_map: Sequence[int],
+        my_rank: int,
+        device: torch.device,
+        timeout_s: float,
+        expected: list[tuple[tuple[int, ...], torch.dtype]] | None = None,
+        timeout_name: str = "timeout_s",
+    ):
         self.group = group
-        self.rank_map = list(rank_map)      # pipeline rank -> global rank
+        self.rank_map = list(rank_map)  # pipeline rank -> global rank
         self.me = my_rank
         self.device = device
         self.timeout = timedelta(seconds=timeout_s)
         self.timeout_s = timeout_s
-        self.timeout_name = timeout_name    # named in errors: the user should know which setting to change
-        self.expected = expected            # declared activation metas, checked on both ends
+        self.timeout_name = timeout_name  # named in errors: the user should know which setting to change
+        self.expected = expected  # declared activation metas, checked on both ends
         self._sends: list = []
-        self.blocked_s = 0.0                # time spent waiting for peers (bench: idle vs compute)
+        self.blocked_s = 0.0  # time spent waiting for peers (bench: idle vs compute)
 
     # -- sending --------------------------------------------------------------------------------------
     def check_outgoing(self, msg: Message, dst: int, tensors: Sequence[torch.Tensor]) -> str | None:
@@ -108,9 +127,11 @@ class P2P:
         got = [(tuple(t.shape), t.dtype) for t in tensors]
         want = [(tuple(s), d) for s, d in self.expected]
         if got != want:
-            return (f"pipeline rank {self.me} -> rank {dst}, {msg}: stage output is "
-                    f"{_fmt([(d, False, s) for s, d in got])}, declared p2p shapes are "
-                    f"{_fmt([(d, False, s) for s, d in want])}")
+            return (
+                f"pipeline rank {self.me} -> rank {dst}, {msg}: stage output is "
+                f"{_fmt([(d, False, s) for s, d in got])}, declared p2p shapes are "
+                f"{_fmt([(d, False, s) for s, d in want])}"
+            )
         return None
 
     def send(self, msg: Message, dst: int, tensors: Sequence[torch.Tensor]) -> None:
@@ -122,7 +143,9 @@ class P2P:
         work = dist.isend(header, peer, group=self.group)
         self._sends.append((work, header, msg, dst))
         if err:
-            self._wait(work, f"sending {msg} to pipeline rank {dst} (global {peer})")   # let the receiver see it, then fail
+            self._wait(
+                work, f"sending {msg} to pipeline rank {dst} (global {peer})"
+            )  # let the receiver see it, then fail
             raise PipelineError(err)
         for t in tensors:
             t = t.detach().contiguous()
@@ -137,22 +160,31 @@ class P2P:
     def recv(self, msg: Message, src: int) -> list[torch.Tensor]:
         peer = self.rank_map[src]
         header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-        self._wait(dist.irecv(header, peer, group=self.group), f"waiting for {msg} from pipeline rank {src} (global {peer})")
+        self._wait(
+            dist.irecv(header, peer, group=self.group), f"waiting for {msg} from pipeline rank {src} (global {peer})"
+        )
         (kind, mb, chunk), metas = _decode(header.cpu())
         if (kind, mb, chunk) != msg.key():
-            raise PipelineError(f"pipeline rank {self.me}: expected {msg} from rank {src}, got "
-                                f"{kind}(mb={mb}, chunk={chunk}) (ranks disagree on the schedule or num_chunks)")
+            raise PipelineError(
+                f"pipeline rank {self.me}: expected {msg} from rank {src}, got "
+                f"{kind}(mb={mb}, chunk={chunk}) (ranks disagree on the schedule or num_chunks)"
+            )
         if self.expected is not None and kind == "act":
             want = [(tuple(s), d) for s, d in self.expected]
             got = [(tuple(s), d) for d, _, s in metas]
             if got != want:
-                raise PipelineError(f"pipeline rank {self.me} <- rank {src}, {msg}: received "
-                                    f"{_fmt(metas)}, declared p2p shapes are "
-                                    f"{_fmt([(d, False, s) for s, d in want])}")
+                raise PipelineError(
+                    f"pipeline rank {self.me} <- rank {src}, {msg}: received "
+                    f"{_fmt(metas)}, declared p2p shapes are "
+                    f"{_fmt([(d, False, s) for s, d in want])}"
+                )
         out = []
         for dtype, rg, shape in metas:
             t = torch.empty(shape, dtype=dtype, device=self.device)
-            self._wait(dist.irecv(t, peer, group=self.group), f"waiting for {msg} data from pipeline rank {src} (global {peer})")
+            self._wait(
+                dist.irecv(t, peer, group=self.group),
+                f"waiting for {msg} data from pipeline rank {src} (global {peer})",
+            )
             out.append(t.requires_grad_(rg) if rg and dtype.is_floating_point else t)
         return out
 
@@ -162,10 +194,14 @@ class P2P:
             ok = work.wait(self.timeout)
         except Exception as e:  # gloo: connection closed / timeout; NCCL: watchdog errors
             first = (str(e).splitlines() or [""])[0][:300]
-            raise PipelinePeerError(f"pipeline rank {self.me}: {what} failed within {self.timeout_name} = "
-                                f"{self.timeout_s:g}s (peer dead or stuck): {type(e).__name__}: {first}") from e
+            raise PipelinePeerError(
+                f"pipeline rank {self.me}: {what} failed within {self.timeout_name} = "
+                f"{self.timeout_s:g}s (peer dead or stuck): {type(e).__name__}: {first}"
+            ) from e
         finally:
             self.blocked_s += time.perf_counter() - t0
         if ok is False:
-            raise PipelinePeerError(f"pipeline rank {self.me}: {what} timed out after {self.timeout_name} = "
-                                f"{self.timeout_s:g}s (peer dead or stuck)")
+            raise PipelinePeerError(
+                f"pipeline rank {self.me}: {what} timed out after {self.timeout_name} = "
+                f"{self.timeout_s:g}s (peer dead or stuck)"
+            )

@@ -25,27 +25,36 @@ its `ScheduleTraits` (`schedule.SCHEDULES`), never from its name.
 - The first and last stages of DualPipe(V) sit on rank 0, so a module used by both chunks (the
   embedding that MTP reuses, paper §3.2.3) is one physical parameter there.
 """
+
 from __future__ import annotations
 
 import time
-from typing import Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from dsv3_plugin.parallel.overlap import wait_clock
-from .p2p import Message, P2P, PipelineError
-from .schedule import Op, ScheduleSpec, builder, check_chunks, forward_only, schedule_traits
-from .weight_grad import WeightGradQueue
-from .simulate import Durations, simulate
+from dsv3_plugin.parallel.pipeline.p2p import P2P, Message, PipelineError
+from dsv3_plugin.parallel.pipeline.schedule import (
+    Op,
+    ScheduleSpec,
+    builder,
+    check_chunks,
+    forward_only,
+    schedule_traits,
+)
+from dsv3_plugin.parallel.pipeline.simulate import Durations, simulate
+from dsv3_plugin.parallel.pipeline.weight_grad import WeightGradQueue
 
 __all__ = ["PipelineRuntime", "OneFOneB", "ZeroBubble1P", "DualPipe", "DualPipeV", "StepOutput", "PipelineError"]
 
 
 class StepOutput(NamedTuple):
-    losses: torch.Tensor | None          # [num_chunks] on loss_rank (micro-batch order), else None
-    outputs: object | None               # last-stage outputs concatenated along batch_dim, on request
+    losses: torch.Tensor | None  # [num_chunks] on loss_rank (micro-batch order), else None
+    outputs: object | None  # last-stage outputs concatenated along batch_dim, on request
 
 
 def _as_tuple(x) -> tuple:
@@ -55,12 +64,22 @@ def _as_tuple(x) -> tuple:
 class PipelineRuntime:
     schedule_name = ""
 
-    def __init__(self, modules: nn.Module | Sequence[nn.Module], *, process_group=None,
-                 rank_mapping: Sequence[int] | None = None, batch_dim: int = 0, timeout_s: float = 300.0,
-                 p2p_shapes: list[tuple[Sequence[int], torch.dtype]] | None = None,
-                 mirror_grad_sync: bool = True, device: torch.device | str | None = None,
-                 p2p_order: str | None = None, timeout_name: str = "timeout_s", schedule: str | None = None,
-                 overlap: bool = True):
+    def __init__(
+        self,
+        modules: nn.Module | Sequence[nn.Module],
+        *,
+        process_group=None,
+        rank_mapping: Sequence[int] | None = None,
+        batch_dim: int = 0,
+        timeout_s: float = 300.0,
+        p2p_shapes: list[tuple[Sequence[int], torch.dtype]] | None = None,
+        mirror_grad_sync: bool = True,
+        device: torch.device | str | None = None,
+        p2p_order: str | None = None,
+        timeout_name: str = "timeout_s",
+        schedule: str | None = None,
+        overlap: bool = True,
+    ):
         # `schedule`: a name of `SCHEDULES` (the subclasses below fix it); `overlap`: use the stage type's
         # overlap hook for FB ops where it has one (False: F then B, in sequence)
         self.schedule_name = schedule or type(self).schedule_name
@@ -73,10 +92,11 @@ class PipelineRuntime:
             rank_mapping = list(range(self.P))
         if sorted(rank_mapping) != list(range(self.P)):
             raise ValueError(f"rank_mapping must be a permutation of range({self.P}) (got {list(rank_mapping)})")
-        self.rank = rank_mapping[me]                      # pipeline rank of this process
+        self.rank = rank_mapping[me]  # pipeline rank of this process
         inv = {pr: gr for gr, pr in enumerate(rank_mapping)}
-        to_global = (lambda gr: dist.get_global_rank(process_group, gr)) if process_group is not None \
-            else (lambda gr: gr)
+        to_global = (
+            (lambda gr: dist.get_global_rank(process_group, gr)) if process_group is not None else (lambda gr: gr)
+        )
         self.pipe_to_global = [to_global(inv[p]) for p in range(self.P)] if dist.is_initialized() else [0]
         self.batch_dim = batch_dim
         self.timeout_s = timeout_s
@@ -86,8 +106,9 @@ class PipelineRuntime:
             device = p.device if p is not None else torch.device("cpu")
         self.device = torch.device(device)
         # `timeout_name`: what the error message calls the limit (e.g. the config key it came from)
-        self.p2p = P2P(process_group, self.pipe_to_global, self.rank, self.device, timeout_s, p2p_shapes,
-                       timeout_name=timeout_name)
+        self.p2p = P2P(
+            process_group, self.pipe_to_global, self.rank, self.device, timeout_s, p2p_shapes, timeout_name=timeout_name
+        )
         # "sender": post each send at once, receive in the sender's order when needed (gloo: sends are
         # asynchronous). "pairwise": issue each pair's sends and receives in one order both ends share, for
         # backends whose sends block until the receive is posted (NCCL). Default by backend.
@@ -105,14 +126,18 @@ class PipelineRuntime:
         if len(self.modules) != need:
             raise ValueError(f"{self.schedule_name}: each rank holds {need} stage module(s), got {len(self.modules)}")
         m0 = self.modules[0]
-        self._overlap = (overlap and len(self.modules) == 2 and type(self.modules[1]) is type(m0)
-                         and callable(getattr(type(m0), "overlapped_forward_backward", None)))
-        self.op_seconds: dict[str, float] = {}           # time per op kind of the last step
-        self.op_a2a_wait_s: dict[str, float] = {}        # ... of which blocked in EP all-to-all waits
-        self.op_p2p_wait_s: dict[str, float] = {}        # ... and blocked in pipeline receives / sends
-        # the last step: wall_s, busy_s (= compute_s), idle_s and grad_sync_s (see `step`), w_closures (deferred weight-grad
-        # GEMM jobs its W ops ran: 0 when no module defers, e.g. without `split_weight_grads`), a2a_wait_s (blocked
-        # in EP all-to-all waits, part of busy_s), fb_hook (FB ops run by the overlap hook)
+        self._overlap = (
+            overlap
+            and len(self.modules) == 2
+            and type(self.modules[1]) is type(m0)
+            and callable(getattr(type(m0), "overlapped_forward_backward", None))
+        )
+        self.op_seconds: dict[str, float] = {}  # time per op kind of the last step
+        self.op_a2a_wait_s: dict[str, float] = {}  # ... of which blocked in EP all-to-all waits
+        self.op_p2p_wait_s: dict[str, float] = {}  # ... and blocked in pipeline receives / sends
+        # the last step: wall_s, busy_s (= compute_s), idle_s and grad_sync_s (see `step`), w_closures (deferred
+        # weight-grad GEMM jobs its W ops ran: 0 when no module defers, e.g. without `split_weight_grads`),
+        # a2a_wait_s (blocked in EP all-to-all waits, part of busy_s), fb_hook (FB ops run by the overlap hook)
         self.last_step: dict[str, float] = {}
         self._w_closures = 0
 
@@ -134,8 +159,9 @@ class PipelineRuntime:
         in order. The end-of-step gather (to `loss_rank`, DualPipe) has op index len(ops)."""
         out = []
         for i, op in enumerate(spec.ops[rank]):
-            parts = [("F", op.chunk, op.mb), ("B", op.chunk2, op.mb2)] if op.kind == "FB" else \
-                [(op.kind, op.chunk, op.mb)]
+            parts = (
+                [("F", op.chunk, op.mb), ("B", op.chunk2, op.mb2)] if op.kind == "FB" else [(op.kind, op.chunk, op.mb)]
+            )
             for kind, c, m in parts:
                 if kind == "F":
                     nxt = spec.next_hop(m, rank, c)
@@ -179,8 +205,14 @@ class PipelineRuntime:
         return orders
 
     # -- the step -------------------------------------------------------------------------------------
-    def step(self, *inputs: torch.Tensor, num_chunks: int, criterion: Callable | None = None,
-             labels: Sequence[torch.Tensor] = (), return_outputs: bool = False) -> StepOutput:
+    def step(
+        self,
+        *inputs: torch.Tensor,
+        num_chunks: int,
+        criterion: Callable | None = None,
+        labels: Sequence[torch.Tensor] = (),
+        return_outputs: bool = False,
+    ) -> StepOutput:
         training = torch.is_grad_enabled()
         spec = self.spec(num_chunks, training)
         me, C = self.rank, num_chunks
@@ -188,10 +220,11 @@ class PipelineRuntime:
         ends = [m for m in range(C) if spec.routes[m][-1][0] == me]
         mb_in = self._split(inputs, C, "inputs") if feeds else None
         if ends and training and criterion is None:
-            raise PipelineError(f"{self.schedule_name}: pipeline rank {me} holds a last stage: training needs "
-                                "a criterion there")
+            raise PipelineError(
+                f"{self.schedule_name}: pipeline rank {me} holds a last stage: training needs a criterion there"
+            )
         mb_lab = self._split(labels, C, "labels") if ends and criterion is not None else None
-        if any(r != spec.loss_rank for r in spec.end_ranks()):   # some routes end away from the loss rank
+        if any(r != spec.loss_rank for r in spec.end_ranks()):  # some routes end away from the loss rank
             gather = (criterion is not None, return_outputs)
         else:
             gather = (False, False)
@@ -203,9 +236,11 @@ class PipelineRuntime:
             self._order = {p: [(mine, m) for _, _, _, mine, m in o] for p, o in self._orders[key].items()}
         else:
             # the peer's sends only: (False, msg) for messages to this rank, (None, msg) for other ranks'
-            self._order = {src: [(False if dst == me else None, m)
-                                 for _, dst, m in self._sends_of(spec, src, training, gather)]
-                           for src in range(self.P) if src != me}
+            self._order = {
+                src: [(False if dst == me else None, m) for _, dst, m in self._sends_of(spec, src, training, gather)]
+                for src in range(self.P)
+                if src != me
+            }
         self._pos = {src: 0 for src in self._order}
         self._mailbox: dict = {}
         self._local_act: dict = {}
@@ -248,9 +283,16 @@ class PipelineRuntime:
             # wall time) rather than as pipeline idle time: a bubble is what the W split can fill, a gradient
             # reduction is not. Two perf_counter reads per op: cheap enough to run on every step.
             idle_s = blocked_sched - blocked0
-            self.last_step = {"wall_s": time.perf_counter() - t_step, "compute_s": compute_s, "busy_s": compute_s,
-                              "idle_s": idle_s, "grad_sync_s": grad_sync_s, "w_closures": self._w_closures,
-                              "a2a_wait_s": sum(self.op_a2a_wait_s.values()), "fb_hook": self._fb_hook}
+            self.last_step = {
+                "wall_s": time.perf_counter() - t_step,
+                "compute_s": compute_s,
+                "busy_s": compute_s,
+                "idle_s": idle_s,
+                "grad_sync_s": grad_sync_s,
+                "w_closures": self._w_closures,
+                "a2a_wait_s": sum(self.op_a2a_wait_s.values()),
+                "fb_hook": self._fb_hook,
+            }
         finally:
             self._state.clear()
             self._mailbox.clear()
@@ -263,8 +305,10 @@ class PipelineRuntime:
         parts = []
         for i, t in enumerate(tensors):
             if not torch.is_tensor(t):
-                raise PipelineError(f"{self.schedule_name}: {what}[{i}] must be a tensor on pipeline rank "
-                                    f"{self.rank} (got {type(t).__name__})")
+                raise PipelineError(
+                    f"{self.schedule_name}: {what}[{i}] must be a tensor on pipeline rank "
+                    f"{self.rank} (got {type(t).__name__})"
+                )
             n = t.shape[self.batch_dim]
             if n < C:
                 raise PipelineError(f"{self.schedule_name}: {what}[{i}] has batch {n} < num_chunks {C}")
@@ -295,15 +339,18 @@ class PipelineRuntime:
         while True:
             i = self._pos[peer]
             if i >= len(order):
-                raise PipelineError(f"internal: pipeline rank {self.rank} waits for {until} that rank {peer} "
-                                    "never sends")
+                raise PipelineError(
+                    f"internal: pipeline rank {self.rank} waits for {until} that rank {peer} never sends"
+                )
             mine, m = order[i]
             if until[0] and mine and m.key() == until[1]:
                 self._pos[peer] = i + 1
                 return
             if mine:
-                raise PipelineError(f"internal: pipeline rank {self.rank}: pairwise order expects its own send "
-                                    f"{m} to rank {peer} before {until}")
+                raise PipelineError(
+                    f"internal: pipeline rank {self.rank}: pairwise order expects its own send "
+                    f"{m} to rank {peer} before {until}"
+                )
             self._pos[peer] = i + 1
             if mine is None:
                 continue
@@ -374,7 +421,8 @@ class PipelineRuntime:
         elif nxt[0] == self.rank:
             # The V turn: the next stage is local; hand over detached tensors (no P2P), graph cut like P2P.
             self._local_act[(nxt[1], m)] = tuple(
-                o.detach().requires_grad_(o.requires_grad) if o.is_floating_point() else o for o in outs)
+                o.detach().requires_grad_(o.requires_grad) if o.is_floating_point() else o for o in outs
+            )
         else:
             self._send(nxt[0], Message("act", m, nxt[1]), outs)
         if self._training:
@@ -393,8 +441,10 @@ class PipelineRuntime:
             grads = self._recv(nxt[0], Message("grad", m, c))
         need = [o for o in outs if o.requires_grad]
         if len(need) != len(grads):
-            raise PipelineError(f"{self.schedule_name}: micro-batch {m} chunk {c}: {len(grads)} output grads for "
-                                f"{len(need)} outputs that require grad")
+            raise PipelineError(
+                f"{self.schedule_name}: micro-batch {m} chunk {c}: {len(grads)} output grads for "
+                f"{len(need)} outputs that require grad"
+            )
         return need, list(grads), None
 
     @staticmethod
@@ -418,7 +468,7 @@ class PipelineRuntime:
     # -- end of step ----------------------------------------------------------------------------------
     def _collect(self, C: int, gather: tuple[bool, bool], return_outputs: bool):
         me, spec = self.rank, self._spec
-        ends = spec.end_ranks()                             # rank -> micro-batches ending there, in order
+        ends = spec.end_ranks()  # rank -> micro-batches ending there, in order
         if me != spec.loss_rank:
             if me in ends and gather[0]:
                 self._send(spec.loss_rank, Message("loss", 0, 0), [torch.stack([self._losses[m] for m in ends[me]])])
@@ -461,33 +511,39 @@ class PipelineRuntime:
         return params
 
     def _mirror_sync(self) -> None:
-        """`mirror_sync` schedules (DualPipe): rank r and P-1-r hold the same two stages; sum their gradients (own + mirror's, the
-        same IEEE sum on both sides, so the two copies stay bit-identical)."""
+        """`mirror_sync` schedules (DualPipe): rank r and P-1-r hold the same two stages; sum their gradients
+        (own + mirror's, the same IEEE sum on both sides, so the two copies stay bit-identical)."""
         mirror = self.P - 1 - self.rank
         params = self.stage_parameters_by_stage()
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
         peer = self.pipe_to_global[mirror]
         other = torch.empty_like(flat)
         # one batched pair: a plain send-then-recv on both sides can block each other under NCCL
-        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, flat, peer, group=self.group),
-                                        dist.P2POp(dist.irecv, other, peer, group=self.group)])
+        works = dist.batch_isend_irecv(
+            [
+                dist.P2POp(dist.isend, flat, peer, group=self.group),
+                dist.P2POp(dist.irecv, other, peer, group=self.group),
+            ]
+        )
         for w in works:
             self.p2p._wait(w, f"mirror gradient sync with pipeline rank {mirror}")
         total = flat + other
         off = 0
         for p in params:
             n = p.numel()
-            p.grad = total[off:off + n].view_as(p).clone()
+            p.grad = total[off : off + n].view_as(p).clone()
             off += n
 
 
 class OneFOneB(PipelineRuntime):
     """1F1B baseline: one stage per rank; inputs on rank 0, labels/criterion/losses on the last rank."""
+
     schedule_name = "1f1b"
 
 
 class ZeroBubble1P(PipelineRuntime):
     """ZB-H1: 1F1B with deferred weight gradients filling the cool-down bubble."""
+
     schedule_name = "zb1p"
 
 
@@ -495,10 +551,12 @@ class DualPipe(PipelineRuntime):
     """DualPipe: modules = (stage r, stage P-1-r). Inputs/labels/criterion on ranks 0 and P-1 (the full batch
     on both: micro-batches < C/2 enter at rank 0, the rest at rank P-1); losses of all micro-batches come
     back on rank 0. P even, num_chunks even and >= 2P."""
+
     schedule_name = "dualpipe"
 
 
 class DualPipeV(PipelineRuntime):
     """DualPipeV: modules = (stage r, stage 2P-1-r) of 2P stages; inputs, labels, criterion and losses on
     rank 0. num_chunks >= 2P."""
+
     schedule_name = "dualpipev"

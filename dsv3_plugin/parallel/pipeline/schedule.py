@@ -20,23 +20,36 @@ Schedules:
   DualPipeV  the "cut-in-half" V layout: 2P stages on P ranks, rank r holds stages r and 2P-1-r; the same
              8-step program with the rank count in place of P/2.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 from dsv3_plugin.schedule_traits import SCHEDULES, ScheduleTraits, check_chunks, schedule_traits
 
-__all__ = ["Op", "ScheduleSpec", "ScheduleTraits", "one_f_one_b", "zb1p", "dualpipe", "dualpipev", "build_schedule",
-           "builder", "forward_only", "schedule_traits", "check_chunks", "SCHEDULES"]
+__all__ = [
+    "Op",
+    "ScheduleSpec",
+    "ScheduleTraits",
+    "one_f_one_b",
+    "zb1p",
+    "dualpipe",
+    "dualpipev",
+    "build_schedule",
+    "builder",
+    "forward_only",
+    "schedule_traits",
+    "check_chunks",
+    "SCHEDULES",
+]
 
 
 @dataclass(frozen=True)
 class Op:
-    kind: str          # F, B, I, W, FB
-    chunk: int         # local chunk (0 or 1) of F / B / I / W, the forward half of FB
+    kind: str  # F, B, I, W, FB
+    chunk: int  # local chunk (0 or 1) of F / B / I / W, the forward half of FB
     mb: int
-    chunk2: int = -1   # FB: chunk of the backward half
+    chunk2: int = -1  # FB: chunk of the backward half
     mb2: int = -1
 
     def __str__(self) -> str:
@@ -48,15 +61,16 @@ class Op:
 @dataclass
 class ScheduleSpec:
     """`routes[mb]`: the (rank, chunk) hops of micro-batch mb in forward order; `ops[rank]`: what it runs."""
+
     name: str
     n_ranks: int
-    n_chunks: int                     # micro-batches per step
-    chunks_per_rank: int              # stage modules held by each rank (1 or 2)
-    n_stages: int                     # distinct stages of the model
+    n_chunks: int  # micro-batches per step
+    chunks_per_rank: int  # stage modules held by each rank (1 or 2)
+    n_stages: int  # distinct stages of the model
     routes: list[list[tuple[int, int]]]
     ops: list[list[Op]]
     stage_of: dict[tuple[int, int], int] = field(default_factory=dict)  # (rank, chunk) -> model stage
-    traits: Optional[ScheduleTraits] = None            # what the schedule needs and guarantees (SCHEDULES)
+    traits: ScheduleTraits | None = None  # what the schedule needs and guarantees (SCHEDULES)
     _hop: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -94,8 +108,11 @@ class ScheduleSpec:
         for r, ops in enumerate(self.ops):
             f, b, i, w = set(), set(), set(), []
             for op in ops:
-                parts = [("F", op.chunk, op.mb), ("B", op.chunk2, op.mb2)] if op.kind == "FB" else \
-                    [(op.kind, op.chunk, op.mb)]
+                parts = (
+                    [("F", op.chunk, op.mb), ("B", op.chunk2, op.mb2)]
+                    if op.kind == "FB"
+                    else [(op.kind, op.chunk, op.mb)]
+                )
                 for kind, c, m in parts:
                     key = (r, c, m)
                     if key not in need:
@@ -209,12 +226,12 @@ def _dual_program(prog: _Program, n: int, h: int, per_phase: int, phase_chunk: t
     `h`: the rank's distance from its nearer end, `per_phase`: micro-batches per phase, `phase_chunk`: the
     local chunk that runs phase 0 / phase 1 (phase 0 is the direction this rank meets first)."""
     c0, c1 = phase_chunk
-    for _ in range(2 * (n - h - 1)):            # 1: fill with phase-0 forwards
+    for _ in range(2 * (n - h - 1)):  # 1: fill with phase-0 forwards
         prog.F(c0)
-    for _ in range(h + 1):                      # 2: both directions arrive
+    for _ in range(h + 1):  # 2: both directions arrive
         prog.F(c0)
         prog.F(c1)
-    for _ in range(n - h - 1):                  # 3: zero-bubble backwards start
+    for _ in range(n - h - 1):  # 3: zero-bubble backwards start
         prog.B(c1, split=True)
         prog.W()
         prog.F(c1)
@@ -226,22 +243,22 @@ def _dual_program(prog: _Program, n: int, h: int, per_phase: int, phase_chunk: t
         else:
             prog.FB(c0, c1)
         prog.FB(c1, c0)
-    for _ in range(n - h - 1):                  # 5
+    for _ in range(n - h - 1):  # 5
         prog.B(c1)
         prog.FB(c1, c0)
     split = False
     steps6 = h + 1
-    for i in range(steps6):                     # 6: drain, the second half with deferred weight grads
+    for i in range(steps6):  # 6: drain, the second half with deferred weight grads
         if i == steps6 // 2 and h % 2 == 1:
             split = True
         prog.B(c1, split=split)
         if i == steps6 // 2 and h % 2 == 0:
             split = True
         prog.B(c0, split=split)
-    for _ in range(n - h - 1):                  # 7
+    for _ in range(n - h - 1):  # 7
         prog.W()
         prog.B(c0, split=True)
-    while prog.pending_w:                       # 8: flush the remaining weight grads (h + 1 of them)
+    while prog.pending_w:  # 8: flush the remaining weight grads (h + 1 of them)
         prog.W()
 
 
@@ -293,8 +310,17 @@ def forward_only(spec: ScheduleSpec) -> ScheduleSpec:
     ops = []
     for rank_ops in spec.ops:
         ops.append([Op("F", o.chunk, o.mb) for o in rank_ops if o.kind in ("F", "FB")])
-    return ScheduleSpec(spec.name + "-forward", spec.n_ranks, spec.n_chunks, spec.chunks_per_rank,
-                        spec.n_stages, spec.routes, ops, spec.stage_of, traits=spec.traits)
+    return ScheduleSpec(
+        spec.name + "-forward",
+        spec.n_ranks,
+        spec.n_chunks,
+        spec.chunks_per_rank,
+        spec.n_stages,
+        spec.routes,
+        ops,
+        spec.stage_of,
+        traits=spec.traits,
+    )
 
 
 def builder(traits: ScheduleTraits):

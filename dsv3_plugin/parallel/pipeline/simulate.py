@@ -21,12 +21,13 @@ F, B and W are the components run back to back and F&B is the two-lane schedule 
 beside all-to-all and PP communication), not a free parameter; the result then also reports how much
 communication each rank leaves exposed over the step.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .fb_overlap import ChunkComponents, two_lane_pair
-from .schedule import SCHEDULES, ScheduleSpec, build_schedule
+from dsv3_plugin.parallel.pipeline.fb_overlap import ChunkComponents, two_lane_pair
+from dsv3_plugin.parallel.pipeline.schedule import SCHEDULES, ScheduleSpec, build_schedule
 
 __all__ = ["Durations", "SimResult", "simulate", "published_formula", "comparison_table", "plot_timeline"]
 
@@ -36,7 +37,7 @@ class Durations:
     f: float = 1.0
     b: float = 2.0
     w: float = 1.0
-    fb: float | None = None       # F&B of an overlapped pair; None -> f + b
+    fb: float | None = None  # F&B of an overlapped pair; None -> f + b
     # per-component times; then f, b, w are their serial sums and fb the two-lane F&B (or None: no overlap)
     components: ChunkComponents | None = None
 
@@ -46,14 +47,18 @@ class Durations:
             return
         for name, want in (("f", c.f), ("b", c.b), ("w", c.w)):
             if getattr(self, name) != want:
-                raise ValueError(f"Durations.{name}: {getattr(self, name)!r} is not the components' {want!r} "
-                                 f"(build it with Durations.from_components)")
+                raise ValueError(
+                    f"Durations.{name}: {getattr(self, name)!r} is not the components' {want!r} "
+                    f"(build it with Durations.from_components)"
+                )
         if self.fb is not None and self.fb != two_lane_pair(c).makespan:
-            raise ValueError(f"Durations.fb: {self.fb!r} is neither None (no overlap) nor the two-lane F&B "
-                             f"{two_lane_pair(c).makespan!r} of the components")
+            raise ValueError(
+                f"Durations.fb: {self.fb!r} is neither None (no overlap) nor the two-lane F&B "
+                f"{two_lane_pair(c).makespan!r} of the components"
+            )
 
     @classmethod
-    def from_components(cls, c: ChunkComponents, overlap: bool = True) -> "Durations":
+    def from_components(cls, c: ChunkComponents, overlap: bool = True) -> Durations:
         """F, B, W from the components run back to back; F&B from the two-lane pair, or F + B without overlap."""
         return cls(c.f, c.b, c.w, two_lane_pair(c).makespan if overlap else None, c)
 
@@ -79,13 +84,27 @@ class SimResult:
     formula_text: str
     peak_activations: list[int]
     param_copies: list[int]
-    timeline: list[dict] = field(default_factory=list)   # {rank, op, kind, start, end}
-    comm: dict | None = None     # with component durations: communication per rank, total and exposed
+    timeline: list[dict] = field(default_factory=list)  # {rank, op, kind, start, end}
+    comm: dict | None = None  # with component durations: communication per rank, total and exposed
 
     def to_json(self, with_timeline: bool = False) -> dict:
-        d = {k: getattr(self, k) for k in ("schedule", "pp", "chunks", "bubble", "formula", "formula_unchecked",
-                                           "formula_text", "makespan", "idle", "busy", "peak_activations",
-                                           "param_copies")}
+        d = {
+            k: getattr(self, k)
+            for k in (
+                "schedule",
+                "pp",
+                "chunks",
+                "bubble",
+                "formula",
+                "formula_unchecked",
+                "formula_text",
+                "makespan",
+                "idle",
+                "busy",
+                "peak_activations",
+                "param_copies",
+            )
+        }
         if self.comm is not None:
             d["comm"] = self.comm
         if with_timeline:
@@ -97,14 +116,14 @@ def simulate(spec: ScheduleSpec, d: Durations) -> SimResult:
     if d.w < 0 or d.w > d.b:
         raise ValueError(f"simulate: need 0 <= W <= B (got W={d.w}, B={d.b})")
     P = spec.n_ranks
-    done_f: dict[tuple[int, int, int], float] = {}   # (rank, chunk, mb) -> end of its F
-    done_b: dict[tuple[int, int, int], float] = {}   # end of its B or I (input grad ready)
+    done_f: dict[tuple[int, int, int], float] = {}  # (rank, chunk, mb) -> end of its F
+    done_b: dict[tuple[int, int, int], float] = {}  # end of its B or I (input grad ready)
     free = [0.0] * P
     pos = [0] * P
     busy = [0.0] * P
     live = [0] * P
     peak = [0] * P
-    born: list[list[tuple[float, int]]] = [[] for _ in range(P)]   # (time, +1/-1) activation events
+    born: list[list[tuple[float, int]]] = [[] for _ in range(P)]  # (time, +1/-1) activation events
     timeline: list[dict] = []
 
     def f_ready(r, c, m):
@@ -144,14 +163,24 @@ def simulate(spec: ScheduleSpec, d: Durations) -> SimResult:
                 if op.kind == "FB":
                     done_b[(r, op.chunk2, op.mb2)] = end
                     born[r].append((end, -1))
-                timeline.append({"rank": r, "op": str(op), "kind": op.kind, "chunk": op.chunk, "mb": op.mb,
-                                 "start": start, "end": end})
+                timeline.append(
+                    {
+                        "rank": r,
+                        "op": str(op),
+                        "kind": op.kind,
+                        "chunk": op.chunk,
+                        "mb": op.mb,
+                        "start": start,
+                        "end": end,
+                    }
+                )
                 pos[r] += 1
                 progress = True
     stuck = [r for r in range(P) if pos[r] < len(spec.ops[r])]
     if stuck:
-        raise RuntimeError(f"{spec.name}: schedule deadlocks (ranks {stuck} wait at "
-                           f"{[str(spec.ops[r][pos[r]]) for r in stuck]})")
+        raise RuntimeError(
+            f"{spec.name}: schedule deadlocks (ranks {stuck} wait at {[str(spec.ops[r][pos[r]]) for r in stuck]})"
+        )
     makespan = max(free)
     for r in range(P):
         # releases sort before births at the same instant: a B ending when the next F starts frees first
@@ -160,8 +189,22 @@ def simulate(spec: ScheduleSpec, d: Durations) -> SimResult:
             peak[r] = max(peak[r], live[r])
     idle = [makespan - b for b in busy]
     formula, unchecked, text = published_formula(spec.name, P, d)
-    return SimResult(spec.name, P, spec.n_chunks, makespan, idle, busy, max(idle), formula, unchecked, text,
-                     peak, [spec.chunks_per_rank] * P, timeline, _comm_per_rank(spec, d))
+    return SimResult(
+        spec.name,
+        P,
+        spec.n_chunks,
+        makespan,
+        idle,
+        busy,
+        max(idle),
+        formula,
+        unchecked,
+        text,
+        peak,
+        [spec.chunks_per_rank] * P,
+        timeline,
+        _comm_per_rank(spec, d),
+    )
 
 
 def _comm_per_rank(spec: ScheduleSpec, d: Durations) -> dict | None:
@@ -171,8 +214,13 @@ def _comm_per_rank(spec: ScheduleSpec, d: Durations) -> dict | None:
     if c is None:
         return None
     pair_exposed = two_lane_pair(c).exposed_comm if d.fb is not None else c.comm_f + c.comm_b
-    per_op = {"F": (c.comm_f, c.comm_f), "B": (c.comm_b, c.comm_b), "I": (c.comm_b, c.comm_b), "W": (0.0, 0.0),
-              "FB": (c.comm_f + c.comm_b, pair_exposed)}
+    per_op = {
+        "F": (c.comm_f, c.comm_f),
+        "B": (c.comm_b, c.comm_b),
+        "I": (c.comm_b, c.comm_b),
+        "W": (0.0, 0.0),
+        "FB": (c.comm_f + c.comm_b, pair_exposed),
+    }
     total, exposed, pairs = [], [], []
     for ops in spec.ops:
         total.append(sum(per_op[op.kind][0] for op in ops))
@@ -197,7 +245,7 @@ def published_formula(name: str, P: int, d: Durations) -> tuple[float | None, fl
         v = (P / 2 - 1) * (FB + B - 3 * W)
         return (v if unit else None), v, "(PP/2-1)(F&B+B-3W), PP = ranks"
     if name == "dualpipev":
-        v = (P - 1) * (FB + B - 3 * W)     # PP = 2P stages
+        v = (P - 1) * (FB + B - 3 * W)  # PP = 2P stages
         return (v if unit else None), v, "(PP/2-1)(F&B+B-3W), PP = 2*ranks stages"
     return None, None, "n/a"
 
@@ -224,18 +272,32 @@ def comparison_table(pp: int = 8, chunks: int | None = None) -> tuple[list[dict]
         d = Durations(F, B, W, FB)
         for name in SCHEDULES:
             res = simulate(build_schedule(name, pp, chunks), d)
-            rows.append({"case": label, "schedule": name, "bubble": res.bubble, "formula": res.formula,
-                         "formula_unchecked": res.formula_unchecked, "formula_text": res.formula_text,
-                         "peak_activations": max(res.peak_activations), "param_copies": max(res.param_copies),
-                         "makespan": res.makespan})
-    lines = [f"pp={pp} ranks, {chunks} micro-batches; bubble = max over ranks of (makespan - busy)", "",
-             "| case | schedule | simulated bubble | published formula | formula value | in exact domain | "
-             "peak act./rank | param copies/rank |",
-             "|---|---|---|---|---|---|---|---|"]
+            rows.append(
+                {
+                    "case": label,
+                    "schedule": name,
+                    "bubble": res.bubble,
+                    "formula": res.formula,
+                    "formula_unchecked": res.formula_unchecked,
+                    "formula_text": res.formula_text,
+                    "peak_activations": max(res.peak_activations),
+                    "param_copies": max(res.param_copies),
+                    "makespan": res.makespan,
+                }
+            )
+    lines = [
+        f"pp={pp} ranks, {chunks} micro-batches; bubble = max over ranks of (makespan - busy)",
+        "",
+        "| case | schedule | simulated bubble | published formula | formula value | in exact domain | "
+        "peak act./rank | param copies/rank |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for row in rows:
-        lines.append(f"| {row['case']} | {row['schedule']} | {row['bubble']:g} | {row['formula_text']} | "
-                     f"{row['formula_unchecked']:g} | {'yes' if row['formula'] is not None else 'no'} | "
-                     f"{row['peak_activations']} | {row['param_copies']} |")
+        lines.append(
+            f"| {row['case']} | {row['schedule']} | {row['bubble']:g} | {row['formula_text']} | "
+            f"{row['formula_unchecked']:g} | {'yes' if row['formula'] is not None else 'no'} | "
+            f"{row['peak_activations']} | {row['param_copies']} |"
+        )
     return rows, "\n".join(lines)
 
 
@@ -249,6 +311,7 @@ def plot_timeline(res: SimResult, path: str) -> str:
     import tempfile
 
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
@@ -259,28 +322,57 @@ def plot_timeline(res: SimResult, path: str) -> str:
         y = P - 1 - ev["rank"]
         w = ev["end"] - ev["start"]
         # chunk 1 (the reverse direction / the second stage of the rank) is drawn lighter
-        ax.barh(y, w, left=ev["start"], height=0.8, color=_COLORS[ev["kind"]], edgecolor="black", linewidth=0.4,
-                alpha=1.0 if ev["chunk"] == 0 else 0.6)
-        if ev["kind"] == "FB":      # "F0.3&B1.5" -> "3|5": forward micro-batch | backward micro-batch
+        ax.barh(
+            y,
+            w,
+            left=ev["start"],
+            height=0.8,
+            color=_COLORS[ev["kind"]],
+            edgecolor="black",
+            linewidth=0.4,
+            alpha=1.0 if ev["chunk"] == 0 else 0.6,
+        )
+        if ev["kind"] == "FB":  # "F0.3&B1.5" -> "3|5": forward micro-batch | backward micro-batch
             f, b = ev["op"].split("&")
             label = f"{f.split('.')[1]}|{b.split('.')[1]}"
         else:
             label = str(ev["mb"])
         if w >= 0.6:
-            ax.text(ev["start"] + w / 2, y, label, ha="center", va="center", fontsize=6,
-                    color="white" if ev["kind"] in ("F", "FB") else "black")
+            ax.text(
+                ev["start"] + w / 2,
+                y,
+                label,
+                ha="center",
+                va="center",
+                fontsize=6,
+                color="white" if ev["kind"] in ("F", "FB") else "black",
+            )
     ax.set_yticks(range(P))
     ax.set_yticklabels([f"rank {P - 1 - i}" for i in range(P)])
     ax.set_xlabel("time (units of the F/B/W durations)")
     ax.set_xlim(0, res.makespan)
     formula = "n/a" if res.formula is None else f"{res.formula:g}"
-    ax.set_title(f"{res.schedule}: pp={P}, {res.chunks} micro-batches, bubble {res.bubble:g} "
-                 f"(published formula: {formula})")
-    ax.legend(handles=[Patch(color=c, label=k) for k, c in
-                       [("F", _COLORS["F"]), ("B", _COLORS["B"]), ("B input (I)", _COLORS["I"]),
-                        ("W", _COLORS["W"]), ("F&B overlapped", _COLORS["FB"])]],
-              loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=5, fontsize=7,
-              title="lighter: the rank's second chunk (reverse direction / stage 2P-1-r)", title_fontsize=7)
+    ax.set_title(
+        f"{res.schedule}: pp={P}, {res.chunks} micro-batches, bubble {res.bubble:g} (published formula: {formula})"
+    )
+    ax.legend(
+        handles=[
+            Patch(color=c, label=k)
+            for k, c in [
+                ("F", _COLORS["F"]),
+                ("B", _COLORS["B"]),
+                ("B input (I)", _COLORS["I"]),
+                ("W", _COLORS["W"]),
+                ("F&B overlapped", _COLORS["FB"]),
+            ]
+        ],
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.18),
+        ncol=5,
+        fontsize=7,
+        title="lighter: the rank's second chunk (reverse direction / stage 2P-1-r)",
+        title_fontsize=7,
+    )
     fig.tight_layout()
     d = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(suffix=".png", dir=d)

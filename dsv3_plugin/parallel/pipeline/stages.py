@@ -11,22 +11,32 @@ soon as its stage has run (zeros before) and produced_M marks which ones exist; 
 MTP. The last stage returns (logits, *mtp_logits, aux_M, produced_M) and `DSv3PipelineLoss` combines them
 with the labels exactly as `DSv3Model._losses` does (same ops, same order: bit-identical losses).
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsv3_plugin.model.transformer import DSv3Model
 from dsv3_plugin.model.mtp import mtp_depth_loss
+from dsv3_plugin.model.transformer import DSv3Model
 from dsv3_plugin.parallel.expert_parallel import ExpertParallelMoE
 from dsv3_plugin.parallel.overlap import run_overlapped
 from dsv3_plugin.schedule_traits import schedule_traits
 
-__all__ = ["split_layers", "model_stage_layers", "DSv3Stage", "build_stages", "stage_ids_for_rank", "n_stages_of", "min_layers",
-           "DSv3PipelineLoss", "sync_tied_embedding"]
+__all__ = [
+    "split_layers",
+    "model_stage_layers",
+    "DSv3Stage",
+    "build_stages",
+    "stage_ids_for_rank",
+    "n_stages_of",
+    "min_layers",
+    "DSv3PipelineLoss",
+    "sync_tied_embedding",
+]
 
 
 def split_layers(n_layers: int, n_stages: int, tail: int = 0) -> list[range]:
@@ -38,7 +48,7 @@ def split_layers(n_layers: int, n_stages: int, tail: int = 0) -> list[range]:
     q, r = divmod(n_layers + tail, n_stages)
     counts = [q + (1 if s < r else 0) for s in range(n_stages)]
     counts[-1] -= tail
-    for s in range(n_stages - 1, 0, -1):   # a negative count: its deficit moves to the stage before
+    for s in range(n_stages - 1, 0, -1):  # a negative count: its deficit moves to the stage before
         if counts[s] < 0:
             counts[s - 1] += counts[s]
             counts[s] = 0
@@ -77,7 +87,7 @@ def min_layers(schedule: str, pp: int, mtp_depth: int = 0) -> int:
     n, last = t.n_stages(pp), t.n_stages(pp) - 1
     bare = [ids for ids in (t.stage_ids(pp, r) for r in range(pp)) if 0 not in ids and last not in ids]
     L = 0
-    while True:   # terminates: with n * (mtp_depth + 2) layers every stage has one
+    while True:  # terminates: with n * (mtp_depth + 2) layers every stage has one
         ranges = model_stage_layers(L, mtp_depth, n)
         if all(any(len(ranges[s]) for s in ids) for ids in bare):
             return L
@@ -97,8 +107,9 @@ def _needs_lockstep(layers: list[ExpertParallelMoE], module: nn.Module) -> bool:
     p = next(module.parameters(), None)
     if p is not None and p.device.type == "cuda":
         return True
-    return any(m.groups.ep_group_b is None or (m.groups.ranks_per_node > 1 and m.groups.node_group_b is None)
-               for m in layers)
+    return any(
+        m.groups.ep_group_b is None or (m.groups.ranks_per_node > 1 and m.groups.node_group_b is None) for m in layers
+    )
 
 
 class DSv3Stage(nn.Module):
@@ -158,10 +169,10 @@ class DSv3Stage(nn.Module):
             S = T - k
             if S <= 0:
                 break
-            emb = self.embed_tokens(input_ids[:, k:])                       # Emb(t_{i+k}), [B, S, H]
-            h_prev = mtp(h_prev[:, :S], emb, cos[:S], sin[:S])              # h^k, [B, S, H]
+            emb = self.embed_tokens(input_ids[:, k:])  # Emb(t_{i+k}), [B, S, H]
+            h_prev = mtp(h_prev[:, :S], emb, cos[:S], sin[:S])  # h^k, [B, S, H]
             aux_M, produced_M = self._record(aux_M, produced_M, slot, mtp.layer.mlp)
-            mtp_logits.append(self.lm_head(mtp.norm(h_prev)))               # [B, S, V]
+            mtp_logits.append(self.lm_head(mtp.norm(h_prev)))  # [B, S, V]
         return (logits, *mtp_logits, aux_M, produced_M)
 
     @classmethod
@@ -170,6 +181,7 @@ class DSv3Stage(nn.Module):
         `b_module` run as the two lock-step lanes of `parallel.overlap.run_overlapped`, so each chunk's
         dispatch / combine all-to-alls travel while the other chunk computes. Same ops as F then B on each
         chunk (bit-identical losses and gradients). Without EP communication in either chunk: F then B."""
+
         def forward():
             outs = f_module(*f_inputs)
             return outs, (f_loss_fn(outs) if f_loss_fn is not None else None)
@@ -203,7 +215,7 @@ class DSv3PipelineLoss:
     def __init__(self, model_or_cfg, tokens_seen: float = 0.0, scale: float = 1.0):
         self.cfg = getattr(model_or_cfg, "cfg", model_or_cfg)
         self.tokens_seen = tokens_seen
-        self.scale = scale              # e.g. 1/num_chunks to average micro-batches in the backward
+        self.scale = scale  # e.g. 1/num_chunks to average micro-batches in the backward
         self.records: list[dict] = []
 
     def __call__(self, logits, *rest):
@@ -220,9 +232,14 @@ class DSv3PipelineLoss:
         if bool(produced_M.any()):
             balance = aux_M[produced_M].sum()
             loss = loss + balance
-        self.records.append({"loss": loss.detach(), "lm_loss": lm_loss.detach(),
-                             "mtp_loss": None if mtp_loss is None else mtp_loss.detach(),
-                             "balance_loss": None if balance is None else balance.detach()})
+        self.records.append(
+            {
+                "loss": loss.detach(),
+                "lm_loss": lm_loss.detach(),
+                "mtp_loss": None if mtp_loss is None else mtp_loss.detach(),
+                "balance_loss": None if balance is None else balance.detach(),
+            }
+        )
         return loss * self.scale if self.scale != 1.0 else loss
 
 
@@ -232,6 +249,7 @@ def sync_tied_embedding(runtime, stages: Sequence[DSv3Stage]) -> bool:
     stay identical). DualPipe(V) need nothing here: both uses sit on rank 0, one parameter. Call after
     `runtime.step(...)` in training. Returns True if this rank took part."""
     import torch.distributed as dist
+
     if not runtime.traits.first_and_last_apart(runtime.P) or not stages[0].mtp_reuses_embedding:
         return False
     last = runtime.P - 1
@@ -241,8 +259,12 @@ def sync_tied_embedding(runtime, stages: Sequence[DSv3Stage]) -> bool:
     grad = weight.grad if weight.grad is not None else torch.zeros_like(weight)
     other = torch.empty_like(grad)
     peer = runtime.pipe_to_global[last if runtime.rank == 0 else 0]
-    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, grad.contiguous(), peer, group=runtime.group),
-                                    dist.P2POp(dist.irecv, other, peer, group=runtime.group)])
+    works = dist.batch_isend_irecv(
+        [
+            dist.P2POp(dist.isend, grad.contiguous(), peer, group=runtime.group),
+            dist.P2POp(dist.irecv, other, peer, group=runtime.group),
+        ]
+    )
     for w in works:
         runtime.p2p._wait(w, "tied-embedding gradient sync between the first and last pipeline ranks")
     weight.grad = grad + other

@@ -12,25 +12,41 @@ Opting in is a kernel wrapper (`DeferredWeightGrads`, see `model/kernels.py`) ar
 run (FP32/BF16 or FP8, Linear or routed experts), so precision and deferral compose: `split_weight_grads(module)`
 wraps every kernel in a module; `DeferrableLinear` and `deferrable_linear` are the plain Linear, deferred.
 """
+
 from __future__ import annotations
 
 import contextlib
 import functools
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from dsv3_plugin.model.kernels import KernelLinear, KernelWrapper, PlainLinearKernel, SplitKernel, UsesKernel, find_wrapper
+from dsv3_plugin.model.kernels import (
+    KernelLinear,
+    KernelWrapper,
+    PlainLinearKernel,
+    SplitKernel,
+    UsesKernel,
+    find_wrapper,
+)
 
-__all__ = ["WeightGradQueue", "DeferredWeightGrads", "defer_weight_grads", "deferrable_linear", "DeferrableLinear",
-           "split_weight_grads", "active_queue", "stack_with_grad_sink"]
+__all__ = [
+    "WeightGradQueue",
+    "DeferredWeightGrads",
+    "defer_weight_grads",
+    "deferrable_linear",
+    "DeferrableLinear",
+    "split_weight_grads",
+    "active_queue",
+    "stack_with_grad_sink",
+]
 
-_ACTIVE: list["WeightGradQueue"] = []
+_ACTIVE: list[WeightGradQueue] = []
 
 
-def active_queue() -> "WeightGradQueue | None":
+def active_queue() -> WeightGradQueue | None:
     """The queue collecting weight-grad work right now (inside an I op), else None."""
     return _ACTIVE[-1] if _ACTIVE else None
 
@@ -97,8 +113,9 @@ class _StackedView(torch.autograd.Function):
     @staticmethod
     def forward(ctx, *params):
         p0 = params[0]
-        return p0.new_empty(0).set_(p0.untyped_storage(), p0.storage_offset(), (len(params), *p0.shape),
-                                    (p0.numel(), *p0.stride()))
+        return p0.new_empty(0).set_(
+            p0.untyped_storage(), p0.storage_offset(), (len(params), *p0.shape), (p0.numel(), *p0.stride())
+        )
 
     @staticmethod
     def backward(ctx, grad_E):
@@ -113,9 +130,15 @@ def _back_to_back(params: list[torch.Tensor]) -> bool:
         return False
     step = p0.numel() * p0.element_size()
     base = p0.untyped_storage().data_ptr()
-    return all(p.shape == p0.shape and p.dtype == p0.dtype and p.device == p0.device and p.is_contiguous()
-               and p.untyped_storage().data_ptr() == base and p.data_ptr() == p0.data_ptr() + e * step
-               for e, p in enumerate(params))
+    return all(
+        p.shape == p0.shape
+        and p.dtype == p0.dtype
+        and p.device == p0.device
+        and p.is_contiguous()
+        and p.untyped_storage().data_ptr() == base
+        and p.data_ptr() == p0.data_ptr() + e * step
+        for e, p in enumerate(params)
+    )
 
 
 def stack_with_grad_sink(params: list[nn.Parameter]) -> torch.Tensor:
@@ -154,13 +177,15 @@ class DeferredWeightGrads(KernelWrapper):
         for w, n in zip(weights, need_w):
             sink = getattr(w, "deferred_grad_sink", None) if w is not None else None
             if n and not w.is_leaf and sink is None:
-                raise RuntimeError(f"deferred weight gradient: a {tuple(w.shape)} weight reaching the kernel is not "
-                                   "a leaf tensor (built from parameters each call) and has no deferred_grad_sink "
-                                   "(`stack_with_grad_sink`), so W cannot write its .grad")
+                raise RuntimeError(
+                    f"deferred weight gradient: a {tuple(w.shape)} weight reaching the kernel is not "
+                    "a leaf tensor (built from parameters each call) and has no deferred_grad_sink "
+                    "(`stack_with_grad_sink`), so W cannot write its .grad"
+                )
             sinks.append(sink if sink is not None else functools.partial(_accumulate, w))
         inner = self.inner
 
-        @torch.no_grad()   # as inside a backward: W's GEMMs build no graph (saved inputs may require grad)
+        @torch.no_grad()  # as inside a backward: W's GEMMs build no graph (saved inputs may require grad)
         def w_job():
             for sink, g in zip(sinks, inner.run_weight_grads(job, weights, need_w)):
                 if g is not None:
@@ -189,8 +214,9 @@ class DeferrableLinear(KernelLinear):
     `DeferredWeightGrads`); same parameters and state_dict keys."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None):
-        super().__init__(in_features, out_features, bias, DeferredWeightGrads(PlainLinearKernel()), device=device,
-                         dtype=dtype)
+        super().__init__(
+            in_features, out_features, bias, DeferredWeightGrads(PlainLinearKernel()), device=device, dtype=dtype
+        )
 
 
 def split_weight_grads(module: nn.Module) -> int:
@@ -200,17 +226,23 @@ def split_weight_grads(module: nn.Module) -> int:
     `KernelLinear`: parameters, hooks, state_dict and the object's identity are kept, which matters because
     pipeline stages share modules). An nn.Linear subclass without a seam is an error, not silently skipped.
     Returns how many modules were newly set to defer."""
-    for name, m in module.named_modules():       # check everything before changing anything
+    for name, m in module.named_modules():  # check everything before changing anything
         where = f"split_weight_grads: {name or type(module).__name__}"
         if isinstance(m, nn.Linear) and type(m) is not nn.Linear and not isinstance(m, UsesKernel):
-            raise TypeError(f"{where} is a {type(m).__name__}, an nn.Linear subclass without a kernel seam "
-                            "(kernels.KernelLinear): its weight gradient cannot be deferred")
+            raise TypeError(
+                f"{where} is a {type(m).__name__}, an nn.Linear subclass without a kernel seam "
+                "(kernels.KernelLinear): its weight gradient cannot be deferred"
+            )
         if isinstance(m, UsesKernel) and not (m.leaf_kernel_weights or m.grad_sink_weights):
-            raise TypeError(f"{where} ({type(m).__name__}) passes its kernel tensors built from its parameters "
-                            "without a deferred_grad_sink, so a deferred W could not write their .grad")
+            raise TypeError(
+                f"{where} ({type(m).__name__}) passes its kernel tensors built from its parameters "
+                "without a deferred_grad_sink, so a deferred W could not write their .grad"
+            )
         if isinstance(m, UsesKernel) and not isinstance(m.kernel, SplitKernel):
-            raise TypeError(f"{where}: its kernel {m.kernel!r} is not a kernels.SplitKernel, so its weight "
-                            "gradients cannot be split off and deferred")
+            raise TypeError(
+                f"{where}: its kernel {m.kernel!r} is not a kernels.SplitKernel, so its weight "
+                "gradients cannot be split off and deferred"
+            )
     n = 0
     for m in module.modules():
         if type(m) is nn.Linear:

@@ -8,12 +8,40 @@ blocks, FP32 promotion every 128 elements of K.
 
 Putting a model on FP8 is a transform: `dsv3_plugin.training.transforms.convert_to_fp8`.
 """
-from .experts import Fp8ExpertKernel, Fp8GroupedSwiGLU, fp8_expert_swiglu
-from .linear import (AutoBackend, EmulatedBackend, Fp8Linear, Fp8LinearKernel, Fp8Recipe, Fp8Report, TEBackend,
-                     TorchScaledMMBackend, fp8_linear, select_backend, te_recipe_spec, to_te_recipe)
-from .quant import *  # noqa: F401,F403  (its __all__: the quantization primitives)
-from .quant import __all__ as _QUANT_API
 
-__all__ = [*_QUANT_API, "Fp8Recipe", "Fp8Linear", "Fp8LinearKernel", "fp8_linear", "select_backend", "to_te_recipe",
-           "te_recipe_spec", "Fp8Report", "AutoBackend", "EmulatedBackend", "TEBackend", "TorchScaledMMBackend",
-           "Fp8ExpertKernel", "Fp8GroupedSwiGLU", "fp8_expert_swiglu"]
+from dsv3_plugin.precision.fp8.experts import Fp8ExpertKernel, Fp8GroupedSwiGLU, fp8_expert_swiglu
+from dsv3_plugin.precision.fp8.linear import (
+    AutoBackend,
+    EmulatedBackend,
+    Fp8Linear,
+    Fp8LinearKernel,
+    Fp8Recipe,
+    Fp8Report,
+    TEBackend,
+    TorchScaledMMBackend,
+    fp8_linear,
+    select_backend,
+    te_recipe_spec,
+    to_te_recipe,
+)
+from dsv3_plugin.precision.fp8.quant import *  # noqa: F401,F403  (its __all__: the quantization primitives)
+from dsv3_plugin.precision.fp8.quant import __all__ as _QUANT_API
+
+__all__ = [
+    *_QUANT_API,
+    "Fp8Recipe",
+    "Fp8Linear",
+    "Fp8LinearKernel",
+    "fp8_linear",
+    "select_backend",
+    "to_te_recipe",
+    "te_recipe_spec",
+    "Fp8Report",
+    "AutoBackend",
+    "EmulatedBackend",
+    "TEBackend",
+    "TorchScaledMMBackend",
+    "Fp8ExpertKernel",
+    "Fp8GroupedSwiGLU",
+    "fp8_expert_swiglu",
+]

@@ -17,17 +17,18 @@ wrapped like any kernel (W deferral for the pipeline's B/W split). The forward i
 separate `fp8_linear` calls with the SwiGLU in between; gradients differ from that by the FP8 rounding of
 the cached g and u.
 """
+
 from __future__ import annotations
 
 import torch
 
-from .quant import dequantize_tilewise, fp8_combine_grad_qdq, fp8_dispatch_qdq
-from .linear import AutoBackend, EmulatedBackend, Fp8Recipe
 from dsv3_plugin.model.kernels import SplitKernel, apply_split, expert_spans, stacked_params
+from dsv3_plugin.precision.fp8.linear import AutoBackend, EmulatedBackend, Fp8Recipe
+from dsv3_plugin.precision.fp8.quant import dequantize_tilewise, fp8_combine_grad_qdq, fp8_dispatch_qdq
 
 __all__ = ["Fp8ExpertKernel", "Fp8GroupedSwiGLU", "fp8_expert_swiglu", "Fp8SwiGLUAct"]
 
-_PER_EXPERT = 12   # tensors saved per expert with rows (see `_forward_one`)
+_PER_EXPERT = 12  # tensors saved per expert with rows (see `_forward_one`)
 
 
 def _dequant(q: torch.Tensor, s: torch.Tensor, kind: str) -> torch.Tensor:
@@ -35,22 +36,22 @@ def _dequant(q: torch.Tensor, s: torch.Tensor, kind: str) -> torch.Tensor:
 
 
 def _t(s: torch.Tensor, kind: str) -> torch.Tensor:
-    return s.t() if kind == "block" else s   # scales of Wᵀ (a tensor-wide scale is its own transpose)
+    return s.t() if kind == "block" else s  # scales of Wᵀ (a tensor-wide scale is its own transpose)
 
 
 def _forward_one(x, w1, w3, w2, recipe: Fp8Recipe, backend, need_wgrad: bool, keep_wq: bool = True, s=None):
     """One expert: x [n, H]; w1, w3 [I, H], w2 [H, I] -> (y [n, H], 12 saved tensors, meta). `keep_wq` False:
     the FP8 weights are not kept (the caller saves the parameters and backward re-quantizes them)."""
-    qx, sx, kx = recipe.act(x)                                   # [n, H] 1×128 along H
+    qx, sx, kx = recipe.act(x)  # [n, H] 1×128 along H
     w1q, w3q, w2q = recipe.weight(w1), recipe.weight(w3), recipe.weight(w2)
-    g = backend.gemm(qx, sx, kx, *w1q).to(x.dtype)               # [n, I]
+    g = backend.gemm(qx, sx, kx, *w1q).to(x.dtype)  # [n, I]
     u = backend.gemm(qx, sx, kx, *w3q).to(x.dtype)
     h = torch.nn.functional.silu(g) * u
     if s is not None:
-        h = h * s[:, None].to(h.dtype)                           # the routing weight, before W2
-    y = backend.gemm(*recipe.act(h), *w2q).to(x.dtype)           # [n, H]
+        h = h * s[:, None].to(h.dtype)  # the routing weight, before W2
+    y = backend.gemm(*recipe.act(h), *w2q).to(x.dtype)  # [n, H]
     xt = recipe.act(x.t()) if need_wgrad else (None, None, None)  # Xᵀ 1×128 along tokens, shared
-    gq, uq = recipe.act(g), recipe.act(u)                        # the FP8 SwiGLU-input cache
+    gq, uq = recipe.act(g), recipe.act(u)  # the FP8 SwiGLU-input cache
     wq = (w1q[0], w1q[1], w3q[0], w3q[1], w2q[0], w2q[1]) if keep_wq else (None,) * 6
     saved = (xt[0], xt[1], gq[0], gq[1], uq[0], uq[1], *wq)
     return y, saved, (xt[2], gq[2], w1q[2])
@@ -92,10 +93,19 @@ class Fp8ExpertKernel(SplitKernel):
         leaf = all(w.is_leaf for w in weights)
         srcs = None if leaf else tuple(stacked_params(w) for w in weights)
         if srcs is not None and any(sp is None for sp in srcs):
-            srcs = None                      # built some other way: keep the FP8 blocks
+            srcs = None  # built some other way: keep the FP8 blocks
         for e, s, t in spans:
-            y, sv, kind = _forward_one(x_NH[s:t], w1_EIH[e], w3_EIH[e], w2_EHI[e], self.recipe, be, any(need_w),
-                                       keep_wq=not (leaf or srcs), s=None if s_N is None else s_N[s:t])
+            y, sv, kind = _forward_one(
+                x_NH[s:t],
+                w1_EIH[e],
+                w3_EIH[e],
+                w2_EHI[e],
+                self.recipe,
+                be,
+                any(need_w),
+                keep_wq=not (leaf or srcs),
+                s=None if s_N is None else s_N[s:t],
+            )
             y_NH[s:t] = y
             saved += sv
             kinds.append(kind)
@@ -112,34 +122,39 @@ class Fp8ExpertKernel(SplitKernel):
         ds_N = torch.zeros_like(s_N) if need_s else None
         carry = []
         for i, (e, s, t) in enumerate(spans):
-            (qxt, _, qg, sg, qu, su, qw1, sw1, qw3, sw3, qw2, sw2) = saved[i * _PER_EXPERT:(i + 1) * _PER_EXPERT]
+            (qxt, _, qg, sg, qu, su, qw1, sw1, qw3, sw3, qw2, sw2) = saved[i * _PER_EXPERT : (i + 1) * _PER_EXPERT]
             if qw1 is None:
-                ws = saved[-3:] if srcs is None else srcs     # the parameters (stacked, or one per expert)
+                ws = saved[-3:] if srcs is None else srcs  # the parameters (stacked, or one per expert)
                 (qw1, sw1, _), (qw3, sw3, _), (qw2, sw2, _) = (r.weight(w[e]) for w in ws)
             _, ka, kw = kinds[i]
-            g = _dequant(qg, sg, ka)                                 # [n, I] fp32, recomputation inputs
+            g = _dequant(qg, sg, ka)  # [n, I] fp32, recomputation inputs
             u = _dequant(qu, su, ka)
             sig = torch.sigmoid(g)
             silu = g * sig
-            h = silu * u                                             # recomputed SwiGLU output
+            h = silu * u  # recomputed SwiGLU output
             dy = dy_NH[s:t].float()
-            dh = be.gemm(*r.act(dy), qw2.t(), _t(sw2, kw), kw)       # Dgrad W2: [n, I]
+            dh = be.gemm(*r.act(dy), qw2.t(), _t(sw2, kw), kw)  # Dgrad W2: [n, I]
             if s_N is not None:
                 s_n = s_N[s:t, None].float()
                 if ds_N is not None:
-                    ds_N[s:t] = (dh * h).sum(-1).to(ds_N.dtype)      # dL/ds = <dy·W2, h>
+                    ds_N[s:t] = (dh * h).sum(-1).to(ds_N.dtype)  # dL/ds = <dy·W2, h>
                 dh = dh * s_n
-                h = h * s_n                                          # W2's operand: s·h, as in forward
-            dg = dh * u * (sig * (1 + g * (1 - sig)))                # silu'(g) = σ(g)(1 + g(1 − σ(g)))
+                h = h * s_n  # W2's operand: s·h, as in forward
+            dg = dh * u * (sig * (1 + g * (1 - sig)))  # silu'(g) = σ(g)(1 + g(1 − σ(g)))
             du = dh * silu
             if dx_NH is not None:
-                dx_NH[s:t] = (be.gemm(*r.act(dg), qw1.t(), _t(sw1, kw), kw)
-                              + be.gemm(*r.act(du), qw3.t(), _t(sw3, kw), kw)).to(x_dtype)
+                dx_NH[s:t] = (
+                    be.gemm(*r.act(dg), qw1.t(), _t(sw1, kw), kw) + be.gemm(*r.act(du), qw3.t(), _t(sw3, kw), kw)
+                ).to(x_dtype)
             # W's FP8 operands are quantized here: a deferred W holds 1 byte per element, not 4
             have = qxt is not None
-            carry.append((r.act(dg.t()) if have and need[1] else None,
-                          r.act(du.t()) if have and need[2] else None,
-                          (r.act(dy.t()), r.act(h.t())) if have and need[3] else None))
+            carry.append(
+                (
+                    r.act(dg.t()) if have and need[1] else None,
+                    r.act(du.t()) if have and need[2] else None,
+                    (r.act(dy.t()), r.act(h.t())) if have and need[3] else None,
+                )
+            )
         return (dx_NH if s_N is None else (dx_NH, ds_N)), carry
 
     def weight_grads(self, saved, meta, carry, need_w):
@@ -151,19 +166,21 @@ class Fp8ExpertKernel(SplitKernel):
             kxt = kinds[i][0]
             dg_t, du_t, dy_h = carry[i]
             if dg_t is not None:
-                dws[0][e] = be.gemm(*dg_t, qxt, sxt, kxt).to(dws[0].dtype)            # [I, H]
+                dws[0][e] = be.gemm(*dg_t, qxt, sxt, kxt).to(dws[0].dtype)  # [I, H]
             if du_t is not None:
                 dws[1][e] = be.gemm(*du_t, qxt, sxt, kxt).to(dws[1].dtype)
             if dy_h is not None:
-                dws[2][e] = be.gemm(*dy_h[0], *dy_h[1]).to(dws[2].dtype)             # [H, I]
+                dws[2][e] = be.gemm(*dy_h[0], *dy_h[1]).to(dws[2].dtype)  # [H, I]
         return tuple(dws)
 
     def __repr__(self) -> str:
-        return (f"Fp8ExpertKernel({self.recipe.kind}, pow2={self.recipe.pow2}, backend={self.backend.name}, "
-                f"dispatch={self.dispatch})")
+        return (
+            f"Fp8ExpertKernel({self.recipe.kind}, pow2={self.recipe.pow2}, backend={self.backend.name}, "
+            f"dispatch={self.dispatch})"
+        )
 
 
-Fp8GroupedSwiGLU = Fp8ExpertKernel   # the name before the kernel seam
+Fp8GroupedSwiGLU = Fp8ExpertKernel  # the name before the kernel seam
 
 
 class _Fp8SwiGLUActFn(torch.autograd.Function):
@@ -186,7 +203,7 @@ class _Fp8SwiGLUActFn(torch.autograd.Function):
         u = _dequant(qu, su, ctx.kind).view(ctx.shape)
         sig = torch.sigmoid(g)
         da = da.float()
-        dg = da * u * (sig * (1 + g * (1 - sig)))                    # silu'(g) = σ(g)(1 + g(1 − σ(g)))
+        dg = da * u * (sig * (1 + g * (1 - sig)))  # silu'(g) = σ(g)(1 + g(1 − σ(g)))
         du = da * (g * sig)
         return dg.to(ctx.dtypes[0]), du.to(ctx.dtypes[1]), None
 
@@ -207,7 +224,8 @@ class Fp8SwiGLUAct:
         return f"Fp8SwiGLUAct({self.recipe.kind}, pow2={self.recipe.pow2})"
 
 
-def fp8_expert_swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
-                      recipe: Fp8Recipe = Fp8Recipe(), backend=None) -> torch.Tensor:
+def fp8_expert_swiglu(
+    x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, recipe: Fp8Recipe = Fp8Recipe(), backend=None
+) -> torch.Tensor:
     """w2(silu(w1 x) ⊙ w3 x) for one expert's rows x [n, H]; w1, w3 [I, H], w2 [H, I]."""
     return Fp8ExpertKernel(recipe, backend)(x, [x.shape[0]], w1[None], w3[None], w2[None])

@@ -26,24 +26,34 @@ NOTE: mmaemu's evidence is an H100 PCIe with cuBLASLt 12.8; DeepSeek trained on 
 The model is of the tensor core's arithmetic inside one chain, which both share; the split-K and epilogue
 behaviour of cuBLAS that mmaemu also models is not used here (splitk=1, our own promotion and scaling).
 """
+
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 
-from .quant import TILE, _rows_chunks
+from dsv3_plugin.precision.fp8.quant import TILE, _rows_chunks
 
-__all__ = ["MMAEMU_VERSION", "HOPPER_CHAIN", "mmaemu_status", "tensor_core_chain", "hopper_gemm",
-           "HopperEmulatedBackend", "check_promote_every", "chain_error_bound", "hopper_error_bound",
-           "emulation_error_bound", "exponent_magnitude"]
+__all__ = [
+    "MMAEMU_VERSION",
+    "HOPPER_CHAIN",
+    "mmaemu_status",
+    "tensor_core_chain",
+    "hopper_gemm",
+    "HopperEmulatedBackend",
+    "check_promote_every",
+    "chain_error_bound",
+    "hopper_error_bound",
+    "emulation_error_bound",
+    "exponent_magnitude",
+]
 
-MMAEMU_VERSION = "0.1.0"        # the version this backend is written and tested against (`make venv` pins it)
+MMAEMU_VERSION = "0.1.0"  # the version this backend is written and tested against (`make venv` pins it)
 # The `hopper` preset of mmaemu 0.1.0 (read from mmaemu.model.presets): products per block-FMA step, fraction bits
 # kept below the block's alignment exponent (terms) and below the result's own exponent (the block result).
 HOPPER_CHAIN = {"products_per_step": 32, "frac_bits": 13, "frac_bits_out": 13}
-_U32 = 2.0 ** -24               # unit roundoff of FP32 (round to nearest)
+_U32 = 2.0**-24  # unit roundoff of FP32 (round to nearest)
 
 
 def mmaemu_status() -> tuple[bool, str]:
@@ -51,12 +61,16 @@ def mmaemu_status() -> tuple[bool, str]:
     try:
         import mmaemu
     except ImportError as e:
-        return False, (f"mmaemu is not installed ({e}); install the pinned version: "
-                       f"pip install 'mmaemu=={MMAEMU_VERSION}' (or `make venv`, which installs it)")
+        return False, (
+            f"mmaemu is not installed ({e}); install the pinned version: "
+            f"pip install 'mmaemu=={MMAEMU_VERSION}' (or `make venv`, which installs it)"
+        )
     ver = getattr(mmaemu, "__version__", "?")
     if ver != MMAEMU_VERSION:
-        return False, (f"mmaemu {ver} is installed, but this backend is pinned to mmaemu=={MMAEMU_VERSION} "
-                       f"(an alpha package whose model may change between versions)")
+        return False, (
+            f"mmaemu {ver} is installed, but this backend is pinned to mmaemu=={MMAEMU_VERSION} "
+            f"(an alpha package whose model may change between versions)"
+        )
     return True, f"mmaemu {ver} (hopper preset, fast accumulation, no split-K)"
 
 
@@ -65,6 +79,7 @@ def _mmaemu():
     if not ok:
         raise RuntimeError(f"hopper-emulated FP8 GEMM: {why}")
     import mmaemu
+
     return mmaemu
 
 
@@ -76,20 +91,30 @@ def tensor_core_chain(a_q: torch.Tensor, b_q: torch.Tensor) -> torch.Tensor:
         return mm.accumulate(a_q.contiguous(), b_q.contiguous(), use_fast_accum=True, splitk=1, profile="hopper")
 
 
-def check_promote_every(promote_every: Optional[int], a_kind: str, b_kind: str, tile: int = TILE) -> None:
+def check_promote_every(promote_every: int | None, a_kind: str, b_kind: str, tile: int = TILE) -> None:
     """N_C must be a positive multiple of 32 (one WGMMA consumes 32 elements of K); with per-group (1×128 /
     128×128) scales it must also divide the group, since a scale is applied when the partial sum is promoted."""
     if promote_every is not None and (promote_every <= 0 or promote_every % HOPPER_CHAIN["products_per_step"]):
         raise ValueError(f"promote_every must be a positive multiple of 32 or None, got {promote_every}")
     grouped = a_kind != "tensor" or b_kind != "tensor"
     if grouped and (promote_every is None or tile % promote_every):
-        raise ValueError(f"promote_every = {promote_every}: with {a_kind}/{b_kind} scales each {tile}-element group "
-                         f"has its own scale, applied on the CUDA cores at promotion, so N_C must divide {tile} "
-                         f"(None or N_C > {tile} needs one scale per operand: recipe 'tensorwise')")
+        raise ValueError(
+            f"promote_every = {promote_every}: with {a_kind}/{b_kind} scales each {tile}-element group "
+            f"has its own scale, applied on the CUDA cores at promotion, so N_C must divide {tile} "
+            f"(None or N_C > {tile} needs one scale per operand: recipe 'tensorwise')"
+        )
 
 
-def hopper_gemm(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor, a_kind: str = "tile",
-                b_kind: str = "block", promote_every: Optional[int] = TILE, tile: int = TILE) -> torch.Tensor:
+def hopper_gemm(
+    a_q: torch.Tensor,
+    a_s: torch.Tensor,
+    b_q: torch.Tensor,
+    b_s: torch.Tensor,
+    a_kind: str = "tile",
+    b_kind: str = "block",
+    promote_every: int | None = TILE,
+    tile: int = TILE,
+) -> torch.Tensor:
     """out[M, N] (FP32) = Σ_windows chain(a_q[:, w] · b_q[:, w]ᵀ) · a_s · b_s, b given as [N, K].
 
     Windows of `promote_every` elements of K, in K order, never straddling a scale group; each is one tensor-core
@@ -101,16 +126,16 @@ def hopper_gemm(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: to
         raise ValueError(f"hopper_gemm: K mismatch {tuple(a_q.shape)} vs {tuple(b_q.shape)}")
     check_promote_every(promote_every, a_kind, b_kind, tile)
     Kc = max(1, math.ceil(K / tile))
-    sa = _rows_chunks(a_s, M, Kc, a_kind, tile)                        # [M, Kc]
-    sb = _rows_chunks(b_s, N, Kc, b_kind, tile)                        # [N, Kc]
+    sa = _rows_chunks(a_s, M, Kc, a_kind, tile)  # [M, Kc]
+    sb = _rows_chunks(b_s, N, Kc, b_kind, tile)  # [N, Kc]
     window = promote_every or K
     out = None
     for lo in range(0, K, window):
         hi = min(K, lo + window)
-        c = lo // tile                                                  # scale group (constant for tensor kinds)
-        part = tensor_core_chain(a_q[:, lo:hi], b_q[:, lo:hi])        # [M, N] the promoted FP32 partial sum
+        c = lo // tile  # scale group (constant for tensor kinds)
+        part = tensor_core_chain(a_q[:, lo:hi], b_q[:, lo:hi])  # [M, N] the promoted FP32 partial sum
         part = part * sa[:, c, None] * sb[None, :, c]
-        out = part if out is None else out.add_(part)                  # FP32 accumulator on the CUDA cores
+        out = part if out is None else out.add_(part)  # FP32 accumulator on the CUDA cores
     return out if out is not None else torch.zeros(M, N, dtype=torch.float32, device=a_q.device)
 
 
@@ -121,7 +146,7 @@ class HopperEmulatedBackend:
 
     name = "hopper-emulated"
 
-    def __init__(self, promote_every: Optional[int] = TILE):
+    def __init__(self, promote_every: int | None = TILE):
         self.promote_every = promote_every
 
     def gemm(self, a_q, a_s, a_kind, b_q, b_s, b_kind):
@@ -133,6 +158,7 @@ class HopperEmulatedBackend:
 
 # --------------------------------------------------------------------------------------------------
 # A-priori error bounds (what a test may assert; the bench reports them beside the measured errors)
+
 
 def exponent_magnitude(q: torch.Tensor) -> torch.Tensor:
     """2^e per element of an E4M3 tensor as the tensor core aligns it: e = floor(log2|x|) clamped at E4M3's
@@ -179,8 +205,16 @@ def _groups(a_q, b_q, a_s, a_kind, b_s, b_kind, tile):
         yield c * tile, min(K, (c + 1) * tile), sa[:, c, None] * sb[None, :, c]
 
 
-def hopper_error_bound(a_q: torch.Tensor, b_q: torch.Tensor, promote_every: Optional[int], a_s=None,
-                       a_kind: str = "tensor", b_s=None, b_kind: str = "tensor", tile: int = TILE) -> torch.Tensor:
+def hopper_error_bound(
+    a_q: torch.Tensor,
+    b_q: torch.Tensor,
+    promote_every: int | None,
+    a_s=None,
+    a_kind: str = "tensor",
+    b_s=None,
+    b_kind: str = "tensor",
+    tile: int = TILE,
+) -> torch.Tensor:
     """Per-element bound [M, N] (float64) on |hopper_gemm − exact product of the dequantized operands|: each
     chain's bound (`chain_error_bound`) times its scales, plus the FP32 scaling and accumulation of the W promoted
     partials (γ_{W+2} · Σ scale·|a b|). Scales and kinds as in `hopper_gemm` (default: unit, tensor-wise)."""
@@ -200,8 +234,15 @@ def hopper_error_bound(a_q: torch.Tensor, b_q: torch.Tensor, promote_every: Opti
     return chain + _gamma(W + 2) * fp32
 
 
-def emulation_error_bound(a_q: torch.Tensor, b_q: torch.Tensor, a_s=None, a_kind: str = "tensor", b_s=None,
-                          b_kind: str = "tensor", tile: int = TILE) -> torch.Tensor:
+def emulation_error_bound(
+    a_q: torch.Tensor,
+    b_q: torch.Tensor,
+    a_s=None,
+    a_kind: str = "tensor",
+    b_s=None,
+    b_kind: str = "tensor",
+    tile: int = TILE,
+) -> torch.Tensor:
     """Per-element bound [M, N] (float64) on |fp8_gemm_emulated − exact|: each 128-chunk is an FP32 matmul (any
     summation order: γ_128), then two scale multiplications and one addition per chunk (γ_{128 + Kc + 2})."""
     K = a_q.shape[1]

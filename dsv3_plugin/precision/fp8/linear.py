@@ -25,26 +25,45 @@ experts' kernel to `fp8_experts.Fp8ExpertKernel` (layers that already have a ker
 kernel replaced, wrappers such as the weight-gradient deferral kept); embedding, output head, router (`gate`),
 norms, MTP's eh_proj and the attention core stay in high precision (§3.3.1).
 """
+
 from __future__ import annotations
 
 import dataclasses
 import weakref
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dsv3_plugin.config import ConfigError, FP8Config
-from .quant import FP8_DTYPE, TILE, fp8_gemm_emulated, quantize_blockwise, quantize_tensorwise, quantize_tilewise
-from dsv3_plugin.model.kernels import KernelLinear, SplitKernel, apply_split, base_kernel, rebase
-from .hopper import HopperEmulatedBackend, mmaemu_status
-from .quant import AMAX_EPS
+from dsv3_plugin.model.kernels import KernelLinear, SplitKernel, apply_split, base_kernel
+from dsv3_plugin.precision.fp8.hopper import HopperEmulatedBackend, mmaemu_status
+from dsv3_plugin.precision.fp8.quant import (
+    AMAX_EPS,
+    FP8_DTYPE,
+    TILE,
+    fp8_gemm_emulated,
+    quantize_blockwise,
+    quantize_tensorwise,
+    quantize_tilewise,
+)
 
-__all__ = ["Fp8Recipe", "EmulatedBackend", "TorchScaledMMBackend", "TEBackend", "AutoBackend", "select_backend",
-           "torch_blockwise_available",
-           "fp8_linear", "Fp8Linear", "Fp8LinearKernel", "te_recipe_spec", "to_te_recipe", "Fp8Report"]
+__all__ = [
+    "Fp8Recipe",
+    "EmulatedBackend",
+    "TorchScaledMMBackend",
+    "TEBackend",
+    "AutoBackend",
+    "select_backend",
+    "torch_blockwise_available",
+    "fp8_linear",
+    "Fp8Linear",
+    "Fp8LinearKernel",
+    "te_recipe_spec",
+    "to_te_recipe",
+    "Fp8Report",
+]
 
 
 @dataclass(frozen=True)
@@ -56,7 +75,7 @@ class Fp8Recipe:
     pow2: bool = False
 
     @classmethod
-    def from_config(cls, cfg: FP8Config) -> "Fp8Recipe":
+    def from_config(cls, cfg: FP8Config) -> Fp8Recipe:
         return cls(kind=cfg.recipe, pow2=cfg.pow2_scales)
 
     def act(self, x2: torch.Tensor):
@@ -74,6 +93,7 @@ class Fp8Recipe:
 # --------------------------------------------------------------------------------------------------
 # GEMM backends: out[M, N] (fp32) = A[M, K] · B[N, K]ᵀ with A, B given as (fp8, scale, kind)
 
+
 class EmulatedBackend:
     name = "emulate"
 
@@ -86,7 +106,7 @@ def _pad2(t: torch.Tensor, rows: int, cols: int, value: float = 0.0) -> torch.Te
         return t
     if t.dtype == FP8_DTYPE:  # F.pad has no float8 kernel; zero bytes are +0.0 in E4M3
         out = torch.zeros(rows, cols, dtype=torch.uint8, device=t.device)
-        out[:t.shape[0], :t.shape[1]] = t.view(torch.uint8)
+        out[: t.shape[0], : t.shape[1]] = t.view(torch.uint8)
         return out.view(FP8_DTYPE)
     return F.pad(t, (0, cols - t.shape[1], 0, rows - t.shape[0]), value=value)
 
@@ -113,11 +133,11 @@ class TorchScaledMMBackend:
             sa, sb = a_s.reshape(()).float(), b_s.reshape(()).float()
         else:
             Kc = Kp // TILE
-            sa = _pad2(a_s.float(), Mp, Kc, 1.0).t().contiguous().t()             # [Mp, Kc], stride (1, Mp)
+            sa = _pad2(a_s.float(), Mp, Kc, 1.0).t().contiguous().t()  # [Mp, Kc], stride (1, Mp)
             if b_kind == "block":
                 sb = _pad2(b_s.float(), _up(Np, TILE) // TILE, Kc, 1.0).contiguous().t()  # [Kc, Nc]
             else:
-                sb = _pad2(b_s.float(), Np, Kc, 1.0).t().contiguous()              # [Kc, Np]
+                sb = _pad2(b_s.float(), Np, Kc, 1.0).t().contiguous()  # [Kc, Np]
         out = torch._scaled_mm(A, B.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32, use_fast_accum=False)
         return out[:M, :N]
 
@@ -136,10 +156,11 @@ class TEBackend:
     def gemm(self, *args):
         return self.fallback.gemm(*args)
 
-    def linear(self, owner, x: torch.Tensor, weight: torch.Tensor) -> Optional[torch.Tensor]:
+    def linear(self, owner, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
         """y = x · weightᵀ by a `te.pytorch.Linear` cached on `owner` (the calling kernel), or None when TE
         cannot run the shape."""
         import transformer_engine.pytorch as te
+
         M = x.numel() // x.shape[-1]
         out_features, in_features = weight.shape
         if M % 16 or in_features % 16 or out_features % 16:
@@ -148,8 +169,8 @@ class TEBackend:
         if lin is None or lin.weight is not weight:
             lin = te.Linear(in_features, out_features, bias=False, params_dtype=weight.dtype, device=weight.device)
             lin.weight = weight  # share the master weight: one parameter, one gradient
-            owner._te = lin      # on the kernel, not the module: state_dict keys stay `weight`
-        if hasattr(te, "autocast"):          # TE >= 2.8 name
+            owner._te = lin  # on the kernel, not the module: state_dict keys stay `weight`
+        if hasattr(te, "autocast"):  # TE >= 2.8 name
             ctx = te.autocast(enabled=True, recipe=self.recipe)
         else:
             ctx = te.fp8_autocast(enabled=True, fp8_recipe=self.recipe)
@@ -170,8 +191,11 @@ def torch_blockwise_available(device: torch.device) -> tuple[bool, str]:
         w = torch.randn(136, 200, generator=g).to(device)
         dy = torch.randn(40, 136, generator=g).to(device)
         r, emu, ours = Fp8Recipe(), EmulatedBackend(), TorchScaledMMBackend()
-        for a, b in ((r.act(x), r.weight(w)), (r.act(dy), (lambda q, s, k: (q.t(), s.t(), k))(*r.weight(w))),
-                     (r.act(dy.t()), r.act(x.t()))):
+        for a, b in (
+            (r.act(x), r.weight(w)),
+            (r.act(dy), (lambda q, s, k: (q.t(), s.t(), k))(*r.weight(w))),
+            (r.act(dy.t()), r.act(x.t())),
+        ):
             ref = emu.gemm(*a, *b)
             got = ours.gemm(*a, *b)
             err = ((got - ref).norm() / ref.norm()).item()
@@ -200,6 +224,7 @@ def _te_ok(device: torch.device, cfg: FP8Config) -> tuple[bool, str]:
     if cfg.recipe == "blockwise":
         try:
             from transformer_engine.pytorch.fp8 import check_fp8_block_scaling_support
+
             ok, why = check_fp8_block_scaling_support()
         except ImportError:
             cap = torch.cuda.get_device_capability(device)
@@ -215,12 +240,14 @@ def select_backend(cfg: FP8Config, device: torch.device | str = "cpu"):
     device = torch.device(device)
     if cfg.backend == "emulate":
         return EmulatedBackend(), "requested (dsv3.fp8.backend = emulate)"
-    if cfg.backend == "hopper-emulated":   # never chosen by `auto`: a numerics model, not a speed path
+    if cfg.backend == "hopper-emulated":  # never chosen by `auto`: a numerics model, not a speed path
         ok, why = mmaemu_status()
         if not ok:
             raise ConfigError(f"dsv3.fp8.backend: 'hopper-emulated' cannot run here: {why}")
-        return (HopperEmulatedBackend(cfg.promote_every),
-                f"requested (dsv3.fp8.backend = hopper-emulated, promote_every = {cfg.promote_every}; {why})")
+        return (
+            HopperEmulatedBackend(cfg.promote_every),
+            f"requested (dsv3.fp8.backend = hopper-emulated, promote_every = {cfg.promote_every}; {why})",
+        )
     reasons = []
     if cfg.backend in ("auto", "te"):
         ok, why = _te_ok(device, cfg)
@@ -243,7 +270,7 @@ class AutoBackend:
     """`select_backend` resolved from the operands' device at the first GEMM (and again if it changes):
     models are usually built on CPU and moved to their GPU afterwards. Updates `report` when it resolves."""
 
-    def __init__(self, cfg: FP8Config, report: "Optional[Fp8Report]" = None):
+    def __init__(self, cfg: FP8Config, report: Fp8Report | None = None):
         self.cfg, self.report = cfg, report
         self.impl, self.device = None, None
 
@@ -266,11 +293,12 @@ class AutoBackend:
 # --------------------------------------------------------------------------------------------------
 # The FP8 linear kernel
 
+
 def _resolved(backend, device: torch.device):
     return backend.resolve(device) if isinstance(backend, AutoBackend) else backend
 
 
-_XT_LAST: list = [None]   # (weakref to the input, its version, recipe, its FP8 Xᵀ)
+_XT_LAST: list = [None]  # (weakref to the input, its version, recipe, its FP8 Xᵀ)
 
 
 def _shared_xt(x: torch.Tensor, x2: torch.Tensor, r: Fp8Recipe):
@@ -315,10 +343,10 @@ class Fp8LinearKernel(SplitKernel):
         weight, bias = weights
         r = self.recipe
         K, N = x.shape[-1], weight.shape[0]
-        x2 = x.reshape(-1, K)                                            # [M, K]
-        qx, sx, kx = r.act(x2)                                           # 1×128 along K
-        qw, sw, kw = r.weight(weight)                                    # 128×128
-        y = backend.gemm(qx, sx, kx, qw, sw, kw)                         # Fprop [M, N] fp32
+        x2 = x.reshape(-1, K)  # [M, K]
+        qx, sx, kx = r.act(x2)  # 1×128 along K
+        qw, sw, kw = r.weight(weight)  # 128×128
+        y = backend.gemm(qx, sx, kx, qw, sw, kw)  # Fprop [M, N] fp32
         xt = _shared_xt(x, x2, r) if need_w[0] else (None, None, None)  # Xᵀ 1×128 along M: the FP8 cache
         y = y.to(x.dtype).reshape(*x.shape[:-1], N)
         if bias is not None:
@@ -336,12 +364,12 @@ class Fp8LinearKernel(SplitKernel):
         r = self.recipe
         if sw is None:
             qw, sw, _ = r.weight(qw)
-        dy2 = dy.reshape(-1, dy.shape[-1])                               # [M, N]
+        dy2 = dy.reshape(-1, dy.shape[-1])  # [M, N]
         dx = None
         if need[0]:
-            qg, sg, kg = r.act(dy2)                                      # 1×128 along N
-            sw_t = sw.t() if kw == "block" else sw                       # blocks of Wᵀ [K, N]
-            dx = backend.gemm(qg, sg, kg, qw.t(), sw_t, kw).to(x_dtype).reshape(x_shape)   # Dgrad
+            qg, sg, kg = r.act(dy2)  # 1×128 along N
+            sw_t = sw.t() if kw == "block" else sw  # blocks of Wᵀ [K, N]
+            dx = backend.gemm(qg, sg, kg, qw.t(), sw_t, kw).to(x_dtype).reshape(x_shape)  # Dgrad
         # W's operand dYᵀ (1×128 along M) is quantized here: a deferred W then holds 1 byte per element
         dyt = r.act(dy2.t()) if need[1] and qxt is not None else None
         return dx, (dyt, dy if need[2] else None)
@@ -352,9 +380,9 @@ class Fp8LinearKernel(SplitKernel):
         dyt, dy = carry
         dw = db = None
         if dyt is not None:
-            dw = backend.gemm(*dyt, qxt, sxt, kxt).to(w_dtype)          # Wgrad [N, K]
+            dw = backend.gemm(*dyt, qxt, sxt, kxt).to(w_dtype)  # Wgrad [N, K]
         if need_w[1]:
-            db = dy.sum_to_size(dy.shape[-1:]).to(b_dtype)               # as autograd's broadcast add gives
+            db = dy.sum_to_size(dy.shape[-1:]).to(b_dtype)  # as autograd's broadcast add gives
         return dw, db
 
     def __repr__(self) -> str:
@@ -371,13 +399,20 @@ class Fp8Linear(KernelLinear):
     """Drop-in nn.Linear (same `weight`/`bias` names and parameters) whose GEMMs run in FP8: a `KernelLinear`
     whose kernel is an `Fp8LinearKernel` (possibly wrapped, e.g. by the weight-gradient deferral)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, recipe: Fp8Recipe = Fp8Recipe(),
-                 backend=None, device=None, dtype=None):
-        super().__init__(in_features, out_features, bias, Fp8LinearKernel(recipe, backend), device=device,
-                         dtype=dtype)
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        recipe: Fp8Recipe = Fp8Recipe(),
+        backend=None,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__(in_features, out_features, bias, Fp8LinearKernel(recipe, backend), device=device, dtype=dtype)
 
     @classmethod
-    def from_linear(cls, lin: nn.Linear, recipe: Fp8Recipe, backend) -> "Fp8Linear":
+    def from_linear(cls, lin: nn.Linear, recipe: Fp8Recipe, backend) -> Fp8Linear:
         new = cls(lin.in_features, lin.out_features, lin.bias is not None, recipe, backend, device="meta")
         new.weight = lin.weight  # the same Parameter object: optimizer state and checkpoints keep working
         new.bias = lin.bias
@@ -392,12 +427,15 @@ class Fp8Linear(KernelLinear):
         return base_kernel(self.kernel).backend
 
     def extra_repr(self) -> str:
-        return (f"{nn.Linear.extra_repr(self)}, fp8={self.recipe.kind}, pow2={self.recipe.pow2}, "
-                f"backend={self.backend.name}, kernel={self.kernel!r}")
+        return (
+            f"{nn.Linear.extra_repr(self)}, fp8={self.recipe.kind}, pow2={self.recipe.pow2}, "
+            f"backend={self.backend.name}, kernel={self.kernel!r}"
+        )
 
 
 # --------------------------------------------------------------------------------------------------
 # Transformer Engine recipe bridge
+
 
 def te_recipe_spec(cfg: FP8Config) -> tuple[str, dict]:
     """Our config in TE's words: (recipe class name, {attribute: value}). QParams are given as dicts.
@@ -405,8 +443,12 @@ def te_recipe_spec(cfg: FP8Config) -> tuple[str, dict]:
     These are the values the TE recipe object must hold, whether TE takes them as constructor fields or not
     (`to_te_recipe` sets and checks them). `use_power_2_scales` (tensorwise) is set only where TE has it."""
     q = {"power_2_scale": cfg.pow2_scales, "amax_epsilon": AMAX_EPS}
-    fields = {"fp8_format": "E4M3", "fp8_quant_fwd_inp": dict(q), "fp8_quant_fwd_weight": dict(q),
-              "fp8_quant_bwd_grad": dict(q)}
+    fields = {
+        "fp8_format": "E4M3",
+        "fp8_quant_fwd_inp": dict(q),
+        "fp8_quant_fwd_weight": dict(q),
+        "fp8_quant_bwd_grad": dict(q),
+    }
     if cfg.recipe == "blockwise":
         # x 1×128, w 128×128, grad 1×128 (App. B.2); split (FP32) accumulation is TE's fixed default here.
         fields.update(x_block_scaling_dim=1, w_block_scaling_dim=2, grad_block_scaling_dim=1)
@@ -416,7 +458,7 @@ def te_recipe_spec(cfg: FP8Config) -> tuple[str, dict]:
     return "Float8CurrentScaling", fields
 
 
-_TE_OPTIONAL = {"use_power_2_scales"}   # absent from some TE versions: nothing there reads it
+_TE_OPTIONAL = {"use_power_2_scales"}  # absent from some TE versions: nothing there reads it
 
 
 def _te_view(got, want):
@@ -457,19 +499,24 @@ def to_te_recipe(cfg: FP8Config):
     for k, v in build.items():
         if k not in init_fields:
             if not hasattr(cls, k):
-                raise RuntimeError(f"to_te_recipe: transformer_engine {ver} {name} has no attribute {k!r}; "
-                                   f"cannot apply it (supported: TE >= 2.3)")
+                raise RuntimeError(
+                    f"to_te_recipe: transformer_engine {ver} {name} has no attribute {k!r}; "
+                    f"cannot apply it (supported: TE >= 2.3)"
+                )
             setattr(recipe, k, v)
     for k, v in want.items():
         got = _te_view(getattr(recipe, k, "<missing>"), v)
         if got != v:
-            raise RuntimeError(f"to_te_recipe: transformer_engine {ver} {name}.{k} is {got!r} after setting "
-                               f"{v!r}; TE would not run the requested dsv3.fp8 settings")
+            raise RuntimeError(
+                f"to_te_recipe: transformer_engine {ver} {name}.{k} is {got!r} after setting "
+                f"{v!r}; TE would not run the requested dsv3.fp8 settings"
+            )
     return recipe
 
 
 # --------------------------------------------------------------------------------------------------
 # Model conversion
+
 
 @dataclass
 class Fp8Report:
@@ -478,8 +525,8 @@ class Fp8Report:
     recipe: str
     pow2_scales: bool
     dispatch: bool = False
-    converted: list[str] = field(default_factory=list)       # nn.Linear -> Fp8Linear
-    grouped: list[str] = field(default_factory=list)         # GroupedExperts on the FP8 path
+    converted: list[str] = field(default_factory=list)  # nn.Linear -> Fp8Linear
+    grouped: list[str] = field(default_factory=list)  # GroupedExperts on the FP8 path
     high_precision: list[str] = field(default_factory=list)  # GEMM-bearing modules deliberately kept
 
     def to_dict(self) -> dict:

@@ -18,26 +18,41 @@ Semantics implemented here, element for element:
 
 `dsv3_plugin.precision.fp8.linear` builds the FP8 Linear (Fprop/Dgrad/Wgrad) and the model conversion on top of this.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 __all__ = [
-    "FP8_DTYPE", "FP8_MAX", "AMAX_EPS", "TILE",
-    "ceil_pow2", "scale_from_amax", "quantize_tilewise", "dequantize_tilewise", "quantize_blockwise",
-    "dequantize_blockwise", "quantize_tensorwise", "truncate_mantissa", "fp8_gemm_emulated",
-    "lowprec_gemm", "quantize_dispatch", "dequantize_dispatch", "pack_dispatch", "unpack_dispatch",
-    "fp8_dispatch_qdq", "fp8_combine_grad_qdq",
+    "FP8_DTYPE",
+    "FP8_MAX",
+    "AMAX_EPS",
+    "TILE",
+    "ceil_pow2",
+    "scale_from_amax",
+    "quantize_tilewise",
+    "dequantize_tilewise",
+    "quantize_blockwise",
+    "dequantize_blockwise",
+    "quantize_tensorwise",
+    "truncate_mantissa",
+    "fp8_gemm_emulated",
+    "lowprec_gemm",
+    "quantize_dispatch",
+    "dequantize_dispatch",
+    "pack_dispatch",
+    "unpack_dispatch",
+    "fp8_dispatch_qdq",
+    "fp8_combine_grad_qdq",
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0          # largest finite E4M3 (fn) value
-AMAX_EPS = 1e-4          # amax clamp of the reference `act_quant`: an all-zero tile gets s = 1e-4/448, not 0
-TILE = 128               # N_C: group size along K and the promotion interval
+FP8_MAX = 448.0  # largest finite E4M3 (fn) value
+AMAX_EPS = 1e-4  # amax clamp of the reference `act_quant`: an all-zero tile gets s = 1e-4/448, not 0
+TILE = 128  # N_C: group size along K and the promotion interval
 
 
 def ceil_pow2(s: torch.Tensor) -> torch.Tensor:
@@ -49,8 +64,8 @@ def ceil_pow2(s: torch.Tensor) -> torch.Tensor:
     ``ceil_to_ue8m0`` and TE's power-of-2 scales (TE masks the mantissa of 448/amax, i.e. rounds the encode
     scale down). +Inf stays +Inf; callers handle NaN (its bits would not give a power of two).
     """
-    bits = s.float().contiguous().view(torch.int32)                    # sign bit 0 for s > 0
-    exp = (bits >> 23) + ((bits & 0x7FFFFF) != 0).to(torch.int32)    # biased exponent of the ceiling
+    bits = s.float().contiguous().view(torch.int32)  # sign bit 0 for s > 0
+    exp = (bits >> 23) + ((bits & 0x7FFFFF) != 0).to(torch.int32)  # biased exponent of the ceiling
     return (exp << 23).view(torch.float32)
 
 
@@ -69,7 +84,7 @@ def scale_from_amax(amax: torch.Tensor, pow2: bool = False) -> torch.Tensor:
       saturate an Inf to ±448·s, which would train on a silently clipped value.
     """
     a = amax.float()
-    s = a.clamp(min=AMAX_EPS) / FP8_MAX        # in [2.2e-7, 7.6e35]: a normal fp32, so ceil_pow2 is exact
+    s = a.clamp(min=AMAX_EPS) / FP8_MAX  # in [2.2e-7, 7.6e35]: a normal fp32, so ceil_pow2 is exact
     if pow2:
         s = ceil_pow2(s)
     return torch.where(torch.isfinite(a), s, torch.full_like(s, float("nan")))
@@ -86,8 +101,7 @@ def _amax(x: torch.Tensor, dims) -> torch.Tensor:
     return torch.maximum(x.amax(dim=dims), x.amin(dim=dims).neg())
 
 
-def quantize_tilewise(x: torch.Tensor, tile: int = TILE, pow2: bool = False
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_tilewise(x: torch.Tensor, tile: int = TILE, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """1×`tile` groups along the last dim. x [..., K] -> (fp8 [..., K], fp32 scales [..., ceil(K/tile)])."""
     if x.dim() == 0:
         raise ValueError("quantize_tilewise: needs at least one dimension")
@@ -97,23 +111,23 @@ def quantize_tilewise(x: torch.Tensor, tile: int = TILE, pow2: bool = False
     if Kc * tile != K:
         x32 = F.pad(x32, (0, Kc * tile - K))  # zeros never raise a tile's amax
     xt = x32.reshape(*x.shape[:-1], Kc, tile)
-    s = scale_from_amax(_amax(xt, -1), pow2)                    # [..., Kc]
+    s = scale_from_amax(_amax(xt, -1), pow2)  # [..., Kc]
     q = _to_fp8(xt / s.unsqueeze(-1)).reshape(*x.shape[:-1], Kc * tile)
     if Kc * tile != K:
         q = q[..., :K].contiguous()
     return q, s
 
 
-def dequantize_tilewise(q: torch.Tensor, s: torch.Tensor, tile: int = TILE,
-                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_tilewise(
+    q: torch.Tensor, s: torch.Tensor, tile: int = TILE, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Inverse of `quantize_tilewise`: q [..., K] · s[..., k // tile]."""
     K = q.shape[-1]
     s_full = s.float().repeat_interleave(tile, dim=-1)[..., :K]
     return (q.float() * s_full).to(dtype)
 
 
-def quantize_blockwise(w: torch.Tensor, block: int = TILE, pow2: bool = False
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_blockwise(w: torch.Tensor, block: int = TILE, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`block`×`block` groups of a 2-D weight [N, K] (out, in) -> (fp8 [N, K], scale_inv [ceil(N/b), ceil(K/b)]),
     the released checkpoints' `weight` / `weight_scale_inv` pair (ragged edge blocks, e.g. 576 rows)."""
     if w.dim() != 2:
@@ -124,15 +138,16 @@ def quantize_blockwise(w: torch.Tensor, block: int = TILE, pow2: bool = False
     if (Nc * block, Kc * block) != (N, K):
         w32 = F.pad(w32, (0, Kc * block - K, 0, Nc * block - N))
     wb = w32.reshape(Nc, block, Kc, block)
-    s = scale_from_amax(_amax(wb, (1, 3)), pow2)               # [Nc, Kc]
+    s = scale_from_amax(_amax(wb, (1, 3)), pow2)  # [Nc, Kc]
     q = _to_fp8(wb / s[:, None, :, None]).reshape(Nc * block, Kc * block)
     if (Nc * block, Kc * block) != (N, K):
         q = q[:N, :K].contiguous()
     return q, s
 
 
-def dequantize_blockwise(q: torch.Tensor, s: torch.Tensor, block: int = TILE,
-                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_blockwise(
+    q: torch.Tensor, s: torch.Tensor, block: int = TILE, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """`weight_dequant`: y[i, j] = float(q[i, j]) · s[i // block, j // block]."""
     N, K = q.shape
     s_full = s.float().repeat_interleave(block, 0)[:N].repeat_interleave(block, 1)[:, :K]
@@ -141,12 +156,13 @@ def dequantize_blockwise(q: torch.Tensor, s: torch.Tensor, block: int = TILE,
 
 def quantize_tensorwise(x: torch.Tensor, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One scale for the whole tensor (online "current" scaling) — the baseline the fine-grained recipe beats."""
-    s = scale_from_amax(x.detach().abs().amax(), pow2)                  # 0-dim
+    s = scale_from_amax(x.detach().abs().amax(), pow2)  # 0-dim
     return _to_fp8(x.float() / s), s
 
 
 # --------------------------------------------------------------------------------------------------
 # GEMM emulation
+
 
 def truncate_mantissa(x: torch.Tensor, bits: int) -> torch.Tensor:
     """Round fp32 `x` toward zero to `bits` explicit mantissa bits (a limited-width accumulator)."""
@@ -156,8 +172,9 @@ def truncate_mantissa(x: torch.Tensor, bits: int) -> torch.Tensor:
     return (x.float().contiguous().view(torch.int32) & mask).view(torch.float32)
 
 
-def lowprec_gemm(a: torch.Tensor, b: torch.Tensor, mantissa_bits: int, promote_every: Optional[int] = None
-                 ) -> torch.Tensor:
+def lowprec_gemm(
+    a: torch.Tensor, b: torch.Tensor, mantissa_bits: int, promote_every: int | None = None
+) -> torch.Tensor:
     """a [M, K] @ b [N, K]ᵀ with a `mantissa_bits`-wide running sum, promoted into an FP32 accumulator every
     `promote_every` elements of K (None: never, i.e. one low-precision accumulation over the whole K)."""
     a32, b32 = a.float(), b.float()
@@ -174,18 +191,25 @@ def lowprec_gemm(a: torch.Tensor, b: torch.Tensor, mantissa_bits: int, promote_e
 
 def _rows_chunks(s: torch.Tensor, rows: int, Kc: int, kind: str, block: int) -> torch.Tensor:
     """Any operand scale -> one scale per (row, K-chunk): [rows, Kc]."""
-    if kind == "tile":        # [rows, Kc]
+    if kind == "tile":  # [rows, Kc]
         return s.float()
-    if kind == "block":       # [ceil(rows/block), Kc]
+    if kind == "block":  # [ceil(rows/block), Kc]
         return s.float().repeat_interleave(block, 0)[:rows]
-    if kind == "tensor":      # scalar
+    if kind == "tensor":  # scalar
         return s.float().reshape(1, 1).expand(rows, Kc)
     raise ValueError(f"unknown scale kind {kind!r}")
 
 
-def fp8_gemm_emulated(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor,
-                      a_kind: str = "tile", b_kind: str = "block", tile: int = TILE,
-                      acc_mantissa_bits: Optional[int] = None) -> torch.Tensor:
+def fp8_gemm_emulated(
+    a_q: torch.Tensor,
+    a_s: torch.Tensor,
+    b_q: torch.Tensor,
+    b_s: torch.Tensor,
+    a_kind: str = "tile",
+    b_kind: str = "block",
+    tile: int = TILE,
+    acc_mantissa_bits: int | None = None,
+) -> torch.Tensor:
     """out[M, N] = Σ_chunks (a_q[:, c] · b_q[:, c]ᵀ) · a_s[:, c] · b_s[:, c] in FP32 (K contracted, b is [N, K]).
 
     Each 128-chunk's partial sum is computed from the exact FP8 values (products of two E4M3 numbers are
@@ -199,31 +223,33 @@ def fp8_gemm_emulated(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b
     if b_q.shape[1] != K:
         raise ValueError(f"fp8_gemm_emulated: K mismatch {tuple(a_q.shape)} vs {tuple(b_q.shape)}")
     Kc = math.ceil(K / tile)
-    sa = _rows_chunks(a_s, M, Kc, a_kind, tile)                        # [M, Kc]
-    sb = _rows_chunks(b_s, N, Kc, b_kind, tile)                        # [N, Kc]
+    sa = _rows_chunks(a_s, M, Kc, a_kind, tile)  # [M, Kc]
+    sb = _rows_chunks(b_s, N, Kc, b_kind, tile)  # [N, Kc]
     a32, b32 = a_q.float(), b_q.float()
     out = None
     for c in range(Kc):
         lo, hi = c * tile, min(K, (c + 1) * tile)
         if acc_mantissa_bits is None:
-            part = a32[:, lo:hi] @ b32[:, lo:hi].t()                   # [M, N] FP32 partial of one chunk
+            part = a32[:, lo:hi] @ b32[:, lo:hi].t()  # [M, N] FP32 partial of one chunk
         else:
             part = lowprec_gemm(a32[:, lo:hi], b32[:, lo:hi], acc_mantissa_bits)
         part = part * sa[:, c, None] * sb[None, :, c]
-        out = part if out is None else out.add_(part)                  # FP32 accumulator, chunk order
+        out = part if out is None else out.add_(part)  # FP32 accumulator, chunk order
     return out if out is not None else a_q.new_zeros(M, N, dtype=torch.float32)
 
 
 # --------------------------------------------------------------------------------------------------
 # FP8 all-to-all payload (report §3.3.4: activations quantized before dispatch, power-of-2 scales)
 
+
 def quantize_dispatch(x_TH: torch.Tensor, tile: int = TILE) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token 1×128 quantization with power-of-2 scales (so the receiver's re-tiling is exact)."""
     return quantize_tilewise(x_TH, tile, pow2=True)
 
 
-def dequantize_dispatch(q_TH: torch.Tensor, s_TC: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
-                        tile: int = TILE) -> torch.Tensor:
+def dequantize_dispatch(
+    q_TH: torch.Tensor, s_TC: torch.Tensor, dtype: torch.dtype = torch.bfloat16, tile: int = TILE
+) -> torch.Tensor:
     return dequantize_tilewise(q_TH, s_TC, tile, dtype)
 
 
@@ -273,13 +299,15 @@ def pack_dispatch(x_TH: torch.Tensor, tile: int = TILE) -> torch.Tensor:
     return torch.cat([q.view(torch.uint8), s.contiguous().view(torch.uint8).reshape(T, -1)], dim=1)
 
 
-def unpack_dispatch(payload: torch.Tensor, hidden: int, dtype: torch.dtype = torch.bfloat16,
-                    tile: int = TILE) -> torch.Tensor:
+def unpack_dispatch(
+    payload: torch.Tensor, hidden: int, dtype: torch.dtype = torch.bfloat16, tile: int = TILE
+) -> torch.Tensor:
     """Inverse of `pack_dispatch` (dequantized to `dtype`; the paper's combine stays BF16)."""
     Hc = math.ceil(hidden / tile)
     if payload.dtype != torch.uint8 or payload.dim() != 2 or payload.shape[1] != hidden + 4 * Hc:
-        raise ValueError(f"unpack_dispatch: expected uint8 [T, {hidden + 4 * Hc}], got "
-                         f"{payload.dtype} {tuple(payload.shape)}")
+        raise ValueError(
+            f"unpack_dispatch: expected uint8 [T, {hidden + 4 * Hc}], got {payload.dtype} {tuple(payload.shape)}"
+        )
     q = payload[:, :hidden].contiguous().view(FP8_DTYPE)
     s = payload[:, hidden:].contiguous().view(torch.float32)
     return dequantize_dispatch(q, s, dtype, tile)
