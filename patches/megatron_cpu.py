@@ -272,7 +272,7 @@ def apply(force: bool = False) -> bool:
         return False
     if _saved is not None:
         return True
-    check_version("patches.megatron_cpu", force)
+    check_version("dsv3_plugin_patches.megatron_cpu", force)
     import megatron.core.tensor_parallel.random as mrandom
     import megatron.core.transformer.multi_latent_attention as mla
 

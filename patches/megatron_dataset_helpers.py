@@ -42,7 +42,7 @@ def apply(force: bool = False) -> bool:
     v = __version__.split("+")[0]  # without the "+<git hash>" megatron-core adds inside a git checkout
     if v not in TESTED_VERSIONS and not force:
         raise RuntimeError(
-            f"patches.megatron_dataset_helpers: megatron-core {v} is untested (tested: "
+            f"dsv3_plugin_patches.megatron_dataset_helpers: megatron-core {v} is untested (tested: "
             f"{', '.join(TESTED_VERSIONS)}); refusing to patch it (force=True to try anyway)"
         )
     import megatron.training.initialize as init

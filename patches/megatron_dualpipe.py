@@ -65,7 +65,7 @@ def apply(schedule, force: bool = False) -> bool:
     v = _version()
     if v not in TESTED_VERSIONS and not force:
         raise RuntimeError(
-            f"patches.megatron_dualpipe: megatron-core {v} is untested (tested: "
+            f"dsv3_plugin_patches.megatron_dualpipe: megatron-core {v} is untested (tested: "
             f"{', '.join(TESTED_VERSIONS)}); refusing to patch get_forward_backward_func. "
             "Check its signature against this version and add it to TESTED_VERSIONS, or pass force=True."
         )

@@ -111,7 +111,7 @@ def apply(force: bool = False) -> bool:
     v = __version__.split("+")[0]  # without the "+<git hash>" megatron-core adds inside a git checkout
     if v not in TESTED_VERSIONS and not force:
         raise RuntimeError(
-            f"patches.megatron_training_cpu: megatron-core {v} is untested (tested: "
+            f"dsv3_plugin_patches.megatron_training_cpu: megatron-core {v} is untested (tested: "
             f"{', '.join(TESTED_VERSIONS)}); refusing to patch it (force=True to try anyway)"
         )
     import megatron.training.initialize as init
@@ -144,7 +144,7 @@ def revert() -> None:
 @contextlib.contextmanager
 def cuda_literals_on_cpu():
     """Run the enclosed code (Megatron's `pretrain()`) with `device="cuda"` allocations made on CPU."""
-    from patches.megatron_cpu import _CudaLiteralsOnCPU
+    from dsv3_plugin_patches.megatron_cpu import _CudaLiteralsOnCPU
 
     with _CudaLiteralsOnCPU():
         yield

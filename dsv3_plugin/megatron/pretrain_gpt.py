@@ -541,12 +541,8 @@ train_valid_test_datasets_provider.is_distributed = True
 
 
 def _patches():
-    try:
-        from patches import megatron_cpu, megatron_dataset_helpers, megatron_dualpipe, megatron_training_cpu
-    except ImportError as e:
-        raise RuntimeError(
-            "patches/ not importable: run from the dsv3-plugin checkout root or put it on PYTHONPATH"
-        ) from e
+    from dsv3_plugin_patches import megatron_cpu, megatron_dataset_helpers, megatron_dualpipe, megatron_training_cpu
+
     return megatron_cpu, megatron_training_cpu, megatron_dataset_helpers, megatron_dualpipe
 
 

@@ -14,13 +14,8 @@ __all__ = ["init_megatron", "shutdown_megatron", "wrap_ddp"]
 
 
 def _cpu_patch():
-    try:
-        from patches import megatron_cpu
-    except ImportError as e:
-        raise RuntimeError(
-            "patches.megatron_cpu not importable: run from the dsv3-plugin checkout root "
-            "(or put it on PYTHONPATH) to use Megatron-Core on CPU"
-        ) from e
+    from dsv3_plugin_patches import megatron_cpu
+
     return megatron_cpu
 
 

@@ -24,7 +24,7 @@ def _deepspeed():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
     try:  # CPU: skip the JIT build of DeepSpeed's inference-only shm op (patch from the DeepSpeed adapter)
-        from patches import deepspeed_shm_comm
+        from dsv3_plugin_patches import deepspeed_shm_comm
         deepspeed_shm_comm.apply()
     except ImportError:
         pass

@@ -13,7 +13,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def test_example_driver_trains(capfd):
-    sys.path.insert(0, ROOT)                                          # `patches/` (CPU shims)
     sys.path.insert(0, os.path.join(ROOT, "examples", "megatron"))   # spawned ranks inherit sys.path
     import train_tiny as mod
     assert mod.main(["--nproc", "2", "--steps", "3", "--seq-len", "16", "--micro-batch", "2"]) == 0

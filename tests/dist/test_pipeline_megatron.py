@@ -68,7 +68,7 @@ def _patch_checks():
     from megatron.core.pipeline_parallel import schedules
     from dsv3_plugin.config import ConfigError
     from dsv3_plugin.megatron.schedules import forward_backward_1f1b, forward_backward_dualpipev
-    from patches import megatron_dualpipe as mdp
+    from dsv3_plugin_patches import megatron_dualpipe as mdp
     original = schedules.get_forward_backward_func
     out = {}
     assert mdp.apply(CFG) is True and mdp.apply(CFG) is False
@@ -111,7 +111,7 @@ def _worker():
     from megatron.core import parallel_state
     from megatron.core.transformer.transformer_config import TransformerConfig
     import megatron.core.pipeline_parallel as pp_pkg
-    from patches import megatron_dualpipe
+    from dsv3_plugin_patches import megatron_dualpipe
     from dsv3_plugin.megatron.schedules import forward_backward_dualpipev
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=2)

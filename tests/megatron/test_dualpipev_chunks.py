@@ -76,8 +76,8 @@ def _worker():
     )
     from dsv3_plugin.megatron.gpt import build_gpt_model
     from dsv3_plugin.megatron.schedules import forward_backward_dualpipev
-    from patches import megatron_cpu, megatron_dualpipe
-    from patches.megatron_cpu import _CudaLiteralsOnCPU
+    from dsv3_plugin_patches import megatron_cpu, megatron_dualpipe
+    from dsv3_plugin_patches.megatron_cpu import _CudaLiteralsOnCPU
 
     cfg = load_config(DSV3)
     data = _data()

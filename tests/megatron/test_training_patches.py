@@ -4,15 +4,13 @@ which megatron-core's wheel ships from 0.19 on: on 0.16.1 these tests skip (the 
 
 import importlib
 import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 pytest.importorskip("megatron.training", reason="megatron-core < 0.19: no megatron.training in the wheel")
-training_cpu = importlib.import_module("patches.megatron_training_cpu")
-helpers = importlib.import_module("patches.megatron_dataset_helpers")
+training_cpu = importlib.import_module("dsv3_plugin_patches.megatron_training_cpu")
+helpers = importlib.import_module("dsv3_plugin_patches.megatron_dataset_helpers")
 
 
 def _state():

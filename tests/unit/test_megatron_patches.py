@@ -10,9 +10,8 @@ import pytest
 import torch
 from tolerance import assert_within, reorder_bound
 
-# `patches/` is a top-level directory of the checkout, not part of the installed package.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-megatron_cpu = importlib.import_module("patches.megatron_cpu")
+# `patches/` installs as `dsv3_plugin_patches` (pyproject.toml, [tool.setuptools.package-dir]).
+megatron_cpu = importlib.import_module("dsv3_plugin_patches.megatron_cpu")
 
 
 def _megatron_state():
@@ -37,7 +36,7 @@ def test_importing_the_package_does_not_import_megatron():
 
     code = (
         "import sys, dsv3_plugin.megatron as m; assert 'megatron' not in sys.modules, 'megatron imported'; "
-        "assert 'patches.megatron_cpu' not in sys.modules"
+        "assert 'dsv3_plugin_patches.megatron_cpu' not in sys.modules"
     )
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root, env={**os.environ, "PYTHONPATH": root})
