@@ -154,7 +154,7 @@ def assert_within(got: torch.Tensor, ref: torch.Tensor, bound, what: str) -> flo
     got, ref = torch.as_tensor(got), torch.as_tensor(ref)
     assert got.shape == ref.shape, f"{what}: shapes differ, {tuple(got.shape)} vs {tuple(ref.shape)}"
     diff = (got.detach().double() - ref.detach().double()).abs()
-    bound_t = torch.broadcast_to(torch.as_tensor(bound, dtype=torch.float64), diff.shape)
+    bound_t = torch.broadcast_to(torch.as_tensor(bound, dtype=torch.float64).detach(), diff.shape)
     if diff.numel() == 0:
         return 0.0
     bad = ~(diff <= bound_t)  # NaN anywhere counts as a failure

@@ -414,7 +414,9 @@ def parse_megatron_args(
     if on_cpu if on_cpu is not None else not torch.cuda.is_available():
         notes += adapt_to_cpu(args, parser, explicit)
     schedule = resolve_pipeline_schedule(args, parser, explicit, cfg, args.dsv3_config)
-    margs.validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
+    # Megatron-LM's default tokenizer, handed over only when --tokenizer-type is absent (Megatron warns about every
+    # default it does not apply)
+    margs.validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"} if args.tokenizer_type is None else {})
     notes += apply_pipeline_schedule(args, schedule, cfg)
     if set_globals:
         set_megatron_globals(args)

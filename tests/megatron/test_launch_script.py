@@ -12,6 +12,9 @@ import subprocess
 import pytest
 
 pytest.importorskip("megatron.training", reason="megatron-core < 0.19: no megatron.training (argument parsing)")
+# These tests parse Megatron arguments in the pytest process, not in a launched rank: without torch.distributed or
+# RANK, the print_rank_0 inside Megatron's validate_args warns that it assumes rank 0.
+pytestmark = pytest.mark.filterwarnings("ignore:Could not determine rank from torch\\.distributed:UserWarning:megatron")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "examples", "megatron", "launch_dsv3.sh")

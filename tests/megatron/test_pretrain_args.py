@@ -13,6 +13,9 @@ import torch
 from helpers import run_ranks
 
 pytest.importorskip("megatron.training", reason="megatron-core < 0.19: no megatron.training in the wheel")
+# These tests parse Megatron arguments in the pytest process, not in a launched rank: without torch.distributed or
+# RANK, the print_rank_0 inside Megatron's validate_args warns that it assumes rank 0.
+pytestmark = pytest.mark.filterwarnings("ignore:Could not determine rank from torch\\.distributed:UserWarning:megatron")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BASE = [

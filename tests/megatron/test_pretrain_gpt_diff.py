@@ -39,7 +39,8 @@ def _hunks(text):
 
 
 def test_diff_is_well_formed_and_applies_to_its_preimage(tmp_path):
-    text = open(DIFF).read()
+    with open(DIFF) as f:
+        text = f.read()
     head = text.splitlines()[:4]
     assert head[0] == "diff --git a/pretrain_gpt.py b/pretrain_gpt.py"
     assert re.fullmatch(r"index [0-9a-f]{12}\.\.[0-9a-f]{12} 100644", head[1])

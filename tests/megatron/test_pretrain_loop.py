@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -117,4 +118,4 @@ def test_checkpoint_resume_continues_exactly(runs):
     assert [r["iteration"] for r in b] == [6, 7, 8, 9, 10]
     assert b == s[5:], (b, s[5:])  # losses and biases, bit for bit
     assert "successfully loaded checkpoint from" in runs["log_resumed"] and "at iteration 5" in runs["log_resumed"]
-    assert open(os.path.join(runs["ckpt"], "latest_checkpointed_iteration.txt")).read().strip() == "10"
+    assert Path(runs["ckpt"], "latest_checkpointed_iteration.txt").read_text().strip() == "10"

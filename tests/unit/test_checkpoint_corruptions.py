@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import struct
+from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file, save_file
@@ -454,8 +455,8 @@ MEG_CASES = {
     "layout_duplicate_key": (
         lambda d: _write_bytes(
             LAYOUT,
-            open(os.path.join(d, LAYOUT))
-            .read()
+            Path(d, LAYOUT)
+            .read_text()
             .replace('"files": {', '"files": {"x.safetensors": {}, "x.safetensors": {},', 1)
             .encode(),
         )(d),

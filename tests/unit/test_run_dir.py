@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -37,6 +38,7 @@ def test_lock_names_holder_and_goes_with_a_killed_holder(tmp_path):
     finally:
         p.send_signal(signal.SIGKILL)
         p.wait()
+        p.stdout.close()
     lock = rd.RunLock(out).acquire()  # the kernel released it with the killed process
     with pytest.raises(ConfigError, match=f"pid {os.getpid()}"):
         rd.RunLock(out).acquire()  # a second descriptor in the same process is refused too
@@ -84,12 +86,17 @@ def test_resume_follows_a_valid_latest(run):
     assert rd.resolve_resume(ck, out) == ("step6", None)
 
 
+def _append(path, data: bytes):
+    with open(path, "ab") as f:
+        f.write(data)
+
+
 @pytest.mark.parametrize(
     "damage, problem, tag",
     [
         (lambda ck: open(os.path.join(ck, "latest"), "w").close(), "'latest' is empty", "step6"),
         (lambda ck: os.remove(os.path.join(ck, "latest")), "there is no 'latest' file", "step6"),
-        (lambda ck: open(os.path.join(ck, "latest"), "w").write("step9"), "'step9', which does not exist", "step6"),
+        (lambda ck: Path(ck, "latest").write_text("step9"), "'step9', which does not exist", "step6"),
         (
             lambda ck: os.remove(os.path.join(ck, "step6", rd.COMPLETE_MARKER)),
             "'step6', which is incomplete (no valid",
@@ -101,11 +108,11 @@ def test_resume_follows_a_valid_latest(run):
             "step4",
         ),
         (
-            lambda ck: open(os.path.join(ck, "step6", "mp_rank_00_model_states.pt"), "ab").write(b"!"),
+            lambda ck: _append(os.path.join(ck, "step6", "mp_rank_00_model_states.pt"), b"!"),
             "mp_rank_00_model_states.pt holds 17 bytes, 16 were written",
             "step4",
         ),
-        (lambda ck: open(os.path.join(ck, "step6", rd.COMPLETE_MARKER), "w").write('{"tag": "st'), "no valid", "step4"),
+        (lambda ck: Path(ck, "step6", rd.COMPLETE_MARKER).write_text('{"tag": "st'), "no valid", "step4"),
     ],
 )
 def test_resume_falls_back_to_the_newest_complete_tag(run, damage, problem, tag):
@@ -132,7 +139,7 @@ def test_legacy_checkpoint_without_run_record_trusts_latest(tmp_path):
     ck = str(tmp_path / "ckpt")
     os.makedirs(os.path.join(ck, "step3"))
     open(os.path.join(ck, "step3", "mp_rank_00_model_states.pt"), "wb").close()
-    open(os.path.join(ck, "latest"), "w").write("step3")
+    Path(ck, "latest").write_text("step3")
     assert rd.resolve_resume(ck, str(tmp_path)) == ("step3", None)
 
 
