@@ -259,7 +259,7 @@ class DSv3Config(_Strict):
             where = os.fspath(hf)
             hf = read_json(where, ConfigError)
             if not isinstance(hf, dict):
-                raise ConfigError(f"{where}: must hold a JSON object (got {got(hf)})")
+                raise ConfigError(f"{where}: must hold a JSON object (got {value_with_type(hf)})")
         try:
             d = cls._hf_to_block(hf, where)
         except KeyError as e:
@@ -270,7 +270,7 @@ class DSv3Config(_Strict):
     def _hf_to_block(hf: dict, where: str) -> dict:
         rs = hf.get("rope_scaling") or hf.get("rope_parameters")
         if rs is not None and not isinstance(rs, dict):
-            raise ConfigError(f"{where}: rope_scaling: must be an object or null (got {show(rs)})")
+            raise ConfigError(f"{where}: rope_scaling: must be an object or null (got {short_json(rs)})")
         rope_theta = hf.get("rope_theta", (rs or {}).get("rope_theta", 10000.0))
         rope = None
         if rs and (rs.get("type") or rs.get("rope_type")) == "yarn":
@@ -500,7 +500,8 @@ PRESETS["small"] = _deep_merge(
 )
 
 
-def _loc(loc: tuple) -> str:
+def _dsv3_key_path(loc: tuple) -> str:
+    """pydantic's error location (("moe", "top_k")) as the key the user wrote ("dsv3.moe.top_k")."""
     return ".".join(["dsv3", *(str(p) for p in loc)])
 
 
@@ -521,21 +522,27 @@ def json_type(x: Any) -> str:
     return type(x).__name__
 
 
-def got(x: Any) -> str:
+def value_with_type(x: Any) -> str:
     """`"4", a string` / `[1], an array` / `null`: the offending value and its JSON type, for messages."""
     if x is None:
         return "null"
     t = json_type(x)
-    return f"{show(x)}, {'an' if t[0] in 'aeiou' else 'a'} {t}"
+    return f"{short_json(x)}, {'an' if t[0] in 'aeiou' else 'a'} {t}"
 
 
-def show(x: Any, limit: int = 60) -> str:
+def short_json(x: Any, limit: int = 60) -> str:
     """A short JSON-like rendering of an offending value (long inputs are cut)."""
     try:
         r = json.dumps(x)
     except (TypeError, ValueError):
         r = repr(x)
     return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
+# The old names of value_with_type / short_json, while dsv3_plugin/deepspeed/ (config_keys.py, validate.py) still
+# imports them; they go once those imports use the new names.
+got = value_with_type
+show = short_json
 
 
 # pydantic error type -> our wording (the key path comes first, the offending value last)
@@ -554,18 +561,18 @@ _TYPE_WORDS = {
 
 
 def _pydantic_message(err: dict) -> str:
-    where, kind, value = _loc(err["loc"]), err["type"], err.get("input")
+    where, kind, value = _dsv3_key_path(err["loc"]), err["type"], err.get("input")
     if kind == "missing":
         return f"{where}: required key is missing"
     if kind == "extra_forbidden":
-        return f"{where}: unknown key (got {show(value)})"
+        return f"{where}: unknown key (got {short_json(value)})"
     if kind in _TYPE_WORDS:
-        return f"{where}: {_TYPE_WORDS[kind]} (got {got(value)})"
+        return f"{where}: {_TYPE_WORDS[kind]} (got {value_with_type(value)})"
     ctx = err.get("ctx") or {}
     for key, op in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")):
         if kind.startswith(("greater_than", "less_than")) and key in ctx:
-            return f"{where}: must be {op} {ctx[key]:g} (got {show(value)})"
-    return f"{where}: {err['msg']} (got {show(value)})"
+            return f"{where}: must be {op} {ctx[key]:g} (got {short_json(value)})"
+    return f"{where}: {err['msg']} (got {short_json(value)})"
 
 
 def check_numbers(obj: Any, prefix: tuple = ("dsv3",)) -> None:
@@ -706,7 +713,7 @@ def read_ds_json(src: str | os.PathLike | dict) -> dict:
     where = os.fspath(src)
     raw = read_json(where, ConfigError)
     if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: must hold a JSON object (got {got(raw)})")
+        raise ConfigError(f"{where}: must hold a JSON object (got {value_with_type(raw)})")
     if "dsv3" not in raw:
         raise ConfigError(f'{where}: has no "dsv3" block')
     return raw
@@ -723,18 +730,18 @@ def load_config(src: str | os.PathLike | dict | DSv3Config) -> DSv3Config:
         src = read_ds_json(src)
     block = src.get("dsv3", src) if "dsv3" in src else src
     if not isinstance(block, dict):
-        raise ConfigError(f"dsv3: must be an object (got {got(block)})")
+        raise ConfigError(f"dsv3: must be an object (got {value_with_type(block)})")
     check_numbers(block)
     moe = block.get("moe")
     if isinstance(moe, dict) and "max_nodes_per_token" in moe:
         # The paper's M (max nodes per token) is the router's topk_group when groups are nodes.
         m = moe["max_nodes_per_token"]
         if not isinstance(m, int) or isinstance(m, bool):
-            raise ConfigError(f"dsv3.moe.max_nodes_per_token: must be an integer (got {got(m)})")
+            raise ConfigError(f"dsv3.moe.max_nodes_per_token: must be an integer (got {value_with_type(m)})")
         if "topk_group" in moe and moe["topk_group"] != m:
             raise ConfigError(
                 "dsv3.moe.max_nodes_per_token: conflicts with moe.topk_group (same setting, "
-                f"got {show(m)} vs {show(moe['topk_group'])})"
+                f"got {short_json(m)} vs {short_json(moe['topk_group'])})"
             )
         moe = dict(moe)
         moe["topk_group"] = moe.pop("max_nodes_per_token")
@@ -743,7 +750,7 @@ def load_config(src: str | os.PathLike | dict | DSv3Config) -> DSv3Config:
     if preset is None:
         base = {}
     elif not isinstance(preset, str) or preset not in PRESETS:
-        raise ConfigError(f"dsv3.preset: unknown preset {show(preset)} (choose from {', '.join(PRESETS)})")
+        raise ConfigError(f"dsv3.preset: unknown preset {short_json(preset)} (choose from {', '.join(PRESETS)})")
     else:
         base = PRESETS[preset]
     return _validate(_deep_merge({**base, "preset": preset}, block))

@@ -205,39 +205,41 @@ class _Exchange:
     dispatched activations, their local expert ids and routing weights): started in forward, waited for
     later; its backward likewise starts the transposed all-to-all of the gradients and waits for it later.
     Floating tensors are differentiable, the others travel as data. In an overlapped pair the waits let the
-    other lane compute (`overlap.wait_comm`), and the backward lane communicates on `twin`, a second group of
+    other lane compute (`overlap.wait_comm`), and the B lane communicates on `b_lane_group`, a second group of
     the same ranks (`overlap.lane_group`)."""
 
-    def __init__(self, out_splits, in_splits, group, codecs, kind: str, twin=None):
+    def __init__(self, out_splits, in_splits, group, codecs, kind: str, b_lane_group=None):
         self.out_splits, self.in_splits = list(out_splits), list(in_splits)
-        self.group, self.twin, self.codecs, self.kind = group, twin, codecs, kind
-        self._fwd = self._bwd = None
+        self.group, self.b_lane_group, self.codecs, self.kind = group, b_lane_group, codecs, kind
+        self._fwd = self._bwd = None  # per tensor: the (receive buffer, work) pairs in flight
 
     def start_forward(self, tensors: Sequence[torch.Tensor]) -> None:
-        self.meta = [(t.shape[1] if t.dim() > 1 else 0, t.dtype) for t in tensors]
-        sends = [c.encode(t) if c is not None else [t] for t, c in zip(tensors, self.codecs)]
-        g = overlap.lane_group(self.group, self.twin)
-        self._fwd = [[_a2a_start(p, self.out_splits, self.in_splits, g) for p in parts] for parts in sends]
-        overlap.comm_started(self.kind, "F", [w for parts in self._fwd for _, w in parts])
+        self.hidden_and_dtype = [(t.shape[1] if t.dim() > 1 else 0, t.dtype) for t in tensors]
+        sends = [codec.encode(t) if codec is not None else [t] for t, codec in zip(tensors, self.codecs)]
+        lane = overlap.lane_group(self.group, self.b_lane_group)
+        self._fwd = [[_a2a_start(part, self.out_splits, self.in_splits, lane) for part in parts] for parts in sends]
+        overlap.comm_started(self.kind, "F", [work for parts in self._fwd for _, work in parts])
 
     def finish_forward(self) -> list[torch.Tensor]:
-        overlap.wait_comm([w for parts in self._fwd for _, w in parts], self.kind, "F")
+        overlap.wait_comm([work for parts in self._fwd for _, work in parts], self.kind, "F")
         out = []
-        for parts, c, (h, dt) in zip(self._fwd, self.codecs, self.meta):
-            bufs = [b for b, _ in parts]
-            out.append(c.decode(bufs, h, dt) if c is not None else bufs[0])
+        for parts, codec, (hidden, dtype) in zip(self._fwd, self.codecs, self.hidden_and_dtype):
+            buffers = [buffer for buffer, _ in parts]
+            out.append(codec.decode(buffers, hidden, dtype) if codec is not None else buffers[0])
         self._fwd = None
         return out
 
     def start_backward(self, grads: Sequence[torch.Tensor | None]) -> None:
         # the transposed routes; gradients travel in full precision (straight through the codec)
-        grp = overlap.lane_group(self.group, self.twin)
-        self._bwd = [None if g is None else _a2a_start(g, self.in_splits, self.out_splits, grp) for g in grads]
-        overlap.comm_started(self.kind, "B", [p[1] for p in self._bwd if p is not None])
+        lane = overlap.lane_group(self.group, self.b_lane_group)
+        self._bwd = [
+            None if grad is None else _a2a_start(grad, self.in_splits, self.out_splits, lane) for grad in grads
+        ]
+        overlap.comm_started(self.kind, "B", [work for _, work in filter(None, self._bwd)])
 
     def finish_backward(self) -> list[torch.Tensor | None]:
-        overlap.wait_comm([p[1] for p in self._bwd if p is not None], self.kind, "B")
-        out = [None if p is None else p[0] for p in self._bwd]
+        overlap.wait_comm([work for _, work in filter(None, self._bwd)], self.kind, "B")
+        out = [None if in_flight is None else in_flight[0] for in_flight in self._bwd]
         self._bwd = None
         return out
 
@@ -249,14 +251,14 @@ class _ExchangeStart(torch.autograd.Function):
     @staticmethod
     def forward(ctx, op: _Exchange, *tensors):
         ctx.op = op
-        ctx.diff = [t.is_floating_point() for t in tensors]
+        ctx.differentiable = [t.is_floating_point() for t in tensors]
         op.start_forward(tensors)
         return tensors[0].new_empty(0, dtype=torch.float32)
 
     @staticmethod
     def backward(ctx, _token_grad):
         grads = ctx.op.finish_backward()
-        return (None, *(g if d else None for g, d in zip(grads, ctx.diff)))
+        return (None, *(grad if differentiable else None for grad, differentiable in zip(grads, ctx.differentiable)))
 
 
 class _ExchangeWait(torch.autograd.Function):
@@ -268,13 +270,18 @@ class _ExchangeWait(torch.autograd.Function):
     def forward(ctx, op: _Exchange, token):
         ctx.op, ctx.device = op, token.device
         outs = op.finish_forward()
-        ctx.diff = [t.is_floating_point() for t in outs]
+        ctx.differentiable = [t.is_floating_point() for t in outs]
         ctx.mark_non_differentiable(*(t for t in outs if not t.is_floating_point()))
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.op.start_backward([g.contiguous() if d and g is not None else None for g, d in zip(grads, ctx.diff)])
+        ctx.op.start_backward(
+            [
+                grad.contiguous() if differentiable and grad is not None else None
+                for grad, differentiable in zip(grads, ctx.differentiable)
+            ]
+        )
         return None, torch.empty(0, dtype=torch.float32, device=ctx.device)
 
 
@@ -300,26 +307,30 @@ def exchange_start(
     group_size: int,
     codecs: Sequence[DispatchCodec | None] | None = None,
     kind: str = "dispatch",
-    twin=None,
+    b_lane_group=None,
 ) -> PendingExchange:
     """Start the variable-split all-to-all of row-aligned `tensors` (async: `async_op=True`); `.wait()` on the
     result returns what arrived, with the numerics of `all_to_all` on each (forward and backward). `codecs[i]`
     encodes tensor i's payload (e.g. FP8 dispatch); `kind` ("dispatch" / "combine") names the exchange for
-    the overlap accounting; `twin`: a second group of the same ranks for the backward lane of an overlapped
+    the overlap accounting; `b_lane_group`: a second group of the same ranks, for the B lane of an overlapped
     pair (`overlap.lane_group`). A group of one moves nothing (codec round trip only)."""
     codecs = list(codecs) if codecs is not None else [None] * len(tensors)
     if group_size == 1:
         return PendingExchange(
-            None, ready=[all_to_all(t, out_splits, in_splits, group, 1, c) for t, c in zip(tensors, codecs)]
+            None,
+            ready=[all_to_all(t, out_splits, in_splits, group, 1, codec) for t, codec in zip(tensors, codecs)],
         )
-    op = _Exchange(out_splits, in_splits, group, codecs, kind, twin)
+    op = _Exchange(out_splits, in_splits, group, codecs, kind, b_lane_group)
     return PendingExchange(op, token=_ExchangeStart.apply(op, *tensors))
 
 
-def _exchange_counts(send_counts: torch.Tensor, group, group_size: int, twin=None) -> torch.Tensor:
+def _exchange_counts(send_counts: torch.Tensor, group, group_size: int, b_lane_group=None) -> torch.Tensor:
+    """Send every peer r the number of rows this rank will send it (`send_counts[r]`); returns the number each
+    peer will send here."""
     if group_size == 1:
         return send_counts.clone()
-    recv, work = _a2a_start(send_counts, [1] * group_size, [1] * group_size, overlap.lane_group(group, twin))
+    lane = overlap.lane_group(group, b_lane_group)
+    recv, work = _a2a_start(send_counts, [1] * group_size, [1] * group_size, lane)
     overlap.comm_started("dispatch", "F", [work])
     overlap.wait_comm([work], "dispatch", "F")
     return recv
@@ -403,12 +414,11 @@ def moe_dispatch_combine(
             f"dispatch: idx {tuple(idx_TK.shape)}, weights {tuple(w_TK.shape)} and tokens {tuple(x_TH.shape)} disagree"
         )
     L = g.experts_per_rank(num_experts)
-    side = while_dispatching or (lambda: None)
+    while_dispatching = while_dispatching or (lambda: None)
     if dedup and g.num_nodes > 1:
-        return _dispatch_dedup(x_TH, idx_TK, w_TK, expert_fn, L, g, codec, weights_to_experts, side)
-    return _dispatch_per_expert(
-        x_TH, idx_TK, w_TK, expert_fn, L, g, codec, "dedup" if dedup else "per_expert", weights_to_experts, side
-    )
+        return _dispatch_dedup(x_TH, idx_TK, w_TK, expert_fn, L, g, codec, weights_to_experts, while_dispatching)
+    mode = "dedup" if dedup else "per_expert"
+    return _dispatch_per_expert(x_TH, idx_TK, w_TK, expert_fn, L, g, codec, mode, weights_to_experts, while_dispatching)
 
 
 def _id_dtype(n: int) -> torch.dtype:
@@ -421,38 +431,51 @@ def _payload_bytes(codec, x_TH) -> int:
 
 
 def _dispatch_per_expert(
-    x_TH, idx_TK, w_TK, expert_fn, L, g: EPGroups, codec, mode, weights_to_experts=False, side=lambda: None
+    x_TH,
+    idx_TK,
+    w_TK,
+    expert_fn,
+    L,
+    g: EPGroups,
+    codec,
+    mode,
+    weights_to_experts=False,
+    while_dispatching=lambda: None,
 ):
+    """One copy of each token per selected expert, sent straight to the expert's owner (L experts per rank)."""
     T, K = idx_TK.shape
-    flat_e = idx_TK.reshape(-1)  # [T*K]
+    flat_expert = idx_TK.reshape(-1)  # [T*K]
     # Sorting by expert id also sorts by owner rank (owner = e // L): contiguous send blocks.
-    order = torch.argsort(flat_e, stable=True)
-    e_sorted = flat_e[order]
-    tok = order // K  # source token of each sorted pair
-    send_counts = torch.bincount(e_sorted // L, minlength=g.ep_size)
+    order = torch.argsort(flat_expert, stable=True)
+    expert_sorted = flat_expert[order]
+    src_token = order // K  # source token of each sorted pair
+    send_counts = torch.bincount(expert_sorted // L, minlength=g.ep_size)
     recv_counts = _exchange_counts(send_counts, g.ep_group, g.ep_size, g.ep_group_b)
     send, recv = send_counts.tolist(), recv_counts.tolist()
-    ep = (g.ep_group, g.ep_size)
-    tw = {"twin": g.ep_group_b}
+    ep_group_size = (g.ep_group, g.ep_size)
+    ep_b_lane = {"b_lane_group": g.ep_group_b}
 
     # dispatch: activations (codec-encoded), local expert ids [, routing weights] in one exchange
-    local_ids = (e_sorted % L).to(_id_dtype(L))
-    payload = [x_TH[tok], local_ids]
+    local_ids = (expert_sorted % L).to(_id_dtype(L))
+    payload = [x_TH[src_token], local_ids]
     if weights_to_experts:
         payload.append(w_TK.reshape(-1)[order][:, None])
-    pending = exchange_start(payload, recv, send, *ep, codecs=[codec, None, None], kind="dispatch", **tw)
-    side()  # e.g. shared experts, while the tokens travel
-    got = pending.wait()
-    x_recv, e_recv = got[0], got[1].long()  # [N_recv, H], [N_recv] local ids
+    pending = exchange_start(
+        payload, recv, send, *ep_group_size, codecs=[codec, None, None], kind="dispatch", **ep_b_lane
+    )
+    while_dispatching()  # e.g. shared experts, while the tokens travel
+    received = pending.wait()
+    x_recv, expert_recv = received[0], received[1].long()  # [N_recv, H], [N_recv] local ids
     if weights_to_experts:
-        y_recv = expert_fn(x_recv, e_recv, got[2][:, 0])  # weighted rows
-        y_back = exchange_start([y_recv], send, recv, *ep, kind="combine", **tw).wait()[0]
-        out = combine_rows(y_back, tok, T)
+        y_recv = expert_fn(x_recv, expert_recv, received[2][:, 0])  # weighted rows
+        y_back = exchange_start([y_recv], send, recv, *ep_group_size, kind="combine", **ep_b_lane).wait()[0]
+        out = combine_rows(y_back, src_token, T)
     else:
-        y_recv = expert_fn(x_recv, e_recv)
-        y_back = exchange_start([y_recv], send, recv, *ep, kind="combine", **tw).wait()[0]  # [T*K, H], sorted
+        y_recv = expert_fn(x_recv, expert_recv)
+        # [T*K, H], in sorted order
+        y_back = exchange_start([y_recv], send, recv, *ep_group_size, kind="combine", **ep_b_lane).wait()[0]
         w_sorted = w_TK.reshape(-1)[order].to(y_back.dtype)
-        out = combine_rows(y_back * w_sorted[:, None], tok, T)  # keeps only the index for backward
+        out = combine_rows(y_back * w_sorted[:, None], src_token, T)  # keeps only the index for backward
 
     R = g.ranks_per_node
     cross = sum(n for r, n in enumerate(send) if r // R != g.node)
@@ -469,71 +492,101 @@ def _dispatch_per_expert(
     return out.to(x_TH.dtype), stats
 
 
-def _dispatch_dedup(x_TH, idx_TK, w_TK, expert_fn, L, g: EPGroups, codec, weights_to_experts=False, side=lambda: None):
+def _dispatch_dedup(
+    x_TH, idx_TK, w_TK, expert_fn, L, g: EPGroups, codec, weights_to_experts=False, while_dispatching=lambda: None
+):
+    """Node-deduplicated dispatch in two hops: each token crosses once to every selected node, to the rank with
+    the sender's in-node index (the relay rank, hop 1), which forwards it inside the node to the owners of the
+    selected experts (hop 2). R ranks per node, N nodes, L experts per rank."""
     T, K = idx_TK.shape
     R, N = g.ranks_per_node, g.num_nodes
-    node_TK = idx_TK // (L * R)
+    experts_per_node = L * R
+    node_TK = idx_TK // experts_per_node
     hit_TN = torch.zeros(T, N, dtype=torch.bool, device=idx_TK.device)
     hit_TN.scatter_(1, node_TK, True)
-    # One (token, node) pair per selected node, grouped by node: node n's rows go to EP rank n*R + local_index.
-    n_idx, t_idx = hit_TN.t().nonzero(as_tuple=True)  # [C1] each, sorted by node
-    per_node = torch.bincount(n_idx, minlength=N)
+    # Hop 1: one (token, node) pair per selected node, grouped by node: node n's rows go to EP rank
+    # n*R + local_index.
+    pair_node, pair_token = hit_TN.t().nonzero(as_tuple=True)  # [C1] each, sorted by node
+    pairs_per_node = torch.bincount(pair_node, minlength=N)
     send_counts = torch.zeros(g.ep_size, dtype=torch.long, device=x_TH.device)
-    send_counts[torch.arange(N, device=x_TH.device) * R + g.local_index] = per_node
+    send_counts[torch.arange(N, device=x_TH.device) * R + g.local_index] = pairs_per_node
     recv_counts = _exchange_counts(send_counts, g.ep_group, g.ep_size, g.ep_group_b)
-    send1, recv1 = send_counts.tolist(), recv_counts.tolist()
+    node_hop_send, node_hop_recv = send_counts.tolist(), recv_counts.tolist()
 
-    # Routing metadata for the forwarding rank: the token's experts on that node as in-node indices
+    # Routing metadata for the relay rank: the token's experts on that node as in-node indices
     # (e - node*L*R, compact dtype); slots on other nodes carry the sentinel L*R and gate weight 0.
-    LR = L * R
-    on_node = node_TK[t_idx] == n_idx[:, None]  # [C1, K]
-    ids_CK = torch.where(on_node, idx_TK[t_idx] - n_idx[:, None] * LR, torch.full_like(idx_TK[t_idx], LR)).to(
-        _id_dtype(LR + 1)
-    )
-    w_CK = w_TK[t_idx] * on_node.to(w_TK.dtype)  # differentiable: gates flow back through it
+    on_node = node_TK[pair_token] == pair_node[:, None]  # [C1, K]
+    ids_CK = torch.where(
+        on_node,
+        idx_TK[pair_token] - pair_node[:, None] * experts_per_node,
+        torch.full_like(idx_TK[pair_token], experts_per_node),
+    ).to(_id_dtype(experts_per_node + 1))
+    w_CK = w_TK[pair_token] * on_node.to(w_TK.dtype)  # differentiable: gates flow back through it
 
-    ep, tw = (g.ep_group, g.ep_size), {"twin": g.ep_group_b}
+    ep_group_size, ep_b_lane = (g.ep_group, g.ep_size), {"b_lane_group": g.ep_group_b}
     pending = exchange_start(
-        [x_TH[t_idx], ids_CK, w_CK], recv1, send1, *ep, codecs=[codec, None, None], kind="dispatch", **tw
+        [x_TH[pair_token], ids_CK, w_CK],
+        node_hop_recv,
+        node_hop_send,
+        *ep_group_size,
+        codecs=[codec, None, None],
+        kind="dispatch",
+        **ep_b_lane,
     )
-    side()  # e.g. shared experts, while the tokens travel
-    x1, ids1, w1 = pending.wait()  # [C1r, H], [C1r, K], [C1r, K]
+    while_dispatching()  # e.g. shared experts, while the tokens travel
+    x_relay, ids_relay, w_relay = pending.wait()  # rows this rank relays: [C1r, H], [C1r, K], [C1r, K]
 
-    # Stage 2, inside the node: forward each received token to the owners of its selected experts.
-    j, k = (ids1 < LR).nonzero(as_tuple=True)
-    e2 = ids1[j, k].long()  # in-node expert index, owner = e2 // L
-    order2 = torch.argsort(e2, stable=True)  # by expert => by owner rank in the node
-    j2, k2, e2 = j[order2], k[order2], e2[order2]
-    send2_counts = torch.bincount(e2 // L, minlength=R)
-    recv2_counts = _exchange_counts(send2_counts, g.node_group, R, g.node_group_b)
-    send2, recv2 = send2_counts.tolist(), recv2_counts.tolist()
-    nd, tn = (g.node_group, R), {"twin": g.node_group_b}
+    # Hop 2, inside the node: forward each received token to the owners of its selected experts.
+    relay_row, slot = (ids_relay < experts_per_node).nonzero(as_tuple=True)
+    in_node_expert = ids_relay[relay_row, slot].long()  # owner = in_node_expert // L
+    by_owner = torch.argsort(in_node_expert, stable=True)  # by expert => by owner rank in the node
+    relay_row, slot, in_node_expert = relay_row[by_owner], slot[by_owner], in_node_expert[by_owner]
+    expert_hop_send_counts = torch.bincount(in_node_expert // L, minlength=R)
+    expert_hop_recv_counts = _exchange_counts(expert_hop_send_counts, g.node_group, R, g.node_group_b)
+    expert_hop_send, expert_hop_recv = expert_hop_send_counts.tolist(), expert_hop_recv_counts.tolist()
+    node_group_size, node_b_lane = (g.node_group, R), {"b_lane_group": g.node_group_b}
     # the in-node hop carries the encoded payload too (re-encoding a decoded pow2-scaled tile is exact)
-    payload2 = [x1[j2], (e2 % L).to(_id_dtype(L))]
+    expert_hop_payload = [x_relay[relay_row], (in_node_expert % L).to(_id_dtype(L))]
     if weights_to_experts:
-        payload2.append(w1[j2, k2][:, None])
-    got2 = exchange_start(payload2, recv2, send2, *nd, codecs=[codec, None, None], kind="dispatch", **tn).wait()
-    x2, le2 = got2[0], got2[1].long()
+        expert_hop_payload.append(w_relay[relay_row, slot][:, None])
+    received = exchange_start(
+        expert_hop_payload,
+        expert_hop_recv,
+        expert_hop_send,
+        *node_group_size,
+        codecs=[codec, None, None],
+        kind="dispatch",
+        **node_b_lane,
+    ).wait()
+    x_expert, local_expert = received[0], received[1].long()
     # Combine inside the node first: one weighted partial sum per (token, node) crosses back.
     if weights_to_experts:
-        y2 = expert_fn(x2, le2, got2[2][:, 0])
-        z1 = combine_rows(exchange_start([y2], send2, recv2, *nd, kind="combine", **tn).wait()[0], j2, x1.shape[0])
+        y_expert = expert_fn(x_expert, local_expert, received[2][:, 0])
+        y_relay = exchange_start(
+            [y_expert], expert_hop_send, expert_hop_recv, *node_group_size, kind="combine", **node_b_lane
+        ).wait()[0]
+        node_sum = combine_rows(y_relay, relay_row, x_relay.shape[0])
     else:
-        y2 = expert_fn(x2, le2)
-        y2_back = exchange_start([y2], send2, recv2, *nd, kind="combine", **tn).wait()[0]  # [C2, H] in order2
-        z1 = combine_rows(y2_back * w1[j2, k2].to(y2_back.dtype)[:, None], j2, x1.shape[0])
-    z_back = exchange_start([z1], send1, recv1, *ep, kind="combine", **tw).wait()[0]  # [C1, H]
-    out = combine_rows(z_back, t_idx, T)
+        y_expert = expert_fn(x_expert, local_expert)
+        y_relay = exchange_start(  # [C2, H], in by_owner order
+            [y_expert], expert_hop_send, expert_hop_recv, *node_group_size, kind="combine", **node_b_lane
+        ).wait()[0]
+        weighted = y_relay * w_relay[relay_row, slot].to(y_relay.dtype)[:, None]
+        node_sum = combine_rows(weighted, relay_row, x_relay.shape[0])
+    node_sum_back = exchange_start(  # [C1, H]
+        [node_sum], node_hop_send, node_hop_recv, *ep_group_size, kind="combine", **ep_b_lane
+    ).wait()[0]
+    out = combine_rows(node_sum_back, pair_token, T)
 
-    cross = sum(send1) - send1[g.node * R + g.local_index]
+    cross = sum(node_hop_send) - node_hop_send[g.node * R + g.local_index]
     stats = DispatchStats(
         mode="dedup",
         tokens=T,
-        copies=sum(send1) + sum(send2),
+        copies=sum(node_hop_send) + sum(expert_hop_send),
         cross_node_copies=cross,
         cross_node_bytes=cross * _payload_bytes(codec, x_TH),
         cross_node_meta_bytes=cross * K * (ids_CK.element_size() + w_CK.element_size()),
-        intra_node_copies=sum(send2) - send2[g.local_index],
-        extra={"forwarded_rows": sum(send2)},
+        intra_node_copies=sum(expert_hop_send) - expert_hop_send[g.local_index],
+        extra={"forwarded_rows": sum(expert_hop_send)},
     )
     return out.to(x_TH.dtype), stats

@@ -183,19 +183,19 @@ def in_pair() -> bool:
     return _PAIR is not None
 
 
-def lane_group(group, twin):
-    """The process group an all-to-all issued now goes on: `twin` (the same ranks, a second group) in the B
+def lane_group(group, b_lane_group):
+    """The process group an all-to-all issued now goes on: `b_lane_group` (the same ranks, a second group) in the B
     lane of a "turns" pair, else `group`. Both lanes issue their collectives in their own program order, so
     each group sees one deterministic sequence, the same on every rank, whatever the timing."""
     p = _PAIR
     if p is None or p.lockstep or p.lane() == "F":
         return group
-    if twin is None:
+    if b_lane_group is None:
         raise RuntimeError(
             "overlap: an all-to-all in the backward lane of a pair needs the EP group's second "
             "group (EPGroups.ep_group_b / node_group_b)"
         )
-    return twin
+    return b_lane_group
 
 
 def _lane(phase: str) -> str:
