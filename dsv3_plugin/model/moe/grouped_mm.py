@@ -13,7 +13,7 @@ multiple of 16 bytes. Hence:
     boundaries of the Wgrad's contracted token dimension are 16-byte aligned for BF16 and FP8 alike. Padding rows
     are zeros: they add nothing to any weight gradient and their outputs are dropped.
 Selection (`expert_kernel`): this path on a CUDA device when all of the above hold; everywhere else (CPU, FP32
-models, odd widths) the existing loop kernel of `moe.grouped_swiglu`.
+models, odd widths) the existing loop kernel of `layer.grouped_swiglu`.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def grouped_mm_swiglu(
     align: int = ALIGN_ROWS,
     scale_N: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Same contract as `moe.grouped_swiglu` (rows sorted by expert, `counts[e]` rows for expert e; `scale_N`
+    """Same contract as `layer.grouped_swiglu` (rows sorted by expert, `counts[e]` rows for expert e; `scale_N`
     multiplies each row's SwiGLU output before W2), computed with three `grouped_mm` calls; differentiable
     through grouped_mm's autograd."""
     if sum(counts) != x_NH.shape[0]:

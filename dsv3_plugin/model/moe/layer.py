@@ -194,7 +194,7 @@ def grouped_swiglu(
 ) -> torch.Tensor:
     """SwiGLU per expert over rows already sorted by expert; `counts[e]` rows belong to expert e
     (`GroupedSwiGLUKernel`, the default expert kernel; on CUDA with BF16 experts it runs
-    `grouped_mm_experts.grouped_mm_swiglu`)."""
+    `grouped_mm.grouped_mm_swiglu`)."""
     return _GROUPED(x_NH, counts, w1_EIH, w3_EIH, w2_EHI)
 
 

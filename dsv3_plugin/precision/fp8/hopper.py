@@ -140,7 +140,7 @@ def hopper_gemm(
 
 
 class HopperEmulatedBackend:
-    """`fp8.backend = "hopper-emulated"`: the GEMM backend interface of `fp8_linear.EmulatedBackend` (Fprop,
+    """`fp8.backend = "hopper-emulated"`: the GEMM backend interface of `linear.EmulatedBackend` (Fprop,
     Dgrad and Wgrad of `Fp8Linear` and the FP8 experts all call `gemm`), with Hopper's tensor-core accumulation
     and FP32 promotion every `promote_every` elements. Runs on any device (mmaemu has CPU and CUDA paths)."""
 

@@ -17,11 +17,11 @@ Backends (`select_backend`, reported in `Fp8Report`):
   * `torch`: `torch._scaled_mm` with 1×128 / 128×128 scales (cuBLAS, SM90, CUDA >= 12.9), probed against the
     emulation before it is used;
   * `emulate`: `fp8.fp8_gemm_emulated`, exact FP8 quantization and per-128 FP32 promotion on any device.
-  * `hopper-emulated`: `fp8_hopper.HopperEmulatedBackend`, Hopper's limited-precision tensor-core accumulation
+  * `hopper-emulated`: `hopper.HopperEmulatedBackend`, Hopper's limited-precision tensor-core accumulation
     (mmaemu) with FP32 promotion every `fp8.promote_every` elements, on any device (a numerics model: slow).
 
 `convert_to_fp8(model, cfg.fp8)` swaps the decoder layers' nn.Linear GEMMs for `Fp8Linear` and sets the routed
-experts' kernel to `fp8_experts.Fp8ExpertKernel` (layers that already have a kernel seam get their innermost
+experts' kernel to `experts.Fp8ExpertKernel` (layers that already have a kernel seam get their innermost
 kernel replaced, wrappers such as the weight-gradient deferral kept); embedding, output head, router (`gate`),
 norms, MTP's eh_proj and the attention core stay in high precision (§3.3.1).
 """
