@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import os
 import pkgutil
 import re
@@ -19,10 +20,20 @@ from dsv3_plugin.errors import CheckpointError
 __all__ = ["main", "build_parser", "strip_launcher_args"]
 
 
+def _installed_version() -> str:
+    """The installed distribution's version: pyproject.toml reads it from `dsv3_plugin.__version__` (the one
+    source), and the top-level package is not imported from inside it (tests/unit/test_import_layers.py)."""
+    try:
+        return importlib.metadata.version("dsv3-plugin")
+    except importlib.metadata.PackageNotFoundError:
+        return "(dsv3-plugin is not installed: pip install -e .)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dsv3", description="DeepSeek-V3 training plugin for DeepSpeed and Megatron-Core"
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_installed_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
