@@ -230,6 +230,26 @@ class TrainConfig(_Strict):
 
 
 class DSv3Config(_Strict):
+    """The `"dsv3"` block: one typed, validated config for the model and every training technique.
+
+    Build it with `load_config` (a DeepSpeed JSON, a dict, a preset) or `DSv3Config.from_hf` (a released
+    config.json); the sections below are pydantic models with strict types, and unknown keys are errors
+    (`ConfigError` naming the key). `reference_table()` renders every key with its type, default and meaning.
+
+    Attributes:
+        preset: the preset the block was merged over (`tiny`, `small`, `v3-671b`), or None.
+        model: transformer shapes (vocabulary, hidden size, layers, MLA ranks and head dims, dense layers,
+            RoPE/YaRN, init std, tied embeddings).
+        moe: DeepSeekMoE (routed/shared experts, top-k, group-limited routing, bias update speed and schedule,
+            sequence-wise balance loss weight, ranks per node, node-deduplicated dispatch).
+        mtp: multi-token prediction (depth D, loss weight λ and its schedule).
+        parallel: expert and pipeline parallelism (ep, pp, schedule, chunks, p2p timeout, W split, EP
+            communication overlap).
+        fp8: FP8 training (on/off, recipe, power-of-2 scales, FP8 dispatch, GEMM backend, promotion interval).
+        memory: recompute, EMA of the weights (decay), BF16 optimizer moments.
+        train: `dsv3 train`'s loop (sequence length, steps, seed, data, logging and checkpoint cadence).
+    """
+
     preset: str | None = None
     model: ModelConfig
     moe: MoEConfig
@@ -253,7 +273,19 @@ class DSv3Config(_Strict):
     # --- HF config.json bridge --------------------------------------------------------------------
     @classmethod
     def from_hf(cls, hf: dict | str | os.PathLike, **overrides: Any) -> DSv3Config:
-        """Build from a released `config.json` (dict or path). `overrides` deep-merge on top."""
+        """Build from a released `config.json`.
+
+        Args:
+            hf: the parsed config.json, or its path.
+            **overrides: `"dsv3"` sections deep-merged on top (e.g. `parallel={"ep": 2}`).
+
+        Returns:
+            The validated config (preset None: every shape comes from config.json).
+
+        Raises:
+            ConfigError: the file is unreadable or not a JSON object, a required key is missing, or the merged
+                block is invalid (the message names the file or the key).
+        """
         where = "config.json"
         if not isinstance(hf, dict):
             where = os.fspath(hf)
@@ -699,10 +731,20 @@ def _check_cross_fields(c: DSv3Config) -> None:
 
 def read_ds_json(src: str | os.PathLike | dict) -> dict:
     """The one reader of a DeepSpeed JSON with a "dsv3" block (`dsv3 check-config`, `dsv3 train`, the engine and
-    `load_config` all use it): a file path is read by `dsv3_plugin.json_input.read_json` (not found, not UTF-8,
-    not JSON, nested too deep, NaN/inf, duplicate keys: `ConfigError` naming the file); a dict gets the same
-    checks that apply to parsed JSON (a "dsv3" block, nesting, finite numbers) before it is deep-copied. Returns
-    a copy the caller may change."""
+    `load_config` all use it).
+
+    Args:
+        src: a file path, read by `dsv3_plugin.json_input.read_json`; or an already parsed dict, which gets the
+            checks that apply to parsed JSON (a "dsv3" block, nesting depth, finite numbers).
+
+    Returns:
+        The whole DeepSpeed config (not only the block), as a copy the caller may change.
+
+    Raises:
+        ConfigError: the file is not found, not UTF-8, not JSON, nested too deep, holds NaN/inf or duplicate
+            keys, is not a JSON object, or has no "dsv3" block; `src` is neither a path nor a dict. The message
+            names the file.
+    """
     if isinstance(src, dict):
         if "dsv3" not in src:
             raise ConfigError('dsv3: the DeepSpeed config has no "dsv3" block')
@@ -722,7 +764,20 @@ def read_ds_json(src: str | os.PathLike | dict) -> dict:
 def load_config(src: str | os.PathLike | dict | DSv3Config) -> DSv3Config:
     """Read the `"dsv3"` block of a DeepSpeed JSON (path or dict) or a bare `"dsv3"` dict.
 
-    A `"preset"` key names the base (`tiny`, `small`, `v3-671b`); other keys deep-merge over it.
+    A `"preset"` key names the base (`tiny`, `small`, `v3-671b`; default `tiny`; null: no base, every required
+    key given); the other keys deep-merge over it. `moe.max_nodes_per_token` (the paper's M) is accepted as
+    another name of `moe.topk_group`.
+
+    Args:
+        src: a path to a DeepSpeed JSON with a "dsv3" block (read by `read_ds_json`), a dict holding a "dsv3"
+            block or being one, or a `DSv3Config` (returned as is).
+
+    Returns:
+        The validated `DSv3Config`.
+
+    Raises:
+        ConfigError: unreadable file, unknown key, wrong type, value out of range, unknown preset, or
+            contradicting settings; the message starts with the key (e.g. `dsv3.moe.top_k: ...`) or the file.
     """
     if isinstance(src, DSv3Config):
         return src

@@ -188,7 +188,21 @@ def _state_shapes(cfg: DSv3Config) -> dict[str, tuple]:
 def pretrained_config(path: str | os.PathLike, **config_overrides) -> DSv3Config:
     """The `DSv3Config` a released directory builds, after checking everything that can be checked without
     reading tensor data: config.json, index, every safetensors header, FP8 scale pairing, and the tensor set
-    and shapes against the model the config implies. Raises `CheckpointError` naming file and tensor/key."""
+    and shapes against the model the config implies.
+
+    Args:
+        path: a released-format checkpoint directory (config.json and the safetensors files).
+        **config_overrides: `"dsv3"` sections deep-merged into the config derived from config.json (e.g.
+            `parallel={"ep": 2}`).
+
+    Returns:
+        The validated config (what `load_pretrained` with the same arguments builds its model from).
+
+    Raises:
+        CheckpointError: the directory, config.json, index or a shard is missing or malformed, or a tensor is
+            missing, unexpected or of the wrong shape; the message names the file and the tensor or key.
+        ConfigError: an override is invalid (the message names its key).
+    """
     with CheckpointReader(path) as reader:
         cfg = _config_of(reader, config_overrides)
         _reader_plan(reader, _state_shapes(cfg), cfg.model.num_hidden_layers)
@@ -205,13 +219,30 @@ def load_pretrained(
 ) -> torch.nn.Module:
     """Build a `DSv3Model` from a released-format directory and load its weights (MTP included).
 
-    `config_overrides` deep-merge into the derived `DSv3Config` (e.g. `parallel={"ep": 2}`). NaN/Inf in
-    weights or scales raise `CheckpointError` unless `allow_non_finite` (to inspect such a file).
+    The directory is checked as `pretrained_config` does before the model is allocated; FP8 weights are
+    dequantized with their block scales as they are read.
 
-    `layout` (a `training.rank_local.RankLayout`): the rank-local model of that rank
-    (`build_rank_local`, owned parameters created directly in `dtype` on `device`, the rest on `meta`), into
-    which only the tensors the rank owns are read (its stages' layers, its experts; FP8 blocks dequantized one
-    tensor at a time). Either way the model carries `checkpoint_bytes_read` (headers + tensor data read)."""
+    Args:
+        path: a released-format checkpoint directory (config.json and the safetensors files).
+        dtype: dtype of the model's parameters.
+        device: device of the model's parameters.
+        allow_non_finite: load NaN/Inf in weights or scales instead of raising (to inspect such a file).
+        layout: a `training.rank_local.RankLayout`: build that rank's rank-local model (`build_rank_local`:
+            owned parameters created directly in `dtype` on `device`, the rest on `meta`) and read only the
+            tensors the rank owns (its stages' layers, its experts; FP8 blocks dequantized one tensor at a
+            time). None: the whole model.
+        **config_overrides: `"dsv3"` sections deep-merged into the config derived from config.json (e.g.
+            `parallel={"ep": 2}`, `fp8={"enabled": True}`).
+
+    Returns:
+        The model, with the transforms its config asks for (`training.transforms.build_model`: FP8, recompute)
+        and `checkpoint_bytes_read` set (safetensors headers plus tensor data read).
+
+    Raises:
+        CheckpointError: as `pretrained_config`, and NaN/Inf in a weight or scale unless `allow_non_finite`;
+            the message names the file and the tensor.
+        ConfigError: an override is invalid (the message names its key).
+    """
     with CheckpointReader(path, allow_non_finite=allow_non_finite) as reader:
         cfg = _config_of(reader, config_overrides)
         _reader_plan(reader, _state_shapes(cfg), cfg.model.num_hidden_layers)  # before allocating the model

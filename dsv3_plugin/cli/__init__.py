@@ -68,6 +68,19 @@ def strip_launcher_args(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `dsv3` command (and of `python -m dsv3_plugin`).
+
+    Args:
+        argv: the arguments after the program name (default: `sys.argv[1:]`); a launcher's `--local_rank=N` /
+            `--local-rank N` anywhere in them is dropped (`strip_launcher_args`).
+
+    Returns:
+        The exit code: what the sub-command returned (0 when it returned None), 2 on bad input (`ConfigError`,
+        `CheckpointError`: printed as `error: ...` on stderr), 130 when interrupted.
+
+    Raises:
+        SystemExit: from argparse: `--help` and `--version` (0), bad arguments (2).
+    """
     argv = strip_launcher_args(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
     try:

@@ -44,6 +44,21 @@ _WHERE = {
 
 
 def __getattr__(name):
+    """The package's public names, each imported from its submodule (`_WHERE`) on first access, and `layer_spec`.
+
+    `layer_spec` is `spec.get_layer_spec()` (Transformer Engine when it is really importable), built on first
+    access and then kept in the module's dict: Megatron-LM's `--spec dsv3_plugin.megatron layer_spec` imports
+    the name (which calls this) and then reads `vars(module)["layer_spec"]`.
+
+    Args:
+        name: the attribute looked up.
+
+    Returns:
+        The object (a `ModuleSpec` for `layer_spec`).
+
+    Raises:
+        AttributeError: `name` is none of `__all__`.
+    """
     if name == "layer_spec":
         # Megatron-LM's `--spec module name` reads vars(module)[name]: cache the spec in the module dict.
         spec = importlib.import_module(".spec", __name__).get_layer_spec()

@@ -154,7 +154,17 @@ def _cached(use_te: bool):
 
 
 def get_layer_spec(use_te: bool | None = None):
-    """The DeepSeek-V3 `TransformerLayer` spec (`use_te=None`: TE when it is really installed)."""
+    """The DeepSeek-V3 `TransformerLayer` spec: MLA self-attention and our FFN (`moe.DSv3FFN`, dense or
+    DeepSeekMoE by layer number). One spec serves every decoder layer and the MTP layers' inner layer.
+
+    Args:
+        use_te: True: Megatron's Transformer Engine MLA spec with our FFN (and a TE norm before it); False: local
+            (torch) linears and norms with our `SDPACoreAttention`; None: TE when it is really importable
+            (`have_te`).
+
+    Returns:
+        A `ModuleSpec` of Megatron's `TransformerLayer`, built once per `use_te` and shared by later calls.
+    """
     use_te = have_te() if use_te is None else use_te
     return _cached(bool(use_te))
 
@@ -169,8 +179,18 @@ def mtp_inner_layer_name() -> str:
 
 
 def get_mtp_block_spec(config, use_te: bool | None = None, layer_spec=None):
-    """Megatron's MTP block around `layer_spec` (default: ours; None when the config has no MTP): per depth
-    enorm, hnorm, eh_proj, the layer, final_layernorm (= released `shared_head.norm`)."""
+    """Megatron's multi-token-prediction block around `layer_spec`, one `mtp.DSv3MTPLayer` per depth (enorm,
+    hnorm, eh_proj, the layer, final_layernorm = the released `shared_head.norm`).
+
+    Args:
+        config: the Megatron `TransformerConfig` (`to_transformer_config`); `config.mtp_num_layers` is the depth D.
+        use_te: as in `get_layer_spec` (None: TE when it is really importable).
+        layer_spec: the spec of the transformer layer inside each MTP layer (default: `get_layer_spec(use_te)`).
+
+    Returns:
+        Megatron's `MultiTokenPredictionBlockSubmodules` with D layer specs, or None when the config has no MTP
+        (`mtp_num_layers` 0 or None).
+    """
     if not config.mtp_num_layers:
         return None
     use_te = have_te() if use_te is None else use_te

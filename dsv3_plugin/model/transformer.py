@@ -62,6 +62,16 @@ class DSv3Model(nn.Module):
     stores."""
 
     def __init__(self, cfg: DSv3Config | dict | str):
+        """Build the embedding, the decoder layers (dense for the first `model.first_k_dense_replace`, DeepSeekMoE
+        after), the final norm and output head (tied to the embedding when `model.tie_word_embeddings`), the
+        `mtp.depth` MTP modules and the RoPE tables, and initialise the weights (`reset_parameters`).
+
+        Args:
+            cfg: a `DSv3Config`, or anything `load_config` reads (a "dsv3" dict, a DeepSpeed JSON path).
+
+        Raises:
+            ConfigError: `cfg` is not a valid config (the message names the key).
+        """
         super().__init__()
         cfg = load_config(cfg)
         self.cfg = cfg
@@ -115,6 +125,21 @@ class DSv3Model(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, tokens_seen: float = 0.0
     ) -> DSv3Output:
+        """Logits of the main model and of each MTP depth, and with `labels` the training loss.
+
+        Args:
+            input_ids: token ids, [B, T] (int64).
+            labels: the target of each position, [B, T] (int64): `labels[:, t]` is the token after position t
+                (the inputs shifted left by one); -100 is ignored. None: no losses.
+            tokens_seen: training tokens so far, for the MTP loss weight's schedule (`mtp.lam`).
+
+        Returns:
+            A `DSv3Output`: `logits` [B, T, V]; `mtp_logits[k-1]` [B, T-k, V] for depth k (row i predicts token
+            i+k+1; depths with T-k <= 0 are skipped); `hidden` [B, T, H] after the final norm. With `labels`:
+            `lm_loss` (mean token cross-entropy), `mtp_loss` (the mean of L^k over the depths computed: paper
+            eq. 25 without λ), `balance_loss` (Σ over MoE layers of the sequence-wise α·L_Bal; in training mode
+            with α > 0 only) and `loss` = lm_loss + λ·mtp_loss + balance_loss.
+        """
         B, T = input_ids.shape
         for moe in self.moe_layers():
             moe.aux_loss = None  # a depth skipped below (T too short) must not leave a stale loss
