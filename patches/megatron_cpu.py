@@ -2,31 +2,12 @@
 
 For CI and laptop debugging only: `apply()` does nothing (returns False) when CUDA is available, so the same
 driver code runs unpatched on GPUs. Importing this module changes nothing; `apply()` / `revert()` (or the
-`cpu_shims()` context manager) switch the shims on and off, restoring the exact original objects.
+`cpu_shims()` context manager) switch the shims on and off, restoring the exact original objects. Patched
+(megatron-core 0.16.1 and 0.19.2): `torch.cuda.current_device`, the CUDA RNG tracker and RNG state, the
+optimizer's literal `device='cuda'` allocations and CUDA-only grad clipping, `multi_latent_attention.HAVE_TE`,
+CUDA streams. An untested Megatron-Core version is refused with an error naming it (`force=True` tries anyway).
 
-What is patched, and why (megatron-core 0.16.1 and 0.19.2, the versions tested):
-
-1. `torch.cuda.current_device` -> the CPU device. Megatron allocates with `device=torch.cuda.current_device()`
-   in many places (YaRN RoPE buffers, the global memory buffer, MTP roll, DDP grad buffers).
-2. The CUDA RNG tracker (`megatron.core.tensor_parallel.random._CUDA_RNG_STATE_TRACKER`) -> `CPURNGStatesTracker`,
-   the same named-state fork semantics on the CPU generator (weight init and dropout fork it).
-3. Functions of Megatron's optimizer that allocate with a literal `device='cuda'` (`FP32Optimizer` /
-   `MixedPrecisionOptimizer` constructors, the grad scalers, `clip_grads.get_grad_norm_fp32` /
-   `count_zeros_fp32`) run under `_CudaLiteralsOnCPU`, a torch function mode that turns such device arguments
-   (and `Tensor.cuda()`) into CPU ones for the duration of the call; `clip_grad_by_total_norm_fp32` (which
-   asserts CUDA tensor types) is replaced by the same in-place fp32 scaling written for any device.
-4. `tensor_parallel.random._get_cuda_rng_state` / `_set_cuda_rng_state` -> the CPU generator's state, so
-   Megatron's activation recompute (`tensor_parallel.checkpoint`) can save and restore RNG states.
-5. `megatron.core.transformer.multi_latent_attention.HAVE_TE` -> False. Without Transformer Engine Megatron's
-   import fallbacks leave `HAVE_TE = True` with `TELinear` a MagicMock, and `MLASelfAttention.__init__` then fails
-   at `isinstance(self.linear_proj, TELinear)`.
-
-6. `torch.cuda.current_stream` / `Stream` / `stream` / `synchronize` -> a no-op CPU stream. Megatron-Core 0.19's
-   DDP grad sync orders its all-reduce against `torch.cuda.current_stream()` even without overlap (CPU ops are
-   synchronous, so a stream that waits for nothing is exact).
-
-Each patch refuses an untested Megatron-Core version with an error naming the version (pass `force=True` to
-try anyway).
+What each shim does and why: docs/design_notes.md#patches-megatron-cpu
 """
 
 from __future__ import annotations

@@ -4,21 +4,10 @@ For CI and laptops only: `apply()` does nothing (returns False) when CUDA is ava
 `patches/megatron_cpu.py` (model, optimizer, DDP; apply that first). Importing this module changes nothing;
 `apply()` / `revert()` restore the exact original objects. Tested with megatron-core 0.19.2 (the first wheel that
 ships `megatron.training`); other versions are refused with a message naming the version (`force=True` overrides).
+Patched: `initialize_megatron` (allow_no_cuda), the model-parallel groups and RNG seeding Megatron skips without
+a GPU, `torch.cuda.get_rng_state` / `set_rng_state`; `cuda_literals_on_cpu()` wraps the `pretrain()` call.
 
-What is patched, and why:
-1. `megatron.training.training.initialize_megatron` is called with `allow_no_cuda=True` (it asserts
-   "Megatron requires CUDA." otherwise).
-2. `megatron.training.initialize._initialize_distributed`: Megatron creates its model-parallel groups only when
-   `torch.cuda.device_count() > 0`; after the original ran, the same `initialize_model_parallel` call is made
-   from the same arguments when the groups do not exist yet.
-3. `megatron.training.initialize._set_random_seed`: likewise it seeds the model-parallel RNG tracker only with a
-   GPU; after the original ran, `model_parallel_cuda_manual_seed` is called with Megatron's own seed formula
-   (seed + 100 × pipeline rank [+ 10 × data-parallel rank]) on the CPU tracker of `megatron_cpu`.
-4. `torch.cuda.get_rng_state` / `set_rng_state` -> the CPU generator's, so `--save` / `--load` store and restore
-   the RNG state as on GPUs (the checkpoint's `cuda_rng_state` holds the CPU state).
-5. `cuda_literals_on_cpu()`: a context for the `pretrain()` call under which tensors allocated with a literal
-   `device="cuda"` in the training loop (start-time all-reduce, loss/timer reductions, ...) are allocated on CPU
-   (a torch function mode; the model's own tensors are already CPU).
+What each shim does and why: docs/design_notes.md#patches-megatron-training-cpu
 """
 
 from __future__ import annotations

@@ -1,35 +1,13 @@
 """The one table of checkpoint tensor names: released DeepSeek-V3 files <-> our `DSv3Model` <-> Megatron.
 
-Every tensor of a DeepSeek-V3 checkpoint is one `Row` of this table, with its name in four schemes:
+Every tensor of a DeepSeek-V3 checkpoint is one `Row`, named in four schemes: `released` (the published
+safetensors, HF layout, one tensor per expert), `native` (`DSv3Model`'s state dict, experts stacked), `megatron`
+(a Megatron-Core `GPTModel` built from our spec) and `file` (Megatron-Core's standard names, as
+`dsv3 convert --to megatron` writes them). `parse_released` / `parse_native` / `parse_file` turn a name into a
+`Key`, whose methods render it in any scheme; `Row.shape` follows from the released `config.json`, and `Row.fp8`
+says which tensors the release stores as FP8.
 
-- `released`: the published safetensors (HF layout): `model.embed_tokens`, `model.layers.{i}.…`, `model.norm`,
-  `lm_head`; routed experts one tensor per expert (`mlp.experts.{e}.{gate,up,down}_proj.weight`); the router
-  bias `mlp.gate.e_score_correction_bias`; MTP depth k (0-based) at `model.layers.{num_hidden_layers + k}`
-  (enorm, hnorm, eh_proj, a full decoder block, `shared_head.norm`, and copies of the main embedding and head
-  as `embed_tokens` / `shared_head.head`). FP8 weights carry a sibling `<name>_scale_inv`; those pairs are folded
-  into one logical tensor by `reader.CheckpointReader`, so they never appear here.
-- `native`: `DSv3Model`'s state dict: the released names without `model.`, experts stacked into `[E, …]`
-  parameters (`layers.{i}.mlp.experts.gate_proj`), MTP k as `mtp.{k}.` with its decoder block under
-  `mtp.{k}.layer.` and `shared_head.norm` as `mtp.{k}.norm`; the MTP copies of the embedding/head are the main
-  tensors themselves (paper §3.2.3: shared physically).
-- `megatron`: a Megatron-Core `GPTModel` built from our spec (`dsv3_plugin.megatron`): Megatron's names for the
-  embedding, MLA, norms, output layer and MTP block (`mtp.layers.{k}.{enorm,hnorm,eh_proj,final_layernorm}` and
-  the block under `mtp.layers.{k}.<inner>.`, `<inner>` being `transformer_layer` up to megatron-core 0.18 and
-  `mtp_model_layer` from 0.19), ours below `mlp.` (`mlp.dense.*`, `mlp.moe.gate.*`, stacked
-  `mlp.moe.experts.*`, `mlp.moe.shared_experts.*`). Transformer Engine's MLA spec fuses the q/kv latent norms
-  into the up-projections (`Row.megatron_te`). The MTP copies of the embedding/head are Megatron's main ones.
-- `file`: Megatron-Core's standard GPT/MoE names as `dsv3 convert --to megatron` writes them: SwiGLU gate and
-  up fused into `linear_fc1` = cat([gate; up], dim 0) (`Row.part` of `Row.nparts` row blocks), `mlp.router.*`,
-  `mlp.experts.local_experts.{j}.*`, the MTP block always under `transformer_layer`, and the MTP copies of the
-  embedding/head kept as `mtp.layers.{k}.embed_tokens` / `mtp.layers.{k}.output_layer` (exact round trip).
-
-Decoder layers: `layers.{i}` is the global layer in `released` and `native`; in `megatron` and `file` the index
-is the caller's (Megatron numbers layers per pipeline stage). Routed expert e likewise: global in `released`,
-the caller's local index (EP) elsewhere. `parse_released`, `parse_native` and `parse_file` turn a name into a
-`Key`; its methods render it in any scheme.
-
-Shapes follow from the released `config.json` (`Row.shape`), and `Row.fp8` says which tensors V3's release
-stores as FP8 (every attention and MLP projection; not norms, the router, embeddings, the head or `eh_proj`).
+Design notes (each scheme in detail, layer and expert numbering): docs/design_notes.md#checkpoint-names
 """
 
 from __future__ import annotations

@@ -1,31 +1,15 @@
 """Lazy reader of released-format checkpoints, with DeepSeek's block-wise FP8 dequantization.
 
-A released directory holds `config.json` and either one `model.safetensors` or shards listed by
-`model.safetensors.index.json`. Released DeepSeek-V3 weights store most Linear weights as FP8 (E4M3) with
-a sibling `<name>_scale_inv` (fp32, one scale per 128x128 block, grid ceil(out/128) x ceil(in/128); ragged
-edge blocks were zero-padded when the scale was computed, so only the ceil-grid applies). The released
-dequantization (`inference/fp8_cast_bf16.py`, README_WEIGHTS) is
+A released directory holds `config.json` and one `model.safetensors` or shards listed by
+`model.safetensors.index.json`. FP8 (E4M3) weights, detected by dtype and never by module name, carry a sibling
+`<name>_scale_inv`, one fp32 scale per 128x128 block; the released dequantization (`inference/fp8_cast_bf16.py`):
 
     w[i, j] = float(w_fp8[i, j]) * scale_inv[i // 128, j // 128]            (computed in fp32)
 
-FP8 tensors are detected by dtype (1 byte per element), never by module name: which modules are quantized
-differs between model families (`eh_proj` is BF16 in V3's release).
+`CheckpointReader` checks every header when it opens (a `CheckpointError` names the tensor and the file), then
+reads tensors lazily, one at a time, and refuses NaN/Inf unless opened with `allow_non_finite=True`.
 
-Every header is parsed and checked when the reader opens (truncation, index vs. files, scale pairing and
-grid shapes, dtypes, `config.json`; see `integrity.py`), so a bad checkpoint fails before anything is
-converted, with a `CheckpointError` naming the tensor and the file. Tensor data is read lazily, one tensor
-at a time (`safe_open`), and checked as it streams: NaN/Inf weights, non-finite or overflowing scales and
-FP8 NaN codes raise, unless the reader was opened with `allow_non_finite=True`.
-
-Speed: on CPU, torch's float8 -> float cast is a scalar loop (~0.15 G elem/s per core here). E4M3 is
-re-encoded to FP16 with three integer ops instead (sign-extend to int16, shift left by 7, clear bit 14:
-E4M3's 4-bit exponent and 3-bit mantissa land in FP16's fields and subnormals stay exact), and the 2^8
-exponent-bias difference is folded into the per-block scale (a power-of-two factor, so each product
-rounds exactly as in the reference formula). The work runs per 128-row block in cache-sized, reused
-buffers on a small thread pool (torch ops release the GIL). E4M3's NaN code (S.1111.111) is found per
-cache-hot block by `max(byte | 0x80) == 255` and those elements (which re-encode to +-1.875, above every
-finite code's 1.75) are set to NaN: the result equals the formula's `float(w_fp8) * scale` bit for bit, NaN
-included.
+Design notes (scale grid, integrity checks, the fast exact E4M3 decode on CPU): docs/design_notes.md#checkpoint-reader
 """
 
 from __future__ import annotations

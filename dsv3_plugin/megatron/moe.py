@@ -1,24 +1,13 @@
 """Our FFNs (dense SwiGLU for the first k layers, DeepSeekMoE after, paper eq. 12) as Megatron's MLP submodule.
 
-Megatron-Core 0.16/0.17 builds a layer's MLP as `Module(config=..., **spec.params)`, 0.18+ through a builder
-`mlp(config=, pg_collection=, is_mtp_layer=, name=)`; both then call `set_layer_number(n)`, call
-`mlp(hidden [s, b, h], padding_mask=...)` and expect `(output, bias)`. One layer spec serves every layer (that
-is what `--spec module name` hands to Megatron-LM), so `DSv3FFN` decides dense vs. MoE when it learns its layer
-number: layers 1..first_k_dense_replace are dense, later ones and the MTP layers are DeepSeekMoE (MTP layers
-are numbered after the decoder's up to 0.18, 1..D with `is_mtp_layer` from 0.19; both map to L+k here).
+`DSv3FFN` follows Megatron-Core 0.16-0.19's MLP build protocols and decides dense vs. MoE when it learns its
+layer number (one layer spec serves every layer). `MegatronRouter` is our `Router` under the names Megatron's
+`finalize_model_grads` looks for (`expert_bias`, `local_tokens_per_expert`: the same tensors), so Megatron's
+expert-bias update is exactly our `balancing.update_expert_bias`; α·L_Bal joins backward through Megatron's
+`MoEAuxLossAutoScaler`. MTP layer k's last k positions (Megatron's rolled sequence; not in the paper's eq. 22)
+are cut off before routing: expert loads, the balance loss and every real position equal our standalone model's.
 
-Aux-loss-free balancing through Megatron's own hook: `MegatronRouter` is our `Router` with the attribute names
-Megatron's `finalize_model_grads` looks for — `expert_bias` (= `e_score_correction_bias`) and
-`local_tokens_per_expert` (= `tokens_per_expert`), the same tensors, updated in place — so with
-`moe_router_enable_expert_bias` Megatron applies b <- b + rate·sign(mean − load) over TP×DP×CP and zeroes the
-counts, exactly our `balancing.update_expert_bias`.
-
-The sequence-wise balance loss α·L_Bal is attached to the output with Megatron's `MoEAuxLossAutoScaler`
-(its gradient joins backward scaled like the main loss, as Megatron's own MoE layers do).
-
-MTP layer k sees the sequence rolled by k with zeros in the last k positions (Megatron's `roll_tensor`). Those
-k positions do not exist in the paper's MTP (eq. 22 runs on T−k tokens): they are cut off before routing, so
-expert loads, the balance loss and every real position equal our standalone model's; their FFN output is 0.
+Design notes (build protocols, layer numbering, the bias update, MTP positions): docs/design_notes.md#megatron-moe
 """
 
 from __future__ import annotations

@@ -3,35 +3,13 @@
     torchrun --nproc-per-node 8 -m dsv3_plugin.megatron.pretrain_gpt <your Megatron-LM flags> --dsv3-config ds.json
     python -m dsv3_plugin.megatron.pretrain_gpt --nproc 2 <flags> --dsv3-config ds.json     # self-spawned ranks
 
-Built on megatron-core's own `megatron.training.pretrain` (shipped in the megatron-core wheel from 0.19 on; 0.16's
-wheel has only `megatron.core`: there, apply `patches/pretrain_gpt.diff` to Megatron-LM's `pretrain_gpt.py`).
-What it adds to Megatron-LM's flags:
+Built on megatron-core's own `megatron.training.pretrain` (in the wheel from 0.19 on; with 0.16 apply
+`patches/pretrain_gpt.diff` to Megatron-LM's `pretrain_gpt.py` instead). It adds `--dsv3-config` (the model and
+the MoE/MTP settings: Megatron's model flags are filled from it or must agree with it), `--spec` defaulting to
+ours, `--dsv3-metrics`, `--nproc` and `--dsv3-pipeline-schedule {dualpipev,1f1b}`. Without CUDA it runs on
+CPU/gloo with the shims of `patches/`. Entry points: `main`, `parse_megatron_args`.
 
-- `--dsv3-config FILE`: JSON with a "dsv3" block, the source of the model shape and of the MoE/MTP settings.
-  Megatron-LM's own model flags are *mapped* from it: a flag left out takes the dsv3 value (so Megatron's
-  validation, FLOP counts and logging see the real model); a flag given must agree, else a `ConfigError` naming
-  both (`--moe-router-topk 2 contradicts ds.json dsv3.moe.top_k = 8`). Flags that only act on Megatron's own
-  MoE layer (`--moe-grouped-gemm`, ...) are refused while our layers are in use, instead of being ignored.
-- `--spec MODULE NAME` selects the decoder layer spec (Megatron's semantics); left out, or
-  `--spec dsv3_plugin.megatron layer_spec`, it is ours (MLA + DeepSeekMoE), for the `--transformer-impl` given.
-- The vocabulary is Megatron's padded one (`--make-vocab-size-divisible-by`, the tokenizer's extra ids).
-- `--dsv3-metrics FILE`: one JSON line per iteration on rank 0 (iteration, the data-parallel mean of each loss
-  Megatron reduces, MTP losses, the sum of |router bias| over all routers, checksums of the word-embedding copies)
-  at full precision, for tests and plots (`metrics.py`).
-- `--nproc N`: spawn N local ranks instead of being launched by torchrun.
-- `--dsv3-pipeline-schedule {dualpipev,1f1b}` (or the block's `"parallel": {"schedule": "dualpipev"}`): with
-  `--pipeline-model-parallel-size P > 1`, our schedule runs as Megatron's forward-backward function
-  (`patches/megatron_dualpipe.py`). DualPipeV cuts the model into 2P stages, two chunks per rank in the V
-  (`dualpipev.py`); `1f1b` is our 1F1B on Megatron's usual one-chunk layout (the baseline DualPipeV is measured
-  against). Left out, and the block not asking for DualPipeV: Megatron's own pipeline schedules. A flag that
-  contradicts the block is an error naming both.
-
-On a machine without CUDA it runs on CPU/gloo: `patches/megatron_cpu.py` (model, optimizer, DDP) and
-`patches/megatron_training_cpu.py` (the training loop) are applied, and Megatron defaults that need CUDA
-(`--distributed-backend nccl`, gradient-accumulation fusion, Transformer Engine) are switched to their CPU
-counterparts with a printed note; the same flags given explicitly are refused with the reason. With CUDA nothing
-is patched except `patches/megatron_dataset_helpers.py` (the wheel ships the dataset helpers compiled but
-`pretrain()` tries to rebuild them with a Makefile the wheel does not have).
+Design notes (every flag, the CPU path): docs/design_notes.md#megatron-pretrain-gpt
 """
 
 from __future__ import annotations

@@ -2,26 +2,13 @@
 
 `forward_backward_dualpipev` and `forward_backward_1f1b` have the keyword signature of the functions that
 `megatron.core.pipeline_parallel.get_forward_backward_func()` returns, so Megatron's `train_step` / `evaluate` call
-them unchanged (`patches/megatron_dualpipe.py` makes `get_forward_backward_func` return them). Megatron's
-conventions, kept:
-- `model`: the model chunks of this pipeline rank. DualPipeV: two, like a virtual pipeline of size 2, chunk 0
-  = model stage r and chunk 1 = stage 2P-1-r of the 2P stages (the V, built by `dualpipev.py`). 1F1B: one,
-  Megatron's usual layout. Each chunk has `set_input_tensor(list)` and a `config`; its forward uses the tensor
-  set there on every stage but the first.
-- `forward_step_func(data_iterator, model_chunk)` returns `(output_tensor, loss_func)`; `loss_func(output)`
-  returns `(loss, {name: tensor})` (the loss is divided by num_microbatches for the backward, as Megatron does) or
-  `(loss, num_tokens, {...})` (also divided by num_tokens unless `config.calculate_per_token_loss`); the backward
-  loss goes through `config.grad_scale_func` (mixed-precision loss scaling), like Megatron's `backward_step`.
-- `data_iterator`: one iterator per chunk (Megatron's virtual-pipeline data path), or one that is duplicated
-  (itertools.tee) so both chunks of a rank read the same micro-batch sequence (stage 0 reads tokens, stage 2P-1
-  labels).
-- Returns `forward_data_store`, the loss dicts of the micro-batches, on the **last pipeline rank** (where
-  Megatron's `train_step` reduces and logs them) and an empty list elsewhere. DualPipeV computes the losses on
-  pipeline rank 0 (it holds the last stage) and hands them to the last rank at the end of the step.
-- After the backward: `config.finalize_model_grads_func` (DP all-reduce, router expert-bias update, ...), then, in
-  the V, the sum of the two word-embedding copies' gradients on rank 0 (`dualpipev.sum_embedding_copy_grads`).
+them unchanged (`patches/megatron_dualpipe.py` makes `get_forward_backward_func` return them), with Megatron's
+conventions for `model`, `forward_step_func`, `data_iterator`, loss scaling and the returned loss dicts (on the
+last pipeline rank). DualPipeV: two chunks per rank, stages r and 2P-1-r of the V (`dualpipev.py`).
 Not supported (refused by the entry point): `--overlap-grad-reduce` / `--overlap-param-gather` (their no_sync /
 param-sync hooks are not driven), `collect_non_loss_data`.
+
+Design notes (each convention in detail): docs/design_notes.md#megatron-schedules
 """
 
 from __future__ import annotations

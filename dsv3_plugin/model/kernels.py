@@ -2,25 +2,14 @@
 math, so precision (FP32/BF16 or FP8) and weight-gradient deferral (the pipeline's B/W split, DeepSeek-V3
 §3.2.1) compose by wrapping kernels, not by subclassing or patching the modules.
 
-Two call signatures (the protocols below):
-
-    ExpertKernel:  kernel(x_NH, counts, w1_EIH, w3_EIH, w2_EHI[, scale_N]) -> y_NH
-                   rows of x_NH sorted by expert, counts[e] rows for expert e; y = w2(silu(w1 x) ⊙ w3 x);
-                   kernels with `row_scale` take scale_N [N] and return w2(s ⊙ silu(w1 x) ⊙ w3 x): the routing
-                   weight applied before the down projection, so the k expert outputs per token need not be
-                   kept for the weight's gradient (ds = <W2ᵀ dy, silu(w1 x) ⊙ w3 x>, from what the SwiGLU
-                   backward has anyway)
+    ExpertKernel:  kernel(x_NH, counts, w1_EIH, w3_EIH, w2_EHI[, scale_N]) -> y_NH = w2(silu(w1 x) ⊙ w3 x)
     LinearKernel:  kernel(x, weight_OK, bias_O=None) -> y = x · weightᵀ + bias      (x [..., K], y [..., O])
 
-Both are autograd-aware. Every kernel in this package is a `SplitKernel`: one autograd Function
-(`_SplitKernelFn`) drives its three parts — `forward`, `input_grad` (I: the gradient the previous pipeline
-stage waits for) and `weight_grads` (W: what only the optimizer needs) — and hands W to `run_weight_grads`,
-which runs it at once. A `KernelWrapper` changes one part of the kernel it wraps; the weight-gradient
-deferral (`pipeline.weight_grad.DeferredWeightGrads`) overrides `run_weight_grads` to queue W instead, so it
-wraps any precision's kernel and the numbers are the inner kernel's, bit for bit.
+Every kernel is a `SplitKernel` (forward, input_grad I, weight_grads W: one autograd Function); a
+`KernelWrapper` changes one part of the kernel it wraps (e.g. queues W). Modules hold theirs as `self.kernel`
+(`UsesKernel`); `rebase` swaps the innermost, precision kernel and keeps the wrappers.
 
-Modules that run a kernel derive from `UsesKernel` and hold it as `self.kernel`; transforms replace or wrap
-that attribute (`rebase` swaps the innermost, precision kernel and keeps the wrappers).
+Design notes (row_scale, the I/W split, wrappers): docs/design_notes.md#model-kernels
 """
 
 from __future__ import annotations

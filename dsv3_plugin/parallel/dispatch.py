@@ -1,31 +1,16 @@
 """All-to-all token dispatch and combine for expert parallelism (paper §3.2.2), plain and node-deduplicated.
 
-Every rank of an EP group of size P holds L = E/P routed experts (EP rank j owns experts [j*L, (j+1)*L)).
-A token's K selected experts live on ranks anywhere in the group; dispatch moves token copies there, the
-owners run their experts, and combine brings the weighted outputs back:
+EP rank j of P holds routed experts [j*L, (j+1)*L), L = E/P; dispatch moves token copies to the owners of the
+K selected experts, and combine brings the weighted outputs back:
 
     out_t = sum_k w_{t,k} * FFN_{e_{t,k}}(x_t)                      (paper eq. 12, routed part)
 
-Two dispatch modes:
+`moe_dispatch_combine` (`dedup=False`: one copy per selected expert; `dedup=True`: one copy per selected node,
+relayed inside the node); `AllToAll` / `exchange_start`: the autograd all-to-alls (synchronous / started and
+waited for apart); `DispatchCodec`: the FP8 payload hook (`fp8.dispatch`; gradients and the combine travel in
+full precision).
 
-- **per-expert** (``dedup=False``): one copy of x_t per selected expert, sent straight to its owner. A token
-  whose K experts sit on one remote node crosses the inter-node link K times.
-- **node-deduplicated** (``dedup=True``, paper §3.2.2): x_t crosses to each selected node once, to the rank
-  with the *same in-node index* as the sender (the paper's IB hop), which forwards it inside the node to the
-  owners of the selected experts (the NVLink hop). Combine reverses it: the forwarding rank sums the weighted
-  expert outputs of its node (the gate weights travel with the token) and sends one vector back, so combine
-  also crosses the link once per node. With node-limited routing (at most M nodes per token) a token makes at
-  most M cross-node copies instead of up to K.
-
-"Nodes" are contiguous blocks of ``ranks_per_node`` EP ranks (`parallel_groups`). Both directions are
-autograd-correct: `AllToAll` wraps ``dist.all_to_all_single`` with variable split sizes and its backward
-is the transposed all-to-all.
-
-FP8 payload hook (``fp8.dispatch``): a `DispatchCodec` encodes the dispatched activations into one or more
-row-aligned tensors (e.g. FP8 bytes + per-tile power-of-2 scales), they travel through the all-to-all and
-are decoded on arrival. Only the forward dispatch payload is encoded; gradients and the combine travel in
-full precision (the paper's FP8 dispatch with BF16 combine), i.e. the backward is straight-through. The
-quantizer itself belongs to the FP8 module; `IdentityCodec` and `BF16Codec` are provided here.
+Design notes (the two modes, nodes, the FP8 payload): docs/design_notes.md#parallel-dispatch
 """
 
 from __future__ import annotations

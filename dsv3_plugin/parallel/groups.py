@@ -1,26 +1,14 @@
 """Process groups for expert parallelism: data-parallel (DP), expert-parallel (EP), expert-data-parallel (EDP)
-and the intra-node group used by node-deduplicated dispatch.
+and the intra-node group used by node-deduplicated dispatch (`build_ep_groups`, `EPGroups`, `ep_layout`).
 
-Layout (paper §3.1: 64-way EP spanning 8 nodes, ZeRO-1 DP over everything else), for world size W and EP
-degree P (P divides W):
+Layout (paper §3.1), world W, EP degree P: EP groups are contiguous blocks ``[i*P, (i+1)*P)`` (EP rank j owns
+experts ``[j*E/P, (j+1)*E/P)``), EDP groups join the ranks with the same EP rank, and "nodes" are blocks of
+``moe.ranks_per_node`` ranks: DeepSpeed's own EP/EDP layout. With pp > 1, EP is carved from each stage's
+data-parallel group (global rank = dp_rank·pp + pp_rank). NOTE: DeepSpeed's own group builder assumes pipeline
+stages are contiguous rank blocks (pp outermost); the DeepSpeed adapter registers these groups under
+DeepSpeed's names instead.
 
-- EP groups are contiguous rank blocks ``[i*P, (i+1)*P)``; EP rank ``j`` owns routed experts
-  ``[j*E/P, (j+1)*E/P)``.
-- EDP groups join the ranks with the same EP rank: ``{j, j+P, j+2P, ...}``. Expert gradients are reduced
-  over them; dense gradients over the whole DP group (= the world).
-- "Nodes" are contiguous blocks of ``moe.ranks_per_node`` ranks (R divides P), so node-limited routing
-  and node-deduplicated dispatch can be exercised on one machine. Node groups are those blocks.
-
-This is the same EP/EDP layout DeepSpeed builds with ``groups._create_expert_and_data_parallel(P)``
-(4 ranks, P=2: EP [0,1],[2,3]; EDP [0,2],[1,3]), so expert parameters sharded here line up with
-DeepSpeed's expert-data-parallel gradient reduction.
-
-With pipeline parallelism (``pp`` > 1; global rank = dp_rank·pp + pp_rank, `dsv3_plugin.deepspeed.pipeline`)
-EP is carved from each stage's data-parallel group (paper §3.1: EP spans DP ranks, never pipeline stages):
-the DP group of pipeline rank p is ``{d·pp + p}``, its EP groups are blocks of P consecutive DP ranks, EDP
-groups join the DP ranks with the same EP rank, and nodes are blocks of ``ranks_per_node`` EP ranks. At
-pp = 1 this is the layout above. NOTE: DeepSpeed's own group builder assumes pipeline stages are contiguous
-rank blocks (pp outermost); the DeepSpeed adapter registers these groups under DeepSpeed's names instead.
+Design notes (the layouts, with examples): docs/design_notes.md#parallel-groups
 """
 
 from __future__ import annotations

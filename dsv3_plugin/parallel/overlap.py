@@ -1,48 +1,15 @@
 """Computation-communication overlap of a forward and a backward chunk (DeepSeek-V3 §3.2.1, Fig. 4).
 
-In DualPipe's overlapped forward & backward pairs, one chunk's expert-parallel all-to-all (dispatch, combine)
-travels while the other chunk computes (attention, MLP). A chunk's anatomy follows from where it communicates:
+`run_overlapped(forward, backward)` runs the two chunks as two lanes that take turns to compute, so one chunk's
+expert-parallel all-to-all (dispatch, combine: started by `dispatch.exchange_start`, waited for in `wait_comm`)
+travels while the other chunk computes; the B lane communicates on second process groups (`lane_group`), so every
+group sees one deterministic order of collectives. Losses and gradients equal F-then-B bit for bit.
+`wait_clock()` / `recording()`: the all-to-all wait time and a Fig. 4-style timeline, for benchmarks.
 
-    forward   attention -> dispatch -> MLP (shared experts while the routed tokens travel, then the routed
-              experts) -> combine -> attention of the next layer ...
-    backward  the same components in reverse: combine -> MLP -> dispatch -> attention ...
+NOTE: the CUDA path is written for NCCL's asynchronous collectives but has not run here (no GPU); its
+`a2a_wait_s` counts host time only, which is not the exposed communication time on a GPU.
 
-The all-to-alls are started with `async_op=True` and waited for separately (`dispatch.exchange_start`), every
-wait through `wait_comm`. `run_overlapped(forward, backward)` runs the two chunks as two *lanes*: the backward in
-a helper thread, the forward in the caller's thread, and only one of them computes at any time (the *turn*). A
-lane keeps the turn while it has work that does not need its own communication; when it must wait for an
-all-to-all that has not arrived, it gives the turn up, blocks on the transfer and takes the turn back, so each
-chunk's communication is in flight while the other chunk computes (forward first), e.g.
-
-    F: attention, start dispatch(F), shared experts (F)          | dispatch(F) not there: turn to B
-    B: head/attention (B), start combine(B)                      | combine(B) not there: turn free
-    F: routed experts (F), start combine(F)                      | ...
-    B: MLP (B), start dispatch(B), shared experts (B)            | ...
-    F: next layer's attention (F), ...
-
-Collective ordering: which lane computes when depends on timing, so the backward lane communicates on a second
-process group of the same ranks (`lane_group`; `EPGroups.ep_group_b`, `node_group_b`). Each group then carries
-one lane's collectives in that lane's program order: one deterministic sequence, the same on every EP peer
-(they run the same schedule op with the same modules), which is what gloo and NCCL need. The turn is held only
-while computing, never during a wait, so a lane blocked on a transfer never keeps the other lane from issuing
-its own: no cycle of waits can form across ranks. Without second groups ("lockstep", also the CUDA path) the
-lanes pass the turn at every wait in program order and share the groups; the issue order is then one fixed
-interleaving, again the same on every rank.
-
-Numerics: each lane runs exactly the ops of the plain forward (`module(*inputs)`) and the plain backward
-(`torch.autograd.backward`) - autograd orders a backward by the graph, not by timing - so losses and gradients
-equal F-then-B bit for bit. The backward's weight gradients are computed inside it, as the FB op's B is defined
-(`pipeline.schedule`); the I/W split (`pipeline.weight_grad`) applies to the schedule's I ops unchanged.
-
-Devices: on CPU (gloo) a wait blocks the lane's thread. On CUDA (NCCL) an `async_op=True` collective runs on
-the process group's own communication stream and `wait()` only makes the current compute stream wait for it,
-so the host does not block; the lanes enqueue both chunks' kernels on the one compute stream in the lock-step
-order. NOTE: the CUDA path is written for that behaviour but has not run here (no GPU); its `a2a_wait_s`
-counts host time only, which is not the exposed communication time on a GPU.
-
-Accounting for benchmarks: `wait_clock()` accumulates the seconds a rank is held up by all-to-all: the time
-spent in a wait outside a pair, the time neither lane computes inside one; `recording()` collects a Fig. 4-style
-timeline (compute and communication lanes, events in the format of `pipeline.overlap_timeline`).
+Design notes (lanes and turns, collective ordering, numerics, devices): docs/design_notes.md#parallel-overlap
 """
 
 from __future__ import annotations

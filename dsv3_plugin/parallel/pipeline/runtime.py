@@ -1,29 +1,13 @@
 """Executes a `ScheduleSpec` over torch.distributed P2P: `OneFOneB`, `ZeroBubble1P`, `DualPipe`, `DualPipeV`.
 
-One class runs every schedule: the schedule is data (`schedule.py`), the simulator replays the same ops.
-A step takes full-batch inputs/labels, splits them into `num_chunks` micro-batches along `batch_dim`,
-runs this rank's ops in order and returns the per-micro-batch losses (and outputs on request) on the
-rank that holds the loss (`loss_rank`: the last rank for 1F1B/ZB1P, rank 0 for DualPipe/DualPipeV). What a
-schedule needs (stage modules per rank, micro-batch counts, where losses come back, mirror sync) is read from
-its `ScheduleTraits` (`schedule.SCHEDULES`), never from its name.
+One class (`PipelineRuntime`) runs every schedule: the schedule is data (`schedule.py`), the simulator replays
+the same ops, and what a schedule needs is read from its `ScheduleTraits`, never from its name. A step splits
+full-batch inputs/labels into `num_chunks` micro-batches, runs this rank's ops in order and returns the
+per-micro-batch losses (`StepOutput`) on the rank that holds the loss. Losses are not scaled: the criterion
+decides. FB ops call a stage's `overlapped_forward_backward` when it has one (`parallel.overlap`).
 
-- Training vs inference follows `torch.is_grad_enabled()`; inference runs the forwards only.
-- Losses are not scaled: `criterion(*outputs, *labels)` decides (divide by num_chunks there for a mean).
-- I ops run inside the `WeightGradQueue` so opted-in GEMMs (`weight_grad.py`) defer their weight grads
-  to the W op; other modules compute them in I.
-- Overlap hook: when both chunks of a rank have the same type and it defines the classmethod
-  `overlapped_forward_backward(f_module, f_inputs, f_loss_fn, b_module, b_loss, b_outputs, b_grads)
-  -> (f_outputs, f_loss)`, FB ops call it (e.g. to hide MoE all-to-all of one chunk behind the other's
-  compute, DeepSeek-V3 §3.2.1: `DSv3Stage`, `parallel.overlap`), unless built with `overlap=False`.
-  Otherwise F then B run in sequence. Per op kind the step records its time (`op_seconds`) and the part of it
-  spent blocked in EP all-to-all waits (`op_a2a_wait_s`, `parallel.overlap.wait_clock`).
-- Losses (and outputs) of micro-batches whose route ends on another rank than `loss_rank` (DualPipe: the
-  second half ends on rank P-1) are gathered to `loss_rank` at the end of the step.
-- Schedules with `mirror_sync` (DualPipe) hold every stage twice (rank r: stages r and P-1-r); after the step
-  the library sums the gradients of each mirror pair {r, P-1-r} so both copies stay bit-identical under the
-  same optimizer.
-- The first and last stages of DualPipe(V) sit on rank 0, so a module used by both chunks (the
-  embedding that MTP reuses, paper §3.2.3) is one physical parameter there.
+Design notes (training vs inference, the W queue, the overlap hook, loss gathering, mirror sync):
+docs/design_notes.md#parallel-pipeline-runtime
 """
 
 from __future__ import annotations

@@ -1,24 +1,12 @@
 """Pipeline schedules as data: per-rank op lists that both the runtime and the simulator execute.
 
-A schedule is a `ScheduleSpec`: where each micro-batch travels (its *route*: the (rank, local chunk) hops,
-one per pipeline stage) and, for every rank, the ordered list of `Op`s it runs. Nothing here touches
-tensors or processes, so the very same object drives `PipelineRuntime` (torch.distributed P2P) and
-`simulate()` (a discrete-event timeline), and a schedule bug shows up in both.
+A `ScheduleSpec` holds each micro-batch's route (the (rank, local chunk) hops, one per stage) and every rank's
+ordered `Op`s; nothing here touches tensors, so one object drives `PipelineRuntime` and `simulate()`. Op kinds
+(zero-bubble notation, Qi et al. 2023): F, B (full backward), I (input grads), W (queued weight grads), FB (F
+overlapped with B, §3.2.1). Schedules (`build_schedule`, `SCHEDULES`): 1F1B (PipeDream-flush), ZB1P (ZB-H1),
+DualPipe (DeepSeek-V3 §3.2.1, Fig. 5) and DualPipeV (the cut-in-half V: 2P stages on P ranks).
 
-Op kinds (zero-bubble notation, Qi et al. 2023, "Zero Bubble Pipeline Parallelism"):
-  F   forward of (chunk, mb)
-  B   full backward of (chunk, mb): input grads and weight grads together
-  I   input-grad half of the backward; weight-grad GEMMs that opt in are queued instead of run
-  W   run the queued weight-grad work of the oldest I (FIFO); `chunk, mb` name that I for checking
-  FB  F of (chunk, mb) overlapped with a full B of (chunk2, mb2) (DualPipe's paired chunks, §3.2.1)
-
-Schedules:
-  1F1B       PipeDream-flush (Narayanan et al. 2021): P stages on P ranks.
-  ZB1P       ZB-H1 (Qi et al. 2023): 1F1B with B split into I + W, W delayed into the cool-down bubble.
-  DualPipe   DeepSeek-V3 tech. report §3.2.1, Fig. 5: P stages on P ranks fed from both ends, rank r holds
-             stages r and P-1-r; the 8-step per-rank program published with the reference code.
-  DualPipeV  the "cut-in-half" V layout: 2P stages on P ranks, rank r holds stages r and 2P-1-r; the same
-             8-step program with the rank count in place of P/2.
+Design notes (op semantics, each schedule's layout): docs/design_notes.md#parallel-pipeline-schedule
 """
 
 from __future__ import annotations

@@ -1,25 +1,13 @@
-"""Discrete-event timeline of a `ScheduleSpec`: the same op lists the runtime executes.
+"""Discrete-event timeline of a `ScheduleSpec`: the same op lists the runtime executes (`simulate`).
 
-Model: each rank runs its ops in order; an op starts when the rank is free and its inputs exist; P2P is
-free. Durations: F, B (full backward), I = B - W, W, and an overlapped pair FB = F&B (default F + B: no
-overlap), whose results (activation and gradient) both appear at its end. The bubble of a rank is
-makespan - its busy time; a schedule's bubble is the largest over ranks.
+Each rank runs its ops in order; an op starts when the rank is free and its inputs exist; P2P is free.
+Durations (`Durations`): F, B, I = B - W, W and an overlapped pair FB = F&B, or per component (§3.2.1's
+attention / dispatch / MLP / combine). A rank's bubble is makespan - its busy time; `SimResult` compares it with
+the published formulas (DualPipe README: `published_formula`, `comparison_table`) and counts activations per
+(stage, micro-batch); `plot_timeline` draws the timeline.
 
-Published bubbles (DualPipe README table; PP = number of *stages*, so for DualPipeV on P ranks PP = 2P):
-  1F1B       (PP-1)(F+B)            exact always
-  ZB1P       (PP-1)(F+B-2W)         exact when W <= min(F, B-W)
-  DualPipe   (PP/2-1)(F&B+B-3W)     exact when F = B-W, W <= F and max(F, B) <= F&B <= F+B (the unit
-                                    cell of the README figure; an overlapped pair is never shorter than
-                                    its longer half)
-  DualPipeV  (PP/2-1)(F&B+B-3W)     same, with PP = 2P
-Outside those domains `formula` is null and `formula_unchecked` still carries the expression's value, so
-users can see how far the published number is from the timeline. Activations are counted per
-(stage, micro-batch) from the start of its F to the end of its B or I (the W half keeps only the GEMM inputs).
-
-With per-component durations (`Durations.from_components`, §3.2.1's attention / dispatch / MLP / combine),
-F, B and W are the components run back to back and F&B is the two-lane schedule of `fb_overlap` (computation
-beside all-to-all and PP communication), not a free parameter; the result then also reports how much
-communication each rank leaves exposed over the step.
+Design notes (the formulas and their domains, per-component durations):
+docs/design_notes.md#parallel-pipeline-simulate
 """
 
 from __future__ import annotations

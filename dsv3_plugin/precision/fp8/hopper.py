@@ -1,30 +1,17 @@
 """FP8 GEMM as Hopper tensor cores compute it: limited-precision accumulation inside the tensor core, FP32
 promotion on the CUDA cores every N_C elements of K (DeepSeek-V3 report §3.3.2, "Increasing Accumulation
-Precision"; DeepGEMM's 1×128 × 128×128 kernel).
+Precision"; DeepGEMM's 1×128 × 128×128 kernel), for every window w of N_C elements of K:
 
-The report's hardware fact: an FP8 WGMMA keeps only about 14 bits of its running sum, so a K = 4096 GEMM
-accumulated entirely on the tensor cores has a maximum relative error of nearly 2%; DeepSeek copies the partial
-sum to FP32 registers on the CUDA cores every N_C = 128 elements, multiplies it there by the two operands'
-dequantization scales and adds it to an FP32 accumulator. `fp8.fp8_gemm_emulated` computes each 128-chunk
-exactly, so it cannot show that failure mode; this backend can:
+    out += tensor_core_chain(window w's FP8 products) · a_s[:, group] · b_s[:, group]    # FP32, window order
 
-    for every window w of N_C elements of K (inside one 128-wide scale group):
-        acc_w = tensor-core chain over the window's FP8 products        # mmaemu, bit-exact H100 arithmetic
-        out  += acc_w · a_s[:, group] · b_s[:, group]                    # FP32, CUDA cores, window order
-
-`promote_every = None` keeps one chain over all of K (no promotion), which is only meaningful when every
-operand has one scale over K (`recipe = tensorwise`): a per-128 scale can only be applied where the partial sum
-leaves the tensor core, so with 1×128 / 128×128 scaling N_C must divide 128.
-
-The tensor-core chain comes from `mmaemu` (pinned 0.1.0, Apache-2.0): `mmaemu.accumulate(a [M, L], b [N, L],
-use_fast_accum=True, splitk=1)` returns the FP32 accumulator cuBLAS's sm_90 FP8 kernels produce on an H100 when
-K is not split and not restarted ("fast accumulation": one chain; its `hopper` preset aligns blocks of 32
-products to the block's largest exponent and truncates to 13 fraction bits). This module is the only place that
-imports mmaemu, and only when a GEMM runs: the package imports and works without it.
+`hopper_gemm`, `HopperEmulatedBackend` (`fp8.backend = "hopper-emulated"`) and error bounds (`hopper_error_bound`,
+...). The chain is `mmaemu`'s (pinned 0.1.0), imported only when a GEMM runs: the package works without it.
 
 NOTE: mmaemu's evidence is an H100 PCIe with cuBLASLt 12.8; DeepSeek trained on H800s (same SM90 tensor cores).
 The model is of the tensor core's arithmetic inside one chain, which both share; the split-K and epilogue
 behaviour of cuBLAS that mmaemu also models is not used here (splitk=1, our own promotion and scaling).
+
+Design notes (the report's numbers, promote_every, mmaemu's model): docs/design_notes.md#precision-fp8-hopper
 """
 
 from __future__ import annotations

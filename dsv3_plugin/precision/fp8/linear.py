@@ -1,29 +1,15 @@
 """FP8 Linear layers for training (DeepSeek-V3 report §3.3, Fig. 6): Fprop, Dgrad and Wgrad all in FP8.
 
-Tile orientation per GEMM (Y = X Wᵀ, X [M, K] tokens × in, W [N, K] out × in):
-
     Fprop  Y  = X · Wᵀ      X 1×128 tiles along K,      W 128×128 blocks        (contract K)
     Dgrad  dX = dY · W      dY 1×128 tiles along N,     W 128×128 blocks        (contract N)
     Wgrad  dW = dYᵀ · X     dYᵀ 1×128 tiles along M,    Xᵀ 1×128 tiles along M  (contract M)
 
-so activations and activation gradients are always 1×128 in the direction being contracted (128×1 in their
-stored layout for Wgrad) — never 128×128 for gradients (App. B.2 saw divergence). As TE does, both
-orientations of X are quantized from the high-precision tensor; only the FP8 copy for Wgrad (1 byte per
-element + scales) is kept for backward, which is the report's "activations cached in FP8".
-Master weights, their gradients and the outputs stay in the input's precision (FP32 or BF16).
+`fp8_linear`, `Fp8Linear`, `Fp8LinearKernel`; GEMM backends `te`, `torch`, `emulate`, `hopper-emulated`
+(`select_backend`, reported in `Fp8Report`); `to_te_recipe` / `te_recipe_spec` for Transformer Engine. Only the
+FP8 copy of X for Wgrad is kept for backward; master weights, their gradients and the outputs stay in the input's
+precision.
 
-Backends (`select_backend`, reported in `Fp8Report`):
-  * `te`: Transformer Engine `Float8BlockScaling` (TE >= 2.3, SM90, CUDA >= 12.9) — `to_te_recipe`;
-  * `torch`: `torch._scaled_mm` with 1×128 / 128×128 scales (cuBLAS, SM90, CUDA >= 12.9), probed against the
-    emulation before it is used;
-  * `emulate`: `fp8.fp8_gemm_emulated`, exact FP8 quantization and per-128 FP32 promotion on any device.
-  * `hopper-emulated`: `hopper.HopperEmulatedBackend`, Hopper's limited-precision tensor-core accumulation
-    (mmaemu) with FP32 promotion every `fp8.promote_every` elements, on any device (a numerics model: slow).
-
-`convert_to_fp8(model, cfg.fp8)` swaps the decoder layers' nn.Linear GEMMs for `Fp8Linear` and sets the routed
-experts' kernel to `experts.Fp8ExpertKernel` (layers that already have a kernel seam get their innermost
-kernel replaced, wrappers such as the weight-gradient deferral kept); embedding, output head, router (`gate`),
-norms, MTP's eh_proj and the attention core stay in high precision (§3.3.1).
+Design notes (tile orientation, backends, what is converted): docs/design_notes.md#precision-fp8-linear
 """
 
 from __future__ import annotations
