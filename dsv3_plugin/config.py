@@ -44,8 +44,8 @@ __all__ = [
 
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a timeout beyond a week is a typo (and 1e300 s overflows timedelta)
 # NOTE: integers are bounded by 10^36, not int64: sizes beyond int64 are refused by the memory estimate
-# (`deepspeed/train_memory.py`), which names the key and the bytes; this bound only keeps every product of sizes in that
-# estimate within a double (10^36^4 << 1.8e308).
+# (`training/memory_estimate.py`), which names the key and the bytes; this bound only keeps every product of sizes in
+# that estimate within a double (10^36^4 << 1.8e308).
 MAX_INT = 10**36
 
 
@@ -571,12 +571,6 @@ def short_json(x: Any, limit: int = 60) -> str:
     return r if len(r) <= limit else r[: limit - 3] + "..."
 
 
-# The old names of value_with_type / short_json, while dsv3_plugin/deepspeed/ (config_keys.py, validate.py) still
-# imports them; they go once those imports use the new names.
-got = value_with_type
-show = short_json
-
-
 # pydantic error type -> our wording (the key path comes first, the offending value last)
 _TYPE_WORDS = {
     "int_type": "must be an integer",
@@ -835,6 +829,8 @@ def reference_table() -> str:
                 ann = f.annotation.__name__
             if ann.startswith(("Literal[", "Optional[")):
                 ann = ann.replace("Literal[", "one of ").replace("Optional[", "optional ")[:-1]
+            if ann.endswith(" | None"):  # `X | None` reads as the table's "optional X"
+                ann = "optional " + ann[: -len(" | None")]
             ann = ann.replace("|", "\\|")
             val = json.dumps(tiny[sec][name])
             rows.append(f"| `{sec}.{name}` | {ann} | `{val}` | {f.description or ''} |")

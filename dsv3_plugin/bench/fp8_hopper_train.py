@@ -29,8 +29,8 @@ import torch
 
 from dsv3_plugin.bench import positive_int
 from dsv3_plugin.config import load_config
+from dsv3_plugin.data.synthetic import MarkovData
 from dsv3_plugin.precision.fp8.hopper import mmaemu_status
-from dsv3_plugin.training.data import MarkovData
 from dsv3_plugin.training.transforms import build_model
 
 __all__ = ["add_arguments", "run", "RUNS", "train_run"]

@@ -24,12 +24,12 @@ import torch
 
 from dsv3_plugin.bench import positive_int
 from dsv3_plugin.config import ConfigError, load_config
+from dsv3_plugin.data.synthetic import MarkovData
 from dsv3_plugin.deepspeed.pipeline import PipelinedEngine
 from dsv3_plugin.parallel import overlap
 from dsv3_plugin.parallel.distributed import init_distributed, spawn
 from dsv3_plugin.parallel.pipeline.overlap_timeline import plot_overlap_timeline
 from dsv3_plugin.schedule_traits import SCHEDULES, check_chunks
-from dsv3_plugin.training.data import MarkovData
 from dsv3_plugin.training.transforms import build_model
 
 SCHEDULE_CHOICES = sorted(n for n, t in SCHEDULES.items() if t.has_fb)

@@ -7,8 +7,8 @@ which starts with the key that is wrong (or names the file). What is checked: `d
 import json
 
 from dsv3_plugin.config import ConfigError
-from dsv3_plugin.deepspeed.train_memory import format_bytes, host_memory_bytes
 from dsv3_plugin.deepspeed.validate import validate_ds_config
+from dsv3_plugin.training.memory_estimate import format_bytes, host_memory_bytes
 
 
 def register(sub):

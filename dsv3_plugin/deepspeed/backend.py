@@ -20,7 +20,7 @@ def import_deepspeed():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
 
-    from patches import deepspeed_shm_comm
+    from dsv3_plugin_patches import deepspeed_shm_comm
 
     deepspeed_shm_comm.apply()  # CPU: no JIT build of an inference-only op, no print on stdout
     return deepspeed

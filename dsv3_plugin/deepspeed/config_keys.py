@@ -1,35 +1,9 @@
 """The DeepSpeed keys the dsv3 engine depends on, checked the way DeepSpeed 0.19 would use them.
 
-DeepSpeed itself coerces or ignores bad values until deep inside `deepspeed.initialize` (an assert, a
-`TypeError` from an optimizer constructor, a pydantic error without the section's name). Here each is a
-`ConfigError` naming the key, before any process starts:
-
-- `zero_optimization`: an object; `stage` an integer and 1 (the only stage the bias update and checkpoint state
-  were built and tested with; absent = 1); the rest through DeepSpeed's own `DeepSpeedZeroConfig`.
-- `gradient_clipping`: a number >= 0 (0 disables); written explicitly (DeepSpeed's silent default is 1.0).
-- batch sizes: `train_batch_size`, `train_micro_batch_size_per_gpu`, `gradient_accumulation_steps` integers
-  >= 1, at least one of the first two, and — once the data-parallel size is known — resolved exactly as
-  DeepSpeed does (`_set_batch_related_parameters`) and written explicitly (the pipeline reads them directly).
-  gradient_accumulation_steps (given or resolved) must be <= 2^31 - 1: the memory estimate bounds the
-  micro-batch, but nothing bounds the accumulation count, yet a step of 10^30 micro-batches never ends (and
-  DeepSpeed's loss scaling, `loss / gradient_accumulation_steps`, overflows int64 in the first backward);
-  2^31 - 1 micro-batches per step is far past any training run.
-- `optimizer`: `type` a DeepSpeed optimizer name or a `torch.optim` class; `params` with numeric `lr`, `eps`,
-  `weight_decay`, `betas`; built once on a dummy parameter when it is a `torch.optim` class (what ZeRO-1 wraps),
-  so that its constructor's own checks run; an untested one needs `zero_allow_untested_optimizer` (ZeRO's rule);
-  fused kernels without a CPU implementation (Lamb, Lion) are refused without a GPU, and so is Adam(W) without
-  `torch_adam` (DeepSpeed would JIT-compile its fused Adam inside `initialize`). `dsv3 train` passes no
-  client optimizer, so for it the section is required (ZeRO stage 1 asserts otherwise).
-- with `dsv3.memory.bf16_moments`: the `optimizer` section must be AdamW (`adamw_hyperparameters`): the engine
-  builds the BF16-moment AdamW from its `lr`, `betas`, `eps`, `weight_decay` as a client optimizer.
-- `scheduler`: `type` a DeepSpeed LR schedule (or a `torch.optim.lr_scheduler` class), `params` an object
-  matching its constructor, which is run once on a dummy optimizer.
-- `fp16` / `bf16`: `enabled` true or false, not both; fp16 refused where the accelerator has no fp16. With
-  either enabled, `data_types.buffer_dtype` must be absent or fp32: it would cast the router bias (and its load
-  counts) to 16 bits, where the bias update's γ-sized steps round away.
-- `steps_per_print`: an integer >= 1 (the engine takes a modulo by it every step).
-- finally `deepspeed.runtime.config.DeepSpeedConfig` parses the whole section (its own checks, e.g.
-  `communication_data_type`), with any failure reported as a `ConfigError`.
+DeepSpeed itself coerces or ignores bad values until deep inside `deepspeed.initialize`; here each is a
+`ConfigError` naming the key, before any process starts: `zero_optimization` (stage 1 only), `gradient_clipping`,
+the batch-size triple (resolved as DeepSpeed does), `optimizer`, `scheduler`, `fp16` / `bf16`, `steps_per_print`,
+then DeepSpeed's own config parser as a backstop. Key by key: docs/deepspeed.md ("config_keys.py").
 """
 
 from __future__ import annotations
@@ -37,7 +11,7 @@ from __future__ import annotations
 import copy
 import inspect
 
-from dsv3_plugin.config import ConfigError, got, show
+from dsv3_plugin.config import ConfigError, short_json, value_with_type
 from dsv3_plugin.deepspeed.backend import import_deepspeed
 
 __all__ = [
@@ -68,7 +42,7 @@ def _is_num(x) -> bool:
 
 
 def _bad(key: str, want: str, value) -> ConfigError:
-    return ConfigError(f"{key}: {want} (got {got(value)})")
+    return ConfigError(f"{key}: {want} (got {value_with_type(value)})")
 
 
 def _pos_int(ds: dict, key: str) -> None:
@@ -95,7 +69,9 @@ def _pydantic_error(section: str, e) -> ConfigError:
     err = e.errors()[0]
     loc = ".".join(str(p) for p in err["loc"])
     words = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
-    return ConfigError(f"{section}.{loc}: {words} (got {show(err.get('input'))})" if loc else f"{section}: {words}")
+    return ConfigError(
+        f"{section}.{loc}: {words} (got {short_json(err.get('input'))})" if loc else f"{section}: {words}"
+    )
 
 
 def _check_zero(ds: dict) -> None:
@@ -158,7 +134,7 @@ def _check_param_types(section: str, params: dict, numeric=("lr", "eps", "weight
         if k in params and not _is_num(params[k]):
             raise _bad(f"{section}.params.{k}", "must be a number", params[k])
         if k in params and params[k] < 0:
-            raise ConfigError(f"{section}.params.{k}: must be >= 0 (got {show(params[k])})")
+            raise ConfigError(f"{section}.params.{k}: must be >= 0 (got {short_json(params[k])})")
     for k in flags:
         if k in params and not isinstance(params[k], bool):
             raise _bad(f"{section}.params.{k}", "must be true or false", params[k])
@@ -189,7 +165,7 @@ def _check_optimizer(ds: dict, train: bool) -> None:
     if "betas" in params:
         b = params["betas"]
         if not (isinstance(b, list) and len(b) == 2 and all(_is_num(x) and 0 <= x < 1 for x in b)):
-            raise ConfigError(f"optimizer.params.betas: must be two numbers in [0, 1) (got {show(b)})")
+            raise ConfigError(f"optimizer.params.betas: must be two numbers in [0, 1) (got {short_json(b)})")
 
     import torch
 
@@ -233,7 +209,7 @@ def _check_optimizer(ds: dict, train: bool) -> None:
         cand = getattr(torch.optim, name, None)
         if not (inspect.isclass(cand) and issubclass(cand, torch.optim.Optimizer)):
             raise ConfigError(
-                f"optimizer.type: unknown optimizer {show(name)} (DeepSpeed's: "
+                f"optimizer.type: unknown optimizer {short_json(name)} (DeepSpeed's: "
                 f"{', '.join(DEEPSPEED_OPTIMIZERS)}, case-insensitive; or a torch.optim class name)"
             )
         cls = cand
@@ -272,7 +248,7 @@ def adamw_hyperparameters(ds: dict) -> dict:
     if not (low == "adamw" or (low == "adam" and params.get("adam_w_mode", True) is not False)):
         raise ConfigError(
             f"optimizer.type: dsv3.memory.bf16_moments keeps AdamW's moments in BF16 and needs an AdamW "
-            f'optimizer ("AdamW", or "Adam" in adam_w_mode) (got {show(name)})'
+            f'optimizer ("AdamW", or "Adam" in adam_w_mode) (got {short_json(name)})'
         )
     for k in _DS_ONLY_OPT_KEYS + _ADAMW_KERNEL_KEYS:
         params.pop(k, None)
@@ -284,7 +260,7 @@ def adamw_hyperparameters(ds: dict) -> dict:
         ):
             raise ConfigError(
                 f"optimizer.params.{k}: not supported with dsv3.memory.bf16_moments (the BF16-moment "
-                f"AdamW takes lr, betas, eps, weight_decay) (got {show(v)})"
+                f"AdamW takes lr, betas, eps, weight_decay) (got {short_json(v)})"
             )
     import torch
 
@@ -320,7 +296,7 @@ def _check_scheduler(ds: dict) -> None:
         cls = getattr(torch.optim.lr_scheduler, name, None)
         if not inspect.isclass(cls) or name.startswith("_"):
             raise ConfigError(
-                f"scheduler.type: unknown LR schedule {show(name)} (DeepSpeed's: "
+                f"scheduler.type: unknown LR schedule {short_json(name)} (DeepSpeed's: "
                 f"{', '.join(lr_schedules.VALID_LR_SCHEDULES)}; or a torch.optim.lr_scheduler class)"
             )
     sig = inspect.signature(cls.__init__)
@@ -342,7 +318,7 @@ def _check_scheduler(ds: dict) -> None:
         if want is str and not isinstance(v, str):
             raise _bad(f"scheduler.params.{k}", "must be a string", v)
         if _is_num(v) and v < 0 and ("lr" in k or "step" in k or "size" in k):
-            raise ConfigError(f"scheduler.params.{k}: must be >= 0 (got {show(v)})")
+            raise ConfigError(f"scheduler.params.{k}: must be >= 0 (got {short_json(v)})")
     import logging
 
     from deepspeed.utils import logger
@@ -367,7 +343,7 @@ def check_deepspeed_keys(raw: dict, *, train: bool) -> dict:
     _check_zero(ds)
     clip = ds.setdefault("gradient_clipping", DEFAULT_GRADIENT_CLIPPING)
     if not _is_num(clip) or clip < 0:
-        raise ConfigError(f"gradient_clipping: must be a number >= 0, 0 disables (got {show(clip)})")
+        raise ConfigError(f"gradient_clipping: must be a number >= 0, 0 disables (got {short_json(clip)})")
     for k in _BATCH_KEYS:
         _pos_int(ds, k)
     _max_accumulation(ds.get("gradient_accumulation_steps"), "")

@@ -1,40 +1,10 @@
 """DeepSpeed ZeRO-1 adapter: `initialize(model, config)` = `deepspeed.initialize` + DeepSeek-V3's training state.
 
-What it adds to the engine DeepSpeed returns (and why):
-- Aux-loss-free balancing (paper §2.1.2, eq. 16 with b_i <- b_i + γ·sign(mean load − load_i)): the bias update
-  runs once per *optimizer* step, i.e. after `engine.step()` at a gradient-accumulation boundary, on the
-  expert counts summed over every micro-batch of that step and all-reduced over all data-parallel ranks
-  (`dsv3_plugin.model.moe.balancing.update_expert_bias`). Because the counts are all-reduced, every rank applies the
-  same update and the fp32 bias stays identical everywhere — which DeepSpeed relies on: it saves module
-  buffers from rank 0 only and loads them on every rank.
-- Token schedules: γ = `cfg.moe.gamma(tokens_seen)` and the MTP weight λ = `cfg.mtp.lam(tokens_seen)` (the
-  model reads λ from the `tokens_seen` keyword, injected into every forward that does not pass it).
-  `tokens_seen` counts input tokens of all ranks; it advances at each optimizer step, so both schedules see
-  the tokens trained *before* the current step.
-- Checkpoints: `engine.save_checkpoint` / `engine.load_checkpoint` carry, under `client_state["dsv3"]`,
-  tokens seen, optimizer steps, every rank's RNG state (all-gathered: DeepSpeed writes client_state from rank
-  0 only) and the resolved "dsv3" block; router biases are persistent buffers and travel in the module state.
-  Together with the caller's data position (its own `client_state` keys) that makes resume bit-exact on CPU.
-- BF16 AdamW moments (paper §3.3, `memory.bf16_moments`): the JSON's AdamW section becomes an
-  `AdamWBF16Moments` passed to DeepSpeed as the client optimizer (`client_optimizer`). ZeRO-1 wraps it like a
-  torch optimizer: the parameters it sees are this rank's flat FP32 partition, so each rank keeps BF16 moments
-  of its 1/dp share, and ZeRO's checkpoints carry them (torch's load casts them to FP32; the optimizer's
-  `load_state_dict` restores BF16, exactly).
-- DeepSpeed JSON hygiene: ZeRO stage 1 (the default when absent; other stages are refused), and
-  `gradient_clipping` written explicitly (DeepSpeed otherwise applies a silent default of 1.0).
-- Mixed precision (DeepSpeed `"bf16": {"enabled": true}`; paper §3.3): DeepSpeed casts the parameters to BF16 and
-  its ZeRO-1 optimizer keeps FP32 master weights and optimizer state (`DeepSpeedZeroOptimizer`; with
-  `"data_types": {"grad_accum_dtype": "fp32"}` gradients accumulate in FP32 too, in DeepSpeed's `BF16_Optimizer`).
-  `prepare_mixed_precision` lets the routers' weights become BF16 compute copies like every other parameter
-  (ZeRO flattens a parameter group into one buffer of one dtype; a single FP32 router weight would silently promote
-  the whole model to FP32); the gating math stays FP32 (`Router.scores`). The router bias and the expert-load
-  counts are buffers, which DeepSpeed leaves FP32 (`data_types.buffer_dtype` other than fp32 is refused), so the
-  bias update runs in FP32; `check_fp32_router_state` asserts it after `deepspeed.initialize`.
-- Timeouts: every process group `deepspeed.initialize` creates (its clone of the world group, over which ZeRO
-  reduces gradients; the expert-parallel and expert-data-parallel groups of a MoE model) waits at most
-  `parallel.p2p_timeout_s` instead of torch's default for a new group (30 minutes on gloo).
-
-DeepSpeed is imported lazily (only here), never by the core.
+Adds to the engine DeepSpeed returns: the aux-loss-free bias update once per optimizer step (paper §2.1.2, eq. 16,
+counts all-reduced over the data-parallel ranks), the γ and λ token schedules, the dsv3 checkpoint state (tokens
+seen, optimizer steps, every rank's RNG), the BF16-moment AdamW (§3.3) as the client optimizer, FP32 router state
+under bf16, and bounded waits on every group it creates. DeepSpeed is imported lazily (only here), never by the
+core. Design notes: docs/deepspeed.md ("engine.py").
 """
 
 from __future__ import annotations
@@ -42,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-import random
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -60,6 +29,7 @@ from dsv3_plugin.model.moe.balancing import update_expert_bias
 from dsv3_plugin.model.moe.router import Router
 from dsv3_plugin.parallel.distributed import new_groups_bounded
 from dsv3_plugin.precision.bf16_adamw import AdamWBF16Moments
+from dsv3_plugin.training.rng_state import gather_rng_states, restore_rng_state
 
 __all__ = [
     "initialize",
@@ -71,8 +41,6 @@ __all__ = [
     "mixed_precision_dtype",
     "prepare_mixed_precision",
     "check_fp32_router_state",
-    "gather_rng_states",
-    "restore_rng_state",
 ]
 
 
@@ -177,41 +145,6 @@ class DSv3TrainState:
     last_gamma: float = 0.0
     last_step_tokens: int = 0
     last_stats: Any = None  # what update_expert_bias returned at the last step (per-layer loads / maxvio)
-
-
-def _rng_state() -> dict:
-    st = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        st["cuda"] = torch.cuda.get_rng_state()
-    return st
-
-
-def gather_rng_states() -> dict:
-    """{"world_size", "rng": every rank's RNG states} for a checkpoint's client_state (collective when
-    torch.distributed is initialised: DeepSpeed writes client_state from one rank per model file only)."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rngs = [None] * world
-    if dist.is_initialized():
-        dist.all_gather_object(rngs, _rng_state())
-    else:
-        rngs[0] = _rng_state()
-    return {"world_size": world, "rng": rngs}
-
-
-def restore_rng_state(st: dict, path: str) -> None:
-    """Set this rank's RNG states from what `gather_rng_states` saved (CheckpointError naming `path` when the
-    world size differs: per-rank RNG and ZeRO-1 partitions need the same layout)."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if st.get("world_size") != world:
-        raise CheckpointError(
-            f"{path}: saved with {st.get('world_size')} ranks, resuming on {world}; per-rank RNG "
-            "and ZeRO-1 optimizer partitions need the same data-parallel size"
-        )
-    rng = st["rng"][dist.get_rank() if dist.is_initialized() else 0]
-    torch.set_rng_state(rng["torch"])
-    random.setstate(rng["python"])
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state(rng["cuda"])
 
 
 class _DSv3Hooks:

@@ -1,38 +1,11 @@
-"""DeepSpeed ZeRO-1 with expert parallelism: expert parameters reduced over the expert-data-parallel group,
-dense parameters over the whole data-parallel group, using DeepSpeed's own MoE conventions.
+"""DeepSpeed ZeRO-1 with expert parallelism (paper §3.1): expert parameters reduced over the expert-data-parallel
+group, dense parameters over the data-parallel group, through DeepSpeed's own MoE conventions.
 
-What DeepSpeed 0.19 needs (observed, see the project's integration notes):
-- the engine treats parameters as expert parameters only if it finds a module that is an instance of
-  `deepspeed.moe.layer.MoE`; it then calls `set_deepspeed_parallelism()` on it, and ZeRO-1 reduces params
-  with `allreduce = False` over the expert-data-parallel group named by their `group_name`. Ours registers
-  dsv3's EP/EDP groups (`parallel.groups`) under that name rather than letting DeepSpeed build its own: with
-  pipeline parallelism DeepSpeed's builder assumes stages are contiguous rank blocks (dsv3 interleaves them),
-  and a pipeline rank without MoE layers would skip its collective group creation;
-- the optimizer's param groups must be split with `split_params_into_different_moe_groups_for_optimizer`
-  (the engine does it itself when the JSON has an "optimizer"; `moe_param_groups` does it otherwise);
-- `save_checkpoint` writes one file per expert from the keys `<MoE module>.deepspeed_moe.experts.
-  deepspeed_experts.<local id>.*` and drops every other key containing "expert" under that module from the
-  model state: so the MoE module here holds the routed experts *only* (router and shared experts stay in the
-  parent `ExpertParallelMoE`, with their released names).
-
-`DeepSpeedExperts` subclasses DeepSpeed's `MoE` without running its constructor (which would build
-DeepSpeed's own gate and capacity-based dispatch); it holds this rank's E/P experts as separate modules
-(DeepSpeed's checkpoint layout) and computes them grouped (`moe.swiglu_rows`) with the expert kernel it is
-built with (`kernels.ExpertKernel`: the dense experts' one, so FP8 carries over). Dispatch/combine stays ours.
-The stacked weights carry a gradient sink (`weight_grad.stack_with_grad_sink`), so the pipeline's W split
-(§3.2.1) can defer their gradients too, whether it wraps the kernel before or after this conversion. The engines
-hand ZeRO each module's weights in stacking order (`stacking_order`: all gates, all ups, all downs), so in ZeRO's
-flat buffer each stack lies back to back and is a view, not a copy made by every forward and kept for its
-backward (with a pipeline: one copy of the rank's experts per layer per micro-batch in flight; measured at small
-size, pp 2 x ep 2 DualPipeV with 4 micro-batches, the forward/backward added 265-365 MiB with copies and 62-120
-MiB with views, for 102 MiB of parameters per rank).
-
-Gradient scaling: ZeRO divides every gradient by the data-parallel world size W and all-reduces expert
-gradients over the EDP group (W/P ranks). An expert's gradient already sums its EP group's tokens (the
-all-to-all backward brings them), so the result is the same mean over all W ranks' losses as for dense
-parameters.
-
-Hook for the engine: `prepare_model(model, cfg)` before `deepspeed.initialize` (idempotent).
+`prepare_model(model, cfg)` (before `deepspeed.initialize`, idempotent) turns each expert-parallel MoE layer's
+routed experts into `DeepSpeedExperts` (a `deepspeed.moe.layer.MoE` that holds this rank's E/P experts and computes
+them with our grouped kernel; dispatch/combine stays ours); `stacking_order` hands ZeRO the expert weights so that
+each stack is a view of its flat buffer; `moe_param_groups` splits optimizer groups the way DeepSpeed needs.
+Design notes (what DeepSpeed 0.19 requires, gradient scaling): docs/deepspeed.md ("moe_layer.py").
 """
 
 from __future__ import annotations

@@ -4,23 +4,7 @@
 inside each rank once the world size is known) and by `dsv3_plugin.deepspeed.initialize` (the engine). A config
 it accepts is one those three accept; every refusal is a `ConfigError` whose message starts with the key that
 is wrong (`dsv3.moe.top_k: ...`, `zero_optimization.stage: ...`) or, for a file that cannot be read, the file.
-
-What it checks, in this order (the first failure is reported):
-1. the file: UTF-8 (a BOM is accepted), valid JSON, nesting < 64, no NaN/inf, no duplicate keys (`json_input`);
-   numbers anywhere: finite, integers within int64;
-2. the `"dsv3"` block: strict types, ranges, cross-field rules (`dsv3_plugin.config`);
-3. the DeepSpeed keys the engine reads (`dsv3_plugin.deepspeed.config_keys`): ZeRO stage 1 only, gradient
-   clipping, batch sizes, optimizer and LR scheduler, fp16/bf16, and DeepSpeed's own config parser as a backstop;
-4. rules of the DeepSpeed path: at least one MoE layer (the bias update needs a router); with memory.bf16_moments
-   an AdamW optimizer section (the engine builds the BF16-moment AdamW from it);
-5. with `target="train"`: what `dsv3 train` does not support (a pipeline rank left without parameters), its
-   synthetic data's limits, the requested FP8 backend being runnable here;
-6. with `world_size`: pp divides the world, ep divides the data-parallel size, the batch-size triple of
-   DeepSpeed resolves (train_batch_size = micro-batch x accumulation x data-parallel size); then (also without
-   `world_size` when the accumulation is known) the pipeline schedules' micro-batch counts
-   (gradient_accumulation_steps >= 2*pp for DualPipe(V), even for DualPipe, = parallel.num_chunks);
-7. with `host_memory`: the memory `dsv3 train` needs for this shape on `ranks_on_host` ranks, refused with the
-   estimate and the key that drives it when it exceeds the host's memory (`train_memory.py`).
+What it checks, in order: docs/deepspeed.md ("validate.py").
 """
 
 from __future__ import annotations
@@ -30,14 +14,14 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
-from dsv3_plugin.config import ConfigError, DSv3Config, check_numbers, got, load_config, read_ds_json
-from dsv3_plugin.deepspeed.config_keys import adamw_hyperparameters, check_deepspeed_keys, resolve_batch
-from dsv3_plugin.deepspeed.train_memory import MemoryEstimate, check_memory
+from dsv3_plugin.config import ConfigError, DSv3Config, check_numbers, load_config, read_ds_json, value_with_type
+from dsv3_plugin.deepspeed.config_keys import adamw_hyperparameters, check_deepspeed_keys, micro_batch, resolve_batch
 from dsv3_plugin.parallel.pipeline.stages import min_layers
 from dsv3_plugin.precision.fp8.linear import select_backend
 from dsv3_plugin.schedule_traits import check_chunks
+from dsv3_plugin.training.memory_estimate import MemoryEstimate, check_budget
 
-__all__ = ["validate_ds_config", "CheckedConfig", "pipeline_microbatch_rule"]
+__all__ = ["validate_ds_config", "CheckedConfig", "pipeline_microbatch_rule", "check_memory"]
 
 
 @dataclass(frozen=True)
@@ -80,7 +64,7 @@ def _deepspeed_path_rules(cfg: DSv3Config, ds: dict) -> None:
     m = cfg.model
     topo = ds.get("use_data_before_expert_parallelism", False)
     if not isinstance(topo, bool):
-        raise ConfigError(f"use_data_before_expert_parallelism: must be true or false (got {got(topo)})")
+        raise ConfigError(f"use_data_before_expert_parallelism: must be true or false (got {value_with_type(topo)})")
     if topo and cfg.parallel.ep > 1:  # dsv3_plugin.deepspeed.moe_layer lays EP groups out as contiguous blocks
         raise ConfigError(
             "use_data_before_expert_parallelism: unsupported with dsv3 expert parallelism "
@@ -117,7 +101,7 @@ def _train_rules(cfg: DSv3Config) -> None:
                 f"dsv3.model.num_hidden_layers: {p.schedule} with pp={p.pp} needs >= {need} decoder "
                 f"layers, or a pipeline rank is left without any parameter (got {m.num_hidden_layers})"
             )
-    # dsv3 train's synthetic data (dsv3_plugin.training.data.MarkovData): 4 successors per token, and torch.multinomial
+    # dsv3 train's synthetic data (dsv3_plugin.data.synthetic.MarkovData): 4 successors per token, and torch.multinomial
     # draws from at most 2^24 categories
     if not 5 <= m.vocab_size <= 2**24:
         raise ConfigError(
@@ -150,6 +134,15 @@ def _world_rules(cfg: DSv3Config, world: int) -> int:
             f"dsv3.parallel.ep: must divide the data-parallel size (got ep={p.ep}, dp={dp} = world {world} / pp {p.pp})"
         )
     return dp
+
+
+def check_memory(cfg: DSv3Config, ds: dict, world: int, ranks_on_host: int, budget: int) -> MemoryEstimate:
+    """`training.memory_estimate.check_budget` for a DeepSpeed JSON: its micro-batch per data-parallel rank and its
+    precision (2 B per element under bf16/fp16, else 4). Returns the estimate; ConfigError naming the driving key
+    when it exceeds `budget` bytes."""
+    mbs = micro_batch(ds, max(1, world // cfg.parallel.pp))
+    lp = 2.0 if any((ds.get(sec) or {}).get("enabled") is True for sec in ("bf16", "fp16")) else 4.0
+    return check_budget(cfg, mbs, lp, world, ranks_on_host, budget, batch_key="train_micro_batch_size_per_gpu")
 
 
 def validate_ds_config(

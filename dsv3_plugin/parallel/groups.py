@@ -22,7 +22,7 @@ import torch.distributed as dist
 from dsv3_plugin.config import ConfigError
 from dsv3_plugin.parallel.distributed import peer_timeout, set_group_timeout
 
-__all__ = ["EPGroups", "build_ep_groups", "ep_layout", "single_process_groups"]
+__all__ = ["EPGroups", "build_ep_groups", "ep_layout", "single_process_groups", "PipelineGroups", "pipeline_groups"]
 
 
 def ep_layout(world: int, ep: int, ranks_per_node: int, pp: int = 1) -> dict[str, list[list[int]]]:
@@ -182,3 +182,41 @@ def build_ep_groups(
     )
     _CACHE[key] = (out, created)
     return out
+
+
+@dataclass
+class PipelineGroups:
+    """This rank's pipeline and data-parallel groups (global rank = dp_rank * pp + pp_rank)."""
+
+    pp: int
+    dp: int
+    pp_rank: int
+    dp_rank: int
+    pp_group: object
+    dp_group: object
+    pp_ranks: list[int]
+    dp_ranks: list[int]
+
+
+def pipeline_groups(pp: int, timeout_s: float | None = None) -> PipelineGroups:
+    """Create every pipeline and data-parallel group (all ranks must call this, in the same order).
+
+    `timeout_s` bounds every collective on these groups (torch's default for a new group is 30 minutes,
+    not the world group's timeout)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if pp < 1 or world % pp:
+        raise ConfigError(f"dsv3.parallel.pp: must divide the world size (got pp={pp}, world={world})")
+    dp = world // pp
+    mine = {}
+    kw = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+    for d in range(dp):
+        ranks = [d * pp + p for p in range(pp)]
+        g = dist.new_group(ranks, **kw)
+        if rank in ranks:
+            mine["pp"] = (g, ranks)
+    for p in range(pp):
+        ranks = [d * pp + p for d in range(dp)]
+        g = dist.new_group(ranks, **kw)
+        if rank in ranks:
+            mine["dp"] = (g, ranks)
+    return PipelineGroups(pp, dp, rank % pp, rank // pp, mine["pp"][0], mine["dp"][0], mine["pp"][1], mine["dp"][1])

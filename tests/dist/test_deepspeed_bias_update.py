@@ -34,7 +34,7 @@ def _both():
 def _run(recompute: bool):
     from torch.utils.checkpoint import checkpoint
 
-    from dsv3_plugin.training.data import MarkovData
+    from dsv3_plugin.data.synthetic import MarkovData
     from dsv3_plugin.deepspeed import initialize
     from dsv3_plugin.parallel.distributed import init_distributed
     from dsv3_plugin.training.transforms import build_model

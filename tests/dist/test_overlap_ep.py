@@ -103,7 +103,7 @@ def _pipeline_case(schedule, fp8_dispatch, dedup, lockstep, pg):
 
 
 def _main():
-    from dsv3_plugin.deepspeed.pipeline import pipeline_groups
+    from dsv3_plugin.parallel.groups import pipeline_groups
     from dsv3_plugin.parallel.distributed import init_distributed
     from dsv3_plugin.parallel.groups import build_ep_groups
     init_distributed("gloo")

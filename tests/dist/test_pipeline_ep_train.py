@@ -81,7 +81,7 @@ def _reference(configs):
     from dsv3_plugin.deepspeed import initialize
     from dsv3_plugin.deepspeed.train import _setup_process
     from dsv3_plugin.parallel.distributed import init_distributed
-    from dsv3_plugin.training.data import MarkovData
+    from dsv3_plugin.data.synthetic import MarkovData
     from dsv3_plugin.training.transforms import build_model
     init_distributed()
     out = []

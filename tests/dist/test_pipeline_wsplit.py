@@ -26,7 +26,7 @@ def _one_step(ds):
     init_distributed()
     from dsv3_plugin.config import load_config
     from dsv3_plugin.deepspeed.pipeline import PipelinedEngine
-    from dsv3_plugin.training.data import MarkovData
+    from dsv3_plugin.data.synthetic import MarkovData
     from dsv3_plugin.training.transforms import build_model
     cfg = load_config(ds)
     torch.manual_seed(cfg.train.seed)

@@ -70,7 +70,7 @@ def test_bad_paths_exit_2(tmp_path, capsys):
 def _reference_first_lm_loss(ck, seq_len, seed, mbs):
     """Mean over both ranks of the loaded model's LM loss on each rank's first micro-batch."""
     from dsv3_plugin import load_pretrained
-    from dsv3_plugin.training.data import MarkovData
+    from dsv3_plugin.data.synthetic import MarkovData
     model = load_pretrained(ck)
     data = MarkovData(model.cfg.model.vocab_size, seq_len, seed=seed)
     losses = []
@@ -129,7 +129,7 @@ def test_train_cli_spawned_then_resumed_under_torchrun(tmp_path):
 def test_terminal_output_is_a_bar_and_a_short_summary(tmp_path):
     """Without --json: stdout is a short human summary (no JSON), stderr the bar; the JSON lines are all in
     metrics.jsonl, and the summary's MaxVio_global figures are those of the loads in it; routing.png is written."""
-    from dsv3_plugin.deepspeed.train import window_maxvio
+    from dsv3_plugin.training.run_report import window_maxvio
     cfg = _write(tmp_path / "c.json", _ds(moe={"bias_update_speed": 0.01}))
     out = str(tmp_path / "run")
     p = subprocess.run([sys.executable, "-m", "dsv3_plugin", "train", "--config", cfg, "--nproc", "2", "--steps",

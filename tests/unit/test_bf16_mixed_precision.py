@@ -109,7 +109,7 @@ def test_memory_bound_counts_bf16_weights_gradients_and_activations_at_2_bytes()
     """The host-memory check is a lower bound: under bf16 the module's weights, gradients and activations are
     2-byte; the FP32 master and moments (optimizer term) and the FP32 build are unchanged."""
     from dsv3_plugin.config import load_config
-    from dsv3_plugin.deepspeed.train_memory import check_memory
+    from dsv3_plugin.deepspeed.validate import check_memory
 
     cfg = load_config({"dsv3": {"preset": "tiny"}})
     fp32 = check_memory(cfg, _ds(), 1, 1, 2**62).parts
@@ -151,7 +151,7 @@ def test_dsv3_train_builds_in_bf16_directly_with_the_values_of_the_cast_fp32_bui
     from helpers import write_rank_local_checkpoint
 
     from dsv3_plugin.checkpoint.hf import load_pretrained
-    from dsv3_plugin.deepspeed.train import _build_model
+    from dsv3_plugin.checkpoint.init_from import build_train_model as _build_model
     from dsv3_plugin.training.rank_local import RankLayout
 
     cfg, _ = write_rank_local_checkpoint(tmp_path / "ck")

@@ -293,7 +293,7 @@ def test_memory_estimate_is_a_lower_bound_of_the_model_size():
     """The build term is exactly 4 bytes per parameter of the model dsv3 train builds."""
     import torch
 
-    from dsv3_plugin.deepspeed.train_memory import estimate_train_memory
+    from dsv3_plugin.training.memory_estimate import estimate_train_memory
     from dsv3_plugin.training.transforms import build_model
 
     for over in [

@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from dsv3_plugin.training.data import MarkovData
+from dsv3_plugin.data.synthetic import MarkovData
 
 
 def test_deterministic_and_distinct():

@@ -2,7 +2,7 @@
 imports sit at module top (an import inside a function is allowed only for an optional dependency).
 
 Layers, lowest first (a module may import its own layer and the ones below):
-  errors, json_input, schedule_traits, config  <  model  <  precision  <  parallel  <  training  <  checkpoint
+  errors, json_input, schedule_traits, config  <  model  <  precision  <  parallel  <  data  <  training  <  checkpoint
   <  deepspeed, megatron  <  cli, bench  <  the top-level package (public API; imported by nothing inside).
 """
 
@@ -21,6 +21,7 @@ LAYERS = [
     {"model"},
     {"precision"},
     {"parallel"},
+    {"data"},
     {"training"},
     {"checkpoint"},
     {"deepspeed", "megatron"},

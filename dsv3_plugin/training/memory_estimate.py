@@ -25,10 +25,9 @@ import os
 from dataclasses import dataclass, field
 
 from dsv3_plugin.config import PRESETS, ConfigError, DSv3Config
-from dsv3_plugin.deepspeed.config_keys import micro_batch
 from dsv3_plugin.training.memory_plan import layer_activation_bytes, param_counts
 
-__all__ = ["MemoryEstimate", "estimate_train_memory", "check_memory", "host_memory_bytes", "format_bytes"]
+__all__ = ["MemoryEstimate", "estimate_train_memory", "check_budget", "host_memory_bytes", "format_bytes"]
 
 # size keys the estimate depends on, as (section, name); DeepSpeed's micro-batch is handled apart
 _SIZE_KEYS = (
@@ -50,7 +49,6 @@ _SIZE_KEYS = (
     + [("moe", k) for k in ("n_routed_experts", "intermediate_size", "n_shared_experts", "top_k")]
     + [("mtp", "depth"), ("train", "seq_len")]
 )
-_MBS = "train_micro_batch_size_per_gpu"
 
 
 @dataclass
@@ -136,7 +134,9 @@ def estimate_train_memory(cfg: DSv3Config, mbs: int = 1, world: int = 1, ranks_o
     return _estimate(cfg, mbs, world, ranks_on_host)
 
 
-def _driver(cfg: DSv3Config, mbs: int, world: int, ranks: int, total: float, lp: float = 4.0) -> tuple[str, str]:
+def _driver(
+    cfg: DSv3Config, mbs: int, world: int, ranks: int, total: float, lp: float, batch_key: str
+) -> tuple[str, str]:
     """(dotted key, its value) of the size whose reduction to the tiny preset's value shrinks the estimate most
     ("dsv3.model" when every size is already at most the tiny preset's)."""
     tiny = PRESETS["tiny"]
@@ -144,7 +144,7 @@ def _driver(cfg: DSv3Config, mbs: int, world: int, ranks: int, total: float, lp:
     if mbs > 1:
         ratio = total / max(_estimate(cfg, 1, world, ranks, lp).host_bytes, 1.0)
         if ratio > best_ratio:
-            best, best_ratio = (_MBS, str(mbs)), ratio
+            best, best_ratio = (batch_key, str(mbs)), ratio
     for sec, name in _SIZE_KEYS:
         cur = getattr(getattr(cfg, sec), name)
         base = tiny[sec].get(name, 1)
@@ -158,10 +158,22 @@ def _driver(cfg: DSv3Config, mbs: int, world: int, ranks: int, total: float, lp:
     return best
 
 
-def check_memory(cfg: DSv3Config, ds: dict, world: int, ranks_on_host: int, budget: int) -> MemoryEstimate:
-    """`ConfigError` naming the driving key when the lower bound exceeds `budget` bytes; else the estimate."""
-    mbs = micro_batch(ds, max(1, world // cfg.parallel.pp))
-    lp = 2.0 if any((ds.get(sec) or {}).get("enabled") is True for sec in ("bf16", "fp16")) else 4.0
+def check_budget(
+    cfg: DSv3Config, mbs: int, lp: float, world: int, ranks_on_host: int, budget: int, batch_key: str
+) -> MemoryEstimate:
+    """The estimate, checked against the host.
+
+    Args:
+        cfg: the config; mbs: sequences per micro-batch; lp: bytes per weight/gradient/activation element (4 for
+            FP32, 2 under BF16/FP16); world: ranks in the job; ranks_on_host: ranks sharing this host's memory.
+        budget: this host's memory in bytes; batch_key: the framework's micro-batch key, named when it drives it.
+
+    Returns:
+        The `MemoryEstimate` (with `budget_bytes` set) when it fits.
+
+    Raises:
+        ConfigError: naming the key that drives the estimate (or `--nproc`) when the lower bound exceeds `budget`.
+    """
     est = _estimate(cfg, mbs, world, ranks_on_host, lp)
     est.budget_bytes = budget
     if est.host_bytes > budget:
@@ -170,7 +182,7 @@ def check_memory(cfg: DSv3Config, ds: dict, world: int, ranks_on_host: int, budg
                 f"--nproc: {ranks_on_host} ranks on one host need at least {est.line()} -- more "
                 f"than the {format_bytes(budget)} of this host; use fewer ranks per host"
             )
-        key, val = _driver(cfg, mbs, world, ranks_on_host, est.host_bytes, lp)
+        key, val = _driver(cfg, mbs, world, ranks_on_host, est.host_bytes, lp, batch_key)
         raise ConfigError(
             f"{key}: dsv3 train needs at least {est.line()} -- more than the {format_bytes(budget)} "
             f"of this host; {key} = {val} drives the estimate"

@@ -1,0 +1,70 @@
+"""Start a training run from a released checkpoint (`--init-from DIR`), or build its model from scratch, on this
+rank only.
+
+`init_from_config` merges the released `config.json` (the model's shape) with the user's "dsv3" block (training
+knobs); `build_train_model` builds this rank's model in the training dtype, reading only the tensors it owns.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from dsv3_plugin.checkpoint.hf import load_pretrained, pretrained_config
+from dsv3_plugin.config import ConfigError, load_config
+from dsv3_plugin.errors import CheckpointError
+from dsv3_plugin.training.rank_local import RankLayout, build_rank_local
+from dsv3_plugin.training.transforms import build_model
+
+__all__ = ["build_train_model", "init_from_config"]
+
+
+def build_train_model(
+    cfg,
+    init_from: str | None,
+    allow_non_finite: bool = False,
+    rank: int = 0,
+    world: int = 1,
+    dtype: torch.dtype = torch.float32,
+):
+    """This rank's model, its parameters created directly in `dtype` (DeepSpeed's bf16/fp16 dtype: the same values
+    DeepSpeed's own cast of an FP32 build gives, since every tensor is drawn or dequantized in FP32 and rounded
+    once; router weight, bias and counts FP32, see `engine.prepare_mixed_precision`). With pp > 1 or ep > 1 only
+    what this rank owns (`training.rank_local`: its stages' layers, its experts; built on `meta`), and with
+    `init_from` only its tensors read."""
+    layout = RankLayout.for_rank(cfg, rank, world)
+    direct = not layout.is_full or dtype != torch.float32  # the FP32 full build is the plain one
+    if init_from:
+        # Shape from the released config.json, training knobs from the "dsv3" block (see init_from_config).
+        d = cfg.to_dict()
+        return load_pretrained(
+            init_from,
+            dtype=dtype,
+            device="cpu",
+            allow_non_finite=allow_non_finite,
+            layout=layout if direct else None,
+            **{sec: d[sec] for sec in ("moe", "mtp", "parallel", "fp8", "memory", "train")},
+        )
+    return build_rank_local(cfg, layout, dtype) if direct else build_model(cfg)
+
+
+def init_from_config(ds: dict, init_from: str) -> dict:
+    """Model shape from the released config.json; training knobs (γ, λ, α schedules, train.*) from the JSON."""
+    if not isinstance(ds.get("dsv3"), dict):
+        raise ConfigError('dsv3: the DeepSpeed JSON has no "dsv3" block')
+    hf_path = os.path.join(init_from, "config.json")
+    if not os.path.isfile(hf_path):
+        raise CheckpointError(f"{hf_path}: not found (--init-from needs a released-format checkpoint dir)")
+    asked = load_config({"dsv3": ds["dsv3"]})
+    user = ds["dsv3"]
+    hf = pretrained_config(init_from).to_dict()  # config.json, index, headers, tensor set: CheckpointError
+    block = {"preset": None, "model": hf["model"], "moe": hf["moe"], "mtp": hf["mtp"]}
+    for sec in ("moe", "mtp"):  # training-time knobs the user set explicitly win over the released file
+        for k, v in (user.get(sec) or {}).items():
+            block[sec][k] = v
+    for sec in ("parallel", "fp8", "memory", "train"):
+        block[sec] = asked.to_dict()[sec]
+    out = dict(ds)
+    out["dsv3"] = block
+    return out

@@ -1,0 +1,6 @@
+"""What a run trains on. `synthetic`: the seeded Markov chain `dsv3 train` uses today (batches a pure function of
+(seed, step, micro-batch, rank), so a checkpoint's data position is its step index)."""
+
+from dsv3_plugin.data.synthetic import MarkovData, batch_seed
+
+__all__ = ["MarkovData", "batch_seed"]
