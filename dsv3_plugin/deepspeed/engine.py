@@ -274,10 +274,21 @@ def initialize(
 ):
     """`deepspeed.initialize` for a `DSv3Model` with ZeRO-1 and the DeepSeek-V3 training state.
 
-    `config` is a DeepSpeed JSON (path or dict) with a `"dsv3"` block; the model must be built from that block.
-    `group` is the process group the expert counts are all-reduced over (default: all ranks, which is the
-    data-parallel group here). Returns DeepSpeed's usual `(engine, optimizer, dataloader, lr_scheduler)`;
-    `engine.dsv3` holds the hooks and `engine.dsv3.state` the non-parameter training state.
+    Args:
+        model: a `DSv3Model` (or one from `build_model` / `load_pretrained`) built from the config's "dsv3" block.
+        config: a DeepSpeed JSON (path or dict) with a `"dsv3"` block (validated by `validate_ds_config`).
+        model_parameters, optimizer, lr_scheduler, training_data, **kwargs: as `deepspeed.initialize`; the JSON's
+            AdamW becomes the BF16-moment client optimizer under `memory.bf16_moments`.
+        group: the process group the expert counts are all-reduced over (default: all ranks, the data-parallel
+            group here).
+
+    Returns:
+        DeepSpeed's `(engine, optimizer, dataloader, lr_scheduler)`; `engine.dsv3` holds the hooks and
+        `engine.dsv3.state` the non-parameter training state (tokens seen, optimizer steps, last γ and bias stats).
+        After `engine.step()` at an accumulation boundary the router biases have taken their update.
+
+    Raises:
+        ConfigError: the JSON or the model does not fit (named by key).
     """
     ds_config, cfg = split_ds_config(config)
     _check_model_matches(model, cfg)

@@ -1,57 +1,13 @@
-"""Per-rank training memory of DeepSeek-V3 under PP × DP (EP carved from DP) and ZeRO-1, by component
-(report §3.2.1 Table 2 and §3.2.3 / §3.3 memory techniques; DualPipe's per-device parameter and activation
-table).
+"""Per-rank training memory of DeepSeek-V3 under PP × DP (EP carved from DP) and ZeRO-1, by component (report
+§3.2.1 Table 2, §3.2.3 / §3.3 memory techniques; DualPipe's per-device parameter and activation table).
 
-Per pipeline rank (`rank_memory`), for a schedule and that rank's stages:
+Per pipeline rank (`rank_memory`): params, FP32 gradients, ZeRO-1 optimizer state, activations (per component,
+times the micro-batches in flight read off the schedule's own op lists) and the host-side EMA. `dsv3 memory-plan`
+prints it; `tests/unit/test_memory_plan.py` checks the activations against saved-tensor hooks.
 
-* params     — the compute copy (`param_bytes`, BF16 = 2) of every parameter the rank holds: its stages'
-               layers, dense parts whole and routed experts `1/ep` (EP shards the experts); the embedding with
-               the first stage, final norm + output head + MTP modules with the last. DualPipe holds stages r and
-               PP−1−r (two model copies overall; the first and last stage share rank 0, so MTP reuses the
-               embedding and head physically, report §3.2.3); DualPipeV holds chunks r and 2PP−1−r of 2·PP; 1F1B
-               one stage (and with MTP the last stage keeps its own copy of the embedding).
-* grads      — gradient accumulation buffers for the same parameters, FP32 (report §3.3.3: "the gradients used
-               for batch accumulation stay in FP32").
-* optimizer  — FP32 master weights + AdamW moments (FP32, or BF16 with `memory.bf16_moments`, §3.3.3),
-               ZeRO-1 partitioned over the data-parallel replicas of each parameter: `dp` for dense
-               parameters, `dp / ep` for routed experts.
-* activations — what autograd keeps for backward (saved-tensor hooks; `tests/unit/test_memory_plan.py`
-               measures it for tiny and small), per micro-batch per stage, split by component (below), times
-               the micro-batches in flight on that stage at the rank's peak. The in-flight counts are not
-               assumed: they are read off the schedule's own op lists (`parallel.pipeline.schedule`, the ones
-               the runtime executes), a micro-batch's activations of a chunk living from its F to its B (to its
-               W when the backward is split into I + W). 1F1B: PP − r on rank r; DualPipe: PP + 1 chunk-micro-
-               batches on every rank (a chunk = one stage, ~L/PP layers; rank r: PP − r of its first chunk and
-               r + 1 of its second), as the DualPipe table says; DualPipeV: 2·PP + 1 half-size chunks.
-* ema        — EMA weights (FP32) live in host memory (`memory.ema`, §3.2.3): reported, not in the GPU total.
-
-Activation components (bytes per micro-batch of `batch × seq` tokens; `act_bytes` per activation element,
-FP8 tensors 1 byte + one FP32 scale per 128 along the quantized axis):
-
-  layer_inputs    inputs kept by recompute (the layer input, the residual after attention; `full`: the layer
-                  input only). norm_and_mla_up keeps no RMSNorm output: the GEMMs that read one in high
-                  precision get it recomputed when the backward enters their block
-  norms           RMSNorm internals (FP32 copy of the input, 1/rms, normalized value)  [recompute: none]
-  mla_proj        inputs of MLA's projections (q_a/kv_a: normed x, in FP8 one copy both read; q_b/kv_b; o_proj)
-                  and, under norm_and_mla_up, the latents c_Q and [c_KV | k^R] the up-projections restart from
-  attention       attention kernel state: q, k, v, output and log-sum-exp; norm_and_mla_up frees q, k, v
-                  after the forward (recomputed from the latents before the attention backward)
-  router          router input (its FP32 GEMM keeps it as given), sigmoid scores, top-k indices, gates,
-                  balance-loss terms
-  dispatch        the k routed copies of each token the experts read (FP8 Xᵀ with FP8 on), row indices
-  experts         SwiGLU state per routed copy (g, u, silu(g), g·u; FP8: g and u only, output recomputed),
-                  the routing weight (applied before the down projection: no expert outputs are kept)
-  shared_experts  the shared experts' SwiGLU state and inputs (dense layers: `dense_mlp`); FP8: g and u in FP8,
-                  output recomputed, as the routed experts
-  head_mtp        embedding indices, final norm, output-head input, log-softmax of the logits (FP32), the
-                  MTP modules' norms / eh_proj input / head (their decoder blocks count as layers above)
-
-NOTE: the attention state assumes a fused kernel (PyTorch SDPA's flash / memory-efficient kernels save q, k,
-v, o, lse). On CUDA the memory-efficient kernel takes d_v ≠ d_qk (PyTorch's sdp_utils requires only q and k to
-match), so nothing is padded; on CPU the flash kernel needs equal head sizes, so v (and o) are zero-padded to
-d_qk there (`pad_v`). The routed experts are the package's grouped kernels (`moe.GroupedSwiGLUKernel`,
-`fp8.experts.Fp8ExpertKernel`); CUDA's BF16 `grouped_mm` path keeps autograd's own set (about one more
-k·I per token).
+NOTE: the attention state assumes a fused kernel (SDPA flash / memory-efficient: q, k, v, o, lse); on CPU v is
+zero-padded to d_qk for the flash kernel (`pad_v`). Components and their formulas: docs/design_notes.md
+(#training-memory-plan).
 """
 
 from __future__ import annotations

@@ -2,24 +2,10 @@
 Up-Projection"): the outputs of all RMSNorms and of the MLA up-projections are not kept for backward but
 recomputed from their inputs there, trading a little compute for activation memory.
 
-`memory.recompute`:
-  * ``none``            — keep everything;
-  * ``norm_and_mla_up`` — the paper's setting: every RMSNorm outside MLA, and MLA's up-projections with
-                          the RoPE after them (`q_a_layernorm` -> `q_b_proj`, `kv_a_layernorm` -> `kv_b_proj`,
-                          RoPE, concatenation: `MLA.qkv`). Only the latents c_Q and [c_KV | k^R] are kept;
-                          the per-head q, k, v the attention kernel saved are freed once attention has run
-                          and recomputed right before its backward (`_QKVRecompute`), so the attention
-                          output and log-sum-exp are kept and the attention core is not run again. The
-                          decoder layers' norm outputs are freed after their block ran and recomputed when
-                          the backward enters it (`RecomputedNormsDecoderLayer`), so no GEMM keeps them;
-  * ``full``            — each decoder layer (main and MTP) as a whole.
-
-RMSNorm and full: `torch.utils.checkpoint` (non-reentrant). Both are applied by swapping a module's class for a
-subclass that checkpoints the wrapped method — parameter names, `state_dict` and `deepcopy` are unchanged,
-and `remove_recompute` swaps back. Recomputation is the same arithmetic on the same inputs, so losses and
-gradients are bit-identical; the router's expert counts are not incremented again during recompute
-(`router.skip_counting`). `saved_activation_bytes` measures what autograd keeps (saved-tensor hooks, storages
-deduplicated and sized after the forward, so the freed q, k, v count zero).
+`memory.recompute`: ``none``, ``norm_and_mla_up`` (the paper's setting), ``full`` (each decoder layer).
+`apply_recompute` / `remove_recompute` swap module classes (names, `state_dict`, `deepcopy` unchanged); losses
+and gradients are bit-identical; `saved_activation_bytes` measures what autograd keeps. Details:
+docs/design_notes.md (#training-recompute).
 """
 
 from __future__ import annotations

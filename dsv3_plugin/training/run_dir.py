@@ -1,26 +1,9 @@
-"""A `dsv3 train` run directory (`--out`): one run at a time, checkpoints that say whether they are complete and
-which config they belong to, and a metrics file that survives a crash in the middle of a write.
-
-Layout of OUT::
-
-    .dsv3.lock            exclusive fcntl.flock held by the training process (rank 0) while it runs; holds its pid
-    run.json              the config identity (model / MoE shape / MTP depth / parallel layout, and its hash)
-    metrics.jsonl         one JSON line per logged step (appended, flushed per line)
-    train.png, routing.png
-    ckpt/latest           DeepSpeed's pointer to the newest tag
-    ckpt/step<N>/...      DeepSpeed's files, each rank's EMA shard, and `dsv3_complete.json` (written last)
-
-Why each piece:
-- The lock: two runs writing one OUT interleave their metrics lines and checkpoint files. An OS lock is
-  released by the kernel when its holder exits or crashes (no stale lock files to clean up by hand).
-- `dsv3_complete.json`: DeepSpeed writes `latest` on rank 0 without waiting for the other ranks' optimizer
-  files, and our EMA shards come after it. The marker is written by rank 0 after a barrier that follows every
-  rank's last file, and lists every file with its size; a tag without a valid marker is incomplete.
-- `run.json` + the hash in each marker: `--resume` must not continue from a checkpoint of another model or
-  parallel layout (DeepSpeed would fail later with a shape error, or silently mix runs).
+"""A `dsv3 train` run directory (`--out`): one run at a time (an fcntl lock), checkpoints that say whether they
+are complete (`dsv3_complete.json`, written last, listing every file) and which config they belong to
+(`run.json` and its hash), and a metrics file that survives a crash in the middle of a write.
 
 `RunDir` is what one training call does with all of this; the functions are its pieces (and the CLI's checks
-before any rank starts).
+before any rank starts). Layout and reasons: docs/design_notes.md (#training-run-dir).
 """
 
 from __future__ import annotations

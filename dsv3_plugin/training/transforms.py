@@ -34,7 +34,16 @@ __all__ = ["build_model", "apply_transforms", "convert_to_fp8"]
 
 
 def build_model(cfg: DSv3Config | dict | str) -> DSv3Model:
-    """`DSv3Model(cfg)` with the transforms its config asks for (`fp8.enabled`, `memory.recompute`)."""
+    """`DSv3Model(cfg)` with the transforms its config asks for (`fp8.enabled`, `memory.recompute`).
+
+    Args:
+        cfg: a `DSv3Config`, a "dsv3" block dict, or a preset name.
+
+    Returns:
+        The model (FP32 parameters, initialised from the config's seed), transformed in place: with FP8 its
+        decoder-layer Linears are `Fp8Linear` and its routed experts run `Fp8ExpertKernel`; with recompute its
+        norms / MLA up-projections (or whole layers) are recomputed in backward. Parameter names are unchanged.
+    """
     cfg = load_config(cfg)
     return apply_transforms(DSv3Model(cfg), cfg)
 

@@ -133,7 +133,8 @@ def test_v3_plan_per_rank_and_schedule_relations():
 
 def test_paper_setup_fits_80_gib_with_the_paper_techniques():
     """PP16 DualPipe, EP64, ZeRO-1 over DP 128, micro-batch 1 x 4096, recompute of norms and MLA up-projections,
-    FP8 caching, BF16 moments, EMA on the host: every rank's plan is below 80 GiB (docs/results.md states the margin)."""
+    FP8 caching, BF16 moments, EMA on the host: every rank's plan is below 80 GiB
+    (docs/results.md states the margin)."""
     cfg = load_config({"preset": "v3-671b", "memory": {"ema": True}})
     ranks = plan_ranks(
         cfg, "dualpipe", 16, 64, 128, micro_batch=(1, 4096), recompute="norm_and_mla_up", fp8=True, bf16_moments=True
