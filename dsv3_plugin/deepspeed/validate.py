@@ -16,10 +16,9 @@ from typing import Literal
 
 from dsv3_plugin.config import ConfigError, DSv3Config, check_numbers, load_config, read_ds_json, value_with_type
 from dsv3_plugin.deepspeed.config_keys import adamw_hyperparameters, check_deepspeed_keys, micro_batch, resolve_batch
-from dsv3_plugin.parallel.pipeline.stages import min_layers
-from dsv3_plugin.precision.fp8.linear import select_backend
 from dsv3_plugin.schedule_traits import check_chunks
 from dsv3_plugin.training.memory_estimate import MemoryEstimate, check_budget
+from dsv3_plugin.training.run_rules import train_rules, world_rules
 
 __all__ = ["validate_ds_config", "CheckedConfig", "pipeline_microbatch_rule", "check_memory"]
 
@@ -89,53 +88,6 @@ def _deepspeed_path_rules(cfg: DSv3Config, ds: dict) -> None:
         )
 
 
-def _train_rules(cfg: DSv3Config) -> None:
-    """What `dsv3 train` itself refuses (the engine alone may still be used this way from Python)."""
-    p, m = cfg.parallel, cfg.model
-    if p.pp > 1:
-        # A rank whose stages are all empty and hold neither the embedding (first stage) nor the head (last) has
-        # no parameter, and DeepSpeed's optimizer refuses an empty parameter list (pipeline/stages.py).
-        need = min_layers(p.schedule, p.pp, cfg.mtp.depth)
-        if m.num_hidden_layers < need:
-            raise ConfigError(
-                f"dsv3.model.num_hidden_layers: {p.schedule} with pp={p.pp} needs >= {need} decoder "
-                f"layers, or a pipeline rank is left without any parameter (got {m.num_hidden_layers})"
-            )
-    # dsv3 train's synthetic data (dsv3_plugin.data.synthetic.MarkovData): 4 successors per token, and torch.multinomial
-    # draws from at most 2^24 categories
-    if not 5 <= m.vocab_size <= 2**24:
-        raise ConfigError(
-            f"dsv3.model.vocab_size: dsv3 train's synthetic data needs 5 <= vocab_size <= 2^24 = "
-            f"{2**24} (got {m.vocab_size})"
-        )
-    if cfg.train.seq_len > m.max_position_embeddings:
-        raise ConfigError(
-            f"dsv3.train.seq_len: must be <= model.max_position_embeddings "
-            f"(got {cfg.train.seq_len} > {m.max_position_embeddings})"
-        )
-    if cfg.fp8.enabled and cfg.fp8.backend in ("te", "torch"):
-        import torch
-
-        select_backend(cfg.fp8, "cuda" if torch.cuda.is_available() else "cpu")  # ConfigError naming the backend
-
-
-def _world_rules(cfg: DSv3Config, world: int) -> int:
-    """-> the data-parallel size."""
-    p = cfg.parallel
-    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
-        raise ConfigError(f"--nproc: the world size must be an integer >= 1 (got {world!r})")
-    if world % p.pp:
-        raise ConfigError(f"dsv3.parallel.pp: must divide the world size (got pp={p.pp}, world={world})")
-    dp = world // p.pp
-    if p.pp == 1 and world % p.ep:
-        raise ConfigError(f"dsv3.parallel.ep: must divide the world size (got ep={p.ep}, world={world})")
-    if dp % p.ep:
-        raise ConfigError(
-            f"dsv3.parallel.ep: must divide the data-parallel size (got ep={p.ep}, dp={dp} = world {world} / pp {p.pp})"
-        )
-    return dp
-
-
 def check_memory(cfg: DSv3Config, ds: dict, world: int, ranks_on_host: int, budget: int) -> MemoryEstimate:
     """`training.memory_estimate.check_budget` for a DeepSpeed JSON: its micro-batch per data-parallel rank and its
     precision (2 B per element under bf16/fp16, else 4). Returns the estimate; ConfigError naming the driving key
@@ -169,8 +121,8 @@ def validate_ds_config(
     ds = check_deepspeed_keys(raw, train=target == "train")
     _deepspeed_path_rules(cfg, ds)
     if target == "train":
-        _train_rules(cfg)
-    dp = _world_rules(cfg, world_size) if world_size is not None else None
+        train_rules(cfg)
+    dp = world_rules(cfg, world_size) if world_size is not None else None
     gas = resolve_batch(ds, dp)
     if gas is not None:
         pipeline_microbatch_rule(cfg, gas)

@@ -1,0 +1,61 @@
+"""What a `dsv3 train` run needs of its config beyond the "dsv3" block's own checks, whatever the framework:
+`train_rules` (every pipeline rank holds a parameter, the synthetic data's vocabulary range, the sequence within
+the position range, the FP8 backend runnable here) and `world_rules` (pp and ep divide the world and the
+data-parallel size). `deepspeed.validate.validate_ds_config` runs them with the DeepSpeed keys' checks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv3_plugin.config import ConfigError, DSv3Config
+from dsv3_plugin.parallel.pipeline.stages import min_layers
+from dsv3_plugin.precision.fp8.linear import select_backend
+
+__all__ = ["train_rules", "world_rules"]
+
+
+def train_rules(cfg: DSv3Config) -> None:
+    """What `dsv3 train` itself refuses (the engine alone may still be used this way from Python)."""
+    p, m = cfg.parallel, cfg.model
+    if p.pp > 1:
+        # A rank whose stages are all empty and hold neither the embedding (first stage) nor the head (last) has
+        # no parameter, and DeepSpeed's optimizer refuses an empty parameter list (pipeline/stages.py).
+        need = min_layers(p.schedule, p.pp, cfg.mtp.depth)
+        if m.num_hidden_layers < need:
+            raise ConfigError(
+                f"dsv3.model.num_hidden_layers: {p.schedule} with pp={p.pp} needs >= {need} decoder "
+                f"layers, or a pipeline rank is left without any parameter (got {m.num_hidden_layers})"
+            )
+    # dsv3 train's synthetic data (dsv3_plugin.data.synthetic.MarkovData): 4 successors per token, and torch.multinomial
+    # draws from at most 2^24 categories
+    if not 5 <= m.vocab_size <= 2**24:
+        raise ConfigError(
+            f"dsv3.model.vocab_size: dsv3 train's synthetic data needs 5 <= vocab_size <= 2^24 = "
+            f"{2**24} (got {m.vocab_size})"
+        )
+    if cfg.train.seq_len > m.max_position_embeddings:
+        raise ConfigError(
+            f"dsv3.train.seq_len: must be <= model.max_position_embeddings "
+            f"(got {cfg.train.seq_len} > {m.max_position_embeddings})"
+        )
+    if cfg.fp8.enabled and cfg.fp8.backend in ("te", "torch"):
+        select_backend(cfg.fp8, "cuda" if torch.cuda.is_available() else "cpu")  # ConfigError naming the backend
+
+
+def world_rules(cfg: DSv3Config, world: int) -> int:
+    """The layout rules for `world` ranks (ConfigError naming `--nproc` or the key). Returns the data-parallel
+    size (world / pp)."""
+    p = cfg.parallel
+    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+        raise ConfigError(f"--nproc: the world size must be an integer >= 1 (got {world!r})")
+    if world % p.pp:
+        raise ConfigError(f"dsv3.parallel.pp: must divide the world size (got pp={p.pp}, world={world})")
+    dp = world // p.pp
+    if p.pp == 1 and world % p.ep:
+        raise ConfigError(f"dsv3.parallel.ep: must divide the world size (got ep={p.ep}, world={world})")
+    if dp % p.ep:
+        raise ConfigError(
+            f"dsv3.parallel.ep: must divide the data-parallel size (got ep={p.ep}, dp={dp} = world {world} / pp {p.pp})"
+        )
+    return dp
