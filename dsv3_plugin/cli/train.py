@@ -34,7 +34,12 @@ from dsv3_plugin.training import run_dir as rd
 
 
 def register(sub):
-    p = sub.add_parser("train", help="train with DeepSpeed ZeRO-1 (tiny preset on 2 CPU ranks by default)")
+    p = sub.add_parser(
+        "train",
+        help="train with DeepSpeed ZeRO-1 on synthetic data (tiny preset on 2 CPU ranks by default)",
+        description='Trains on dsv3.train.data = "synthetic": a seeded Markov chain over the vocabulary. '
+        "No tokenizer or dataset is read, also with --init-from.",
+    )
     p.add_argument("--config", help='DeepSpeed JSON with a "dsv3" block (default: built-in tiny config)')
     p.add_argument("--nproc", type=int, help="ranks to self-spawn (default 2; ignored under torchrun/deepspeed)")
     p.add_argument(

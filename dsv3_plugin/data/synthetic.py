@@ -61,6 +61,11 @@ class MarkovData:
         return float(-(q * q.log()).sum())
 
     @property
+    def description(self) -> str:
+        """What the run summary says this data is: never a user's data."""
+        return 'synthetic Markov chain (dsv3.train.data = "synthetic"; no tokenizer or dataset was read)'
+
+    @property
     def uniform_loss(self) -> float:
         return math.log(self.vocab_size)
 

@@ -124,7 +124,7 @@ def run(
     Args:
         engine: the framework's step (see `TrainEngine`).
         data: batches by `data.batch(step, micro, rank, batch_size[, device])` -> (ids [B, T], labels [B, T]);
-            `data.entropy_rate` is the loss floor the summary names.
+            `data.entropy_rate` is the loss floor and `data.description` the data source the summary names.
         run_dir: the locked run directory (metrics.jsonl, checkpoints, resume tag).
         cfg: the `DSv3Config` (train.log_every, train.save_every, memory.ema, parallel.p2p_timeout_s).
         total: the step index to reach.
@@ -174,6 +174,7 @@ def run(
         checkpoint_bytes_read,
         pipeline=report,
         rss_before_model=rss_before_model,
+        data_description=data.description,
     )
 
 

@@ -42,6 +42,7 @@ def finish(
     checkpoint_bytes_read: int = 0,
     pipeline: dict | None = None,
     rss_before_model: int = 0,
+    data_description: str = "",
 ) -> dict:
     """End of a run: PNGs, the summary (JSON on stdout with `echo`, human text with `summary`; rank 0 prints, one
     summary per run) and final-state fingerprints (plain Python values, so they can cross process boundaries).
@@ -54,6 +55,7 @@ def finish(
         checkpoint_bytes_read: bytes this rank read from `--init-from`.
         pipeline: the pipelined engine's per-rank busy/idle times, reported under the summary's "pipeline" key.
         rss_before_model: RSS just before the model was built (the runtime's share of the peak).
+        data_description: what the run trained on, one line of the summary (so that no run hides its data).
 
     Returns:
         {"history", "summary" (with this rank's `peak_rss_bytes`, `rss_before_model_bytes`, `param_bytes`,
@@ -73,7 +75,7 @@ def finish(
                 files.append(plot_routing([out], os.path.join(out, "routing.png")))
     if run.ckpt and history:
         files.append(os.path.join(run.ckpt, f"step{history[-1]['step']}"))
-    summ = _summary(history, world, wall_s, loss_floor, files)
+    summ = _summary(history, world, wall_s, loss_floor, files, data_description)
     summ.update(_rank_memory(model, checkpoint_bytes_read, rss_before_model))
     peak = max(r["peak_rss_bytes"] for r in summ["ranks"])
     read = max(r["checkpoint_bytes_read"] for r in summ["ranks"])
@@ -147,7 +149,9 @@ def window_maxvio(rows: list[dict]) -> float | None:
     return sum(vals) / len(vals)
 
 
-def _summary(history: list[dict], world: int, wall_s: float, loss_floor: float, files: list[str]) -> dict:
+def _summary(
+    history: list[dict], world: int, wall_s: float, loss_floor: float, files: list[str], data_description: str
+) -> dict:
     if not history:
         text = "dsv3 train: nothing to do (already at the requested step)"
         return {"steps": 0, "line": text, "text": text}
@@ -165,6 +169,7 @@ def _summary(history: list[dict], world: int, wall_s: float, loss_floor: float, 
         line,
         f"  loss           {first['loss']:.3f} -> {last['loss']:.3f}   (LM {first['lm_loss']:.3f} -> "
         f"{last['lm_loss']:.3f}; the data's floor is {loss_floor:.2f})",
+        f"  data           {data_description}",
     ]
     if mv_first is not None and n > 1:
         s0, s1 = (f"steps {w[0]['step']}-{w[-1]['step']}" if k > 1 else f"step {w[0]['step']}" for w in (head, tail))
@@ -203,6 +208,7 @@ def _summary(history: list[dict], world: int, wall_s: float, loss_floor: float, 
         "tokens_per_s": tps,
         "finite": ok,
         "files": files,
+        "data": data_description,
         "line": line,
         "text": "\n".join(lines),
     }

@@ -144,6 +144,8 @@ def test_terminal_output_is_a_bar_and_a_short_summary(tmp_path):
     assert [r["step"] for r in rows] == list(range(1, 13))
     first, last = window_maxvio(rows[:6]), window_maxvio(rows[6:])
     assert f"MaxVio_global  {first:.3f} over steps 1-6 -> {last:.3f} over steps 7-12" in p.stdout
+    # the run says what it trained on (the Markov chain, not a user's data)
+    assert 'data           synthetic Markov chain (dsv3.train.data = "synthetic"' in p.stdout
     assert f"{rows[-1]['maxvio_global']:.3f} over the whole run" in p.stdout
     with open(os.path.join(out, "routing.png"), "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
