@@ -14,15 +14,17 @@ __all__ = ["import_deepspeed", "quiet_deepspeed_logs"]
 
 
 def import_deepspeed():
-    """`import deepspeed`, set up for this machine (CPU accelerator without CUDA, our small CPU patch)."""
+    """`import deepspeed`, set up for this machine (CPU accelerator without CUDA, our small CPU patch) and with its
+    checkpoint loads restricted to `torch.load(weights_only=True)` (`dsv3_plugin_patches.deepspeed_safe_load`)."""
     if not torch.cuda.is_available():
         # DeepSpeed picks its accelerator at import time; without CUDA it must be told to use the CPU one.
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
 
-    from dsv3_plugin_patches import deepspeed_shm_comm
+    from dsv3_plugin_patches import deepspeed_safe_load, deepspeed_shm_comm
 
     deepspeed_shm_comm.apply()  # CPU: no JIT build of an inference-only op, no print on stdout
+    deepspeed_safe_load.apply()  # checkpoints read with torch.load(weights_only=True): no unpickling of code
     return deepspeed
 
 
