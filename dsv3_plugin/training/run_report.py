@@ -169,8 +169,9 @@ def _summary(
         line,
         f"  loss           {first['loss']:.3f} -> {last['loss']:.3f}   (LM {first['lm_loss']:.3f} -> "
         f"{last['lm_loss']:.3f}; the data's floor is {loss_floor:.2f})",
-        f"  data           {data_description}",
     ]
+    if data_description:  # what the run trained on: no run hides its data
+        lines.append(f"  data           {data_description}")
     if mv_first is not None and n > 1:
         s0, s1 = (f"steps {w[0]['step']}-{w[-1]['step']}" if k > 1 else f"step {w[0]['step']}" for w in (head, tail))
         lines.append(
