@@ -1,7 +1,7 @@
 """Error types shared across the package (docs/architecture.md, Conventions: bad input is a `ValueError`, CLI
 exit code 2; a peer that is gone is a `PeerError`, exit code 1, reported in one message without a traceback)."""
 
-__all__ = ["ConfigError", "CheckpointError", "PeerError"]
+__all__ = ["ConfigError", "CheckpointError", "DataError", "PeerError"]
 
 
 class ConfigError(ValueError):
@@ -10,6 +10,10 @@ class ConfigError(ValueError):
 
 class CheckpointError(ValueError):
     """Bad checkpoint input; the message names the tensor and/or file."""
+
+
+class DataError(ValueError):
+    """Bad training data or tokenizer input; the message names the file (and line, key or record)."""
 
 
 class PeerError(RuntimeError):

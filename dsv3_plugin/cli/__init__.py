@@ -15,7 +15,7 @@ import re
 import sys
 
 from dsv3_plugin.config import ConfigError
-from dsv3_plugin.errors import CheckpointError
+from dsv3_plugin.errors import CheckpointError, DataError
 
 __all__ = ["main", "build_parser", "strip_launcher_args"]
 
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
     Returns:
         The exit code: what the sub-command returned (0 when it returned None), 2 on bad input (`ConfigError`,
-        `CheckpointError`: printed as `error: ...` on stderr), 130 when interrupted.
+        `CheckpointError`, `DataError`: printed as `error: ...` on stderr), 130 when interrupted.
 
     Raises:
         SystemExit: from argparse: `--help` and `--version` (0), bad arguments (2).
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         print("dsv3: interrupted", file=sys.stderr)
         return 130
     except ValueError as e:  # ConfigError, CheckpointError: bad input, message names the key/tensor
-        if isinstance(e, (ConfigError, CheckpointError)):
+        if isinstance(e, (ConfigError, CheckpointError, DataError)):
             print(f"error: {e}", file=sys.stderr)
             return 2
         raise
