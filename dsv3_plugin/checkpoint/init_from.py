@@ -12,12 +12,12 @@ import os
 import torch
 
 from dsv3_plugin.checkpoint.hf import load_pretrained, pretrained_config
-from dsv3_plugin.config import ConfigError, load_config
+from dsv3_plugin.config import ConfigError, DSv3Config, load_config
 from dsv3_plugin.errors import CheckpointError
 from dsv3_plugin.training.rank_local import RankLayout, build_rank_local
 from dsv3_plugin.training.transforms import build_model
 
-__all__ = ["build_train_model", "init_from_config"]
+__all__ = ["build_train_model", "init_from_config", "with_model_shape"]
 
 
 def build_train_model(
@@ -49,18 +49,28 @@ def build_train_model(
     return build_rank_local(cfg, layout, dtype) if direct else build_model(cfg)
 
 
-def init_from_config(ds: dict, init_from: str) -> dict:
-    """Model shape from the released config.json; training knobs (γ, λ, α schedules, train.*) from the JSON."""
+def with_model_shape(ds: dict, shape: DSv3Config, keep_user_model_keys: bool = False) -> dict:
+    """The DeepSpeed JSON `ds` with its "dsv3" block's model shape taken from `shape` (a released config.json's,
+    or a built model's `cfg`) and the training knobs (γ, λ, α schedules, parallel, fp8, memory, train.*) from the
+    block: the JSON need not repeat a checkpoint's shape.
+
+    Args:
+        ds: the DeepSpeed JSON as a dict, with a "dsv3" block.
+        shape: where `model`, `moe` and `mtp` come from; moe/mtp keys the block sets explicitly win (training-time
+            knobs such as the bias update speed).
+        keep_user_model_keys: also let explicit `model` keys of the block win (so a caller can then compare them
+            with the model and name a mismatch).
+
+    Returns:
+        A new dict whose "dsv3" block is complete (`"preset": None`).
+    """
     if not isinstance(ds.get("dsv3"), dict):
         raise ConfigError('dsv3: the DeepSpeed JSON has no "dsv3" block')
-    hf_path = os.path.join(init_from, "config.json")
-    if not os.path.isfile(hf_path):
-        raise CheckpointError(f"{hf_path}: not found (--init-from needs a released-format checkpoint dir)")
-    asked = load_config({"dsv3": ds["dsv3"]})
     user = ds["dsv3"]
-    hf = pretrained_config(init_from).to_dict()  # config.json, index, headers, tensor set: CheckpointError
-    block = {"preset": None, "model": hf["model"], "moe": hf["moe"], "mtp": hf["mtp"]}
-    for sec in ("moe", "mtp"):  # training-time knobs the user set explicitly win over the released file
+    asked = load_config({"dsv3": user})
+    have = shape.to_dict()
+    block = {"preset": None, "model": dict(have["model"]), "moe": dict(have["moe"]), "mtp": dict(have["mtp"])}
+    for sec in ("model", "moe", "mtp") if keep_user_model_keys else ("moe", "mtp"):
         for k, v in (user.get(sec) or {}).items():
             block[sec][k] = v
     for sec in ("parallel", "fp8", "memory", "train"):
@@ -68,3 +78,14 @@ def init_from_config(ds: dict, init_from: str) -> dict:
     out = dict(ds)
     out["dsv3"] = block
     return out
+
+
+def init_from_config(ds: dict, init_from: str) -> dict:
+    """Model shape from the released config.json; training knobs (γ, λ, α schedules, train.*) from the JSON."""
+    if not isinstance(ds.get("dsv3"), dict):
+        raise ConfigError('dsv3: the DeepSpeed JSON has no "dsv3" block')
+    hf_path = os.path.join(init_from, "config.json")
+    if not os.path.isfile(hf_path):
+        raise CheckpointError(f"{hf_path}: not found (--init-from needs a released-format checkpoint dir)")
+    load_config({"dsv3": ds["dsv3"]})  # the block's own errors first, named by key
+    return with_model_shape(ds, pretrained_config(init_from))  # config.json, index, headers: CheckpointError

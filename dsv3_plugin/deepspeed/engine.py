@@ -19,7 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dsv3_plugin.config import ConfigError, DSv3Config
+from dsv3_plugin.checkpoint.init_from import with_model_shape
+from dsv3_plugin.config import ConfigError, DSv3Config, read_ds_json
 from dsv3_plugin.deepspeed.backend import import_deepspeed, quiet_deepspeed_logs  # noqa: F401  (re-exported)
 from dsv3_plugin.deepspeed.config_keys import DEFAULT_GRADIENT_CLIPPING, SUPPORTED_ZERO_STAGES, adamw_hyperparameters  # noqa: F401  (re-exported)
 from dsv3_plugin.deepspeed.moe_layer import stacking_order
@@ -275,8 +276,10 @@ def initialize(
     """`deepspeed.initialize` for a `DSv3Model` with ZeRO-1 and the DeepSeek-V3 training state.
 
     Args:
-        model: a `DSv3Model` (or one from `build_model` / `load_pretrained`) built from the config's "dsv3" block.
-        config: a DeepSpeed JSON (path or dict) with a `"dsv3"` block (validated by `validate_ds_config`).
+        model: a `DSv3Model` (from `build_model` / `load_pretrained`); its `cfg` gives the model shape (`model`,
+            `moe`, `mtp` keys the JSON leaves out).
+        config: a DeepSpeed JSON (path or dict) with a `"dsv3"` block (validated by `validate_ds_config`): the
+            training knobs; shape keys it sets must equal the model's.
         model_parameters, optimizer, lr_scheduler, training_data, **kwargs: as `deepspeed.initialize`; the JSON's
             AdamW becomes the BF16-moment client optimizer under `memory.bf16_moments`.
         group: the process group the expert counts are all-reduced over (default: all ranks, the data-parallel
@@ -290,6 +293,10 @@ def initialize(
     Raises:
         ConfigError: the JSON or the model does not fit (named by key).
     """
+    if isinstance(getattr(model, "cfg", None), DSv3Config):
+        # The model's shape (e.g. `load_pretrained`'s, from the checkpoint's config.json) fills the block: the JSON
+        # gives the training knobs and need not repeat the shape; shape keys it does give must agree (checked next).
+        config = with_model_shape(read_ds_json(config), model.cfg, keep_user_model_keys=True)
     ds_config, cfg = split_ds_config(config)
     _check_model_matches(model, cfg)
     if optimizer is None and "optimizer" not in ds_config:
