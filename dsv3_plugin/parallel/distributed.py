@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dsv3_plugin.config import ConfigError
-from dsv3_plugin.errors import CheckpointError, PeerError
+from dsv3_plugin.errors import CheckpointError, DataError, PeerError
 
 __all__ = [
     "launched_externally",
@@ -172,8 +172,9 @@ def peer_failures(
 
 
 def _is_input_error(e: BaseException) -> bool:
-    """ConfigError / CheckpointError: bad user input, reported as one line and exit code 2 (docs/architecture.md)."""
-    return isinstance(e, (ConfigError, CheckpointError))
+    """ConfigError / CheckpointError / DataError: bad user input, reported as one line and exit code 2
+    (docs/architecture.md)."""
+    return isinstance(e, (ConfigError, CheckpointError, DataError))
 
 
 def first_failure(code: int) -> tuple[bool, int]:
@@ -321,7 +322,7 @@ def _worker(
 
 
 def _input_error(name: str, message: str) -> ValueError:
-    return {"ConfigError": ConfigError, "CheckpointError": CheckpointError}[name](message)
+    return {"ConfigError": ConfigError, "CheckpointError": CheckpointError, "DataError": DataError}[name](message)
 
 
 # What the forkserver imports once, so that each rank starts as a fork of it instead of a fresh interpreter that
