@@ -66,6 +66,15 @@ def atomic_output_dir(dst: str) -> Iterator[str]:
         raise
 
 
+def _is_train_run(src: str) -> bool:
+    """Whether `src` is what `dsv3 train` writes (a run directory, its ckpt/, or one DeepSpeed tag directory) rather
+    than a released checkpoint: no config.json, and DeepSpeed's `latest` pointer or model-states files."""
+    if os.path.isfile(os.path.join(src, "config.json")):
+        return False
+    ck = os.path.join(src, "ckpt") if os.path.isdir(os.path.join(src, "ckpt")) else src
+    return os.path.isfile(os.path.join(ck, "latest")) or os.path.isfile(os.path.join(src, "mp_rank_00_model_states.pt"))
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -384,6 +393,8 @@ def convert(
             _copy_side_files(src, tmp, {LAYOUT_NAME, "config.json", INDEX_NAME})
         return {"to": to, "src": src, "dst": os.path.abspath(dst), **summary}
 
+    if _is_train_run(src):
+        raise CheckpointError(f"{src} is a dsv3 train run directory: use dsv3 export {src} DST --to hf-bf16|hf")
     reader = CheckpointReader(src, allow_non_finite=allow_non_finite)
     model_config(reader.config, reader.config_path)  # one reading of config.json for convert, load and train
     _check_names(reader)

@@ -41,7 +41,8 @@ def _stored(native: str, cfg: DSv3Config) -> bool:
 
 
 def native_state_to_hf(state: dict[str, torch.Tensor], cfg: DSv3Config) -> dict[str, torch.Tensor]:
-    """Our state dict -> released names (experts unstacked; MTP gets its shared head/embedding copies)."""
+    """Our state dict -> released names (experts unstacked; the MTP module gets its own copies of the shared
+    embedding / head, as in the release: clones, since safetensors refuses tensors that share storage)."""
     L = cfg.model.num_hidden_layers
     out: dict[str, torch.Tensor] = {}
     for name, t in state.items():
@@ -53,8 +54,9 @@ def native_state_to_hf(state: dict[str, torch.Tensor], cfg: DSv3Config) -> dict[
         else:
             out[native_to_released(name, L)] = t
     for k in range(cfg.mtp.depth):
-        out[f"model.layers.{L + k}.embed_tokens.weight"] = state["embed_tokens.weight"]
-        out[f"model.layers.{L + k}.shared_head.head.weight"] = state["lm_head.weight"]
+        head = state["embed_tokens.weight" if cfg.model.tie_word_embeddings else "lm_head.weight"]
+        out[f"model.layers.{L + k}.embed_tokens.weight"] = state["embed_tokens.weight"].clone()
+        out[f"model.layers.{L + k}.shared_head.head.weight"] = head.clone()
     return out
 
 
