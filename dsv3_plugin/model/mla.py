@@ -74,15 +74,25 @@ class MLA(nn.Module):
             v = F.pad(v, (0, self.d_qk - self.d_v))
         return q, k, v
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal softmax attention [B, nh, T, d_v-or-padded] (eq. 10)."""
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+    def core(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Causal softmax attention [B, nh, T, d_v-or-padded] (eq. 10). `attn_mask` [B, 1, T, T] bool (True = may
+        attend; packed rows: causal inside each document, `model.packing.document_causal_mask`) replaces the plain
+        causal mask when given."""
+        if attn_mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=self.scale)
 
-    def attention(self, cq_BTC, ckv_BTC, cos, sin) -> torch.Tensor:
+    def attention(self, cq_BTC, ckv_BTC, cos, sin, attn_mask=None) -> torch.Tensor:
         """From the latents to the attention output [B, nh, T, d_v(+pad)] (recompute overrides this)."""
-        return self.core(*self.qkv(cq_BTC, ckv_BTC, cos, sin))
+        return self.core(*self.qkv(cq_BTC, ckv_BTC, cos, sin), attn_mask)
 
-    def forward(self, x_BTH: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x_BTH: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [B, T, H] -> [B, T, H]. cos/sin: [T, d_R/2], or [B, 1, T, d_R/2] for per-row positions; attn_mask:
+        see `core`."""
         B, T, _ = x_BTH.shape
-        o = self.attention(self.q_down(x_BTH), self.kv_a_proj_with_mqa(x_BTH), cos, sin)[..., : self.d_v]
+        o = self.attention(self.q_down(x_BTH), self.kv_a_proj_with_mqa(x_BTH), cos, sin, attn_mask)[..., : self.d_v]
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.n_heads * self.d_v))

@@ -12,7 +12,12 @@ token t_{i+k} and predicts t_{i+k+1}:
 NOTE: the embedding half comes *first* in eh_proj's input, as the released weights are laid out (vLLM,
 Megatron-Core); the paper's eq. 21 writes the other order. h^0 is the main model's hidden state *after* the
 final RMSNorm (the tensor that feeds lm_head), as vLLM, SGLang and Megatron-Core feed it. Emb and OutHead
-are the main model's modules (shared physically). Positions inside TRM_k run 0..T-k-1.
+are the main model's modules (shared physically). Positions inside TRM_k run 0..T-k-1 (packed rows: the main
+model's per-document positions and mask, restricted to the S = T-k rows, `model.packing.mtp_rows`).
+
+NOTE: eq. 24's 1/T assumes every position has a target. With masked labels (prompt tokens, packed documents'
+ends, padding) L^k divides by the number of the main model's loss tokens (labels != -100) instead of B·T, the
+count the LM loss averages over; without masking that count is B·T and eq. 24 is unchanged.
 """
 
 from __future__ import annotations
@@ -39,18 +44,36 @@ class MTPLayer(nn.Module):
         self.norm = RMSNorm(hidden_size, eps)
 
     def forward(
-        self, h_prev_BSH: torch.Tensor, emb_BSH: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self,
+        h_prev_BSH: torch.Tensor,
+        emb_BSH: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        token_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """h_prev, emb: [B, S, H] aligned (S = T - k). Returns h^k [B, S, H] (before `norm`)."""
+        """h_prev, emb: [B, S, H] aligned (S = T - k); cos/sin, attn_mask, token_mask [B, S]: the main model's
+        restricted to the S rows (`packing.mtp_rows`). Returns h^k [B, S, H] (before `norm`)."""
         x = self.eh_proj(torch.cat([self.enorm(emb_BSH), self.hnorm(h_prev_BSH)], dim=-1))
-        return self.layer(x, cos, sin)
+        if attn_mask is None and token_mask is None:
+            return self.layer(x, cos, sin)
+        return self.layer(x, cos, sin, attn_mask, token_mask)
 
 
-def mtp_depth_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, full_T: int) -> torch.Tensor:
-    """L^k of eq. 24: token CE summed over the S = T - k predicted positions, divided by B·T (full T).
-    Labels equal to -100 are ignored (and still counted in T, as the equation's fixed 1/T)."""
+def mtp_depth_loss(
+    logits_BSV: torch.Tensor,
+    labels_BS: torch.Tensor,
+    full_T: int,
+    n_loss_tokens: torch.Tensor | int | None = None,
+) -> torch.Tensor:
+    """L^k of eq. 24: token CE summed over the S = T - k predicted positions (labels -100 ignored), divided by
+    B·T (full T) or, when given, by `n_loss_tokens` (the main model's loss tokens: module NOTE; at least 1)."""
     B = logits_BSV.shape[0]
     ce = F.cross_entropy(
         logits_BSV.reshape(-1, logits_BSV.shape[-1]).float(), labels_BS.reshape(-1), ignore_index=-100, reduction="sum"
     )
-    return ce / (B * full_T)
+    if n_loss_tokens is None:
+        return ce / (B * full_T)
+    if torch.is_tensor(n_loss_tokens):
+        return ce / n_loss_tokens.clamp(min=1)
+    return ce / max(int(n_loss_tokens), 1)

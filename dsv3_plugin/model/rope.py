@@ -58,7 +58,8 @@ def _yarn_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(nn.Module):
-    """Produces (cos, sin) of shape [T, d_R/2] for given positions (fp32, then cast to the activations' dtype)."""
+    """Produces (cos, sin) of shape [*positions.shape, d_R/2] for given positions ([T], or [B, T] for packed rows
+    whose positions restart per document), in fp32, then cast to the activations' dtype."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -66,12 +67,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]  # [T, d_R/2]
+        # [..., 1] x [d_R/2]: the same element-wise products for [T] and [B, T] positions
+        freqs = positions.float()[..., None] * self.inv_freq.to(positions.device)  # [..., d_R/2]
         return (freqs.cos() * self.attn_factor).to(dtype), (freqs.sin() * self.attn_factor).to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = True) -> torch.Tensor:
-    """Rotate x [..., T, d_R] by (cos, sin) [T, d_R/2].
+    """Rotate x [..., T, d_R] by (cos, sin) [T, d_R/2] (or [B, 1, T, d_R/2]: per-row positions, all heads).
 
     Interleaved input pairs (x0,x1),(x2,x3)… are returned de-interleaved ([rotated evens | rotated odds]); the
     same permutation hits queries and keys, so q·k is that of the complex-pair rotation in DeepSeek's reference.

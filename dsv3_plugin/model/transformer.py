@@ -18,6 +18,7 @@ from dsv3_plugin.model.mla import MLA
 from dsv3_plugin.model.moe.layer import DeepSeekMoE, DenseMLP, GroupedExperts
 from dsv3_plugin.model.mtp import MTPLayer, mtp_depth_loss
 from dsv3_plugin.model.norm import RMSNorm
+from dsv3_plugin.model.packing import IGNORE_INDEX, mtp_labels, mtp_rows, rope_tables
 from dsv3_plugin.model.rope import RotaryEmbedding
 
 __all__ = ["DecoderLayer", "DSv3Model", "DSv3Output"]
@@ -40,9 +41,25 @@ class DecoderLayer(nn.Module):
             else DenseMLP(m.hidden_size, m.intermediate_size)
         )
 
-    def forward(self, x_BTH: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x_BTH = x_BTH + self.self_attn(self.input_layernorm(x_BTH), cos, sin)
-        return x_BTH + self.mlp(self.post_attention_layernorm(x_BTH))
+    def forward(
+        self,
+        x_BTH: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        token_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x [B, T, H] -> [B, T, H]. cos/sin: RoPE tables ([T, d_R/2] or per row [B, 1, T, d_R/2]); attn_mask
+        [B, 1, T, T] bool: packed rows' document-causal mask (None: plain causal); token_mask [B, T] bool: False at
+        padding, which the MoE layer leaves out of its expert loads (`model.packing`)."""
+        x_BTH = x_BTH + self.self_attn(self.input_layernorm(x_BTH), cos, sin, attn_mask)
+        return x_BTH + self.ffn(self.post_attention_layernorm(x_BTH), token_mask)
+
+    def ffn(self, h_BTH: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The FFN on the normalized input; the padding mask reaches a MoE layer only (a dense MLP has no loads)."""
+        if token_mask is None or not isinstance(self.mlp, DeepSeekMoE):
+            return self.mlp(h_BTH)
+        return self.mlp(h_BTH, token_mask)
 
 
 @dataclass
@@ -123,7 +140,12 @@ class DSv3Model(nn.Module):
         return self.rotary(torch.arange(T, device=device), dtype)
 
     def forward(
-        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, tokens_seen: float = 0.0
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        tokens_seen: float = 0.0,
+        position_ids: torch.Tensor | None = None,
+        token_mask: torch.Tensor | None = None,
     ) -> DSv3Output:
         """Logits of the main model and of each MTP depth, and with `labels` the training loss.
 
@@ -132,21 +154,34 @@ class DSv3Model(nn.Module):
             labels: the target of each position, [B, T] (int64): `labels[:, t]` is the token after position t
                 (the inputs shifted left by one); -100 is ignored. None: no losses.
             tokens_seen: training tokens so far, for the MTP loss weight's schedule (`mtp.lam`).
+            position_ids: [B, T] int64, restarting at 0 at each document start (packed rows): RoPE at these
+                positions, attention causal inside each document, MTP targets outside the position's document
+                ignored (`model.packing`). None: positions 0..T-1, plain causal attention (one document per row).
+            token_mask: [B, T] bool, False at padding: computed like every token but not counted in the experts'
+                loads (the bias update's counts, MaxVio) nor in the balance loss's statistics. None: no padding.
 
         Returns:
             A `DSv3Output`: `logits` [B, T, V]; `mtp_logits[k-1]` [B, T-k, V] for depth k (row i predicts token
             i+k+1; depths with T-k <= 0 are skipped); `hidden` [B, T, H] after the final norm. With `labels`:
-            `lm_loss` (mean token cross-entropy), `mtp_loss` (the mean of L^k over the depths computed: paper
-            eq. 25 without λ), `balance_loss` (Σ over MoE layers of the sequence-wise α·L_Bal; in training mode
+            `lm_loss` (mean token cross-entropy over the loss tokens), `mtp_loss` (the mean of L^k over the depths
+            computed: paper eq. 25 without λ; L^k divided by the number of loss tokens, `model.mtp` NOTE),
+            `balance_loss` (Σ over MoE layers of the sequence-wise α·L_Bal; in training mode
             with α > 0 only) and `loss` = lm_loss + λ·mtp_loss + balance_loss.
         """
         B, T = input_ids.shape
         for moe in self.moe_layers():
             moe.aux_loss = None  # a depth skipped below (T too short) must not leave a stale loss
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rope(T, x.device, x.dtype)
+        if position_ids is None:
+            cos, sin = self.rope(T, x.device, x.dtype)
+            attn_mask = None
+        else:
+            cos, sin, attn_mask = rope_tables(self.rotary, T, position_ids, x.device, x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            if attn_mask is None and token_mask is None:
+                x = layer(x, cos, sin)
+            else:
+                x = layer(x, cos, sin, attn_mask, token_mask)
         hidden = self.norm(x)
         logits = self.lm_head(hidden)
 
@@ -156,21 +191,27 @@ class DSv3Model(nn.Module):
             if S <= 0:
                 break
             emb = self.embed_tokens(input_ids[:, k:])  # Emb(t_{i+k}), [B, S, H]
-            h_prev = mtp(h_prev[:, :S], emb, cos[:S], sin[:S])  # h^k, [B, S, H]
+            h_prev = mtp(h_prev[:, :S], emb, *mtp_rows(cos, sin, attn_mask, token_mask, k))  # h^k, [B, S, H]
             mtp_logits.append(self.lm_head(mtp.norm(h_prev)))  # [B, S, V]
 
         out = DSv3Output(logits=logits, mtp_logits=mtp_logits, hidden=hidden)
         if labels is not None:
-            self._losses(out, labels, tokens_seen)
+            self._losses(out, labels, tokens_seen, position_ids)
         return out
 
-    def _losses(self, out: DSv3Output, labels: torch.Tensor, tokens_seen: float) -> None:
+    def _losses(
+        self, out: DSv3Output, labels: torch.Tensor, tokens_seen: float, position_ids: torch.Tensor | None = None
+    ) -> None:
         V = out.logits.shape[-1]
         T = labels.shape[1]
-        out.lm_loss = F.cross_entropy(out.logits.reshape(-1, V).float(), labels.reshape(-1), ignore_index=-100)
+        out.lm_loss = F.cross_entropy(out.logits.reshape(-1, V).float(), labels.reshape(-1), ignore_index=IGNORE_INDEX)
         out.loss = out.lm_loss
         if out.mtp_logits:
-            depth_losses = [mtp_depth_loss(lg, labels[:, k:], T) for k, lg in enumerate(out.mtp_logits, 1)]
+            n_loss = (labels != IGNORE_INDEX).sum()  # B·T when nothing is masked: eq. 24 as written
+            depth_losses = [
+                mtp_depth_loss(lg, mtp_labels(labels, k, position_ids), T, n_loss)
+                for k, lg in enumerate(out.mtp_logits, 1)
+            ]
             out.mtp_loss = torch.stack(depth_losses).mean()
             out.loss = out.loss + self.cfg.mtp.lam(tokens_seen) * out.mtp_loss
         aux = [m.aux_loss for m in self.moe_layers() if m.aux_loss is not None]

@@ -108,12 +108,12 @@ class _QKVHolder:
 
 
 class RecomputedMLA(MLA):
-    def attention(self, cq_BTC, ckv_BTC, cos, sin):
+    def attention(self, cq_BTC, ckv_BTC, cos, sin, attn_mask=None):
         if not torch.is_grad_enabled():
-            return super().attention(cq_BTC, ckv_BTC, cos, sin)
+            return super().attention(cq_BTC, ckv_BTC, cos, sin, attn_mask)
         holder = _QKVHolder(lambda cq, ckv: MLA.qkv(self, cq, ckv, cos, sin))
         q, k, v = _QKVRecompute.apply(holder, cq_BTC, ckv_BTC)
-        o = self.core(q, k, v)
+        o = self.core(q, k, v, attn_mask)
         if o.grad_fn is None:
             return o
         holder.discard((q, k, v))
@@ -145,22 +145,22 @@ class RecomputedNormsDecoderLayer(DecoderLayer):
     Linears of high-precision layers): freed after the attention / FFN block ran, recomputed from the kept
     layer input when the backward enters that block (the normalized values, bit for bit)."""
 
-    def forward(self, x_BTH, cos, sin):
+    def forward(self, x_BTH, cos, sin, attn_mask=None, token_mask=None):
         if not torch.is_grad_enabled():
-            return super().forward(x_BTH, cos, sin)
+            return super().forward(x_BTH, cos, sin, attn_mask, token_mask)
         h = self.input_layernorm(x_BTH)
-        a = self.self_attn(h, cos, sin)
+        a = self.self_attn(h, cos, sin, attn_mask)
         _discard_until_backward(h, a, lambda x=x_BTH: RMSNorm.forward(self.input_layernorm, x))
         x_BTH = x_BTH + a
         h = self.post_attention_layernorm(x_BTH)
-        y = self.mlp(h)
+        y = self.ffn(h, token_mask)
         _discard_until_backward(h, y, lambda x=x_BTH: RMSNorm.forward(self.post_attention_layernorm, x))
         return x_BTH + y
 
 
 class RecomputedDecoderLayer(DecoderLayer):
-    def forward(self, x_BTH, cos, sin):
-        return _ckpt(super().forward, x_BTH, cos, sin)
+    def forward(self, x_BTH, cos, sin, attn_mask=None, token_mask=None):
+        return _ckpt(super().forward, x_BTH, cos, sin, attn_mask, token_mask)
 
 
 _SWAPS = {

@@ -18,6 +18,9 @@ Sequence-wise balance loss (eqs. 17-20): per sequence of T tokens,
     f_i = N_r/(K_r·T) · Σ_t 1[s_{i,t} ∈ TopK(s_t, K_r)]   (plain top-k: no bias, no groups)
     P_i = 1/T · Σ_t s_{i,t} / Σ_j s_{j,t}                 (normalized over all N_r experts)
     L_Bal = α Σ_i f_i P_i,  averaged over the sequences of the batch.
+With padding (`token_mask` False) T is each sequence's count of real tokens, the sums run over those, and
+sequences without any are left out of the average; the padded tokens are not counted in the loads either
+(`Router.forward`). A packed row of several documents is one sequence here (as in Megatron's seq_aux_loss).
 """
 
 from __future__ import annotations
@@ -31,8 +34,13 @@ from torch import nn
 __all__ = ["seq_balance_loss", "update_expert_bias", "maxvio", "routers_of", "reset_counts"]
 
 
-def seq_balance_loss(scores_BTE: torch.Tensor, top_k: int, alpha: float) -> torch.Tensor:
-    """α Σ_i f_i P_i per sequence (eqs. 17-20), mean over the B sequences. scores are the unbiased sigmoids."""
+def seq_balance_loss(
+    scores_BTE: torch.Tensor, top_k: int, alpha: float, token_mask_BT: torch.Tensor | None = None
+) -> torch.Tensor:
+    """α Σ_i f_i P_i per sequence (eqs. 17-20), mean over the B sequences. scores are the unbiased sigmoids
+    [B, T, E]; `token_mask_BT` [B, T] bool (False at padding): statistics over the real tokens only."""
+    if token_mask_BT is not None:
+        return _masked_seq_balance_loss(scores_BTE, top_k, alpha, token_mask_BT)
     B, T, E = scores_BTE.shape
     with torch.no_grad():
         plain_idx_BTK = scores_BTE.topk(top_k, dim=-1).indices
@@ -43,6 +51,23 @@ def seq_balance_loss(scores_BTE: torch.Tensor, top_k: int, alpha: float) -> torc
         f_BE = hits_BE * (E / (top_k * T))
     p_BE = (scores_BTE / scores_BTE.sum(dim=-1, keepdim=True)).mean(dim=1)
     return alpha * (f_BE * p_BE).sum(dim=-1).mean()
+
+
+def _masked_seq_balance_loss(scores_BTE, top_k: int, alpha: float, token_mask_BT: torch.Tensor) -> torch.Tensor:
+    B, T, E = scores_BTE.shape
+    m_BT = token_mask_BT.to(scores_BTE.dtype)
+    n_B = m_BT.sum(dim=1)  # real tokens per sequence
+    has_B = n_B > 0
+    n_B = n_B.clamp(min=1)
+    with torch.no_grad():
+        plain_idx_BTK = scores_BTE.topk(top_k, dim=-1).indices
+        hits_BE = torch.zeros(B, E, dtype=scores_BTE.dtype, device=scores_BTE.device)
+        w_BTK = m_BT[:, :, None].expand(plain_idx_BTK.shape)
+        hits_BE.scatter_add_(1, plain_idx_BTK.reshape(B, -1), w_BTK.reshape(B, -1))
+        f_BE = hits_BE * (E / top_k) / n_B[:, None]
+    p_BE = ((scores_BTE / scores_BTE.sum(dim=-1, keepdim=True)) * m_BT[:, :, None]).sum(dim=1) / n_B[:, None]
+    per_seq_B = (f_BE * p_BE).sum(dim=-1)
+    return alpha * (per_seq_B * has_B).sum() / has_B.sum().clamp(min=1)
 
 
 def maxvio(loads_E: torch.Tensor) -> float:

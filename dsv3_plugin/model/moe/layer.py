@@ -286,12 +286,19 @@ class DeepSeekMoE(nn.Module):
         )
         self.aux_loss: torch.Tensor | None = None
 
-    def forward(self, x_BTH: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BTH: torch.Tensor, token_mask_BT: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, H] -> [B, T, H]. `token_mask_BT` [B, T] bool: False at padding, which is computed (static
+        shapes) but left out of the router's loads and the balance loss's statistics."""
         B, T, H = x_BTH.shape
         x_TH = x_BTH.reshape(-1, H)
-        r = self.gate(x_TH)
+        if token_mask_BT is None:
+            r = self.gate(x_TH)
+        else:
+            r = self.gate(x_TH, token_mask_BT.reshape(-1))
         if self.training and self.cfg.seq_aux_alpha > 0:
-            self.aux_loss = seq_balance_loss(r.scores_TE.view(B, T, -1), self.cfg.top_k, self.cfg.seq_aux_alpha)
+            self.aux_loss = seq_balance_loss(
+                r.scores_TE.view(B, T, -1), self.cfg.top_k, self.cfg.seq_aux_alpha, token_mask_BT
+            )
         else:
             self.aux_loss = None
         shared: list[torch.Tensor] = []

@@ -145,14 +145,25 @@ class Router(nn.Module):
         """s = sigmoid(x·W^T) in fp32, [T, E]."""
         return torch.sigmoid(fp32_linear(x_TH, self.weight))
 
-    def forward(self, x_TH: torch.Tensor) -> RoutingResult:
+    def forward(self, x_TH: torch.Tensor, token_mask_T: torch.Tensor | None = None) -> RoutingResult:
+        """Route T tokens [T, H]. `token_mask_T` [T] bool: False at padding, which is routed like every token
+        (static shapes) but not counted in `tokens_per_expert` (the loads the bias update and MaxVio read)."""
         cfg = self.cfg
         scores_TE = self.scores(x_TH)
         with torch.no_grad():  # selection is not differentiable; gates below are
             biased_TE = scores_TE + self.e_score_correction_bias
             topk_idx_TK = group_limited_topk(biased_TE, cfg.top_k, cfg.n_group, cfg.topk_group)
             if self.training and counting_enabled():
-                self.tokens_per_expert += torch.bincount(topk_idx_TK.flatten(), minlength=cfg.n_routed_experts).float()
+                E = cfg.n_routed_experts
+                if token_mask_T is None:
+                    self.tokens_per_expert += torch.bincount(topk_idx_TK.flatten(), minlength=E).float()
+                else:
+                    # weights 1 / 0 per (token, slot): integer counts in float32, no host sync (unlike a
+                    # boolean index)
+                    w_TK = token_mask_T.to(torch.float32)[:, None].expand(topk_idx_TK.shape)
+                    self.tokens_per_expert += torch.bincount(
+                        topk_idx_TK.flatten(), weights=w_TK.reshape(-1), minlength=E
+                    ).float()
         gates_TK = scores_TE.gather(1, topk_idx_TK)
         if cfg.norm_topk_prob:
             gates_TK = gates_TK / (gates_TK.sum(dim=-1, keepdim=True) + 1e-20)
