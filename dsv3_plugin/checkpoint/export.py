@@ -246,10 +246,13 @@ def _zero_masters(
     expert-data-parallel group, i.e. the ranks with the same EP rank, DeepSpeed's contiguous EP blocks). Yields
     (module name with the expert index made global, tensor). `param_shapes`: the rank's model-states
     `param_shapes` (module name -> shape)."""
-    pat = re.compile(rf"^zero_pp_rank_(\d+)_mp_rank_{mp_rank:02d}_optim_states\.pt$")
+    pat = re.compile(rf"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_{mp_rank:02d}_optim_states\.pt$")
     files = sorted((int(m.group(1)), os.path.join(run.path, n)) for n in os.listdir(run.path) if (m := pat.match(n)))
     if not files:
-        raise CheckpointError(f"{run.path}: no zero_pp_rank_*_mp_rank_{mp_rank:02d}_optim_states.pt (BF16 run)")
+        raise CheckpointError(
+            f"{run.path}: no [bf16_]zero_pp_rank_*_mp_rank_{mp_rank:02d}_optim_states.pt (the FP32 master weights "
+            "of a BF16 run)"
+        )
     ep = cfg.parallel.ep
     shapes: dict[str, tuple] = {}
     partial: dict[tuple, list] = {}
@@ -288,8 +291,11 @@ def _zero_masters(
         raise CheckpointError(f"{pname}: ZeRO partitions of {run.path} (group {g}) do not hold all of it")
 
 
-def _run_tensors(run: RunCheckpoint, cfg: DSv3Config, sd0: dict, bar) -> Iterator[tuple[str, torch.Tensor, str]]:
-    """(released name, tensor, where) of every trained tensor of the run, one rank's file at a time."""
+def _run_tensors(
+    run: RunCheckpoint, cfg: DSv3Config, sd0: dict, bar, masters: bool | None = None
+) -> Iterator[tuple[str, torch.Tensor, str]]:
+    """(released name, tensor, where) of every trained tensor of the run, one rank's file at a time. `masters`:
+    take the parameters from ZeRO's FP32 partitions (None: exactly when the module holds BF16 copies)."""
     names, L, pp = _Names(cfg), cfg.model.num_hidden_layers, cfg.parallel.pp
     model_files, expert_files = _model_files(run, pp)
     module0 = sd0.get("module")
@@ -297,7 +303,8 @@ def _run_tensors(run: RunCheckpoint, cfg: DSv3Config, sd0: dict, bar) -> Iterato
         raise CheckpointError(f"{model_files[0]}: no 'module' state dict (not a DeepSpeed model-states file)")
     params0 = _params_of(sd0)
     # BF16 mixed precision: the module holds BF16 copies; the trained FP32 weights are ZeRO's master partitions
-    masters = any(t.dtype != torch.float32 for n, t in module0.items() if n in params0)
+    if masters is None:
+        masters = any(t.dtype != torch.float32 for n, t in module0.items() if n in params0)
     for p, f in enumerate(model_files):
         sd = sd0 if p == 0 else _load_pt(f)
         module = sd.get("module")
