@@ -14,9 +14,9 @@ import copy
 import json
 import math
 import os
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
 
 from dsv3_plugin.errors import ConfigError
 from dsv3_plugin.json_input import check_tree, read_json
@@ -32,6 +32,7 @@ __all__ = [
     "ParallelConfig",
     "FP8Config",
     "MemoryConfig",
+    "DataConfig",
     "TrainConfig",
     "DSv3Config",
     "PRESETS",
@@ -218,13 +219,53 @@ class MemoryConfig(_Strict):
     bf16_moments: bool = Field(False, description="AdamW moments stored in BF16 (paper §3.3)")
 
 
+class DataConfig(_Strict):
+    """`dsv3.train.data` as an object: prepared (Megatron indexed) or `.jsonl` data to train and evaluate on.
+
+    A source is `PREFIX` (PREFIX.bin + PREFIX.idx, and PREFIX_mask.bin/.idx for chat data, as `dsv3 prepare-data`
+    writes them) or a `.jsonl` file tokenized when the run starts. `train` is `[source, ...]` (every row of every
+    source once per epoch) or `[[weight, source], ...]` (weights -> the fraction of rows drawn from each).
+    """
+
+    train: list[str | list[float | str]] = Field(
+        min_length=1, description="sources: [PREFIX or .jsonl, ...] or [[weight, source], ...]"
+    )
+    valid: list[str] = Field(
+        default_factory=list, description="held-out sources for eval_loss: [PREFIX or .jsonl, ...] ([] = none)"
+    )
+    packing: bool = Field(
+        True,
+        description="documents concatenated into seq_len rows, positions and attention restarting per document; "
+        "false: one document per row, truncated and padded",
+    )
+    eval_every: int = Field(0, ge=0, description="eval_loss every N steps (0: only at the end); needs valid")
+    eval_batches: int = Field(4, gt=0, description="valid micro-batches per data-parallel rank per evaluation")
+    tokenizer: str | None = Field(None, description="tokenizer directory (null: the --init-from directory)")
+    seed: int | None = Field(
+        None, ge=0, le=2**63 - 1, description="seed of document order and epoch shuffles (null: train.seed)"
+    )
+    chat: bool = Field(False, description=".jsonl sources: chat messages (loss on assistant turns) or plain text")
+    text_key: str = Field("text", min_length=1, description=".jsonl sources without chat: the text field")
+
+
+def _data_kind(value: Any) -> str:
+    # which member of `TrainConfig.data` a value is checked against (so errors name its keys, not both members')
+    return "object" if isinstance(value, (dict, DataConfig)) else "name"
+
+
 class TrainConfig(_Strict):
     """What `dsv3 train` needs beyond DeepSpeed's own keys."""
 
     seq_len: int = Field(64, gt=1, description="tokens per sequence")
     steps: int = Field(60, gt=0, description="optimizer steps of `dsv3 train` (CLI --steps overrides)")
-    seed: int = Field(1234, ge=0, le=2**63 - 1, description="seed of weights and synthetic data (0 .. 2^63-1)")
-    data: Literal["synthetic"] = Field("synthetic", description="data source")
+    seed: int = Field(1234, ge=0, le=2**63 - 1, description="seed of weights and data (0 .. 2^63-1)")
+    data: Annotated[
+        Annotated[Literal["synthetic"], Tag("name")] | Annotated[DataConfig, Tag("object")],
+        Discriminator(_data_kind),
+    ] = Field(
+        "synthetic",
+        description='"synthetic" (a seeded Markov chain, no tokenizer) or an object: see train.data.* below',
+    )
     log_every: int = Field(1, gt=0, description="JSON line every N steps")
     save_every: int = Field(0, ge=0, description="0 = save only at the end")
 
@@ -534,6 +575,8 @@ PRESETS["small"] = _deep_merge(
 
 def _dsv3_key_path(loc: tuple) -> str:
     """pydantic's error location (("moe", "top_k")) as the key the user wrote ("dsv3.moe.top_k")."""
+    if tuple(loc[:2]) == ("train", "data") and len(loc) > 2 and loc[2] in ("name", "object"):
+        loc = (*loc[:2], *loc[3:])  # drop the union member's tag (see `_data_kind`)
     return ".".join(["dsv3", *(str(p) for p in loc)])
 
 
@@ -701,6 +744,8 @@ def _check_cross_fields(c: DSv3Config) -> None:
             f"true needs ep > 1, pp > 1 and a schedule with FB ops (dualpipe, "
             f"dualpipev); {why}: set it false or leave it null",
         )
+    if isinstance(c.train.data, DataConfig):
+        _check_data(c.train.data)
     if c.fp8.dispatch and not c.fp8.enabled:
         _fail("fp8.dispatch", "requires fp8.enabled = true")
     if c.fp8.recipe == "tensorwise" and c.fp8.dispatch:
@@ -721,6 +766,31 @@ def _check_cross_fields(c: DSv3Config) -> None:
             f"at promotion, so N_C must divide 128 (got {nc}); None or N_C > 128 needs "
             f"fp8.recipe = 'tensorwise'",
         )
+
+
+def _check_data(d: DataConfig) -> None:
+    """The shapes pydantic cannot say: a source is a non-empty path or [weight > 0, path], not both forms mixed;
+    evaluation needs a valid set."""
+    weighted = [isinstance(x, list) for x in d.train]
+    for i, x in enumerate(d.train):
+        if isinstance(x, list):
+            ok = len(x) == 2 and isinstance(x[0], (int, float)) and isinstance(x[1], str) and x[1]
+            if not ok:
+                _fail(f"train.data.train.{i}", f"must be [weight, PREFIX] (got {short_json(x)})")
+            if not x[0] > 0:
+                _fail(f"train.data.train.{i}", f"the weight must be > 0 (got {short_json(x[0])})")
+        elif not x:
+            _fail(f"train.data.train.{i}", "must be a non-empty path")
+        if weighted[i] != weighted[0]:
+            _fail(
+                f"train.data.train.{i}",
+                "either every source has a weight ([[weight, PREFIX], ...]) or none has ([PREFIX, ...]); got both",
+            )
+    for i, x in enumerate(d.valid):
+        if not x:
+            _fail(f"train.data.valid.{i}", "must be a non-empty path")
+    if d.eval_every and not d.valid:
+        _fail("train.data.eval_every", f"evaluation every {d.eval_every} steps needs train.data.valid sources")
 
 
 def read_ds_json(src: str | os.PathLike | dict) -> dict:
@@ -805,6 +875,20 @@ def load_config(src: str | os.PathLike | dict | DSv3Config) -> DSv3Config:
     return _validate(_deep_merge({**base, "preset": preset}, block))
 
 
+def _type_words(annotation: Any) -> str:
+    """A field's type as the reference table writes it (`one of ...`, `optional X`), `|` escaped for markdown."""
+    ann = str(annotation).replace("typing.", "").replace("dsv3_plugin.config.", "")
+    if ann.startswith("<class"):
+        ann = annotation.__name__
+    if "Tag(tag=" in ann:  # the tagged union of train.data
+        ann = "'synthetic' or object"
+    if ann.startswith(("Literal[", "Optional[")):
+        ann = ann.replace("Literal[", "one of ").replace("Optional[", "optional ")[:-1]
+    if ann.endswith(" | None"):  # `X | None` reads as the table's "optional X"
+        ann = "optional " + ann[: -len(" | None")]
+    return ann.replace("|", "\\|")
+
+
 def reference_table() -> str:
     """Markdown table of every `"dsv3"` key (type, tiny default, meaning), generated from the schema."""
     tiny = load_config({"preset": "tiny"}).to_dict()
@@ -824,14 +908,9 @@ def reference_table() -> str:
     }
     for sec, cls in sections.items():
         for name, f in cls.model_fields.items():
-            ann = str(f.annotation).replace("typing.", "").replace("dsv3_plugin.config.", "")
-            if ann.startswith("<class"):
-                ann = f.annotation.__name__
-            if ann.startswith(("Literal[", "Optional[")):
-                ann = ann.replace("Literal[", "one of ").replace("Optional[", "optional ")[:-1]
-            if ann.endswith(" | None"):  # `X | None` reads as the table's "optional X"
-                ann = "optional " + ann[: -len(" | None")]
-            ann = ann.replace("|", "\\|")
             val = json.dumps(tiny[sec][name])
-            rows.append(f"| `{sec}.{name}` | {ann} | `{val}` | {f.description or ''} |")
+            rows.append(f"| `{sec}.{name}` | {_type_words(f.annotation)} | `{val}` | {f.description or ''} |")
+    for name, f in DataConfig.model_fields.items():  # the object form of train.data (not set in the tiny preset)
+        default = "required" if f.is_required() else json.dumps(f.get_default(call_default_factory=True))
+        rows.append(f"| `train.data.{name}` | {_type_words(f.annotation)} | ({default}) | {f.description or ''} |")
     return "\n".join(rows)
