@@ -267,7 +267,8 @@ def _zero_masters(
                 is_expert = ".deepspeed_experts." in pname
                 ep_rank = dp_rank % ep if is_expert else None
                 key = (g, ep_rank, pname)
-                partial.setdefault(key, []).append(buf[frag.start : frag.start + frag.numel])
+                # (DeepSpeed saves the partitions as tensors that require grad: detach)
+                partial.setdefault(key, []).append(buf.detach()[frag.start : frag.start + frag.numel])
                 if key not in shapes:
                     if pname not in param_shapes:
                         raise CheckpointError(f"{pname} in {f}: not in param_shapes of mp_rank_{mp_rank:02d}")
