@@ -41,8 +41,12 @@ def _ds(parallel: dict, top: dict, fp8: bool, seed: int = 5) -> dict:
         "steps_per_print": 10**9,
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}},
         **top,
-        "dsv3": {"preset": "tiny", "train": {"seq_len": 16, "seed": seed}, "parallel": parallel,
-                 "fp8": {"enabled": fp8}},
+        "dsv3": {
+            "preset": "tiny",
+            "train": {"seq_len": 16, "seed": seed},
+            "parallel": parallel,
+            "fp8": {"enabled": fp8},
+        },
     }
 
 
@@ -53,14 +57,23 @@ def _train_runs(tmp, release):
 
     from dsv3_plugin.checkpoint.export import export
     from dsv3_plugin.deepspeed.train import train
-    hist = {name: train(_ds(*spec), steps=2, out=f"{tmp}/{name}", init_from=release, progress=False)["history"]
-            for name, spec in RUNS.items()}
+
+    hist = {
+        name: train(_ds(*spec), steps=2, out=f"{tmp}/{name}", init_from=release, progress=False)["history"]
+        for name, spec in RUNS.items()
+    }
     if dist.get_rank() == 0:
         export(f"{tmp}/pp1_ep2_bf16", f"{tmp}/init.bf16", "hf-bf16", progress=False)
     dist.barrier()
     # pp = 2 again: in one process a pp = 1 engine cannot follow a pipelined one (DeepSpeed keeps the pipeline's mpu)
-    hist["again"] = train(_ds(AGAIN, {}, False, seed=11), steps=1, out=f"{tmp}/again", init_from=f"{tmp}/init.bf16",
-                          progress=False, save=False)["history"]
+    hist["again"] = train(
+        _ds(AGAIN, {}, False, seed=11),
+        steps=1,
+        out=f"{tmp}/again",
+        init_from=f"{tmp}/init.bf16",
+        progress=False,
+        save=False,
+    )["history"]
     return hist
 
 
@@ -69,20 +82,38 @@ def exported(tmp_path_factory):
     from dsv3_plugin.checkpoint.export import export
     from dsv3_plugin.checkpoint.tiny_release import write_tiny_release
     from dsv3_plugin.cli import main as cli_main
+
     tmp = str(tmp_path_factory.mktemp("export"))
     release = write_tiny_release(f"{tmp}/release", fp8=True, block=BLOCK)
     hist = run_ranks(_train_runs, 2, tmp, release, timeout_s=600)[0]
     out = {}
     for name in RUNS:
-        assert cli_main(["export", f"{tmp}/{name}", f"{tmp}/{name}.bf16", "--to", "hf-bf16", "--tokenizer", release,
-                         "--no-progress"]) == 0
-        out[name] = {"bf16": f"{tmp}/{name}.bf16", "hist": hist[name],
-                     "fp8": export(f"{tmp}/{name}", f"{tmp}/{name}.fp8", "hf", progress=False)["dst"]}
+        assert (
+            cli_main(
+                [
+                    "export",
+                    f"{tmp}/{name}",
+                    f"{tmp}/{name}.bf16",
+                    "--to",
+                    "hf-bf16",
+                    "--tokenizer",
+                    release,
+                    "--no-progress",
+                ]
+            )
+            == 0
+        )
+        out[name] = {
+            "bf16": f"{tmp}/{name}.bf16",
+            "hist": hist[name],
+            "fp8": export(f"{tmp}/{name}", f"{tmp}/{name}.fp8", "hf", progress=False)["dst"],
+        }
     return tmp, release, out, hist["again"]
 
 
 def _stored(path) -> dict:
     from safetensors.torch import load_file
+
     with open(os.path.join(path, "model.safetensors.index.json")) as f:
         files = set(json.load(f)["weight_map"].values())
     return {k: v for fn in sorted(files) for k, v in load_file(os.path.join(path, fn)).items()}
@@ -117,20 +148,23 @@ def test_bf16_export_is_the_runs_weights(exported):
     assert checked == len(got) - 2  # all but the MTP copies of embedding and head ...
     assert torch.equal(got["model.layers.4.embed_tokens.weight"], got["model.embed_tokens.weight"])  # ... which equal
     assert torch.equal(got["model.layers.4.shared_head.head.weight"], got["lm_head.weight"])
-    assert not torch.equal(got["model.layers.1.self_attn.o_proj.weight"].float(),
-                           init["model.layers.1.self_attn.o_proj.weight"])  # the run trained
+    assert not torch.equal(
+        got["model.layers.1.self_attn.o_proj.weight"].float(), init["model.layers.1.self_attn.o_proj.weight"]
+    )  # the run trained
     # pp = 2: the second stage's layer 0 is decoder layer 3 (model_stage_layers: 3 | 1 + MTP + head)
     got = _stored(out["pp2_ep1_fp8"]["bf16"])
     files = _module_files(f"{tmp}/pp2_ep1_fp8")
     for n, t in files["mp_rank_01_model_states.pt"].items():
         if n.startswith("stages.0.layers.0.") and not n.endswith("_proj"):
-            name = "model.layers.3." + n[len("stages.0.layers.0."):]
+            name = "model.layers.3." + n[len("stages.0.layers.0.") :]
             assert torch.equal(got[name], t if name.endswith("bias") else t.to(torch.bfloat16)), n
     stacked = files["mp_rank_01_model_states.pt"]["stages.0.layers.0.mlp.experts.down_proj"]
     for e in range(stacked.shape[0]):
         assert torch.equal(got[f"model.layers.3.mlp.experts.{e}.down_proj.weight"], stacked[e].to(torch.bfloat16))
-    assert torch.equal(got["model.layers.2.self_attn.q_b_proj.weight"],
-                       files["mp_rank_00_model_states.pt"]["stages.0.layers.2.self_attn.q_b_proj.weight"].bfloat16())
+    assert torch.equal(
+        got["model.layers.2.self_attn.q_b_proj.weight"],
+        files["mp_rank_00_model_states.pt"]["stages.0.layers.2.self_attn.q_b_proj.weight"].bfloat16(),
+    )
 
 
 def _released_name(n: str) -> str:
@@ -152,6 +186,7 @@ def _released_name(n: str) -> str:
 
 def _stored_release(release) -> dict:
     from dsv3_plugin.checkpoint.reader import CheckpointReader
+
     with CheckpointReader(release) as r:
         return {n: r.get(n, torch.float32) for n in r.names()}
 
@@ -161,6 +196,7 @@ def test_transformers_loads_the_export_and_agrees(exported):
 
     from dsv3_plugin.checkpoint.hf import load_pretrained
     from dsv3_plugin.data.tokenizer import load_tokenizer, pydoc_texts
+
     tmp, release, out, again = exported
     dst = out["pp2_ep1_fp8"]["bf16"]
     tok = load_tokenizer(dst)  # shipped with the export
@@ -174,14 +210,23 @@ def test_transformers_loads_the_export_and_agrees(exported):
         lm = torch.nn.functional.cross_entropy(o.logits[:, :-1].reshape(-1, o.logits.shape[-1]), ids[:, 1:].reshape(-1))
     cfg = ours.cfg
     # the same math, reductions (GEMMs, softmax, RMSNorm, expert sums) ordered differently
-    assert_within(o.logits, t_out.logits, model_bound(t_out.logits, cfg, ids.numel(), passes=1),
-                  "logits: ours vs transformers on the exported directory")
-    assert_within(lm, t_out.loss, model_bound(t_out.loss, cfg, ids.numel(), passes=1),
-                  "LM loss on pydoc text: ours vs transformers")
+    assert_within(
+        o.logits,
+        t_out.logits,
+        model_bound(t_out.logits, cfg, ids.numel(), passes=1),
+        "logits: ours vs transformers on the exported directory",
+    )
+    assert_within(
+        lm,
+        t_out.loss,
+        model_bound(t_out.loss, cfg, ids.numel(), passes=1),
+        "LM loss on pydoc text: ours vs transformers",
+    )
 
 
 def test_fp8_export_dequantizes_to_the_bf16_export_in_the_release_layout(exported):
     from safetensors import safe_open
+
     tmp, release, out, again = exported
 
     def header(path):
@@ -220,6 +265,7 @@ def test_init_from_the_export_starts_at_the_exported_loss(exported):
     from dsv3_plugin.data.synthetic import MarkovData
     from dsv3_plugin.deepspeed.train import _prepare
     from dsv3_plugin.training.transforms import build_model
+
     tmp, release, out, again = exported
     dst = f"{tmp}/init.bf16"
     a, b = _stored(dst), _stored(out["pp1_ep2_bf16"]["bf16"])  # the API's and the CLI's export of the same run
@@ -237,5 +283,9 @@ def test_init_from_the_export_starts_at_the_exported_loss(exported):
     ref = torch.stack(losses).mean()
     tokens = ds["gradient_accumulation_steps"] * cfg.train.seq_len
     # the same weights and batches; the model cut into two pipeline stages vs one process: reductions reordered only
-    assert_within(torch.tensor(again[0]["loss"]), ref, model_bound(ref, cfg, tokens, passes=1),
-                  "first-step loss of dsv3 train --init-from DST vs our model at DST's weights")
+    assert_within(
+        torch.tensor(again[0]["loss"]),
+        ref,
+        model_bound(ref, cfg, tokens, passes=1),
+        "first-step loss of dsv3 train --init-from DST vs our model at DST's weights",
+    )
