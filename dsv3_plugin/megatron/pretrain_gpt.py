@@ -23,7 +23,15 @@ from typing import Any
 import torch
 
 from dsv3_plugin.config import ConfigError, DSv3Config, load_config
+from dsv3_plugin.errors import CheckpointError, DataError
 from dsv3_plugin.megatron.dualpipev import embedding_ranks, stage_ends
+from dsv3_plugin.megatron.finetune import (
+    add_finetune_args,
+    check_weight_sources,
+    default_eval_interval,
+    load_initial_weights,
+    model_vocab_size,
+)
 from dsv3_plugin.megatron.gpt import OUR_SPEC, add_dsv3_args, dualpipev_layout, dualpipev_selected, gpt_builder
 from dsv3_plugin.megatron.metrics import MetricsRecorder
 from dsv3_plugin.megatron.spec import mcore_version_tuple
@@ -351,7 +359,7 @@ def parse_megatron_args(
     captured = {}
 
     def provider(parser):
-        parser = add_dsv3_args(parser)
+        parser = add_finetune_args(add_dsv3_args(parser))
         parser.add_argument(
             "--dsv3-metrics",
             type=str,
@@ -392,27 +400,57 @@ def parse_megatron_args(
     if on_cpu if on_cpu is not None else not torch.cuda.is_available():
         notes += adapt_to_cpu(args, parser, explicit)
     schedule = resolve_pipeline_schedule(args, parser, explicit, cfg, args.dsv3_config)
+    notes += default_eval_interval(args, explicit)
     # Megatron-LM's default tokenizer, handed over only when --tokenizer-type is absent (Megatron warns about every
     # default it does not apply)
     margs.validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"} if args.tokenizer_type is None else {})
     notes += apply_pipeline_schedule(args, schedule, cfg)
+    notes += check_weight_sources(args, cfg, args.dsv3_config)
+    _check_sft(args)
     if set_globals:
         set_megatron_globals(args)
     return args, notes
 
 
-def set_megatron_globals(args) -> None:
-    """Megatron's global args, tokenizer (-> padded vocabulary), timers; the tokenizer must cover the model."""
-    from megatron.training.global_vars import set_global_variables
+def _check_sft(args) -> None:
+    """`--sft` trains on prepared chat data with its loss mask (`megatron/sft_data.py`); refuse what it cannot."""
+    if not getattr(args, "sft", False):
+        return
+    if args.mock_data:
+        raise ConfigError(
+            "--sft: needs prepared chat data (--data-path PREFIX from `dsv3 prepare-data --chat`), not --mock-data"
+        )
+    from megatron.training.utils import get_blend_and_blend_per_split
+
+    from dsv3_plugin.megatron.sft_data import check_sft_paths
+
+    blend, per_split = get_blend_and_blend_per_split(args)
+    for flag, b in [("--data-path", blend)] + list(
+        zip(("--train-data-path", "--valid-data-path", "--test-data-path"), per_split or [None] * 3)
+    ):
+        if b is not None:
+            check_sft_paths(list(b[0]), flag)
+
+
+def set_megatron_globals(args) -> list[str]:
+    """Megatron's global args, tokenizer, timers; the model's vocabulary rows (`finetune.model_vocab_size`: the dsv3
+    block's `vocab_size` when the tokenizer fits in it, else an error). Returns a note when the rows differ from
+    Megatron's padded vocabulary."""
+    from megatron.training.global_vars import get_tokenizer, set_global_variables
 
     set_global_variables(args)
     cfg = load_config(args.dsv3_config)
-    vocab = getattr(args, "padded_vocab_size", None)
-    if vocab is not None and vocab < cfg.model.vocab_size:
-        raise ConfigError(
-            f"tokenizer vocabulary (padded: {vocab}) is smaller than {args.dsv3_config} "
-            f"dsv3.model.vocab_size = {cfg.model.vocab_size}"
-        )
+    padded = getattr(args, "padded_vocab_size", None)
+    if padded is None:
+        return []
+    n = get_tokenizer().vocab_size
+    args.padded_vocab_size = model_vocab_size(args, cfg, n, args.dsv3_config)
+    if args.padded_vocab_size != padded:
+        return [
+            f"model vocabulary: {args.padded_vocab_size} rows (dsv3.model.vocab_size; the tokenizer has {n} entries, "
+            f"Megatron would pad to {padded})"
+        ]
+    return []
 
 
 # --- what Megatron-LM's pretrain_gpt.py provides to pretrain() --------------------------------------------------
@@ -421,7 +459,10 @@ def set_megatron_globals(args) -> None:
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
     from megatron.training import get_args
 
-    return gpt_builder(get_args(), pre_process, post_process, vp_stage=vp_stage, pg_collection=pg_collection)
+    args = get_args()
+    model = gpt_builder(args, pre_process, post_process, vp_stage=vp_stage, pg_collection=pg_collection)
+    load_initial_weights(model, args)  # --dsv3-init-from: this chunk's own tensors, before DDP and the optimizer
+    return model
 
 
 def _device() -> torch.device:
@@ -486,7 +527,8 @@ def _is_dataset_built_on_rank(vp_stage=None) -> bool:
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
-    """Megatron's GPT datasets: `--mock-data` (MockGPTDataset) or `--data-path`/`--*-data-path` (GPTDataset)."""
+    """Megatron's GPT datasets: `--mock-data` (MockGPTDataset), `--data-path`/`--*-data-path` (GPTDataset), with
+    `--sft` the prepared chat data and its loss mask (`sft_data.MaskedGPTDataset`)."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
     from megatron.training import get_args, get_tokenizer
@@ -508,7 +550,12 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
         eod_mask_loss=args.eod_mask_loss,
         create_attention_mask=args.create_attention_mask_in_dataloader,
     )
-    cls = MockGPTDataset if args.mock_data else GPTDataset
+    if args.sft:
+        from dsv3_plugin.megatron.sft_data import MaskedGPTDataset
+
+        cls = MaskedGPTDataset
+    else:
+        cls = MockGPTDataset if args.mock_data else GPTDataset
     return BlendedMegatronDatasetBuilder(
         cls, train_val_test_num_samples, partial(_is_dataset_built_on_rank, vp_stage), config
     ).build()
@@ -543,7 +590,7 @@ def run(argv: list[str]) -> int:
                 applied.append(mod)
         if schedule != "megatron" and not dualpipe.is_applied() and dualpipe.apply(schedule):
             applied.append(dualpipe)
-        set_megatron_globals(args)
+        notes += set_megatron_globals(args)
         if args.rank == 0:
             for n in notes:
                 print(f"dsv3_plugin: {n}", flush=True)
@@ -594,11 +641,16 @@ def main(argv: list[str] | None = None) -> int:
         nproc = int(argv[i + 1])
         del argv[i : i + 2]
     try:
+        _require_megatron_training()
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
         if nproc:
             spawn(_spawned, nproc, argv, timeout_s=float(os.environ.get("DSV3_SPAWN_TIMEOUT_S", "3600")))
             return 0
         return run(argv)
-    except ConfigError as e:
+    except (ConfigError, CheckpointError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

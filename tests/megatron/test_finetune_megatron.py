@@ -1,0 +1,389 @@
+"""Fine-tuning through `python -m dsv3_plugin.megatron.pretrain_gpt` (issue 26, point 3), on a tiny FP8 release with
+its tokenizer (`write_tiny_release`) and real text (Python's docs), tokenized into Megatron's indexed format.
+
+- `--dsv3-init-from` + `--data-path` + the checkpoint's HF tokenizer, no `--eval-interval`: the run starts from the
+  released weights (FP8 dequantized: the model's tensors at the first step equal the checkpoint's, exactly) and its
+  first-step LM loss equals the plugin's own model (`load_pretrained`) on the identical batch.
+- `--sft` on chat data + loss mask (`PREFIX_mask`): the loss is over the assistant tokens only, and equals the
+  reference loss with labels -100 where the mask is 0.
+- `--load` of `dsv3 convert --to megatron` output, of an empty directory, `--pretrained-checkpoint` of a released
+  directory, a config that does not match the checkpoint, a tokenizer larger than the model: one-line errors.
+- `MaskedGPTDataset` (megatron-core only, both venvs): its loss mask is GPTDataset's times the mask read over the same
+  spans (checked against a second GPTDataset reading the mask file as if it were tokens).
+
+The entry-point tests need megatron-core >= 0.19 (`megatron.training`): skipped on 0.16.1.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HAVE_TRAINING = True
+try:
+    import megatron.training  # noqa: F401
+except ImportError:
+    HAVE_TRAINING = False
+needs_training = pytest.mark.skipif(not HAVE_TRAINING, reason="megatron-core < 0.19: no megatron.training")
+
+SEQ, MBS = 32, 2
+FLAGS = [
+    "--micro-batch-size",
+    str(MBS),
+    "--global-batch-size",
+    str(MBS),
+    "--seq-length",
+    str(SEQ),
+    "--train-iters",
+    "1",
+    "--lr",
+    "1e-4",
+    "--log-interval",
+    "1",
+    "--eval-iters",
+    "0",
+    "--split",
+    "100,0,0",
+    "--seed",
+    "1234",
+    "--tokenizer-type",
+    "HuggingFaceTokenizer",
+]
+
+
+def _write_indexed(prefix: str, docs: list[list[int]], dtype) -> None:
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    b = IndexedDatasetBuilder(prefix + ".bin", dtype=dtype)
+    for d in docs:
+        b.add_document(np.asarray(d, dtype=dtype), [len(d)])
+    b.finalize(prefix + ".idx")
+
+
+def _conversations(tok, texts):
+    """Single-turn chats from real text, tokenized with the checkpoint's chat template; mask 1 on the assistant's
+    tokens and its end-of-turn token (what `dsv3 prepare-data --chat` writes)."""
+    docs, masks = [], []
+    for t in texts:
+        turns = [{"role": "user", "content": t[:160]}, {"role": "assistant", "content": t[160:400]}]
+        prompt = tok.apply_chat_template(turns[:1], tokenize=True, add_generation_prompt=True)["input_ids"]
+        full = tok.apply_chat_template(turns, tokenize=True)["input_ids"]
+        assert full[: len(prompt)] == prompt
+        docs.append(full)
+        masks.append([0] * len(prompt) + [1] * (len(full) - len(prompt)))
+    return docs, masks
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    from dsv3_plugin.checkpoint.tiny_release import TINY_RELEASE, write_tiny_release
+    from dsv3_plugin.data.tokenizer import load_tokenizer, pydoc_texts
+
+    tmp = tmp_path_factory.mktemp("finetune_megatron")
+    rel = write_tiny_release(tmp / "rel", fp8=True)
+    tok = load_tokenizer(rel)
+    texts = pydoc_texts()
+    _write_indexed(str(tmp / "text"), [tok(t[:3000])["input_ids"] + [tok.eos_token_id] for t in texts[:12]], np.int32)
+    docs, masks = _conversations(tok, texts[12:40])
+    _write_indexed(str(tmp / "chat"), docs, np.int32)
+    _write_indexed(str(tmp / "chat_mask"), masks, np.uint8)
+    (tmp / "ds.json").write_text(json.dumps({"dsv3": TINY_RELEASE}))
+    return {"tmp": tmp, "rel": rel, "tok": tok, "ds": str(tmp / "ds.json")}
+
+
+# --- MaskedGPTDataset (megatron-core only) ---------------------------------------------------------------------
+
+
+def _gpt_config(tok_dir):
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+    from megatron.core.tokenizers import MegatronTokenizer
+
+    tok = MegatronTokenizer.from_pretrained(tokenizer_path=str(tok_dir), metadata_path={"library": "huggingface"})
+    return GPTDatasetConfig(
+        random_seed=7,
+        sequence_length=SEQ,
+        split="100,0,0",
+        tokenizer=tok,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+    )
+
+
+def _dataset(cls, prefix, config, n=24):
+    from megatron.core.datasets.utils import Split
+
+    low = cls.build_low_level_dataset(prefix, config)
+    idx = np.arange(cls.numel_low_level_dataset(low), dtype=np.int32)
+    return cls(low, prefix, idx, n, Split.train, config)
+
+
+def test_masked_dataset_is_gpt_dataset_times_the_mask_over_the_same_spans(data):
+    from megatron.core.datasets.gpt_dataset import GPTDataset
+
+    from dsv3_plugin.megatron.sft_data import MaskedGPTDataset
+
+    config = _gpt_config(data["rel"])
+    chat = str(data["tmp"] / "chat")
+    masked, plain = _dataset(MaskedGPTDataset, chat, config), _dataset(GPTDataset, chat, config)
+    # The mask file read as if it were tokens: same document lengths and seed, so the same sample spans.
+    as_tokens = _dataset(GPTDataset, chat + "_mask", config)
+    targets = 0
+    for i in range(len(masked)):
+        m, p, q = masked[i], plain[i], as_tokens[i]
+        assert torch.equal(m["tokens"], p["tokens"]) and torch.equal(m["labels"], p["labels"])
+        assert torch.equal(m["loss_mask"], p["loss_mask"] * (q["labels"] == 1).float())
+        targets += int(m["loss_mask"].sum())
+    assert 0 < targets < len(masked) * SEQ  # both prompts and answers occur in the windows
+
+
+def test_masked_dataset_refuses_what_it_cannot_train_on(data, tmp_path):
+    from dsv3_plugin.errors import DataError
+    from dsv3_plugin.megatron.sft_data import MaskedGPTDataset, check_sft_paths
+
+    config = _gpt_config(data["rel"])
+    with pytest.raises(DataError, match=r"--data-path .*text: .*text_mask\.bin does not exist \(prepared without"):
+        check_sft_paths([str(data["tmp"] / "text")])
+    with pytest.raises(DataError, match=r"--data-path a\.jsonl: .*dsv3 prepare-data a\.jsonl --chat"):
+        check_sft_paths(["a.jsonl"])
+    bad = str(tmp_path / "bad")
+    _write_indexed(bad, [[5, 6, 7], [8, 9]], np.int32)
+    _write_indexed(bad + "_mask", [[0, 1, 1], [1]], np.uint8)
+    with pytest.raises(DataError, match=r"bad_mask\.idx: does not match .*bad\.idx .*first difference at sequence 1"):
+        MaskedGPTDataset.build_low_level_dataset(bad, config)
+    _write_indexed(bad + "_mask", [[0, 1, 1], [1, 1]], np.int32)
+    with pytest.raises(DataError, match=r"bad_mask\.idx: loss mask of dtype int32, expected uint8"):
+        MaskedGPTDataset.build_low_level_dataset(bad, config)
+
+
+# --- the entry point -------------------------------------------------------------------------------------------
+
+# Runs the real entry (`pretrain_gpt.main`) as one torchrun-style rank, recording the first micro-batch and, at the
+# first forward, the model's weights (for the parity checks); the rest is the unmodified entry.
+RECORDER = """
+import os, sys, torch
+import dsv3_plugin.megatron.pretrain_gpt as pg
+from megatron.training.utils import unwrap_model
+out, rec = os.environ["RECORD_TO"], {}
+get_batch, forward_step = pg.get_batch, pg.forward_step
+def recording_get_batch(it, vp_stage=None):
+    b = get_batch(it, vp_stage)
+    if "tokens" not in rec:
+        rec.update(zip(("tokens", "labels", "loss_mask", "attention_mask", "position_ids"), b))
+    return b
+def recording_forward_step(it, model, return_schedule_plan=False):
+    if "weights" not in rec:
+        sd = unwrap_model(model).state_dict()
+        rec["weights"] = {k: v.detach().clone() for k, v in sd.items() if torch.is_tensor(v)}
+    r = forward_step(it, model, return_schedule_plan)
+    torch.save({k: v for k, v in rec.items() if v is not None}, out)
+    return r
+pg.get_batch, pg.forward_step = recording_get_batch, recording_forward_step
+sys.exit(pg.main(sys.argv[1:]))
+"""
+
+
+def _entry(data, name, extra, record=True):
+    from dsv3_plugin.parallel.distributed import free_port
+
+    tmp = data["tmp"]
+    args = ["--dsv3-config", data["ds"], "--tokenizer-model", data["rel"], *FLAGS, *extra]
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    if record:
+        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        env["RECORD_TO"] = str(tmp / f"{name}.pt")
+        cmd = [sys.executable, "-c", RECORDER, *args, "--dsv3-metrics", str(tmp / f"{name}.jsonl")]
+    else:
+        cmd = [sys.executable, "-m", "dsv3_plugin.megatron.pretrain_gpt", "--nproc", "1", *args]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    if not record:
+        return p
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    metrics = [json.loads(line) for line in (tmp / f"{name}.jsonl").read_text().splitlines()]
+    return {"metrics": metrics, "rec": torch.load(tmp / f"{name}.pt", weights_only=True), "log": p.stdout + p.stderr}
+
+
+@pytest.fixture(scope="module")
+def runs(data):
+    if not HAVE_TRAINING:
+        pytest.skip("megatron-core < 0.19: no megatron.training")
+    init = ["--dsv3-init-from", data["rel"]]
+    return {
+        # no --eval-interval on purpose (megatron-core 0.19's default None used to crash with a TypeError)
+        "text": _entry(data, "text", ["--data-path", str(data["tmp"] / "text"), *init]),
+        "sft": _entry(data, "sft", ["--sft", "--data-path", str(data["tmp"] / "chat"), "--eval-interval", "5", *init]),
+    }
+
+
+def _reference_loss(rel, rec, labels):
+    """The plugin's own model from the same directory, fp32, on the recorded batch: mean CE over labels != -100."""
+    from dsv3_plugin.checkpoint.hf import load_pretrained
+
+    model = load_pretrained(rel).eval()
+    with torch.no_grad():
+        logits = model(rec["tokens"]).logits.float()  # GPTDataset without reset flags: positions 0..T-1, causal
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)), model.cfg
+
+
+def _check_first_step_loss(run, rel, labels):
+    from tolerance import assert_within, model_bound
+
+    ref, cfg = _reference_loss(rel, run["rec"], labels)
+    got = torch.tensor(run["metrics"][0]["lm_loss"])
+    assert run["metrics"][0]["iteration"] == 1
+    # Same weights (fp32, FP8 dequantized by the same reader), same tokens; reordered: every GEMM (Megatron's MLA
+    # and linear layers vs ours), the attention softmax, the experts' sum and the vocab-parallel cross entropy's
+    # log-sum-exp and token mean, through 2 decoder layers + MTP: model_bound's worst case for one forward pass.
+    assert_within(got, ref, model_bound(ref, cfg, labels.numel(), passes=1), "Megatron vs plugin first-step loss")
+
+
+@needs_training
+def test_init_from_loads_the_released_weights_exactly(runs, data):
+    from dsv3_plugin.checkpoint.reader import CheckpointReader
+    from dsv3_plugin.megatron.weights import hf_to_megatron_name
+
+    w = runs["text"]["rec"]["weights"]
+    with open(os.path.join(data["rel"], "config.json")) as f:
+        hf = json.load(f)
+    L, E = hf["num_hidden_layers"], hf["n_routed_experts"]
+    n_fp8 = 0
+    with CheckpointReader(data["rel"]) as reader:
+        for name in reader.names():
+            tgt = hf_to_megatron_name(name, L, 0, L, E, 1, 0)
+            if tgt.shared:
+                continue
+            key = tgt.name if tgt.name in w else tgt.te_name
+            want = reader.get(name, torch.float32 if reader.is_fp8(name) else None).float()
+            have = w[key] if tgt.index is None else w[key][tgt.index]
+            if tgt.nparts > 1:  # a fused gate|up: the checkpoint tensor is one of its parts
+                have = have.chunk(tgt.nparts, dim=0)[tgt.part]
+            assert torch.equal(have, want), name  # dequantized in fp32 by the same formula: exact
+            n_fp8 += reader.is_fp8(name)
+    assert n_fp8 > 0
+    assert "initial weights: --dsv3-init-from" in runs["text"]["log"]
+
+
+@needs_training
+def test_first_step_loss_equals_the_plugin_model(runs, data):
+    rec = runs["text"]["rec"]
+    assert bool((rec["loss_mask"] == 1).all())  # plain text: every label trained on
+    assert rec["tokens"].shape == (MBS, SEQ)
+    _check_first_step_loss(runs["text"], data["rel"], rec["labels"])
+
+
+@needs_training
+def test_missing_eval_interval_gets_megatron_lms_default(runs):
+    assert "--eval-interval 1000 (Megatron-LM's default; not given)" in runs["text"]["log"]
+    assert "model vocabulary: 1088 rows" in runs["text"]["log"]  # the release's rows, not the tokenizer's 1024
+
+
+@needs_training
+def test_sft_trains_only_on_the_assistant_tokens(runs, data):
+    from dsv3_plugin.data.tokenizer import ASSISTANT, EOS, USER
+
+    tok, rec = data["tok"], runs["sft"]["rec"]
+    a, u, e = (tok.convert_tokens_to_ids(t) for t in (ASSISTANT, USER, EOS))
+    # Independent of the mask file: label t (token t+1) is a target iff it follows <｜Assistant｜> up to and
+    # including <｜end▁of▁sentence｜>; decided from the first role marker of each row on.
+    checked = 0
+    for row, lm in zip(rec["tokens"].tolist(), rec["loss_mask"].tolist()):
+        state = None
+        for t in range(len(row)):
+            if t >= 1 and state is not None:
+                assert lm[t - 1] == float(state == "assistant"), (t, row)
+                checked += 1
+            if row[t] == a:
+                state = "assistant"
+            elif row[t] == u:
+                state = "user"
+            elif row[t] == e and state == "assistant":
+                state = "after"
+    assert checked > SEQ
+    m = rec["loss_mask"]
+    assert 0 < int(m.sum()) < m.numel()
+    labels = torch.where(m == 1, rec["labels"], torch.full_like(rec["labels"], -100))
+    _check_first_step_loss(runs["sft"], data["rel"], labels)
+
+
+@needs_training
+def test_load_of_converted_output_is_refused(data):
+    conv = data["tmp"] / "conv"
+    if not conv.exists():
+        from dsv3_plugin.checkpoint.convert import convert
+
+        convert(str(data["rel"]), str(conv), to="megatron", progress=False)
+    p = _entry(data, "load", ["--mock-data", "--load", str(conv)], record=False)
+    assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-3000:]
+    err = p.stderr.strip().splitlines()
+    assert err[-1] == (
+        f"error: --load {conv}: `dsv3 convert --to megatron` output, not a Megatron training checkpoint (no "
+        f"latest_checkpointed_iteration.txt); start from its weights with --dsv3-init-from {conv}"
+    )
+    assert "Traceback" not in p.stderr
+
+
+@needs_training
+@pytest.mark.filterwarnings("ignore:Could not determine rank from torch\\.distributed:UserWarning:megatron")
+def test_weight_source_errors(data, tmp_path):
+    from dsv3_plugin.config import ConfigError
+    from dsv3_plugin.errors import DataError
+    from dsv3_plugin.megatron.pretrain_gpt import parse_megatron_args
+
+    base = ["--dsv3-config", data["ds"], "--tokenizer-model", str(data["rel"]), *FLAGS, "--mock-data"]
+
+    def parse(*extra):
+        return parse_megatron_args(base + list(extra), world_size=1, on_cpu=True, set_globals=False)
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ConfigError, match=rf"^--load {empty}: holds no Megatron checkpoint \(no latest_checkpointed"):
+        parse("--load", str(empty))
+    with pytest.raises(ConfigError, match=r"^--load /nonexistent/x: does not exist; Megatron would train from random"):
+        parse("--load", "/nonexistent/x")
+    with pytest.raises(ConfigError, match=rf"^--pretrained-checkpoint {data['rel']}: a released-format checkpoint"):
+        parse("--pretrained-checkpoint", str(data["rel"]), "--finetune")
+    # the restart-safe pattern: --load = --save, empty, or the first start of a fine-tune
+    _, notes = parse("--load", str(empty), "--save", str(empty))
+    assert any("no checkpoint there yet; this run starts from random weights" in n for n in notes)
+    _, notes = parse("--load", str(tmp_path / "new"), "--save", str(tmp_path / "new"), "--dsv3-init-from", data["rel"])
+    assert any(f"starts from {data['rel']}" in n for n in notes)
+    other = tmp_path / "ds.json"
+    other.write_text(json.dumps({"dsv3": {"preset": "tiny", "model": {"vocab_size": 1088, "hidden_size": 96}}}))
+    with pytest.raises(ConfigError, match=r"dsv3\.model\.hidden_size = 64 but --dsv3-config .*ds\.json has 96"):
+        parse_megatron_args(
+            ["--dsv3-config", str(other), *base[2:], "--dsv3-init-from", data["rel"]],
+            world_size=1,
+            on_cpu=True,
+            set_globals=False,
+        )
+    with pytest.raises(ConfigError, match=r"^--sft: needs prepared chat data"):
+        parse("--sft")
+    with pytest.raises(DataError, match=r"^--data-path c\.jsonl: --sft here trains on prepared chat data"):
+        parse_megatron_args(
+            [a for a in base if a != "--mock-data"] + ["--sft", "--data-path", "c.jsonl"],
+            world_size=1,
+            on_cpu=True,
+            set_globals=False,
+        )
+
+
+def test_tokenizer_larger_than_the_model_is_refused():
+    from types import SimpleNamespace
+
+    from dsv3_plugin.config import ConfigError, load_config
+    from dsv3_plugin.megatron.finetune import model_vocab_size
+
+    cfg = load_config({"preset": "tiny", "model": {"vocab_size": 1088}})
+    a = SimpleNamespace(dsv3_init_from="REL", tokenizer_type="HuggingFaceTokenizer", tokenizer_model="TOK")
+    assert model_vocab_size(a, cfg, 1024, "ds.json") == 1088  # smaller tokenizer: the release's rows
+    with pytest.raises(ConfigError, match=r"^--tokenizer-model TOK: .* 1100 entries but --dsv3-init-from REL has 1088"):
+        model_vocab_size(a, cfg, 1100, "ds.json")
+    scratch = SimpleNamespace(tokenizer_type="NullTokenizer", tokenizer_model=None, padded_vocab_size=1152)
+    assert model_vocab_size(scratch, cfg, 1089, "ds.json") == 1152  # NullTokenizer's eod = --vocab-size: padded
