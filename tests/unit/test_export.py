@@ -228,3 +228,28 @@ def test_convert_on_a_run_directory_points_to_export(run, tmp_path, capsys):
         assert rc == 2 and err.strip() == (
             f"error: {src} is a dsv3 train run directory: use dsv3 export {src} DST --to hf-bf16|hf"
         )
+
+
+def test_megatron_layout_source(tmp_path):
+    """A `layout.json` directory (Megatron-Core names, pp 2 x ep 2 files) exports to what `dsv3 convert --to hf-bf16`
+    makes of the same release, bit for bit, with the directory's tokenizer; `--to hf` quantizes those values."""
+    from dsv3_plugin.checkpoint.convert import convert
+    from dsv3_plugin.checkpoint.reader import CheckpointReader
+    from dsv3_plugin.checkpoint.tiny_release import write_tiny_release
+
+    rel = write_tiny_release(tmp_path / "rel")
+    convert(rel, str(tmp_path / "meg"), "megatron", pp=2, ep=2, progress=False)
+    convert(rel, str(tmp_path / "ref"), "hf-bf16", progress=False)
+    out = ex.export(tmp_path / "meg", tmp_path / "x", "hf-bf16", progress=False)
+    assert out["source"] == "megatron-layout" and out["tokenizer"] == str(tmp_path / "meg")
+    with CheckpointReader(str(tmp_path / "ref")) as r:
+        ref = {n: r.get(n) for n in r.names()}
+    got = _stored(tmp_path / "x")
+    assert got.keys() == ref.keys() and all(torch.equal(got[n], ref[n]) for n in ref)
+    got8 = _stored(ex.export(tmp_path / "meg", tmp_path / "x8", "hf", progress=False)["dst"])
+    L = load_config(TINY_RELEASE).model.num_hidden_layers
+    for n, w in ref.items():
+        if ex.is_quantized_in_release(n, L):
+            q, s = quantize_fp8_blockwise(w)
+            assert torch.equal(got8[n].view(torch.uint8), q.view(torch.uint8)), n
+            assert torch.equal(got8[n + "_scale_inv"], s), n
