@@ -179,6 +179,7 @@ class PackedData:
         self.epoch_rows = sum(rows)
         weights = [w for w, _ in train]
         self.counts = rows if weights[0] is None else apportion(weights, self.epoch_rows)
+        self._natural = self.counts == rows  # every row of every source once an epoch (no cycles to draw)
         self.offsets = np.concatenate([[0], np.cumsum(self.counts)])
         if self.epoch_rows < dp:
             raise DataError(
@@ -187,6 +188,11 @@ class PackedData:
             )
         self.valid_tables = [RowTable(docs, seq_len, packing, None, pad_id) for docs in valid]
         self.valid_rows = sum(t.rows for t in self.valid_tables)
+        if valid and self.valid_rows == 0:
+            raise DataError(
+                f"dsv3.train.data.valid: {', '.join(d.prefix for d in valid)} make no row of seq_len + 1 = "
+                f"{seq_len + 1} tokens to evaluate on"
+            )
         self.valid_offsets = np.concatenate([[0], np.cumsum([t.rows for t in self.valid_tables])]).astype(np.int64)
         self.valid = valid
         self._eval_cache: dict = {}
@@ -206,7 +212,7 @@ class PackedData:
         j = int(self._epoch_perm(epoch)[pos])
         s = int(np.searchsorted(self.offsets, j, side="right")) - 1
         local = j - int(self.offsets[s])
-        if self.counts == [t.rows for t in self.tables]:  # unweighted: every row of every source once an epoch
+        if self._natural:
             return s, local
         c = epoch * self.counts[s] + local  # the source's rows in seeded cycles, independent of the blend's epochs
         cycle, p = divmod(c, self.tables[s].rows)

@@ -4,6 +4,7 @@ every bad input's one-line error. Real text: Python's docs tokenized by the tiny
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import warnings
@@ -118,8 +119,9 @@ def test_packed_rows_real_text_with_mask(tmp_path, pydoc_ids):
 
 
 def test_batch_fields_and_document_ids(pydoc_prefix):
-    data = PackedData([(None, IndexedDocs(pydoc_prefix))], [], seq_len=64, packing=True, seed=1, micro_batch=3,
-                      gas=2, dp=2)
+    data = PackedData(
+        [(None, IndexedDocs(pydoc_prefix))], [], seq_len=64, packing=True, seed=1, micro_batch=3, gas=2, dp=2
+    )
     b = data.batch(0, 1, 1, 3)
     assert b.input_ids.shape == b.labels.shape == b.position_ids.shape == (3, 64) and b.token_mask is None
     assert b.input_ids.dtype == b.labels.dtype == b.position_ids.dtype == torch.int64
@@ -128,8 +130,9 @@ def test_batch_fields_and_document_ids(pydoc_prefix):
     boundary = docs[:, 1:] != docs[:, :-1]
     assert (b.labels[:, :-1][boundary] == IGNORE_INDEX).all()
     # pure: the same (step, micro, rank) from a fresh object is the same batch (resume needs no state)
-    again = PackedData([(None, IndexedDocs(pydoc_prefix))], [], seq_len=64, packing=True, seed=1, micro_batch=3,
-                       gas=2, dp=2).batch(0, 1, 1, 3)
+    again = PackedData(
+        [(None, IndexedDocs(pydoc_prefix))], [], seq_len=64, packing=True, seed=1, micro_batch=3, gas=2, dp=2
+    ).batch(0, 1, 1, 3)
     assert all(torch.equal(x, y) for x, y in zip(b[:3], again[:3]))
 
 
@@ -147,8 +150,9 @@ def _epoch_samples(data, steps):
 
 
 def test_shards_disjoint_and_covering_then_next_epoch(pydoc_prefix):
-    data = PackedData([(None, IndexedDocs(pydoc_prefix))], [], seq_len=64, packing=True, seed=5, micro_batch=2,
-                      gas=3, dp=2)
+    data = PackedData(
+        [(None, IndexedDocs(pydoc_prefix))], [], seq_len=64, packing=True, seed=5, micro_batch=2, gas=3, dp=2
+    )
     N, per_step = data.epoch_rows, data.rows_per_step
     assert N > 5 * per_step
     full = N // per_step
@@ -199,8 +203,17 @@ def test_blend_fractions_and_cycles(tmp_path, pydoc_ids):
 
 def test_eval_batches_fixed_and_disjoint(pydoc_prefix, tmp_path, pydoc_ids):
     valid = IndexedDocs(build(str(tmp_path / "v"), pydoc_ids[20:24]))
-    data = PackedData([(None, IndexedDocs(pydoc_prefix))], [valid], seq_len=64, packing=True, seed=1, micro_batch=2,
-                      gas=1, dp=2, eval_batches=3)
+    data = PackedData(
+        [(None, IndexedDocs(pydoc_prefix))],
+        [valid],
+        seq_len=64,
+        packing=True,
+        seed=1,
+        micro_batch=2,
+        gas=1,
+        dp=2,
+        eval_batches=3,
+    )
     e0, e1 = data.eval_batches(0), data.eval_batches(1)
     assert len(e0) == 3 and all(b.input_ids.shape == (2, 64) for b in e0)
     rows0 = {tuple(r) for b in e0 for r in b.input_ids.tolist()}
@@ -279,8 +292,7 @@ def test_bad_files_one_line_errors(tmp_path, pydoc_ids):
 
 
 def _cfg(data, vocab=1088, seq_len=32):
-    return load_config({"preset": "tiny", "model": {"vocab_size": vocab}, "train": {"seq_len": seq_len,
-                                                                                     "data": data}})
+    return load_config({"preset": "tiny", "model": {"vocab_size": vocab}, "train": {"seq_len": seq_len, "data": data}})
 
 
 def test_open_data_checks(tmp_path, tok_dir, pydoc_prefix):
@@ -297,8 +309,6 @@ def test_open_data_checks(tmp_path, tok_dir, pydoc_prefix):
         open_data(_cfg({"train": [pydoc_prefix], "valid": [str(tmp_path / "missing")]}), tok_dir, **kw)
     nopad = str(tmp_path / "nopad")
     shutil.copytree(tok_dir, nopad)
-    import json
-
     conf = json.load(open(os.path.join(nopad, "tokenizer_config.json")))
     conf.pop("pad_token")
     json.dump(conf, open(os.path.join(nopad, "tokenizer_config.json"), "w"))
@@ -322,3 +332,48 @@ def test_open_data_checks(tmp_path, tok_dir, pydoc_prefix):
 def test_data_config_errors(data, msg):
     with pytest.raises(ConfigError, match="^" + msg):
         _cfg(data)
+
+
+def test_jsonl_sources_tokenized_at_start(tmp_path, tok_dir):
+    """A .jsonl source is tokenized as dsv3 prepare-data would (BOS + text + EOS; chat: the template, targets =
+    the assistant tokens), and its fingerprint follows the file's bytes."""
+    tok = load_tokenizer(tok_dir)
+    texts = pydoc_texts()[:3]
+    text = tmp_path / "t.jsonl"
+    text.write_text("".join(json.dumps({"body": t}) + "\n" for t in texts))
+    docs = open_source(str(text), tok, chat=False, text_key="body")
+    assert len(docs) == 3 and not docs.has_mask
+    assert docs.doc(0)[0].tolist() == tok(texts[0])["input_ids"] + [tok.eos_token_id]
+    chat = tmp_path / "c.jsonl"
+    msgs = [{"role": "user", "content": texts[1][:80]}, {"role": "assistant", "content": texts[2][:60]}]
+    chat.write_text(json.dumps({"messages": msgs}) + "\n")
+    cdocs = open_source(str(chat), tok, chat=True)
+    ids, mask = cdocs.doc(0)
+    assert ids.tolist() == tok.apply_chat_template(msgs, tokenize=True)["input_ids"]
+    reply = tok(texts[2][:60], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert ids[mask].tolist() == reply  # only the assistant's tokens (and its end-of-turn) are targets
+    before = docs.fingerprint()
+    text.write_text("".join(json.dumps({"body": t}) + "\n" for t in texts[:2]))
+    assert open_source(str(text), tok, chat=False, text_key="body").fingerprint() != before
+
+
+def test_cli_data_flags_and_first_line():
+    from dsv3_plugin.deepspeed.train import _data_line, with_data_flags
+
+    ds = with_data_flags({"dsv3": {"preset": "tiny"}}, ["p1", "p2"], ["v"], "tok")
+    assert ds["dsv3"]["train"]["data"] == {"train": ["p1", "p2"], "valid": ["v"], "tokenizer": "tok"}
+    kept = {"dsv3": {"train": {"data": {"train": ["a"], "packing": False, "eval_every": 3, "valid": ["w"]}}}}
+    assert with_data_flags(kept, ["b"], None, None)["dsv3"]["train"]["data"] == {
+        "train": ["b"],
+        "packing": False,
+        "eval_every": 3,
+        "valid": ["w"],
+    }
+    with pytest.raises(ConfigError, match=r"^--valid-data: needs training data \(--data PREFIX"):
+        with_data_flags({"dsv3": {}}, None, ["v"], None)
+    with pytest.raises(ConfigError, match=r"^--tokenizer: needs training data"):
+        with_data_flags({"dsv3": {"train": {"data": "synthetic"}}}, None, None, "tok")
+    line, note = _data_line(None, "/ckpt")
+    assert line.startswith('dsv3 train: training on synthetic data (dsv3.train.data = "synthetic")')
+    assert "--init-from does not change that" in note and note in line
+    assert _data_line(None, None)[1] == ""
