@@ -1,7 +1,15 @@
-"""`dsv3 train`: DeepSpeed ZeRO-1 training of a DeepSeek-V3 model on synthetic data (see `dsv3_plugin.deepspeed.train`).
+"""`dsv3 train`: DeepSpeed ZeRO-1 training of a DeepSeek-V3 model (see `dsv3_plugin.deepspeed.train`) on prepared
+data (`dsv3.train.data` an object, or --data) or on the synthetic Markov chain (the default).
 
     dsv3 train [--config FILE] [--nproc N] [--steps N] [--out DIR] [--resume DIR] [--init-from DIR]
+               [--data PREFIX ...] [--valid-data PREFIX ...] [--tokenizer DIR]
                [--json] [--overwrite] [--no-progress]
+
+--data / --valid-data: `dsv3 prepare-data` prefixes (PREFIX.bin/.idx) or small .jsonl files; they set
+`dsv3.train.data.train` / `.valid` (see docs/configuration.md); --tokenizer (default: the --init-from directory)
+sets `dsv3.train.data.tokenizer`. `--resume` with data other than the checkpoint's (another file, packing,
+seq_len, data seed or batch layout) is refused (exit 2, nothing run): a checkpoint's data position is a step of
+its own data.
 
 No --config: the built-in DeepSpeed JSON (`tiny` preset; equal to examples/deepspeed/ds_config.json).
 Self-spawns N gloo/NCCL ranks with --nproc (default 2) unless launched by torchrun / the deepspeed launcher,
@@ -21,7 +29,7 @@ import os
 import sys
 
 from dsv3_plugin.config import ConfigError
-from dsv3_plugin.deepspeed.train import _prepare, train
+from dsv3_plugin.deepspeed.train import _prepare_run, train
 from dsv3_plugin.errors import PeerError
 from dsv3_plugin.parallel.distributed import (
     _is_input_error,
@@ -31,14 +39,17 @@ from dsv3_plugin.parallel.distributed import (
     spawn,
 )
 from dsv3_plugin.training import run_dir as rd
+from dsv3_plugin.training.loop import data_fingerprint
 
 
 def register(sub):
     p = sub.add_parser(
         "train",
-        help="train with DeepSpeed ZeRO-1 on synthetic data (tiny preset on 2 CPU ranks by default)",
-        description='Trains on dsv3.train.data = "synthetic": a seeded Markov chain over the vocabulary. '
-        "No tokenizer or dataset is read, also with --init-from.",
+        help="train with DeepSpeed ZeRO-1 on prepared data (--data) or synthetic data (tiny preset, 2 CPU ranks)",
+        description='Without --data (and with dsv3.train.data = "synthetic", the default) it trains on a seeded '
+        "Markov chain over the vocabulary: no tokenizer or dataset is read, also with --init-from. With --data "
+        "PREFIX (dsv3 prepare-data output) or a dsv3.train.data object it trains on that data, packed into "
+        "seq_len rows, with eval_loss on --valid-data.",
     )
     p.add_argument("--config", help='DeepSpeed JSON with a "dsv3" block (default: built-in tiny config)')
     p.add_argument("--nproc", type=int, help="ranks to self-spawn (default 2; ignored under torchrun/deepspeed)")
@@ -55,6 +66,24 @@ def register(sub):
     )
     p.add_argument("--resume", metavar="DIR", help="a previous --out dir (or its ckpt/ dir) to continue from")
     p.add_argument("--init-from", metavar="DIR", help="released-format HF checkpoint dir to start from")
+    p.add_argument(
+        "--data",
+        action="append",
+        metavar="PREFIX",
+        help="training data: a dsv3 prepare-data PREFIX (PREFIX.bin/.idx) or a small .jsonl; repeat for several "
+        "(sets dsv3.train.data.train)",
+    )
+    p.add_argument(
+        "--valid-data",
+        action="append",
+        metavar="PREFIX",
+        help="held-out data for eval_loss (sets dsv3.train.data.valid); repeatable",
+    )
+    p.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="tokenizer directory (sets dsv3.train.data.tokenizer; default: the --init-from directory)",
+    )
     p.add_argument("--json", action="store_true", help="also print every JSON line and a JSON summary on stdout")
     p.add_argument(
         "--overwrite",
@@ -70,7 +99,20 @@ def register(sub):
     p.set_defaults(func=run)
 
 
-def _worker(config, steps, out, resume, init_from, progress, echo, overwrite, allow_non_finite=False):
+def _worker(
+    config,
+    steps,
+    out,
+    resume,
+    init_from,
+    progress,
+    echo,
+    overwrite,
+    allow_non_finite=False,
+    data=None,
+    valid_data=None,
+    tokenizer=None,
+):
     train(
         config,
         steps=steps,
@@ -82,18 +124,22 @@ def _worker(config, steps, out, resume, init_from, progress, echo, overwrite, al
         summary=True,
         overwrite=overwrite,
         allow_non_finite=allow_non_finite,
+        data=data,
+        valid_data=valid_data,
+        tokenizer=tokenizer,
     )
 
 
 def _precheck(args):
     """What can be refused before any rank starts (fast; the ranks check again under the run-dir lock)."""
-    # the world this run will have: the same rules as `dsv3 check-config FILE --nproc N`
-    _, cfg, _ = _prepare(args.config, args.steps, args.init_from, world_size=args.nproc or 2)
+    # the world this run will have: the same rules as `dsv3 check-config FILE --nproc N`; the data opened and checked
+    flags = {"data": args.data, "valid": args.valid_data, "tokenizer": args.tokenizer}
+    _, cfg, _, data = _prepare_run(args.config, args.steps, args.init_from, args.nproc or 2, flags)
     if args.out:
         rd.check_out_path(args.out)
         rd.probe_lock(args.out)
     if args.resume:
-        rd.resume_source(args.resume, cfg, args.nproc or 2)
+        rd.resume_source(args.resume, cfg, args.nproc or 2, data_fingerprint(data))
     same_dir = bool(args.resume and args.out) and (
         os.path.realpath(rd.checkpoint_dir(args.resume)) == os.path.realpath(os.path.join(args.out, "ckpt"))
     )
@@ -116,6 +162,9 @@ def run(args) -> int:
         args.json,
         args.overwrite,
         args.allow_non_finite,
+        args.data,
+        args.valid_data,
+        args.tokenizer,
     )
     if launched_externally():
         return _run_launched(wargs)

@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 import warnings
 
 import torch
 
 from dsv3_plugin.checkpoint.init_from import build_train_model, init_from_config
 from dsv3_plugin.config import ConfigError, read_ds_json
+from dsv3_plugin.data.packed import open_data
 from dsv3_plugin.data.synthetic import MarkovData
+from dsv3_plugin.data.tokenizer import has_tokenizer
+from dsv3_plugin.deepspeed.config_keys import resolve_batch
 from dsv3_plugin.deepspeed.engine import initialize, mixed_precision_dtype, quiet_deepspeed_logs
 from dsv3_plugin.deepspeed.moe_layer import prepare_model  # experts sharded over parallel.ep (DeepSpeed MoE groups)
 from dsv3_plugin.deepspeed.pipeline import PipelinedEngine
@@ -77,8 +81,49 @@ def _f(x) -> float:
 def _prepare(ds_config, steps, init_from, world_size: int | None = None):
     """Validate everything a rank would, before any process starts (bad input -> ConfigError, exit 2): the one
     validation (`dsv3_plugin.deepspeed.validate.validate_ds_config`, as `dsv3 check-config --nproc N` runs it) for
-    `world_size` ranks (default: the initialised process group's) and this host's memory."""
+    `world_size` ranks (default: the initialised process group's) and this host's memory. Returns (the normalised
+    DeepSpeed JSON, the `DSv3Config`, the step to reach); the data is not opened (see `_prepare_run`)."""
+    ds, cfg, total, _ = _prepare_run(ds_config, steps, init_from, world_size, open_files=False)
+    return ds, cfg, total
+
+
+def with_data_flags(ds: dict, data: list[str] | None, valid: list[str] | None, tokenizer: str | None) -> dict:
+    """`dsv3 train --data PREFIX... --valid-data PREFIX... --tokenizer DIR` written into the JSON's
+    `dsv3.train.data`: --data replaces its `train` sources (turning "synthetic" into an object), --valid-data its
+    `valid`, --tokenizer its `tokenizer`; the object's other keys (packing, eval_every, ...) are kept. Returns `ds`
+    (changed in place). ConfigError for --valid-data / --tokenizer without any prepared data."""
+    if not (data or valid or tokenizer):
+        return ds
+    train = ds["dsv3"].setdefault("train", {})
+    if not isinstance(train, dict):
+        return ds  # (the schema names the key)
+    obj = train.get("data", "synthetic")
+    if not isinstance(obj, dict):
+        if not data:
+            flag = "--valid-data" if valid else "--tokenizer"
+            raise ConfigError(f"{flag}: needs training data (--data PREFIX, or a dsv3.train.data object)")
+        obj = {}
+    obj = dict(obj)
+    if data:
+        obj["train"] = list(data)
+    if valid:
+        obj["valid"] = list(valid)
+    if tokenizer:
+        obj["tokenizer"] = tokenizer
+    train["data"] = obj
+    return ds
+
+
+def _prepare_run(
+    ds_config, steps, init_from, world_size: int | None = None, data_flags: dict | None = None, open_files=True
+):
+    """`_prepare` and the data: with `dsv3.train.data` an object (or --data flags, `data_flags` = the keyword
+    arguments of `with_data_flags`) and `open_files`, the prepared data opened and checked for this world's
+    batch layout (`dsv3_plugin.data.packed.open_data`: tokenizer vocabulary, files, token ids, rows per rank).
+    Returns (ds, cfg, total, PackedData or None for synthetic data)."""
     ds = resolve_ds_config(ds_config)
+    if data_flags:
+        ds = with_data_flags(ds, **data_flags)
     if init_from:
         ds = init_from_config(ds, init_from)
     if world_size is None and torch.distributed.is_initialized():
@@ -92,7 +137,27 @@ def _prepare(ds_config, steps, init_from, world_size: int | None = None):
     total = steps if steps is not None else cfg.train.steps
     if total <= 0:
         raise ConfigError(f"dsv3.train.steps: must be > 0 (got {total})")
-    return checked.full(), cfg, total
+    data = None
+    if open_files and cfg.train.data != "synthetic":
+        dp = max(1, (world_size or 1) // cfg.parallel.pp)
+        full = checked.full()
+        gas = resolve_batch(full, dp)  # (already resolved for this world by the validation: the same values)
+        data = open_data(cfg, init_from, micro_batch=full["train_micro_batch_size_per_gpu"], gas=gas, dp=dp)
+    return checked.full(), cfg, total, data
+
+
+def _data_line(data, init_from) -> tuple[str, str]:
+    """(the first line the run prints, the note the summary's data line gets): what the run trains on, and with
+    --init-from on synthetic data that the checkpoint's tokenizer and the user's text are not used."""
+    if data is not None:
+        return f"dsv3 train: training on {data.description}", ""
+    note = ""
+    if init_from:
+        note = (
+            "; --init-from does not change that: this run does not train on your text (give --data PREFIX from "
+            "dsv3 prepare-data, or a dsv3.train.data object)"
+        )
+    return 'dsv3 train: training on synthetic data (dsv3.train.data = "synthetic")' + note, note
 
 
 def train(
@@ -108,6 +173,9 @@ def train(
     save: bool = True,
     overwrite: bool = False,
     allow_non_finite: bool = False,
+    data: list[str] | None = None,
+    valid_data: list[str] | None = None,
+    tokenizer: str | None = None,
 ) -> dict:
     """Train on this rank (call after, or let it call, `init_distributed()`).
 
@@ -123,6 +191,7 @@ def train(
         progress: tqdm bar on stderr (rank 0); echo: the JSON lines and a JSON summary also on stdout; summary: a
             short human summary (stdout, or stderr with `echo`); save: write checkpoints.
         allow_non_finite: load a checkpoint holding NaN/Inf (refused otherwise).
+        data, valid_data, tokenizer: `dsv3 train --data / --valid-data / --tokenizer` (see `with_data_flags`).
 
     Returns:
         {"history": per-step metric dicts, "summary", "router_bias": {buffer name: list}, "param_checksum":
@@ -130,22 +199,37 @@ def train(
         the run directory: a resume that fell back to an older tag, a dropped torn metrics line).
 
     Raises:
-        ConfigError / CheckpointError: bad input, named by key or file, before any step.
+        ConfigError / CheckpointError / DataError: bad input, named by key or file, before any step.
     """
     rank, world = init_distributed()
-    ds, cfg, total = _prepare(ds_config, steps, init_from, world_size=world)
+    flags = {"data": data, "valid": valid_data, "tokenizer": tokenizer}
+    ds, cfg, total, data = _prepare_run(ds_config, steps, init_from, world, flags)
+    first_line, note = _data_line(data, init_from)
+    if rank == 0 and (progress or echo or summary):  # what the run trains on comes first, before any bar or line
+        print(first_line, file=sys.stderr, flush=True)
     # Every wait on a peer is bounded by parallel.p2p_timeout_s: the world group (and any group already made) from
     # here, the groups made later by expert parallelism, the pipeline and deepspeed.initialize when they are made.
     set_peer_timeout(cfg.parallel.p2p_timeout_s)
     with peer_failures("dsv3 train (start-up, resume or end of the run)", cfg.parallel.p2p_timeout_s):
-        run = RunDir(out, resume, cfg, rank, world, overwrite, save)
+        fingerprint = loop.data_fingerprint(data)
+        tok_dir = (
+            data.tokenizer_dir if data is not None else (init_from if init_from and has_tokenizer(init_from) else None)
+        )
+        run = RunDir(out, resume, cfg, rank, world, overwrite, save, data=fingerprint, tokenizer=tok_dir)
         try:
             _setup_process(cfg)
             rss0 = rss_bytes()  # the runtime's share of peak_rss_bytes (Python, torch, DeepSpeed, process groups)
             dtype = mixed_precision_dtype(ds) or torch.float32
             model = build_train_model(cfg, init_from, allow_non_finite, rank, world, dtype)
             engine = PipelinedStepEngine(model, ds, cfg) if cfg.parallel.pp > 1 else ZeroStepEngine(model, ds, cfg)
-            data = MarkovData(cfg.model.vocab_size, cfg.train.seq_len, seed=cfg.train.seed)
+            if data is None:
+                data = MarkovData(cfg.model.vocab_size, cfg.train.seq_len, seed=cfg.train.seed)
+            elif (data.micro_batch, data.gas, data.dp) != (engine.micro_batch, engine.gas, engine.dp):
+                raise ConfigError(  # the shards were cut for the validated layout; the engine must agree
+                    f"train_micro_batch_size_per_gpu / gradient_accumulation_steps: the engine runs "
+                    f"{(engine.micro_batch, engine.gas, engine.dp)} (micro-batch, accumulation, data-parallel), "
+                    f"the data was cut for {(data.micro_batch, data.gas, data.dp)}"
+                )
             return loop.run(
                 engine,
                 data,
@@ -158,6 +242,7 @@ def train(
                 summary=summary,
                 checkpoint_bytes_read=getattr(model, "checkpoint_bytes_read", 0),
                 rss_before_model=rss0,
+                data_note=note,
             )
         finally:
             run.close()

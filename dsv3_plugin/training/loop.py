@@ -3,9 +3,11 @@
 `run(engine, data, run_dir, cfg, total)` drives any engine with the `TrainEngine` interface; the DeepSpeed
 adapter implements it twice (`deepspeed.train`: the ZeRO-1 engine at pp = 1, the pipelined engine at pp > 1).
 Per optimizer step the loop reads this data-parallel rank's `gas` micro-batches (a pure function of (seed, step,
-micro-batch, rank), so the data position of a checkpoint is the next step index), lets the engine run the
-forwards, backwards, optimizer step and router-bias update, updates the EMA shard, records routing telemetry,
-logs one JSON line (rank 0) and saves at `train.save_every` and at the end. Metrics are means over micro-batches
+micro-batch, rank), so the data position of a checkpoint is the next step index; the time it waits for them is
+`data_wait_s`), lets the engine run the forwards, backwards, optimizer step and router-bias update, updates the EMA
+shard, records routing telemetry, evaluates on the data's valid set (`eval_loss`, every `eval_every` steps and at
+the end), logs one JSON line (rank 0) and saves at `train.save_every` and at the end, with the data position and
+the data's fingerprint in the client state. Metrics are means over micro-batches
 and ranks, identical on every rank. `--resume` restores the engine's checkpoint, the telemetry totals and this
 rank's EMA shard and continues at the saved step: the continued run's losses equal an uninterrupted run's.
 """
@@ -22,14 +24,16 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from dsv3_plugin.errors import CheckpointError
+from dsv3_plugin.data.batch import Batch
+from dsv3_plugin.data.packed import SYNTHETIC_FINGERPRINT, data_change
+from dsv3_plugin.errors import CheckpointError, DataError
 from dsv3_plugin.parallel.distributed import peer_failures
 from dsv3_plugin.training.ema import EMA
 from dsv3_plugin.training.run_dir import RunDir
 from dsv3_plugin.training.run_report import finish
 from dsv3_plugin.training.telemetry import RoutingTelemetry
 
-__all__ = ["TrainEngine", "StepResult", "run", "ema_shard", "ema_path", "atomic_save"]
+__all__ = ["TrainEngine", "StepResult", "run", "ema_shard", "ema_path", "atomic_save", "data_fingerprint"]
 
 
 class StepResult(dict):
@@ -52,8 +56,16 @@ class TrainEngine(Protocol):
     telemetry: RoutingTelemetry | None  # full-model routing telemetry, or None
     description: str  # the progress bar's label
 
-    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
-        """One optimizer step over [(input_ids [B, T], labels [B, T])] x gas; collective."""
+    def train_step(self, micro_batches: list[Batch]) -> StepResult:
+        """One optimizer step over gas `data.batch.Batch` micro-batches (input_ids, labels [B, T], and packed rows'
+        position_ids / padding token_mask when given; (input_ids, labels) tuples are read as `Batch(*t)`);
+        collective. `step_tokens` / `tokens_seen` count input tokens (padding included)."""
+
+    def eval_loss(self, micro_batches: list[Batch]) -> tuple[float, int]:
+        """(the LM cross-entropy summed over the loss tokens, the number of loss tokens) of `micro_batches`, both
+        summed over the data-parallel ranks; collective (every rank passes as many micro-batches), the same result
+        on every rank. Under `torch.no_grad()`: no router-bias update, no expert loads counted, no telemetry, no
+        optimizer state touched; the model's train mode is restored."""
 
     def lr(self) -> float:
         """The learning rate of the last step."""
@@ -69,6 +81,12 @@ class TrainEngine(Protocol):
 
     def finish(self) -> dict | None:
         """End of the run (collective): the engine's own report for the summary (pipeline busy/idle), or None."""
+
+
+def data_fingerprint(data) -> dict:
+    """What a checkpoint records of the data it was trained on (`dsv3_plugin.data.packed.data_change` compares)."""
+    fp = getattr(data, "fingerprint", None)
+    return fp() if fp is not None else dict(SYNTHETIC_FINGERPRINT)
 
 
 def atomic_save(obj, path: str) -> None:
@@ -118,31 +136,39 @@ def run(
     summary: bool = False,
     checkpoint_bytes_read: int = 0,
     rss_before_model: int = 0,
+    data_note: str = "",
 ) -> dict:
     """Train from the run directory's resume point (or step 0) to step `total` on this rank.
 
     Args:
         engine: the framework's step (see `TrainEngine`).
-        data: batches by `data.batch(step, micro, rank, batch_size[, device])` -> (ids [B, T], labels [B, T]);
-            `data.entropy_rate` is the loss floor and `data.description` the data source the summary names.
+        data: batches by `data.batch(step, micro, rank, batch_size[, device])` -> a `data.batch.Batch` (or
+            (ids [B, T], labels [B, T]) from the synthetic data), handed to the engine as they are;
+            `data.entropy_rate` is the loss floor (None: unknown), `data.description` the data source the summary
+            names; optional `data.eval_batches(dp_rank[, device])` (the fixed valid micro-batches, evaluated every
+            `cfg.train.data.eval_every` steps and at the end through `engine.eval_loss`) and `data.fingerprint()`
+            (recorded with every checkpoint).
         run_dir: the locked run directory (metrics.jsonl, checkpoints, resume tag).
         cfg: the `DSv3Config` (train.log_every, train.save_every, memory.ema, parallel.p2p_timeout_s).
         total: the step index to reach.
         world: number of ranks; progress: a tqdm bar on rank 0; echo: JSON lines and summary on stdout;
         summary: the short human summary; checkpoint_bytes_read, rss_before_model: memory facts for the summary.
+        data_note: appended to the summary's data line (e.g. that --init-from did not change the data).
 
     Returns:
         What `run_report.finish` returns: history, summary, router biases, parameter checksum, notes.
     """
     rank, timeout = run_dir.rank, cfg.parallel.p2p_timeout_s
+    fingerprint = data_fingerprint(data)
     ema = ema_shard(engine.module, cfg, engine.dp_rank, engine.dp)
-    start = _resume(engine, ema, run_dir)
+    start = _resume(engine, ema, run_dir, fingerprint)
     run_dir.start_metrics(start)
     bar = _bar(progress and rank == 0, total, start, engine.description)
     history: list[dict] = []
+    evaluate = _evaluator(engine, data, cfg, total)
 
     def save(tag: str, done: int) -> None:
-        client = {"data_step": done}
+        client = {"data_step": done, "data": fingerprint}
         if engine.telemetry is not None:
             client["telemetry"] = engine.telemetry.state_dict()
         engine.save_checkpoint(run_dir.ckpt, tag, client)
@@ -153,6 +179,7 @@ def run(
     for step in range(start, total):
         with peer_failures(f"training step {step + 1}", timeout):
             rec = _step(engine, data, ema, step)
+            evaluate(rec)
             history.append(rec)
             _after_step(rec, run_dir, cfg, total, echo, bar, save)
     wall = time.perf_counter() - t_run
@@ -174,16 +201,21 @@ def run(
         checkpoint_bytes_read,
         pipeline=report,
         rss_before_model=rss_before_model,
-        data_description=data.description,
+        data_description=data.description + data_note,
+        data_wait_s=sum(r["data_wait_s"] for r in history),
     )
 
 
-def _resume(engine: TrainEngine, ema: EMA | None, run_dir: RunDir) -> int:
+def _resume(engine: TrainEngine, ema: EMA | None, run_dir: RunDir, fingerprint: dict) -> int:
     """With --resume: the engine's checkpoint, the telemetry totals and this rank's EMA shard. Returns the step to
-    start from (the data position)."""
+    start from (the data position), after checking the checkpoint was trained on this data (the run directory
+    checked its completion marker already; this is the checkpoint's own record)."""
     if not run_dir.resume_tag:
         return 0
     client = engine.load_checkpoint(run_dir.resume_ckpt, run_dir.resume_tag)
+    why = data_change(client.get("data"), fingerprint)
+    if why:
+        raise DataError(f"--resume {run_dir.resume_ckpt}/{run_dir.resume_tag}: trained on other data ({why})")
     if engine.telemetry is not None and "telemetry" in client:  # running totals: metrics continue uninterrupted
         engine.telemetry.load_state_dict(client["telemetry"])
     if ema is not None:
@@ -198,6 +230,7 @@ def _step(engine: TrainEngine, data, ema: EMA | None, step: int) -> dict:
     t0 = time.perf_counter()
     kw = {} if engine.batch_device is None else {"device": engine.batch_device}
     batches = [data.batch(step, micro, engine.dp_rank, engine.micro_batch, **kw) for micro in range(engine.gas)]
+    wait = time.perf_counter() - t0
     r = engine.train_step(batches)
     if ema is not None:
         ema.update()  # after the optimizer step; the copy to CPU overlaps the next step
@@ -213,10 +246,33 @@ def _step(engine: TrainEngine, data, ema: EMA | None, step: int) -> dict:
         "lr": engine.lr(),
         "grad_norm": engine.grad_norm(),
         "maxvio_layers": mv,
+        "step_s": dt,
+        "data_wait_s": wait,
     }
     if engine.telemetry is not None:  # collective: every rank records
         rec.update(engine.telemetry.record(r["bias_stats"]))
     return rec
+
+
+def _evaluator(engine: TrainEngine, data, cfg, total: int):
+    """`evaluate(rec)`: at the steps `dsv3.train.data.eval_every` names and at the last one, the LM loss on this
+    data-parallel rank's fixed valid micro-batches, summed over every rank by the engine (sum of token losses /
+    loss tokens), into `rec["eval_loss"]`. A no-op without a valid set. Collective."""
+    eval_every = getattr(cfg.train.data, "eval_every", 0)
+    if not callable(getattr(data, "eval_batches", None)):
+        return lambda rec: None
+    kw = {} if engine.batch_device is None else {"device": engine.batch_device}
+    batches = data.eval_batches(engine.dp_rank, **kw)
+    if not batches:
+        return lambda rec: None
+
+    def evaluate(rec: dict) -> None:
+        done = rec["step"]
+        if done == total or (eval_every and done % eval_every == 0):
+            loss_sum, count = engine.eval_loss(batches)
+            rec["eval_loss"] = float(loss_sum) / float(count) if count else None
+
+    return evaluate
 
 
 def _after_step(rec: dict, run_dir: RunDir, cfg, total: int, echo: bool, bar, save) -> None:

@@ -20,7 +20,9 @@ import sys
 import torch
 
 from dsv3_plugin.config import ConfigError
-from dsv3_plugin.errors import CheckpointError
+from dsv3_plugin.data.packed import data_change
+from dsv3_plugin.data.tokenizer import TOKENIZER_FILES
+from dsv3_plugin.errors import CheckpointError, DataError
 from dsv3_plugin.parallel.distributed import _input_error
 
 __all__ = [
@@ -42,6 +44,7 @@ __all__ = [
     "tag_problem",
     "resolve_resume",
     "read_jsonl",
+    "keep_tokenizer",
     "LOCK_FILE",
     "RUN_RECORD",
     "COMPLETE_MARKER",
@@ -50,6 +53,7 @@ __all__ = [
 LOCK_FILE = ".dsv3.lock"
 RUN_RECORD = "run.json"
 COMPLETE_MARKER = "dsv3_complete.json"
+TOKENIZER_DIR = "tokenizer"  # RUN/tokenizer: the run's tokenizer files (what the export step ships with the model)
 _OUR_FILES = (RUN_RECORD, "metrics.jsonl", "train.png", "routing.png")
 _TAG = re.compile(r"^step(\d+)$")
 
@@ -247,13 +251,35 @@ def clear_run(out: str) -> None:
         if os.path.exists(p):
             os.remove(p)
     shutil.rmtree(os.path.join(out, "ckpt"), ignore_errors=True)
+    shutil.rmtree(os.path.join(out, TOKENIZER_DIR), ignore_errors=True)
+
+
+def keep_tokenizer(out: str, src: str) -> str | None:
+    """Copy the tokenizer files (`TOKENIZER_FILES`) of directory `src` to OUT/tokenizer, atomically (a temporary
+    directory renamed over the old one). Returns the directory, or None when `src` holds none of them."""
+    files = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(src, f))]
+    if not files:
+        return None
+    dst = os.path.join(out, TOKENIZER_DIR)
+    tmp = f"{dst}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    for f in files:
+        shutil.copyfile(os.path.join(src, f), os.path.join(tmp, f))
+    old = f"{dst}.old{os.getpid()}"
+    if os.path.isdir(dst):
+        os.replace(dst, old)  # (a directory cannot be renamed over a non-empty one)
+    os.replace(tmp, dst)
+    shutil.rmtree(old, ignore_errors=True)
+    return dst
 
 
 # --- checkpoint completeness -----------------------------------------------------------------------------------
 
 
-def mark_complete(ckpt: str, tag: str, step: int, world: int, config_hash: str) -> None:
-    """Rank 0, after a barrier that follows every rank's last file of `tag`: record the files and sizes."""
+def mark_complete(ckpt: str, tag: str, step: int, world: int, config_hash: str, data: dict | None = None) -> None:
+    """Rank 0, after a barrier that follows every rank's last file of `tag`: record the files and sizes, and the
+    fingerprint of the data the run reads (`data`, see `dsv3_plugin.data.packed.data_change`)."""
     d = os.path.join(ckpt, tag)
     files = {}
     for root, _, names in os.walk(d):
@@ -262,10 +288,10 @@ def mark_complete(ckpt: str, tag: str, step: int, world: int, config_hash: str) 
                 continue
             p = os.path.join(root, n)
             files[os.path.relpath(p, d)] = os.path.getsize(p)
-    _atomic_json(
-        {"tag": tag, "step": step, "world_size": world, "config_hash": config_hash, "files": files},
-        os.path.join(d, COMPLETE_MARKER),
-    )
+    rec = {"tag": tag, "step": step, "world_size": world, "config_hash": config_hash, "files": files}
+    if data is not None:
+        rec["data"] = data
+    _atomic_json(rec, os.path.join(d, COMPLETE_MARKER))
 
 
 def read_marker(ckpt: str, tag: str) -> dict | None:
@@ -344,10 +370,12 @@ def checkpoint_dir(path: str | os.PathLike) -> str:
     return sub if os.path.isdir(sub) else path
 
 
-def resume_source(resume: str, cfg, world: int | None = None) -> tuple[str, str, str | None]:
+def resume_source(resume: str, cfg, world: int | None = None, data: dict | None = None) -> tuple[str, str, str | None]:
     """(checkpoint dir, tag, note) to resume from, after checking the checkpoint is complete, belongs to this
     config and (when `world` is given) was saved by as many ranks as this run has: ZeRO-1's optimizer partitions
-    and the per-rank RNG states do not carry over to another count (CheckpointError saying what to do)."""
+    and the per-rank RNG states do not carry over to another count (CheckpointError saying what to do). With
+    `data` (this run's data fingerprint): the checkpoint's data position means the same rows only on the same
+    data, so other data is refused (DataError naming the key that differs)."""
     ck = checkpoint_dir(resume)
     if not os.path.isdir(ck):
         raise CheckpointError(f"--resume {resume}: no DeepSpeed checkpoint here (no ckpt/ dir, no 'latest')")
@@ -365,6 +393,14 @@ def resume_source(resume: str, cfg, world: int | None = None) -> tuple[str, str,
             "ZeRO-1's optimizer partitions and each rank's RNG state need the same number: resume "
             f"with --nproc {saved_world} (or that many ranks under torchrun / deepspeed)"
         )
+    if data is not None:
+        why = data_change(marker.get("data") if marker else None, data)
+        if why:
+            raise DataError(
+                f"--resume {resume}: {tag} was trained on other data ({why}); its data position (step "
+                f"{marker['step'] if marker else '?'}) means nothing on this data: resume with the data it was "
+                "trained on, or start a new run"
+            )
     return ck, tag, note
 
 
@@ -402,8 +438,22 @@ class RunDir:
     (which tag to resume, or which error to raise); every rank gets the same decision, so a refusal raises the
     same error on every rank."""
 
-    def __init__(self, out, resume, cfg, rank: int, world: int, overwrite: bool, save: bool):
-        self.out, self.rank, self.world, self.cfg = out, rank, world, cfg
+    def __init__(
+        self,
+        out,
+        resume,
+        cfg,
+        rank: int,
+        world: int,
+        overwrite: bool,
+        save: bool,
+        data: dict | None = None,
+        tokenizer: str | None = None,
+    ):
+        """`data`: the data fingerprint checkpoints record and --resume compares; `tokenizer`: a directory whose
+        tokenizer files rank 0 copies to OUT/tokenizer (None: the run has no tokenizer)."""
+        self.out, self.rank, self.world, self.cfg, self.data = out, rank, world, cfg, data
+        self.tokenizer = tokenizer
         self.lock = None
         self._kept_rows: list[dict] = []  # rank 0: metrics lines of the run being resumed in place
         self.ckpt = os.path.join(out, "ckpt") if out and save else None
@@ -429,7 +479,7 @@ class RunDir:
             if out:  # lock first: nothing below may read a run directory another process is writing
                 self.lock = RunLock(out).acquire()
             if resume:
-                d["resume_ckpt"], d["resume_tag"], note = resume_source(resume, self.cfg, self.world)
+                d["resume_ckpt"], d["resume_tag"], note = resume_source(resume, self.cfg, self.world, self.data)
                 if note:
                     d["notes"].append(note)
             if out:
@@ -450,6 +500,8 @@ class RunDir:
                     if torn:
                         d["notes"].append(f"dsv3 train: {torn}")
                 write_run_record(out, self.cfg, self.world)
+                if self.tokenizer:
+                    keep_tokenizer(out, self.tokenizer)
         except ValueError as e:  # ConfigError / CheckpointError
             d["error"] = (type(e).__name__, str(e))
         except OSError as e:  # e.g. an --out without write permission
@@ -472,7 +524,7 @@ class RunDir:
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
         if self.rank == 0:
-            mark_complete(self.ckpt, tag, step, self.world, self.config_hash)
+            mark_complete(self.ckpt, tag, step, self.world, self.config_hash, self.data)
 
     def close(self) -> None:
         if self.lock is not None:

@@ -43,6 +43,7 @@ def finish(
     pipeline: dict | None = None,
     rss_before_model: int = 0,
     data_description: str = "",
+    data_wait_s: float = 0.0,
 ) -> dict:
     """End of a run: PNGs, the summary (JSON on stdout with `echo`, human text with `summary`; rank 0 prints, one
     summary per run) and final-state fingerprints (plain Python values, so they can cross process boundaries).
@@ -51,11 +52,14 @@ def finish(
         model: this rank's module (its stages at pp > 1): parameter bytes, router biases, checksum.
         history: the per-step metric records, identical on every rank.
         run: the run directory (metrics.jsonl, PNGs, checkpoints).
-        world: number of ranks; wall_s: seconds of the step loop; loss_floor: the data's loss floor (nats).
+        world: number of ranks; wall_s: seconds of the step loop; loss_floor: the data's loss floor (nats; None:
+            unknown, as for real text).
         checkpoint_bytes_read: bytes this rank read from `--init-from`.
         pipeline: the pipelined engine's per-rank busy/idle times, reported under the summary's "pipeline" key.
         rss_before_model: RSS just before the model was built (the runtime's share of the peak).
         data_description: what the run trained on, one line of the summary (so that no run hides its data).
+        data_wait_s: seconds this rank's loop waited for its micro-batches (the summary reports the largest rank's,
+            also as a share of the step time).
 
     Returns:
         {"history", "summary" (with this rank's `peak_rss_bytes`, `rss_before_model_bytes`, `param_bytes`,
@@ -76,7 +80,8 @@ def finish(
     if run.ckpt and history:
         files.append(os.path.join(run.ckpt, f"step{history[-1]['step']}"))
     summ = _summary(history, world, wall_s, loss_floor, files, data_description)
-    summ.update(_rank_memory(model, checkpoint_bytes_read, rss_before_model))
+    summ.update(_rank_memory(model, checkpoint_bytes_read, rss_before_model, data_wait_s))
+    _data_wait(summ, history)
     peak = max(r["peak_rss_bytes"] for r in summ["ranks"])
     read = max(r["checkpoint_bytes_read"] for r in summ["ranks"])
     summ["text"] += (
@@ -117,7 +122,20 @@ def rss_bytes() -> int:
     return int(psutil.Process().memory_info().rss)
 
 
-def _rank_memory(module, checkpoint_bytes_read: int, rss_before_model: int = 0) -> dict:
+def _data_wait(summ: dict, history: list[dict]) -> None:
+    """`data_wait_s` (the largest rank's wait for micro-batches) and `data_wait_pct` (of that rank's step time,
+    which includes the wait) into the summary, and a line of its text."""
+    if not history:
+        return
+    worst = max(summ["ranks"], key=lambda r: r["data_wait_s"])
+    step_s = sum(r.get("step_s", 0.0) for r in history)  # this rank's step times (all ranks run the same steps)
+    summ["data_wait_s"] = worst["data_wait_s"]
+    summ["data_wait_pct"] = 100.0 * worst["data_wait_s"] / step_s if step_s > 0 else None
+    pct = f" = {summ['data_wait_pct']:.2f} % of the step time" if summ["data_wait_pct"] is not None else ""
+    summ["text"] += f"\n  data wait      {summ['data_wait_s']:.3f} s (largest rank, reading micro-batches){pct}"
+
+
+def _rank_memory(module, checkpoint_bytes_read: int, rss_before_model: int = 0, data_wait_s: float = 0.0) -> dict:
     """This rank's memory facts, and every rank's (gathered, in rank order, under "ranks"): peak RSS (ru_maxrss:
     KiB on Linux), the RSS just before the model was built (the process's runtime: Python, torch, DeepSpeed, the
     process groups; peak minus it is what the model, its optimizer and the steps added), bytes of its parameters
@@ -128,6 +146,7 @@ def _rank_memory(module, checkpoint_bytes_read: int, rss_before_model: int = 0) 
         "rss_before_model_bytes": int(rss_before_model),
         "param_bytes": param_bytes(module),
         "checkpoint_bytes_read": int(checkpoint_bytes_read),
+        "data_wait_s": float(data_wait_s),
     }
     ranks = [mine]
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
@@ -165,11 +184,18 @@ def _summary(
     line = (
         f"dsv3 train: steps {first['step']}-{last['step']} on {world} rank(s) in {wall_s:.1f} s ({tps:,.0f} tokens/s)"
     )
+    floor = "" if loss_floor is None else f"; the data's floor is {loss_floor:.2f}"
     lines = [
         line,
         f"  loss           {first['loss']:.3f} -> {last['loss']:.3f}   (LM {first['lm_loss']:.3f} -> "
-        f"{last['lm_loss']:.3f}; the data's floor is {loss_floor:.2f})",
+        f"{last['lm_loss']:.3f}{floor})",
     ]
+    evals = [(r["step"], r["eval_loss"]) for r in history if r.get("eval_loss") is not None]
+    if evals:
+        lines.append(
+            f"  eval_loss      {evals[0][1]:.3f} (step {evals[0][0]}) -> {evals[-1][1]:.3f} (step {evals[-1][0]})"
+            "   (LM loss on the valid set, every rank's rows)"
+        )
     if data_description:  # what the run trained on: no run hides its data
         lines.append(f"  data           {data_description}")
     if mv_first is not None and n > 1:
@@ -207,6 +233,7 @@ def _summary(
         "maxvio_global_run": last.get("maxvio_global"),
         "tokens_dropped": sum(dropped) if dropped else None,
         "tokens_per_s": tps,
+        "eval_loss": evals[-1][1] if evals else None,
         "finite": ok,
         "files": files,
         "data": data_description,
@@ -226,6 +253,9 @@ def _write_png(rows: list[dict], path: str) -> None:
     a.plot(steps, [r["loss"] for r in rows], label="loss")
     a.plot(steps, [r["lm_loss"] for r in rows], label="lm_loss")
     a.plot(steps, [r["mtp_loss"] for r in rows], label="mtp_loss")
+    ev = [(r["step"], r["eval_loss"]) for r in rows if r.get("eval_loss") is not None]
+    if ev:  # the held-out LM loss, at the evaluation steps
+        a.plot(*zip(*ev), "o-", color="C3", label="eval_loss")
     a.set_xlabel("step"), a.set_ylabel("nats"), a.legend(), a.set_title("losses")
     b.plot(steps, [r["maxvio"] for r in rows], color="C3")
     b.set_xlabel("step"), b.set_ylabel("MaxVio (mean over MoE layers)"), b.set_title("expert load imbalance")

@@ -1,6 +1,7 @@
 """What a `dsv3 train` run needs of its config beyond the "dsv3" block's own checks, whatever the framework:
 `train_rules` (every pipeline rank holds a parameter, the synthetic data's vocabulary range, the sequence within
-the position range, the FP8 backend runnable here) and `world_rules` (pp and ep divide the world and the
+the position range, the FP8 backend runnable here; prepared data's own checks need its files and the tokenizer:
+`dsv3_plugin.data.packed.open_data`) and `world_rules` (pp and ep divide the world and the
 data-parallel size). `deepspeed.validate.validate_ds_config` runs them with the DeepSpeed keys' checks.
 """
 
@@ -27,9 +28,10 @@ def train_rules(cfg: DSv3Config) -> None:
                 f"dsv3.model.num_hidden_layers: {p.schedule} with pp={p.pp} needs >= {need} decoder "
                 f"layers, or a pipeline rank is left without any parameter (got {m.num_hidden_layers})"
             )
-    # dsv3 train's synthetic data (dsv3_plugin.data.synthetic.MarkovData): 4 successors per token, and torch.multinomial
-    # draws from at most 2^24 categories
-    if not 5 <= m.vocab_size <= 2**24:
+    # dsv3 train's synthetic data (dsv3_plugin.data.synthetic.MarkovData): 4 successors per token, and
+    # torch.multinomial draws from at most 2^24 categories. Real data: its tokenizer and token ids are checked
+    # against vocab_size when the files are opened (dsv3_plugin.data.packed.open_data).
+    if cfg.train.data == "synthetic" and not 5 <= m.vocab_size <= 2**24:
         raise ConfigError(
             f"dsv3.model.vocab_size: dsv3 train's synthetic data needs 5 <= vocab_size <= 2^24 = "
             f"{2**24} (got {m.vocab_size})"
