@@ -92,7 +92,8 @@ def _mark_replicated(stages, traits, g: PipelineGroups) -> None:
 class PipelinedEngine(PipelinedStages):
     """`dsv3 train` with "parallel": {"pp": P, "schedule": ...}: build with the model and the DeepSpeed JSON (its
     "dsv3" block gives the schedule), then call `train_step(ids, labels, tokens_seen)` with this data-parallel
-    rank's gas x micro-batch sequences (the same on every rank of a pipeline).
+    rank's gas x micro-batch sequences (the same on every rank of a pipeline), and `eval_loss(batches)`
+    (forward-only, `training.pipelined.PipelinedStages.eval_loss`).
 
     Every wait on a peer is bounded by `timeout_s` (default: the config's `parallel.p2p_timeout_s`): the
     pipeline's sends/receives, and the collectives over the pipeline and data-parallel groups, which are
@@ -157,11 +158,12 @@ class PipelinedEngine(PipelinedStages):
                 "one gradient norm per group over the pipeline; use deepspeed 0.19.x"
             )
 
-    def train_step(self, ids_NT, labels_NT, tokens_seen: float = 0.0) -> dict:
-        """One optimizer step over gas micro-batches (N = gas x micro-batch rows). Returns the loss terms
+    def train_step(self, ids_NT, labels_NT, tokens_seen: float = 0.0, position_ids_NT=None, token_mask_NT=None) -> dict:
+        """One optimizer step over gas micro-batches (N = gas x micro-batch rows; `position_ids_NT` /
+        `token_mask_NT`: packed rows' positions and padding, see `DSv3Model.forward`). Returns the loss terms
         averaged over micro-batches and data-parallel ranks (identical on every rank)."""
         self.engine.train()
-        crit = self.run_schedule(ids_NT, labels_NT, tokens_seen)
+        crit = self.run_schedule(ids_NT, labels_NT, tokens_seen, position_ids_NT, token_mask_NT)
         with self._peers("gradient all-reduce (ZeRO-1)", self.g.dp_ranks):
             self.engine.allreduce_gradients()
         with self._peers(

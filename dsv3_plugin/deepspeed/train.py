@@ -30,9 +30,11 @@ from dsv3_plugin.deepspeed.engine import initialize, mixed_precision_dtype, quie
 from dsv3_plugin.deepspeed.moe_layer import prepare_model  # experts sharded over parallel.ep (DeepSpeed MoE groups)
 from dsv3_plugin.deepspeed.pipeline import PipelinedEngine
 from dsv3_plugin.deepspeed.validate import validate_ds_config
+from dsv3_plugin.model.packing import lm_ce_sum
 from dsv3_plugin.parallel.distributed import init_distributed, peer_failures, set_peer_timeout
 from dsv3_plugin.training import loop
 from dsv3_plugin.training.memory_estimate import host_memory_bytes
+from dsv3_plugin.training.pipelined import as_batch, concat_batches
 from dsv3_plugin.training.run_dir import RunDir
 from dsv3_plugin.training.run_report import maxvio_of, rss_bytes
 from dsv3_plugin.training.telemetry import RoutingTelemetry
@@ -267,10 +269,16 @@ class ZeroStepEngine:
         self.engine.train()
 
     def train_step(self, micro_batches) -> loop.StepResult:
+        """One optimizer step over this rank's `data.batch.Batch` micro-batches (or (input_ids, labels) tuples):
+        every field goes to the model (packed rows' positions, padding masks); collective."""
         engine = self.engine
         sums_4 = torch.zeros(4, dtype=torch.float64)  # loss, lm, mtp, balance summed over micro-batches
-        for ids, labels in micro_batches:
-            o = engine(ids, labels=labels)
+        for mb in micro_batches:
+            b = as_batch(mb)
+            if b.position_ids is None and b.token_mask is None:
+                o = engine(b.input_ids, labels=b.labels)
+            else:
+                o = engine(b.input_ids, labels=b.labels, position_ids=b.position_ids, token_mask=b.token_mask)
             engine.backward(o.loss)
             engine.step()  # the last micro-batch's call steps the optimizer and the router biases
             terms = [_f(o.loss), _f(o.lm_loss), _f(o.mtp_loss), _f(o.balance_loss)]
@@ -289,6 +297,30 @@ class ZeroStepEngine:
             maxvio_layers=maxvio_of(st.last_stats),
             bias_stats=st.last_stats,
         )
+
+    def eval_loss(self, micro_batches) -> tuple[float, int]:
+        """(LM cross-entropy summed over the loss tokens, their count) of `micro_batches`, summed over all ranks
+        (collective: every rank passes the same number of micro-batches; the same result on every rank). Under
+        `torch.no_grad()` in eval mode: no expert loads counted, no bias update, no telemetry, the optimizer
+        untouched; the model's train/eval mode is restored."""
+        model = self.module
+        sums_2 = torch.zeros(2, dtype=torch.float64)
+        was = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                for mb in micro_batches:
+                    b = as_batch(mb)
+                    o = model(b.input_ids, position_ids=b.position_ids, token_mask=b.token_mask)
+                    sums_2[0] += float(lm_ce_sum(o.logits, b.labels))
+                    sums_2[1] += b.loss_tokens
+        finally:
+            model.train(was)
+        if torch.distributed.is_initialized():
+            sums_2 = sums_2.to(self.engine.device)
+            torch.distributed.all_reduce(sums_2)
+            sums_2 = sums_2.cpu()
+        return float(sums_2[0]), int(sums_2[1])
 
     def lr(self) -> float:
         return float(self.engine.get_lr()[0])
@@ -326,10 +358,12 @@ class PipelinedStepEngine:
         self.tokens_seen = 0
 
     def train_step(self, micro_batches) -> loop.StepResult:
+        """One pipeline step over the gas `data.batch.Batch` micro-batches (or (input_ids, labels) tuples), their
+        positions and padding masks travelling with the activations; collective."""
         pe = self.pe
-        ids = torch.cat([ids for ids, _ in micro_batches])
-        labels = torch.cat([labels for _, labels in micro_batches])
-        m = pe.train_step(ids, labels, tokens_seen=float(self.tokens_seen))
+        b = concat_batches([as_batch(mb) for mb in micro_batches])
+        ids = b.input_ids
+        m = pe.train_step(ids, b.labels, float(self.tokens_seen), b.position_ids, b.token_mask)
         gamma = self.cfg.moe.gamma(float(self.tokens_seen))
         stats = pe.update_expert_bias(gamma)
         step_tokens = ids.numel() * pe.g.dp  # every rank of a pipeline trains on the same tokens
@@ -340,6 +374,11 @@ class PipelinedStepEngine:
         return loop.StepResult(
             m, step_tokens=step_tokens, tokens_seen=self.tokens_seen, gamma=gamma, maxvio_layers=mv, bias_stats=None
         )
+
+    def eval_loss(self, micro_batches) -> tuple[float, int]:
+        """(LM cross-entropy summed over the loss tokens, their count) over the data-parallel ranks: forward-only
+        pipeline steps (`PipelinedStages.eval_loss`: no gradients, loads, bias or optimizer update); collective."""
+        return self.pe.eval_loss(micro_batches)
 
     def lr(self) -> float:
         return float(self.pe.engine.get_lr()[0])

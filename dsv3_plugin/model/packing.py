@@ -20,6 +20,7 @@ may not be imported here).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 __all__ = [
     "IGNORE_INDEX",
@@ -28,6 +29,7 @@ __all__ = [
     "rope_tables",
     "mtp_labels",
     "mtp_rows",
+    "lm_ce_sum",
 ]
 
 IGNORE_INDEX = -100  # labels that contribute nothing (torch's cross_entropy default, Megatron's SFT convention)
@@ -87,3 +89,12 @@ def mtp_labels(labels_BT: torch.Tensor, k: int, position_ids_BT: torch.Tensor | 
     doc_of_next_BT = torch.cat([doc_BT[:, 1:], doc_BT[:, -1:]], dim=1)  # document of token j+1 (label j)
     inside_BS = doc_BT[:, :S] == doc_of_next_BT[:, k:]
     return lab_BS.masked_fill(~inside_BS, IGNORE_INDEX)
+
+
+def lm_ce_sum(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
+    """The LM cross-entropy summed over the loss tokens (labels != -100), in fp32, 0-dim: what an evaluation adds
+    up over micro-batches and ranks before dividing by the total count of loss tokens."""
+    V = logits_BTV.shape[-1]
+    return F.cross_entropy(
+        logits_BTV.reshape(-1, V).float(), labels_BT.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )

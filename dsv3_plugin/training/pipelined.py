@@ -5,8 +5,11 @@ ZB1P), defers weight gradients to the schedule's W ops (`parallel.split_weight_g
 pipeline step over the micro-batches (`run_schedule`), averages the loss terms over the pipeline and the
 data-parallel group, sums the expert loads for the aux-loss-free bias update (§2.1.2) over exactly the ranks that
 saw the tokens (the data-parallel group and, for DualPipe, the mirror rank), and reports every rank's busy / idle
-time. A framework adapter subclasses it and adds the optimizer: `deepspeed.pipeline.PipelinedEngine` (ZeRO-1 over
-the data-parallel group). Every wait on a peer is bounded by `parallel.p2p_timeout_s`.
+time. Micro-batches are `data.batch.Batch`es: packed rows' position_ids and padding masks travel with the
+activations to every stage (`parallel.pipeline.stages`); `eval_loss` runs the schedule forward-only (no gradients,
+no expert loads, no bias update) and sums the LM cross-entropy over the loss tokens. A framework adapter
+subclasses it and adds the optimizer: `deepspeed.pipeline.PipelinedEngine` (ZeRO-1 over the data-parallel group).
+Every wait on a peer is bounded by `parallel.p2p_timeout_s`.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dsv3_plugin.errors import PeerError
+from dsv3_plugin.data.batch import IGNORE_INDEX, Batch
+from dsv3_plugin.errors import DataError, PeerError
 from dsv3_plugin.model.moe.balancing import routers_of, update_expert_bias
 from dsv3_plugin.parallel.distributed import peer_failures
 from dsv3_plugin.parallel.groups import PipelineGroups, pipeline_groups
@@ -25,17 +29,48 @@ from dsv3_plugin.parallel.pipeline import PipelineRuntime
 from dsv3_plugin.parallel.pipeline.p2p import PipelineError, PipelinePeerError
 from dsv3_plugin.parallel.pipeline.stages import (
     DSv3PipelineLoss,
+    PipelineCESum,
     build_stages,
     n_stages_of,
     stage_ids_for_rank,
+    stage_inputs,
     sync_tied_embedding,
 )
 from dsv3_plugin.parallel.pipeline.weight_grad import split_weight_grads
 from dsv3_plugin.schedule_traits import check_chunks
 
-__all__ = ["PipelinedStages", "LocalStages", "idle_figures"]
+__all__ = ["PipelinedStages", "LocalStages", "idle_figures", "as_batch", "concat_batches"]
 
 LOSS_TERMS = ("loss", "lm_loss", "mtp_loss", "balance_loss")
+
+
+def as_batch(mb) -> Batch:
+    """A `Batch` from a `Batch` or an (input_ids, labels[, position_ids, token_mask]) tuple."""
+    return mb if isinstance(mb, Batch) else Batch(*mb)
+
+
+def concat_batches(batches: list[Batch]) -> Batch:
+    """The micro-batches stacked along the batch dimension ([gas x B, T]), as the pipeline runtime takes them (it
+    cuts them back into equal parts). A field given by some micro-batches only is filled in for the others with
+    its neutral value (positions 0..T-1, no padding).
+
+    Raises:
+        DataError: the micro-batches differ in shape (the runtime's equal split would mix them up).
+    """
+    shapes = {tuple(b.input_ids.shape) for b in batches}
+    if len(shapes) != 1:
+        raise DataError(f"pipelined engine: the micro-batches of one step must share one shape [B, T] (got {shapes})")
+    ids = torch.cat([b.input_ids for b in batches])
+    labels = torch.cat([b.labels for b in batches])
+    pos = mask = None
+    if any(b.position_ids is not None for b in batches):
+        T = ids.shape[1]
+        plain = torch.arange(T, device=ids.device).expand_as(batches[0].input_ids)
+        pos = torch.cat([plain if b.position_ids is None else b.position_ids for b in batches])
+    if any(b.token_mask is not None for b in batches):
+        real = torch.ones_like(batches[0].input_ids, dtype=torch.bool)
+        mask = torch.cat([real if b.token_mask is None else b.token_mask for b in batches])
+    return Batch(ids, labels, pos, mask)
 
 
 def idle_figures(steps: list[dict]) -> dict:
@@ -133,12 +168,26 @@ class PipelinedStages:
         except PeerError as e:
             raise PipelinePeerError(str(e)) from e.__cause__
 
-    def run_schedule(self, ids_NT: torch.Tensor, labels_NT: torch.Tensor, tokens_seen: float) -> DSv3PipelineLoss:
+    def run_schedule(
+        self,
+        ids_NT: torch.Tensor,
+        labels_NT: torch.Tensor,
+        tokens_seen: float,
+        position_ids_NT: torch.Tensor | None = None,
+        token_mask_NT: torch.Tensor | None = None,
+    ) -> DSv3PipelineLoss:
         """Forwards and backwards of one pipeline step over gas micro-batches (N = gas x micro-batch rows), the
-        criterion scaling each micro-batch loss by 1/gas; the tied embedding's gradients summed. Returns the
-        criterion (its `records`: this rank's micro-batch losses)."""
-        crit = DSv3PipelineLoss(self.cfg, tokens_seen, scale=1.0 / self.gas)
-        self.runtime.step(ids_NT, num_chunks=self.gas, criterion=crit, labels=(labels_NT,))
+        criterion scaling each micro-batch loss by 1/gas; the tied embedding's gradients summed. `position_ids_NT`
+        / `token_mask_NT` [N, T]: packed rows' positions, padding (`DSv3Model.forward`). Returns the criterion
+        (its `records`: this rank's micro-batch losses)."""
+        packed = position_ids_NT is not None
+        crit = DSv3PipelineLoss(self.cfg, tokens_seen, scale=1.0 / self.gas, with_positions=packed)
+        self.runtime.step(
+            *stage_inputs(ids_NT, position_ids_NT, token_mask_NT),
+            num_chunks=self.gas,
+            criterion=crit,
+            labels=(labels_NT, position_ids_NT) if packed else (labels_NT,),
+        )
         self.step_times.append(
             {
                 **self.runtime.last_step,
@@ -149,6 +198,42 @@ class PipelinedStages:
         )
         sync_tied_embedding(self.runtime, self.stages)
         return crit
+
+    def eval_loss(self, micro_batches: list[Batch]) -> tuple[float, int]:
+        """The LM cross-entropy summed over the loss tokens (labels != -100) of `micro_batches`, and their count,
+        summed over the data-parallel group (collective over the world: every rank of a pipeline passes the same
+        micro-batches, as in training; the same result on every rank). Forward-only schedule steps of gas
+        micro-batches each, under `torch.no_grad()` in eval mode: no gradient, no expert loads or telemetry
+        counted, no bias or optimizer update; the stages' train/eval mode is restored. A last group short of gas
+        is completed with copies of its first micro-batch whose labels are all -100 (they add nothing)."""
+        batches = [as_batch(b) for b in micro_batches]
+        sums_2 = torch.zeros(2, dtype=torch.float64)  # CE sum, loss tokens (on the rank holding the losses)
+        was = self.module.training
+        self.module.eval()
+        try:
+            with torch.no_grad():
+                for i in range(0, len(batches), self.gas):
+                    group = batches[i : i + self.gas]
+                    if len(group) < self.gas:
+                        filler = group[0]._replace(labels=torch.full_like(group[0].labels, IGNORE_INDEX))
+                        group = group + [filler] * (self.gas - len(group))
+                    b = concat_batches(group)
+                    out = self.runtime.step(
+                        *stage_inputs(b.input_ids, b.position_ids, b.token_mask),
+                        num_chunks=self.gas,
+                        criterion=PipelineCESum(),
+                        labels=(b.labels,),
+                    )
+                    if out.losses is not None:  # the loss rank: every micro-batch's CE sum
+                        sums_2[0] += out.losses.double().sum().cpu()
+                        sums_2[1] += float((b.labels != IGNORE_INDEX).sum())
+        finally:
+            self.module.train(was)
+        with self._peers("eval loss all-reduce over the pipeline", self.g.pp_ranks):
+            dist.all_reduce(sums_2, group=self.g.pp_group)
+        with self._peers("eval loss all-reduce", self.g.dp_ranks):
+            dist.all_reduce(sums_2, group=self.g.dp_group)
+        return float(sums_2[0]), int(sums_2[1])
 
     def mean_losses(self, crit: DSv3PipelineLoss) -> dict:
         """The loss terms averaged over micro-batches and data-parallel ranks (identical on every rank)."""

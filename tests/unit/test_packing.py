@@ -11,6 +11,8 @@ over N tokens by <= 2·N times that (log-softmax moves by at most twice the larg
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,6 +23,8 @@ from dsv3_plugin.data.batch import document_ids as data_document_ids
 from dsv3_plugin.model.moe.router import Router
 from dsv3_plugin.model.mtp import mtp_depth_loss
 from dsv3_plugin.model.packing import document_causal_mask, document_ids, mtp_labels, rope_tables
+from dsv3_plugin.parallel.expert_parallel import ExpertParallelMoE, expert_parallel
+from dsv3_plugin.parallel.groups import single_process_groups
 from dsv3_plugin.training.transforms import build_model
 
 EPS = torch.finfo(torch.float32).eps
@@ -301,3 +305,23 @@ def test_masked_labels_get_no_gradient_and_mtp_normalisation():
         other[drop] = IGNORE_INDEX
         b = model(ids, labels=other).loss
     assert torch.equal(a, b)
+
+
+def test_expert_parallel_layers_take_the_masks():
+    # the expert-parallel MoE (here EP = 1: the dispatch / combine path without peers) routes with the same router:
+    # the padding mask reaches it and its counts, and the packed forward is the plain model's, bit for bit
+    torch.manual_seed(0)
+    plain = build_model(_cfg()).train()
+    ep = expert_parallel(copy.deepcopy(plain), single_process_groups()).train()
+    assert all(isinstance(m, ExpertParallelMoE) for m in ep.moe_layers())
+    ids, labels, pos = _packed(_docs(2))
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[:, -6:] = False
+    labels = labels.masked_fill(~mask, IGNORE_INDEX)
+    outs = [m(ids, labels=labels, position_ids=pos, token_mask=mask) for m in (plain, ep)]
+    assert torch.equal(outs[0].loss, outs[1].loss)
+    for a, b in zip(plain.moe_layers(), ep.moe_layers()):
+        assert torch.equal(a.gate.tokens_per_expert, b.gate.tokens_per_expert)
+    # the main layers counted the real tokens only (K each)
+    k = plain.cfg.moe.top_k
+    assert all(float(m.gate.tokens_per_expert.sum()) == (T_PACK - 6) * k for m in ep.moe_layers()[:-2])

@@ -8,8 +8,14 @@ embedding that MTP reuses is one physical parameter there.
 Messages between stages: (hidden_BTH, aux_M, produced_M, input_ids_BT) where aux_M [M] holds the
 sequence-wise balance loss α·L_Bal of each of the model's M MoE layers (main layers then MTP layers) as
 soon as its stage has run (zeros before) and produced_M marks which ones exist; input_ids ride along for
-MTP. The last stage returns (logits, *mtp_logits, aux_M, produced_M) and `DSv3PipelineLoss` combines them
-with the labels exactly as `DSv3Model._losses` does (same ops, same order: bit-identical losses).
+MTP. Packed / padded micro-batches add their `position_ids` [B, T] (int64) and / or `token_mask` [B, T] (bool)
+after input_ids, to the first stage's inputs and to every message (each is told apart by its dtype; absent ones
+are not sent, and without both the messages are the plain ones): every stage needs the positions for RoPE and the
+document mask, and the padding mask for its MoE layers' loads (`model.packing`). The last stage returns
+(logits, *mtp_logits, aux_M, produced_M) and `DSv3PipelineLoss` combines them with the labels (and, for packed
+rows, the positions: MTP targets stay inside a document) exactly as `DSv3Model._losses` does (same ops, same
+order: bit-identical losses). `PipelineCESum` is the forward-only criterion of an evaluation: the LM
+cross-entropy summed over the loss tokens.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv3_plugin.model.mtp import mtp_depth_loss
+from dsv3_plugin.model.packing import IGNORE_INDEX, lm_ce_sum, mtp_labels, mtp_rows, rope_tables
 from dsv3_plugin.model.transformer import DSv3Model
 from dsv3_plugin.parallel.expert_parallel import ExpertParallelMoE
 from dsv3_plugin.parallel.overlap import run_overlapped
@@ -35,8 +42,36 @@ __all__ = [
     "n_stages_of",
     "min_layers",
     "DSv3PipelineLoss",
+    "PipelineCESum",
+    "stage_inputs",
     "sync_tied_embedding",
 ]
+
+
+def stage_inputs(
+    input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, token_mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, ...]:
+    """The first stage's inputs for a micro-batch (or the gas micro-batches stacked): input_ids [N, T] int64, then
+    position_ids [N, T] int64 and token_mask [N, T] bool where given (module docstring)."""
+    out = [input_ids]
+    if position_ids is not None:
+        out.append(position_ids.to(torch.int64))
+    if token_mask is not None:
+        out.append(token_mask.to(torch.bool))
+    return tuple(out)
+
+
+def _split_extras(extras) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(position_ids, token_mask) from the tensors after input_ids, told apart by dtype."""
+    pos = mask = None
+    for t in extras:
+        if t.dtype == torch.bool and mask is None:
+            mask = t
+        elif t.dtype == torch.int64 and pos is None:
+            pos = t
+        else:
+            raise ValueError(f"pipeline stage: unexpected extra input {tuple(t.shape)}:{t.dtype} after input_ids")
+    return pos, mask
 
 
 def split_layers(n_layers: int, n_stages: int, tail: int = 0) -> list[range]:
@@ -149,19 +184,27 @@ class DSv3Stage(nn.Module):
 
     def forward(self, *msg: torch.Tensor):
         if self.first:
-            (input_ids,) = msg
+            input_ids, *extras = msg
             x = self.embed_tokens(input_ids)
             aux_M = torch.zeros(self.n_moe, dtype=torch.float32, device=x.device)
             produced_M = torch.zeros(self.n_moe, dtype=torch.bool, device=x.device)
         else:
-            x, aux_M, produced_M, input_ids = msg
+            x, aux_M, produced_M, input_ids, *extras = msg
+        position_ids, token_mask = _split_extras(extras)
         T = input_ids.shape[1]
-        cos, sin = self.rotary(torch.arange(T, device=x.device), x.dtype)
+        if position_ids is None:
+            cos, sin = self.rotary(torch.arange(T, device=x.device), x.dtype)
+            attn_mask = None
+        else:
+            cos, sin, attn_mask = rope_tables(self.rotary, T, position_ids, x.device, x.dtype)
         for layer, slot in zip(self.layers, self.moe_slot):
-            x = layer(x, cos, sin)
+            if attn_mask is None and token_mask is None:
+                x = layer(x, cos, sin)
+            else:
+                x = layer(x, cos, sin, attn_mask, token_mask)
             aux_M, produced_M = self._record(aux_M, produced_M, slot, layer.mlp)
         if not self.last:
-            return x, aux_M, produced_M, input_ids
+            return (x, aux_M, produced_M, input_ids, *extras)
         hidden = self.norm(x)
         logits = self.lm_head(hidden)
         mtp_logits, h_prev = [], hidden
@@ -170,7 +213,7 @@ class DSv3Stage(nn.Module):
             if S <= 0:
                 break
             emb = self.embed_tokens(input_ids[:, k:])  # Emb(t_{i+k}), [B, S, H]
-            h_prev = mtp(h_prev[:, :S], emb, cos[:S], sin[:S])  # h^k, [B, S, H]
+            h_prev = mtp(h_prev[:, :S], emb, *mtp_rows(cos, sin, attn_mask, token_mask, k))  # h^k, [B, S, H]
             aux_M, produced_M = self._record(aux_M, produced_M, slot, mtp.layer.mlp)
             mtp_logits.append(self.lm_head(mtp.norm(h_prev)))  # [B, S, V]
         return (logits, *mtp_logits, aux_M, produced_M)
@@ -209,24 +252,33 @@ def build_stages(model: DSv3Model, n_stages: int, stage_ids: Sequence[int] | Non
 
 
 class DSv3PipelineLoss:
-    """criterion(logits, *mtp_logits, aux_M, produced_M, labels) -> loss, the same sum as DSv3Model:
-    lm_loss + λ·mtp_loss + balance_loss. Per-micro-batch parts are appended to `records` (detached)."""
+    """criterion(logits, *mtp_logits, aux_M, produced_M, labels[, position_ids]) -> loss, the same sum as DSv3Model:
+    lm_loss + λ·mtp_loss + balance_loss. `with_positions`: the runtime passes the micro-batch's position_ids after
+    its labels (packed rows: the MTP targets outside a position's document are ignored). Per-micro-batch parts are
+    appended to `records` (detached)."""
 
-    def __init__(self, model_or_cfg, tokens_seen: float = 0.0, scale: float = 1.0):
+    def __init__(self, model_or_cfg, tokens_seen: float = 0.0, scale: float = 1.0, with_positions: bool = False):
         self.cfg = getattr(model_or_cfg, "cfg", model_or_cfg)
         self.tokens_seen = tokens_seen
         self.scale = scale  # e.g. 1/num_chunks to average micro-batches in the backward
+        self.with_positions = with_positions
         self.records: list[dict] = []
 
     def __call__(self, logits, *rest):
+        position_ids = None
+        if self.with_positions:
+            *rest, position_ids = rest
         *mtp_logits, aux_M, produced_M, labels = rest
         V = logits.shape[-1]
         T = labels.shape[1]
-        lm_loss = F.cross_entropy(logits.reshape(-1, V).float(), labels.reshape(-1), ignore_index=-100)
+        lm_loss = F.cross_entropy(logits.reshape(-1, V).float(), labels.reshape(-1), ignore_index=IGNORE_INDEX)
         loss = lm_loss
         mtp_loss = balance = None
         if mtp_logits:
-            depth = [mtp_depth_loss(lg, labels[:, k:], T) for k, lg in enumerate(mtp_logits, 1)]
+            n_loss = (labels != IGNORE_INDEX).sum()  # as DSv3Model._losses: B·T when nothing is masked
+            depth = [
+                mtp_depth_loss(lg, mtp_labels(labels, k, position_ids), T, n_loss) for k, lg in enumerate(mtp_logits, 1)
+            ]
             mtp_loss = torch.stack(depth).mean()
             loss = loss + self.cfg.mtp.lam(self.tokens_seen) * mtp_loss
         if bool(produced_M.any()):
@@ -241,6 +293,14 @@ class DSv3PipelineLoss:
             }
         )
         return loss * self.scale if self.scale != 1.0 else loss
+
+
+class PipelineCESum:
+    """Forward-only criterion: criterion(logits, *mtp_logits, aux_M, produced_M, labels) -> the LM cross-entropy
+    summed over the micro-batch's loss tokens (fp32, 0-dim); the MTP logits and balance terms are not read."""
+
+    def __call__(self, logits, *rest):
+        return lm_ce_sum(logits, rest[-1])
 
 
 def sync_tied_embedding(runtime, stages: Sequence[DSv3Stage]) -> bool:
