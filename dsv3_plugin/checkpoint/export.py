@@ -33,11 +33,13 @@ import torch
 from dsv3_plugin.checkpoint.convert import LAYOUT_NAME, _check_megatron_files, atomic_output_dir, read_layout
 from dsv3_plugin.checkpoint.hf import model_config
 from dsv3_plugin.checkpoint.integrity import check_finite, load_json
+from dsv3_plugin.checkpoint.megatron_dist import MegatronDistReader, megatron_iteration_dir
 from dsv3_plugin.checkpoint.names import (
     is_quantized_in_release,
     is_runtime_state,
     native_to_released,
     parse_native,
+    parse_released,
     released_names,
     released_shapes,
 )
@@ -237,6 +239,12 @@ def _params_of(sd: dict) -> dict[str, tuple]:
     return {n: tuple(s) for group in sd.get("param_shapes") or [] for n, s in group.items()}
 
 
+def _optim_files(run: RunCheckpoint, mp_rank: int) -> list[tuple[int, str]]:
+    """[(data-parallel rank, ZeRO optimizer-states file)] of pipeline rank `mp_rank`, in rank order."""
+    pat = re.compile(rf"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_{mp_rank:02d}_optim_states\.pt$")
+    return sorted((int(m.group(1)), os.path.join(run.path, n)) for n in os.listdir(run.path) if (m := pat.match(n)))
+
+
 def _zero_masters(
     run: RunCheckpoint, mp_rank: int, names: _Names, cfg: DSv3Config, param_shapes: dict[str, tuple]
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -246,8 +254,7 @@ def _zero_masters(
     expert-data-parallel group, i.e. the ranks with the same EP rank, DeepSpeed's contiguous EP blocks). Yields
     (module name with the expert index made global, tensor). `param_shapes`: the rank's model-states
     `param_shapes` (module name -> shape)."""
-    pat = re.compile(rf"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_{mp_rank:02d}_optim_states\.pt$")
-    files = sorted((int(m.group(1)), os.path.join(run.path, n)) for n in os.listdir(run.path) if (m := pat.match(n)))
+    files = _optim_files(run, mp_rank)
     if not files:
         raise CheckpointError(
             f"{run.path}: no [bf16_]zero_pp_rank_*_mp_rank_{mp_rank:02d}_optim_states.pt (the FP32 master weights "
@@ -325,6 +332,7 @@ def _run_tensors(
                 native, e = names.native(n, p, f"the ZeRO partitions of {f}")
                 for rn, rt in _released(native, e, t, L):
                     yield rn, rt, f"ZeRO partitions of mp_rank_{p:02d}"
+            bar.update(sum(os.path.getsize(f) for _, f in _optim_files(run, p)))
         bar.update(os.path.getsize(f))
         del sd, module
     if masters:
@@ -338,9 +346,15 @@ def _run_tensors(
         bar.update(os.path.getsize(f))
 
 
-def _input_bytes(run: RunCheckpoint, cfg: DSv3Config) -> int:
+def _input_bytes(run: RunCheckpoint, cfg: DSv3Config, masters: bool) -> int:
+    """Bytes of the files the export reads: model states, and the expert files or (BF16 masters) ZeRO's files."""
     model_files, expert_files = _model_files(run, cfg.parallel.pp)
-    return sum(os.path.getsize(f) for f in model_files) + sum(os.path.getsize(f) for _, f in expert_files)
+    n = sum(os.path.getsize(f) for f in model_files)
+    if masters:
+        return n + sum(
+            os.path.getsize(os.path.join(run.path, f)) for f in os.listdir(run.path) if f.endswith("_optim_states.pt")
+        )
+    return n + sum(os.path.getsize(f) for _, f in expert_files)
 
 
 # --- Megatron layout -> released tensors -----------------------------------------------------------------------
@@ -359,6 +373,50 @@ def _megatron_tensors(src: str, lay: dict, headers: dict, bar) -> Iterator[tuple
                     yield hf, t, f"{mc} in {path}"
                     r0 += rows
         bar.update(sum(i.nbytes for i in headers[fn].values()))
+
+
+def _megatron_lm_tensors(reader: MegatronDistReader, hf: dict, bar) -> Iterator[tuple[str, torch.Tensor, str]]:
+    """(released name, tensor, where) of a Megatron-LM torch_dist checkpoint, one global tensor at a time: each
+    released tensor's Megatron name (`Key.megatron()`, Transformer Engine's fused-norm name as the alternative), the
+    FP32 master (`optimizer.state.fp32_param.<name>`) when the run kept one, stacked experts split per expert."""
+    L = hf["num_hidden_layers"]
+    groups: dict[str, list[tuple[str, int | None]]] = {}
+    for name in released_shapes(hf):
+        key = parse_released(name, L)
+        if key.row.copy_of is not None:
+            continue  # the MTP module's copies: written from the main tensors
+        plain, te = key.megatron(), key.megatron(te=True)
+        mname = te if not reader.has(plain) and reader.has(te) else plain
+        groups.setdefault(mname, []).append((name, key.expert))
+    for mname, targets in groups.items():
+        master = f"optimizer.state.fp32_param.{mname}"
+        src = master if reader.has(master) else mname
+        t = reader.get(src)
+        for name, e in targets:
+            yield name, (t if e is None else t[e]), f"{src} in {reader.path}"
+        bar.update(reader.nbytes(src))
+
+
+def _megatron_lm_input_bytes(reader: MegatronDistReader, hf: dict) -> int:
+    L, keys = hf["num_hidden_layers"], set()
+    for name in released_shapes(hf):
+        key = parse_released(name, L)
+        if key.row.copy_of is None:
+            m = key.megatron() if reader.has(key.megatron()) else key.megatron(te=True)
+            keys.add(f"optimizer.state.fp32_param.{m}" if reader.has(f"optimizer.state.fp32_param.{m}") else m)
+    return sum(reader.nbytes(k) for k in keys if reader.has(k))
+
+
+def _config_file(path: str) -> tuple[DSv3Config, dict]:
+    """--config: the "dsv3" JSON a Megatron-LM run was trained with (`--dsv3-config`), or a released config.json."""
+    d = load_json(path, what="--config JSON")
+    if "model_type" in d or "architectures" in d:
+        return model_config(d, path), d
+    try:
+        cfg = load_config(path)
+    except ConfigError as e:
+        raise ConfigError(f"--config {path}: {e}") from None
+    return cfg, cfg.to_hf()
 
 
 # --- the released-format writer --------------------------------------------------------------------------------
@@ -513,22 +571,28 @@ def export(
     tokenizer: str | os.PathLike | None = None,
     progress: bool = True,
     shard_bytes: int = _SHARD_BYTES,
+    config: str | os.PathLike | None = None,
 ) -> dict:
-    """Export a `dsv3 train` run (any pp x ep x dp layout, FP32 / BF16 / FP8 training) or a Megatron-layout
-    checkpoint (`layout.json`) to DeepSeek-V3's released format in new directory `dst` (atomic).
+    """Export a `dsv3 train` run (any pp x ep x dp layout, FP32 / BF16 / FP8 training), a Megatron-LM training
+    checkpoint of the plugin's `pretrain_gpt` (torch_dist) or a Megatron-layout directory (`layout.json`) to
+    DeepSeek-V3's released format in new directory `dst` (atomic).
 
     Args:
-        src: a run directory (`--out` of dsv3 train), its `ckpt/`, one tag's directory, or a Megatron-layout dir.
+        src: a run directory (`--out` of dsv3 train), its `ckpt/` or one tag's directory; a Megatron-LM `--save`
+            directory (or one `iter_NNNNNNN`); or a Megatron-layout directory.
         dst: the output directory (must not exist).
         to: "hf-bf16" (BF16 weights) or "hf" (FP8 E4M3 + 128x128 weight_scale_inv where the release has them).
-        tag: the run's checkpoint tag (default: `latest` when complete, else the newest complete one).
+        tag: the run's checkpoint tag (default: `latest` when complete, else the newest complete one); for a
+            Megatron-LM checkpoint the iteration (default: the tracker file's).
         tokenizer: a tokenizer directory to ship (default: RUN/tokenizer/, or the Megatron dir's own files).
         progress: tqdm bar on stderr (bytes of the source read).
         shard_bytes: largest output shard (bytes of tensor data).
+        config: for a Megatron-LM checkpoint only (required there): the `--dsv3-config` JSON of its run, or a
+            released config.json.
 
     Returns:
-        {"to", "src", "dst", "source" ("run" | "megatron-layout"), "tag", "tensors", "files", "output_bytes",
-        "input_bytes", "tokenizer" (the directory copied, or None), "notes" (lines for the user)}.
+        {"to", "src", "dst", "source" ("run" | "megatron-lm" | "megatron-layout"), "tag", "tensors", "files",
+        "output_bytes", "input_bytes", "tokenizer" (the directory copied, or None), "notes" (lines for the user)}.
 
     Raises:
         CheckpointError: `src` is neither kind, incomplete, or holds a tensor that is missing, unexpected,
@@ -542,9 +606,12 @@ def export(
     if not os.path.isdir(src):
         raise CheckpointError(f"{src}: no such directory")
     notes: list[str] = []
+    mlm_dir = None if os.path.isfile(os.path.join(src, LAYOUT_NAME)) else megatron_iteration_dir(src, tag)
+    if config is not None and mlm_dir is None:
+        raise ConfigError("--config: only for a Megatron-LM checkpoint (runs and Megatron-layout dirs carry theirs)")
     if os.path.isfile(os.path.join(src, LAYOUT_NAME)):
         if tag is not None:
-            raise ConfigError("--tag: only for a dsv3 train run directory (this is a Megatron-layout checkpoint)")
+            raise ConfigError("--tag: only for a dsv3 train run or a Megatron-LM checkpoint (not a Megatron layout)")
         lay = read_layout(src)
         headers = _check_megatron_files(src, lay)
         cfg_path = os.path.join(src, "config.json")
@@ -552,12 +619,17 @@ def export(
         cfg = model_config(hf, cfg_path)
         kind, run_tag, default_tok, dup_ok = "megatron-layout", None, src, False
         input_bytes = sum(i.nbytes for h in headers.values() for i in h.values())
-    else:
-        if os.path.isfile(os.path.join(src, "latest_checkpointed_iteration.txt")):
-            raise CheckpointError(
-                f"{src}: a checkpoint in Megatron-LM's own format (latest_checkpointed_iteration.txt); dsv3 export "
-                f"reads dsv3 train run directories and the plugin's Megatron layout ({LAYOUT_NAME})"
+    elif mlm_dir is not None:
+        if config is None:
+            raise ConfigError(
+                f"--config: {src} is a Megatron-LM checkpoint, which does not record the model; pass the "
+                "--dsv3-config JSON it was trained with (or the released config.json it started from)"
             )
+        cfg, hf = _config_file(os.fspath(config))
+        mlm = MegatronDistReader(mlm_dir)
+        kind, run_tag, default_tok, dup_ok = "megatron-lm", os.path.basename(mlm_dir), None, False
+        input_bytes = _megatron_lm_input_bytes(mlm, hf)
+    else:
         run = find_run_checkpoint(src, tag)
         if run is None:
             raise CheckpointError(f"{src}: {NOT_A_SOURCE}")
@@ -567,18 +639,17 @@ def export(
         hf = cfg.to_hf()
         kind, run_tag, dup_ok = "run", run.tag, cfg.parallel.pp > 1
         default_tok = os.path.join(run.root, TOKENIZER_SUBDIR) if run.root else None
-        input_bytes = _input_bytes(run, cfg)
+        input_bytes = _input_bytes(run, cfg, _is_bf16_masters(sd0))
     tok_dir = _tokenizer_source(tokenizer, default_tok, cfg.model.vocab_size)
     if tok_dir is None:
         where = f"{default_tok} does not exist" if kind == "run" and default_tok else "it has no tokenizer files"
         notes.append(f"no tokenizer exported: the source has none ({where}); add one with --tokenizer DIR")
     with atomic_output_dir(dst) as tmp:
-        bar = _progress(input_bytes, progress)
-        with bar:
+        with _progress(input_bytes, progress) as bar:
             if kind == "run":
-                if _is_bf16_masters(sd0):
-                    bar.total = input_bytes + _optim_bytes(run, cfg)
                 stream = _run_tensors(run, cfg, sd0, bar)
+            elif kind == "megatron-lm":
+                stream = _megatron_lm_tensors(mlm, hf, bar)
             else:
                 stream = _megatron_tensors(src, lay, headers, bar)
             summary = _write_released(stream, hf, tmp, to, shard_bytes, dup_ok)
@@ -601,9 +672,3 @@ def export(
 def _is_bf16_masters(sd0: dict) -> bool:
     params = _params_of(sd0)
     return any(t.dtype != torch.float32 for n, t in (sd0.get("module") or {}).items() if n in params)
-
-
-def _optim_bytes(run: RunCheckpoint, cfg: DSv3Config) -> int:
-    return sum(
-        os.path.getsize(os.path.join(run.path, n)) for n in os.listdir(run.path) if n.endswith("_optim_states.pt")
-    )

@@ -189,7 +189,7 @@ def test_bad_sources_exit_2_with_one_line(run, tmp_path, capsys):
     (tmp_path / "mlm").mkdir()
     (tmp_path / "mlm" / "latest_checkpointed_iteration.txt").write_text("10")
     rc, err = _cli(capsys, "export", str(tmp_path / "mlm"), str(tmp_path / "o"), "--to", "hf", "--no-progress")
-    assert rc == 2 and "Megatron-LM's own format" in err
+    assert rc == 2 and "iter_0000010: no .metadata" in err
     rc, err = _cli(capsys, "export", root, str(tmp_path / "o"), "--to", "hf", "--tag", "step9", "--no-progress")
     assert rc == 2 and "step9" in err.splitlines()[0]
     # a tensor missing / mis-shaped / NaN: named with its file
@@ -264,3 +264,62 @@ def test_bench_run_is_exportable(tmp_path):
     out = ex.export(tmp_path / "r", tmp_path / "x", "hf", progress=False)
     assert out["input_bytes"] == nbytes and out["tensors"] > 0
     assert bench_block(2.1e9)["model"]["num_hidden_layers"] == 2
+
+
+def _dcp_save(state: dict, path: str) -> None:
+    import warnings
+
+    from torch.distributed.checkpoint import FileSystemWriter, save
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        save(state, storage_writer=FileSystemWriter(path), no_dist=True)
+
+
+def test_megatron_lm_torch_dist_source(tmp_path, capsys):
+    """A torch_dist checkpoint under our Megatron names (as pretrain_gpt's --save writes it; a real one is exported
+    in tests/megatron/test_export_megatron.py): the FP32 masters (optimizer.state.fp32_param.*) are exported when
+    present, stacked experts split, --config required; a .metadata naming any other global is refused unread."""
+    from dsv3_plugin.checkpoint.names import parse_native
+
+    cfg = load_config(TINY_RELEASE)
+    torch.manual_seed(1)
+    state = {k: v for k, v in DSv3Model(cfg).state_dict().items() if not is_runtime_state(k)}
+    mstate = {}
+    for n, t in state.items():
+        key = parse_native(n, expert=0)
+        mstate[key.megatron()] = t.bfloat16()  # the module's BF16 copy ...
+        mstate["optimizer.state.fp32_param." + key.megatron()] = t  # ... and the FP32 master
+    it = tmp_path / "ck" / "iter_0000007"
+    _dcp_save(mstate, str(it))
+    (tmp_path / "ck" / "latest_checkpointed_iteration.txt").write_text("7")
+    (tmp_path / "ds.json").write_text(json.dumps({"dsv3": TINY_RELEASE}))
+    rc, err = _cli(capsys, "export", str(tmp_path / "ck"), str(tmp_path / "x"), "--to", "hf", "--no-progress")
+    assert rc == 2 and "--config" in err and "Megatron-LM checkpoint" in err
+    out = ex.export(tmp_path / "ck", tmp_path / "x", "hf-bf16", progress=False, config=tmp_path / "ds.json")
+    assert out["source"] == "megatron-lm" and out["tag"] == "iter_0000007"
+    got, want = _stored(tmp_path / "x"), native_state_to_hf(state, cfg)
+    assert got.keys() == want.keys()
+    for n, w in want.items():
+        assert torch.equal(got[n], w if n.endswith("e_score_correction_bias") else w.bfloat16()), n
+    assert json.load(open(tmp_path / "x" / "config.json")) == {**cfg.to_hf(), "torch_dtype": "bfloat16"}
+    # a crafted .metadata: refused before anything is unpickled beyond the allowlist
+    import pickle
+
+    class Boom:
+        def __reduce__(self):
+            return (os.system, ("echo pwned > " + str(tmp_path / "pwned"),))
+
+    (it / ".metadata").write_bytes(pickle.dumps(Boom()))
+    rc, err = _cli(
+        capsys,
+        "export",
+        str(tmp_path / "ck"),
+        str(tmp_path / "y"),
+        "--to",
+        "hf",
+        "--config",
+        str(tmp_path / "ds.json"),
+        "--no-progress",
+    )
+    assert rc == 2 and "refused" in err and not os.path.exists(tmp_path / "pwned")
