@@ -173,7 +173,8 @@ def _pool_context():
     if "forkserver" not in multiprocessing.get_all_start_methods():  # (Windows)
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__, "transformers"])  # (a module that fails to import is skipped there)
+    # what every worker needs, imported once in the server (a module that fails to import is skipped there)
+    ctx.set_forkserver_preload([__name__, "transformers", "transformers.models.auto.tokenization_auto"])
     return ctx
 
 

@@ -9,8 +9,6 @@ import errno
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -146,6 +144,12 @@ def test_two_workers_byte_identical(tok_dir, tmp_path, monkeypatch):
         assert (tmp_path / f"w1{suffix}").read_bytes() == (tmp_path / f"w2{suffix}").read_bytes(), suffix
     drop = ("files", "seconds", "tokens_per_s", "workers", "mask_prefix")
     assert {k: v for k, v in s1.items() if k not in drop} == {k: v for k, v in s2.items() if k not in drop}
+    # a bad record seen by a worker: the same first error as in one process, nothing written
+    with open(jl, "a") as f:
+        f.write(json.dumps({"messages": [{"role": "robot", "content": "x"}]}) + "\n")
+    with pytest.raises(DataError, match=r"c\.jsonl:10: messages\[0\]: unknown role 'robot'"):
+        prepare([jl], tok_dir, tmp_path / "w3", chat=True, workers=2, progress=False)
+    assert not any(n.startswith("w3") for n in os.listdir(tmp_path))
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "json", "arrow"])
@@ -258,39 +262,60 @@ def test_injected_failure_leaves_no_output_and_keeps_the_old(tok_dir, tmp_path, 
 
 
 def test_kill_9_mid_run_leaves_no_prefix_files(tok_dir, tmp_path):
-    """A run killed with SIGKILL while writing: its output exists only under `.tmp<pid>` names."""
+    """A run killed with SIGKILL while writing: its output exists only under `.tmp<pid>` names. The run is a fork
+    of this process (megatron-core and the tokenizer already imported: no second interpreter start-up), fed
+    through a named pipe so that it is certainly mid-run when killed."""
     fifo = tmp_path / "in.jsonl"
     os.mkfifo(fifo)
-    code = (
-        "import sys; from dsv3_plugin.data.prepare import prepare; "
-        "prepare([sys.argv[1]], sys.argv[2], sys.argv[3], progress=False)"
-    )
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-c", code, str(fifo), tok_dir, str(tmp_path / "p")], env=env)
+    pid = os.fork()
+    if pid == 0:  # the run; never returns into pytest
+        code = 1
+        try:
+            prepare([str(fifo)], tok_dir, str(tmp_path / "p"), progress=False)
+            code = 0
+        finally:
+            os._exit(code)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 60
         while True:  # the writer end opens once the run reads its input
             try:
                 fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
                 break
             except OSError as e:
-                assert e.errno == errno.ENXIO and proc.poll() is None and time.monotonic() < deadline
-                time.sleep(0.05)
+                assert e.errno == errno.ENXIO and os.waitpid(pid, os.WNOHANG) == (0, 0) and time.monotonic() < deadline
+                time.sleep(0.02)
         os.set_blocking(fd, True)
         line = (json.dumps({"text": TEXTS[0]}) + "\n").encode()
         for _ in range(prep.BATCH_RECORDS * 3):  # batches tokenized and written while more input is pending
             os.write(fd, line)
-        tmp_bin = tmp_path / f"p.bin.tmp{proc.pid}"
+        tmp_bin = tmp_path / f"p.bin.tmp{pid}"
         while not (tmp_bin.exists() and tmp_bin.stat().st_size > 0):
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+            assert os.waitpid(pid, os.WNOHANG) == (0, 0) and time.monotonic() < deadline
+            time.sleep(0.02)
+        os.kill(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
         os.close(fd)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
     left = sorted(os.listdir(tmp_path))
     assert not any(n in left for n in ("p.bin", "p.idx", "p.json")), left
-    assert f"p.bin.tmp{proc.pid}" in left
+    assert f"p.bin.tmp{pid}" in left
+
+
+def test_bench_data_arguments_and_fields(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "data", "--workers", "0"])
+    assert e.value.code == 2 and "argument --workers" in capsys.readouterr().err
+    argv = ["bench", "data", "--json", "--workers", "1", "--repeat", "2", "--texts", "3", "--trials", "1"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    tokens = out["corpus"]["tokens"]
+    assert out["corpus"]["documents"] == 6 and tokens > 0 and out["workers"] == 1
+    for side in ("ours", "baseline"):
+        assert out[side]["tokens_per_s"] == pytest.approx(tokens / out[side]["seconds"], rel=1e-2)
+    assert out["ratio"] == pytest.approx(out["baseline"]["seconds"] / out["ours"]["seconds"], rel=1e-2)
