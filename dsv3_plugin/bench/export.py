@@ -26,6 +26,9 @@ import time
 
 from dsv3_plugin.bench import positive_int
 from dsv3_plugin.checkpoint.export import export
+from dsv3_plugin.checkpoint.names import is_runtime_state
+from dsv3_plugin.config import load_config
+from dsv3_plugin.model.transformer import DSv3Model
 
 __all__ = ["add_arguments", "run", "make_synthetic_run", "bench_block"]
 
@@ -70,10 +73,6 @@ def make_synthetic_run(path: str, block: dict) -> int:
     """Write a run directory `path` holding one complete-looking tag (`ckpt/latest` -> step1) of the model `block`
     describes; values cut from one random pool (their content does not change the cost). Returns input bytes."""
     import torch
-
-    from dsv3_plugin.checkpoint.names import is_runtime_state
-    from dsv3_plugin.config import load_config
-    from dsv3_plugin.model.transformer import DSv3Model
 
     cfg = load_config(block)
     with torch.device("meta"):
