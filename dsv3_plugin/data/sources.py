@@ -16,7 +16,9 @@ Public API: `SUFFIXES`, `Record`, `check_inputs`, `iter_records`, `parse_record`
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 from collections.abc import Iterator
 from typing import NamedTuple
@@ -87,18 +89,33 @@ def iter_records(path: str) -> Iterator[Record]:
         yield from _datasets_rows(path, kind)
 
 
+@contextlib.contextmanager
+def _datasets_logs_off():
+    """datasets logs a reader's failure before raising it; the DataError below carries the same message, and the
+    CLI's error is one line."""
+    logger = logging.getLogger("datasets")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def _datasets_rows(path: str, builder: str) -> Iterator[Record]:
     import datasets
 
     try:
-        ds = datasets.load_dataset(builder, data_files=[path], split="train", streaming=True)
-        rows = iter(ds)
+        with _datasets_logs_off():
+            ds = datasets.load_dataset(builder, data_files=[path], split="train", streaming=True)
+            rows = iter(ds)
     except Exception as e:  # whatever the third-party loader raises for a file it cannot read
         raise DataError(f"{path}: datasets' {builder} loader cannot read it ({type(e).__name__}: {e})") from None
     n = 0
     while True:
         try:
-            row = next(rows)
+            with _datasets_logs_off():
+                row = next(rows)
         except StopIteration:
             return
         except Exception as e:

@@ -238,13 +238,20 @@ def test_missing_input_and_bad_flags(tok_dir, tmp_path, capsys):
     (tmp_path / "x.csv").write_text("a\n")
     assert main(base + [str(tmp_path / "x.csv")]) == 2
     assert "x.csv: unsupported input type" in capsys.readouterr().err
+    (tmp_path / "bad.parquet").write_bytes(b"PAR1 not parquet")
+    assert main(base + ["--no-progress", str(tmp_path / "bad.parquet")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()  # one line: datasets' own log of the failure is off
+    assert len(err) == 1 and "bad.parquet: datasets' parquet loader cannot read it" in err[0], err
+    (tmp_path / "bad.txt").write_bytes(b"one\ntwo\nbad \xff\n")
+    assert main(base + [str(tmp_path / "bad.txt")]) == 2
+    assert "bad.txt:3: not UTF-8 (byte 0xff" in capsys.readouterr().err
     (tmp_path / "t.jsonl").write_text(json.dumps({"text": "x"}) + "\n")
     assert main(base + [str(tmp_path / "t.jsonl"), "--workers", "0"]) == 2
     assert "--workers: must be >= 1" in capsys.readouterr().err
     # PREFIX beside its input (t.jsonl -> t.bin/.idx/.json): fine, a .jsonl is never an output name
     assert main(["prepare-data", str(tmp_path / "t.jsonl"), "--tokenizer", tok_dir, "--out", str(tmp_path / "t")]) == 0
     assert json.loads(capsys.readouterr().out)["documents"] == 1
-    assert sorted(os.listdir(tmp_path)) == ["t.bin", "t.idx", "t.json", "t.jsonl", "x.csv"]
+    assert sorted(os.listdir(tmp_path)) == ["bad.parquet", "bad.txt", "t.bin", "t.idx", "t.json", "t.jsonl", "x.csv"]
 
 
 def test_injected_failure_leaves_no_output_and_keeps_the_old(tok_dir, tmp_path, monkeypatch):
