@@ -68,8 +68,9 @@ def encode_records(
     Returns:
         One entry per record, in order: `("doc", ids, mask, truncated)` with `ids` an int32 array [T], `mask` a
         uint8 array [T] (chat) or None (plain text) and `truncated` a bool; or `("skip", reason)` (reasons:
-        `sources.parse_record`'s, and "no_loss_tokens_after_truncation" for a conversation whose assistant tokens
-        all lie beyond `max_tokens`).
+        `sources.parse_record`'s, "no_loss_tokens_after_truncation" for a conversation whose assistant tokens
+        all lie beyond `max_tokens`, "no_assistant_tokens" for one whose template emits none for its assistant
+        turns).
 
     Raises:
         DataError: the first bad record, naming its file and line.
@@ -101,8 +102,8 @@ def encode_records(
         if truncated:
             ids = ids[:max_tokens]
             mask = None if mask is None else mask[:max_tokens]
-        if mask is not None and not any(mask):
-            results.append(("skip", "no_loss_tokens_after_truncation"))
+        if mask is not None and not any(mask):  # nothing to train on
+            results.append(("skip", "no_loss_tokens_after_truncation" if truncated else "no_assistant_tokens"))
             continue
         results.append(
             ("doc", np.asarray(ids, dtype=np.int32), None if mask is None else np.asarray(mask, np.uint8), truncated)
