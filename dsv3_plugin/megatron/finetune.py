@@ -26,8 +26,11 @@ from __future__ import annotations
 import os
 
 from dsv3_plugin.checkpoint.convert import LAYOUT_NAME
+from dsv3_plugin.checkpoint.hf import model_config, pretrained_config
+from dsv3_plugin.checkpoint.integrity import load_json
 from dsv3_plugin.config import ConfigError, DSv3Config
 from dsv3_plugin.errors import CheckpointError
+from dsv3_plugin.megatron.weights import load_hf_checkpoint, load_megatron_checkpoint
 
 __all__ = [
     "DEFAULT_EVAL_INTERVAL",
@@ -171,9 +174,6 @@ def check_weight_sources(args, cfg: DSv3Config, where: str) -> list[str]:
 
 
 def _check_same_model(init: str, kind: str, cfg: DSv3Config, where: str) -> None:
-    from dsv3_plugin.checkpoint.hf import model_config, pretrained_config
-    from dsv3_plugin.checkpoint.integrity import load_json
-
     if kind == "released":
         theirs = pretrained_config(init)  # config.json, index, headers, tensor set: CheckpointError naming the file
     else:
@@ -230,8 +230,6 @@ def load_initial_weights(model, args) -> bool:
     init = getattr(args, "dsv3_init_from", None)
     if not init or has_megatron_checkpoint(getattr(args, "load", None), getattr(args, "ckpt_step", None)):
         return False
-    from dsv3_plugin.megatron.weights import load_hf_checkpoint, load_megatron_checkpoint
-
     if init_source_kind(init) == "megatron-layout":
         load_megatron_checkpoint(model, init)
     else:

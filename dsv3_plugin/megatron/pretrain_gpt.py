@@ -9,6 +9,10 @@ the MoE/MTP settings: Megatron's model flags are filled from it or must agree wi
 ours, `--dsv3-metrics`, `--nproc` and `--dsv3-pipeline-schedule {dualpipev,1f1b}`. Without CUDA it runs on
 CPU/gloo with the shims of `patches/`. Entry points: `main`, `parse_megatron_args`.
 
+Fine-tuning (`finetune.py`, `sft_data.py`): `--dsv3-init-from DIR` starts from a released (or converted)
+checkpoint; `--load`/`--pretrained-checkpoint` without a Megatron checkpoint are refused; `--sft` trains on data
+prepared by `dsv3 prepare-data --chat` with its loss mask; a missing `--eval-interval` gets Megatron-LM's 1000.
+
 Design notes (every flag, the CPU path): docs/design_notes.md#megatron-pretrain-gpt
 """
 
@@ -34,6 +38,7 @@ from dsv3_plugin.megatron.finetune import (
 )
 from dsv3_plugin.megatron.gpt import OUR_SPEC, add_dsv3_args, dualpipev_layout, dualpipev_selected, gpt_builder
 from dsv3_plugin.megatron.metrics import MetricsRecorder
+from dsv3_plugin.megatron.sft_data import MaskedGPTDataset, check_sft_args, check_split_documents
 from dsv3_plugin.megatron.spec import mcore_version_tuple
 from dsv3_plugin.parallel.distributed import spawn
 
@@ -406,30 +411,10 @@ def parse_megatron_args(
     margs.validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"} if args.tokenizer_type is None else {})
     notes += apply_pipeline_schedule(args, schedule, cfg)
     notes += check_weight_sources(args, cfg, args.dsv3_config)
-    _check_sft(args)
+    check_sft_args(args)
     if set_globals:
         set_megatron_globals(args)
     return args, notes
-
-
-def _check_sft(args) -> None:
-    """`--sft` trains on prepared chat data with its loss mask (`megatron/sft_data.py`); refuse what it cannot."""
-    if not getattr(args, "sft", False):
-        return
-    if args.mock_data:
-        raise ConfigError(
-            "--sft: needs prepared chat data (--data-path PREFIX from `dsv3 prepare-data --chat`), not --mock-data"
-        )
-    from megatron.training.utils import get_blend_and_blend_per_split
-
-    from dsv3_plugin.megatron.sft_data import check_sft_paths
-
-    blend, per_split = get_blend_and_blend_per_split(args)
-    for flag, b in [("--data-path", blend)] + list(
-        zip(("--train-data-path", "--valid-data-path", "--test-data-path"), per_split or [None] * 3)
-    ):
-        if b is not None:
-            check_sft_paths(list(b[0]), flag)
 
 
 def set_megatron_globals(args) -> list[str]:
@@ -551,11 +536,13 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
         create_attention_mask=args.create_attention_mask_in_dataloader,
     )
     if args.sft:
-        from dsv3_plugin.megatron.sft_data import MaskedGPTDataset
-
         cls = MaskedGPTDataset
     else:
         cls = MockGPTDataset if args.mock_data else GPTDataset
+    if blend is not None and not args.mock_data and _is_dataset_built_on_rank(vp_stage):
+        for prefix in blend[0]:
+            n = cls.numel_low_level_dataset(cls.build_low_level_dataset(prefix, config))
+            check_split_documents(prefix, n, config.split_matrix, args.split)
     return BlendedMegatronDatasetBuilder(
         cls, train_val_test_num_samples, partial(_is_dataset_built_on_rank, vp_stage), config
     ).build()

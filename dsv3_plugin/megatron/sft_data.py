@@ -10,10 +10,15 @@ position t is token t+1, so `loss_mask[t] *= mask[t+1]`.
 
 Megatron-LM's own `SFTDataset` (megatron-core >= 0.19, jsonl `{"messages": [...]}`) is not used: it needs Megatron's
 `SFTTokenizer` prompt formats rather than the checkpoint's chat template, and it packs conversations with
-`cu_seqlens` for THD attention, which the plugin's attention refuses (`megatron/attention.py`); `sft_blend_paths`
-refuses a jsonl with the command that prepares it. Only megatron-core is needed (works on 0.16 and 0.19).
+`cu_seqlens` for THD attention, which the plugin's attention refuses (`megatron/attention.py`); `check_sft_paths`
+refuses a jsonl with the command that prepares it. The dataset needs megatron-core only (0.16 and 0.19).
 
-Public API: `MaskedGPTDataset`, `mask_prefix`, `check_sft_paths`.
+`check_split_documents` refuses a `--split` share that gets no document of a small corpus: megatron-core builds
+every split with a non-zero share and, for an empty one, loops forever counting epochs (`_get_num_epochs` adds 0
+tokens per epoch).
+
+Public API: `MaskedGPTDataset`, `check_sft_args`, `check_sft_paths`, `check_split_documents`; `mask_prefix`
+(prepare-data's naming).
 """
 
 from __future__ import annotations
@@ -26,16 +31,11 @@ import torch
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+from dsv3_plugin.config import ConfigError
+from dsv3_plugin.data.prepare import mask_prefix
 from dsv3_plugin.errors import DataError
 
-__all__ = ["MaskedGPTDataset", "check_sft_paths", "mask_prefix"]
-
-MASK_SUFFIX = "_mask"  # `dsv3 prepare-data --chat --out PREFIX` writes the mask as PREFIX_mask.bin/.idx
-
-
-def mask_prefix(prefix: str) -> str:
-    """The loss-mask dataset's path prefix for token dataset `prefix`."""
-    return prefix + MASK_SUFFIX
+__all__ = ["MaskedGPTDataset", "check_sft_args", "check_sft_paths", "check_split_documents", "mask_prefix"]
 
 
 def check_sft_paths(prefixes: list[str], flag: str = "--data-path") -> None:
@@ -52,8 +52,43 @@ def check_sft_paths(prefixes: list[str], flag: str = "--data-path") -> None:
             )
         for f in (p + ".bin", p + ".idx", mask_prefix(p) + ".bin", mask_prefix(p) + ".idx"):
             if not os.path.isfile(f):
-                hint = " (prepared without --chat? --sft needs the loss mask)" if MASK_SUFFIX in f else ""
+                hint = " (prepared without --chat? --sft needs the loss mask)" if f.startswith(mask_prefix(p)) else ""
                 raise DataError(f"{flag} {p}: {f} does not exist{hint}")
+
+
+def check_sft_args(args) -> None:
+    """With `--sft` (Megatron-LM `args`): refuse `--mock-data` (ConfigError) and every data path `check_sft_paths`
+    refuses (DataError), before any rank builds a dataset. Without `--sft`: nothing."""
+    if not getattr(args, "sft", False):
+        return
+    if args.mock_data:
+        raise ConfigError(
+            "--sft: needs prepared chat data (--data-path PREFIX from `dsv3 prepare-data --chat`), not --mock-data"
+        )
+    from megatron.training.utils import get_blend_and_blend_per_split  # megatron-core >= 0.19's wheel
+
+    blend, per_split = get_blend_and_blend_per_split(args)
+    flags = ("--train-data-path", "--valid-data-path", "--test-data-path")
+    for flag, b in [("--data-path", blend)] + list(zip(flags, per_split or [None] * 3)):
+        if b is not None:
+            check_sft_paths(list(b[0]), flag)
+
+
+def check_split_documents(prefix: str, n_documents: int, split_matrix, split: str) -> None:
+    """Every split with a share (`split_matrix[i]` not None, Megatron's (begin, end) fractions) must get at least one
+    of `prefix`'s `n_documents`, counted as megatron-core's builder counts them (rounded fractions).
+
+    Raises:
+        DataError: naming `--split`, the split, the prefix and its document count."""
+    for name, span in zip(("train", "validation", "test"), split_matrix):
+        if span is None:
+            continue
+        beg, end = int(round(span[0] * float(n_documents))), int(round(span[1] * float(n_documents)))
+        if end <= beg:
+            raise DataError(
+                f"--split {split}: the {name} split of {prefix} gets none of its {n_documents} documents "
+                f"(megatron-core would hang building it); give it no share (e.g. --split 100,0,0) or use more documents"
+            )
 
 
 class _TokensAndMask:
