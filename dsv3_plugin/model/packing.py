@@ -30,6 +30,7 @@ __all__ = [
     "mtp_labels",
     "mtp_rows",
     "lm_ce_sum",
+    "lm_mean",
 ]
 
 IGNORE_INDEX = -100  # labels that contribute nothing (torch's cross_entropy default, Megatron's SFT convention)
@@ -98,3 +99,12 @@ def lm_ce_sum(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor
     return F.cross_entropy(
         logits_BTV.reshape(-1, V).float(), labels_BT.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
     )
+
+
+def lm_mean(logits_BTV: torch.Tensor, labels_BT: torch.Tensor, n_loss_tokens: torch.Tensor) -> torch.Tensor:
+    """The LM loss: token cross-entropy averaged over the loss tokens (fp32, 0-dim); 0 for a micro-batch without
+    any (a window of prompt tokens only), where the plain mean is 0/0 = NaN (its gradient is zero either way).
+    `n_loss_tokens`: (labels != -100).sum(), a tensor (no host sync)."""
+    V = logits_BTV.shape[-1]
+    mean = F.cross_entropy(logits_BTV.reshape(-1, V).float(), labels_BT.reshape(-1), ignore_index=IGNORE_INDEX)
+    return torch.where(n_loss_tokens > 0, mean, torch.zeros_like(mean))

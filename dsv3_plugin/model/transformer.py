@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dsv3_plugin.config import DSv3Config, load_config
@@ -18,7 +17,7 @@ from dsv3_plugin.model.mla import MLA
 from dsv3_plugin.model.moe.layer import DeepSeekMoE, DenseMLP, GroupedExperts
 from dsv3_plugin.model.mtp import MTPLayer, mtp_depth_loss
 from dsv3_plugin.model.norm import RMSNorm
-from dsv3_plugin.model.packing import IGNORE_INDEX, mtp_labels, mtp_rows, rope_tables
+from dsv3_plugin.model.packing import IGNORE_INDEX, lm_mean, mtp_labels, mtp_rows, rope_tables
 from dsv3_plugin.model.rope import RotaryEmbedding
 
 __all__ = ["DecoderLayer", "DSv3Model", "DSv3Output"]
@@ -163,10 +162,10 @@ class DSv3Model(nn.Module):
         Returns:
             A `DSv3Output`: `logits` [B, T, V]; `mtp_logits[k-1]` [B, T-k, V] for depth k (row i predicts token
             i+k+1; depths with T-k <= 0 are skipped); `hidden` [B, T, H] after the final norm. With `labels`:
-            `lm_loss` (mean token cross-entropy over the loss tokens), `mtp_loss` (the mean of L^k over the depths
-            computed: paper eq. 25 without λ; L^k divided by the number of loss tokens, `model.mtp` NOTE),
-            `balance_loss` (Σ over MoE layers of the sequence-wise α·L_Bal; in training mode
-            with α > 0 only) and `loss` = lm_loss + λ·mtp_loss + balance_loss.
+            `lm_loss` (mean token cross-entropy over the loss tokens; 0 without any), `mtp_loss` (the mean of L^k
+            over the depths computed: paper eq. 25 without λ; L^k divided by the number of loss tokens, `model.mtp`
+            NOTE), `balance_loss` (Σ over MoE layers of the sequence-wise α·L_Bal; in training mode with α > 0
+            only) and `loss` = lm_loss + λ·mtp_loss + balance_loss.
         """
         B, T = input_ids.shape
         for moe in self.moe_layers():
@@ -202,12 +201,11 @@ class DSv3Model(nn.Module):
     def _losses(
         self, out: DSv3Output, labels: torch.Tensor, tokens_seen: float, position_ids: torch.Tensor | None = None
     ) -> None:
-        V = out.logits.shape[-1]
         T = labels.shape[1]
-        out.lm_loss = F.cross_entropy(out.logits.reshape(-1, V).float(), labels.reshape(-1), ignore_index=IGNORE_INDEX)
+        n_loss = (labels != IGNORE_INDEX).sum()  # B·T when nothing is masked: eq. 24 as written
+        out.lm_loss = lm_mean(out.logits, labels, n_loss)
         out.loss = out.lm_loss
         if out.mtp_logits:
-            n_loss = (labels != IGNORE_INDEX).sum()  # B·T when nothing is masked: eq. 24 as written
             depth_losses = [
                 mtp_depth_loss(lg, mtp_labels(labels, k, position_ids), T, n_loss)
                 for k, lg in enumerate(out.mtp_logits, 1)

@@ -305,6 +305,12 @@ def test_masked_labels_get_no_gradient_and_mtp_normalisation():
         other[drop] = IGNORE_INDEX
         b = model(ids, labels=other).loss
     assert torch.equal(a, b)
+    # a micro-batch without any loss token (a window of prompt only): LM and MTP terms 0, not 0/0
+    model.zero_grad()
+    out = model(ids, labels=torch.full_like(labels, IGNORE_INDEX))
+    assert float(out.lm_loss.detach()) == 0 and float(out.mtp_loss.detach()) == 0 and torch.isfinite(out.loss)
+    out.loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
 
 def test_expert_parallel_layers_take_the_masks():

@@ -23,11 +23,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dsv3_plugin.model.mtp import mtp_depth_loss
-from dsv3_plugin.model.packing import IGNORE_INDEX, lm_ce_sum, mtp_labels, mtp_rows, rope_tables
+from dsv3_plugin.model.packing import IGNORE_INDEX, lm_ce_sum, lm_mean, mtp_labels, mtp_rows, rope_tables
 from dsv3_plugin.model.transformer import DSv3Model
 from dsv3_plugin.parallel.expert_parallel import ExpertParallelMoE
 from dsv3_plugin.parallel.overlap import run_overlapped
@@ -269,13 +268,12 @@ class DSv3PipelineLoss:
         if self.with_positions:
             *rest, position_ids = rest
         *mtp_logits, aux_M, produced_M, labels = rest
-        V = logits.shape[-1]
         T = labels.shape[1]
-        lm_loss = F.cross_entropy(logits.reshape(-1, V).float(), labels.reshape(-1), ignore_index=IGNORE_INDEX)
+        n_loss = (labels != IGNORE_INDEX).sum()  # as DSv3Model._losses: B·T when nothing is masked
+        lm_loss = lm_mean(logits, labels, n_loss)
         loss = lm_loss
         mtp_loss = balance = None
         if mtp_logits:
-            n_loss = (labels != IGNORE_INDEX).sum()  # as DSv3Model._losses: B·T when nothing is masked
             depth = [
                 mtp_depth_loss(lg, mtp_labels(labels, k, position_ids), T, n_loss) for k, lg in enumerate(mtp_logits, 1)
             ]
