@@ -1,4 +1,5 @@
-"""`dsv3 export`: a `dsv3 train` run (or a Megatron-layout checkpoint) back out in DeepSeek-V3's released format.
+"""`dsv3 export`: a `dsv3 train` run (or a Megatron-LM / Megatron-layout checkpoint) back out in DeepSeek-V3's released
+format.
 
 What is written (DeepSeek-V3's release, README_WEIGHTS): safetensors shards + `model.safetensors.index.json`, the
 HF `config.json` of the run's model (`num_nextn_predict_layers`, `torch_dtype`), the MTP module at layer index
@@ -10,7 +11,8 @@ E4M3 + 128x128 `weight_scale_inv` exactly where the release quantizes (`names.is
 Which weights: the ones the run trains. FP32 runs (FP8 training included: FP8 copies are made per GEMM, the module
 keeps the FP32 weights) store them in the module state; under `"bf16"` mixed precision the module holds BF16 copies
 and the FP32 master weights live in ZeRO-1's flat partitions (`zero_pp_rank_*_optim_states.pt`), which are
-stitched back together here (`_zero_masters`).
+stitched back together here (`_zero_masters`). A Megatron-LM checkpoint of the plugin's `pretrain_gpt` is read
+through `megatron_dist` (its FP32 masters when it kept them); a `layout.json` directory through `convert`'s checks.
 
 Streaming and bounded memory: one rank's file at a time (mmapped `torch.load(weights_only=True)`: never unpickles
 code), plus the output shard being filled (`shard_bytes`), plus at most one parameter split across two ZeRO
@@ -76,7 +78,6 @@ NOT_A_SOURCE = (
     "(no layout.json)"
 )
 _SHARD_BYTES = 5 * 2**30
-_MODEL_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 _EXPERT_FILE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 _STAGE = re.compile(r"^stages\.(\d+)\.(.+)$")
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
@@ -119,23 +120,26 @@ def find_run_checkpoint(src: str, tag: str | None = None) -> RunCheckpoint | Non
     (None when it is none of these). Without `tag`: the one `latest` names if complete, else the newest complete
     `step<N>` (`run_dir.resolve_resume`). Raises CheckpointError when `tag` (or every tag) is incomplete."""
     src = os.path.abspath(src)
-    if _is_tag_dir(src) and tag is None:
+    if _is_tag_dir(src) and tag is None:  # one tag's directory: checked like --tag
         ck, tag = os.path.dirname(src), os.path.basename(src)
     else:
         ck = rd.checkpoint_dir(src)
         if not _is_ckpt_dir(ck):
             return None
     root = os.path.dirname(ck) if os.path.basename(ck) == "ckpt" else None
-    has_record = root is not None and rd.read_run_record(root) is not None
     if tag is None:
         try:
             tag, note = rd.resolve_resume(ck, root)
         except CheckpointError as e:
-            raise CheckpointError(str(e).replace("--resume ", "").replace("resume from", "export")) from None
+            why = re.search(r"\((.*)\); start", str(e))
+            raise CheckpointError(f"{ck}: no complete checkpoint to export ({why.group(1) if why else e})") from None
         return RunCheckpoint(ck, tag, root, note)
-    problem = rd.tag_problem(ck, tag) if has_record else (None if _is_tag_dir(os.path.join(ck, tag)) else "missing")
+    if root is not None and rd.read_run_record(root) is not None:
+        problem = rd.tag_problem(ck, tag)  # complete: its marker lists every file with its size
+    else:  # written before completion markers: DeepSpeed's own rule, the model-states file is there
+        problem = None if _is_tag_dir(os.path.join(ck, tag)) else f"tag {tag!r}, which does not exist"
     if problem is not None:
-        raise CheckpointError(f"--tag {tag}: {ck} has {problem if problem != 'missing' else f'no tag {tag!r}'}")
+        raise CheckpointError(f"--tag {tag}: cannot export {problem} (in {ck})")
     return RunCheckpoint(ck, tag, root)
 
 
@@ -319,8 +323,11 @@ def _run_tensors(
         if not isinstance(module, dict):
             raise CheckpointError(f"{f}: no 'module' state dict (not a DeepSpeed model-states file)")
         params = _params_of(sd)
+        buffers = set(sd.get("buffer_names") or ())
         for n, t in module.items():
-            if masters and n in params:
+            if masters and n not in buffers:
+                # a parameter: its master comes from ZeRO (a parameter held by two stages, DualPipeV's embedding,
+                # is listed once in param_shapes under its first name; the module names it twice)
                 continue
             if is_runtime_state(_STAGE.sub(r"\2", n)):
                 continue
@@ -332,7 +339,7 @@ def _run_tensors(
                 native, e = names.native(n, p, f"the ZeRO partitions of {f}")
                 for rn, rt in _released(native, e, t, L):
                     yield rn, rt, f"ZeRO partitions of mp_rank_{p:02d}"
-            bar.update(sum(os.path.getsize(f) for _, f in _optim_files(run, p)))
+            bar.update(sum(os.path.getsize(o) for _, o in _optim_files(run, p)))
         bar.update(os.path.getsize(f))
         del sd, module
     if masters:
@@ -487,7 +494,7 @@ def _write_released(
     shards, done = _Shards(out, shard_bytes), set()
     for name, t, where in tensors:
         if name in copy_names:
-            continue  # a source's own MTP copy: written from the main tensor instead (it must equal it)
+            continue  # a source's own MTP copy (Megatron layouts keep one): written from the main tensor instead
         if name not in shapes:
             raise CheckpointError(f"{name} in {where}: not a tensor of the model's released format")
         if name in done:

@@ -289,3 +289,41 @@ def test_init_from_the_export_starts_at_the_exported_loss(exported):
         model_bound(ref, cfg, tokens, passes=1),
         "first-step loss of dsv3 train --init-from DST vs our model at DST's weights",
     )
+
+
+def test_bf16_run_exports_its_fp32_masters(exported):
+    """The BF16 run's FP8 export is DeepSeek's quantization of the FP32 master weights (not of the module's BF16
+    copies): masters rebuilt here independently of the exporter, from the whole flat dense buffer (both ranks'
+    ZeRO-1 partitions concatenated) cut at the parameters' cumulative offsets in param_shapes order."""
+    from dsv3_plugin.checkpoint.synthetic import quantize_fp8_blockwise
+    from dsv3_plugin_patches.deepspeed_safe_load import safe_globals
+
+    tmp, release, out, again = exported
+    d = os.path.join(tmp, "pp1_ep2_bf16", "ckpt", "step2")
+    with torch.serialization.safe_globals(safe_globals()):
+        parts = [
+            torch.load(os.path.join(d, f"{p}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"), weights_only=True)
+            for r in range(2)
+            for p in ("bf16_", "")
+            if os.path.exists(os.path.join(d, f"{p}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"))
+        ]
+    assert len(parts) == 2
+    flat = torch.cat([p["optimizer_state_dict"]["single_partition_of_fp32_groups"][0].detach() for p in parts])
+    ms = torch.load(os.path.join(d, "mp_rank_00_model_states.pt"), weights_only=True)
+    fp8, bf16 = _stored(out["pp1_ep2_bf16"]["fp8"]), _stored(out["pp1_ep2_bf16"]["bf16"])
+    off, n_fp8, n_differs = 0, 0, 0
+    for n, shape in ms["param_shapes"][0].items():  # group 0: the dense parameters
+        k = torch.Size(shape).numel()
+        master = flat[off : off + k].view(shape)
+        off += k
+        name = _released_name(n)
+        assert torch.equal(bf16[name], master.to(torch.bfloat16)), n
+        if name + "_scale_inv" in fp8:
+            q, s = quantize_fp8_blockwise(master)
+            assert torch.equal(fp8[name].view(torch.uint8), q.view(torch.uint8)) and torch.equal(
+                fp8[name + "_scale_inv"], s
+            ), n
+            q_copy, _ = quantize_fp8_blockwise(ms["module"][n].float())
+            n_differs += not torch.equal(q.view(torch.uint8), q_copy.view(torch.uint8))
+            n_fp8 += 1
+    assert n_fp8 > 0 and n_differs > 0  # the BF16 copies would have given other FP8 bytes
