@@ -56,9 +56,10 @@ def megatron_iteration_dir(src: str, iteration: str | None = None) -> str | None
     if iteration is None:
         with open(tracker, errors="replace") as f:
             iteration = f.read().strip()
-    if not iteration.isdigit():
-        raise CheckpointError(f"{tracker}: names iteration {iteration!r}; pass --tag iter_NNNNNNN")
-    d = os.path.join(src, iteration if iteration.startswith("iter_") else f"iter_{int(iteration):07d}")
+    digits = iteration[len("iter_") :] if iteration.startswith("iter_") else iteration
+    if not digits.isdigit():
+        raise CheckpointError(f"{tracker}: iteration {iteration!r} is not a number; pass --tag N (or iter_NNNNNNN)")
+    d = os.path.join(src, f"iter_{int(digits):07d}")
     if not os.path.isfile(os.path.join(d, ".metadata")):
         raise CheckpointError(f"{d}: no .metadata (not a torch_dist checkpoint; only --ckpt-format torch_dist is read)")
     return d
