@@ -175,10 +175,13 @@ def run(
         if ema is not None:  # each rank its own shard (client_state is written by one rank per model file)
             atomic_save(ema.state_dict(), ema_path(run_dir.ckpt, tag, rank))
 
+    timing = [0.0, 0.0]  # seconds in steps, of which waiting for micro-batches (kept out of the JSON lines)
     t_run = time.perf_counter()
     for step in range(start, total):
         with peer_failures(f"training step {step + 1}", timeout):
-            rec = _step(engine, data, ema, step)
+            rec, step_s, wait_s = _step(engine, data, ema, step)
+            timing[0] += step_s
+            timing[1] += wait_s
             evaluate(rec)
             history.append(rec)
             _after_step(rec, run_dir, cfg, total, echo, bar, save)
@@ -202,7 +205,8 @@ def run(
         pipeline=report,
         rss_before_model=rss_before_model,
         data_description=data.description + data_note,
-        data_wait_s=sum(r["data_wait_s"] for r in history),
+        data_wait_s=timing[1],
+        step_s=timing[0],
     )
 
 
@@ -224,9 +228,9 @@ def _resume(engine: TrainEngine, ema: EMA | None, run_dir: RunDir, fingerprint: 
     return int(client["data_step"])
 
 
-def _step(engine: TrainEngine, data, ema: EMA | None, step: int) -> dict:
+def _step(engine: TrainEngine, data, ema: EMA | None, step: int) -> tuple[dict, float, float]:
     """One optimizer step over this data-parallel rank's micro-batches; returns its metrics (identical on every
-    rank)."""
+    rank), the step's seconds and the seconds of it spent reading the micro-batches."""
     t0 = time.perf_counter()
     kw = {} if engine.batch_device is None else {"device": engine.batch_device}
     batches = [data.batch(step, micro, engine.dp_rank, engine.micro_batch, **kw) for micro in range(engine.gas)]
@@ -246,12 +250,10 @@ def _step(engine: TrainEngine, data, ema: EMA | None, step: int) -> dict:
         "lr": engine.lr(),
         "grad_norm": engine.grad_norm(),
         "maxvio_layers": mv,
-        "step_s": dt,
-        "data_wait_s": wait,
     }
     if engine.telemetry is not None:  # collective: every rank records
         rec.update(engine.telemetry.record(r["bias_stats"]))
-    return rec
+    return rec, dt, wait
 
 
 def _evaluator(engine: TrainEngine, data, cfg, total: int):

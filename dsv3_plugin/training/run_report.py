@@ -44,6 +44,7 @@ def finish(
     rss_before_model: int = 0,
     data_description: str = "",
     data_wait_s: float = 0.0,
+    step_s: float = 0.0,
 ) -> dict:
     """End of a run: PNGs, the summary (JSON on stdout with `echo`, human text with `summary`; rank 0 prints, one
     summary per run) and final-state fingerprints (plain Python values, so they can cross process boundaries).
@@ -58,8 +59,8 @@ def finish(
         pipeline: the pipelined engine's per-rank busy/idle times, reported under the summary's "pipeline" key.
         rss_before_model: RSS just before the model was built (the runtime's share of the peak).
         data_description: what the run trained on, one line of the summary (so that no run hides its data).
-        data_wait_s: seconds this rank's loop waited for its micro-batches (the summary reports the largest rank's,
-            also as a share of the step time).
+        data_wait_s: seconds this rank's loop waited for its micro-batches, of `step_s` seconds in steps (the
+            summary reports the rank that waited longest, also as a share of its step time).
 
     Returns:
         {"history", "summary" (with this rank's `peak_rss_bytes`, `rss_before_model_bytes`, `param_bytes`,
@@ -80,7 +81,7 @@ def finish(
     if run.ckpt and history:
         files.append(os.path.join(run.ckpt, f"step{history[-1]['step']}"))
     summ = _summary(history, world, wall_s, loss_floor, files, data_description)
-    summ.update(_rank_memory(model, checkpoint_bytes_read, rss_before_model, data_wait_s))
+    summ.update(_rank_memory(model, checkpoint_bytes_read, rss_before_model, data_wait_s, step_s))
     _data_wait(summ, history)
     peak = max(r["peak_rss_bytes"] for r in summ["ranks"])
     read = max(r["checkpoint_bytes_read"] for r in summ["ranks"])
@@ -128,14 +129,15 @@ def _data_wait(summ: dict, history: list[dict]) -> None:
     if not history:
         return
     worst = max(summ["ranks"], key=lambda r: r["data_wait_s"])
-    step_s = sum(r.get("step_s", 0.0) for r in history)  # this rank's step times (all ranks run the same steps)
     summ["data_wait_s"] = worst["data_wait_s"]
-    summ["data_wait_pct"] = 100.0 * worst["data_wait_s"] / step_s if step_s > 0 else None
+    summ["data_wait_pct"] = 100.0 * worst["data_wait_s"] / worst["step_s"] if worst["step_s"] > 0 else None
     pct = f" = {summ['data_wait_pct']:.2f} % of the step time" if summ["data_wait_pct"] is not None else ""
     summ["text"] += f"\n  data wait      {summ['data_wait_s']:.3f} s (largest rank, reading micro-batches){pct}"
 
 
-def _rank_memory(module, checkpoint_bytes_read: int, rss_before_model: int = 0, data_wait_s: float = 0.0) -> dict:
+def _rank_memory(
+    module, checkpoint_bytes_read: int, rss_before_model: int = 0, data_wait_s: float = 0.0, step_s: float = 0.0
+) -> dict:
     """This rank's memory facts, and every rank's (gathered, in rank order, under "ranks"): peak RSS (ru_maxrss:
     KiB on Linux), the RSS just before the model was built (the process's runtime: Python, torch, DeepSpeed, the
     process groups; peak minus it is what the model, its optimizer and the steps added), bytes of its parameters
@@ -147,6 +149,7 @@ def _rank_memory(module, checkpoint_bytes_read: int, rss_before_model: int = 0, 
         "param_bytes": param_bytes(module),
         "checkpoint_bytes_read": int(checkpoint_bytes_read),
         "data_wait_s": float(data_wait_s),
+        "step_s": float(step_s),
     }
     ranks = [mine]
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
