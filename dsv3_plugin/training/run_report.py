@@ -195,9 +195,10 @@ def _summary(
     ]
     evals = [(r["step"], r["eval_loss"]) for r in history if r.get("eval_loss") is not None]
     if evals:
+        span = f"{evals[0][1]:.3f} (step {evals[0][0]}) -> " if len(evals) > 1 else ""
         lines.append(
-            f"  eval_loss      {evals[0][1]:.3f} (step {evals[0][0]}) -> {evals[-1][1]:.3f} (step {evals[-1][0]})"
-            "   (LM loss on the valid set, every rank's rows)"
+            f"  eval_loss      {span}{evals[-1][1]:.3f} (step {evals[-1][0]})   (LM loss on the valid set, every "
+            "rank's rows)"
         )
     if data_description:  # what the run trained on: no run hides its data
         lines.append(f"  data           {data_description}")
