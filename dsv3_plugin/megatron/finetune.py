@@ -12,8 +12,8 @@ rule of released checkpoints, and Megatron-LM settings whose absence would crash
   converted directory there is refused with a message pointing at `--dsv3-init-from`. An empty `--load` is
   accepted only as the restart-safe pattern (`--load` = `--save`, or with `--dsv3-init-from` as the first start).
 - Vocabulary (DeepSeek-V3's release: 129,280 embedding rows, ~128.8k tokenizer entries): a tokenizer smaller than
-  `dsv3.model.vocab_size` keeps the model's rows; a larger one is an error (Megatron's NullTokenizer, whose
-  end-of-document id is `--vocab-size`, keeps Megatron's padded vocabulary in from-scratch runs).
+  `dsv3.model.vocab_size` is normal (the model keeps its rows; from scratch, Megatron's padding when larger); a
+  larger one is an error (except Megatron's NullTokenizer from scratch).
 - `--eval-interval` absent: Megatron-core 0.19 defaults it to None and divides by it; we set Megatron-LM's
   long-standing default, 1000, and say so.
 
@@ -193,26 +193,27 @@ def _check_same_model(init: str, kind: str, cfg: DSv3Config, where: str) -> None
 
 
 def model_vocab_size(args, cfg: DSv3Config, tokenizer_vocab: int, where: str) -> int:
-    """Embedding/output rows for the model: `dsv3.model.vocab_size` when the tokenizer fits in it (released
-    checkpoints are larger than their tokenizers); Megatron's padded vocabulary for NullTokenizer from scratch
-    (its end-of-document id is `--vocab-size`, one past the model's). ConfigError when the tokenizer is larger."""
+    """Embedding/output rows for the model. With `--dsv3-init-from`: the checkpoint's, `dsv3.model.vocab_size`
+    (released checkpoints have more rows than their tokenizers have entries). From scratch: Megatron's padded
+    vocabulary (`args.padded_vocab_size`, e.g. `--make-vocab-size-divisible-by`), or the block's `vocab_size` when
+    that is larger (a tokenizer smaller than the model). A tokenizer with more entries than `vocab_size` is a
+    ConfigError naming it, except Megatron's NullTokenizer from scratch (its end-of-document id may lie past
+    `--vocab-size`; Megatron's padding covers it)."""
     V = cfg.model.vocab_size
-    if tokenizer_vocab <= V:
-        return V
     init = getattr(args, "dsv3_init_from", None)
     null = getattr(args, "tokenizer_type", None) == "NullTokenizer"
-    if null and not init:
-        return args.padded_vocab_size
-    src = (
-        f"--tokenizer-model {args.tokenizer_model}"
-        if getattr(args, "tokenizer_model", None)
-        else (f"--tokenizer-type {args.tokenizer_type}")
-    )
-    rows = f"--dsv3-init-from {init} has" if init else f"{where} dsv3.model.vocab_size ="
-    raise ConfigError(
-        f"{src}: the tokenizer has {tokenizer_vocab} entries but {rows} {V} embedding rows: ids "
-        f"{V}..{tokenizer_vocab - 1} have no row (a tokenizer may be smaller than the model, not larger)"
-    )
+    if tokenizer_vocab > V and not (null and not init):
+        src = (
+            f"--tokenizer-model {args.tokenizer_model}"
+            if getattr(args, "tokenizer_model", None)
+            else f"--tokenizer-type {args.tokenizer_type}"
+        )
+        rows = f"--dsv3-init-from {init} has" if init else f"{where} dsv3.model.vocab_size ="
+        raise ConfigError(
+            f"{src}: the tokenizer has {tokenizer_vocab} entries but {rows} {V} embedding rows: ids "
+            f"{V}..{tokenizer_vocab - 1} have no row (a tokenizer may be smaller than the model, not larger)"
+        )
+    return V if init else max(args.padded_vocab_size, V)
 
 
 def default_eval_interval(args, explicit: set[str]) -> list[str]:
