@@ -152,10 +152,8 @@ def check_weight_sources(args, cfg: DSv3Config, where: str) -> list[str]:
         restart_safe = fresh and (init or pretrained or os.path.abspath(load) == os.path.abspath(args.save or ""))
         if not restart_safe or step:
             raise _not_a_megatron_checkpoint("--load", load, step)
-        notes.append(
-            f"--load {load}: no checkpoint there yet; this run starts "
-            + ("from " + (init or pretrained) if (init or pretrained) else "from random weights (--load = --save)")
-        )
+        if init or pretrained:  # (--load = --save alone is Megatron-LM's auto-resume idiom: a fresh start is meant)
+            notes.append(f"--load {load}: no checkpoint there yet; this run starts from {init or pretrained}")
     if init:
         if not os.path.isdir(init):
             raise ConfigError(f"--dsv3-init-from {init}: not a directory")
