@@ -141,7 +141,7 @@ def check_weight_sources(args, cfg: DSv3Config, where: str) -> list[str]:
     step = getattr(args, "ckpt_step", None)
     if init and pretrained:
         raise ConfigError(
-            f"--dsv3-init-from {init}: and --pretrained-checkpoint {pretrained} both give the starting weights; "
+            f"--dsv3-init-from {init} and --pretrained-checkpoint {pretrained}: both give the starting weights; "
             "pass one"
         )
     if pretrained and not has_megatron_checkpoint(pretrained):

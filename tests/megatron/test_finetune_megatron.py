@@ -387,6 +387,8 @@ def test_weight_source_errors(data, tmp_path):
             on_cpu=True,
             set_globals=False,
         )
+    with pytest.raises(ConfigError, match=r"^--dsv3-init-from .* and --pretrained-checkpoint .*: both give the"):
+        parse("--dsv3-init-from", data["rel"], "--pretrained-checkpoint", str(empty))
     with pytest.raises(ConfigError, match=r"^--sft: needs prepared chat data"):
         parse("--sft")
     with pytest.raises(DataError, match=r"^--data-path c\.jsonl: --sft here trains on prepared chat data"):
