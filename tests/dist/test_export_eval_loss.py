@@ -1,0 +1,120 @@
+"""The exported model scores on the held-out set what the run said it scored: `dsv3 train` (2 ranks, FP32, the
+tiny release fine-tuned on Python's docs) logs `eval_loss`; `dsv3 export --to hf-bf16` writes the weights; the loss
+of transformers' `DeepseekV3ForCausalLM` on the same held-out rows equals the run's last `eval_loss`.
+
+The two differ by exactly two things, each bounded separately:
+1. BF16 rounding of the weights (the export's format): first-order |ΔL| <= Σ_i |∂L/∂w_i| · |w_i| · u, u = 2^-8
+   (BF16 unit roundoff, round-to-nearest), measured with one backward at the run's FP32 weights; x2 for the
+   second-order term, which at a relative perturbation <= 2^-8 is below 1 % of the first.
+2. Reordered FP32 sums: transformers vs our model on the same weights (attention and expert sums in another order),
+   and the run's per-rank eval sums all-reduced: n_ops · eps32 · |L| with n_ops the longest reduction (the hidden
+   size or the vocabulary) — as in the other parity tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import zero1_ds
+
+EPS32 = torch.finfo(torch.float32).eps
+U_BF16 = 2.0**-8
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    from dsv3_plugin.checkpoint.tiny_release import write_tiny_release
+    from dsv3_plugin.data.prepare import prepare
+    from dsv3_plugin.data.tokenizer import pydoc_texts
+
+    tmp = tmp_path_factory.mktemp("export_eval")
+    rel = write_tiny_release(tmp / "release", fp8=True)
+    texts = pydoc_texts()
+    for name, docs in (("train", texts[4:40]), ("valid", texts[:4])):
+        with open(tmp / f"{name}.jsonl", "w") as f:
+            for t in docs:
+                f.write(json.dumps({"text": t}) + "\n")
+        prepare([str(tmp / f"{name}.jsonl")], rel, str(tmp / name), progress=False)
+    data = {"train": [str(tmp / "train")], "valid": [str(tmp / "valid")], "packing": False, "eval_batches": 1}
+    ds = zero1_ds({"train": {"seq_len": 64, "seed": 3, "data": data}, "moe": {"bias_update_speed": 0.01}}, 2)
+    (tmp / "ds.json").write_text(json.dumps(ds))
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "dsv3_plugin", "train", "--config", str(tmp / "ds.json"), "--init-from", rel]
+    cmd += ["--nproc", "2", "--steps", "3", "--out", str(tmp / "run"), "--json", "--no-progress"]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    summary = [json.loads(x) for x in p.stdout.splitlines() if x.startswith('{"summary"')][-1]["summary"]
+    e = subprocess.run(
+        [sys.executable, "-m", "dsv3_plugin", "export", str(tmp / "run"), str(tmp / "bf16"), "--to", "hf-bf16"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert e.returncode == 0, e.stderr[-3000:]
+    return {"tmp": tmp, "rel": rel, "ds": ds, "eval_loss": summary["eval_loss"]}
+
+
+def _eval_rows(run):
+    """The run's held-out micro-batches, both data-parallel ranks (what `eval_loss` averaged)."""
+    from dsv3_plugin.checkpoint.init_from import init_from_config
+    from dsv3_plugin.config import load_config
+    from dsv3_plugin.data.packed import open_data
+
+    cfg = load_config(init_from_config(run["ds"], run["rel"]))
+    data = open_data(cfg, run["rel"], micro_batch=2, gas=2, dp=2)
+    return [b for rank in range(2) for b in data.eval_batches(rank)]
+
+
+def _ce_sum(logits_BTV, labels_BT) -> torch.Tensor:
+    V = logits_BTV.shape[-1]
+    return torch.nn.functional.cross_entropy(
+        logits_BTV.reshape(-1, V).float(), labels_BT.reshape(-1), ignore_index=-100, reduction="sum"
+    )
+
+
+def test_transformers_on_the_export_scores_the_runs_eval_loss(run):
+    from transformers import DeepseekV3ForCausalLM
+
+    from dsv3_plugin.checkpoint.hf import load_pretrained
+
+    rows = _eval_rows(run)
+    n_tokens = sum(b.loss_tokens for b in rows)
+    assert n_tokens > 0
+
+    # The run's FP32 weights (its last checkpoint's module state: pp = 1, ep = 1, every tensor in one file).
+    from dsv3_plugin.checkpoint.export import find_run_checkpoint
+
+    last = find_run_checkpoint(str(run["tmp"] / "run")).path
+    from dsv3_plugin_patches.deepspeed_safe_load import safe_globals
+
+    with torch.serialization.safe_globals(safe_globals()):  # what DeepSpeed's loader allows, no arbitrary pickle
+        states = torch.load(os.path.join(last, "mp_rank_00_model_states.pt"), weights_only=True)
+    ours32 = load_pretrained(run["tmp"] / "bf16", dtype=torch.float32)
+    ours32.load_state_dict(states["module"])
+    ours32.eval()
+    loss32 = sum(_ce_sum(ours32(b.input_ids, token_mask=b.token_mask).logits, b.labels) for b in rows) / n_tokens
+    loss32.backward()  # (1) below: dL/dw at the run's weights
+    # (2) the run's eval_loss is this sum, reduced per rank and all-reduced
+    V, H = ours32.cfg.model.vocab_size, ours32.cfg.model.hidden_size
+    reorder = max(V, H) * EPS32 * abs(loss32.item())
+    assert abs(run["eval_loss"] - loss32.item()) <= reorder, (run["eval_loss"], loss32.item(), reorder)
+
+    # (1) the first-order effect of rounding every weight to BF16
+    first_order = sum(float((p.grad.abs() * p.detach().abs()).sum()) for p in ours32.parameters() if p.grad is not None)
+    rounding = 2 * U_BF16 * first_order
+
+    hf = DeepseekV3ForCausalLM.from_pretrained(run["tmp"] / "bf16", dtype=torch.float32).eval()
+    with torch.no_grad():
+        loss_hf = (
+            sum(_ce_sum(hf(b.input_ids, attention_mask=b.token_mask.long()).logits, b.labels) for b in rows) / n_tokens
+        )
+    bound = rounding + 2 * reorder
+    assert abs(float(loss_hf) - run["eval_loss"]) <= bound, (float(loss_hf), run["eval_loss"], rounding, reorder)
+    # the bound is informative: the rounding term is a small fraction of the loss
+    assert rounding < 0.05 * run["eval_loss"]
+    print(
+        f"eval_loss {run['eval_loss']:.6f} ours32 {loss32.item():.6f} transformers {float(loss_hf):.6f} rounding bound {rounding:.2e} reorder {reorder:.2e}"
+    )
