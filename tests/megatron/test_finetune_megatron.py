@@ -1,13 +1,16 @@
 """Fine-tuning through `python -m dsv3_plugin.megatron.pretrain_gpt` (issue 26, point 3), on a tiny FP8 release with
-its tokenizer (`write_tiny_release`) and real text (Python's docs), tokenized into Megatron's indexed format.
+its tokenizer (`write_tiny_release`) and real text (Python's docs) as a user prepares it: `dsv3 prepare-data`'s
+`prepare()` (text jsonl; chat jsonl with `--chat`: tokens + `PREFIX_mask`), Megatron's indexed format.
 
 - `--dsv3-init-from` + `--data-path` + the checkpoint's HF tokenizer, no `--eval-interval`: the run starts from the
   released weights (FP8 dequantized: the model's tensors at the first step equal the checkpoint's, exactly) and its
   first-step LM loss equals the plugin's own model (`load_pretrained`) on the identical batch.
 - `--sft` on chat data + loss mask (`PREFIX_mask`): the loss is over the assistant tokens only, and equals the
   reference loss with labels -100 where the mask is 0.
-- `--load` of `dsv3 convert --to megatron` output, of an empty directory, `--pretrained-checkpoint` of a released
-  directory, a config that does not match the checkpoint, a tokenizer larger than the model: one-line errors.
+- `--load` of `dsv3 convert --to megatron` output (exit 2, one line, from the entry's `main`), of an empty or missing
+  directory, `--pretrained-checkpoint` of a released directory, a config that does not match the checkpoint, a
+  tokenizer larger than the model, `--sft` on a jsonl or on mock data, a `--split` share with no document: one-line
+  errors; `--load` = `--save` with nothing there yet (auto-resume) is accepted.
 - `MaskedGPTDataset` (megatron-core only, both venvs): its loss mask is GPTDataset's times the mask read over the same
   spans (checked against a second GPTDataset reading the mask file as if it were tokens).
 
