@@ -115,6 +115,5 @@ def test_transformers_on_the_export_scores_the_runs_eval_loss(run):
     assert abs(float(loss_hf) - run["eval_loss"]) <= bound, (float(loss_hf), run["eval_loss"], rounding, reorder)
     # the bound is informative: the rounding term is a small fraction of the loss
     assert rounding < 0.05 * run["eval_loss"]
-    print(
-        f"eval_loss {run['eval_loss']:.6f} ours32 {loss32.item():.6f} transformers {float(loss_hf):.6f} rounding bound {rounding:.2e} reorder {reorder:.2e}"
-    )
+    figures = {"eval_loss": run["eval_loss"], "ours32": loss32.item(), "transformers": float(loss_hf)}
+    print(figures, {"rounding_bound": rounding, "reorder_bound": reorder})  # pytest -s shows the margins
