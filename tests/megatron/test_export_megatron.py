@@ -110,11 +110,15 @@ def test_export_of_a_megatron_lm_checkpoint(saved, capsys):
         "decoder.layers.1.mlp.moe.gate.e_score_correction_bias": "model.layers.1.mlp.gate.e_score_correction_bias",
         "mtp.layers.0.eh_proj.weight": f"model.layers.{L}.eh_proj.weight",
         "mtp.layers.0.final_layernorm.weight": f"model.layers.{L}.shared_head.norm.weight",
-        "mtp.layers.0.transformer_layer.self_attention.linear_q_down_proj.weight": f"model.layers.{L}.self_attn.q_a_proj.weight",
+        "mtp.layers.0.transformer_layer.self_attention.linear_q_down_proj.weight": (
+            f"model.layers.{L}.self_attn.q_a_proj.weight"
+        ),
     }
     stacked = {
         "decoder.layers.2.mlp.moe.experts.down_proj": "model.layers.2.mlp.experts.{e}.down_proj.weight",
-        "mtp.layers.0.transformer_layer.mlp.moe.experts.gate_proj": f"model.layers.{L}.mlp.experts.{{e}}.gate_proj.weight",
+        "mtp.layers.0.transformer_layer.mlp.moe.experts.gate_proj": (
+            f"model.layers.{L}.mlp.experts.{{e}}.gate_proj.weight"
+        ),
     }
     it_dir = str(tmp / "ck" / "iter_0000001")
     ref = _read(it_dir, [*pairs, *stacked])
