@@ -5,8 +5,9 @@ its tokenizer (`write_tiny_release`) and real text (Python's docs) as a user pre
 - `--dsv3-init-from` + `--data-path` + the checkpoint's HF tokenizer, no `--eval-interval`: the run starts from the
   released weights (FP8 dequantized: the model's tensors at the first step equal the checkpoint's, exactly) and its
   first-step LM loss equals the plugin's own model (`load_pretrained`) on the identical batch.
-- `--sft` on chat data + loss mask (`PREFIX_mask`): the loss is over the assistant tokens only, and equals the
-  reference loss with labels -100 where the mask is 0.
+- `--sft` on chat data + loss mask (`PREFIX_mask`), starting from `dsv3 convert --to megatron --dtype fp32` output of
+  the same release: the loss is over the assistant tokens only, and equals the reference loss with labels -100
+  where the mask is 0.
 - `--load` of `dsv3 convert --to megatron` output (exit 2, one line, from the entry's `main`), of an empty or missing
   directory, `--pretrained-checkpoint` of a released directory, a config that does not match the checkpoint, a
   tokenizer larger than the model, `--sft` on a jsonl or on mock data, a `--split` share with no document: one-line
@@ -78,6 +79,7 @@ def _turns(t: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
+    from dsv3_plugin.checkpoint.convert import convert
     from dsv3_plugin.checkpoint.tiny_release import TINY_RELEASE, write_tiny_release
     from dsv3_plugin.data.prepare import prepare
     from dsv3_plugin.data.tokenizer import load_tokenizer, pydoc_texts
@@ -93,6 +95,9 @@ def data(tmp_path_factory):
     # what a user runs: `dsv3 prepare-data text.jsonl --tokenizer REL --out text` (and --chat)
     prepare([str(tmp / "text.jsonl")], rel, str(tmp / "text"), progress=False)
     prepare([str(tmp / "chat.jsonl")], rel, str(tmp / "chat"), chat=True, progress=False)
+    # `dsv3 convert --to megatron --dtype fp32`: the same fp32 values (FP8 dequantized by the same reader) in
+    # Megatron-Core's layout; the SFT run starts from it (the other --dsv3-init-from source kind)
+    convert(rel, str(tmp / "conv"), to="megatron", dtype="fp32", progress=False)
     (tmp / "ds.json").write_text(json.dumps({"dsv3": TINY_RELEASE}))
     return {"tmp": tmp, "rel": rel, "tok": tok, "ds": str(tmp / "ds.json")}
 
@@ -236,7 +241,12 @@ def runs(data):
     return {
         # no --eval-interval on purpose (megatron-core 0.19's default None used to crash with a TypeError)
         "text": _entry(data, "text", ["--data-path", str(data["tmp"] / "text"), *init]),
-        "sft": _entry(data, "sft", ["--sft", "--data-path", str(data["tmp"] / "chat"), "--eval-interval", "5", *init]),
+        "sft": _entry(
+            data,
+            "sft",
+            ["--sft", "--data-path", str(data["tmp"] / "chat"), "--eval-interval", "5"]
+            + ["--dsv3-init-from", str(data["tmp"] / "conv")],
+        ),
     }
 
 
@@ -292,7 +302,8 @@ def test_init_from_loads_the_released_weights_exactly(runs, data):
             assert torch.equal(have, want), name  # dequantized in fp32 by the same formula: exact
             n_fp8 += reader.is_fp8(name)
     assert n_fp8 > 0
-    assert "initial weights: --dsv3-init-from" in runs["text"]["log"]
+    assert f"initial weights: --dsv3-init-from {data['rel']} (released;" in runs["text"]["log"]
+    assert f"initial weights: --dsv3-init-from {data['tmp'] / 'conv'} (megatron-layout;" in runs["sft"]["log"]
 
 
 @needs_training
@@ -340,11 +351,9 @@ def test_sft_trains_only_on_the_assistant_tokens(runs, data):
 @needs_training
 @NO_RANK
 def test_load_of_converted_output_is_refused(data, capsys):
-    from dsv3_plugin.checkpoint.convert import convert
     from dsv3_plugin.megatron.pretrain_gpt import main
 
     conv = data["tmp"] / "conv"
-    convert(str(data["rel"]), str(conv), to="megatron", progress=False)
     # the entry's own main() in this process: the refusal comes from argument checking, before any rank starts
     argv = ["--dsv3-config", data["ds"], "--tokenizer-model", data["rel"], *FLAGS, "--mock-data", "--load", str(conv)]
     assert main(argv) == 2
