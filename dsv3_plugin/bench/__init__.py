@@ -1,9 +1,13 @@
 """Benches for `dsv3 bench NAME` (one module each; see `dsv3_plugin.cli.bench`)."""
 
+import json
 import os
 import platform
+import shutil
+import subprocess
+import sys
 
-__all__ = ["env_facts", "positive_int"]
+__all__ = ["env_facts", "positive_int", "run_child"]
 
 
 def env_facts() -> dict:
@@ -29,3 +33,24 @@ def positive_int(text: str) -> int:
     if v <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0 (got {v})")
     return v
+
+
+def run_child(module: str, approach: str, args: list[str], cleanup: str | None = None) -> dict:
+    """Run `python -m MODULE --child APPROACH ARGS...` (one approach of a bench, in a fresh process so that its peak
+    RSS and imports are its own) and return the JSON object its last stdout line holds; `cleanup` (a path) is
+    removed afterwards either way.
+
+    Raises:
+        RuntimeError: the child failed (with the end of its stderr).
+    """
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [root, env.get("PYTHONPATH", "")] if p)
+    r = subprocess.run(
+        [sys.executable, "-m", module, "--child", approach, *args], env=env, capture_output=True, text=True
+    )
+    if cleanup is not None:
+        shutil.rmtree(cleanup, ignore_errors=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"bench child {approach} failed:\n{r.stderr[-4000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])

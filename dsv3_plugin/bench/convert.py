@@ -25,12 +25,11 @@ import json
 import os
 import resource
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 
-from dsv3_plugin.bench import positive_int
+from dsv3_plugin.bench import positive_int, run_child
 from dsv3_plugin.checkpoint.convert import convert
 from dsv3_plugin.checkpoint.synthetic import write_released_checkpoint
 
@@ -183,25 +182,7 @@ def _child(approach: str, src: str, dst: str) -> None:
 
 
 def _run_child(approach: str, src: str, dst: str) -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p
-        for p in [
-            os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-            env.get("PYTHONPATH", ""),
-        ]
-        if p
-    )
-    r = subprocess.run(
-        [sys.executable, "-m", "dsv3_plugin.bench.convert", "--child", approach, src, dst],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    shutil.rmtree(dst, ignore_errors=True)
-    if r.returncode != 0:
-        raise RuntimeError(f"bench child {approach} failed:\n{r.stderr[-4000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return run_child("dsv3_plugin.bench.convert", approach, [src, dst], cleanup=dst)
 
 
 def _dir_bytes(path: str) -> int:

@@ -19,12 +19,11 @@ import json
 import os
 import resource
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 
-from dsv3_plugin.bench import positive_int
+from dsv3_plugin.bench import positive_int, run_child
 from dsv3_plugin.checkpoint.export import export
 from dsv3_plugin.checkpoint.names import is_runtime_state
 from dsv3_plugin.config import load_config
@@ -119,19 +118,7 @@ def _child(approach: str, src: str, dst: str, shard_bytes: int) -> None:
 
 
 def _run_child(approach: str, src: str, dst: str, shard_bytes: int) -> dict:
-    env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [root, env.get("PYTHONPATH", "")] if p)
-    r = subprocess.run(
-        [sys.executable, "-m", "dsv3_plugin.bench.export", "--child", approach, src, dst, str(shard_bytes)],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    shutil.rmtree(dst, ignore_errors=True)
-    if r.returncode != 0:
-        raise RuntimeError(f"bench child {approach} failed:\n{r.stderr[-4000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return run_child("dsv3_plugin.bench.export", approach, [src, dst, str(shard_bytes)], cleanup=dst)
 
 
 def run(args) -> dict:
