@@ -37,6 +37,7 @@ from dsv3_plugin.training.memory_estimate import host_memory_bytes
 from dsv3_plugin.training.pipelined import as_batch, concat_batches
 from dsv3_plugin.training.run_dir import RunDir
 from dsv3_plugin.training.run_report import maxvio_of, rss_bytes
+from dsv3_plugin.training.run_rules import data_line, with_data_flags
 from dsv3_plugin.training.telemetry import RoutingTelemetry
 
 __all__ = ["DEFAULT_DS_CONFIG", "train", "resolve_ds_config", "ZeroStepEngine", "PipelinedStepEngine"]
@@ -89,40 +90,13 @@ def _prepare(ds_config, steps, init_from, world_size: int | None = None):
     return ds, cfg, total
 
 
-def with_data_flags(ds: dict, data: list[str] | None, valid: list[str] | None, tokenizer: str | None) -> dict:
-    """`dsv3 train --data PREFIX... --valid-data PREFIX... --tokenizer DIR` written into the JSON's
-    `dsv3.train.data`: --data replaces its `train` sources (turning "synthetic" into an object), --valid-data its
-    `valid`, --tokenizer its `tokenizer`; the object's other keys (packing, eval_every, ...) are kept. Returns `ds`
-    (changed in place). ConfigError for --valid-data / --tokenizer without any prepared data."""
-    if not (data or valid or tokenizer):
-        return ds
-    train = ds["dsv3"].setdefault("train", {})
-    if not isinstance(train, dict):
-        return ds  # (the schema names the key)
-    obj = train.get("data", "synthetic")
-    if not isinstance(obj, dict):
-        if not data:
-            flag = "--valid-data" if valid else "--tokenizer"
-            raise ConfigError(f"{flag}: needs training data (--data PREFIX, or a dsv3.train.data object)")
-        obj = {}
-    obj = dict(obj)
-    if data:
-        obj["train"] = list(data)
-    if valid:
-        obj["valid"] = list(valid)
-    if tokenizer:
-        obj["tokenizer"] = tokenizer
-    train["data"] = obj
-    return ds
-
-
 def _prepare_run(
     ds_config, steps, init_from, world_size: int | None = None, data_flags: dict | None = None, open_files=True
 ):
     """`_prepare` and the data: with `dsv3.train.data` an object (or --data flags, `data_flags` = the keyword
-    arguments of `with_data_flags`) and `open_files`, the prepared data opened and checked for this world's
-    batch layout (`dsv3_plugin.data.packed.open_data`: tokenizer vocabulary, files, token ids, rows per rank).
-    Returns (ds, cfg, total, PackedData or None for synthetic data)."""
+    arguments of `training.run_rules.with_data_flags`) and `open_files`, the prepared data opened and checked for
+    this world's batch layout (`dsv3_plugin.data.packed.open_data`: tokenizer vocabulary, files, token ids, rows
+    per rank). Returns (ds, cfg, total, PackedData or None for synthetic data)."""
     ds = resolve_ds_config(ds_config)
     if data_flags:
         ds = with_data_flags(ds, **data_flags)
@@ -146,20 +120,6 @@ def _prepare_run(
         gas = resolve_batch(full, dp)  # (already resolved for this world by the validation: the same values)
         data = open_data(cfg, init_from, micro_batch=full["train_micro_batch_size_per_gpu"], gas=gas, dp=dp)
     return checked.full(), cfg, total, data
-
-
-def _data_line(data, init_from) -> tuple[str, str]:
-    """(the first line the run prints, the note the summary's data line gets): what the run trains on, and with
-    --init-from on synthetic data that the checkpoint's tokenizer and the user's text are not used."""
-    if data is not None:
-        return f"dsv3 train: training on {data.description}", ""
-    note = ""
-    if init_from:
-        note = (
-            "; --init-from does not change that: this run does not train on your text (give --data PREFIX from "
-            "dsv3 prepare-data, or a dsv3.train.data object)"
-        )
-    return 'dsv3 train: training on synthetic data (dsv3.train.data = "synthetic")' + note, note
 
 
 def train(
@@ -206,7 +166,7 @@ def train(
     rank, world = init_distributed()
     flags = {"data": data, "valid": valid_data, "tokenizer": tokenizer}
     ds, cfg, total, data = _prepare_run(ds_config, steps, init_from, world, flags)
-    first_line, note = _data_line(data, init_from)
+    first_line, note = data_line(data, init_from)
     if rank == 0 and (progress or echo or summary):  # what the run trains on comes first, before any bar or line
         print(first_line, file=sys.stderr, flush=True)
     # Every wait on a peer is bounded by parallel.p2p_timeout_s: the world group (and any group already made) from

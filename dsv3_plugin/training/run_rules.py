@@ -2,7 +2,9 @@
 `train_rules` (every pipeline rank holds a parameter, the synthetic data's vocabulary range, the sequence within
 the position range, the FP8 backend runnable here; prepared data's own checks need its files and the tokenizer:
 `dsv3_plugin.data.packed.open_data`) and `world_rules` (pp and ep divide the world and the
-data-parallel size). `deepspeed.validate.validate_ds_config` runs them with the DeepSpeed keys' checks.
+data-parallel size). `deepspeed.validate.validate_ds_config` runs them with the DeepSpeed keys' checks. Also
+`with_data_flags` (`--data` / `--valid-data` / `--tokenizer` into `dsv3.train.data`) and `data_line` (what the run
+says it trains on, first).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from dsv3_plugin.config import ConfigError, DSv3Config
 from dsv3_plugin.parallel.pipeline.stages import min_layers
 from dsv3_plugin.precision.fp8.linear import select_backend
 
-__all__ = ["train_rules", "world_rules"]
+__all__ = ["train_rules", "world_rules", "with_data_flags", "data_line"]
 
 
 def train_rules(cfg: DSv3Config) -> None:
@@ -61,3 +63,44 @@ def world_rules(cfg: DSv3Config, world: int) -> int:
             f"dsv3.parallel.ep: must divide the data-parallel size (got ep={p.ep}, dp={dp} = world {world} / pp {p.pp})"
         )
     return dp
+
+
+def with_data_flags(ds: dict, data: list[str] | None, valid: list[str] | None, tokenizer: str | None) -> dict:
+    """`dsv3 train --data PREFIX... --valid-data PREFIX... --tokenizer DIR` written into the JSON's
+    `dsv3.train.data`: --data replaces its `train` sources (turning "synthetic" into an object), --valid-data its
+    `valid`, --tokenizer its `tokenizer`; the object's other keys (packing, eval_every, ...) are kept. Returns `ds`
+    (changed in place). ConfigError for --valid-data / --tokenizer without any prepared data."""
+    if not (data or valid or tokenizer):
+        return ds
+    train = ds["dsv3"].setdefault("train", {})
+    if not isinstance(train, dict):
+        return ds  # (the schema names the key)
+    obj = train.get("data", "synthetic")
+    if not isinstance(obj, dict):
+        if not data:
+            flag = "--valid-data" if valid else "--tokenizer"
+            raise ConfigError(f"{flag}: needs training data (--data PREFIX, or a dsv3.train.data object)")
+        obj = {}
+    obj = dict(obj)
+    if data:
+        obj["train"] = list(data)
+    if valid:
+        obj["valid"] = list(valid)
+    if tokenizer:
+        obj["tokenizer"] = tokenizer
+    train["data"] = obj
+    return ds
+
+
+def data_line(data, init_from) -> tuple[str, str]:
+    """(the first line the run prints, the note the summary's data line gets): what the run trains on, and with
+    --init-from on synthetic data that the checkpoint's tokenizer and the user's text are not used."""
+    if data is not None:
+        return f"dsv3 train: training on {data.description}", ""
+    note = ""
+    if init_from:
+        note = (
+            "; --init-from does not change that: this run does not train on your text (give --data PREFIX from "
+            "dsv3 prepare-data, or a dsv3.train.data object)"
+        )
+    return 'dsv3 train: training on synthetic data (dsv3.train.data = "synthetic")' + note, note

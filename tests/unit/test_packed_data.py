@@ -358,7 +358,7 @@ def test_jsonl_sources_tokenized_at_start(tmp_path, tok_dir):
 
 
 def test_cli_data_flags_and_first_line():
-    from dsv3_plugin.deepspeed.train import _data_line, with_data_flags
+    from dsv3_plugin.training.run_rules import data_line, with_data_flags
 
     ds = with_data_flags({"dsv3": {"preset": "tiny"}}, ["p1", "p2"], ["v"], "tok")
     assert ds["dsv3"]["train"]["data"] == {"train": ["p1", "p2"], "valid": ["v"], "tokenizer": "tok"}
@@ -373,7 +373,7 @@ def test_cli_data_flags_and_first_line():
         with_data_flags({"dsv3": {}}, None, ["v"], None)
     with pytest.raises(ConfigError, match=r"^--tokenizer: needs training data"):
         with_data_flags({"dsv3": {"train": {"data": "synthetic"}}}, None, None, "tok")
-    line, note = _data_line(None, "/ckpt")
+    line, note = data_line(None, "/ckpt")
     assert line.startswith('dsv3 train: training on synthetic data (dsv3.train.data = "synthetic")')
     assert "--init-from does not change that" in note and note in line
-    assert _data_line(None, None)[1] == ""
+    assert data_line(None, None)[1] == ""
