@@ -150,12 +150,22 @@ def check_finite(t: torch.Tensor, where: str, allow: bool = False) -> None:
 
 
 def check_scale(scale: torch.Tensor, fp8_dtype: torch.dtype, out_dtype: torch.dtype, where: str) -> None:
-    """A block scale must be finite, and small enough that the largest FP8 value times it stays finite in
-    `out_dtype` (otherwise dequantization would produce Inf from finite inputs)."""
+    """A block scale must be finite, positive and normal (DeepSeek's quantizer writes amax / 448 > 0: a zero
+    scale erases its block, a negative one flips its signs, a subnormal one is not what any quantizer writes), and
+    small enough that the largest FP8 value times it stays finite in `out_dtype` (otherwise dequantization would
+    produce Inf from finite inputs)."""
     s = scale.float()
     if not is_finite(s):
         raise CheckpointError(
             f"{where}: {_describe(s)} among {s.numel()} block scales (non-finite weight_scale_inv); {ALLOW_HINT}"
+        )
+    tiny = torch.finfo(torch.float32).tiny
+    kinds = ((s == 0, "zero"), (s < 0, "negative"), ((s > 0) & (s < tiny), f"subnormal (< {tiny:g})"))
+    parts = [f"{int(m.sum())} {k}" for m, k in kinds if bool(m.any())]
+    if parts:
+        raise CheckpointError(
+            f"{where}: {', '.join(parts)} among {s.numel()} block scales (weight_scale_inv must be positive and "
+            f"normal); {ALLOW_HINT}"
         )
     limit = torch.finfo(out_dtype).max / FP8_MAX[fp8_dtype]
     amax = float(s.abs().max()) if s.numel() else 0.0
