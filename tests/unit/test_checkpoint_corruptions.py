@@ -308,6 +308,10 @@ CASES = {
         _write_bytes("config.json", b'{"rms_norm_eps": NaN}'),
         r"config\.json: not valid JSON \(NaN is not valid JSON",
     ),
+    "config_overflowing_number": (  # json.loads reads 1e400 as inf; convert would write back "Infinity"
+        _write_bytes("config.json", b'{"rms_norm_eps": 1e400}'),
+        r"config\.json: not valid JSON \(the number 1e400 overflows a 64-bit float",
+    ),
     "config_missing_key": (
         _edit_json("config.json", lambda c: c.pop("hidden_size")),
         r"config\.json: missing key 'hidden_size'",
