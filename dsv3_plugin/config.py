@@ -270,6 +270,34 @@ class TrainConfig(_Strict):
     save_every: int = Field(0, ge=0, description="0 = save only at the end")
 
 
+# config.json keys whose other values change the model's arithmetic: the model implements exactly these, and a
+# released config with another value must be refused, not loaded with different numerics (a `gelu` MLP or `linear`
+# RoPE scaling would load and give logits far from transformers' with exit 0).
+_IMPLEMENTED = {
+    "hidden_act": ("silu",),
+    "scoring_func": ("sigmoid",),
+    "topk_method": ("noaux_tc",),
+}
+_ROPE_TYPES = ("yarn", "default")
+
+
+def _refuse_unimplemented(hf: dict, rope: dict | None, where: str) -> None:
+    """ConfigError naming the key when `hf` asks for arithmetic the model does not implement."""
+    for key, values in _IMPLEMENTED.items():
+        if key in hf and hf[key] not in values:
+            raise ConfigError(
+                f"{where}: {key}: {short_json(hf[key])} is not implemented (this model implements {' / '.join(values)})"
+            )
+    kind = (rope or {}).get("type") or (rope or {}).get("rope_type")
+    if kind is None and rope and "factor" not in rope:
+        kind = "default"  # rope_parameters with only rope_theta: plain RoPE
+    if rope and kind not in _ROPE_TYPES:
+        raise ConfigError(
+            f"{where}: rope_scaling.type: {short_json(kind)} is not implemented (this model implements "
+            f"{' / '.join(_ROPE_TYPES)}, or no rope_scaling)"
+        )
+
+
 class DSv3Config(_Strict):
     """The `"dsv3"` block: one typed, validated config for the model and every training technique.
 
@@ -344,6 +372,7 @@ class DSv3Config(_Strict):
         rs = hf.get("rope_scaling") or hf.get("rope_parameters")
         if rs is not None and not isinstance(rs, dict):
             raise ConfigError(f"{where}: rope_scaling: must be an object or null (got {short_json(rs)})")
+        _refuse_unimplemented(hf, rs, where)
         rope_theta = hf.get("rope_theta", (rs or {}).get("rope_theta", 10000.0))
         rope = None
         if rs and (rs.get("type") or rs.get("rope_type")) == "yarn":
