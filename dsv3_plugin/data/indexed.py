@@ -14,6 +14,7 @@ says, a mask whose lengths differ from the tokens', and (`max_token_id`) ids bey
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import struct
 import warnings
@@ -168,12 +169,31 @@ class IndexedDocs:
         """DataError naming the .bin when a token id is >= `vocab_size` (it would index past the embedding)."""
         if np.iinfo(self.ds.index.dtype).max < vocab_size:  # the dtype cannot hold an id that large: no scan needed
             return
+        if self._prepared_within(vocab_size):
+            return
         top = self.max_token_id()
         if top >= vocab_size:
             raise DataError(
                 f"{self.prefix}.bin: holds token id {top} but the model's vocab_size is {vocab_size} "
                 "(prepared with another tokenizer?)"
             )
+
+    def _prepared_within(self, vocab_size: int) -> bool:
+        """Whether `dsv3 prepare-data`'s summary (PREFIX.json, written with the files) says these ids come from a
+        tokenizer of at most `vocab_size` entries, for exactly these documents and tokens: then no id can reach
+        `vocab_size` and the .bin need not be scanned (V3's 129,280-row vocabulary needs 32-bit ids, so the dtype
+        rule alone would read a whole corpus on every rank). Without a matching summary (Megatron-LM's own
+        preprocessing, a hand-edited file) the .bin is scanned; `PackedData.batch` also checks every row it reads."""
+        try:
+            with open(self.prefix + ".json", encoding="utf-8") as f:
+                summary = json.load(f)
+        except (OSError, ValueError):
+            return False
+        if not isinstance(summary, dict):
+            return False
+        entries = summary.get("tokenizer_entries")
+        same = summary.get("documents") == len(self) and summary.get("tokens") == self.tokens
+        return same and isinstance(entries, int) and 0 < entries <= vocab_size
 
     def fingerprint(self) -> dict:
         """What identifies this data for `--resume`: documents, tokens, .bin bytes, a digest of the .idx (and the

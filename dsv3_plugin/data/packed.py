@@ -196,6 +196,7 @@ class PackedData:
         self.valid_offsets = np.concatenate([[0], np.cumsum([t.rows for t in self.valid_tables])]).astype(np.int64)
         self.valid = valid
         self._eval_cache: dict = {}
+        self.vocab_size: int | None = None  # set by `open_data`: every row read is checked against it
         self._epoch_perm = lru_cache(maxsize=2)(self._make_epoch_perm)
         self._source_perm = lru_cache(maxsize=16)(self._make_source_perm)
 
@@ -229,8 +230,16 @@ class PackedData:
         rows = []
         for b in range(batch_size):
             s, r = self.locate(self.sample_index(step, micro, rank, b))
-            rows.append(self.tables[s].row(r))
+            rows.append(self._checked(self.tables[s].row(r), self.sources[s][1].prefix))
         return _stack(rows, device)
+
+    def _checked(self, row: dict, source: str) -> dict:
+        """`row`, after checking its ids index the embedding ([T] ints: cheap next to the step); a DataError naming
+        the source otherwise (one line, exit 2, also from a spawned rank) instead of an indexing error."""
+        top = max(int(row["input_ids"].max()), int(row["labels"].max()))
+        if self.vocab_size is not None and top >= self.vocab_size:
+            raise DataError(f"{source}: holds token id {top} but the model's vocab_size is {self.vocab_size}")
+        return row
 
     def eval_batches(self, rank: int, device="cpu") -> list[Batch]:
         """This rank's fixed evaluation micro-batches: rows ((m * dp + rank) * B + b) mod valid rows, in the valid
@@ -245,7 +254,8 @@ class PackedData:
                 for b in range(self.micro_batch):
                     j = ((m * self.dp + rank) * self.micro_batch + b) % self.valid_rows
                     t = int(np.searchsorted(self.valid_offsets, j, side="right")) - 1
-                    rows.append(self.valid_tables[t].row(j - int(self.valid_offsets[t])))
+                    row = self.valid_tables[t].row(j - int(self.valid_offsets[t]))
+                    rows.append(self._checked(row, self.valid[t].prefix))
                 out.append(_stack(rows, device))
             self._eval_cache[key] = out
         return self._eval_cache[key]
@@ -381,4 +391,5 @@ def open_data(cfg, tokenizer_dir: str | None, *, micro_batch: int, gas: int, dp:
         eval_batches=d.eval_batches,
     )
     data.tokenizer_dir = tok_dir
+    data.vocab_size = vocab
     return data

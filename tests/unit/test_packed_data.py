@@ -377,3 +377,31 @@ def test_cli_data_flags_and_first_line():
     assert line.startswith('dsv3 train: training on synthetic data (dsv3.train.data = "synthetic")')
     assert "--init-from does not change that" in note and note in line
     assert data_line(None, None)[1] == ""
+
+
+def test_vocab_check_trusts_a_matching_summary_and_rows_are_checked_as_read(tmp_path, monkeypatch):
+    """A corpus in 32-bit ids (V3's vocabulary needs them) is not rescanned when prepare-data's summary
+    (PREFIX.json) says which tokenizer made it for exactly these documents and tokens; without it, or when it does
+    not match, the .bin is scanned; and every row read is checked either way (a DataError naming the source)."""
+    p = build(str(tmp_path / "c"), [[5, 6, 7, 8, 9] * 4, [1, 2, 3000, 4] * 5], dtype=np.int32)
+    docs = IndexedDocs(p)
+    with pytest.raises(DataError, match=r"c\.bin: holds token id 3000 but the model's vocab_size is 1088"):
+        docs.check_vocab(1088)  # no summary: scanned
+    summary = {"documents": 2, "tokens": 40, "tokenizer_entries": 1024}
+    (tmp_path / "c.json").write_text(json.dumps(summary))
+    scans = []
+    monkeypatch.setattr(IndexedDocs, "max_token_id", lambda self: scans.append(1) or 3000)
+    docs.check_vocab(1088)  # the summary says ids < 1024 <= 1088: trusted, no scan
+    assert scans == []
+    (tmp_path / "c.json").write_text(json.dumps({**summary, "tokens": 41}))  # not these files: scanned
+    with pytest.raises(DataError, match=r"holds token id 3000"):
+        docs.check_vocab(1088)
+    assert scans == [1]
+    # the summary lied (or the .bin was replaced with the same counts): the rows read are still checked
+    data = PackedData([(None, docs)], [docs], seq_len=8, packing=True, seed=0, micro_batch=2, gas=1, dp=1)
+    data.vocab_size = 1088
+    with pytest.raises(DataError, match=r"c: holds token id 3000 but the model's vocab_size is 1088"):
+        for step in range(5):
+            data.batch(step, 0, 0, 2)
+    with pytest.raises(DataError, match=r"c: holds token id 3000"):
+        data.eval_batches(0)
