@@ -53,6 +53,7 @@ from dsv3_plugin.data.tokenizer import TOKENIZER_FILES, check_vocab_fits, has_to
 from dsv3_plugin.errors import CheckpointError
 from dsv3_plugin.parallel.pipeline.stages import model_stage_layers, n_stages_of, stage_ids_for_rank
 from dsv3_plugin.training import run_dir as rd
+from dsv3_plugin.training.run_dir import TOKENIZER_DIR
 
 __all__ = [
     "export",
@@ -60,7 +61,6 @@ __all__ = [
     "RunCheckpoint",
     "EXPORT_TARGETS",
     "QUANTIZATION_CONFIG",
-    "TOKENIZER_SUBDIR",
     "NOT_A_SOURCE",
 ]
 
@@ -72,7 +72,6 @@ QUANTIZATION_CONFIG = {
     "quant_method": "fp8",
     "weight_block_size": [128, 128],
 }
-TOKENIZER_SUBDIR = "tokenizer"  # RUN/tokenizer/: where `dsv3 train` keeps the tokenizer of a run that has one
 NOT_A_SOURCE = (
     "neither a dsv3 train run directory (no ckpt/ with a 'latest' file or step<N> tags) nor a Megatron checkpoint "
     "(no layout.json)"
@@ -645,7 +644,7 @@ def export(
         cfg, sd0 = _run_config(run)
         hf = cfg.to_hf()
         kind, run_tag, dup_ok = "run", run.tag, cfg.parallel.pp > 1
-        default_tok = os.path.join(run.root, TOKENIZER_SUBDIR) if run.root else None
+        default_tok = os.path.join(run.root, TOKENIZER_DIR) if run.root else None
         input_bytes = _input_bytes(run, cfg, _is_bf16_masters(sd0))
     tok_dir = _tokenizer_source(tokenizer, default_tok, cfg.model.vocab_size)
     if tok_dir is None:
