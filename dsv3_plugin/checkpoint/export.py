@@ -53,7 +53,6 @@ from dsv3_plugin.data.tokenizer import TOKENIZER_FILES, check_vocab_fits, has_to
 from dsv3_plugin.errors import CheckpointError
 from dsv3_plugin.parallel.pipeline.stages import model_stage_layers, n_stages_of, stage_ids_for_rank
 from dsv3_plugin.training import run_dir as rd
-from dsv3_plugin.training.run_dir import TOKENIZER_DIR
 
 __all__ = [
     "export",
@@ -644,7 +643,7 @@ def export(
         cfg, sd0 = _run_config(run)
         hf = cfg.to_hf()
         kind, run_tag, dup_ok = "run", run.tag, cfg.parallel.pp > 1
-        default_tok = os.path.join(run.root, TOKENIZER_DIR) if run.root else None
+        default_tok = os.path.join(run.root, rd.TOKENIZER_DIR) if run.root else None
         input_bytes = _input_bytes(run, cfg, _is_bf16_masters(sd0))
     tok_dir = _tokenizer_source(tokenizer, default_tok, cfg.model.vocab_size)
     if tok_dir is None:
