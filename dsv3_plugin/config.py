@@ -268,6 +268,16 @@ class TrainConfig(_Strict):
     )
     log_every: int = Field(1, gt=0, description="JSON line every N steps")
     save_every: int = Field(0, ge=0, description="0 = save only at the end")
+    keep_last: int = Field(
+        0, ge=0, description="keep only the newest N complete checkpoints (0 = keep all); older ones are deleted"
+    )
+    exit_after_minutes: float | None = Field(
+        None,
+        gt=0,
+        le=10**7,
+        description="save a checkpoint and exit (status 0) at the first step boundary after this many minutes of "
+        "wall clock since the run started (CLI --exit-after-minutes); None = no limit",
+    )
 
 
 # config.json keys whose other values change the model's arithmetic: the model implements exactly these, and a
