@@ -30,7 +30,7 @@ import sys
 
 from dsv3_plugin.config import ConfigError
 from dsv3_plugin.deepspeed.train import _prepare_run, train
-from dsv3_plugin.errors import PeerError
+from dsv3_plugin.errors import PeerError, Preempted
 from dsv3_plugin.parallel.distributed import (
     _is_input_error,
     first_failure,
@@ -92,6 +92,13 @@ def register(sub):
     )
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar on stderr")
     p.add_argument(
+        "--exit-after-minutes",
+        type=float,
+        metavar="M",
+        help="save and exit (status 0) before M minutes of wall clock run out, at a step boundary "
+        "(sets dsv3.train.exit_after_minutes)",
+    )
+    p.add_argument(
         "--allow-non-finite",
         action="store_true",
         help="--init-from: load NaN/Inf weights and scales instead of refusing them (exit 2)",
@@ -112,6 +119,7 @@ def _worker(
     data=None,
     valid_data=None,
     tokenizer=None,
+    exit_after_minutes=None,
 ):
     train(
         config,
@@ -127,6 +135,7 @@ def _worker(
         data=data,
         valid_data=valid_data,
         tokenizer=tokenizer,
+        exit_after_minutes=exit_after_minutes,
     )
 
 
@@ -134,7 +143,9 @@ def _precheck(args):
     """What can be refused before any rank starts (fast; the ranks check again under the run-dir lock)."""
     # the world this run will have: the same rules as `dsv3 check-config FILE --nproc N`; the data opened and checked
     flags = {"data": args.data, "valid": args.valid_data, "tokenizer": args.tokenizer}
-    _, cfg, _, data = _prepare_run(args.config, args.steps, args.init_from, args.nproc or 2, flags)
+    _, cfg, _, data = _prepare_run(
+        args.config, args.steps, args.init_from, args.nproc or 2, flags, exit_after_minutes=args.exit_after_minutes
+    )
     if args.out:
         rd.check_out_path(args.out)
         rd.probe_lock(args.out)
@@ -165,6 +176,7 @@ def run(args) -> int:
         args.data,
         args.valid_data,
         args.tokenizer,
+        args.exit_after_minutes,
     )
     if launched_externally():
         return _run_launched(wargs)
@@ -174,6 +186,9 @@ def run(args) -> int:
     _precheck(args)  # bad input -> ConfigError/CheckpointError -> exit 2 (dsv3_plugin.cli.main)
     try:
         spawn(_worker, args.nproc or 2, *wargs, timeout_s=24 * 3600.0)
+    except Preempted as e:  # every rank saved and stopped at the same step: not a failure, a status
+        print(e, file=sys.stderr)
+        return e.exit_code
     except RuntimeError as e:  # input errors come back as ConfigError/CheckpointError (exit 2 in main)
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -190,6 +205,11 @@ def _run_launched(wargs) -> int:
         init_distributed()
         _worker(*wargs)
         return 0
+    except Preempted as e:  # every rank saved and stopped at the same step; rank 0 says so, all exit alike
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(e, file=sys.stderr, flush=True)
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(e.exit_code)
     except KeyboardInterrupt:
         code, msg = 130, None
     except Exception as e:

@@ -91,15 +91,24 @@ def _prepare(ds_config, steps, init_from, world_size: int | None = None):
 
 
 def _prepare_run(
-    ds_config, steps, init_from, world_size: int | None = None, data_flags: dict | None = None, open_files=True
+    ds_config,
+    steps,
+    init_from,
+    world_size: int | None = None,
+    data_flags: dict | None = None,
+    open_files=True,
+    exit_after_minutes: float | None = None,
 ):
     """`_prepare` and the data: with `dsv3.train.data` an object (or --data flags, `data_flags` = the keyword
     arguments of `training.run_rules.with_data_flags`) and `open_files`, the prepared data opened and checked for
     this world's batch layout (`dsv3_plugin.data.packed.open_data`: tokenizer vocabulary, files, token ids, rows
-    per rank). Returns (ds, cfg, total, PackedData or None for synthetic data)."""
+    per rank). `exit_after_minutes` (--exit-after-minutes) sets `dsv3.train.exit_after_minutes`, validated with
+    the rest. Returns (ds, cfg, total, PackedData or None for synthetic data)."""
     ds = resolve_ds_config(ds_config)
     if data_flags:
         ds = with_data_flags(ds, **data_flags)
+    if exit_after_minutes is not None and isinstance(ds["dsv3"].setdefault("train", {}), dict):
+        ds["dsv3"]["train"]["exit_after_minutes"] = exit_after_minutes
     if init_from:
         ds = init_from_config(ds, init_from)
     if world_size is None and torch.distributed.is_initialized():
@@ -138,6 +147,7 @@ def train(
     data: list[str] | None = None,
     valid_data: list[str] | None = None,
     tokenizer: str | None = None,
+    exit_after_minutes: float | None = None,
 ) -> dict:
     """Train on this rank (call after, or let it call, `init_distributed()`).
 
@@ -154,6 +164,7 @@ def train(
             short human summary (stdout, or stderr with `echo`); save: write checkpoints.
         allow_non_finite: load a checkpoint holding NaN/Inf (refused otherwise).
         data, valid_data, tokenizer: `dsv3 train --data / --valid-data / --tokenizer` (see `with_data_flags`).
+        exit_after_minutes: sets `dsv3.train.exit_after_minutes` (save and stop before this wall-clock budget).
 
     Returns:
         {"history": per-step metric dicts, "summary", "router_bias": {buffer name: list}, "param_checksum":
@@ -162,10 +173,14 @@ def train(
 
     Raises:
         ConfigError / CheckpointError / DataError: bad input, named by key or file, before any step.
+        Preempted: SIGTERM / SIGINT / SIGUSR1 on any rank, or the wall-clock budget: every rank stopped at the
+            same step boundary after saving it (`dsv3_plugin.training.preemption`); `exit_code` is the status.
     """
     rank, world = init_distributed()
     flags = {"data": data, "valid": valid_data, "tokenizer": tokenizer}
-    ds, cfg, total, data = _prepare_run(ds_config, steps, init_from, world, flags)
+    ds, cfg, total, data = _prepare_run(
+        ds_config, steps, init_from, world, flags, exit_after_minutes=exit_after_minutes
+    )
     first_line, note = data_line(data, init_from)
     if rank == 0 and (progress or echo or summary):  # what the run trains on comes first, before any bar or line
         print(first_line, file=sys.stderr, flush=True)

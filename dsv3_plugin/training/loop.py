@@ -26,9 +26,10 @@ from tqdm import tqdm
 
 from dsv3_plugin.data.batch import Batch
 from dsv3_plugin.data.packed import SYNTHETIC_FINGERPRINT, data_change
-from dsv3_plugin.errors import CheckpointError, DataError
+from dsv3_plugin.errors import CheckpointError, DataError, Preempted
 from dsv3_plugin.parallel.distributed import peer_failures
 from dsv3_plugin.training.ema import EMA
+from dsv3_plugin.training.preemption import StopRequests, exit_status
 from dsv3_plugin.training.run_dir import RunDir
 from dsv3_plugin.training.run_report import finish
 from dsv3_plugin.training.telemetry import RoutingTelemetry
@@ -166,6 +167,8 @@ def run(
     bar = _bar(progress and rank == 0, total, start, engine.description)
     history: list[dict] = []
     evaluate = _evaluator(engine, data, cfg, total)
+    # SIGTERM / SIGINT / SIGUSR1 and the wall-clock budget: agreed by every rank at each step boundary
+    stops = StopRequests(cfg.train.exit_after_minutes, _collective_device(engine)).install()
 
     def save(tag: str, done: int) -> None:
         client = {"data_step": done, "data": fingerprint}
@@ -175,21 +178,34 @@ def run(
         if ema is not None:  # each rank its own shard (client_state is written by one rank per model file)
             atomic_save(ema.state_dict(), ema_path(run_dir.ckpt, tag, rank))
 
+    def save_tag(done: int) -> None:
+        t0 = time.perf_counter()
+        tag = f"step{done}"
+        save(tag, done)
+        run_dir.saved(tag, done)
+        stops.note_save(time.perf_counter() - t0)
+
     timing = [0.0, 0.0]  # seconds in steps, of which waiting for micro-batches (kept out of the JSON lines)
     t_run = time.perf_counter()
-    for step in range(start, total):
-        with peer_failures(f"training step {step + 1}", timeout):
-            rec, step_s, wait_s = _step(engine, data, ema, step)
-            timing[0] += step_s
-            timing[1] += wait_s
-            evaluate(rec)
-            history.append(rec)
-            _after_step(rec, run_dir, cfg, total, echo, bar, save)
+    try:
+        for step in range(start, total):
+            with peer_failures(f"training step {step + 1}", timeout):
+                rec, step_s, wait_s = _step(engine, data, ema, step)
+                timing[0] += step_s
+                timing[1] += wait_s
+                stops.note_step(step_s)
+                evaluate(rec)
+                history.append(rec)
+                saved = _after_step(rec, run_dir, cfg, total, echo, bar, save_tag)
+                if rec["step"] < total:
+                    _stop_if_asked(stops, rec["step"], total, saved, save_tag, run_dir, cfg)
+    finally:
+        if bar is not None:
+            bar.close()
+        if ema is not None:
+            ema.close()
+        stops.uninstall()
     wall = time.perf_counter() - t_run
-    if bar is not None:
-        bar.close()
-    if ema is not None:
-        ema.close()
     with peer_failures("end of the run (engine report)", timeout):
         report = engine.finish()
     return finish(
@@ -277,16 +293,43 @@ def _evaluator(engine: TrainEngine, data, cfg, total: int):
     return evaluate
 
 
-def _after_step(rec: dict, run_dir: RunDir, cfg, total: int, echo: bool, bar, save) -> None:
-    """Rank 0 logs the step; at `train.save_every` and at the last step `save(tag, done)` writes the checkpoint
-    (every rank: ZeRO-1 state is partitioned) and the run directory records it."""
+def _after_step(rec: dict, run_dir: RunDir, cfg, total: int, echo: bool, bar, save_tag) -> bool:
+    """Rank 0 logs the step; at `train.save_every` and at the last step `save_tag(done)` writes the checkpoint
+    (every rank: ZeRO-1 state is partitioned) and the run directory records it. Returns whether it saved."""
     done = rec["step"]
     if run_dir.rank == 0:
         _log_step(rec, done, total, cfg.train.log_every, echo, run_dir.metrics_path, bar)
     if run_dir.ckpt and ((cfg.train.save_every and done % cfg.train.save_every == 0) or done == total):
-        tag = f"step{done}"
-        save(tag, done)
-        run_dir.saved(tag, done)
+        save_tag(done)
+        return True
+    return False
+
+
+def _collective_device(engine: TrainEngine):
+    """Where a small all-reduce over the world goes: the backend's device (CUDA under NCCL), else CPU (None)."""
+    if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
+
+
+def _stop_if_asked(stops: StopRequests, done: int, total: int, saved: bool, save_tag, run_dir: RunDir, cfg) -> None:
+    """At the boundary after step `done`: if any rank was signalled (or the budget is spent), every rank saves
+    step `done` (unless this step already saved) and raises `Preempted` with the exit status and the one line
+    the launcher prints. Collective (one all-reduce, see `preemption.StopRequests.agree`)."""
+    signum = stops.agree()
+    if signum < 0:
+        return
+    reason = stops.reason(signum, cfg.train.exit_after_minutes)
+    if run_dir.ckpt is None:
+        where = "nothing saved (the run saves no checkpoints: no --out, or save disabled)"
+    else:
+        if not saved:
+            stops.saving = True
+            save_tag(done)
+            stops.saving = False
+        out = os.path.dirname(os.path.abspath(run_dir.ckpt))
+        where = f"saved {os.path.join(run_dir.ckpt, f'step{done}')}; continue with the same command and --resume {out}"
+    raise Preempted(f"dsv3 train: stopped after step {done} of {total} ({reason}); {where}", exit_status(signum))
 
 
 def _log_step(rec: dict, done: int, total: int, log_every: int, echo: bool, metrics_path, bar) -> None:
