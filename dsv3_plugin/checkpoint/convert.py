@@ -6,7 +6,13 @@ per-(pp, ep)-rank layout, and back.
   dequantization block), whatever the model size: well inside "largest output shard + 1 GiB".
 - Atomic: output goes to a hidden sibling `.<DST>.partial-<pid>` that is renamed to DST at the end. Any
   failure removes it; a run killed with -9 leaves only that hidden directory, which the next run removes
-  (its pid is dead) before starting, so DST either is complete or does not exist.
+  before starting, so DST either is complete or does not exist. A writer holds an exclusive `flock` on
+  `.<DST>.lock` (released by the kernel when it dies), so a second convert or export to the same DST refuses at
+  once naming the holder. Free space is checked against the expected output size before anything is written;
+  a full disk, a quota or a read-only file system midway removes the partial output and names DST, the bytes
+  needed and the bytes free (`atomic_output_dir`).
+- Untrusted input: every file read from SRC (config, index, shards, side files copied along) is a regular file
+  inside SRC (`dsv3_plugin.safe_files`: no link out of it, no FIFO that would hang the read).
 - Validation happens before anything is written: the reader checks every header, FP8 scale pairing and
   grid, and the tensor set against the names the config implies (missing or unexpected tensors).
 
@@ -18,9 +24,13 @@ round-trip bit-exactly through the Megatron layout with the default.
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import json
+import math
 import os
 import shutil
+import stat
 import sys
 from collections.abc import Iterator
 
@@ -32,7 +42,8 @@ from dsv3_plugin.checkpoint.megatron_layout import MegatronLayout
 from dsv3_plugin.checkpoint.names import released_names, released_shapes
 from dsv3_plugin.checkpoint.reader import INDEX_NAME, CheckpointReader, read_safetensors_header
 from dsv3_plugin.checkpoint.writer import StreamingSafetensorsWriter
-from dsv3_plugin.errors import CheckpointError
+from dsv3_plugin.errors import CheckpointError, ConfigError
+from dsv3_plugin.safe_files import check_regular, copy_regular, opened_path
 
 __all__ = ["convert", "load_megatron_rank", "read_layout", "atomic_output_dir", "LAYOUT_NAME", "DTYPES"]
 
@@ -43,27 +54,131 @@ _DTYPE_JSON = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
 # --------------------------------------------------------------------------------------------------
+# Errors that mean "the output could not be written", whatever file they name (a failing write names none).
+_DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= k:
+            return f"{n} bytes ({n / k:.1f} {unit})"
+    return f"{n} bytes"
+
+
+def _free_bytes(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize  # what an unprivileged writer may use (root's reserve excluded)
+
+
+def _make_parent(dst: str, parent: str) -> None:
+    """Create DST's parent directories; a path component that is a file is a ConfigError naming it."""
+    p = parent
+    while not os.path.lexists(p):
+        p = os.path.dirname(p)
+    if not os.path.isdir(p):
+        raise ConfigError(f"{dst}: cannot be created, {p} is a file, not a directory (choose another output path)")
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"{dst}: cannot create {e.filename or parent} ({e.strerror or e})") from None
+
+
 @contextlib.contextmanager
-def atomic_output_dir(dst: str) -> Iterator[str]:
-    """Yield a fresh hidden sibling of `dst`; rename it to `dst` on success, delete it on any failure."""
+def _output_lock(dst: str, parent: str, base: str) -> Iterator[None]:
+    """An exclusive `flock` on `.<DST>.lock` next to DST for as long as DST is being written: a second writer of the
+    same DST refuses at once, naming the holder's pid, instead of both writing one directory. The kernel releases
+    the lock when its holder dies (kill -9 included), so a stale lock file never blocks anyone."""
+    path = os.path.join(parent, f".{base}.lock")
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        except OSError as e:
+            raise CheckpointError(f"{dst}: cannot write in {parent} ({e.strerror or e}: {path})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+            os.close(fd)
+            raise CheckpointError(
+                f"{dst}: another process (pid {holder}) is writing it now (it holds {path}); wait for it to finish "
+                "or choose another output directory"
+            ) from None
+        # The previous holder removes the file before releasing it: a lock on a removed file locks nothing.
+        try:
+            st, fst = os.stat(path), os.fstat(fd)
+            same = (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino)
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # while still holding it (see above)
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_output_dir(dst: str, expected_bytes: int | None = None) -> Iterator[str]:
+    """Yield a fresh hidden sibling of `dst`; rename it to `dst` on success, delete it on any failure.
+
+    Args:
+        dst: the output directory (must not exist).
+        expected_bytes: about how much the output will hold: refused before anything is written when the file
+            system has less free, and named in the message when a write fails for lack of space.
+
+    Yields:
+        The temporary directory to write into.
+
+    Raises:
+        ConfigError: a component of DST's parent is a file.
+        CheckpointError: DST exists; another process is writing DST (`.<DST>.lock` is held; its pid is named);
+            not enough free space; a write failed for lack of space or a read-only file system (the partial
+            output is removed, DST is not created; the message names DST, the bytes needed and the bytes free).
+    """
     dst = os.path.abspath(dst)
-    if os.path.exists(dst):
+    if os.path.lexists(dst):
         raise CheckpointError(f"{dst}: output already exists (refusing to overwrite)")
     parent, base = os.path.dirname(dst), os.path.basename(dst)
-    os.makedirs(parent, exist_ok=True)
-    prefix = f".{base}.partial-"
-    for stale in os.listdir(parent):  # leftovers of killed runs whose process is gone
-        if stale.startswith(prefix) and stale[len(prefix) :].isdigit() and not _alive(int(stale[len(prefix) :])):
-            shutil.rmtree(os.path.join(parent, stale), ignore_errors=True)
-    tmp = os.path.join(parent, f"{prefix}{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    try:
-        yield tmp
-        os.rename(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    _make_parent(dst, parent)
+    with _output_lock(dst, parent, base):
+        if os.path.lexists(dst):  # the previous holder of the lock finished it
+            raise CheckpointError(f"{dst}: output already exists (refusing to overwrite)")
+        prefix = f".{base}.partial-"
+        for stale in os.listdir(parent):  # leftovers of killed runs: under the lock, nobody else writes DST
+            if stale.startswith(prefix) and stale[len(prefix) :].isdigit():
+                shutil.rmtree(os.path.join(parent, stale), ignore_errors=True)
+        free = _free_bytes(parent)
+        if expected_bytes is not None and expected_bytes > free:
+            raise CheckpointError(
+                f"{dst}: the output needs about {_fmt_bytes(expected_bytes)} but only {_fmt_bytes(free)} are free "
+                f"in {parent}; nothing was written"
+            )
+        tmp = os.path.join(parent, f"{prefix}{os.getpid()}")
+        try:
+            os.makedirs(tmp)
+        except OSError as e:
+            raise CheckpointError(f"{dst}: cannot write in {parent} ({e.strerror or e}: {tmp})") from None
+        try:
+            yield tmp
+            os.rename(tmp, dst)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            fn = os.fspath(e.filename) if e.filename is not None else None
+            if e.errno not in _DISK_ERRNOS and not (fn and os.path.abspath(fn).startswith(tmp)):
+                raise  # not about the output (e.g. a source file): the OSError names its own file
+            need = f"the output needs about {_fmt_bytes(expected_bytes)}, " if expected_bytes is not None else ""
+            raise CheckpointError(
+                f"{dst}: {e.strerror or e} while writing {fn or 'the output'}; {need}{_fmt_bytes(free)} were free in "
+                f"{parent} at the start; the partial output was removed and {dst} was not created"
+            ) from None
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
 
 def _is_train_run(src: str) -> bool:
@@ -73,16 +188,6 @@ def _is_train_run(src: str) -> bool:
         return False
     ck = os.path.join(src, "ckpt") if os.path.isdir(os.path.join(src, "ckpt")) else src
     return os.path.isfile(os.path.join(ck, "latest")) or os.path.isfile(os.path.join(src, "mp_rank_00_model_states.pt"))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _target_dtype(stored: torch.dtype, is_fp8: bool, dtype: torch.dtype) -> torch.dtype:
@@ -130,13 +235,29 @@ def _progress(total: int, enabled: bool, desc: str):
     )
 
 
-def _copy_side_files(src: str, dst: str, skip: set[str]) -> None:
-    """Tokenizer files and the like travel with the weights (never executed, only copied)."""
+def _side_files(src: str, skip: set[str]) -> list[str]:
+    """The files that travel with the weights (tokenizer files and the like; never executed, only copied): every
+    entry but the weights, `skip`, hidden names and directories. Each must be a regular file inside `src`
+    (`safe_files`): a link out of the directory or a FIFO is refused, not copied and not silently dropped."""
+    out = []
     for fn in sorted(os.listdir(src)):
         p = os.path.join(src, fn)
-        if fn in skip or fn.endswith(".safetensors") or fn.startswith(".") or not os.path.isfile(p):
+        if fn in skip or fn.endswith(".safetensors") or fn.startswith("."):
             continue
-        shutil.copyfile(p, os.path.join(dst, fn))
+        try:
+            if stat.S_ISDIR(os.stat(p).st_mode):
+                continue  # a subdirectory (the release's inference/ code, figures/): not part of the checkpoint
+        except OSError:
+            pass  # a dangling link or an unreadable entry: check_regular below names it
+        check_regular(p, CheckpointError, src)
+        out.append(fn)
+    return out
+
+
+def _copy_side_files(src: str, dst: str, names: list[str]) -> None:
+    """Copy `names` (`_side_files`) from `src` to `dst`: the bytes of the checked regular file, never a link."""
+    for fn in names:
+        copy_regular(os.path.join(src, fn), os.path.join(dst, fn), CheckpointError, src)
 
 
 def _out_config(cfg: dict, dtype: torch.dtype) -> dict:
@@ -289,10 +410,10 @@ def _check_megatron_files(src: str, lay: dict) -> dict[str, dict]:
         fp = os.path.join(src, fn)
         if os.path.basename(fn) != fn or fn in ("", ".", ".."):
             raise CheckpointError(f"{src}/{LAYOUT_NAME}: file name {fn!r} is not a plain file name")
-        if not os.path.exists(fp):
+        if not os.path.lexists(fp):
             first = next(iter(fmeta["tensors"]), "<no tensors>")
             raise CheckpointError(f"{first}: {LAYOUT_NAME} points to missing file {fp}")
-        infos, _ = read_safetensors_header(fp)
+        infos, _ = read_safetensors_header(fp, src)
         for mc, parts in fmeta["tensors"].items():
             if mc not in infos:
                 raise CheckpointError(f"{mc}: listed in {LAYOUT_NAME} but missing from {fp}")
@@ -335,7 +456,8 @@ def _to_hf_from_megatron(src: str, out: str, dtype: torch.dtype | None, progress
                     plan.append((hf, mc, r0, r0 + rows, len(parts) > 1, dt))
                     r0 += rows
             with (
-                safe_open(os.path.join(src, fn), framework="pt", device="cpu") as f,
+                opened_path(os.path.join(src, fn), CheckpointError, src, "safetensors file") as fd_path,
+                safe_open(fd_path, framework="pt", device="cpu") as f,
                 StreamingSafetensorsWriter(os.path.join(out, out_fn), specs, {"format": "pt"}) as w,
             ):
                 for hf, mc, r0, r1, split, dt in plan:
@@ -377,20 +499,29 @@ def convert(
     tdt = DTYPES[dtype or "bf16"]
     src = os.path.abspath(src)
     is_megatron = os.path.exists(os.path.join(src, LAYOUT_NAME))
+    if to != "megatron" and (pp != 1 or ep != 1):
+        raise ValueError("--pp/--ep: only meaningful with --to megatron")
     if is_megatron:
         if to == "megatron":
             raise CheckpointError(f"{src}: already in the Megatron layout (convert --to hf first to re-split)")
-        if pp != 1 or ep != 1:
-            raise ValueError("--pp/--ep: only meaningful with --to megatron")
-        _check_megatron_files(src, read_layout(src))
+        headers = _check_megatron_files(src, read_layout(src))
         cfg = load_json(os.path.join(src, "config.json"), what="released config.json")
         model_config(cfg, os.path.join(src, "config.json"))  # the file must describe a model we can build
-        with atomic_output_dir(dst) as tmp:
+        side = _side_files(src, {LAYOUT_NAME, "config.json", INDEX_NAME})
+        infos = [i for h in headers.values() for i in h.values()]
+        data = sum(
+            i.nbytes
+            // i.torch_dtype.itemsize
+            * (_target_dtype(i.torch_dtype, False, tdt) if dtype else i.torch_dtype).itemsize
+            for i in infos
+        )
+        need = _expected_bytes(data, len(infos), len(headers), src, side)
+        with atomic_output_dir(dst, need) as tmp:
             summary = _to_hf_from_megatron(src, tmp, DTYPES[dtype] if dtype else None, progress, allow_non_finite)
             if dtype:
                 cfg["torch_dtype"] = _DTYPE_JSON[tdt]
             _write_json(os.path.join(tmp, "config.json"), cfg)
-            _copy_side_files(src, tmp, {LAYOUT_NAME, "config.json", INDEX_NAME})
+            _copy_side_files(src, tmp, side)
         return {"to": to, "src": src, "dst": os.path.abspath(dst), **summary}
 
     if _is_train_run(src):
@@ -398,16 +529,28 @@ def convert(
     reader = CheckpointReader(src, allow_non_finite=allow_non_finite)
     model_config(reader.config, reader.config_path)  # one reading of config.json for convert, load and train
     _check_names(reader)
-    with reader, atomic_output_dir(dst) as tmp:
+    side = _side_files(src, {"config.json", INDEX_NAME, LAYOUT_NAME})
+    names = reader.names()
+    data = sum(
+        math.prod(reader.shape(n))
+        * reader.out_dtype(n, _target_dtype(reader.info(n).torch_dtype, reader.is_fp8(n), tdt)).itemsize
+        for n in names
+    )
+    need = _expected_bytes(data, len(names), len(reader.files()), src, side)
+    with reader, atomic_output_dir(dst, need) as tmp:
         if to == "megatron":
             summary = _to_megatron(reader, tmp, pp, ep, tdt, progress)
         else:
-            if pp != 1 or ep != 1:
-                raise ValueError("--pp/--ep: only meaningful with --to megatron")
             summary = _to_hf_from_released(reader, tmp, tdt, progress)
         _write_json(os.path.join(tmp, "config.json"), _out_config(reader.config, tdt))
-        _copy_side_files(src, tmp, {"config.json", INDEX_NAME, LAYOUT_NAME})
+        _copy_side_files(src, tmp, side)
     return {"to": to, "src": src, "dst": os.path.abspath(dst), **summary}
+
+
+def _expected_bytes(data: int, n_tensors: int, n_files: int, src: str, side: list[str]) -> int:
+    """About what an output holds: the tensor data, a header entry and an index line per tensor, config/layout JSON
+    per file, and the side files copied (the estimate the free-space check and its messages use)."""
+    return data + 256 * n_tensors + 4096 * (n_files + 2) + sum(os.path.getsize(os.path.join(src, f)) for f in side)
 
 
 def load_megatron_rank(
@@ -425,7 +568,8 @@ def load_megatron_rank(
         raise CheckpointError(f"{path}: no file for stage {stage}, ep rank {ep_rank} in {LAYOUT_NAME}")
 
     def load(fn: str) -> dict[str, torch.Tensor]:
-        sd = load_file(os.path.join(path, fn))
+        with opened_path(os.path.join(path, fn), CheckpointError, path, "safetensors file") as fd_path:
+            sd = load_file(fd_path)
         for n, t in sd.items():
             check_finite(t, f"{n} in {os.path.join(path, fn)}", allow_non_finite)
         return sd

@@ -16,16 +16,18 @@ through `megatron_dist` (its FP32 masters when it kept them); a `layout.json` di
 
 Streaming and bounded memory: one rank's file at a time (mmapped `torch.load(weights_only=True)`: never unpickles
 code), plus the output shard being filled (`shard_bytes`), plus at most one parameter split across two ZeRO
-partitions. Atomic: everything goes to a hidden sibling of DST renamed at the end (`convert.atomic_output_dir`).
+partitions. Atomic: everything goes to a hidden sibling of DST renamed at the end (`convert.atomic_output_dir`: a
+lock against a second writer of DST, free space checked first, a full disk midway leaves no DST). Every source
+file, tokenizer files included, is read as a regular file inside its directory (`dsv3_plugin.safe_files`).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import pickle
 import re
-import shutil
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -50,8 +52,9 @@ from dsv3_plugin.checkpoint.synthetic import quantize_fp8_blockwise
 from dsv3_plugin.checkpoint.writer import StreamingSafetensorsWriter
 from dsv3_plugin.config import ConfigError, DSv3Config, load_config
 from dsv3_plugin.data.tokenizer import TOKENIZER_FILES, check_vocab_fits, has_tokenizer, load_tokenizer
-from dsv3_plugin.errors import CheckpointError
+from dsv3_plugin.errors import CheckpointError, DataError
 from dsv3_plugin.parallel.pipeline.stages import model_stage_layers, n_stages_of, stage_ids_for_rank
+from dsv3_plugin.safe_files import copy_regular, opened_path
 from dsv3_plugin.training import run_dir as rd
 
 __all__ = [
@@ -144,7 +147,9 @@ def find_run_checkpoint(src: str, tag: str | None = None) -> RunCheckpoint | Non
 def _load_pt(path: str) -> dict:
     """A DeepSpeed model-states file, memory-mapped, without unpickling code (weights_only)."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        # a regular file inside its tag directory (a FIFO would hang the load; a link could leave the run)
+        with opened_path(path, CheckpointError, os.path.dirname(path), "torch checkpoint file") as fd_path:
+            return torch.load(fd_path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as e:
         why = next((ln for ln in str(e).splitlines() if "GLOBAL" in ln), str(e).splitlines()[0])
         raise CheckpointError(f"{path}: refused to unpickle ({why.strip()}); loaded with weights_only=True") from None
@@ -370,7 +375,10 @@ def _megatron_tensors(src: str, lay: dict, headers: dict, bar) -> Iterator[tuple
 
     for fn, fmeta in lay["files"].items():
         path = os.path.join(src, fn)
-        with safe_open(path, framework="pt", device="cpu") as f:
+        with (
+            opened_path(path, CheckpointError, src, "safetensors file") as fd_path,
+            safe_open(fd_path, framework="pt", device="cpu") as f,
+        ):
             for mc, parts in fmeta["tensors"].items():
                 r0 = 0
                 for hf, rows in parts:
@@ -414,7 +422,7 @@ def _megatron_lm_input_bytes(reader: MegatronDistReader, hf: dict) -> int:
 
 def _config_file(path: str) -> tuple[DSv3Config, dict]:
     """--config: the "dsv3" JSON a Megatron-LM run was trained with (`--dsv3-config`), or a released config.json."""
-    d = load_json(path, what="--config JSON")
+    d = load_json(path, what="--config JSON", root=None)  # a file the user named: any regular file
     if "model_type" in d or "architectures" in d:
         return model_config(d, path), d
     try:
@@ -542,14 +550,40 @@ def _tokenizer_source(tokenizer: str | None, default: str | None, vocab_size: in
     return path
 
 
+_TOKENIZER_COPIED = (*TOKENIZER_FILES, "chat_template.jinja")
+
+
 def _copy_tokenizer(src: str, out: str) -> list[str]:
+    """Copy the tokenizer files `src` holds into `out`: the bytes of each regular file inside `src` (`safe_files`;
+    a link out of `src` or a FIFO is a DataError, never followed into the export)."""
     copied = []
-    for fn in (*TOKENIZER_FILES, "chat_template.jinja"):
+    for fn in _TOKENIZER_COPIED:
         p = os.path.join(src, fn)
-        if os.path.isfile(p):
-            shutil.copyfile(p, os.path.join(out, fn))
+        if os.path.lexists(p):
+            copy_regular(p, os.path.join(out, fn), DataError, src)
             copied.append(fn)
     return copied
+
+
+def _expected_bytes(hf: dict, to: str, tok_dir: str | None) -> int:
+    """About what the export writes: every released tensor in its output dtype (FP8 + fp32 block scales where the
+    release quantizes, for "hf"), a header entry and an index line per tensor, the config and the tokenizer files."""
+    L, b = hf["num_hidden_layers"], QUANTIZATION_CONFIG["weight_block_size"]
+    n = 0
+    shapes = released_shapes(hf)
+    for name, shape in shapes.items():
+        numel = math.prod(shape)
+        if to == "hf" and is_quantized_in_release(name, L):
+            n += numel + 4 * (-(-shape[0] // b[0])) * (-(-shape[1] // b[1]))
+        else:
+            n += numel * (4 if name.endswith("e_score_correction_bias") else 2)
+    if tok_dir:
+        n += sum(
+            os.path.getsize(os.path.join(tok_dir, f))
+            for f in _TOKENIZER_COPIED
+            if os.path.isfile(os.path.join(tok_dir, f))
+        )
+    return n + 512 * len(shapes) + 65536
 
 
 def _progress(total: int, enabled: bool):
@@ -649,7 +683,7 @@ def export(
     if tok_dir is None:
         where = f"{default_tok} does not exist" if kind == "run" and default_tok else "it has no tokenizer files"
         notes.append(f"no tokenizer exported: the source has none ({where}); add one with --tokenizer DIR")
-    with atomic_output_dir(dst) as tmp:
+    with atomic_output_dir(dst, _expected_bytes(hf, to, tok_dir)) as tmp:
         with _progress(input_bytes, progress) as bar:
             if kind == "run":
                 stream = _run_tensors(run, cfg, sd0, bar)

@@ -85,7 +85,7 @@ def init_from_config(ds: dict, init_from: str) -> dict:
     if not isinstance(ds.get("dsv3"), dict):
         raise ConfigError('dsv3: the DeepSpeed JSON has no "dsv3" block')
     hf_path = os.path.join(init_from, "config.json")
-    if not os.path.isfile(hf_path):
+    if not os.path.lexists(hf_path):  # (present but a FIFO, a directory or a link out: the reader names it)
         raise CheckpointError(f"{hf_path}: not found (--init-from needs a released-format checkpoint dir)")
     load_config({"dsv3": ds["dsv3"]})  # the block's own errors first, named by key
     return with_model_shape(ds, pretrained_config(init_from))  # config.json, index, headers: CheckpointError

@@ -5,7 +5,8 @@ checks here so that a damaged or hostile directory fails with a `CheckpointError
 the tensor or key (CLI exit 2), never with a traceback, a hang, or silently wrong numbers:
 
 - `load_json`: `config.json`, `model.safetensors.index.json`, `layout.json`. Refuses what Python's `json`
-  accepts or crashes on: a path that is a directory, bytes that are not UTF-8, duplicate keys (the last
+  accepts or crashes on: a path that is not a regular file (a directory, a FIFO that would block `open`) or
+  a link out of the checkpoint directory (`safe_files`), bytes that are not UTF-8, duplicate keys (the last
   would silently win), NaN/Infinity literals, nesting deep enough to exhaust the recursion limit.
 - `check_finite`: weights and scales must be finite. DeepSeek's dequantization (`fp8 -> float * scale`)
   turns an E4M3 NaN code (0x7F/0xFF) or a non-finite scale into NaN, and a model loaded with one NaN weight
@@ -23,11 +24,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from typing import Any
 
 import torch
 
 from dsv3_plugin.errors import CheckpointError
+from dsv3_plugin.safe_files import read_regular
 
 __all__ = [
     "parse_json",
@@ -87,17 +90,28 @@ def parse_json(raw: bytes | str, where: str) -> Any:
         raise CheckpointError(f"{where}: not valid JSON ({e})") from None
 
 
-def load_json(path: str, expect: type = dict, what: str = "JSON file") -> Any:
-    """Read `path` as strict JSON whose top level is an `expect` (dict by default)."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(64 * 2**20 + 1)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing") from None
-    except IsADirectoryError:
-        raise CheckpointError(f"{path}: is a directory, expected a {what}") from None
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
+_OWN_DIR = object()  # load_json's default root: the directory the file is in
+
+
+def load_json(path: str, expect: type = dict, what: str = "JSON file", root: object = _OWN_DIR) -> Any:
+    """Read `path` as strict JSON whose top level is an `expect` (dict by default).
+
+    Args:
+        path: the file.
+        expect: the type the top level must have.
+        what: what the file is, for messages.
+        root: the directory the file must lie in (`safe_files`: a regular file, no link out of it); default the
+            file's own directory; None for a file the user named explicitly (`--config FILE`).
+
+    Returns:
+        The parsed JSON.
+
+    Raises:
+        CheckpointError: naming `path` (missing, not a regular file, a link out of `root`, not strict JSON, ...).
+    """
+    if root is _OWN_DIR:
+        root = os.path.dirname(os.path.abspath(path))
+    raw = read_regular(path, CheckpointError, root, limit=64 * 2**20, what=what)
     if len(raw) > 64 * 2**20:
         raise CheckpointError(f"{path}: larger than 64 MiB, not a {what}")
     obj = parse_json(raw, path)

@@ -7,7 +7,9 @@ A released directory holds `config.json` and one `model.safetensors` or shards l
     w[i, j] = float(w_fp8[i, j]) * scale_inv[i // 128, j // 128]            (computed in fp32)
 
 `CheckpointReader` checks every header when it opens (a `CheckpointError` names the tensor and the file), then
-reads tensors lazily, one at a time, and refuses NaN/Inf unless opened with `allow_non_finite=True`.
+reads tensors lazily, one at a time, and refuses NaN/Inf unless opened with `allow_non_finite=True`. Every file
+it reads (config.json, the index, each shard the index names, model.safetensors) must be a regular file inside
+the directory (`dsv3_plugin.safe_files`: no FIFO that would hang the read, no link out of the directory).
 
 Design notes (scale grid, integrity checks, the fast exact E4M3 decode on CPU): docs/design_notes.md#checkpoint-reader
 """
@@ -33,6 +35,7 @@ from dsv3_plugin.checkpoint.integrity import (
     parse_json,
 )
 from dsv3_plugin.errors import CheckpointError
+from dsv3_plugin.safe_files import open_regular, opened_path
 
 __all__ = [
     "CheckpointReader",
@@ -83,12 +86,15 @@ class TensorInfo:
         return f"TensorInfo({self.name!r}, {os.path.basename(self.file)!r}, {self.dtype}, {list(self.shape)})"
 
 
-def read_safetensors_header(path: str) -> tuple[dict[str, TensorInfo], dict]:
+def read_safetensors_header(path: str, root: str | None = None) -> tuple[dict[str, TensorInfo], dict]:
     """Parse and check one safetensors header: {name: TensorInfo}, metadata. Detects truncated files, absurd
-    header lengths, malformed entries (dtype, shape, offsets), duplicate names and overlapping or gappy data."""
+    header lengths, malformed entries (dtype, shape, offsets), duplicate names and overlapping or gappy data, all
+    before any tensor is allocated. The file must be a regular file inside `root` (default: its own directory;
+    `safe_files`: no FIFO, device or link out of it)."""
+    root = os.path.dirname(os.path.abspath(path)) if root is None else root
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
+        with open_regular(path, CheckpointError, root, "safetensors file") as f:
+            size = os.fstat(f.fileno()).st_size
             head = f.read(8)
             if len(head) < 8:
                 raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
@@ -98,10 +104,6 @@ def read_safetensors_header(path: str) -> tuple[dict[str, TensorInfo], dict]:
                     f"{path}: truncated or corrupt safetensors file (header of {n} bytes, file has {size})"
                 )
             raw = f.read(n)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: file not found") from None
-    except IsADirectoryError:
-        raise CheckpointError(f"{path}: is a directory, expected a safetensors file") from None
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
     hdr = parse_json(raw, f"{path} (safetensors header)")
@@ -154,9 +156,9 @@ def read_safetensors_header(path: str) -> tuple[dict[str, TensorInfo], dict]:
     return out, meta
 
 
-def _header_bytes(path: str) -> int:
+def _header_bytes(path: str, root: str) -> int:
     """Size of a safetensors file's length prefix plus header (what reading the header read)."""
-    with open(path, "rb") as f:
+    with open_regular(path, CheckpointError, root, "safetensors file") as f:
         return 8 + struct.unpack("<Q", f.read(8))[0]
 
 
@@ -341,7 +343,7 @@ class CheckpointReader:
         self.config_path = cfg_path
         self.config: dict = {}
         if os.path.lexists(cfg_path):
-            self.config = load_json(cfg_path, what="released config.json")
+            self.config = load_json(cfg_path, what="released config.json", root=self.path)
         elif require_config:
             raise CheckpointError(f"{cfg_path}: missing config.json")
         qc = self.config.get("quantization_config") or {}
@@ -364,7 +366,7 @@ class CheckpointReader:
         idx_path = os.path.join(self.path, INDEX_NAME)
         single = os.path.join(self.path, SINGLE_NAME)
         if os.path.lexists(idx_path):
-            index = load_json(idx_path, what="safetensors index")
+            index = load_json(idx_path, what="safetensors index", root=self.path)
             weight_map = index.get("weight_map")
             if not isinstance(weight_map, dict):
                 raise CheckpointError(
@@ -385,10 +387,10 @@ class CheckpointReader:
                 files.setdefault(fn, []).append(name)
             for fn, names in files.items():
                 fp = os.path.join(self.path, fn)
-                if not os.path.exists(fp):
+                if not os.path.lexists(fp):
                     raise CheckpointError(f"{names[0]}: index {idx_path} points to missing file {fp}")
-                infos, meta = read_safetensors_header(fp)
-                self.bytes_read += _header_bytes(fp)
+                infos, meta = read_safetensors_header(fp, self.path)
+                self.bytes_read += _header_bytes(fp, self.path)
                 self.metadata[fp] = meta
                 for n in names:
                     if n not in infos:
@@ -398,8 +400,8 @@ class CheckpointReader:
                         raise CheckpointError(f"{n} in {fp}: unexpected tensor, not listed for this file in {idx_path}")
                     self.stored[n] = info
         elif os.path.lexists(single):
-            infos, meta = read_safetensors_header(single)
-            self.bytes_read += _header_bytes(single)
+            infos, meta = read_safetensors_header(single, self.path)
+            self.bytes_read += _header_bytes(single, self.path)
             self.metadata[single] = meta
             self.stored.update(infos)
         else:
@@ -490,10 +492,12 @@ class CheckpointReader:
             while len(self._handles) >= self.max_open_files:
                 self._mapped.pop(evicted := next(iter(self._handles)), None)
                 self._handles.pop(evicted)
-            try:
-                h = safe_open(file, framework="pt", device="cpu")
-            except Exception as e:  # SafetensorError is not exported under a stable name
-                raise CheckpointError(f"{file}: cannot open safetensors file ({e})") from None
+            # the descriptor checked to be the regular file inside the directory is what gets mapped
+            with opened_path(file, CheckpointError, self.path, "safetensors file") as fd_path:
+                try:
+                    h = safe_open(fd_path, framework="pt", device="cpu")
+                except Exception as e:  # SafetensorError is not exported under a stable name
+                    raise CheckpointError(f"{file}: cannot open safetensors file ({e})") from None
         self._handles[file] = h  # (re)inserted last: most recently used
         return h
 

@@ -2,6 +2,7 @@
 are appended as they are produced, so a shard is never held in memory as a whole (peak memory = the
 tensor being written). Tensors may arrive in row blocks (a dim-0 slice of a row-major tensor is a
 contiguous byte range), which lets converters concatenate or split along dim 0 without a copy.
+A failed write (a full disk, a quota, a read-only file system) raises an OSError naming the file (`named_os_error`).
 Writes go to a background thread one tensor deep, so producing the next tensor (dequantization) overlaps
 with writing the previous one; `write` returns once the previous write has finished, so a caller that
 alternates two output buffers may reuse a buffer two writes later.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -22,7 +24,7 @@ import torch
 
 from dsv3_plugin.errors import CheckpointError
 
-__all__ = ["StreamingSafetensorsWriter", "DTYPE_NAMES"]
+__all__ = ["StreamingSafetensorsWriter", "DTYPE_NAMES", "named_os_error"]
 
 DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -38,6 +40,22 @@ DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.uint8: "U8",
     torch.bool: "BOOL",
 }
+
+
+def named_os_error(e: OSError, path: str) -> OSError:
+    """`e` with `path` as its file name when it has none: a failing `write` or `close` (ENOSPC, EDQUOT, EFBIG, EIO)
+    raises an OSError that names no file, and the caller's message must say which output it was.
+
+    Args:
+        e: the error raised by a write to `path`.
+        path: the file being written.
+
+    Returns:
+        `e` itself when it names a file, else a new OSError (the same subclass, from the errno) naming `path`.
+    """
+    if e.filename is not None or e.errno is None:
+        return e
+    return OSError(e.errno, e.strerror or os.strerror(e.errno), path)
 
 
 class StreamingSafetensorsWriter:
@@ -60,8 +78,11 @@ class StreamingSafetensorsWriter:
         raw = json.dumps(hdr, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
         self._f = open(path, "wb")
-        self._f.write(struct.pack("<Q", len(raw)))
-        self._f.write(raw)
+        try:
+            self._write(struct.pack("<Q", len(raw)) + raw)
+        except BaseException:
+            self._f.close()
+            raise
         self._io = ThreadPoolExecutor(1, thread_name_prefix="safetensors-write")
         self._pending: Future | None = None
         self._k = 0  # index of the tensor being written
@@ -81,13 +102,19 @@ class StreamingSafetensorsWriter:
         b = t.detach().contiguous().reshape(-1).view(torch.uint8)
         self._wait()
         if b.numel():
-            self._pending = self._io.submit(self._f.write, memoryview(b.numpy()))
+            self._pending = self._io.submit(self._write, memoryview(b.numpy()))
         self._done += b.numel()
         if self._done > self.nbytes[self._k]:
             raise CheckpointError(f"{name}: more data than its declared shape {list(shape)} in {self.path}")
         if self._done == self.nbytes[self._k]:
             self._k += 1
             self._done = 0
+
+    def _write(self, data) -> None:
+        try:
+            self._f.write(data)
+        except OSError as e:
+            raise named_os_error(e, self.path) from None
 
     def _wait(self) -> None:
         if self._pending is not None:
@@ -99,7 +126,10 @@ class StreamingSafetensorsWriter:
             self._wait()
         finally:
             self._io.shutdown(wait=True)
-            self._f.close()
+            try:
+                self._f.close()  # flushes the buffer: a full disk can show here first
+            except OSError as e:
+                raise named_os_error(e, self.path) from None
 
     def close(self) -> None:
         self._shutdown()

@@ -1,7 +1,8 @@
 """`dsv3` command line. Each sub-command lives in its own module here and defines
 `register(subparsers)`, which adds a parser whose `func(args) -> int` runs it.
 
-Exit codes (docs/architecture.md): 0 ok, 2 bad input (`ConfigError`, `CheckpointError`, argparse), 1 other failures.
+Exit codes (docs/architecture.md): 0 ok, 2 bad input (`ConfigError`, `CheckpointError`, `DataError`, argparse) and
+OS errors about a path (`error: COMMAND: STRERROR: PATH`), 1 other failures.
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
 
     Returns:
         The exit code: what the sub-command returned (0 when it returned None), 2 on bad input (`ConfigError`,
-        `CheckpointError`, `DataError`: printed as `error: ...` on stderr), 130 when interrupted.
+        `CheckpointError`, `DataError`: printed as `error: ...` on stderr) and on an OSError that names a path
+        (no space, read-only, not a directory: `error: COMMAND: STRERROR: PATH`), 130 when interrupted.
 
     Raises:
         SystemExit: from argparse: `--help` and `--version` (0), bad arguments (2).
@@ -93,3 +95,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         raise
+    except OSError as e:
+        # What the sub-command did not turn into a message itself: a path the system refused (no space, read-only,
+        # not a directory, permission). One line naming the path, like bad input; other OSErrors (no file named:
+        # a socket, a broken pipe) are bugs or crashes and keep their traceback.
+        if e.filename is None or e.errno is None:
+            raise
+        where = (
+            os.fsdecode(e.filename)
+            if e.filename2 is None
+            else f"{os.fsdecode(e.filename)} -> {os.fsdecode(e.filename2)}"
+        )
+        print(f"error: {args.command}: {e.strerror or os.strerror(e.errno)}: {where}", file=sys.stderr)
+        return 2

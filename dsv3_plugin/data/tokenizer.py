@@ -1,8 +1,10 @@
 """The tokenizer a checkpoint ships (a Hugging Face tokenizer directory), the vocabulary rule, and a tiny one.
 
 DeepSeek's releases ship `tokenizer.json` + `tokenizer_config.json` (with the `chat_template`) beside the
-weights; `transformers.AutoTokenizer` reads them offline. The model's embedding may have more rows than the
-tokenizer has entries (V3: 129,280 rows, ~128.8k entries: padded for the GEMMs), never fewer.
+weights; `transformers.AutoTokenizer` reads them offline, after every file it may read was checked to be a regular
+file inside the directory (`check_tokenizer_dir`: a FIFO would hang it, a link could read from anywhere). The
+model's embedding may have more rows than the tokenizer has entries (V3: 129,280 rows, ~128.8k entries: padded for
+the GEMMs), never fewer.
 
 `train_tiny_tokenizer` makes a byte-level BPE with DeepSeek-V3's special tokens and a chat template of the
 same format (`<｜begin▁of▁sentence｜>`, `<｜User｜>` + text, `<｜Assistant｜>` + text + `<｜end▁of▁sentence｜>`),
@@ -16,6 +18,7 @@ import json
 import os
 
 from dsv3_plugin.errors import DataError
+from dsv3_plugin.safe_files import check_regular
 
 __all__ = [
     "TOKENIZER_FILES",
@@ -26,6 +29,7 @@ __all__ = [
     "ASSISTANT",
     "CHAT_TEMPLATE",
     "has_tokenizer",
+    "check_tokenizer_dir",
     "load_tokenizer",
     "check_vocab_fits",
     "pydoc_texts",
@@ -56,8 +60,51 @@ def has_tokenizer(path: str | os.PathLike) -> bool:
     return any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model"))
 
 
+# Files in a tokenizer directory that no tokenizer loader reads: the weights of a checkpoint directory.
+_NOT_READ_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".gguf", ".distcp")
+_TEMPLATE_DIR = "additional_chat_templates"  # transformers reads every *.jinja in it
+
+
+def check_tokenizer_dir(path: str | os.PathLike) -> list[str]:
+    """Check every file of tokenizer directory `path` that a tokenizer loader may read, before any is opened: each
+    must be a regular file inside `path` (`dsv3_plugin.safe_files`; a Hugging Face cache snapshot's links into its
+    own blobs are fine).
+
+    `transformers` picks its files by name, and which names depends on the tokenizer class and on
+    `tokenizer_config.json` (tokenizer.json, tokenizer.model, vocab.json, merges.txt, added_tokens.json,
+    chat_template.jinja, config.json, ...), so every top-level entry is checked except hidden names, the weights
+    (`*.safetensors`, `*.bin`, ...) and subdirectories other than `additional_chat_templates/` (whose files are
+    checked too).
+
+    Args:
+        path: the directory.
+
+    Returns:
+        The names checked (relative to `path`), sorted.
+
+    Raises:
+        DataError: an entry is a link out of `path`, a dangling link, or not a regular file (a FIFO would block
+            the loader forever); the message names it.
+    """
+    path = os.fspath(path)
+    checked = []
+    for name in sorted(os.listdir(path)):
+        p = os.path.join(path, name)
+        if name.startswith(".") or name.endswith(_NOT_READ_SUFFIXES):
+            continue
+        if os.path.isdir(p):
+            if name == _TEMPLATE_DIR:
+                for sub in sorted(os.listdir(p)):
+                    check_regular(os.path.join(p, sub), DataError, path, "chat template file")
+                    checked.append(f"{name}/{sub}")
+            continue  # other subdirectories: no tokenizer loader reads them
+        check_regular(p, DataError, path, "tokenizer file")
+        checked.append(name)
+    return checked
+
+
 def load_tokenizer(path: str | os.PathLike):
-    """The tokenizer in directory `path` (offline, `transformers.AutoTokenizer`).
+    """The tokenizer in directory `path` (offline, `transformers.AutoTokenizer`), after `check_tokenizer_dir`.
 
     Args:
         path: a directory with `tokenizer.json` (or `tokenizer.model`) and `tokenizer_config.json`, e.g. a
@@ -67,11 +114,13 @@ def load_tokenizer(path: str | os.PathLike):
         A transformers tokenizer (`len(tok)` entries, `tok.chat_template` when the directory has one).
 
     Raises:
-        DataError: `path` is not a directory or holds no tokenizer (the message names it).
+        DataError: `path` is not a directory, holds no tokenizer, or a file the loader may read is a link out of
+            it or not a regular file (the message names it).
     """
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise DataError(f"{path}: tokenizer directory does not exist")
+    check_tokenizer_dir(path)
     if not has_tokenizer(path):
         raise DataError(f"{path}: no tokenizer.json or tokenizer.model (a Hugging Face tokenizer directory is needed)")
     from transformers import AutoTokenizer

@@ -2,8 +2,8 @@
 imports sit at module top (an import inside a function is allowed only for an optional dependency).
 
 Layers, lowest first (a module may import its own layer and the ones below):
-  errors, json_input, schedule_traits, config  <  model  <  precision  <  parallel  <  data  <  training  <  checkpoint
-  <  deepspeed, megatron  <  cli, bench  <  the top-level package (public API; imported by nothing inside).
+  errors, json_input, safe_files, schedule_traits, config  <  model  <  precision  <  parallel  <  data  <  training
+  <  checkpoint  <  deepspeed, megatron  <  cli, bench  <  the top-level package (public API; imported by nothing inside).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ PKG = "dsv3_plugin"
 ROOT = pathlib.Path(__file__).resolve().parents[2] / PKG
 
 LAYERS = [
-    {"errors", "json_input", "schedule_traits", "config"},
+    {"errors", "json_input", "safe_files", "schedule_traits", "config"},
     {"model"},
     {"precision"},
     {"parallel"},
