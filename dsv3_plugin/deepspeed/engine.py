@@ -24,6 +24,7 @@ from dsv3_plugin.config import ConfigError, DSv3Config, read_ds_json
 from dsv3_plugin.deepspeed.backend import import_deepspeed, quiet_deepspeed_logs  # noqa: F401  (re-exported)
 from dsv3_plugin.deepspeed.config_keys import DEFAULT_GRADIENT_CLIPPING, SUPPORTED_ZERO_STAGES, adamw_hyperparameters  # noqa: F401  (re-exported)
 from dsv3_plugin.deepspeed.moe_layer import stacking_order
+from dsv3_plugin.deepspeed.save_errors import deferred_write_errors
 from dsv3_plugin.deepspeed.validate import validate_ds_config
 from dsv3_plugin.errors import CheckpointError
 from dsv3_plugin.model.moe.balancing import update_expert_bias
@@ -210,6 +211,9 @@ class _DSv3Hooks:
 
     # --- checkpoints ----------------------------------------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, **kwargs):
+        """DeepSpeed's save plus the dsv3 state in `client_state["dsv3"]`. A failed file write on this rank (a full
+        disk: `save_errors.deferred_write_errors`) is raised after DeepSpeed's collectives ran on every rank.
+        `dsv3 train` passes save_latest=False: the run directory writes `latest` after the completion marker."""
         if self.state.pending_tokens:
             raise RuntimeError(
                 "save_checkpoint: called inside a gradient-accumulation window "
@@ -223,7 +227,8 @@ class _DSv3Hooks:
             **gather_rng_states(),
             "config": self.cfg.to_dict(),
         }
-        return self._orig_save(save_dir, tag=tag, client_state=cs, save_latest=save_latest, **kwargs)
+        with deferred_write_errors(self.engine):
+            return self._orig_save(save_dir, tag=tag, client_state=cs, save_latest=save_latest, **kwargs)
 
     def load_checkpoint(self, load_dir, tag=None, **kwargs):
         load_dir = os.fspath(load_dir)

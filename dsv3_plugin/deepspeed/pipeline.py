@@ -18,6 +18,7 @@ from dsv3_plugin.config import ConfigError
 from dsv3_plugin.deepspeed.backend import import_deepspeed
 from dsv3_plugin.deepspeed.engine import check_fp32_router_state, client_optimizer, prepare_mixed_precision
 from dsv3_plugin.deepspeed.moe_layer import prepare_model, stacking_order
+from dsv3_plugin.deepspeed.save_errors import deferred_write_errors
 from dsv3_plugin.errors import CheckpointError
 from dsv3_plugin.model.moe.balancing import reset_counts
 from dsv3_plugin.parallel.distributed import new_groups_bounded
@@ -175,15 +176,23 @@ class PipelinedEngine(PipelinedStages):
         return self.mean_losses(crit)
 
     # --- checkpoints ----------------------------------------------------------------------------------
-    def save_checkpoint(self, save_dir: str, tag: str, client_state: dict | None = None) -> None:
+    def save_checkpoint(
+        self, save_dir: str, tag: str, client_state: dict | None = None, save_latest: bool = True
+    ) -> None:
         """DeepSpeed's checkpoint (one model file per pipeline rank with its stages' weights and router biases,
         ZeRO-1 optimizer partitions, expert files, LR schedule) plus `client_state["dsv3"]`: every rank's RNG
         state (all-gathered: DeepSpeed writes client_state from each stage's data-parallel rank 0 only), the
-        optimizer-step count and the config. Call between steps (router counts are zero there)."""
+        optimizer-step count and the config. Call between steps (router counts are zero there). `save_latest`:
+        DeepSpeed writes `latest` (`dsv3 train` passes False: its run directory writes it after the completion
+        marker). A failed file write on this rank (a full disk) is raised after DeepSpeed's collectives ran on
+        every rank (`save_errors.deferred_write_errors`)."""
         cs = dict(client_state or {})
         cs["dsv3"] = {**gather_rng_states(), "optimizer_steps": self.optimizer_steps, "config": self.cfg.to_dict()}
-        with self._peers("save_checkpoint", sorted(set(self.g.pp_ranks) | set(self.g.dp_ranks))):
-            self.engine.save_checkpoint(save_dir, tag=tag, client_state=cs)
+        with (
+            self._peers("save_checkpoint", sorted(set(self.g.pp_ranks) | set(self.g.dp_ranks))),
+            deferred_write_errors(self.engine),
+        ):
+            self.engine.save_checkpoint(save_dir, tag=tag, client_state=cs, save_latest=save_latest)
 
     def load_checkpoint(self, load_dir: str, tag: str) -> dict:
         """Load what `save_checkpoint` wrote (same pp, dp, ep); restores this rank's RNG state. Returns the

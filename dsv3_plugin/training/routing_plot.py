@@ -24,13 +24,46 @@ def _label(rows: list[dict], run_dir: str) -> str:
     return name
 
 
+def _check_out(out: str) -> None:
+    """The PNG path must be a file name in a directory this process can write (or create): ConfigError naming it."""
+    if os.path.isdir(out):
+        example = os.path.join(out, "routing.png")
+        raise ConfigError(f"--out {out}: is a directory; give the PNG's file name (e.g. {example})")
+    head = os.path.dirname(os.path.abspath(out))
+    while not os.path.exists(head):
+        head = os.path.dirname(head)
+    if not os.path.isdir(head):
+        raise ConfigError(f"--out {out}: {head} is a file, so no directory can be made under it")
+    if not os.access(head, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {out}: cannot write into {head} (read-only or not this user's)")
+
+
 def plot_routing(run_dirs: list[str], out: str | None = None, layer: str | None = None) -> str:
+    """Plot the routing telemetry of `run_dirs` into one PNG.
+
+    Args:
+        run_dirs: run directories (or metrics.jsonl files), read with `telemetry.read_metrics` (strict: a bad line
+            is a ConfigError "PATH:LINE: ...").
+        out: the PNG (default FIRST_RUN_DIR/routing.png); missing parent directories are created.
+        layer: the MoE layer of the heatmaps (default: the first one).
+
+    Returns:
+        The PNG's path.
+
+    Raises:
+        ConfigError: a bad metrics line, no telemetry, an unknown layer, or an output path that cannot be written
+            (a directory, a file above it, a read-only place), each naming the path.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
+    out = out or os.path.join(
+        run_dirs[0] if os.path.isdir(run_dirs[0]) else os.path.dirname(run_dirs[0]), "routing.png"
+    )
+    _check_out(out)  # before the work: a path that cannot be written fails at once
     runs = [(d, read_metrics(d)) for d in run_dirs]
     heat = []
     for d, rows in runs[:3]:  # one heatmap per run (at most three)
@@ -87,12 +120,15 @@ def plot_routing(run_dirs: list[str], out: str | None = None, layer: str | None 
     b.set_xlabel("step"), b.set_ylabel("MaxVio (mean over MoE layers)"), b.set_title("load imbalance")
     b.legend(fontsize=7)
     fig.tight_layout()
-    out = out or os.path.join(
-        run_dirs[0] if os.path.isdir(run_dirs[0]) else os.path.dirname(run_dirs[0]), "routing.png"
-    )
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     tmp = out + ".tmp.png"
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, out)
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        fig.savefig(tmp, dpi=110)
+        os.replace(tmp, out)
+    except OSError as e:  # a full disk, a place that turned read-only: one line naming the path, no half PNG
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise ConfigError(f"--out {out}: cannot write the PNG ({e.strerror or e})") from None
+    finally:
+        plt.close(fig)
     return out

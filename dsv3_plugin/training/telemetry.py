@@ -131,8 +131,20 @@ class RoutingTelemetry:
 
 
 def read_metrics(run_dir: str) -> list[dict]:
-    """The JSON lines of a run (`RUN_DIR/metrics.jsonl`, or RUN_DIR itself if it is a file). A torn last line
-    (a run killed mid-write, or one still writing) is skipped; a bad line before it is a ConfigError."""
+    """The JSON lines of a run (`RUN_DIR/metrics.jsonl`, or RUN_DIR itself if it is a file), read strictly by
+    `run_dir.read_jsonl`.
+
+    Args:
+        run_dir: a run directory or a metrics.jsonl file.
+
+    Returns:
+        The rows (dicts with an integer "step"); a torn last line (a run killed mid-write, or one still writing)
+        is skipped.
+
+    Raises:
+        ConfigError: no metrics file, or "PATH:LINE: ..." for a line that is not a metrics line (not an object,
+            no integer step, non-finite numbers, too deep, uneven expert loads, wrong types).
+    """
     import os
 
     path = run_dir if os.path.isfile(run_dir) else os.path.join(run_dir, "metrics.jsonl")
