@@ -44,6 +44,22 @@ __all__ = [
 
 
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a timeout beyond a week is a typo (and 1e300 s overflows timedelta)
+
+# Bounds of the sizes that allocate (issue 27: a typo must not ask for petabytes, or loop building 10^30 layers,
+# before the memory estimate runs). Each is far above DeepSeek-V3's value (in brackets) and every published model's,
+# and low enough that each count stays exact in FP32 index arithmetic and every loop over it ends in milliseconds.
+MAX_VOCAB = 2**24  # [129280] a token id must be exact in FP32 (2^24), and torch.multinomial draws from <= 2^24
+MAX_WIDTH = 2**16  # [7168] hidden / LoRA ranks: one [width, width] matrix stays below 2^32 elements
+MAX_FFN = 2**18  # [18432 dense, 2048 per expert] FFN widths: 14x V3's dense FFN
+MAX_HEAD_DIM = 2**12  # [128 / 64] per-head dims: 32x V3's; attention kernels stop at 256
+MAX_HEADS = 1024  # [128]
+MAX_LAYERS = 1024  # [61] 8x the deepest published LLMs (~126 layers); each layer is a module built one by one
+MAX_POSITIONS = 2**24  # [163840] positions enter RoPE as FP32, exact only up to 2^24
+MAX_EXPERTS = 2**14  # [256] routed experts (and EP ranks, groups, top-k, which are at most that many)
+MAX_SHARED = 64  # [1] shared experts, one MLP of n_shared x intermediate_size
+MAX_PIPELINE = 1024  # [16] pipeline ranks: a deeper pipeline than MAX_LAYERS leaves ranks with no layer at all
+MAX_MTP_DEPTH = 16  # [1] each depth is one more full MoE layer and one more loss
+MAX_TOKENS = 1e18  # [14.8e12] tokens seen are counted in int64 (9.2e18)
 # NOTE: integers are bounded by 10^36, not int64: sizes beyond int64 are refused by the memory estimate
 # (`training/memory_estimate.py`), which names the key and the bytes; this bound only keeps every product of sizes in
 # that estimate within a double (10^36^4 << 1.8e308).
@@ -60,7 +76,8 @@ class _Strict(BaseModel):
 class ScheduleStep(_Strict):
     """One piece of a piecewise-constant schedule over tokens seen: `value` while tokens < `until_tokens`."""
 
-    until_tokens: float | None = Field(None, ge=0, description="end of this piece (None = forever)")
+    until_tokens: float | None = Field(None, ge=0, le=MAX_TOKENS, description="end of this piece (None = forever)")
+    # the bound of the value is its schedule's own (γ <= 1, λ <= 10): `_check_schedule`
     value: float = Field(ge=0)
 
 
@@ -76,60 +93,90 @@ class RopeScaling(_Strict):
     """YaRN rope scaling as in the released config.json (`rope_scaling`)."""
 
     type: Literal["yarn"] = "yarn"
-    factor: float = Field(40.0, gt=0)
-    original_max_position_embeddings: int = Field(4096, gt=0)
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float = 1.0
-    mscale_all_dim: float = 1.0
+    # [40] YaRN extends the context by `factor`: below 1 it would shrink it (its mscale ignores that case), and
+    # 10^4 stretches V3's 4K pretraining context to 40M positions, past MAX_POSITIONS.
+    factor: float = Field(40.0, ge=1, le=1e4, description="s, the context extension factor")
+    original_max_position_embeddings: int = Field(
+        4096, gt=0, le=MAX_POSITIONS, description="L, the context the model was pretrained on"
+    )
+    # [32, 1] turns per original context L that place the ramp between extrapolated and interpolated dimensions
+    # (at the dimensions whose wavelength fits β turns in L): ln(L / (2π β)) needs β > 0, and 1024 turns (32x V3's)
+    # in V3's 4K context already put the ramp's start below dimension 0. beta_slow > beta_fast would invert the
+    # ramp (`_check_cross_fields`).
+    beta_fast: float = Field(32.0, gt=0, le=1024, description="dimensions turning more often in L keep their frequency")
+    beta_slow: float = Field(1.0, gt=0, le=1024, description="dimensions turning less often in L are interpolated")
+    # [1.0, 1.0; V2-Lite 0.707] 0.1·m·ln(factor) + 1 scales the softmax (squared): a negative m makes it <= 0
+    # (a sign flip or a division by zero), and m = 10 with factor 10^4 already multiplies logits by ~100.
+    mscale: float = Field(1.0, ge=0, le=10, description="m of cos/sin's amplitude 0.1·m·ln(s) + 1 (/ mscale_all_dim's)")
+    mscale_all_dim: float = Field(1.0, ge=0, le=10, description="m of the softmax scale's (0.1·m·ln(s) + 1)^2")
 
 
 class ModelConfig(_Strict):
     """Model shape; names follow the released config.json."""
 
-    vocab_size: int = Field(gt=0, description="vocabulary size")
-    hidden_size: int = Field(gt=0, description="d, model width")
-    intermediate_size: int = Field(gt=0, description="dense FFN width (first_k_dense_replace layers)")
-    num_hidden_layers: int = Field(gt=0, description="decoder layers (MTP layers come after)")
-    num_attention_heads: int = Field(gt=0, description="n_h")
-    q_lora_rank: int | None = Field(None, gt=0, description="None = plain q_proj (V2-Lite style)")
-    kv_lora_rank: int = Field(gt=0, description="d_c, MLA KV compression")
-    qk_nope_head_dim: int = Field(gt=0, description="d_h, per-head q/k without RoPE")
-    qk_rope_head_dim: int = Field(gt=0, description="d_h^R, decoupled RoPE dim")
-    v_head_dim: int = Field(gt=0, description="per-head value dim")
-    first_k_dense_replace: int = Field(ge=0, description="the first k layers use a dense FFN")
-    rms_norm_eps: float = Field(1e-6, gt=0, description="RMSNorm epsilon")
-    rope_theta: float = Field(10000.0, gt=0, description="RoPE base")
+    vocab_size: int = Field(gt=0, le=MAX_VOCAB, description="vocabulary size")
+    hidden_size: int = Field(gt=0, le=MAX_WIDTH, description="d, model width")
+    intermediate_size: int = Field(gt=0, le=MAX_FFN, description="dense FFN width (first_k_dense_replace layers)")
+    num_hidden_layers: int = Field(gt=0, le=MAX_LAYERS, description="decoder layers (MTP layers come after)")
+    num_attention_heads: int = Field(gt=0, le=MAX_HEADS, description="n_h")
+    q_lora_rank: int | None = Field(None, gt=0, le=MAX_WIDTH, description="None = plain q_proj (V2-Lite style)")
+    kv_lora_rank: int = Field(gt=0, le=MAX_WIDTH, description="d_c, MLA KV compression")
+    qk_nope_head_dim: int = Field(gt=0, le=MAX_HEAD_DIM, description="d_h, per-head q/k without RoPE")
+    qk_rope_head_dim: int = Field(gt=0, le=MAX_HEAD_DIM, description="d_h^R, decoupled RoPE dim")
+    v_head_dim: int = Field(gt=0, le=MAX_HEAD_DIM, description="per-head value dim")
+    first_k_dense_replace: int = Field(ge=0, le=MAX_LAYERS, description="the first k layers use a dense FFN")
+    # [1e-6; others 1e-5] eps is added to mean(x^2) in FP32: from 1 up it outweighs the mean square of unit-RMS
+    # activations (the layer stops normalising); below 1e-30 it nears FP32's smallest normal (1.2e-38), where it
+    # flushes to 0 and an all-zero row (padding) divides by zero.
+    rms_norm_eps: float = Field(1e-6, ge=1e-30, lt=1, description="RMSNorm epsilon")
+    # [10000] at theta <= 1 every frequency theta^(-2i/d) is >= 1 rad per token (theta = 1: all equal), so no
+    # dimension tells positions apart; published long-context bases reach ~1e7, 1e9 leaves 100x margin, and a
+    # larger base leaves ever more dimensions turning by less than a radian over the whole context (no position
+    # signal) until, beyond 3.4e38, theta^(2i/d) overflows FP32.
+    rope_theta: float = Field(10000.0, gt=1, le=1e9, description="RoPE base")
     rope_scaling: RopeScaling | None = Field(
         None,
         description="YaRN (type, factor, original_max_position_embeddings, beta_fast/slow, mscale, mscale_all_dim); "
         "null = plain RoPE",
     )
     rope_interleave: bool = Field(True, description="RoPE dims stored as interleaved pairs (released weights)")
-    max_position_embeddings: int = Field(4096, gt=0, description="longest supported context")
-    initializer_range: float = Field(0.006, gt=0, description="paper §4.2: init std 0.006")
+    max_position_embeddings: int = Field(4096, gt=0, le=MAX_POSITIONS, description="longest supported context")
+    # [0.006] a std of 1 already makes a 7168-wide layer's outputs ~85x its inputs; larger is no initialisation
+    initializer_range: float = Field(0.006, gt=0, le=1, description="paper §4.2: init std 0.006")
     tie_word_embeddings: bool = Field(False, description="share lm_head with the embedding (V3: false)")
 
 
 class MoEConfig(_Strict):
     """DeepSeekMoE routing and balancing (paper eqs. 12-20)."""
 
-    n_routed_experts: int = Field(gt=0, description="N_r, routed experts per MoE layer")
-    n_shared_experts: int = Field(1, ge=0, description="N_s, shared experts (one MLP of N_s x intermediate_size)")
-    intermediate_size: int = Field(gt=0, description="per-expert FFN width (moe_intermediate_size)")
-    top_k: int = Field(gt=0, description="K_r, routed experts per token (num_experts_per_tok)")
-    n_group: int = Field(1, gt=0, description="expert groups = nodes for node-limited routing")
-    topk_group: int = Field(1, gt=0, description="M: groups (= nodes) a token may use; alias max_nodes_per_token")
-    route_scale: float = Field(2.5, gt=0, description="routed_scaling_factor")
+    n_routed_experts: int = Field(gt=0, le=MAX_EXPERTS, description="N_r, routed experts per MoE layer")
+    n_shared_experts: int = Field(
+        1, ge=0, le=MAX_SHARED, description="N_s, shared experts (one MLP of N_s x intermediate_size)"
+    )
+    intermediate_size: int = Field(gt=0, le=MAX_FFN, description="per-expert FFN width (moe_intermediate_size)")
+    top_k: int = Field(gt=0, le=MAX_EXPERTS, description="K_r, routed experts per token (num_experts_per_tok)")
+    n_group: int = Field(1, gt=0, le=MAX_EXPERTS, description="expert groups = nodes for node-limited routing")
+    topk_group: int = Field(
+        1, gt=0, le=MAX_EXPERTS, description="M: groups (= nodes) a token may use; alias max_nodes_per_token"
+    )
+    # [2.5; V2 16] multiplies the routed experts' sum before it joins the residual stream: 1e3 (60x V2's) already
+    # drowns the shared expert and the residual, and at 1e30 the hidden state overflows and the logits come out
+    # all zero (issue 27).
+    route_scale: float = Field(2.5, gt=0, le=1e3, description="routed_scaling_factor")
     score_func: Literal["sigmoid"] = Field("sigmoid", description="affinity function (eq. 15)")
     norm_topk_prob: bool = Field(True, description="normalize gates over the selected K_r (eq. 13)")
-    bias_update_speed: float = Field(0.001, ge=0, description="γ of the aux-loss-free bias update")
+    # [0.001] the bias is added to sigmoid scores in (0, 1): a step of 1 moves it across the whole score range at once,
+    # and the routing is then the bias's, not the affinities'
+    bias_update_speed: float = Field(0.001, ge=0, le=1, description="γ of the aux-loss-free bias update")
     bias_update_schedule: list[ScheduleStep] = Field(
         default_factory=list,
         description="γ by tokens seen: [{until_tokens, value}, ...]; empty = constant bias_update_speed",
     )
-    seq_aux_alpha: float = Field(0.0001, ge=0, description="α of the sequence-wise balance loss; 0 disables")
-    ranks_per_node: int = Field(1, gt=0, description="EP ranks forming one simulated node (contiguous blocks)")
+    # [0.0001, "extremely small"] Σ f_i P_i is ~1 at balance: α = 1 already weighs it like the language-model loss
+    seq_aux_alpha: float = Field(0.0001, ge=0, le=1, description="α of the sequence-wise balance loss; 0 disables")
+    ranks_per_node: int = Field(
+        1, gt=0, le=MAX_EXPERTS, description="EP ranks forming one simulated node (contiguous blocks)"
+    )
     dedup_dispatch: bool = Field(True, description="send a token once per node, then forward inside the node")
 
     def gamma(self, tokens_seen: float) -> float:
@@ -139,8 +186,9 @@ class MoEConfig(_Strict):
 class MTPConfig(_Strict):
     """Multi-token prediction (paper eqs. 21-25)."""
 
-    depth: int = Field(1, ge=0, description="D; 0 disables MTP")
-    loss_weight: float = Field(0.3, ge=0, description="λ")
+    depth: int = Field(1, ge=0, le=MAX_MTP_DEPTH, description="D; 0 disables MTP")
+    # [0.3, then 0.1] at 10 the extra-token losses outweigh the next-token loss the model is for ten times over
+    loss_weight: float = Field(0.3, ge=0, le=10, description="λ")
     loss_weight_schedule: list[ScheduleStep] = Field(
         default_factory=list, description="λ by tokens seen (V3: 0.3 to 10T, then 0.1)"
     )
@@ -150,15 +198,17 @@ class MTPConfig(_Strict):
 
 
 class ParallelConfig(_Strict):
-    ep: int = Field(1, gt=0, description="expert-parallel degree")
-    pp: int = Field(1, gt=0, description="pipeline ranks")
+    ep: int = Field(1, gt=0, le=MAX_EXPERTS, description="expert-parallel degree")
+    pp: int = Field(1, gt=0, le=MAX_PIPELINE, description="pipeline ranks")
     schedule: Literal["1f1b", "dualpipe", "dualpipev"] = Field("1f1b", description="pipeline schedule when pp > 1")
+    # the schedules' op lists hold ~3 ops per micro-batch and rank: 2^20 micro-batches per step is already hours
     num_chunks: int | None = Field(
-        None, gt=0, description="micro-batches per pipeline step (default: grad. accumulation)"
+        None, gt=0, le=2**20, description="micro-batches per pipeline step (default: grad. accumulation)"
     )
+    # [120] below 10 ms a healthy peer's p2p round trip (and Python's own latency) reads as a failure
     p2p_timeout_s: float = Field(
         120.0,
-        gt=0,
+        ge=0.01,
         le=MAX_TIMEOUT_S,
         description="a peer rank silent this long (p2p or collective) is an error, not a hang (<= 1 week)",
     )
@@ -202,9 +252,11 @@ class FP8Config(_Strict):
         description="TE Float8BlockScaling / torch scaled_mm / exact emulation / Hopper tensor-core accumulation "
         "modelled on any device (needs mmaemu)",
     )
+    # [128] beyond the largest K a GEMM may have (MAX_FFN) it is the same as never: write null
     promote_every: int | None = Field(
         128,
         gt=0,
+        le=MAX_FFN,
         description="N_C: K elements accumulated on the tensor core before FP32 promotion (null = never); "
         "only the hopper-emulated backend models it",
     )
@@ -215,7 +267,9 @@ class MemoryConfig(_Strict):
         "none", description="activation recompute in backward (paper §3.2.3)"
     )
     ema: bool = Field(False, description="EMA of parameters in CPU memory, updated asynchronously")
-    ema_decay: float = Field(0.999, gt=0, lt=1, description="EMA decay")
+    # [0.999] the EMA is FP32: once 1 - decay nears FP32's relative resolution (2^-24 = 6e-8) the decay rounds to
+    # 1 and the update (1 - decay)·θ is lost against ema, so a decay closer to 1 than 1e-7 freezes the EMA
+    ema_decay: float = Field(0.999, gt=0, le=1 - 1e-7, description="EMA decay")
     bf16_moments: bool = Field(False, description="AdamW moments stored in BF16 (paper §3.3)")
 
 
@@ -256,7 +310,7 @@ def _data_kind(value: Any) -> str:
 class TrainConfig(_Strict):
     """What `dsv3 train` needs beyond DeepSpeed's own keys."""
 
-    seq_len: int = Field(64, gt=1, description="tokens per sequence")
+    seq_len: int = Field(64, gt=1, le=MAX_POSITIONS, description="tokens per sequence")
     steps: int = Field(60, gt=0, description="optimizer steps of `dsv3 train` (CLI --steps overrides)")
     seed: int = Field(1234, ge=0, le=2**63 - 1, description="seed of weights and data (0 .. 2^63-1)")
     data: Annotated[
@@ -287,6 +341,9 @@ _IMPLEMENTED = {
     "hidden_act": ("silu",),
     "scoring_func": ("sigmoid",),
     "topk_method": ("noaux_tc",),
+    "attention_dropout": (0.0,),  # the model has no dropout: a fine-tune would silently train without it
+    "attention_bias": (False,),  # no bias on q/kv/o projections (their weights would be refused as unexpected)
+    "moe_layer_freq": (1,),  # every layer after first_k_dense_replace is MoE
 }
 _ROPE_TYPES = ("yarn", "default")
 
@@ -296,7 +353,8 @@ def _refuse_unimplemented(hf: dict, rope: dict | None, where: str) -> None:
     for key, values in _IMPLEMENTED.items():
         if key in hf and hf[key] not in values:
             raise ConfigError(
-                f"{where}: {key}: {short_json(hf[key])} is not implemented (this model implements {' / '.join(values)})"
+                f"{where}: {key}: {short_json(hf[key])} is not implemented (this model implements "
+                f"{' / '.join(v if isinstance(v, str) else short_json(v) for v in values)})"
             )
     kind = (rope or {}).get("type") or (rope or {}).get("rope_type")
     if kind is None and rope and "factor" not in rope:
@@ -375,7 +433,12 @@ class DSv3Config(_Strict):
             d = cls._hf_to_block(hf, where)
         except KeyError as e:
             raise ConfigError(f"{where}: required key {e.args[0]!r} is missing") from None
-        return _validate(_deep_merge(d, overrides))
+        try:  # config.json's own values first, so that an error names the key as the file spells it
+            cfg = _validate(d)
+        except ConfigError as e:
+            msg = _with_hf_key(str(e), hf)
+            raise ConfigError(msg if where == "config.json" else f"{where}: {msg}") from None
+        return _validate(_deep_merge(d, overrides)) if overrides else cfg
 
     @staticmethod
     def _hf_to_block(hf: dict, where: str) -> dict:
@@ -612,6 +675,35 @@ PRESETS["small"] = _deep_merge(
 )
 
 
+# `"dsv3"` key -> the released config.json key `from_hf` reads it from (the rest keep their names)
+_HF_KEYS = {
+    "moe.intermediate_size": "moe_intermediate_size",
+    "moe.top_k": "num_experts_per_tok",
+    "moe.route_scale": "routed_scaling_factor",
+    "moe.seq_aux_alpha": "aux_loss_alpha",
+    "mtp.depth": "num_nextn_predict_layers",
+}
+
+
+def _with_hf_key(msg: str, hf: dict) -> str:
+    """A validation message of a block built from config.json, led by the config.json key it came from:
+    `dsv3.moe.route_scale: ...` -> `routed_scaling_factor (dsv3.moe.route_scale): ...`."""
+    path, sep, rest = msg.partition(": ")
+    if not sep or not path.startswith("dsv3."):
+        return msg
+    key = path[len("dsv3.") :]
+    sec, _, name = key.partition(".")
+    if key in _HF_KEYS:
+        hf_key = _HF_KEYS[key]
+    elif name.startswith("rope_scaling."):
+        hf_key = ("rope_scaling" if hf.get("rope_scaling") else "rope_parameters") + name[len("rope_scaling") :]
+    elif sec in ("model", "moe") and name.split(".")[0] in hf:
+        hf_key = name
+    else:
+        return msg
+    return f"{hf_key} ({path}): {rest}"
+
+
 def _dsv3_key_path(loc: tuple) -> str:
     """pydantic's error location (("moe", "top_k")) as the key the user wrote ("dsv3.moe.top_k")."""
     if tuple(loc[:2]) == ("train", "data") and len(loc) > 2 and loc[2] in ("name", "object"):
@@ -679,7 +771,7 @@ def _pydantic_message(err: dict) -> str:
     ctx = err.get("ctx") or {}
     for key, op in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")):
         if kind.startswith(("greater_than", "less_than")) and key in ctx:
-            return f"{where}: must be {op} {ctx[key]:g} (got {short_json(value)})"
+            return f"{where}: must be {op} {ctx[key]:.10g} (got {short_json(value)})"
     return f"{where}: {err['msg']} (got {short_json(value)})"
 
 
@@ -715,9 +807,13 @@ def _fail(path: str, msg: str):
     raise ConfigError(f"dsv3.{path}: {msg}")
 
 
-def _check_schedule(path: str, steps: list[ScheduleStep]) -> None:
+def _check_schedule(path: str, steps: list[ScheduleStep], hi: float, of: str) -> None:
+    """Pieces in increasing order, only the last open-ended, each value within `hi`, the bound of the key `of`
+    the schedule replaces."""
     last = -math.inf
     for i, s in enumerate(steps):
+        if s.value > hi:
+            _fail(f"{path}.{i}.value", f"must be <= {hi:.10g}, the bound of {of} (got {short_json(s.value)})")
         if s.until_tokens is None:
             if i != len(steps) - 1:
                 _fail(f"{path}.{i}.until_tokens", "only the last piece may be open-ended (null)")
@@ -725,6 +821,11 @@ def _check_schedule(path: str, steps: list[ScheduleStep]) -> None:
         if s.until_tokens <= last:
             _fail(f"{path}.{i}.until_tokens", f"must increase (got {s.until_tokens:g} after {last:g})")
         last = s.until_tokens
+
+
+def _le(cls: type[BaseModel], name: str) -> float:
+    """The upper bound (`le`) of a numeric field, as its schema declares it."""
+    return next(x.le for x in cls.model_fields[name].metadata if getattr(x, "le", None) is not None)
 
 
 def _check_cross_fields(c: DSv3Config) -> None:
@@ -749,8 +850,13 @@ def _check_cross_fields(c: DSv3Config) -> None:
         )
     if m.qk_rope_head_dim % 2:
         _fail("model.qk_rope_head_dim", f"must be even for RoPE (got {m.qk_rope_head_dim})")
-    _check_schedule("moe.bias_update_schedule", e.bias_update_schedule)
-    _check_schedule("mtp.loss_weight_schedule", c.mtp.loss_weight_schedule)
+    _check_schedule("moe.bias_update_schedule", e.bias_update_schedule, _le(MoEConfig, "bias_update_speed"), "γ")
+    _check_schedule("mtp.loss_weight_schedule", c.mtp.loss_weight_schedule, _le(MTPConfig, "loss_weight"), "λ")
+    rs = m.rope_scaling
+    if rs is not None and rs.beta_slow > rs.beta_fast:
+        # the ramp runs from beta_fast's dimension (extrapolated below it) to beta_slow's (interpolated above it);
+        # swapped, it would interpolate the high frequencies and keep the low ones: the opposite of YaRN
+        _fail("model.rope_scaling.beta_slow", f"must be <= beta_fast (got {rs.beta_slow:g} > {rs.beta_fast:g})")
     p = c.parallel
     if e.n_routed_experts % p.ep:
         _fail("parallel.ep", f"must divide moe.n_routed_experts (got {e.n_routed_experts} % {p.ep} != 0)")
@@ -816,8 +922,10 @@ def _check_data(d: DataConfig) -> None:
             ok = len(x) == 2 and isinstance(x[0], (int, float)) and isinstance(x[1], str) and x[1]
             if not ok:
                 _fail(f"train.data.train.{i}", f"must be [weight, PREFIX] (got {short_json(x)})")
-            if not x[0] > 0:
-                _fail(f"train.data.train.{i}", f"the weight must be > 0 (got {short_json(x[0])})")
+            # a weight is a relative share (often a token count, so bounded like one); beyond, sums of weights lose
+            # the small ones entirely
+            if not 0 < x[0] <= MAX_TOKENS:
+                _fail(f"train.data.train.{i}", f"the weight must be > 0 and <= 1e18 (got {short_json(x[0])})")
         elif not x:
             _fail(f"train.data.train.{i}", "must be a non-empty path")
         if weighted[i] != weighted[0]:
@@ -928,13 +1036,37 @@ def _type_words(annotation: Any) -> str:
     return ann.replace("|", "\\|")
 
 
+def _range_words(f: Any) -> str:
+    """A numeric field's bounds as an interval (`(0, 1000]`, `[1, 1024]`, `>= 0`), '' for other fields."""
+    lo = hi = None
+    for x in f.metadata:
+        for attr, bracket in (("gt", "("), ("ge", "[")):
+            if getattr(x, attr, None) is not None:
+                lo = (bracket, getattr(x, attr))
+        for attr, bracket in (("lt", ")"), ("le", "]")):
+            if getattr(x, attr, None) is not None:
+                hi = (bracket, getattr(x, attr))
+
+    def num(v: float) -> str:
+        return str(v) if isinstance(v, int) else f"{v:.10g}"
+
+    if lo is None and hi is None:
+        return ""
+    if hi is None:
+        return f"{'>' if lo[0] == '(' else '>='} {num(lo[1])}"
+    if lo is None:
+        return f"{'<' if hi[0] == ')' else '<='} {num(hi[1])}"
+    return f"{lo[0]}{num(lo[1])}, {num(hi[1])}{hi[0]}"
+
+
 def reference_table() -> str:
-    """Markdown table of every `"dsv3"` key (type, tiny default, meaning), generated from the schema."""
+    """Markdown table of every `"dsv3"` key (type, allowed range, tiny default, meaning), generated from the
+    schema (cross-field rules, e.g. `moe.top_k <= moe.n_routed_experts`, are not in the range column)."""
     tiny = load_config({"preset": "tiny"}).to_dict()
     rows = [
-        "| key | type | tiny | meaning |",
-        "|---|---|---|---|",
-        "| `preset` | str | `tiny` | base preset: " + ", ".join(f"`{p}`" for p in PRESETS) + " |",
+        "| key | type | range | tiny | meaning |",
+        "|---|---|---|---|---|",
+        "| `preset` | str |  | `tiny` | base preset: " + ", ".join(f"`{p}`" for p in PRESETS) + " |",
     ]
     sections = {
         "model": ModelConfig,
@@ -948,8 +1080,19 @@ def reference_table() -> str:
     for sec, cls in sections.items():
         for name, f in cls.model_fields.items():
             val = json.dumps(tiny[sec][name])
-            rows.append(f"| `{sec}.{name}` | {_type_words(f.annotation)} | `{val}` | {f.description or ''} |")
+            kind, bounds = _type_words(f.annotation), _range_words(f)
+            rows.append(f"| `{sec}.{name}` | {kind} | {bounds} | `{val}` | {f.description or ''} |")
+            if (sec, name) == ("model", "rope_scaling"):  # its keys' ranges (a nested object)
+                for sub, g in RopeScaling.model_fields.items():
+                    val = json.dumps(tiny[sec][name][sub])
+                    rows.append(
+                        f"| `{sec}.{name}.{sub}` | {_type_words(g.annotation)} | {_range_words(g)} | `{val}` | "
+                        f"{g.description or ''} |"
+                    )
     for name, f in DataConfig.model_fields.items():  # the object form of train.data (not set in the tiny preset)
         default = "required" if f.is_required() else json.dumps(f.get_default(call_default_factory=True))
-        rows.append(f"| `train.data.{name}` | {_type_words(f.annotation)} | ({default}) | {f.description or ''} |")
+        rows.append(
+            f"| `train.data.{name}` | {_type_words(f.annotation)} | {_range_words(f)} | ({default}) | "
+            f"{f.description or ''} |"
+        )
     return "\n".join(rows)
