@@ -7,6 +7,10 @@ Decoding is `model.generate.generate`: greedy (optionally MTP-speculative) or sa
 Streaming decodes incrementally (`TextStream`), the windowed scheme detokenizers of serving engines use: only
 the new text is printed, and text ending in an incomplete UTF-8 character is held back until it completes.
 
+Memory is checked first (`check_load_memory`): from config.json alone, before the index, any shard or tensor is
+read, the bytes the model takes (`training.memory_estimate.load_bytes`) are compared with the memory available,
+so a checkpoint larger than the machine is one line and exit 2, not an allocator failure minutes later.
+
 Public API: `register`, `run`, `TextStream`.
 """
 
@@ -17,14 +21,16 @@ import os
 import secrets
 import sys
 
-from dsv3_plugin.checkpoint.hf import load_pretrained, pretrained_config
-from dsv3_plugin.config import ConfigError
+from dsv3_plugin.checkpoint.hf import load_pretrained, model_config, pretrained_config
+from dsv3_plugin.checkpoint.integrity import load_json
+from dsv3_plugin.config import ConfigError, DSv3Config
 from dsv3_plugin.data.tokenizer import check_vocab_fits, load_tokenizer
 from dsv3_plugin.errors import DataError
 from dsv3_plugin.model.generate import generate
 from dsv3_plugin.model.sampling import check_sampling
+from dsv3_plugin.training.memory_estimate import available_memory_bytes, format_bytes, load_bytes
 
-__all__ = ["TextStream", "register", "run"]
+__all__ = ["TextStream", "register", "run", "check_load_memory"]
 
 _REPLACEMENT = "\ufffd"  # what a byte-level decoder shows for an incomplete UTF-8 sequence
 
@@ -162,10 +168,51 @@ def _check_length(args, n_prompt: int, max_pos: int) -> None:
         )
 
 
+def check_load_memory(cfg: DSv3Config, model_dir: str, dtype_bytes: int, device: str) -> None:
+    """Refuse a model that cannot fit before anything is allocated for it.
+
+    Args:
+        cfg: the checkpoint's config; model_dir: the directory (for the message).
+        dtype_bytes: bytes per element of the compute dtype (--dtype); device: the torch device (--device).
+
+    Raises:
+        ConfigError: one line naming --model (host memory: the FP32 build) or --device (the accelerator's free
+            memory for the cast model), with the bytes needed and the bytes available.
+    """
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ConfigError(f"--device {device}: not a torch device ({e})") from None
+    need = load_bytes(cfg, dtype_bytes, on_host=dev.type == "cpu")
+    avail = available_memory_bytes()
+    if need["host"] > avail:
+        raise ConfigError(
+            f"--model {model_dir}: loading needs at least {format_bytes(need['host'])} of host memory "
+            f"({need['params']:,} parameters, built in FP32 before the weights are read), but only "
+            f"{format_bytes(avail)} is available on this host"
+        )
+    if need["device"] and dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        if need["device"] > free:
+            raise ConfigError(
+                f"--device {device}: the model needs at least {format_bytes(need['device'])} there "
+                f"({need['params']:,} parameters x {dtype_bytes} B), but only {format_bytes(free)} of it is free"
+            )
+
+
 def run(args) -> int:
     import torch
 
     _check_flags(args)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
+    cfg_path = os.path.join(args.model, "config.json")
+    if os.path.isdir(args.model) and os.path.lexists(cfg_path):  # (else pretrained_config names what is missing)
+        # config.json alone, before the index or any shard is opened: a model that cannot fit is refused first
+        cfg = model_config(load_json(cfg_path, what="released config.json"), cfg_path)
+        check_load_memory(cfg, args.model, dtype.itemsize, device)
     cfg = pretrained_config(args.model)  # headers only: a bad directory or prompt fails before any weight is read
     tokenizer = None
     if args.prompt is None:
@@ -179,10 +226,9 @@ def run(args) -> int:
         prompt = _prompt_from_text(args, tokenizer)
     _check_length(args, len(prompt), cfg.model.max_position_embeddings)
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = load_pretrained(
         args.model,
-        dtype=torch.float32 if args.dtype == "fp32" else torch.bfloat16,
+        dtype=dtype,
         device=device,
         allow_non_finite=args.allow_non_finite,
     )

@@ -17,6 +17,10 @@ refused only when it certainly cannot fit.
 
 The message names the key that drives the estimate: the size key whose reduction to the `tiny` preset's value
 (1 for the micro-batch) would shrink the estimate the most.
+
+Loading a released checkpoint (`dsv3 generate`) has its own lower bound, `load_bytes`: the model is built in FP32
+before its weights are read, so the host needs 4 B x P, compared with the memory available now
+(`available_memory_bytes`: MemAvailable, or what the container's limit leaves, whichever is lower).
 """
 
 from __future__ import annotations
@@ -27,7 +31,16 @@ from dataclasses import dataclass, field
 from dsv3_plugin.config import PRESETS, ConfigError, DSv3Config
 from dsv3_plugin.training.memory_plan import layer_activation_bytes, param_counts
 
-__all__ = ["MemoryEstimate", "estimate_train_memory", "check_budget", "host_memory_bytes", "format_bytes"]
+__all__ = [
+    "MemoryEstimate",
+    "estimate_train_memory",
+    "check_budget",
+    "host_memory_bytes",
+    "available_memory_bytes",
+    "model_param_count",
+    "load_bytes",
+    "format_bytes",
+]
 
 # size keys the estimate depends on, as (section, name); DeepSpeed's micro-batch is handled apart
 _SIZE_KEYS = (
@@ -91,15 +104,80 @@ def host_memory_bytes() -> int:
     return total
 
 
-def _estimate(cfg: DSv3Config, mbs: int, world: int, ranks_on_host: int, lp: float = 4.0) -> MemoryEstimate:
-    m, p = cfg.model, cfg.parallel
+def available_memory_bytes() -> int:
+    """Memory this process can still take now: the kernel's MemAvailable (free memory plus what page cache and
+    reclaimable caches give back; SC_AVPHYS_PAGES where /proc/meminfo is absent), lowered to the container's limit
+    minus its usage when that leaves less (cgroup v2, then v1)."""
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024  # kB
+                    break
+    except OSError:
+        pass
+    if avail is None:  # not Linux (or a kernel before 3.14): the free pages, which leave out reclaimable cache
+        avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    for limit_path, usage_path in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
+        try:
+            with open(limit_path) as f:
+                limit = f.read().strip()
+            with open(usage_path) as f:
+                usage = f.read().strip()
+        except OSError:
+            continue
+        if limit.isdigit() and usage.isdigit():  # "max": no limit
+            avail = min(avail, max(0, int(limit) - int(usage)))
+    return avail
+
+
+def model_param_count(cfg: DSv3Config) -> int:
+    """Parameters of the whole model `DSv3Model(cfg)` builds (MTP modules included, a tied head counted once).
+
+    Args:
+        cfg: the config.
+
+    Returns:
+        The count, from the config's shapes alone (nothing is built).
+    """
+    m = cfg.model
     pc = param_counts(cfg)
     L, k, D = m.num_hidden_layers, min(m.first_k_dense_replace, m.num_hidden_layers), cfg.mtp.depth
     moe_layer = pc["attn"] + pc["shared_experts"] + pc["router"] + pc["routed_experts"]
     head = m.hidden_size if m.tie_word_embeddings else pc["head"]
-    P = (
+    # mtp_extra already counts all D modules
+    return int(
         k * (pc["attn"] + pc["dense_mlp"]) + (L - k) * moe_layer + pc["embed"] + head + pc["mtp_extra"] + D * moe_layer
-    )  # mtp_extra already counts all D modules
+    )
+
+
+def load_bytes(cfg: DSv3Config, dtype_bytes: int, on_host: bool) -> dict:
+    """A lower bound on the memory `checkpoint.hf.load_pretrained` takes for the whole model, before it reads a
+    tensor: the model is built in FP32 on the host (`training.transforms.build_model`), then cast to the compute
+    dtype and moved to the device.
+
+    Args:
+        cfg: the checkpoint's config (from its config.json).
+        dtype_bytes: bytes per element of the dtype the model runs in (4 for FP32, 2 for BF16).
+        on_host: the model runs on the host (CPU) rather than on an accelerator.
+
+    Returns:
+        {"params": P, "host": 4 B x P, "device": dtype_bytes x P (0 when on_host: the cast happens in place,
+        one tensor at a time, within the FP32 build's bytes)}.
+    """
+    P = model_param_count(cfg)
+    return {"params": P, "host": 4 * P, "device": 0 if on_host else dtype_bytes * P}
+
+
+def _estimate(cfg: DSv3Config, mbs: int, world: int, ranks_on_host: int, lp: float = 4.0) -> MemoryEstimate:
+    m, p = cfg.model, cfg.parallel
+    pc = param_counts(cfg)
+    L, k, D = m.num_hidden_layers, min(m.first_k_dense_replace, m.num_hidden_layers), cfg.mtp.depth
+    P = model_param_count(cfg)
     dp = max(1, world // p.pp)
     # the rank's share: the other EP ranks' routed experts removed, then an even part of the pipeline (the
     # fullest rank holds at least that much)
