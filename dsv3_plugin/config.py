@@ -57,7 +57,9 @@ MAX_LAYERS = 1024  # [61] 8x the deepest published LLMs (~126 layers); each laye
 MAX_POSITIONS = 2**24  # [163840] positions enter RoPE as FP32, exact only up to 2^24
 MAX_EXPERTS = 2**14  # [256] routed experts (and EP ranks, groups, top-k, which are at most that many)
 MAX_SHARED = 64  # [1] shared experts, one MLP of n_shared x intermediate_size
-MAX_PIPELINE = 1024  # [16] pipeline ranks: a deeper pipeline than MAX_LAYERS leaves ranks with no layer at all
+# [16] pipeline ranks: 2x the deepest published pipeline (64, Megatron-LM's 1T-parameter run); a step's schedule
+# (>= 2 pp micro-batches on pp ranks: O(pp^2) ops, built in O(pp^3)) takes ~2 s to build at 128 and ~20 s at 256
+MAX_PIPELINE = 128
 MAX_MTP_DEPTH = 16  # [1] each depth is one more full MoE layer and one more loss
 MAX_TOKENS = 1e18  # [14.8e12] tokens seen are counted in int64 (9.2e18)
 # NOTE: integers are bounded by 10^36, not int64: sizes beyond int64 are refused by the memory estimate

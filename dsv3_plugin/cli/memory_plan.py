@@ -1,9 +1,20 @@
 """`dsv3 memory-plan`: per-rank memory (params, grads, optimizer, activations by component) for each pipeline
-schedule (`training.memory_plan`)."""
+schedule (`training.memory_plan`).
+
+The layout it plans is first validated as `dsv3 check-config` / `dsv3 train` would validate it (`_validated`:
+`deepspeed.validate.validate_ds_config` on the --config file with the flags written into its "dsv3" block, or, for a
+--preset without DeepSpeed keys, the same block rules: `load_config` + `deepspeed.validate.check_layout`), for the
+world of pp x dp ranks. A layout they refuse is refused here, with exit 2 and the same reason, led by the flag that
+made it wrong (each flag is applied in turn, so the first one that breaks a rule is named); nothing is planned for
+it. The other schedules of the table are validated the same way: one that the rules refuse for this layout is
+listed as not planned, with the reason.
+"""
 
 import json
 
-from dsv3_plugin.config import ConfigError, load_config
+from dsv3_plugin.config import ConfigError, DSv3Config, load_config, read_ds_json
+from dsv3_plugin.deepspeed.validate import check_layout, validate_ds_config
+from dsv3_plugin.schedule_traits import check_chunks
 from dsv3_plugin.training.memory_plan import SCHEDULES, GiB, format_table, plan, plan_ranks, rank_param_count
 from dsv3_plugin.training.rank_local import RankLayout, build_rank_local
 
@@ -35,23 +46,109 @@ def register(sub):
     p.set_defaults(func=run)
 
 
+def _with(block: dict, over: dict) -> dict:
+    """`block` with `over`'s {section: {key: value}} written into it (a section that is not an object is left for
+    the validation to name)."""
+    out = dict(block)
+    for sec, vals in over.items():
+        cur = out.get(sec)
+        if cur is None or isinstance(cur, dict):
+            out[sec] = {**(cur or {}), **vals}
+    return out
+
+
+def _validated(ds: dict | None, block: dict, over: dict, world: int | None) -> DSv3Config:
+    """The validation `dsv3 check-config` runs (target train), on the block with `over` written into it: the whole
+    DeepSpeed JSON when there is one (`ds`), else the block's own rules."""
+    b = _with(block, over)
+    if ds is None:
+        cfg = load_config({"dsv3": b})
+        check_layout(cfg, target="train", world_size=world)
+        return cfg
+    return validate_ds_config({**ds, "dsv3": b}, target="train", world_size=world).cfg
+
+
+def _check_flags(args) -> None:
+    for flag, val, least in (
+        ("--pp", args.pp, 1),
+        ("--ep", args.ep, 1),
+        ("--dp", args.dp, 1),
+        ("--micro-batch-tokens", args.micro_batch_tokens, 2),
+        ("--pp-rank", args.pp_rank, 0),
+        ("--ep-rank", args.ep_rank, 0),
+    ):
+        if val is not None and val < least:
+            raise ConfigError(f"{flag}: must be >= {least} (got {val})")
+    if args.config and args.preset:
+        raise ConfigError('dsv3.preset: give either --preset or --config (whose "dsv3" block names its preset)')
+    if args.schedule is not None and not args.materialize:
+        raise ConfigError("--schedule: names the schedule of the --materialize rank; without --materialize the "
+                          "table plans every schedule")  # fmt: skip
+
+
+def _checked_layout(args) -> tuple[DSv3Config, dict | None, dict, dict]:
+    """The validated config for the planned layout, the DeepSpeed JSON (None for a preset), its block, and the
+    flags' overrides; ConfigError led by the flag that breaks a rule."""
+    if args.config:
+        ds = read_ds_json(args.config)
+        block = ds.pop("dsv3")
+        if not isinstance(block, dict):
+            raise ConfigError(f"dsv3: must be an object (got {type(block).__name__})")
+    else:
+        ds, block = None, {"preset": args.preset or "v3-671b"}
+    cfg = _validated(ds, block, {}, None)  # the config's own errors, as check-config reports them
+    over: dict = {}
+    flags = (
+        ("--pp", args.pp, "parallel", "pp"),
+        ("--ep", args.ep, "parallel", "ep"),
+        ("--schedule", args.schedule, "parallel", "schedule"),
+        ("--micro-batch-tokens", args.micro_batch_tokens, "train", "seq_len"),
+        ("--recompute", args.recompute, "memory", "recompute"),
+        ("--fp8" if args.fp8 else "--no-fp8", args.fp8, "fp8", "enabled"),
+        ("--bf16-moments" if args.bf16_moments else "--fp32-moments", args.bf16_moments, "memory", "bf16_moments"),
+    )
+    for flag, val, sec, key in flags:
+        if val is None:
+            continue
+        over.setdefault(sec, {})[key] = val
+        try:
+            cfg = _validated(ds, block, over, None)
+        except ConfigError as e:
+            raise ConfigError(f"{flag if isinstance(val, bool) else f'{flag} {val}'}: {e}") from None
+    world = cfg.parallel.pp * args.dp
+    try:  # the world the plan is for: pp x dp ranks
+        cfg = _validated(ds, block, over, world)
+    except ConfigError as e:
+        raise ConfigError(f"--dp {args.dp}: {e}") from None
+    return cfg, ds, block, over
+
+
+def _plannable(cfg: DSv3Config, ds: dict | None, block: dict, over: dict, world: int) -> tuple[list, dict]:
+    """(the schedules the validation accepts for this layout, {schedule: why not} for the others)."""
+    ok, why = [], {}
+    for sched in SCHEDULES:
+        try:
+            check_chunks(sched, cfg.parallel.pp, pp_key="dsv3.parallel.pp")  # also at pp = 1 (the table's rows)
+            if sched != cfg.parallel.schedule:
+                _validated(ds, block, {**over, "parallel": {**over.get("parallel", {}), "schedule": sched}}, world)
+            ok.append(sched)
+        except ConfigError as e:
+            why[sched] = str(e)
+    return ok, why
+
+
 def run(args) -> int:
     from dataclasses import asdict
 
-    if args.config and args.preset:
-        raise ConfigError('dsv3.preset: give either --preset or --config (whose "dsv3" block names its preset)')
-    if args.config:
-        cfg = load_config(args.config)
-    else:
-        cfg = load_config({"preset": args.preset or "v3-671b"})
-    pp = args.pp or cfg.parallel.pp
-    ep = args.ep or cfg.parallel.ep
+    _check_flags(args)
+    cfg, ds, block, over = _checked_layout(args)
+    pp, ep = cfg.parallel.pp, cfg.parallel.ep
+    schedules, not_planned = _plannable(cfg, ds, block, over, pp * args.dp)
     if args.all_ranks:
         mb = (1, args.micro_batch_tokens) if args.micro_batch_tokens else None
         rows = [
             r
-            for sched in SCHEDULES
-            if not (sched == "dualpipe" and pp % 2)
+            for sched in schedules
             for r in plan_ranks(
                 cfg,
                 sched,
@@ -65,7 +162,17 @@ def run(args) -> int:
             )
         ]
     else:
-        rows = plan(cfg, pp, ep, args.dp, args.micro_batch_tokens, args.recompute, args.fp8, args.bf16_moments)
+        rows = plan(
+            cfg,
+            pp,
+            ep,
+            args.dp,
+            args.micro_batch_tokens,
+            args.recompute,
+            args.fp8,
+            args.bf16_moments,
+            schedules=schedules,
+        )
     head = {
         "preset": cfg.preset,
         "pp": pp,
@@ -77,13 +184,10 @@ def run(args) -> int:
         "fp8": cfg.fp8.enabled if args.fp8 is None else args.fp8,
         "bf16_moments": cfg.memory.bf16_moments if args.bf16_moments is None else args.bf16_moments,
     }
-    built = (
-        _materialize(cfg, args.schedule or cfg.parallel.schedule, pp, ep, args.pp_rank, args.ep_rank)
-        if args.materialize
-        else None
-    )
+    built = _materialize(cfg, cfg.parallel.schedule, pp, ep, args.pp_rank, args.ep_rank) if args.materialize else None
     if args.json:
-        print(json.dumps({**head, "ranks": [asdict(r) for r in rows], **({"materialized": built} if built else {})}))
+        out = {**head, "ranks": [asdict(r) for r in rows], "not_planned": not_planned}
+        print(json.dumps({**out, **({"materialized": built} if built else {})}))
     else:
         print(" ".join(f"{k}={v}" for k, v in head.items()))
         print(format_table(rows))
@@ -92,6 +196,8 @@ def run(args) -> int:
             "in flight per local chunk at the rank's activation peak, from the schedule's op lists; activations "
             "= saved-for-backward bytes of those micro-batches)"
         )
+        for sched, why in not_planned.items():
+            print(f"not planned: {sched} ({why})")
         if built:
             print(
                 f"materialized {built['schedule']} pipeline rank {built['pp_rank']}, EP rank {built['ep_rank']} "

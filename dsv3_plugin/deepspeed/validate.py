@@ -1,9 +1,11 @@
 """The one validation of a DeepSpeed JSON with a `"dsv3"` block.
 
 `validate_ds_config` is called by `dsv3 check-config`, by `dsv3 train` (before it spawns any rank, and again
-inside each rank once the world size is known) and by `dsv3_plugin.deepspeed.initialize` (the engine). A config
-it accepts is one those three accept; every refusal is a `ConfigError` whose message starts with the key that
-is wrong (`dsv3.moe.top_k: ...`, `zero_optimization.stage: ...`) or, for a file that cannot be read, the file.
+inside each rank once the world size is known), by `dsv3_plugin.deepspeed.initialize` (the engine) and by
+`dsv3 memory-plan --config` for the layout it plans. A config it accepts is one those accept; every refusal is a
+`ConfigError` whose message starts with the key that is wrong (`dsv3.moe.top_k: ...`, `zero_optimization.stage:
+...`) or, for a file that cannot be read, the file. `check_layout` is its part that needs only the "dsv3" block
+(what `dsv3 memory-plan --preset` runs, having no DeepSpeed keys).
 What it checks, in order: docs/deepspeed.md ("validate.py").
 """
 
@@ -20,7 +22,7 @@ from dsv3_plugin.schedule_traits import check_chunks
 from dsv3_plugin.training.memory_estimate import MemoryEstimate, check_budget
 from dsv3_plugin.training.run_rules import train_rules, world_rules
 
-__all__ = ["validate_ds_config", "CheckedConfig", "pipeline_microbatch_rule", "check_memory"]
+__all__ = ["validate_ds_config", "CheckedConfig", "pipeline_microbatch_rule", "check_memory", "check_layout"]
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,6 @@ def pipeline_microbatch_rule(cfg: DSv3Config, gas: int) -> None:
 
 
 def _deepspeed_path_rules(cfg: DSv3Config, ds: dict) -> None:
-    m = cfg.model
     topo = ds.get("use_data_before_expert_parallelism", False)
     if not isinstance(topo, bool):
         raise ConfigError(f"use_data_before_expert_parallelism: must be true or false (got {value_with_type(topo)})")
@@ -80,12 +81,36 @@ def _deepspeed_path_rules(cfg: DSv3Config, ds: dict) -> None:
             "is not supported (the pipeline runs backward outside DeepSpeed's BF16_Optimizer); drop it "
             "(ZeRO-1 then reduces BF16 gradients into its FP32 master weights)"
         )
+
+
+def check_layout(
+    cfg: DSv3Config, *, target: Literal["train", "engine"] = "train", world_size: int | None = None
+) -> int | None:
+    """The rules `validate_ds_config` applies to a validated "dsv3" block after the DeepSpeed keys: at least one
+    MoE layer, `dsv3 train`'s own rules (`run_rules.train_rules`, with target "train") and the world-size rules
+    (`run_rules.world_rules`, when `world_size` is given).
+
+    Args:
+        cfg: the validated block (`load_config`).
+        target: "train" (as `dsv3 train` runs it) or "engine" (no `dsv3 train`-only rules).
+        world_size: total ranks, or None to skip the world-size rules.
+
+    Returns:
+        The data-parallel size (world_size / pp), or None without a world size.
+
+    Raises:
+        ConfigError: naming the key (or `--nproc`) of the first rule broken.
+    """
+    m = cfg.model
     if m.first_k_dense_replace >= m.num_hidden_layers and cfg.mtp.depth == 0:
         raise ConfigError(
             f"dsv3.model.first_k_dense_replace: leaves no MoE layer (= num_hidden_layers = "
             f"{m.num_hidden_layers}, and mtp.depth = 0); the DeepSpeed path updates router biases "
             "and needs at least one"
         )
+    if target == "train":
+        train_rules(cfg)
+    return world_rules(cfg, world_size) if world_size is not None else None
 
 
 def check_memory(cfg: DSv3Config, ds: dict, world: int, ranks_on_host: int, budget: int) -> MemoryEstimate:
@@ -120,9 +145,7 @@ def validate_ds_config(
     cfg = load_config({"dsv3": block})
     ds = check_deepspeed_keys(raw, train=target == "train")
     _deepspeed_path_rules(cfg, ds)
-    if target == "train":
-        train_rules(cfg)
-    dp = world_rules(cfg, world_size) if world_size is not None else None
+    dp = check_layout(cfg, target=target, world_size=world_size)
     gas = resolve_batch(ds, dp)
     if gas is not None:
         pipeline_microbatch_rule(cfg, gas)

@@ -12,6 +12,7 @@ zero-padded to d_qk for the flash kernel (`pad_v`). Components and their formula
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, field
 
@@ -359,20 +360,26 @@ def rank_params(cfg: DSv3Config, schedule: str, pp: int, pp_rank: int, ep: int =
 # In-flight micro-batches, from the schedules' op lists
 
 
+@functools.lru_cache(maxsize=8)
+def _schedule_ops(schedule: str, pp: int, n_chunks: int) -> tuple:
+    """Every rank's op list of one step (built once per layout: `plan_ranks` walks it for each of the pp ranks, and
+    building it costs O(pp^3))."""
+    return tuple(build_schedule(schedule, pp, n_chunks).ops)
+
+
 def inflight_peak(schedule: str, pp: int, rank: int, chunk_bytes: list[float], n_chunks: int | None = None):
     """Walk rank `rank`'s ops of `schedule`: each F adds a micro-batch's activations of that local chunk, each B
     (or W after a split I) frees them; an FB counts its F before its B frees (they overlap). Returns
     (peak bytes, micro-batches in flight per local chunk at the peak)."""
     t = schedule_traits(schedule, "parallel.schedule")
     C = n_chunks or max(t.min_chunks(pp), 2 * pp) * 2
-    spec = build_schedule(schedule, pp, C)
     live = [0] * t.chunks_per_rank
     best, at = -1.0, list(live)
 
     def total():
         return sum(n * b for n, b in zip(live, chunk_bytes))
 
-    for op in spec.ops[rank]:
+    for op in _schedule_ops(schedule, pp, C)[rank]:
         if op.kind in ("F", "FB"):
             live[op.chunk] += 1
             if total() > best:
