@@ -143,6 +143,9 @@ def run(args) -> int:
     _check_flags(args)
     cfg, ds, block, over = _checked_layout(args)
     pp, ep = cfg.parallel.pp, cfg.parallel.ep
+    for flag, rank, n in (("--pp-rank", args.pp_rank, pp), ("--ep-rank", args.ep_rank, ep)):
+        if args.materialize and rank >= n:
+            raise ConfigError(f"{flag} {rank}: outside 0..{n - 1} (the layout has {n} such ranks)")
     schedules, not_planned = _plannable(cfg, ds, block, over, pp * args.dp)
     if args.all_ranks:
         mb = (1, args.micro_batch_tokens) if args.micro_batch_tokens else None

@@ -70,6 +70,10 @@ def test_other_flags_are_named_when_they_break_a_rule(tmp_path, capsys):
     assert plan.startswith("--ep 3: dsv3.parallel.ep: must divide moe.n_routed_experts")
     plan, _ = _err(capsys, ["memory-plan", "--preset", "tiny", "--dp", "0"])
     assert plan == "--dp: must be >= 1 (got 0)"
+    plan, _ = _err(
+        capsys, ["memory-plan", "--preset", "tiny", "--pp", "2", "--dp", "1", "--materialize", "--pp-rank", "5"]
+    )
+    assert plan == "--pp-rank 5: outside 0..1 (the layout has 2 such ranks)"
     plan, _ = _err(capsys, ["memory-plan", "--preset", "tiny", "--dp", "1", "--schedule", "dualpipev"])
     assert plan.startswith("--schedule: names the schedule of the --materialize rank")
 
