@@ -47,11 +47,12 @@ MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a timeout beyond a week is a typo (and 1e300 
 
 # Bounds of the sizes that allocate (issue 27: a typo must not ask for petabytes, or loop building 10^30 layers,
 # before the memory estimate runs). Each is far above DeepSeek-V3's value (in brackets) and every published model's,
-# and low enough that each count stays exact in FP32 index arithmetic and every loop over it ends in milliseconds.
-MAX_VOCAB = 2**24  # [129280] a token id must be exact in FP32 (2^24), and torch.multinomial draws from <= 2^24
-MAX_WIDTH = 2**16  # [7168] hidden / LoRA ranks: one [width, width] matrix stays below 2^32 elements
+# and low enough that a loop over a count (layers, experts, ranks) ends quickly and the memory estimate, which then
+# refuses what cannot fit, names the key.
+MAX_VOCAB = 2**24  # [129280] 130x V3's; torch.multinomial (sampling, synthetic data) draws from at most 2^24 ids
+MAX_WIDTH = 2**16  # [7168] hidden / LoRA ranks: one [width, width] matrix holds at most 2^32 elements
 MAX_FFN = 2**18  # [18432 dense, 2048 per expert] FFN widths: 14x V3's dense FFN
-MAX_HEAD_DIM = 2**12  # [128 / 64] per-head dims: 32x V3's; attention kernels stop at 256
+MAX_HEAD_DIM = 2**12  # [128 / 64] per-head dims: 32x V3's; fused attention kernels stop at 256
 MAX_HEADS = 1024  # [128]
 MAX_LAYERS = 1024  # [61] 8x the deepest published LLMs (~126 layers); each layer is a module built one by one
 MAX_POSITIONS = 2**24  # [163840] positions enter RoPE as FP32, exact only up to 2^24
@@ -924,8 +925,7 @@ def _check_data(d: DataConfig) -> None:
             ok = len(x) == 2 and isinstance(x[0], (int, float)) and isinstance(x[1], str) and x[1]
             if not ok:
                 _fail(f"train.data.train.{i}", f"must be [weight, PREFIX] (got {short_json(x)})")
-            # a weight is a relative share (often a token count, so bounded like one); beyond, sums of weights lose
-            # the small ones entirely
+            # a weight is a relative share, often a token count: bounded like one (MAX_TOKENS)
             if not 0 < x[0] <= MAX_TOKENS:
                 _fail(f"train.data.train.{i}", f"the weight must be > 0 and <= 1e18 (got {short_json(x[0])})")
         elif not x:
