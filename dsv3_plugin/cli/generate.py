@@ -25,7 +25,7 @@ from dsv3_plugin.checkpoint.hf import load_pretrained, model_config, pretrained_
 from dsv3_plugin.checkpoint.integrity import load_json
 from dsv3_plugin.config import ConfigError, DSv3Config
 from dsv3_plugin.data.tokenizer import check_vocab_fits, load_tokenizer
-from dsv3_plugin.errors import DataError
+from dsv3_plugin.errors import CheckpointError, DataError
 from dsv3_plugin.model.generate import generate
 from dsv3_plugin.model.sampling import check_sampling
 from dsv3_plugin.training.memory_estimate import available_memory_bytes, format_bytes, load_bytes
@@ -208,12 +208,19 @@ def run(args) -> int:
     _check_flags(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
+    # config.json alone, before the index or any shard is opened: a model that cannot fit is refused first
+    early = None
     cfg_path = os.path.join(args.model, "config.json")
-    if os.path.isdir(args.model) and os.path.lexists(cfg_path):  # (else pretrained_config names what is missing)
-        # config.json alone, before the index or any shard is opened: a model that cannot fit is refused first
-        cfg = model_config(load_json(cfg_path, what="released config.json"), cfg_path)
-        check_load_memory(cfg, args.model, dtype.itemsize, device)
+    if os.path.isdir(args.model) and os.path.lexists(cfg_path):
+        try:
+            early = model_config(load_json(cfg_path, what="released config.json"), cfg_path)
+        except (CheckpointError, ConfigError):
+            pass  # a defective config.json: pretrained_config just below refuses it, worded as every entry point does
+    if early is not None:
+        check_load_memory(early, args.model, dtype.itemsize, device)
     cfg = pretrained_config(args.model)  # headers only: a bad directory or prompt fails before any weight is read
+    if early is None:  # (only if config.json changed in between: the check still comes before any allocation)
+        check_load_memory(cfg, args.model, dtype.itemsize, device)
     tokenizer = None
     if args.prompt is None:
         try:
