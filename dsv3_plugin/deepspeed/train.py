@@ -304,7 +304,8 @@ class ZeroStepEngine:
         return _grad_norm(self.engine)
 
     def save_checkpoint(self, ckpt_dir: str, tag: str, client_state: dict) -> None:
-        self.engine.save_checkpoint(ckpt_dir, tag=tag, client_state=client_state)
+        # `latest` is the run directory's to write, after the completion marker (`RunDir.save`)
+        self.engine.save_checkpoint(ckpt_dir, tag=tag, client_state=client_state, save_latest=False)
 
     def load_checkpoint(self, ckpt_dir: str, tag: str) -> dict:
         _, client = self.engine.load_checkpoint(ckpt_dir, tag=tag)
@@ -362,7 +363,8 @@ class PipelinedStepEngine:
         return _grad_norm(self.pe.engine)
 
     def save_checkpoint(self, ckpt_dir: str, tag: str, client_state: dict) -> None:
-        self.pe.save_checkpoint(ckpt_dir, tag=tag, client_state={**client_state, "tokens_seen": self.tokens_seen})
+        cs = {**client_state, "tokens_seen": self.tokens_seen}
+        self.pe.save_checkpoint(ckpt_dir, tag=tag, client_state=cs, save_latest=False)  # `latest`: RunDir.save
 
     def load_checkpoint(self, ckpt_dir: str, tag: str) -> dict:
         client = self.pe.load_checkpoint(ckpt_dir, tag=tag)

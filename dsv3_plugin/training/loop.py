@@ -75,7 +75,9 @@ class TrainEngine(Protocol):
         """The global gradient norm of the last step (what clipping compared), None when not computed."""
 
     def save_checkpoint(self, ckpt_dir: str, tag: str, client_state: dict) -> None:
-        """Weights, optimizer, non-parameter state and `client_state` under `ckpt_dir/tag`; collective."""
+        """Weights, optimizer, non-parameter state and `client_state` under `ckpt_dir/tag`; collective. Must not
+        write `latest` (`RunDir.save` writes it after the completion marker) and should raise a failed write
+        (a full disk) only after its own collectives ran on every rank."""
 
     def load_checkpoint(self, ckpt_dir: str, tag: str) -> dict:
         """Restore what `save_checkpoint` wrote; returns its `client_state`."""
@@ -181,8 +183,7 @@ def run(
     def save_tag(done: int) -> None:
         t0 = time.perf_counter()
         tag = f"step{done}"
-        save(tag, done)
-        run_dir.saved(tag, done)
+        run_dir.save(tag, done, lambda: save(tag, done), engine.module)  # free space, marker, latest, keep_last
         stops.note_save(time.perf_counter() - t0)
 
     timing = [0.0, 0.0]  # seconds in steps, of which waiting for micro-batches (kept out of the JSON lines)
