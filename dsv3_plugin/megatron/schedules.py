@@ -139,11 +139,19 @@ def _forward_backward(
         return loss
 
     _set_aux_loss_scales(config, num_microbatches)
-    if forward_only:
-        with torch.no_grad():
+    try:
+        if forward_only:
+            with torch.no_grad():
+                rt.step(num_chunks=num_microbatches, criterion=criterion)
+        else:
             rt.step(num_chunks=num_microbatches, criterion=criterion)
-    else:
-        rt.step(num_chunks=num_microbatches, criterion=criterion)
+    finally:
+        # The cached runtime outlives the step; holding Megatron's data iterator in it would keep the DataLoader's
+        # workers alive to interpreter exit, where multiprocessing stops them with SIGTERM -- which
+        # --exit-signal-handler makes them ignore (Megatron installs its handler in every worker), so the rank
+        # hung after its last iteration.
+        for st in rt.modules:
+            st.forward_step_func, st.data_iterator, st.loss_funcs = None, None, []
     forward_data_store, total_tokens = _to_last_rank(
         rt, group, forward_data_store, total_tokens, mtp_metrics=not forward_only
     )
