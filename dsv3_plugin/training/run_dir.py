@@ -834,10 +834,10 @@ def metrics_line(rec: dict) -> str:
 
 
 class RunDir:
-    """What one `dsv3_plugin.deepspeed.train.train()` call does with its run directory: the lock, the config record, the
-    resume tag, metrics.jsonl, completion markers after each save. Rank 0 holds the lock and decides
-    (which tag to resume, or which error to raise); every rank gets the same decision, so a refusal raises the
-    same error on every rank."""
+    """What one `dsv3_plugin.deepspeed.train.train()` call does with its run directory: the lock, the config record,
+    the resume tag, metrics.jsonl, checkpoint saves (`save`: free space, completion marker, `latest`, keep_last).
+    Rank 0 holds the lock and decides (which tag to resume, or which error to raise); every rank gets the same
+    decision, so a refusal raises the same error on every rank."""
 
     def __init__(
         self,
@@ -994,12 +994,6 @@ class RunDir:
             )
         self._complete(tag, step, before, after)
 
-    def saved(self, tag: str, step: int) -> None:
-        """After every rank wrote its files of `tag` by itself (not through `save`): the completion (marker with
-        checksums, `latest`, keep_last) of `save`'s step 3. Collective."""
-        self._barrier()
-        self._complete(tag, step, _read_latest(self.ckpt) if self.rank == 0 else None, "")
-
     def _after_failure_text(self, prev: list[tuple[int, str]]) -> str:
         latest = _read_latest(self.ckpt)
         if latest and tag_problem(self.ckpt, latest) is None:
@@ -1063,8 +1057,7 @@ class RunDir:
             torch.distributed.broadcast_object_list(box, src=0)
         if box[0] is not None:
             raise CheckpointError(
-                f"completing checkpoint {tag} in {ckpt} failed: {box[0]}; the partial {tag} was removed"
-                + (f", {after}" if after else "")
+                f"completing checkpoint {tag} in {ckpt} failed: {box[0]}; the partial {tag} was removed, {after}"
             )
 
     def _collective_device(self) -> torch.device:

@@ -7,6 +7,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from dsv3_plugin.config import ConfigError, load_config
 from dsv3_plugin.training import run_dir as rd
@@ -82,10 +83,13 @@ def test_resume_reads_the_run_directory_strictly(tmp_path):
     cfg = load_config({"preset": "tiny"})
     out = str(tmp_path / "run")
     r = rd.RunDir(out, None, cfg, rank=0, world=1, overwrite=False, save=True)
-    os.makedirs(os.path.join(r.ckpt, "step2"))
-    with open(os.path.join(r.ckpt, "step2", "mp_rank_00_model_states.pt"), "wb") as f:
-        f.write(b"x" * 10)
-    r.saved("step2", 2)
+
+    def write():
+        os.makedirs(os.path.join(r.ckpt, "step2"))
+        with open(os.path.join(r.ckpt, "step2", "mp_rank_00_model_states.pt"), "wb") as f:
+            f.write(b"x" * 10)
+
+    r.save("step2", 2, write, torch.nn.Linear(2, 2))
     r.close()
     with open(os.path.join(out, "metrics.jsonl"), "w") as f:
         f.write(GOOD[0] + "\n" + '{"step": 2, "loss": Infinity}\n')

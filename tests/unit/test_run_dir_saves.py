@@ -326,3 +326,21 @@ def test_read_only_file_system_is_refused_by_name(tmp_path):
         f"--out {d}: cannot write into it: {d} is on a read-only file system",
         f"--out {d}/sub: cannot create it: {d} is on a read-only file system",
     ], p.stdout + p.stderr
+
+
+def test_a_failure_while_completing_removes_the_tag(run, monkeypatch):
+    """The disk fills with the marker or `latest` itself: the tag is removed, `latest` is the previous one."""
+    r, mod = run
+    r.save("step2", 2, _writer(r, "step2"), mod)
+    real = rd.write_latest
+
+    def full(ckpt, tag):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(ckpt, "latest.tmp1"))
+
+    monkeypatch.setattr(rd, "write_latest", full)
+    with pytest.raises(CheckpointError) as e:
+        r.save("step4", 4, _writer(r, "step4"), mod)
+    assert f"completing checkpoint step4 in {r.ckpt} failed: No space left on device" in str(e.value)
+    assert "the previous checkpoint step2 is intact and still the latest" in str(e.value)
+    assert not os.path.exists(os.path.join(r.ckpt, "step4")) and _latest(r) == "step2"
+    monkeypatch.setattr(rd, "write_latest", real)
