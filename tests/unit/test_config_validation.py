@@ -265,9 +265,18 @@ def test_low_level_guards_say_the_same(tmp_path):
 def test_memory_estimate_refuses_huge_sizes_with_bytes_and_key(tmp_path, capsys):
     p = tmp_path / "c.json"
     for over, key in [
-        ({"dsv3": {"preset": "tiny", "model": {"num_hidden_layers": 10**30}}}, "dsv3.model.num_hidden_layers"),
+        # (sizes inside the config's bounds that still ask for TiBs: the estimate, not the bound, refuses them)
         (
-            {"dsv3": {"preset": "tiny", "moe": {"n_routed_experts": 2**40, "n_group": 1, "topk_group": 1}}},
+            {"dsv3": {"preset": "small", "model": {"num_hidden_layers": 1024, "hidden_size": 8192}}},
+            "dsv3.model.num_hidden_layers",
+        ),
+        (
+            {
+                "dsv3": {
+                    "preset": "tiny",
+                    "moe": {"n_routed_experts": 16384, "intermediate_size": 8192, "n_group": 1, "topk_group": 1},
+                }
+            },
             "dsv3.moe.n_routed_experts",
         ),
         ({"train_micro_batch_size_per_gpu": 10**12}, "train_micro_batch_size_per_gpu"),
