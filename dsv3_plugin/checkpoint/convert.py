@@ -113,8 +113,11 @@ def _output_lock(dst: str, parent: str, base: str) -> Iterator[None]:
             break
         os.close(fd)
     try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # the holder, for the message of a second writer
+        except OSError as e:  # a full disk cannot take even these bytes
+            raise CheckpointError(f"{dst}: cannot write in {parent} ({e.strerror or e}: {path})") from None
         yield
     finally:
         with contextlib.suppress(FileNotFoundError):
@@ -169,7 +172,8 @@ def atomic_output_dir(dst: str, expected_bytes: int | None = None) -> Iterator[s
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
             fn = os.fspath(e.filename) if e.filename is not None else None
-            if e.errno not in _DISK_ERRNOS and not (fn and os.path.abspath(fn).startswith(tmp)):
+            ours = fn is not None and (os.path.abspath(fn) + os.sep).startswith(tmp + os.sep)
+            if e.errno not in _DISK_ERRNOS and not ours:
                 raise  # not about the output (e.g. a source file): the OSError names its own file
             need = f"the output needs about {_fmt_bytes(expected_bytes)}, " if expected_bytes is not None else ""
             raise CheckpointError(
@@ -509,12 +513,8 @@ def convert(
         model_config(cfg, os.path.join(src, "config.json"))  # the file must describe a model we can build
         side = _side_files(src, {LAYOUT_NAME, "config.json", INDEX_NAME})
         infos = [i for h in headers.values() for i in h.values()]
-        data = sum(
-            i.nbytes
-            // i.torch_dtype.itemsize
-            * (_target_dtype(i.torch_dtype, False, tdt) if dtype else i.torch_dtype).itemsize
-            for i in infos
-        )
+        out_dt = [_target_dtype(i.torch_dtype, False, tdt) if dtype else i.torch_dtype for i in infos]
+        data = sum(math.prod(i.shape) * dt.itemsize for i, dt in zip(infos, out_dt))
         need = _expected_bytes(data, len(infos), len(headers), src, side)
         with atomic_output_dir(dst, need) as tmp:
             summary = _to_hf_from_megatron(src, tmp, DTYPES[dtype] if dtype else None, progress, allow_non_finite)

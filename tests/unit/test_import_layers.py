@@ -3,7 +3,8 @@ imports sit at module top (an import inside a function is allowed only for an op
 
 Layers, lowest first (a module may import its own layer and the ones below):
   errors, json_input, safe_files, schedule_traits, config  <  model  <  precision  <  parallel  <  data  <  training
-  <  checkpoint  <  deepspeed, megatron  <  cli, bench  <  the top-level package (public API; imported by nothing inside).
+  <  checkpoint  <  deepspeed, megatron  <  cli, bench  <  the top-level package (public API; imported by nothing
+  inside).
 """
 
 from __future__ import annotations
