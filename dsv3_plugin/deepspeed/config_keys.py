@@ -129,12 +129,25 @@ def _check_precision(ds: dict) -> None:
             )
 
 
+# Upper bounds of the optimizer's numbers (V3: lr 2.2e-4, eps 1e-8, weight_decay 0.1). AdamW moves every weight by
+# about lr per step (its update is O(1) per element): beyond 10 a step moves weights initialised at std 0.006 by
+# thousands of times their size; eps above 1 outweighs sqrt(v) of any gradient a bounded loss produces (Adam turns
+# into SGD with lr/eps); decoupled weight decay multiplies weights by (1 - lr*wd) per step, so beyond 10 any lr
+# above 0.1 flips their sign. Each bound leaves decades of margin over what anyone trains with.
+_OPTIMIZER_MAX = {"lr": 10.0, "eps": 1.0, "weight_decay": 10.0}
+
+
 def _check_param_types(section: str, params: dict, numeric=("lr", "eps", "weight_decay"), flags=()) -> None:
     for k in numeric:
         if k in params and not _is_num(params[k]):
             raise _bad(f"{section}.params.{k}", "must be a number", params[k])
         if k in params and params[k] < 0:
             raise ConfigError(f"{section}.params.{k}: must be >= 0 (got {short_json(params[k])})")
+        if k in params and params[k] > _OPTIMIZER_MAX[k]:
+            raise ConfigError(
+                f"{section}.params.{k}: must be <= {_OPTIMIZER_MAX[k]:g} (got {short_json(params[k])}): "
+                "no AdamW run trains beyond it (see the reason in dsv3_plugin.deepspeed.config_keys)"
+            )
     for k in flags:
         if k in params and not isinstance(params[k], bool):
             raise _bad(f"{section}.params.{k}", "must be true or false", params[k])
@@ -319,6 +332,10 @@ def _check_scheduler(ds: dict) -> None:
             raise _bad(f"scheduler.params.{k}", "must be a string", v)
         if _is_num(v) and v < 0 and ("lr" in k or "step" in k or "size" in k):
             raise ConfigError(f"scheduler.params.{k}: must be >= 0 (got {short_json(v)})")
+        if _is_num(v) and "lr" in k and v > _OPTIMIZER_MAX["lr"]:  # a learning rate the schedule reaches
+            raise ConfigError(f"scheduler.params.{k}: must be <= {_OPTIMIZER_MAX['lr']:g} (got {short_json(v)})")
+        if _is_num(v) and ("step" in k or "size" in k) and v > 2**31 - 1:  # steps are counted in int32 by some
+            raise ConfigError(f"scheduler.params.{k}: must be <= 2^31 - 1 (got {short_json(v)})")
     import logging
 
     from deepspeed.utils import logger
@@ -342,8 +359,9 @@ def check_deepspeed_keys(raw: dict, *, train: bool) -> dict:
     ds.pop("dsv3", None)
     _check_zero(ds)
     clip = ds.setdefault("gradient_clipping", DEFAULT_GRADIENT_CLIPPING)
-    if not _is_num(clip) or clip < 0:
-        raise ConfigError(f"gradient_clipping: must be a number >= 0, 0 disables (got {short_json(clip)})")
+    if not _is_num(clip) or clip < 0 or clip > 1e9:  # (a max norm: beyond 1e9 it never clips a finite FP32 norm
+        # that training survives; a bound so that no float reaches the engine unchecked)
+        raise ConfigError(f"gradient_clipping: must be a number in [0, 1e9], 0 disables (got {short_json(clip)})")
     for k in _BATCH_KEYS:
         _pos_int(ds, k)
     _max_accumulation(ds.get("gradient_accumulation_steps"), "")
