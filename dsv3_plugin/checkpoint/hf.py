@@ -174,6 +174,8 @@ def model_config(hf_config: dict, cfg_path: str, overrides: dict | None = None) 
         cfg = DSv3Config.from_hf(hf_config)
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         msg = f"missing key {e}" if isinstance(e, KeyError) else str(e)
+        # from_hf of a dict names the file "config.json": say which one instead of prefixing it twice
+        msg = msg.removeprefix("config.json: ")
         raise CheckpointError(f"{cfg_path}: {msg}") from None
     return DSv3Config.from_hf(hf_config, **overrides) if overrides else cfg
 
