@@ -4,6 +4,11 @@ The same code runs under the launchers users already have (`torchrun`, the `deep
 set RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT) and self-spawned on loopback
 (`--nproc N`, via `torch.multiprocessing`: forks of a forkserver that imported torch once), with gloo on CPU and
 NCCL on GPU.
+
+When a rank dies (issue 27, point 2): the others fail in their next wait on it (at once when its connections
+close; within `parallel.p2p_timeout_s` otherwise) and `peer_failures` names the dead rank after a roll call through
+the job's store (`ROLL_CALL_S`); `spawn` names it from its exit status ("rank 1 was killed by SIGKILL (signal
+9)"), and leaves no process behind: no rank, forkserver or resource tracker.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import signal
 import socket
 import traceback
 from collections.abc import Callable
@@ -22,7 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dsv3_plugin.config import ConfigError
-from dsv3_plugin.errors import CheckpointError, DataError, PeerError
+from dsv3_plugin.errors import CheckpointError, DataError, PeerError, Preempted
 
 __all__ = [
     "launched_externally",
@@ -38,6 +44,7 @@ __all__ = [
     "set_group_timeout",
     "new_groups_bounded",
     "peer_failures",
+    "ROLL_CALL_S",
 ]
 
 
@@ -82,6 +89,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> tu
         torch.cuda.set_device(local)
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
     if dist.get_world_size() > 1:
+        _publish_process(dist.distributed_c10d._get_default_store(), dist.get_rank())  # for a peer's roll call
         # Every rank has finished connecting before any rank goes on: a rank that then fails at once (bad input)
         # and exits would otherwise take rank 0's rendezvous store with it while a peer is still connecting, and
         # that peer would fail inside init_process_group, before it could learn that someone else failed first.
@@ -148,13 +156,147 @@ def new_groups_bounded(timeout_s: float | None):
                 set_group_timeout(g, timedelta(seconds=timeout_s))
 
 
+# --- Who is gone: the roll call ------------------------------------------------------------------------------
+
+# How long a rank that caught a communication failure waits for the other ranks to answer the roll call before it
+# names the silent ones. Not a machine figure: the ranks that see the same broken connection get here within
+# milliseconds of each other (the kernel closes a dead process's sockets at once), so the wait only has to cover
+# a Python exception unwinding and one store round trip per rank on a host whose cores are shared with other
+# jobs; 5 s is that with two orders of magnitude to spare, and short next to any `parallel.p2p_timeout_s` one
+# would set (the roll call never waits longer than that limit). A dead rank on this rank's own host is named at
+# once, without waiting (its process is looked up, see `_roll_call`).
+ROLL_CALL_S = 5.0
+_ROLL_CALLS = 0  # roll calls this process has taken part in: the n-th one of every rank meets under keys of its own
+_PROC_KEY = "dsv3/procs/"  # + this host's key: "rank:pid:start time," of every rank whose process runs there
+
+
+def _host_key() -> str | None:
+    """What identifies the pid namespace this process runs in (Linux: the kernel's boot id and the namespace's
+    inode): two processes with the same key see each other's pids. None where there is no /proc."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}.{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return None
+
+
+def _publish_process(store, me: int) -> None:
+    """Record this rank's pid under its host's key in the job's store, for the roll call of a peer on the same
+    host (`_roll_call`). Stores without `append` (not the TCPStore of torchrun, the deepspeed launcher or `spawn`)
+    get no record, and a peer's death there is found by the roll call's wait alone."""
+    import psutil
+
+    here = _host_key()
+    if here is None or not hasattr(store, "append"):
+        return
+    store.append(_PROC_KEY + here, f"{me}:{os.getpid()}:{psutil.Process().create_time()!r},")
+
+
+def _ended(pid: int, started: float) -> bool:
+    """Whether the process `pid` that started at `started` (psutil's create_time) has ended (or is a zombie)."""
+    import psutil
+
+    try:
+        p = psutil.Process(pid)
+        return abs(p.create_time() - started) > 0.05 or p.status() == psutil.STATUS_ZOMBIE  # pid reused, or dead
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.AccessDenied:  # alive, owned by someone else
+        return False
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """File descriptor 2 goes to /dev/null inside the block: a store whose host is gone makes c10d log a C++ stack
+    trace, which is not this rank's news."""
+    import sys
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved), os.close(null)
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    shown = ", ".join(str(r) for r in ranks[:8]) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+    return f"rank {shown} is" if len(ranks) == 1 else f"ranks {shown} are"
+
+
+def _store_host() -> str:
+    """Which process serves the default group's store: torchrun's agent (it hands its own store to the workers:
+    TORCHELASTIC_USE_AGENT_STORE), else rank 0 (the deepspeed launcher, `spawn`, torchrun without an agent
+    store: init_process_group's env:// TCPStore runs in rank 0's process)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        return "torchrun's agent (the job's store lives there) is gone"
+    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    return f"rank 0 is gone (it served the job's store at {where}, which does not answer)"
+
+
+def _roll_call(wait_s: float) -> str:
+    """Which peers are gone, asked of every rank through the default group's store after a communication failure.
+
+    Every rank that gets here registers under this roll call's key and waits up to `wait_s` for the others. Ranks
+    that neither registered nor still run are named: a peer on this host (same pid namespace, see `_host_key`)
+    whose process has ended is named at once ("rank 1 is gone (its process 4711 has ended)"); otherwise, after
+    `wait_s`, the ranks that never answered ("rank 1 is gone or stuck (no answer to the roll call within 5s)":
+    dead, stopped, or in a wait of its own). A rank that answered and then exited is a survivor, not the cause.
+    If the store itself does not answer, its host is named (`_store_host`).
+
+    Returns:
+        The clause naming them; "" when every rank answered (the failure was not a peer's death) or without a
+        process group.
+    """
+    global _ROLL_CALLS
+    import time
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return ""
+    me, world = dist.get_rank(), dist.get_world_size()
+    _ROLL_CALLS += 1
+    key = f"dsv3/roll_call/{_ROLL_CALLS}/"
+    here = _host_key()
+    with _quiet_stderr():
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            store.set_timeout(timedelta(seconds=max(wait_s, 1.0)))  # one store operation's limit, not the wait's
+            store.set(key + str(me), "here")
+            local: dict[int, tuple[int, float]] = {}
+            if here is not None and store.check([_PROC_KEY + here]):
+                for item in store.get(_PROC_KEY + here).decode().split(","):
+                    if item:
+                        r, pid, started = item.split(":")
+                        local[int(r)] = (int(pid), float(started))
+            deadline = time.monotonic() + wait_s
+            while True:
+                missing = [r for r in range(world) if r != me and not store.check([key + str(r)])]
+                ended = [r for r in missing if r in local and _ended(*local[r])]
+                if ended or not missing or time.monotonic() >= deadline:
+                    break
+                time.sleep(0.05)
+        except Exception:  # torch raises its own error types for a store that is gone (DistStoreError, ...)
+            return _store_host()
+    if ended:
+        pids = ", ".join(str(local[r][0]) for r in ended)
+        return f"{_ranks_text(ended)} gone (process {pids} ended)"
+    if missing:
+        return f"{_ranks_text(missing)} gone or stuck (no answer to the roll call within {wait_s:g}s)"
+    return ""
+
+
 @contextlib.contextmanager
 def peer_failures(
     op: str, timeout_s: float, ranks: list[int] | None = None, limit_name: str = "parallel.p2p_timeout_s"
 ):
     """Turn a communication failure inside the block (gloo: "Timed out waiting ...ms", "Connection closed by
-    peer"; NCCL: the watchdog's error) into a `PeerError` naming the operation, the ranks and the limit;
-    any other exception passes unchanged."""
+    peer"; NCCL: the watchdog's error) into a `PeerError` naming the operation, the ranks, the limit and, after a
+    roll call of the ranks through the job's store (`_roll_call`, at most `min(ROLL_CALL_S, timeout_s)`), the
+    ranks that are gone; any other exception passes unchanged."""
     try:
         yield
     except PeerError:
@@ -165,9 +307,10 @@ def peer_failures(
         first = (str(e).splitlines() or [""])[0][:300]
         me = dist.get_rank() if dist.is_initialized() else 0
         over = f" over global ranks {ranks}" if ranks is not None else ""
+        gone = _roll_call(min(ROLL_CALL_S, timeout_s))
         raise PeerError(
-            f"global rank {me}: {op}{over} failed (peer dead, or silent longer than {limit_name} = "
-            f"{timeout_s:g}s): {type(e).__name__}: {first}"
+            f"global rank {me}: {op}{over} failed (peer dead, or silent longer than {limit_name} = {timeout_s:g}s): "
+            f"{gone + '. ' if gone else ''}{type(e).__name__}: {first}"
         ) from e
 
 
@@ -187,36 +330,30 @@ def first_failure(code: int) -> tuple[bool, int]:
     (True, code)."""
     if not (dist.is_available() and dist.is_initialized()):
         return True, code
-    import sys
+    with _quiet_stderr():
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            store.set_timeout(timedelta(seconds=10))
+            if store.add("dsv3/failed_ranks", 1) == 1:
+                store.set("dsv3/exit_code", str(code))
+                return True, code
+            return False, int(store.get("dsv3/exit_code"))
+        except Exception:
+            import time
 
-    sys.stderr.flush()
-    saved = os.dup(2)
-    null = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(null, 2)  # a store whose host is gone makes c10d log a C++ stack trace: not this rank's news
-    try:
-        store = dist.distributed_c10d._get_default_store()
-        store.set_timeout(timedelta(seconds=10))
-        if store.add("dsv3/failed_ranks", 1) == 1:
-            store.set("dsv3/exit_code", str(code))
-            return True, code
-        return False, int(store.get("dsv3/exit_code"))
-    except Exception:
-        import time
+            time.sleep(5)  # the first failure's process is gone: let the launcher see its exit code first
+            return False, code
 
-        time.sleep(5)  # the first failure's process is gone: let the launcher see its exit code first
-        return False, code
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved), os.close(null)
+
+# --- Self-spawned ranks ----------------------------------------------------------------------------------------
 
 
 def _die_with_parent(parent_pid: int) -> None:
     """Kill this rank as soon as the spawning process `parent_pid` is gone (kill -9 included), so that no rank
     outlives it holding a run directory's lock or a port. A daemon thread waits on the process (Linux: a pidfd,
     no polling; elsewhere: a check per second). NOTE: not PR_SET_PDEATHSIG: a rank's parent is the forkserver,
-    and the forkserver outlives the spawning process as long as a rank is alive."""
+    not the spawning process."""
     import select
-    import signal
     import threading
     import time
 
@@ -260,17 +397,27 @@ def _adopt_stdio(out, err) -> None:
             os.close(fd)
 
 
+# Blocked while `spawn` starts the forkserver and multiprocessing's resource tracker, so that both inherit them
+# blocked: a scheduler's SIGTERM / SIGUSR1 to the whole process group must reach the ranks and the spawning
+# process (which forwards it, `spawn(forward_signals=...)`), not kill the forkserver, through which the spawning
+# process learns each rank's exit status (a dead forkserver reports every rank as exit 255), nor the tracker. Both
+# end anyway when the spawning process closes their pipes. Ranks unblock them first thing (`_worker`).
+_HELPER_BLOCKED = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2})
+
+
 def _worker(
     local_rank: int,
     world: int,
     port: int,
     fn: Callable,
     args: tuple,
-    queue,
+    conn,
     env: dict,
     parent_pid: int | None = None,
     stdio: Any = None,
 ) -> None:
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELPER_BLOCKED)  # inherited blocked from the forkserver
     if parent_pid is not None:
         _die_with_parent(parent_pid)
     os.environ.update(env)
@@ -287,7 +434,14 @@ def _worker(
             "MASTER_PORT": str(port),
         }
     )
-    code = 0
+    code, exit_now = 0, False
+
+    def report(status: str, payload: Any) -> None:
+        try:
+            conn.send((local_rank, status, payload))
+        except OSError:  # the spawning process is gone: this rank is about to be killed (`_die_with_parent`)
+            pass
+
     try:
         out = fn(*args)
         # Pickle here: tensors would otherwise travel as shared memory of a process that is about to exit.
@@ -295,26 +449,31 @@ def _worker(
 
         buf = io.BytesIO()
         torch.save(out, buf)
-        queue.put((local_rank, "ok", buf.getvalue()))
+        report("ok", buf.getvalue())
+    except Preempted as e:  # stopped on request after saving: a status, not a failure
+        report("preempted", (e.exit_code, str(e)))
+        code, exit_now = e.exit_code, True
     except BaseException as e:
         # Report to the parent and exit without printing: the parent prints the one message that matters
         # (a rank's traceback printed here would repeat on every rank that hit the same input).
         if _is_input_error(e):
-            queue.put((local_rank, "input", (type(e).__name__, str(e))))
+            report("input", (type(e).__name__, str(e)))
             code = 2
         elif isinstance(e, PeerError):  # the message says it all: which wait, on whom, and the limit
-            queue.put((local_rank, "peer", f"{type(e).__name__}: {e}"))
+            report("peer", f"{type(e).__name__}: {e}")
             code = 1
         else:
-            queue.put((local_rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+            report("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
             code = 1
+        exit_now = True
     finally:
+        conn.close()
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
             except Exception:  # a peer already gone: nothing left to tear down cleanly
                 pass
-    if code:
+    if exit_now:
         import sys
 
         sys.stdout.flush(), sys.stderr.flush()
@@ -331,90 +490,293 @@ def _input_error(name: str, message: str) -> ValueError:
 _PRELOAD = ["torch", "torch.distributed"]
 
 
-def _context():
-    """Ranks start from a forkserver that preloaded torch (Unix); elsewhere as fresh interpreters ("spawn"). Never
-    "fork": a fork of the caller would copy its threads' state (OpenMP pool, gloo) and its CUDA context."""
-    if "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
-    return ctx
+class _Helpers:
+    """The forkserver (Unix; elsewhere ranks start as fresh interpreters, "spawn") and the resource tracker it
+    starts, each stopped by `stop` if `start` started it: nothing of a `spawn` call outlives it (issue 27: no fork
+    server or resource tracker left behind). Never "fork": a fork of the caller would copy its threads' state
+    (OpenMP pool, gloo) and its CUDA context.
+
+    Cost, measured on a 2-core machine shared with other jobs: a fresh forkserver imports torch once more per call
+    (1.9 s of CPU); 5 calls of `spawn` with 2 ranks that join a group took 2.7-3.6 s each, against 0.5-0.9 s
+    with one forkserver kept warm across the calls (the first call pays for it either way). `dsv3 train` spawns
+    once per process, so only callers that spawn many times in one process (the tests) pay it; the alternative,
+    two processes per calling process left running until it exits, is what issue 27 rules out. A forkserver
+    already running when `spawn` is called (someone else's) is used and left running."""
+
+    def __init__(self):
+        self.forkserver = self.tracker = None  # the ones `start` started
+
+    def start(self):
+        if "forkserver" not in mp.get_all_start_methods():
+            return mp.get_context("spawn")
+        from multiprocessing import forkserver, resource_tracker
+
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)
+        fs, rt = forkserver._forkserver, resource_tracker._resource_tracker
+        had = (fs._forkserver_pid, rt._pid)
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _HELPER_BLOCKED)
+        try:
+            rt.ensure_running()  # (the forkserver's would start it too) ...
+            # ... and unblocks SIGINT / SIGTERM in this thread on its way out: block them again for the forkserver
+            signal.pthread_sigmask(signal.SIG_BLOCK, _HELPER_BLOCKED)
+            fs.ensure_running()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        self.forkserver = fs if fs._forkserver_pid != had[0] else None
+        self.tracker = rt if rt._pid != had[1] else None
+        return ctx
+
+    def stop(self) -> None:
+        """Stop what `start` started (call once every rank has exited). The forkserver exits when its "alive" pipe
+        closes; the tracker when every holder of its pipe (this process, the forkserver, the ranks and anything
+        they left running) has closed it: waited for up to 5 s, then killed, so that a process a rank left behind
+        cannot hang the caller."""
+        import time
+
+        if self.forkserver is not None:
+            # killed, then stopped (its pipe closed, its socket removed, its status collected): it has nothing to
+            # clean up, and a forkserver that imported torch takes ~0.4 s to tear down its interpreter
+            os.kill(self.forkserver._forkserver_pid, signal.SIGKILL)
+            self.forkserver._stop()
+            self.forkserver = None
+        rt, self.tracker = self.tracker, None
+        if rt is None:
+            return
+        with rt._lock:
+            fd, pid = rt._fd, rt._pid
+            rt._fd = rt._pid = None
+        if fd is None:
+            return
+        os.close(fd)
+        deadline = time.monotonic() + 5.0
+        while os.waitpid(pid, os.WNOHANG)[0] == 0:
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                break
+            time.sleep(0.01)
+
+
+class _Forwarder:
+    """`spawn(forward_signals=...)`: the spawning process outlives the first of these signals and passes it on to
+    every rank (which saves and stops, `dsv3_plugin.training.preemption`); a later SIGINT or SIGTERM (not the same
+    signal again within `repeat_window_s`: the same request delivered twice) kills the ranks and exits 128 + it."""
+
+    def __init__(self, signals, repeat_window_s: float):
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("spawn(forward_signals=...): call it from the main thread (Python runs handlers there)")
+        self.window = repeat_window_s
+        self.pids: list[int] = []
+        self.first, self.first_at = 0, 0.0
+        self.previous = {s: signal.signal(s, self._handle) for s in signals}
+
+    def add(self, pid: int) -> None:
+        """A rank that just started: it gets a signal that came before it."""
+        self.pids.append(pid)
+        if self.first:
+            self._send(pid, self.first)
+
+    @staticmethod
+    def _send(pid: int, signum: int) -> None:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:  # that rank already ended: the parent reports it
+            pass
+
+    def _handle(self, signum, frame) -> None:
+        import time
+
+        now = time.monotonic()
+        if not self.first:
+            self.first, self.first_at = signum, now
+            for pid in self.pids:
+                self._send(pid, signum)
+            return
+        if signum not in (signal.SIGINT, signal.SIGTERM) or (
+            signum == self.first and now - self.first_at < self.window
+        ):
+            return  # a stop is already on its way
+        for pid in self.pids:
+            self._send(pid, signal.SIGKILL)
+        raise SystemExit(128 + signum)
+
+    def restore(self) -> None:
+        for s, h in self.previous.items():
+            signal.signal(s, h)
+
+
+def _death(r: int, code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "a signal"
+        return f"rank {r} was killed by {name} (signal {-code})"
+    return f"rank {r} exited with status {code} without a report"
 
 
 def spawn(
-    fn: Callable[..., Any], nproc: int, *args: Any, env: dict | None = None, timeout_s: float = 600.0
+    fn: Callable[..., Any],
+    nproc: int,
+    *args: Any,
+    env: dict | None = None,
+    timeout_s: float = 600.0,
+    forward_signals: tuple[int, ...] = (),
+    repeat_window_s: float = 0.0,
 ) -> list[Any]:
     """Run `fn(*args)` on `nproc` loopback ranks (each sets the torchrun env vars); return results by rank.
 
-    `fn` must be picklable (module level). It should call `init_distributed()` itself, exactly as it
-    would under torchrun. Ranks print no tracebacks of their own. A `ConfigError` / `CheckpointError` on any
-    rank is raised here again (same type and message, once, whichever rank found it first); any other failure
-    raises `RuntimeError` with that rank's traceback (a `PeerError`, a peer dead or silent past the timeout:
-    with its message only, and only if no rank failed otherwise). The other ranks are stopped.
+    `fn` must be picklable (module level). It should call `init_distributed()` itself, exactly as it would under
+    torchrun. Ranks print no tracebacks of their own. No process of the call outlives it: the ranks, and the
+    forkserver and resource tracker it started (`_Helpers`).
+
+    Args:
+        fn, nproc, args: what each rank runs, and on how many ranks.
+        env: environment variables for the ranks (OMP_NUM_THREADS defaults to the caller's, else 1).
+        timeout_s: the whole run's limit.
+        forward_signals: signals this process then handles (main thread only; e.g. `dsv3 train`'s SIGTERM,
+            SIGINT, SIGUSR1): the first is passed on to every rank and this call keeps waiting for the ranks to
+            save and stop; a later SIGINT or SIGTERM kills the ranks and raises SystemExit(128 + it). Default:
+            none (a signal does to this process what it would anyway; the ranks die with it).
+        repeat_window_s: with forward_signals, the first signal again within this many seconds is the same
+            request delivered twice (a scheduler signalling the whole process group, then this process), not
+            the second signal that aborts.
+
+    Returns:
+        fn's return value on each rank, by rank.
+
+    Raises:
+        ConfigError / CheckpointError / DataError: bad input on any rank (same type and message, once,
+            whichever rank found it first).
+        RuntimeError: any other failure: a rank that died without a report ("rank 1 was killed by SIGKILL
+            (signal 9)"), before a rank's own error (with its traceback), before the `PeerError`s of ranks that
+            then failed waiting on it. The other ranks are stopped (after up to `ROLL_CALL_S` + 1 s to report).
+        Preempted: every rank stopped on request after saving (no rank failed): rank 0's message and exit code,
+            raised once every rank has exited.
+        SystemExit: a second signal, with forward_signals.
     """
+    forwarder = _Forwarder(forward_signals, repeat_window_s) if forward_signals else None
+    helpers = _Helpers()
+    try:
+        ctx = helpers.start()
+        return _run_ranks(ctx, fn, nproc, args, env, timeout_s, forwarder)
+    finally:
+        if forwarder is not None:
+            forwarder.restore()
+        helpers.stop()
+
+
+def _process_gone(pid: int) -> bool:
+    """Whether process `pid` has ended (a zombie counts: it runs no more)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _run_ranks(ctx, fn, nproc: int, args: tuple, env: dict | None, timeout_s: float, forwarder) -> list[Any]:
+    import io
     import time
+    from multiprocessing.connection import wait
 
     port = free_port()
-    ctx = _context()
-    queue = ctx.SimpleQueue()
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
+    # One pipe per rank (no shared queue: no named semaphores for the resource tracker to clean, and a rank's
+    # end of the pipe closes with its process, so "ended without a report" is known for sure).
+    pipes = [ctx.Pipe(duplex=False) for _ in range(nproc)]
     procs = [
-        ctx.Process(target=_worker, args=(r, nproc, port, fn, args, queue, env, os.getpid(), _Stdio()), daemon=False)
+        ctx.Process(
+            target=_worker, args=(r, nproc, port, fn, args, pipes[r][1], env, os.getpid(), _Stdio()), daemon=False
+        )
         for r in range(nproc)
     ]
-    results: dict[int, Any] = {}
+    reports: dict[int, tuple[str, Any]] = {}  # rank -> (status, payload)
+    eof: set[int] = set()
+
+    def collect(timeout: float) -> None:
+        started = {id(pipes[r][0]): r for r in range(nproc) if r not in eof and pipes[r][1].closed}
+        ready = wait([pipes[r][0] for r in started.values()], timeout) if started else ()
+        for conn in ready:
+            r = started[id(conn)]
+            try:
+                _, status, payload = conn.recv()
+                reports.setdefault(r, (status, payload))
+            except (EOFError, OSError):
+                eof.add(r)
+
+    def finished() -> bool:
+        return all(reports.get(r, ("",))[0] in ("ok", "preempted") for r in range(nproc))
+
+    def failures() -> list[tuple[int, str, Any]]:
+        return [(r, s, x) for r, (s, x) in reports.items() if s not in ("ok", "preempted")]
+
+    def deaths() -> list[tuple[int, int]]:
+        """Ranks that ended without a report: the forkserver reported an exit status, the process is gone (a
+        forkserver that died itself reports 255 for ranks still running), and its pipe holds no report (read to
+        its end; for at most 1 s, should a process the rank left running hold the pipe open)."""
+        out = []
+        for r, p in enumerate(procs):
+            if r not in reports and p.pid is not None and p.exitcode is not None and _process_gone(p.pid):
+                until = time.monotonic() + 1.0
+                while r not in eof and r not in reports and time.monotonic() < until:
+                    collect(0.05)
+                if r not in reports:
+                    out.append((r, p.exitcode))
+        return out
+
     done = False
     try:
-        for p in procs:
+        for r, p in enumerate(procs):
             p.start()
-        failures: list[tuple[int, str, Any]] = []
+            pipes[r][1].close()  # the rank holds the writing end now
+            if forwarder is not None:
+                forwarder.add(p.pid)
         deadline = time.monotonic() + timeout_s
-        while len(results) < nproc and not failures:
-            if not queue.empty():
-                r, status, out = queue.get()
-                if status == "ok":
-                    import io
-
-                    results[r] = torch.load(io.BytesIO(out), weights_only=False)  # our own child's result
-                else:
-                    failures.append((r, status, out))
-            elif any(p.exitcode not in (None, 0) for p in procs):
-                time.sleep(0.2)
-                if queue.empty():
-                    dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                    failures.append(
-                        (dead[0], "error", f"rank(s) {dead} died (exit codes {[procs[i].exitcode for i in dead]})")
-                    )
-            elif time.monotonic() > deadline:
-                failures.append((-1, "error", f"timed out after {timeout_s:.0f}s"))
-            else:
-                time.sleep(0.02)
-        if failures:
-            # Other ranks often fail right after the first (same bad input, or a peer gone from a collective):
-            # give them a moment so that an input error wins over the broken-pipe errors it causes.
-            grace = time.monotonic() + 1.0
-            while time.monotonic() < grace and any(p.is_alive() for p in procs):
-                while not queue.empty():
-                    r, status, out = queue.get()
-                    if status != "ok":
-                        failures.append((r, status, out))
-                time.sleep(0.05)
-            while not queue.empty():
-                r, status, out = queue.get()
-                if status != "ok":
-                    failures.append((r, status, out))
-            first_input = next((f for f in failures if f[1] == "input"), None)
+        while not (finished() or failures() or deaths()):
+            if time.monotonic() > deadline:
+                break
+            collect(0.05)
+        if not finished():
+            # Other ranks fail right after the first (same bad input, or a peer gone from a collective): give them
+            # the roll call's time to report, so that an input error wins over the broken pipes it causes and the
+            # survivors of a dead rank end on their own.
+            grace = time.monotonic() + ROLL_CALL_S + 1.0
+            while time.monotonic() < grace and any(
+                r not in reports and p.pid is not None and not _process_gone(p.pid) for r, p in enumerate(procs)
+            ):
+                collect(0.05)
+            failed, dead = failures(), deaths()
+            first_input = next((x for _, s, x in failed if s == "input"), None)
             if first_input is not None:
-                raise _input_error(*first_input[2])
-            # a rank's own failure (a bug, a death) before the peer errors it causes on the others
-            r, _, out = min(failures, key=lambda f: f[1] == "peer")
-            raise RuntimeError(f"spawned run failed:\nrank {r}: {out}" if r >= 0 else f"spawned run failed: {out}")
+                raise _input_error(*first_input)
+            if dead:  # a rank's death before anything the others then said about it
+                then = " (the other ranks then failed waiting on it)" if failed else ""
+                raise RuntimeError("spawned run failed:\n" + "; ".join(_death(r, c) for r, c in dead) + then)
+            if failed:  # a rank's own failure (a bug) before the peer errors it causes on the others
+                r, _, out = min(failed, key=lambda f: f[1] == "peer")
+                raise RuntimeError(f"spawned run failed:\nrank {r}: {out}")
+            if not finished():
+                raise RuntimeError(f"spawned run failed: timed out after {timeout_s:.0f}s")
         done = True
-    finally:  # also on KeyboardInterrupt: no rank outlives the call
-        for p in procs:
-            if p.pid is not None and not done and p.is_alive():
-                p.kill()
+        preempted = [(r, x) for r, (s, x) in reports.items() if s == "preempted"]
+        # our own children's results (pickled by `_worker`)
+        results = {r: torch.load(io.BytesIO(x), weights_only=False) for r, (s, x) in reports.items() if s == "ok"}
+    finally:  # also on KeyboardInterrupt / SystemExit: no rank outlives the call
+        for p in procs:  # by pid: Process.kill() skips a rank whose status a dead forkserver made up
+            if p.pid is not None and not done and not _process_gone(p.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGKILL)
         for p in procs:
             if p.pid is not None:
                 p.join(30 if done else 5)
+        for reader, writer in pipes:
+            reader.close(), writer.close()
+    if preempted:  # every rank has exited (joined above)
+        r, (code, message) = min(preempted, key=lambda x: x[0])
+        raise Preempted(message, code)
     return [results[r] for r in range(nproc)]
