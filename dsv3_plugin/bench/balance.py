@@ -9,7 +9,6 @@ they prefer. The only difference between the two runs is γ (same seed, data, in
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -21,6 +20,7 @@ from dsv3_plugin.model.moe.balancing import update_expert_bias
 from dsv3_plugin.parallel.expert_parallel import expert_parallel
 from dsv3_plugin.parallel.groups import single_process_groups
 from dsv3_plugin.training.routing_plot import plot_routing
+from dsv3_plugin.training.run_dir import metrics_line
 from dsv3_plugin.training.telemetry import RoutingTelemetry
 from dsv3_plugin.training.transforms import build_model
 
@@ -83,7 +83,7 @@ def train_balance(
             rec = {"step": step, "loss": float(out.loss.detach()), "gamma": gamma, **tel.record(stats)}
             rec["maxvio"] = rec["maxvio_batch"]
             rows.append(rec)
-            f.write(json.dumps(rec) + "\n")
+            f.write(metrics_line(rec) + "\n")  # non-finite values as null, as dsv3 train writes them
             if progress and (step % 25 == 0 or step == steps):
                 print(
                     f"[bench balance] γ={gamma:g} step {step}: loss {rec['loss']:.3f} maxvio_batch "

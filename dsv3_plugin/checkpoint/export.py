@@ -141,6 +141,8 @@ def find_run_checkpoint(src: str, tag: str | None = None) -> RunCheckpoint | Non
         problem = None if _is_tag_dir(os.path.join(ck, tag)) else f"tag {tag!r}, which does not exist"
     if problem is not None:
         raise CheckpointError(f"--tag {tag}: cannot export {problem} (in {ck})")
+    if root is not None and rd.read_run_record(root) is not None:
+        rd.verify_checksums(ck, tag)  # a file changed since the save (zeroed in place...) is refused by name
     return RunCheckpoint(ck, tag, root)
 
 

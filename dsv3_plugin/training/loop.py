@@ -14,7 +14,6 @@ rank's EMA shard and continues at the saved step: the continued run's losses equ
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -30,7 +29,7 @@ from dsv3_plugin.errors import CheckpointError, DataError, Preempted
 from dsv3_plugin.parallel.distributed import peer_failures
 from dsv3_plugin.training.ema import EMA
 from dsv3_plugin.training.preemption import StopRequests, exit_status
-from dsv3_plugin.training.run_dir import RunDir
+from dsv3_plugin.training.run_dir import RunDir, metrics_line
 from dsv3_plugin.training.run_report import finish
 from dsv3_plugin.training.telemetry import RoutingTelemetry
 
@@ -337,7 +336,7 @@ def _log_step(rec: dict, done: int, total: int, log_every: int, echo: bool, metr
     """Rank 0: one JSON line every `dsv3.train.log_every` steps (and the last) to metrics.jsonl (flushed per line,
     so a crash tears at most the last line) and, with `echo`, to stdout."""
     if done % log_every == 0 or done == total:
-        line = json.dumps(rec)
+        line = metrics_line(rec)  # non-finite values as null: what read_jsonl accepts back
         if echo:
             print(line, flush=True)
         if metrics_path:

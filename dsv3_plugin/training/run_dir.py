@@ -29,6 +29,7 @@ from dsv3_plugin.data.packed import data_change
 from dsv3_plugin.data.tokenizer import TOKENIZER_FILES
 from dsv3_plugin.errors import CheckpointError, DataError
 from dsv3_plugin.parallel.distributed import _input_error
+from dsv3_plugin.safe_files import copy_regular
 
 __all__ = [
     "RunDir",
@@ -299,7 +300,7 @@ def clear_run(out: str) -> None:
 def keep_tokenizer(out: str, src: str) -> str | None:
     """Copy the tokenizer files (`TOKENIZER_FILES`) of directory `src` to OUT/tokenizer, atomically (a temporary
     directory renamed over the old one). Returns the directory, or None when `src` holds none of them."""
-    files = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(src, f))]
+    files = [f for f in TOKENIZER_FILES if os.path.lexists(os.path.join(src, f))]  # a FIFO / bad link: refused
     if not files:
         return None
     dst = os.path.join(out, TOKENIZER_DIR)
@@ -307,7 +308,7 @@ def keep_tokenizer(out: str, src: str) -> str | None:
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     for f in files:
-        shutil.copyfile(os.path.join(src, f), os.path.join(tmp, f))
+        copy_regular(os.path.join(src, f), os.path.join(tmp, f), DataError, src)  # the bytes, never a link out
     old = f"{dst}.old{os.getpid()}"
     if os.path.isdir(dst):
         os.replace(dst, old)  # (a directory cannot be renamed over a non-empty one)
@@ -469,12 +470,13 @@ def _legacy_ok(ckpt: str, tag: str) -> bool:
     return bool(tag) and os.path.isfile(os.path.join(ckpt, tag, "mp_rank_00_model_states.pt"))
 
 
-def resolve_resume(ckpt: str, run_root: str | None) -> tuple[str, str | None]:
+def resolve_resume(ckpt: str, run_root: str | None, verify: bool = True) -> tuple[str, str | None]:
     """The tag to resume from and a note for stderr when it is not the one `latest` names.
 
     `latest` is used when it names a complete tag. If it is missing, empty, or names a missing or incomplete
     tag, the newest complete `step<N>` tag is used instead (with a note); none -> CheckpointError saying what to
-    do. The tag chosen must pass `verify_checksums` (a corrupt file is a CheckpointError, never a silent fallback).
+    do. The tag chosen must pass `verify_checksums` (a corrupt file is a CheckpointError, never a silent fallback;
+    `verify=False` skips that read of the whole checkpoint, for a precheck whose run verifies it again).
     Runs without `run.json` (written before completion markers) keep DeepSpeed's rule: trust `latest`.
     """
     latest_path = os.path.join(ckpt, "latest")
@@ -488,7 +490,8 @@ def resolve_resume(ckpt: str, run_root: str | None) -> tuple[str, str | None]:
     if latest:
         problem = tag_problem(ckpt, latest)
         if problem is None:
-            verify_checksums(ckpt, latest)
+            if verify:
+                verify_checksums(ckpt, latest)
             return latest, None
         problem = f"'latest' names {problem}"
     else:
@@ -500,7 +503,8 @@ def resolve_resume(ckpt: str, run_root: str | None) -> tuple[str, str | None]:
             "run (another --out, or --overwrite to replace this one) or resume another run"
         )
     tag = max(tags)[1]
-    verify_checksums(ckpt, tag)
+    if verify:
+        verify_checksums(ckpt, tag)
     return tag, f"dsv3 train: {ckpt}: {problem}; resuming from {tag}, the newest complete checkpoint"
 
 
@@ -641,17 +645,20 @@ def checkpoint_dir(path: str | os.PathLike) -> str:
     return sub if os.path.isdir(sub) else path
 
 
-def resume_source(resume: str, cfg, world: int | None = None, data: dict | None = None) -> tuple[str, str, str | None]:
+def resume_source(
+    resume: str, cfg, world: int | None = None, data: dict | None = None, verify: bool = True
+) -> tuple[str, str, str | None]:
     """(checkpoint dir, tag, note) to resume from, after checking the checkpoint is complete, belongs to this
     config and (when `world` is given) was saved by as many ranks as this run has: ZeRO-1's optimizer partitions
     and the per-rank RNG states do not carry over to another count (CheckpointError saying what to do). With
     `data` (this run's data fingerprint): the checkpoint's data position means the same rows only on the same
-    data, so other data is refused (DataError naming the key that differs)."""
+    data, so other data is refused (DataError naming the key that differs). `verify`: check every file's
+    checksum (`verify_checksums`; False: sizes only, for the launcher's precheck — rank 0 verifies again)."""
     ck = checkpoint_dir(resume)
     if not os.path.isdir(ck):
         raise CheckpointError(f"--resume {resume}: no DeepSpeed checkpoint here (no ckpt/ dir, no 'latest')")
     root = os.path.dirname(os.path.abspath(ck)) if os.path.basename(os.path.normpath(ck)) == "ckpt" else ck
-    tag, note = resolve_resume(ck, root)
+    tag, note = resolve_resume(ck, root, verify)
     record = read_run_record(root)
     marker = read_marker(ck, tag)
     saved = marker["config_hash"] if marker else (record["config_hash"] if record else None)

@@ -269,6 +269,8 @@ def test_resume_refuses_a_crafted_checkpoint_and_runs_nothing(runs, tmp_path):
     sizes (anyone can): --resume refuses with one line naming a file, exit 2, and the payload never ran."""
     import torch
 
+    from dsv3_plugin.training.run_dir import file_checksum
+
     tmp, _, _ = runs
     d = str(tmp_path / "crafted")
     shutil.copytree(f"{tmp}/half", d)
@@ -280,6 +282,7 @@ def test_resume_refuses_a_crafted_checkpoint_and_runs_nothing(runs, tmp_path):
         if rel.endswith(".pt") and not os.path.basename(rel).startswith("ema_"):
             torch.save({"module": {}, "x": _Payload(str(marker))}, f"{tag}/{rel}")
             m["files"][rel] = os.path.getsize(f"{tag}/{rel}")
+            m["checksums"][rel] = file_checksum(f"{tag}/{rel}")  # the marker's checksums: anyone can recompute
     with open(f"{tag}/dsv3_complete.json", "w") as f:
         json.dump(m, f)
     p = _dsv3("train", "--config", _write(tmp_path / "c.json", DS), "--out", d, "--resume", d, "--steps", "10")
