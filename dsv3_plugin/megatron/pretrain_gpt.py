@@ -555,16 +555,22 @@ train_valid_test_datasets_provider.is_distributed = True
 
 
 def _patches():
-    from dsv3_plugin_patches import megatron_cpu, megatron_dataset_helpers, megatron_dualpipe, megatron_training_cpu
+    from dsv3_plugin_patches import (
+        megatron_cpu,
+        megatron_dataset_helpers,
+        megatron_dualpipe,
+        megatron_safe_load,
+        megatron_training_cpu,
+    )
 
-    return megatron_cpu, megatron_training_cpu, megatron_dataset_helpers, megatron_dualpipe
+    return megatron_cpu, megatron_training_cpu, megatron_dataset_helpers, megatron_dualpipe, megatron_safe_load
 
 
 def run(argv: list[str]) -> int:
     """One rank of the training run (launched by torchrun, or by `--nproc`). Bad flags fail before anything is
     patched; the patches applied here are reverted on the way out (an in-process call leaves Megatron as it was)."""
     _require_megatron_training()
-    megatron_cpu, training_cpu, dataset_helpers, dualpipe = _patches()
+    megatron_cpu, training_cpu, dataset_helpers, dualpipe, safe_load = _patches()
     on_cpu = not torch.cuda.is_available()
     args, notes = parse_megatron_args(argv, on_cpu=on_cpu, set_globals=False)
     schedule = args.dsv3_pipeline_schedule if args.pipeline_model_parallel_size > 1 else "megatron"
@@ -572,7 +578,8 @@ def run(argv: list[str]) -> int:
     try:
         import megatron.training.training  # noqa: F401  (binds get_forward_backward_func; patched below)
 
-        for mod, wanted in ((dataset_helpers, True), (megatron_cpu, on_cpu), (training_cpu, on_cpu)):
+        # checkpoints (--load, --pretrained-checkpoint) are read without unpickling code
+        for mod, wanted in ((safe_load, True), (dataset_helpers, True), (megatron_cpu, on_cpu), (training_cpu, on_cpu)):
             if wanted and not mod.is_applied() and mod.apply():
                 applied.append(mod)
         if schedule != "megatron" and not dualpipe.is_applied() and dualpipe.apply(schedule):
@@ -591,15 +598,22 @@ def run(argv: list[str]) -> int:
         metrics = MetricsRecorder(args.dsv3_metrics) if args.dsv3_metrics else contextlib.nullcontext()
         loop = training_cpu.cuda_literals_on_cpu() if on_cpu else contextlib.nullcontext()
         with metrics, loop:
-            # DualPipeV: the embedding's copies all live on pipeline rank 0, so its embedding group is that rank
-            pretrain(
-                cfg_container,
-                train_valid_test_datasets_provider,
-                ModelType.encoder_or_decoder,
-                forward_step,
-                model_provider=model_provider,
-                get_embedding_ranks=embedding_ranks if dualpipev_selected(args) else None,
-            )
+            try:
+                # DualPipeV: the embedding's copies all live on pipeline rank 0, so its embedding group is that rank
+                pretrain(
+                    cfg_container,
+                    train_valid_test_datasets_provider,
+                    ModelType.encoder_or_decoder,
+                    forward_step,
+                    model_provider=model_provider,
+                    get_embedding_ranks=embedding_ranks if dualpipev_selected(args) else None,
+                )
+            except BaseException:
+                # a refused checkpoint file, whatever Megatron made of it (wrapped by torch.distributed.checkpoint,
+                # or printed and sys.exit()-ed with status 0 by its legacy loader)
+                if safe_load.refusal() is not None:
+                    raise safe_load.refusal() from None
+                raise
     finally:
         for mod in reversed(applied):
             mod.revert()
