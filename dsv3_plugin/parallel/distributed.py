@@ -167,6 +167,7 @@ def new_groups_bounded(timeout_s: float | None):
 # once, without waiting (its process is looked up, see `_roll_call`).
 ROLL_CALL_S = 5.0
 _ROLL_CALLS = 0  # roll calls this process has taken part in: the n-th one of every rank meets under keys of its own
+_ROLL_CALLED: list = []  # the default process group this process last took a roll call in (once per group)
 _PROC_KEY = "dsv3/procs/"  # + this host's key: "rank:pid:start time," of every rank whose process runs there
 
 
@@ -248,15 +249,22 @@ def _roll_call(wait_s: float) -> str:
     dead, stopped, or in a wait of its own). A rank that answered and then exited is a survivor, not the cause.
     If the store itself does not answer, its host is named (`_store_host`).
 
+    Once per process group: every rank takes part in one roll call (its first failure), so that all of them
+    meet under the same keys; a later call returns "".
+
     Returns:
-        The clause naming them; "" when every rank answered (the failure was not a peer's death) or without a
-        process group.
+        The clause naming them; "" when every rank answered (the failure was not a peer's death), without a
+        process group, or after this rank's roll call.
     """
     global _ROLL_CALLS
     import time
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return ""
+    group = dist.distributed_c10d._get_default_group()
+    if _ROLL_CALLED and _ROLL_CALLED[0] is group:
+        return ""  # this rank took its roll call already (an inner block's failure, now passing an outer block)
+    _ROLL_CALLED[:] = [group]
     me, world = dist.get_rank(), dist.get_world_size()
     _ROLL_CALLS += 1
     key = f"dsv3/roll_call/{_ROLL_CALLS}/"
@@ -296,10 +304,14 @@ def peer_failures(
     """Turn a communication failure inside the block (gloo: "Timed out waiting ...ms", "Connection closed by
     peer"; NCCL: the watchdog's error) into a `PeerError` naming the operation, the ranks, the limit and, after a
     roll call of the ranks through the job's store (`_roll_call`, at most `min(ROLL_CALL_S, timeout_s)`), the
-    ranks that are gone; any other exception passes unchanged."""
+    ranks that are gone; a `PeerError` from inside (e.g. a pipeline receive's) gets the roll call's answer
+    appended; any other exception passes unchanged."""
     try:
         yield
-    except PeerError:
+    except PeerError as e:  # a lower layer's (the pipeline's p2p waits): the ranks that are gone added, once
+        gone = _roll_call(min(ROLL_CALL_S, timeout_s))
+        if gone:
+            e.args = (f"{e}; {gone}",)
         raise
     except RuntimeError as e:  # torch.distributed's DistBackendError and gloo's errors are RuntimeErrors
         if not (isinstance(e, getattr(dist, "DistError", ())) or _COMM_FAILURE.search(str(e))):

@@ -7,7 +7,8 @@ call, the message names the dead rank (not a survivor's broken connection), and 
   served is gone with it, and the survivors say so); nothing of the call is left when it returns or raises (no
   rank, forkserver or resource tracker).
 - `dsv3 train --nproc 2`, its rank 1 killed from outside with kill -9: exit 1 with that message, within the bound.
-- `dsv3 train` under torchrun, rank 1 killed: the surviving rank's one `error:` line names rank 1.
+- `dsv3 train` under torchrun, rank 1 killed: the surviving rank's one `error:` line names rank 1 (data parallel,
+  and a 2-stage pipeline, where the survivor fails in a pipeline receive).
 
 The time bounds are bounds on a hang (`P2P_S` + the roll call + 60 s for start-up and teardown on a loaded
 machine), not speed figures: without a peer timeout the survivors would wait 30 minutes per operation.
@@ -94,15 +95,17 @@ def _env():
     }
 
 
-def _config(tmp_path) -> str:
+def _config(tmp_path, pp: int = 1) -> str:
+    """The tiny preset on 2 ranks, data parallel (pp 1) or a 2-stage 1F1B pipeline (pp 2); runs until killed."""
     ds = {
-        "train_micro_batch_size_per_gpu": 2,
+        "train_micro_batch_size_per_gpu": 2 // pp,
+        "gradient_accumulation_steps": pp,
         "gradient_clipping": 1.0,
         "steps_per_print": 10**9,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
         "dsv3": {
             "preset": "tiny",
-            "parallel": {"p2p_timeout_s": P2P_S},
+            "parallel": {"p2p_timeout_s": P2P_S, **({"pp": 2, "schedule": "1f1b"} if pp == 2 else {})},
             "train": {"seq_len": 16, "steps": 100000, "seed": 3, "save_every": 0},
         },
     }
@@ -177,7 +180,9 @@ def test_cli_rank_killed_from_outside(tmp_path):
     _gone(job)
 
 
-def test_torchrun_survivor_names_the_killed_rank(tmp_path):
+# pp 2: the survivor fails in a pipeline receive (the p2p layer's own PeerError, named by the roll call too)
+@pytest.mark.parametrize("pp", [1, 2])
+def test_torchrun_survivor_names_the_killed_rank(tmp_path, pp):
     def rank1(launcher):
         for c in launcher.children():  # torchrun's workers are its children, each with RANK in its environment
             if c.environ().get("RANK") == "1":
@@ -196,7 +201,7 @@ def test_torchrun_survivor_names_the_killed_rank(tmp_path):
         "dsv3_plugin",
         "train",
         "--config",
-        _config(tmp_path),
+        _config(tmp_path, pp),
         "--out",
         str(tmp_path / "run"),
         "--no-progress",
@@ -205,7 +210,8 @@ def test_torchrun_survivor_names_the_killed_rank(tmp_path):
     rc, err, took, job = _kill_after_first_step(cmd, rank1)
     assert rc != 0, err[-3000:]
     ours = [x for x in err.splitlines() if x.startswith("error:")]
-    assert len(ours) == 1 and "global rank 0: training step " in ours[0], err[-3000:]
+    where = "global rank 0: training step " if pp == 1 else "pipeline rank 0: "
+    assert len(ours) == 1 and where in ours[0], err[-3000:]
     assert "rank 1 is gone (process " in ours[0], err[-3000:]
     assert took < BOUND_S, f"{took:.0f}s"
     _gone(job)
