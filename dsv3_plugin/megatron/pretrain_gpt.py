@@ -44,6 +44,7 @@ from dsv3_plugin.parallel.distributed import spawn
 
 __all__ = [
     "main",
+    "exit_signals",
     "parse_megatron_args",
     "set_megatron_globals",
     "reconcile_args",
@@ -634,6 +635,25 @@ def _spawned(argv: list[str]) -> int:
         raise
 
 
+def exit_signals(argv: list[str]) -> tuple[int, ...]:
+    """The signal Megatron's `--exit-signal-handler` waits for (`--exit-signal`, default SIGTERM), or () without the
+    flag: what the `--nproc` parent passes on to its ranks (torchrun's agent forwards SIGTERM itself)."""
+    import signal
+
+    if "--exit-signal-handler" not in argv:
+        return ()
+    name = "SIGTERM"
+    for i, tok in enumerate(argv):
+        if tok == "--exit-signal" and i + 1 < len(argv):
+            name = argv[i + 1]
+        elif tok.startswith("--exit-signal="):
+            name = tok.split("=", 1)[1]
+    try:
+        return (signal.Signals[name] if not name.isdigit() else signal.Signals(int(name)),)
+    except (KeyError, ValueError):
+        raise ConfigError(f"--exit-signal {name}: not a signal name (e.g. SIGTERM, SIGUSR1)") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     nproc = None
@@ -648,7 +668,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         if nproc:
-            spawn(_spawned, nproc, argv, timeout_s=float(os.environ.get("DSV3_SPAWN_TIMEOUT_S", "3600")))
+            # with --exit-signal-handler the signal reaches every rank (Megatron's handler there saves and stops)
+            spawn(
+                _spawned,
+                nproc,
+                argv,
+                timeout_s=float(os.environ.get("DSV3_SPAWN_TIMEOUT_S", "3600")),
+                forward_signals=exit_signals(argv),
+            )
             return 0
         return run(argv)
     except (ConfigError, CheckpointError, DataError) as e:

@@ -34,6 +34,7 @@ pytest.importorskip("megatron.training", reason="megatron-core < 0.19: no megatr
 pytestmark = pytest.mark.dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ENTRY = "dsv3_plugin.megatron.pretrain_gpt"
 ITERS = 6
 FLAGS = [
     "--spec",
@@ -74,17 +75,16 @@ FLAGS = [
 LIMIT_S = 300  # one run; ~30 s each on 2 idle cores
 
 
-def _cmd(tmp, name, extra):
+def _cmd(tmp, name, extra, launcher="torchrun"):
+    launch = (
+        ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", ENTRY]
+        if launcher == "torchrun"
+        else ["-m", ENTRY, "--nproc", "2"]
+    )
     return (
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "-m",
-            "dsv3_plugin.megatron.pretrain_gpt",
+        [sys.executable]
+        + launch
+        + [
             "--dsv3-config",
             str(tmp / "ds.json"),
             "--dsv3-metrics",
@@ -132,11 +132,16 @@ def _workers(agent_pid: int) -> list[int]:
     return out
 
 
-def _run_interrupted(tmp, name, extra, at_iteration: int):
-    """The run, with SIGTERM sent to each rank once Megatron has logged `at_iteration`. Returns (rc, output,
-    seconds from the signal to the end)."""
+def _run_interrupted(tmp, name, extra, at_iteration: int, launcher="torchrun"):
+    """The run, with SIGTERM sent once Megatron has logged `at_iteration`: to each rank under torchrun, to the one
+    process a user started with `--nproc`. Returns (rc, output, seconds from the signal to the end)."""
     p = subprocess.Popen(
-        _cmd(tmp, name, extra), cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        _cmd(tmp, name, extra, launcher),
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     lines: queue.Queue = queue.Queue()
     reader = threading.Thread(target=lambda: [lines.put(ln) for ln in p.stdout] + [lines.put(None)], daemon=True)
@@ -149,18 +154,20 @@ def _run_interrupted(tmp, name, extra, at_iteration: int):
                 break
             out.append(line)
             if signalled is None and re.search(rf"iteration +{at_iteration}/", line):
-                ranks = _workers(p.pid)
-                assert len(ranks) == 2, ranks
-                for pid in ranks:
+                if launcher == "torchrun":
+                    ranks = _workers(p.pid)
+                    assert len(ranks) == 2, ranks
+                for pid in ranks if launcher == "torchrun" else [p.pid]:
                     os.kill(pid, signal.SIGTERM)
                 signalled = time.monotonic()
         rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
     finally:
-        for pid in ([p.pid] if p.poll() is None else []) + ranks:  # a hung rank outlives a killed torchrun
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        if p.poll() is None:  # out of time: a hung rank outlives a killed torchrun
+            for pid in [p.pid] + ranks:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
         p.wait()
     assert signalled is not None, f"iteration {at_iteration} was never logged:\n" + "".join(out)[-5000:]
     return rc, "".join(out), time.monotonic() - signalled
@@ -178,7 +185,21 @@ def runs(tmp_path_factory):
     tracker = tmp / "ckpt" / "latest_checkpointed_iteration.txt"
     saved = int(tracker.read_text()) if tracker.exists() else None
     resumed = _run(tmp, "resumed", handler + ["--load", ck])
+    # the same with self-spawned ranks, the signal sent to the process the user started
+    at_nproc = random.Random().randint(1, ITERS - 2)
+    ck_nproc = tmp / "ckpt_nproc"
+    nproc = _run_interrupted(
+        tmp, "nproc", ["--exit-signal-handler", "--save", str(ck_nproc), "--save-interval", "1000"], at_nproc, "nproc"
+    )
+    tracker_nproc = ck_nproc / "latest_checkpointed_iteration.txt"
     return {
+        "nproc": {
+            "at": at_nproc,
+            "rc": nproc[0],
+            "log": nproc[1],
+            "saved": int(tracker_nproc.read_text()) if tracker_nproc.exists() else None,
+            "metrics": _metrics(tmp, "nproc"),
+        },
         "at": at,
         "rc": rc,
         "saved": saved,
@@ -214,3 +235,11 @@ def test_resumed_run_equals_the_uninterrupted_one_bit_for_bit(runs):
                 assert v == logged["straight"][it], (name, it, v, logged["straight"][it])
     assert sorted(logged["interrupted"]) == list(range(1, n + 1))
     assert sorted(logged["resumed"]) == list(range(n + 1, ITERS + 1))
+
+
+def test_nproc_parent_passes_the_signal_to_its_ranks(runs):
+    r = runs["nproc"]
+    assert r["rc"] == 0, f"SIGTERM after iteration {r['at']}: exit {r['rc']}\n" + r["log"][-5000:]
+    assert "exiting program after receiving SIGTERM" in r["log"], r["log"][-3000:]
+    assert r["saved"] in (r["at"], r["at"] + 1), (r["at"], r["saved"])
+    assert r["metrics"] == runs["metrics"]["straight"][: r["saved"]]
