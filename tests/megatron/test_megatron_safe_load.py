@@ -153,3 +153,20 @@ def test_genuine_checkpoint_still_resumes(saved):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     assert "successfully loaded checkpoint from" in p.stdout and "at iteration 2" in p.stdout
     assert "iteration        3/       3" in p.stdout
+
+
+def test_patch_is_reversible_and_refuses_untested_versions(monkeypatch):
+    import torch
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    from dsv3_plugin_patches import megatron_safe_load as patch
+
+    before = (torch.load, FileSystemReader.read_metadata, FileSystemReader.read_data)
+    assert patch.apply() and patch.is_applied() and not patch.apply()
+    assert torch.load is not before[0] and FileSystemReader.read_metadata is not before[1]
+    assert patch.revert() and not patch.is_applied()
+    assert (torch.load, FileSystemReader.read_metadata, FileSystemReader.read_data) == before
+    monkeypatch.setattr(patch, "_versions", lambda: {"megatron-core": "0.20.0", "torch": "2.13.0"})
+    with pytest.raises(RuntimeError, match="megatron-core 0.20.0 untested"):
+        patch.apply()
+    assert not patch.is_applied() and torch.load is before[0]
