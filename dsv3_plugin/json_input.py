@@ -11,6 +11,10 @@
 NOTE: a UTF-8 BOM is accepted and skipped (RFC 8259 §8.1 lets parsers ignore it; Notepad writes one). Any
 other encoding is refused with its name: JSON exchanged between systems must be UTF-8 (RFC 8259 §8.1).
 Non-finite numbers are reported with the dotted path of the key that holds them (`dsv3.moe.route_scale`).
+
+Readers that refuse a non-finite number where the parser meets it (no path to report: a checkpoint's JSON side
+files, a metrics line) pass `finite_float` / `no_constant` as `json.loads`' `parse_float` / `parse_constant`: both
+raise `NonFiniteNumber`.
 """
 
 from __future__ import annotations
@@ -20,11 +24,58 @@ import math
 import os
 from typing import Any
 
-__all__ = ["read_json", "loads_checked", "check_tree", "MAX_DEPTH", "MAX_BYTES"]
+__all__ = [
+    "read_json",
+    "loads_checked",
+    "check_tree",
+    "finite_float",
+    "no_constant",
+    "NonFiniteNumber",
+    "MAX_DEPTH",
+    "MAX_BYTES",
+]
 
 MAX_DEPTH = 64  # a DeepSpeed / HF config is nested < 6 levels deep
 MAX_BYTES = 64 * 1024**2  # the largest legitimate input (a 671B model's safetensors index) is ~10 MB
 _MAX_INT_DIGITS = 4000  # below CPython's int-parsing limit (4300 digits), which raises a bare ValueError
+
+
+class NonFiniteNumber(ValueError):
+    """A JSON number that is not a finite 64-bit float: `NaN`, `Infinity`, `-Infinity` (not JSON at all), or a
+    literal that overflows to inf (`1e400`), which would be written back as `Infinity`. `literal` is the text."""
+
+    def __init__(self, literal: str, overflow: bool):
+        self.literal = literal
+        super().__init__(
+            f"the number {literal} overflows a 64-bit float" if overflow else f"{literal} is not valid JSON"
+        )
+
+
+def finite_float(literal: str) -> float:
+    """`parse_float` for `json.loads`: the literal as a float, or `NonFiniteNumber` when it overflows to inf.
+
+    Args:
+        literal: the number's text.
+
+    Returns:
+        The float.
+    """
+    f = float(literal)
+    if not math.isfinite(f):
+        raise NonFiniteNumber(literal, overflow=True)
+    return f
+
+
+def no_constant(name: str) -> float:
+    """`parse_constant` for `json.loads`: `NaN`, `Infinity` and `-Infinity` are refused (`NonFiniteNumber`).
+
+    Args:
+        name: the constant's text.
+
+    Returns:
+        Never.
+    """
+    raise NonFiniteNumber(name, overflow=False)
 
 
 def _fmt_path(path: tuple) -> str:

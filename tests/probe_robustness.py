@@ -344,7 +344,7 @@ def _kill_during_save(out: str, cfg: str, kill_after_step: int, when: str) -> tu
     checkpoint tag after `kill_after_step`: `when` = "tag" the moment its directory appears, "latest" the moment
     DeepSpeed's `latest` names it (its files are written, the completion marker is not yet). Returns (what the
     kill hit, stderr)."""
-    from dsv3_plugin.training.run_dir import COMPLETE_MARKER
+    from dsv3_plugin.training.checkpoint_tags import COMPLETE_MARKER
 
     cmd = [
         sys.executable,

@@ -19,8 +19,8 @@ from dsv3_plugin.config import load_config
 from dsv3_plugin.model.moe.balancing import update_expert_bias
 from dsv3_plugin.parallel.expert_parallel import expert_parallel
 from dsv3_plugin.parallel.groups import single_process_groups
+from dsv3_plugin.training.metrics_file import metrics_line
 from dsv3_plugin.training.routing_plot import plot_routing
-from dsv3_plugin.training.run_dir import metrics_line
 from dsv3_plugin.training.telemetry import RoutingTelemetry
 from dsv3_plugin.training.transforms import build_model
 

@@ -55,7 +55,9 @@ from dsv3_plugin.data.tokenizer import TOKENIZER_FILES, check_vocab_fits, has_to
 from dsv3_plugin.errors import CheckpointError, DataError
 from dsv3_plugin.parallel.pipeline.stages import model_stage_layers, n_stages_of, stage_ids_for_rank
 from dsv3_plugin.safe_files import copy_regular, opened_path
-from dsv3_plugin.training import run_dir as rd
+from dsv3_plugin.training import checkpoint_tags as ct
+from dsv3_plugin.training import run_record
+from dsv3_plugin.training.run_dir import TOKENIZER_DIR
 
 __all__ = [
     "export",
@@ -119,30 +121,30 @@ def _is_ckpt_dir(path: str) -> bool:
 def find_run_checkpoint(src: str, tag: str | None = None) -> RunCheckpoint | None:
     """The checkpoint to export when `src` is a `dsv3 train` run directory, its `ckpt/`, or one tag's directory
     (None when it is none of these). Without `tag`: the one `latest` names if complete, else the newest complete
-    `step<N>` (`run_dir.resolve_resume`). Raises CheckpointError when `tag` (or every tag) is incomplete."""
+    `step<N>` (`checkpoint_tags.resolve_resume`). Raises CheckpointError when `tag` (or every tag) is incomplete."""
     src = os.path.abspath(src)
     if _is_tag_dir(src) and tag is None:  # one tag's directory: checked like --tag
         ck, tag = os.path.dirname(src), os.path.basename(src)
     else:
-        ck = rd.checkpoint_dir(src)
+        ck = ct.checkpoint_dir(src)
         if not _is_ckpt_dir(ck):
             return None
     root = os.path.dirname(ck) if os.path.basename(ck) == "ckpt" else None
     if tag is None:
         try:
-            tag, note = rd.resolve_resume(ck, root)
+            tag, note = ct.resolve_resume(ck, root)
         except CheckpointError as e:
             why = re.search(r"\((.*)\); start", str(e))
             raise CheckpointError(f"{ck}: no complete checkpoint to export ({why.group(1) if why else e})") from None
         return RunCheckpoint(ck, tag, root, note)
-    if root is not None and rd.read_run_record(root) is not None:
-        problem = rd.tag_problem(ck, tag)  # complete: its marker lists every file with its size
+    if root is not None and run_record.read_run_record(root) is not None:
+        problem = ct.tag_problem(ck, tag)  # complete: its marker lists every file with its size
     else:  # written before completion markers: DeepSpeed's own rule, the model-states file is there
         problem = None if _is_tag_dir(os.path.join(ck, tag)) else f"tag {tag!r}, which does not exist"
     if problem is not None:
         raise CheckpointError(f"--tag {tag}: cannot export {problem} (in {ck})")
-    if root is not None and rd.read_run_record(root) is not None:
-        rd.verify_checksums(ck, tag)  # a file changed since the save (zeroed in place...) is refused by name
+    if root is not None and run_record.read_run_record(root) is not None:
+        ct.verify_checksums(ck, tag)  # a file changed since the save (zeroed in place...) is refused by name
     return RunCheckpoint(ck, tag, root)
 
 
@@ -178,10 +180,10 @@ def _run_config(run: RunCheckpoint) -> tuple[DSv3Config, dict]:
         cfg = load_config(st["config"])
     except ConfigError as e:
         raise CheckpointError(f"{f}: the saved 'dsv3' config is invalid ({e})") from None
-    marker = rd.read_marker(run.ckpt, run.tag)
+    marker = ct.read_marker(run.ckpt, run.tag)
     if marker is not None:
-        rec = rd.read_run_record(run.root) if run.root else None
-        rd.check_identity(marker["config_hash"], rec["identity"] if rec else None, cfg, run.path)
+        rec = run_record.read_run_record(run.root) if run.root else None
+        run_record.check_identity(marker["config_hash"], rec["identity"] if rec else None, cfg, run.path)
     return cfg, sd
 
 
@@ -679,7 +681,7 @@ def export(
         cfg, sd0 = _run_config(run)
         hf = cfg.to_hf()
         kind, run_tag, dup_ok = "run", run.tag, cfg.parallel.pp > 1
-        default_tok = os.path.join(run.root, rd.TOKENIZER_DIR) if run.root else None
+        default_tok = os.path.join(run.root, TOKENIZER_DIR) if run.root else None
         input_bytes = _input_bytes(run, cfg, _is_bf16_masters(sd0))
     tok_dir = _tokenizer_source(tokenizer, default_tok, cfg.model.vocab_size)
     if tok_dir is None:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from dsv3_plugin.errors import CheckpointError
+from dsv3_plugin.json_input import finite_float, no_constant
 from dsv3_plugin.safe_files import read_regular
 
 __all__ = [
@@ -61,27 +62,12 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
     return out
 
 
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _finite_float(literal: str) -> float:
-    """A JSON number that overflows a 64-bit float (`1e400`) would come back as inf and be written back as
-    `Infinity`, which no JSON reader accepts: refuse it where it is read."""
-    f = float(literal)
-    if not math.isfinite(f):
-        raise ValueError(f"the number {literal} overflows a 64-bit float")
-    return f
-
-
 def parse_json(raw: bytes | str, where: str) -> Any:
     """Strict JSON from bytes/str; any defect (NaN/Infinity, a number that overflows to inf, duplicate keys,
     bad UTF-8, hostile nesting) -> CheckpointError naming `where`."""
     try:
         text = raw.decode("utf-8") if isinstance(raw, (bytes, bytearray)) else raw
-        return json.loads(
-            text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant, parse_float=_finite_float
-        )
+        return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=no_constant, parse_float=finite_float)
     except UnicodeDecodeError as e:
         raise CheckpointError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except RecursionError:

@@ -38,6 +38,8 @@ from dsv3_plugin.parallel.distributed import (
     launched_externally,
     spawn,
 )
+from dsv3_plugin.training import checkpoint_tags as ct
+from dsv3_plugin.training import metrics_file
 from dsv3_plugin.training import run_dir as rd
 from dsv3_plugin.training.loop import data_fingerprint
 
@@ -150,13 +152,13 @@ def _precheck(args):
         rd.check_out_path(args.out)
         rd.probe_lock(args.out)
     if args.resume:  # (checksums: rank 0 reads the whole checkpoint for them once, under the run's lock)
-        rd.resume_source(args.resume, cfg, args.nproc or 2, data_fingerprint(data), verify=False)
+        ct.resume_source(args.resume, cfg, args.nproc or 2, data_fingerprint(data), verify=False)
     same_dir = bool(args.resume and args.out) and (
-        os.path.realpath(rd.checkpoint_dir(args.resume)) == os.path.realpath(os.path.join(args.out, "ckpt"))
+        os.path.realpath(ct.checkpoint_dir(args.resume)) == os.path.realpath(os.path.join(args.out, "ckpt"))
     )
     metrics = os.path.join(args.out, "metrics.jsonl") if same_dir else None
     if metrics and os.path.isfile(metrics):
-        rd.read_jsonl(metrics)  # a bad line (not a torn last one) is refused before any rank starts
+        metrics_file.read_jsonl(metrics)  # a bad line (not a torn last one) is refused before any rank starts
     prev = rd.previous_run(args.out) if args.out and not same_dir else None
     if prev and not args.overwrite:
         raise ConfigError(

@@ -6,14 +6,15 @@ after). If one rank's `torch.save` raised in the middle (ENOSPC, EDQUOT, EROFS, 
 barrier: mismatched collectives. `deferred_write_errors(engine)` lets the save run to its end on every rank: the
 first failed write of this rank is kept (later writes of the same save are skipped: the save is lost anyway) and
 raised after DeepSpeed returned, where `training.run_dir.RunDir.save` agrees on it with the other ranks and
-removes the partial checkpoint. Anything that is not a failed write (`run_dir.write_failure`) is raised at once.
+removes the partial checkpoint. Anything that is not a failed write (`checkpoint_tags.write_failure`) is raised at
+once.
 """
 
 from __future__ import annotations
 
 import contextlib
 
-from dsv3_plugin.training.run_dir import write_failure
+from dsv3_plugin.training.checkpoint_tags import write_failure
 
 __all__ = ["deferred_write_errors"]
 

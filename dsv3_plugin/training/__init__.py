@@ -2,4 +2,5 @@
 recompute → EP → W-split), rank-local models (`rank_local`: meta → only what a rank of a PP x EP job
 owns), recompute (`recompute`), EMA of the weights (`ema`), synthetic data (`data`),
 routing telemetry and its plot (`telemetry`, `routing_plot`), the memory plan (`memory_plan`) and run
-directories with their lock, identity and resume rules (`run_dir`)."""
+directories with their lock (`run_dir`), config identity (`run_record`), complete checkpoints and resume rules
+(`checkpoint_tags`) and metrics file (`metrics_file`)."""

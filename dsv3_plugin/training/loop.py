@@ -28,8 +28,9 @@ from dsv3_plugin.data.packed import SYNTHETIC_FINGERPRINT, data_change
 from dsv3_plugin.errors import CheckpointError, DataError, Preempted
 from dsv3_plugin.parallel.distributed import peer_failures
 from dsv3_plugin.training.ema import EMA
+from dsv3_plugin.training.metrics_file import metrics_line
 from dsv3_plugin.training.preemption import StopRequests, exit_status
-from dsv3_plugin.training.run_dir import RunDir, metrics_line
+from dsv3_plugin.training.run_dir import RunDir
 from dsv3_plugin.training.run_report import finish
 from dsv3_plugin.training.telemetry import RoutingTelemetry
 

@@ -15,8 +15,8 @@ e.g. Slurm's `--signal=USR1@120`), and then kills the job a grace period later. 
   estimate), counted from this process's start, so that the checkpoint is written before the budget runs out.
 - A second signal — a different one, or the same one more than `REPEAT_WINDOW_S` after the first — aborts at
   once (exit 128 + signal, no save): the checkpoint being written is never marked complete and `latest` still
-  names the previous one (`training.run_dir`), so nothing is corrupted. The same signal repeated within the window
-  is the same request delivered twice: a scheduler that signals every process of the job while the launcher
+  names the previous one (`training.checkpoint_tags`), so nothing is corrupted. The same signal repeated within the
+  window is the same request delivered twice: a scheduler that signals every process of the job while the launcher
   forwards it to its ranks as well.
 
 Exit statuses: 128 + the signal number (SIGTERM 143, SIGINT 130, SIGUSR1 138), like a process killed by it, so

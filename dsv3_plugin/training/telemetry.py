@@ -28,7 +28,7 @@ from torch import nn
 from dsv3_plugin.config import ConfigError
 from dsv3_plugin.errors import CheckpointError
 from dsv3_plugin.model.moe.balancing import maxvio
-from dsv3_plugin.training.run_dir import read_jsonl
+from dsv3_plugin.training.metrics_file import read_jsonl
 
 __all__ = ["RoutingTelemetry", "read_metrics"]
 
@@ -132,7 +132,7 @@ class RoutingTelemetry:
 
 def read_metrics(run_dir: str) -> list[dict]:
     """The JSON lines of a run (`RUN_DIR/metrics.jsonl`, or RUN_DIR itself if it is a file), read strictly by
-    `run_dir.read_jsonl`.
+    `metrics_file.read_jsonl`.
 
     Args:
         run_dir: a run directory or a metrics.jsonl file.

@@ -169,7 +169,7 @@ def test_resume_refuses_a_checkpoint_of_another_config(runs, tmp_path):
         "checkpoint's run, 96 in this config)",
     )
     # training knobs may change: a different γ resumes (pre-check passes; the run itself is not started here)
-    from dsv3_plugin.training.run_dir import resume_source
+    from dsv3_plugin.training.checkpoint_tags import resume_source
     from dsv3_plugin.deepspeed.train import _prepare
 
     knob = copy.deepcopy(DS)
@@ -269,7 +269,7 @@ def test_resume_refuses_a_crafted_checkpoint_and_runs_nothing(runs, tmp_path):
     sizes (anyone can): --resume refuses with one line naming a file, exit 2, and the payload never ran."""
     import torch
 
-    from dsv3_plugin.training.run_dir import file_checksum
+    from dsv3_plugin.training.checkpoint_tags import file_checksum
 
     tmp, _, _ = runs
     d = str(tmp_path / "crafted")

@@ -1,4 +1,4 @@
-"""metrics.jsonl read strictly (dsv3_plugin.training.run_dir.read_jsonl, telemetry.read_metrics): a line that is
+"""metrics.jsonl read strictly (dsv3_plugin.training.metrics_file.read_jsonl, telemetry.read_metrics): a line that is
 JSON but not a metrics line (a list, no integer step, non-finite numbers, too deep, uneven expert loads, wrong
 types) is one ConfigError "PATH:LINE: ...", in `dsv3 plot-routing` (exit 2, one line) and when `--resume` reads the
 run directory; the writer's lines (`metrics_line`) are read back; plot-routing's output paths are refused by name."""
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dsv3_plugin.config import ConfigError, load_config
+from dsv3_plugin.training import metrics_file as mf
 from dsv3_plugin.training import run_dir as rd
 from dsv3_plugin.training.telemetry import read_metrics
 
@@ -58,7 +59,7 @@ def test_bad_lines_are_refused_with_path_and_line(tmp_path, line, why, last):
     p.write_text("\n".join(lines) + "\n")
     n = 3 if last else 2
     with pytest.raises(ConfigError) as e:
-        rd.read_jsonl(str(p))
+        mf.read_jsonl(str(p))
     assert str(e.value).startswith(f"{p}:{n}: ") and why in str(e.value), str(e.value)
     with pytest.raises(ConfigError, match=f"{p}:{n}: "):
         read_metrics(str(tmp_path))
@@ -67,11 +68,11 @@ def test_bad_lines_are_refused_with_path_and_line(tmp_path, line, why, last):
 def test_the_writer_writes_what_the_reader_reads(tmp_path):
     rec = _row(1, loss=float("nan"), grad_norm=float("inf"))
     rec["moe_layers"]["layers.1.mlp"]["maxvio_global"] = float("-inf")
-    line = rd.metrics_line(rec)
+    line = mf.metrics_line(rec)
     assert "NaN" not in line and "Infinity" not in line
     p = tmp_path / "metrics.jsonl"
     p.write_text(line + "\n")
-    (row,), _ = rd.read_jsonl(str(p))
+    (row,), _ = mf.read_jsonl(str(p))
     assert (
         row["loss"] is None and row["grad_norm"] is None and row["moe_layers"]["layers.1.mlp"]["maxvio_global"] is None
     )

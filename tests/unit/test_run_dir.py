@@ -1,5 +1,6 @@
-"""The run directory of `dsv3 train` (dsv3_plugin.training.run_dir): the OS lock, checkpoint completeness and the choice
-of the tag to resume, config identity, torn metrics lines; and the launcher arguments `dsv3` accepts."""
+"""The run directory of `dsv3 train` (dsv3_plugin.training.run_dir, checkpoint_tags, run_record, metrics_file): the OS
+lock, checkpoint completeness and the choice of the tag to resume, config identity, torn metrics lines; and the
+launcher arguments `dsv3` accepts."""
 
 import json
 import os
@@ -12,7 +13,10 @@ import pytest
 
 from dsv3_plugin.config import ConfigError, load_config
 from dsv3_plugin.errors import CheckpointError
+from dsv3_plugin.training import checkpoint_tags as ct
+from dsv3_plugin.training import metrics_file as mf
 from dsv3_plugin.training import run_dir as rd
+from dsv3_plugin.training import run_record as rr
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -64,7 +68,7 @@ def _fake_tag(
     for n in files:
         with open(os.path.join(d, n), "wb") as f:
             f.write(b"x" * (10 + step))
-    rd.mark_complete(ck, f"step{step}", step, world, h)
+    ct.mark_complete(ck, f"step{step}", step, world, h)
     with open(os.path.join(ck, "latest"), "w") as f:
         f.write(f"step{step}")
 
@@ -74,7 +78,7 @@ def run(tmp_path):
     cfg = load_config({"preset": "tiny"})
     out = str(tmp_path / "run")
     os.makedirs(out)
-    rd.write_run_record(out, cfg, 2)
+    rr.write_run_record(out, cfg, 2)
     ck = os.path.join(out, "ckpt")
     for s in (2, 4, 6):
         _fake_tag(ck, s)
@@ -83,7 +87,7 @@ def run(tmp_path):
 
 def test_resume_follows_a_valid_latest(run):
     out, ck = run
-    assert rd.resolve_resume(ck, out) == ("step6", None)
+    assert ct.resolve_resume(ck, out) == ("step6", None)
 
 
 def _append(path, data: bytes):
@@ -98,7 +102,7 @@ def _append(path, data: bytes):
         (lambda ck: os.remove(os.path.join(ck, "latest")), "there is no 'latest' file", "step6"),
         (lambda ck: Path(ck, "latest").write_text("step9"), "'step9', which does not exist", "step6"),
         (
-            lambda ck: os.remove(os.path.join(ck, "step6", rd.COMPLETE_MARKER)),
+            lambda ck: os.remove(os.path.join(ck, "step6", ct.COMPLETE_MARKER)),
             "'step6', which is incomplete (no valid",
             "step4",
         ),
@@ -112,13 +116,13 @@ def _append(path, data: bytes):
             "mp_rank_00_model_states.pt holds 17 bytes, 16 were written",
             "step4",
         ),
-        (lambda ck: Path(ck, "step6", rd.COMPLETE_MARKER).write_text('{"tag": "st'), "no valid", "step4"),
+        (lambda ck: Path(ck, "step6", ct.COMPLETE_MARKER).write_text('{"tag": "st'), "no valid", "step4"),
     ],
 )
 def test_resume_falls_back_to_the_newest_complete_tag(run, damage, problem, tag):
     out, ck = run
     damage(ck)
-    got, note = rd.resolve_resume(ck, out)
+    got, note = ct.resolve_resume(ck, out)
     assert got == tag
     assert problem in note and f"resuming from {tag}, the newest complete checkpoint" in note
 
@@ -126,13 +130,13 @@ def test_resume_falls_back_to_the_newest_complete_tag(run, damage, problem, tag)
 def test_resume_refuses_without_a_complete_tag(run):
     out, ck = run
     for s in (2, 4, 6):
-        os.remove(os.path.join(ck, f"step{s}", rd.COMPLETE_MARKER))
+        os.remove(os.path.join(ck, f"step{s}", ct.COMPLETE_MARKER))
     with pytest.raises(
         CheckpointError,
         match=r"no complete checkpoint to resume from \('latest' names tag 'step6', "
         r"which is incomplete.*start a new run",
     ):
-        rd.resolve_resume(ck, out)
+        ct.resolve_resume(ck, out)
 
 
 def test_legacy_checkpoint_without_run_record_trusts_latest(tmp_path):
@@ -140,7 +144,7 @@ def test_legacy_checkpoint_without_run_record_trusts_latest(tmp_path):
     os.makedirs(os.path.join(ck, "step3"))
     open(os.path.join(ck, "step3", "mp_rank_00_model_states.pt"), "wb").close()
     Path(ck, "latest").write_text("step3")
-    assert rd.resolve_resume(ck, str(tmp_path)) == ("step3", None)
+    assert ct.resolve_resume(ck, str(tmp_path)) == ("step3", None)
 
 
 def test_identity_names_the_key_that_differs():
@@ -149,28 +153,28 @@ def test_identity_names_the_key_that_differs():
     c = load_config(
         {"preset": "tiny", "moe": {"bias_update_speed": 0.5}, "train": {"steps": 7}, "parallel": {"p2p_timeout_s": 5.0}}
     )
-    ia = rd.config_identity(a)
-    rd.check_identity(rd.identity_hash(ia), ia, c, "runs/x")  # training knobs may change on resume
+    ia = rr.config_identity(a)
+    rr.check_identity(rr.identity_hash(ia), ia, c, "runs/x")  # training knobs may change on resume
     with pytest.raises(
         CheckpointError,
         match=r"--resume runs/x: this checkpoint belongs to another run's config "
         r"\(dsv3\.model\.hidden_size: 64 in the checkpoint's run, 128 in",
     ):
-        rd.check_identity(rd.identity_hash(ia), ia, b, "runs/x")
+        rr.check_identity(rr.identity_hash(ia), ia, b, "runs/x")
     with pytest.raises(CheckpointError, match="config hash"):
-        rd.check_identity(rd.identity_hash(ia), None, b, "runs/x")
+        rr.check_identity(rr.identity_hash(ia), None, b, "runs/x")
 
 
 def test_torn_last_line_is_dropped_and_a_bad_middle_line_refused(tmp_path):
     p = tmp_path / "metrics.jsonl"
     p.write_text(json.dumps({"step": 1}) + "\n" + json.dumps({"step": 2}) + "\n" + '{"step": 3, "lo')
-    rows, torn = rd.read_jsonl(str(p))
+    rows, torn = mf.read_jsonl(str(p))
     assert [r["step"] for r in rows] == [1, 2] and "torn last line" in torn and "15 bytes" in torn
     p.write_text(json.dumps({"step": 1}) + "\n")
-    assert rd.read_jsonl(str(p)) == ([{"step": 1}], None)
+    assert mf.read_jsonl(str(p)) == ([{"step": 1}], None)
     p.write_text(json.dumps({"step": 1}) + "\n{oops\n" + json.dumps({"step": 3}) + "\n")
     with pytest.raises(ConfigError, match=r"metrics.jsonl:2: not a JSON line"):
-        rd.read_jsonl(str(p))
+        mf.read_jsonl(str(p))
 
 
 def test_previous_run_and_clear(tmp_path):
@@ -223,14 +227,14 @@ def test_resume_refuses_another_world_size(tmp_path):
     cfg = load_config({"preset": "tiny"})
     out = str(tmp_path / "run")
     os.makedirs(out)
-    rd.write_run_record(out, cfg, 2)
+    rr.write_run_record(out, cfg, 2)
     ck = os.path.join(out, "ckpt")
-    _fake_tag(ck, 4, h=rd.identity_hash(rd.config_identity(cfg)), world=2)
-    assert rd.resume_source(out, cfg, world=2)[1] == "step4"
-    assert rd.resume_source(out, cfg)[1] == "step4"  # world unknown: not checked
+    _fake_tag(ck, 4, h=rr.identity_hash(rr.config_identity(cfg)), world=2)
+    assert ct.resume_source(out, cfg, world=2)[1] == "step4"
+    assert ct.resume_source(out, cfg)[1] == "step4"  # world unknown: not checked
     with pytest.raises(
         CheckpointError,
         match=rf"--resume {out}: step4 was saved by 2 rank\(s\), this run has 1; "
         r".*--nproc 2",
     ):
-        rd.resume_source(out, cfg, world=1)
+        ct.resume_source(out, cfg, world=1)

@@ -1,8 +1,8 @@
-"""`RunDir.save` in a world of one rank (dsv3_plugin.training.run_dir): the free-space check before anything is
-written, a write that fails midway (ENOSPC, torch's zip writer) leaves the previous checkpoint complete and named
-by `latest` and no partial tag, the completion marker records a CRC-32 of every file and `latest` follows it,
-`keep_last` prunes; `--resume` verifies the checksums (a file zeroed in place is refused by name, not skipped) and
-never picks a partial tag; DeepSpeed's failed writes are raised after its collectives
+"""`RunDir.save` in a world of one rank (dsv3_plugin.training.run_dir, checkpoint_tags): the free-space check before
+anything is written, a write that fails midway (ENOSPC, torch's zip writer) leaves the previous checkpoint complete
+and named by `latest` and no partial tag, the completion marker records a CRC-32 of every file and `latest` follows
+it, `keep_last` prunes; `--resume` verifies the checksums (a file zeroed in place is refused by name, not skipped)
+and never picks a partial tag; DeepSpeed's failed writes are raised after its collectives
 (`deepspeed.save_errors`); a read-only --out is a ConfigError naming the path."""
 
 import errno
@@ -18,6 +18,7 @@ import torch
 
 from dsv3_plugin.config import ConfigError, load_config
 from dsv3_plugin.errors import CheckpointError
+from dsv3_plugin.training import checkpoint_tags as ct
 from dsv3_plugin.training import run_dir as rd
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -59,14 +60,14 @@ def _latest(r):
 def test_save_records_checksums_then_latest(run):
     r, mod = run
     r.save("step2", 2, _writer(r, "step2"), mod)
-    m = rd.read_marker(r.ckpt, "step2")
+    m = ct.read_marker(r.ckpt, "step2")
     assert m["checksum_algorithm"] == "crc32" and sorted(m["checksums"]) == sorted(FILES)
     for n in FILES:
         with open(os.path.join(r.ckpt, "step2", n), "rb") as f:
             assert m["checksums"][n] == f"{zlib.crc32(f.read()):08x}"
     assert _latest(r) == "step2"
     assert not [n for n in os.listdir(r.ckpt) if ".tmp" in n]  # latest written through a renamed temporary
-    assert rd.resolve_resume(r.ckpt, r.out) == ("step2", None)
+    assert ct.resolve_resume(r.ckpt, r.out) == ("step2", None)
 
 
 def test_keep_last_prunes_old_and_incomplete_tags(run):
@@ -80,7 +81,7 @@ def test_keep_last_prunes_old_and_incomplete_tags(run):
     assert os.path.isdir(os.path.join(r.ckpt, "other")) and _latest(r) == "step6"
     # a complete tag newer than the one saved (the timeline a resume abandoned) is not the prune's to delete
     shutil.copytree(os.path.join(r.ckpt, "step6"), os.path.join(r.ckpt, "step20"))
-    rd.mark_complete(r.ckpt, "step20", 20, 1, r.config_hash)
+    ct.mark_complete(r.ckpt, "step20", 20, 1, r.config_hash)
     r.save("step8", 8, _writer(r, "step8"), mod)
     assert sorted(n for n in os.listdir(r.ckpt) if n.startswith("step")) == ["step20", "step6", "step8"]
 
@@ -104,14 +105,14 @@ def test_a_failed_write_leaves_the_previous_checkpoint_and_latest(run):
         r.save("step4", 4, _writer(r, "step4", fail_after=1, exc=exc), mod)
     msg = str(e.value)
     assert f"saving checkpoint step4 into {r.ckpt} failed on rank 0: No space left on device ({path})" in msg
-    need = sum(rd.read_marker(r.ckpt, "step2")["files"].values())
+    need = sum(ct.read_marker(r.ckpt, "step2")["files"].values())
     assert f"it needed about {need} bytes" in msg and "were free" in msg
     assert "the previous checkpoint step2 is intact and still the latest" in msg
     assert not os.path.exists(os.path.join(r.ckpt, "step4"))  # no partial tag left
     assert _latest(r) == "step2"
     after = {n: open(os.path.join(r.ckpt, "step2", n), "rb").read() for n in os.listdir(os.path.join(r.ckpt, "step2"))}
     assert after == before
-    assert rd.resolve_resume(r.ckpt, r.out) == ("step2", None)
+    assert ct.resolve_resume(r.ckpt, r.out) == ("step2", None)
 
 
 def test_an_engine_that_wrote_latest_anyway_is_undone(run):
@@ -119,7 +120,7 @@ def test_an_engine_that_wrote_latest_anyway_is_undone(run):
     r.save("step2", 2, _writer(r, "step2"), mod)
 
     def write():
-        rd.write_latest(r.ckpt, "step4")  # what DeepSpeed does with save_latest=True
+        ct.write_latest(r.ckpt, "step4")  # what DeepSpeed does with save_latest=True
         raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT), os.path.join(r.ckpt, "step4"))
 
     with pytest.raises(CheckpointError, match="Disk quota exceeded"):
@@ -151,8 +152,8 @@ def test_other_errors_are_not_taken_for_a_full_disk(run):
 def test_free_space_is_checked_before_anything_is_written(run, monkeypatch):
     r, mod = run
     r.save("step2", 2, _writer(r, "step2"), mod)
-    need = sum(rd.read_marker(r.ckpt, "step2")["files"].values())
-    monkeypatch.setattr(rd, "free_bytes", lambda path: need - 1)
+    need = sum(ct.read_marker(r.ckpt, "step2")["files"].values())
+    monkeypatch.setattr(ct, "free_bytes", lambda path: need - 1)
     called = []
     with pytest.raises(CheckpointError) as e:
         r.save("step4", 4, lambda: called.append(1), mod)
@@ -163,7 +164,7 @@ def test_free_space_is_checked_before_anything_is_written(run, monkeypatch):
         f"{need - 1} bytes are free there" in msg
     )
     assert "nothing was written, the previous checkpoint step2 is intact and still the latest" in msg
-    monkeypatch.setattr(rd, "free_bytes", lambda path: need)
+    monkeypatch.setattr(ct, "free_bytes", lambda path: need)
     r.save("step4", 4, _writer(r, "step4"), mod)
     assert _latest(r) == "step4"
 
@@ -171,7 +172,7 @@ def test_free_space_is_checked_before_anything_is_written(run, monkeypatch):
 def test_first_save_estimates_from_the_parameters(run, monkeypatch):
     r, _ = run
     mod = torch.nn.Linear(100, 10)  # 1010 FP32 parameters: 4 weight + 4 master + 8 moment bytes each
-    monkeypatch.setattr(rd, "free_bytes", lambda path: 1010 * 16 - 1)
+    monkeypatch.setattr(ct, "free_bytes", lambda path: 1010 * 16 - 1)
     with pytest.raises(CheckpointError, match=r"it needs about 16160 bytes \(estimated from the parameters\)"):
         r.save("step2", 2, _writer(r, "step2"), mod)
 
@@ -182,7 +183,7 @@ def test_estimate_counts_each_parameter_once_over_the_ranks():
     expert.weight.allreduce = False  # expert parameters: held by dp / ep ranks
     mod = torch.nn.ModuleList([dense, expert])
     # world 4, pp 1: dense held by 4 ranks, this rank's experts by 2; 4 + 12 + 4 (EMA) bytes per parameter
-    assert rd._estimate_bytes(mod, cfg, 4) == 100 * 20 // 4 + 100 * 20 // 2
+    assert ct._estimate_bytes(mod, cfg, 4) == 100 * 20 // 4 + 100 * 20 // 2
 
 
 def test_stale_tag_of_the_same_name_is_replaced(run):
@@ -192,7 +193,7 @@ def test_stale_tag_of_the_same_name_is_replaced(run):
     with open(os.path.join(d, "ema_rank0.pt"), "wb") as f:
         f.write(b"left by an interrupted run")
     r.save("step2", 2, _writer(r, "step2"), mod)
-    assert sorted(rd.read_marker(r.ckpt, "step2")["files"]) == sorted(FILES)
+    assert sorted(ct.read_marker(r.ckpt, "step2")["files"]) == sorted(FILES)
 
 
 def test_zeroed_file_is_refused_on_resume_by_name(run):
@@ -200,44 +201,44 @@ def test_zeroed_file_is_refused_on_resume_by_name(run):
     for s in (2, 4):
         r.save(f"step{s}", s, _writer(r, f"step{s}"), mod)
     p = os.path.join(r.ckpt, "step4", FILES[1])
-    want = rd.read_marker(r.ckpt, "step4")["checksums"][FILES[1]]
+    want = ct.read_marker(r.ckpt, "step4")["checksums"][FILES[1]]
     size = os.path.getsize(p)
     with open(p, "r+b") as f:
         f.write(b"\0" * size)  # zeroed in place: the size still matches
     got = f"{zlib.crc32(bytes(size)):08x}"
-    assert rd.tag_problem(r.ckpt, "step4") is None  # sizes alone would resume it
+    assert ct.tag_problem(r.ckpt, "step4") is None  # sizes alone would resume it
     with pytest.raises(CheckpointError) as e:
-        rd.resolve_resume(r.ckpt, r.out)
+        ct.resolve_resume(r.ckpt, r.out)
     msg = str(e.value)
     assert f"checkpoint step4 is corrupt: {FILES[1]} has crc32 {got}, but {want} was recorded" in msg
     assert f"delete the directory {os.path.join(r.ckpt, 'step4')} to resume from the previous complete " in msg
     assert "step2" in msg
     with pytest.raises(CheckpointError, match="is corrupt"):
-        rd.resume_source(r.out, r.cfg, 1)
+        ct.resume_source(r.out, r.cfg, 1)
     shutil.rmtree(os.path.join(r.ckpt, "step4"))  # what the message says to do
-    tag, note = rd.resolve_resume(r.ckpt, r.out)
+    tag, note = ct.resolve_resume(r.ckpt, r.out)
     assert tag == "step2" and "'step4', which does not exist" in note
 
 
 def test_marker_without_checksums_still_resumes(run):
     r, mod = run
     r.save("step2", 2, _writer(r, "step2"), mod)
-    p = os.path.join(r.ckpt, "step2", rd.COMPLETE_MARKER)
+    p = os.path.join(r.ckpt, "step2", ct.COMPLETE_MARKER)
     with open(p) as f:
         m = json.load(f)
     del m["checksums"], m["checksum_algorithm"]  # as written before checksums existed
     with open(p, "w") as f:
         json.dump(m, f)
-    assert rd.resolve_resume(r.ckpt, r.out) == ("step2", None)
+    assert ct.resolve_resume(r.ckpt, r.out) == ("step2", None)
 
 
 def test_resume_never_picks_a_partial_checkpoint(run):
     r, mod = run
     r.save("step2", 2, _writer(r, "step2"), mod)
     r.save("step4", 4, _writer(r, "step4"), mod)
-    os.remove(os.path.join(r.ckpt, "step4", rd.COMPLETE_MARKER))  # its save never finished ...
+    os.remove(os.path.join(r.ckpt, "step4", ct.COMPLETE_MARKER))  # its save never finished ...
     assert _latest(r) == "step4"  # ... though `latest` names it
-    tag, note = rd.resolve_resume(r.ckpt, r.out)
+    tag, note = ct.resolve_resume(r.ckpt, r.out)
     assert tag == "step2" and "'latest' names tag 'step4', which is incomplete (no valid" in note
 
 
@@ -332,15 +333,15 @@ def test_a_failure_while_completing_removes_the_tag(run, monkeypatch):
     """The disk fills with the marker or `latest` itself: the tag is removed, `latest` is the previous one."""
     r, mod = run
     r.save("step2", 2, _writer(r, "step2"), mod)
-    real = rd.write_latest
+    real = ct.write_latest
 
     def full(ckpt, tag):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(ckpt, "latest.tmp1"))
 
-    monkeypatch.setattr(rd, "write_latest", full)
+    monkeypatch.setattr(ct, "write_latest", full)
     with pytest.raises(CheckpointError) as e:
         r.save("step4", 4, _writer(r, "step4"), mod)
     assert f"completing checkpoint step4 in {r.ckpt} failed: No space left on device" in str(e.value)
     assert "the previous checkpoint step2 is intact and still the latest" in str(e.value)
     assert not os.path.exists(os.path.join(r.ckpt, "step4")) and _latest(r) == "step2"
-    monkeypatch.setattr(rd, "write_latest", real)
+    monkeypatch.setattr(ct, "write_latest", real)
