@@ -42,6 +42,7 @@ from dsv3_plugin.training import checkpoint_tags as ct
 from dsv3_plugin.training import metrics_file
 from dsv3_plugin.training import run_dir as rd
 from dsv3_plugin.training.loop import data_fingerprint
+from dsv3_plugin.training.preemption import REPEAT_WINDOW_S, SIGNALS
 
 
 def register(sub):
@@ -190,7 +191,15 @@ def run(args) -> int:
         return 2
     _precheck(args)  # bad input -> ConfigError/CheckpointError -> exit 2 (dsv3_plugin.cli.main)
     try:
-        spawn(_worker, args.nproc or 2, *wargs, timeout_s=24 * 3600.0)
+        # the launcher outlives SIGTERM / SIGINT / SIGUSR1 and passes it on: the ranks save and stop together
+        spawn(
+            _worker,
+            args.nproc or 2,
+            *wargs,
+            timeout_s=24 * 3600.0,
+            forward_signals=SIGNALS,
+            repeat_window_s=REPEAT_WINDOW_S,
+        )
     except Preempted as e:  # every rank saved and stopped at the same step: not a failure, a status
         print(e, file=sys.stderr)
         return e.exit_code

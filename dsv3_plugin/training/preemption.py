@@ -16,8 +16,9 @@ e.g. Slurm's `--signal=USR1@120`), and then kills the job a grace period later. 
 - A second signal — a different one, or the same one more than `REPEAT_WINDOW_S` after the first — aborts at
   once (exit 128 + signal, no save): the checkpoint being written is never marked complete and `latest` still
   names the previous one (`training.checkpoint_tags`), so nothing is corrupted. The same signal repeated within the
-  window is the same request delivered twice: a scheduler that signals every process of the job while the launcher
-  forwards it to its ranks as well.
+  window is the same request delivered twice: a terminal's Ctrl-C or a scheduler reaches every process of the job
+  while the launcher forwards it to its ranks as well (`dsv3 train --nproc N` forwards all three, so that a
+  scheduler that signals only the job's main process — Kubernetes, Docker — stops the run the same way).
 
 Exit statuses: 128 + the signal number (SIGTERM 143, SIGINT 130, SIGUSR1 138), like a process killed by it, so
 job scripts can tell a preempted run from a finished one (0) and from bad input (2); the budget stop exits 0
@@ -34,15 +35,11 @@ import time
 import torch
 import torch.distributed as dist
 
-__all__ = ["SIGNALS", "FORWARDED", "REPEAT_WINDOW_S", "StopRequests", "exit_status", "process_age_s"]
+__all__ = ["SIGNALS", "REPEAT_WINDOW_S", "StopRequests", "exit_status", "process_age_s"]
 
 # The signals a run treats as "save and stop". SIGHUP and SIGQUIT keep their default actions (a closed terminal,
 # a core dump request): stopping on them would surprise more than it helps.
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
-# What a self-spawning launcher (`dsv3 train --nproc N`) forwards to its ranks when it is signalled itself: a
-# scheduler may signal only the job's main process (Kubernetes, Docker: PID 1). Not SIGINT: a terminal's Ctrl-C
-# already reaches every process of the foreground process group, ranks included.
-FORWARDED = (signal.SIGTERM, signal.SIGUSR1)
 # A repeat of the first signal within this many seconds is the same request delivered twice (scheduler to every
 # process + launcher forwarding); later, or a different signal, it is the "abort now" of an impatient operator.
 REPEAT_WINDOW_S = 2.0

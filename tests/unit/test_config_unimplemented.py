@@ -44,4 +44,4 @@ def test_generate_refuses_a_gelu_checkpoint(tmp_path, capsys):
     assert main(["generate", "--model", d, "--prompt-ids", "1,2", "--max-new-tokens", "1"]) == 2
     err = capsys.readouterr().err
     # the file is named once, by its path
-    assert err.startswith(f"error: {d}/config.json: hidden_act: \"gelu\" is not implemented"), err
+    assert err.startswith(f'error: {d}/config.json: hidden_act: "gelu" is not implemented'), err
