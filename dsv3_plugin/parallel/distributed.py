@@ -166,7 +166,6 @@ def new_groups_bounded(timeout_s: float | None):
 # would set (the roll call never waits longer than that limit). A dead rank on this rank's own host is named at
 # once, without waiting (its process is looked up, see `_roll_call`).
 ROLL_CALL_S = 5.0
-_ROLL_CALLS = 0  # roll calls this process has taken part in: the n-th one of every rank meets under keys of its own
 _ROLL_CALLED: list = []  # the default process group this process last took a roll call in (once per group)
 _PROC_KEY = "dsv3/procs/"  # + this host's key: "rank:pid:start time," of every rank whose process runs there
 
@@ -184,14 +183,18 @@ def _host_key() -> str | None:
 
 def _publish_process(store, me: int) -> None:
     """Record this rank's pid under its host's key in the job's store, for the roll call of a peer on the same
-    host (`_roll_call`). Stores without `append` (not the TCPStore of torchrun, the deepspeed launcher or `spawn`)
-    get no record, and a peer's death there is found by the roll call's wait alone."""
+    host (`_roll_call`). Without /proc, or with a store that cannot append (torch's TCPStore, which torchrun, the
+    deepspeed launcher and `spawn` use, can), there is no record, and a dead peer is named by the roll call's
+    wait alone."""
     import psutil
 
     here = _host_key()
-    if here is None or not hasattr(store, "append"):
+    if here is None:
         return
-    store.append(_PROC_KEY + here, f"{me}:{os.getpid()}:{psutil.Process().create_time()!r},")
+    try:
+        store.append(_PROC_KEY + here, f"{me}:{os.getpid()}:{psutil.Process().create_time()!r},")
+    except NotImplementedError:
+        pass
 
 
 def _ended(pid: int, started: float) -> bool:
@@ -229,11 +232,16 @@ def _ranks_text(ranks: list[int]) -> str:
     return f"rank {shown} is" if len(ranks) == 1 else f"ranks {shown} are"
 
 
+def _agent_store() -> bool:
+    """Whether the default group's store is served by torchrun's agent (it hands its own store to the workers:
+    TORCHELASTIC_USE_AGENT_STORE); otherwise rank 0 serves it (the deepspeed launcher, `spawn`, torchrun without
+    an agent store: init_process_group's env:// TCPStore runs in rank 0's process)."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+
+
 def _store_host() -> str:
-    """Which process serves the default group's store: torchrun's agent (it hands its own store to the workers:
-    TORCHELASTIC_USE_AGENT_STORE), else rank 0 (the deepspeed launcher, `spawn`, torchrun without an agent
-    store: init_process_group's env:// TCPStore runs in rank 0's process)."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+    """Who is gone when the default group's store does not answer: the process that served it."""
+    if _agent_store():
         return "torchrun's agent (the job's store lives there) is gone"
     where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
     return f"rank 0 is gone (it served the job's store at {where}, which does not answer)"
@@ -244,19 +252,19 @@ def _roll_call(wait_s: float) -> str:
 
     Every rank that gets here registers under this roll call's key and waits up to `wait_s` for the others. Ranks
     that neither registered nor still run are named: a peer on this host (same pid namespace, see `_host_key`)
-    whose process has ended is named at once ("rank 1 is gone (its process 4711 has ended)"); otherwise, after
+    whose process has ended is named at once ("rank 1 is gone (process 4711 ended)"); otherwise, after
     `wait_s`, the ranks that never answered ("rank 1 is gone or stuck (no answer to the roll call within 5s)":
     dead, stopped, or in a wait of its own). A rank that answered and then exited is a survivor, not the cause.
-    If the store itself does not answer, its host is named (`_store_host`).
+    If the store itself does not answer, its host is named (`_store_host`); rank 0, when it serves the store,
+    stays up to `wait_s` more, until every rank not gone has taken its roll call.
 
-    Once per process group: every rank takes part in one roll call (its first failure), so that all of them
-    meet under the same keys; a later call returns "".
+    Once per process group: every rank takes part in one roll call (at its first failure), under the same keys
+    in the group's store; a later call returns "".
 
     Returns:
         The clause naming them; "" when every rank answered (the failure was not a peer's death), without a
         process group, or after this rank's roll call.
     """
-    global _ROLL_CALLS
     import time
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
@@ -266,32 +274,44 @@ def _roll_call(wait_s: float) -> str:
         return ""  # this rank took its roll call already (an inner block's failure, now passing an outer block)
     _ROLL_CALLED[:] = [group]
     me, world = dist.get_rank(), dist.get_world_size()
-    _ROLL_CALLS += 1
-    key = f"dsv3/roll_call/{_ROLL_CALLS}/"
+    key = "dsv3/roll_call/"  # + rank: one roll call per group, in the group's own store
     here = _host_key()
     with _quiet_stderr():
         try:
             store = dist.distributed_c10d._get_default_store()
             store.set_timeout(timedelta(seconds=max(wait_s, 1.0)))  # one store operation's limit, not the wait's
             store.set(key + str(me), "here")
-            local: dict[int, tuple[int, float]] = {}
+            store.add(key + "count", 1)
+            local: dict[int, tuple[int, float]] = {}  # the peers on this host: rank -> (pid, start time)
             if here is not None and store.check([_PROC_KEY + here]):
                 for item in store.get(_PROC_KEY + here).decode().split(","):
-                    if item:
+                    if item and int(item.split(":")[0]) != me:
                         r, pid, started = item.split(":")
                         local[int(r)] = (int(pid), float(started))
+            # One store operation per poll (the count), whatever the world size; the pids looked up locally.
             deadline = time.monotonic() + wait_s
             while True:
-                missing = [r for r in range(world) if r != me and not store.check([key + str(r)])]
-                ended = [r for r in missing if r in local and _ended(*local[r])]
-                if ended or not missing or time.monotonic() >= deadline:
+                answered = store.add(key + "count", 0)
+                ended = [r for r in sorted(local) if _ended(*local[r]) and not store.check([key + str(r)])]
+                if ended or answered >= world or time.monotonic() >= deadline:
                     break
-                time.sleep(0.05)
+                time.sleep(0.1)
+            missing = [] if ended else [r for r in range(world) if r != me and not store.check([key + str(r)])]
+            store.add(key + "done", 1)
+            if me == 0 and not _agent_store():
+                # This process serves the store: stay until every rank that is not gone has taken its roll call
+                # (at most `wait_s` more), so that none of them finds the store gone and names this rank instead.
+                until = time.monotonic() + wait_s
+                while time.monotonic() < until:
+                    n = store.add(key + "count", 0)
+                    if n >= world - len(ended) - len(missing) and store.add(key + "done", 0) >= n:
+                        break
+                    time.sleep(0.05)
         except Exception:  # torch raises its own error types for a store that is gone (DistStoreError, ...)
             return _store_host()
     if ended:
         pids = ", ".join(str(local[r][0]) for r in ended)
-        return f"{_ranks_text(ended)} gone (process {pids} ended)"
+        return f"{_ranks_text(ended)} gone (process{'es' if len(ended) > 1 else ''} {pids} ended)"
     if missing:
         return f"{_ranks_text(missing)} gone or stuck (no answer to the roll call within {wait_s:g}s)"
     return ""
@@ -665,7 +685,8 @@ def spawn(
             whichever rank found it first).
         RuntimeError: any other failure: a rank that died without a report ("rank 1 was killed by SIGKILL
             (signal 9)"), before a rank's own error (with its traceback), before the `PeerError`s of ranks that
-            then failed waiting on it. The other ranks are stopped (after up to `ROLL_CALL_S` + 1 s to report).
+            then failed waiting on it. The other ranks are stopped (after up to 2 x `ROLL_CALL_S` + 1 s to report:
+            the roll call, and rank 0 serving the store until the others are done with it).
         Preempted: every rank stopped on request after saving (no rank failed): rank 0's message and exit code,
             raised once every rank has exited.
         SystemExit: a second signal, with forward_signals.
@@ -757,7 +778,7 @@ def _run_ranks(ctx, fn, nproc: int, args: tuple, env: dict | None, timeout_s: fl
             # Other ranks fail right after the first (same bad input, or a peer gone from a collective): give them
             # the roll call's time to report, so that an input error wins over the broken pipes it causes and the
             # survivors of a dead rank end on their own.
-            grace = time.monotonic() + ROLL_CALL_S + 1.0
+            grace = time.monotonic() + 2 * ROLL_CALL_S + 1.0
             while time.monotonic() < grace and any(
                 r not in reports and p.pid is not None and not _process_gone(p.pid) for r, p in enumerate(procs)
             ):

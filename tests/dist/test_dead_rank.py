@@ -4,11 +4,11 @@ call, the message names the dead rank (not a survivor's broken connection), and 
 
 - `spawn` of 3 ranks doing all-reduces, one of which SIGKILLs itself: the parent says "rank R was killed by
   SIGKILL (signal 9)"; each survivor's `PeerError` names rank R after the roll call (rank 0 killed: the store it
-  served is gone with it, and the survivors say so); nothing of the call is left when it returns or raises (no
-  rank, forkserver or resource tracker).
+  served is gone with it, and the survivors say so); a lower layer's own `PeerError` (a pipeline receive's) gets
+  the same answer; nothing of the call is left when it returns or raises (no rank, forkserver or resource
+  tracker).
 - `dsv3 train --nproc 2`, its rank 1 killed from outside with kill -9: exit 1 with that message, within the bound.
-- `dsv3 train` under torchrun, rank 1 killed: the surviving rank's one `error:` line names rank 1 (data parallel,
-  and a 2-stage pipeline, where the survivor fails in a pipeline receive).
+- `dsv3 train` under torchrun, rank 1 killed: the surviving rank's one `error:` line names rank 1.
 
 The time bounds are bounds on a hang (`P2P_S` + the roll call + 60 s for start-up and teardown on a loaded
 machine), not speed figures: without a peer timeout the survivors would wait 30 minutes per operation.
@@ -79,6 +79,39 @@ def test_spawn_names_the_killed_rank(tmp_path, victim):
     assert not left, describe(left)
 
 
+def _receive_from_rank_1(out_dir: str):
+    """Rank 1 SIGKILLs itself; rank 0's receive from it fails in a lower layer that raises its own `PeerError`
+    (as the pipeline's p2p waits do), inside `peer_failures`, which adds the roll call's answer."""
+    import torch
+    import torch.distributed as dist
+
+    from dsv3_plugin.errors import PeerError
+    from dsv3_plugin.parallel.distributed import init_distributed, peer_failures, set_peer_timeout
+
+    me, _ = init_distributed()
+    set_peer_timeout(P2P_S)
+    if me == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        with peer_failures("training step 1", P2P_S):
+            try:
+                dist.recv(torch.empty(4), src=1)
+            except RuntimeError as e:
+                raise PeerError(f"pipeline rank 0: waiting for a message from pipeline rank 1 failed: {e}") from e
+    except PeerError as e:
+        with open(os.path.join(out_dir, "rank0.txt"), "w") as f:
+            f.write(str(e))
+        raise
+
+
+def test_lower_layers_peer_error_gets_the_dead_rank(tmp_path):
+    with pytest.raises(RuntimeError, match=r"rank 1 was killed by SIGKILL \(signal 9\)"):
+        spawn(_receive_from_rank_1, 2, str(tmp_path), timeout_s=BOUND_S)
+    said = (tmp_path / "rank0.txt").read_text()
+    assert said.startswith("pipeline rank 0: waiting for a message from pipeline rank 1 failed: "), said
+    assert "; rank 1 is gone (process " in said, said
+
+
 def test_spawn_leaves_no_process_when_it_returns():
     before = snapshot()
     assert spawn(_all_reduce_until, 2, -1, "", timeout_s=BOUND_S) == [0, 1]
@@ -95,17 +128,16 @@ def _env():
     }
 
 
-def _config(tmp_path, pp: int = 1) -> str:
-    """The tiny preset on 2 ranks, data parallel (pp 1) or a 2-stage 1F1B pipeline (pp 2); runs until killed."""
+def _config(tmp_path) -> str:
+    """The tiny preset on 2 data-parallel ranks, running until it is killed."""
     ds = {
-        "train_micro_batch_size_per_gpu": 2 // pp,
-        "gradient_accumulation_steps": pp,
+        "train_micro_batch_size_per_gpu": 2,
         "gradient_clipping": 1.0,
         "steps_per_print": 10**9,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
         "dsv3": {
             "preset": "tiny",
-            "parallel": {"p2p_timeout_s": P2P_S, **({"pp": 2, "schedule": "1f1b"} if pp == 2 else {})},
+            "parallel": {"p2p_timeout_s": P2P_S},
             "train": {"seq_len": 16, "steps": 100000, "seed": 3, "save_every": 0},
         },
     }
@@ -180,9 +212,7 @@ def test_cli_rank_killed_from_outside(tmp_path):
     _gone(job)
 
 
-# pp 2: the survivor fails in a pipeline receive (the p2p layer's own PeerError, named by the roll call too)
-@pytest.mark.parametrize("pp", [1, 2])
-def test_torchrun_survivor_names_the_killed_rank(tmp_path, pp):
+def test_torchrun_survivor_names_the_killed_rank(tmp_path):
     def rank1(launcher):
         for c in launcher.children():  # torchrun's workers are its children, each with RANK in its environment
             if c.environ().get("RANK") == "1":
@@ -201,7 +231,7 @@ def test_torchrun_survivor_names_the_killed_rank(tmp_path, pp):
         "dsv3_plugin",
         "train",
         "--config",
-        _config(tmp_path, pp),
+        _config(tmp_path),
         "--out",
         str(tmp_path / "run"),
         "--no-progress",
@@ -210,8 +240,7 @@ def test_torchrun_survivor_names_the_killed_rank(tmp_path, pp):
     rc, err, took, job = _kill_after_first_step(cmd, rank1)
     assert rc != 0, err[-3000:]
     ours = [x for x in err.splitlines() if x.startswith("error:")]
-    where = "global rank 0: training step " if pp == 1 else "pipeline rank 0: "
-    assert len(ours) == 1 and where in ours[0], err[-3000:]
+    assert len(ours) == 1 and "global rank 0: training step " in ours[0], err[-3000:]
     assert "rank 1 is gone (process " in ours[0], err[-3000:]
     assert took < BOUND_S, f"{took:.0f}s"
     _gone(job)
