@@ -50,19 +50,23 @@ def safe_globals() -> list:
 
 
 def refusal():
-    """The CheckpointError of the first file refused since `apply()`, or None."""
+    """The CheckpointError of the first file refused (code in it, or not a torch file) since `apply()`, or None."""
     return _refused[0] if _refused else None
 
 
 BYTE_ITEM = "a byte item of the checkpoint"
 
 
-def _refuse(what: str, detail: str):
+def _fail(what: str, msg: str):
     from dsv3_plugin.errors import CheckpointError
 
-    err = CheckpointError(f"{what}: refused to unpickle ({detail}); Megatron checkpoints are loaded without code")
+    err = CheckpointError(f"{what}: {msg}")
     _refused.append(err)
     return err
+
+
+def _refuse(what: str, detail: str):
+    return _fail(what, f"refused to unpickle ({detail}); Megatron checkpoints are loaded without code")
 
 
 def _why(e: Exception) -> str:
@@ -76,8 +80,6 @@ def _safe_torch_load(f, map_location=None, pickle_module=None, *, weights_only=N
     # torch's restricted unpickler, and torch refuses the two together)
     import torch
 
-    from dsv3_plugin.errors import CheckpointError
-
     name = os.fspath(f) if isinstance(f, (str, os.PathLike)) else BYTE_ITEM
     with torch.serialization.safe_globals(safe_globals()):
         try:
@@ -86,7 +88,7 @@ def _safe_torch_load(f, map_location=None, pickle_module=None, *, weights_only=N
             raise _refuse(name, _why(e)) from None
         except (RuntimeError, EOFError) as e:  # not a torch file (bad zip, truncated)
             if isinstance(e, EOFError) or "zip archive" in str(e) or "magic number" in str(e):
-                raise CheckpointError(f"{name}: not a readable torch checkpoint file ({_why(e)})") from None
+                raise _fail(name, f"not a readable torch checkpoint file ({_why(e)})") from None
             raise
 
 
@@ -115,10 +117,10 @@ def _read_data(self, plan, planner):
     try:
         return _saved["read_data"](self, plan, planner)
     except Exception:
-        if len(_refused) > n and str(_refused[n]).startswith(BYTE_ITEM):
-            detail = str(_refused[n])[len(BYTE_ITEM) + len(": refused to unpickle (") :].split(");")[0]
+        if len(_refused) > n and str(_refused[n]).startswith(BYTE_ITEM + ": "):
+            msg = str(_refused[n])[len(BYTE_ITEM) + 2 :]
             del _refused[n:]
-            raise _refuse(f"{os.fspath(self.path)} (a byte item of its .distcp files)", detail) from None
+            raise _fail(f"{os.fspath(self.path)} (a byte item of its .distcp files)", msg) from None
         raise
 
 
