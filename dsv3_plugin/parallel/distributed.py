@@ -485,6 +485,9 @@ def _worker(
     except Preempted as e:  # stopped on request after saving: a status, not a failure
         report("preempted", (e.exit_code, str(e)))
         code, exit_now = e.exit_code, True
+    except KeyboardInterrupt:  # SIGINT before the run handles it (start-up): the user's Ctrl-C, not a bug
+        report("interrupted", None)
+        code, exit_now = 130, True
     except BaseException as e:
         # Report to the parent and exit without printing: the parent prints the one message that matters
         # (a rank's traceback printed here would repeat on every rank that hit the same input).
@@ -689,6 +692,8 @@ def spawn(
             the roll call, and rank 0 serving the store until the others are done with it).
         Preempted: every rank stopped on request after saving (no rank failed): rank 0's message and exit code,
             raised once every rank has exited.
+        KeyboardInterrupt: the ranks were interrupted by SIGINT before they handled it (and failed otherwise only
+            waiting on each other).
         SystemExit: a second signal, with forward_signals.
     """
     forwarder = _Forwarder(forward_signals, repeat_window_s) if forward_signals else None
@@ -790,6 +795,10 @@ def _run_ranks(ctx, fn, nproc: int, args: tuple, env: dict | None, timeout_s: fl
             if dead:  # a rank's death before anything the others then said about it
                 then = " (the other ranks then failed waiting on it)" if failed else ""
                 raise RuntimeError("spawned run failed:\n" + "; ".join(_death(r, c) for r, c in dead) + then)
+            if any(s == "interrupted" for _, s, _ in failed) and all(
+                s in ("interrupted", "peer") for _, s, _ in failed
+            ):
+                raise KeyboardInterrupt  # Ctrl-C (forwarded, or to the process group) while the ranks started
             if failed:  # a rank's own failure (a bug) before the peer errors it causes on the others
                 r, _, out = min(failed, key=lambda f: f[1] == "peer")
                 raise RuntimeError(f"spawned run failed:\nrank {r}: {out}")

@@ -46,6 +46,17 @@ def test_a_rank_killed_meanwhile_wins_over_preempted():
         spawn(_stop, 2, 1, timeout_s=120)
 
 
+def _interrupted():
+    raise KeyboardInterrupt
+
+
+def test_ranks_interrupted_before_they_handle_sigint_raise_keyboardinterrupt():
+    """A Ctrl-C that reaches the ranks before they handle SIGINT (start-up) is an interruption, as in the
+    spawning process itself (the CLI's "dsv3: interrupted", exit 130), not a bug with a traceback."""
+    with pytest.raises(KeyboardInterrupt):
+        spawn(_interrupted, 2, timeout_s=120)
+
+
 def _wait_for_signal(ready_dir: str, save_s: float, die_rank: int):
     """A rank: handle SIGTERM / SIGINT / SIGUSR1 (first one only, like `training.preemption`), say it is ready,
     wait for a signal, "save" for `save_s`, raise Preempted with the signal's status; rank `die_rank` is killed
