@@ -26,6 +26,7 @@ message naming the wait and the limit, no traceback).
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 from dsv3_plugin.config import ConfigError
@@ -230,6 +231,9 @@ def _run_launched(wargs) -> int:
         code = 2 if _is_input_error(e) else 1
         # bad input, or a peer dead / silent past parallel.p2p_timeout_s: the message says it all; a bug: traceback
         msg = f"error: {e}" if code == 2 or isinstance(e, PeerError) else traceback.format_exc()
+    # the launcher's SIGTERM to the survivors follows a failure within ~0.1 s: this rank is exiting anyway, and its
+    # one line (naming the dead rank, or the bad input) must not die with it
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     first, code = first_failure(code)
     if first and msg:
         print(msg, file=sys.stderr, end="" if msg.endswith("\n") else "\n")

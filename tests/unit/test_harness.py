@@ -39,9 +39,9 @@ def _threads_and_print(tag: str):
 
 
 def test_spawned_ranks_get_the_callers_thread_count_and_stdout(capfd):
-    """Ranks are forks of one forkserver, which imported torch with the environment of the first `spawn` of this
-    process: each rank still runs with the OMP_NUM_THREADS it is given and writes to the caller's stdout of the
-    moment (here: a different capture per call)."""
+    """Ranks are forks of a forkserver (one per `spawn` call, stopped when it returns) that imported torch with the
+    caller's environment: each rank still runs with the OMP_NUM_THREADS it is given and writes to the caller's
+    stdout of the moment (here: a different capture per call)."""
     from dsv3_plugin.parallel.distributed import spawn
 
     for n in (2, 1):
