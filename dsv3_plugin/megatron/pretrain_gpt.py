@@ -41,6 +41,7 @@ from dsv3_plugin.megatron.metrics import MetricsRecorder
 from dsv3_plugin.megatron.sft_data import MaskedGPTDataset, check_sft_args, check_split_documents
 from dsv3_plugin.megatron.spec import mcore_version_tuple
 from dsv3_plugin.parallel.distributed import spawn
+from dsv3_plugin.training.preemption import REPEAT_WINDOW_S
 
 __all__ = [
     "main",
@@ -675,6 +676,7 @@ def main(argv: list[str] | None = None) -> int:
                 argv,
                 timeout_s=float(os.environ.get("DSV3_SPAWN_TIMEOUT_S", "3600")),
                 forward_signals=exit_signals(argv),
+                repeat_window_s=REPEAT_WINDOW_S,  # as `dsv3 train`: the same signal again at once is one request
             )
             return 0
         return run(argv)
