@@ -95,12 +95,12 @@ def _safe_torch_load(f, map_location=None, pickle_module=None, *, weights_only=N
 def _read_metadata(self, *args, **kwargs):
     from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-    from dsv3_plugin.checkpoint.megatron_dist import _MetadataUnpickler
+    from dsv3_plugin.checkpoint.megatron_dist import load_dcp_metadata
 
     path = self._get_metadata_path(kwargs.get("rank"))
     try:
         with self.fs.create_stream(path, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
+            metadata = load_dcp_metadata(f)
     except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as e:
         raise _refuse(os.fspath(path), str(e)) from None
     if not isinstance(metadata, Metadata):

@@ -23,8 +23,9 @@ import warnings
 import torch
 
 from dsv3_plugin.errors import CheckpointError
+from dsv3_plugin.safe_files import check_regular, open_regular, read_regular
 
-__all__ = ["megatron_iteration_dir", "MegatronDistReader", "TRACKER"]
+__all__ = ["megatron_iteration_dir", "MegatronDistReader", "TRACKER", "load_dcp_metadata"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
 # exactly the classes a torch_dist `.metadata` pickles (dataclasses and enums: constructing them runs no code)
@@ -48,19 +49,20 @@ _DCP_CLASSES = {
 def megatron_iteration_dir(src: str, iteration: str | None = None) -> str | None:
     """The `iter_NNNNNNN` directory to read: `src` itself when it is one, else the one `src`'s tracker file names
     (or `iteration`). None when `src` is no Megatron-LM checkpoint; CheckpointError when it is a broken one."""
-    if os.path.isfile(os.path.join(src, ".metadata")) and iteration is None:
+    # lexists: a FIFO or a link out in place of a file is this kind of checkpoint, refused by the read that follows
+    if os.path.lexists(os.path.join(src, ".metadata")) and iteration is None:
         return src
     tracker = os.path.join(src, TRACKER)
-    if not os.path.isfile(tracker):
+    if not os.path.lexists(tracker):
         return None
     if iteration is None:
-        with open(tracker, errors="replace") as f:
-            iteration = f.read().strip()
+        # a regular file inside the checkpoint (a FIFO would hang the read)
+        iteration = read_regular(tracker, CheckpointError, src, limit=4096).decode(errors="replace").strip()
     digits = iteration[len("iter_") :] if iteration.startswith("iter_") else iteration
     if not digits.isdigit():
         raise CheckpointError(f"{tracker}: iteration {iteration!r} is not a number; pass --tag N (or iter_NNNNNNN)")
     d = os.path.join(src, f"iter_{int(digits):07d}")
-    if not os.path.isfile(os.path.join(d, ".metadata")):
+    if not os.path.lexists(os.path.join(d, ".metadata")):
         raise CheckpointError(f"{d}: no .metadata (not a torch_dist checkpoint; only --ckpt-format torch_dist is read)")
     return d
 
@@ -76,6 +78,13 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"global {module}.{name} is not a checkpoint-metadata class")
 
 
+def load_dcp_metadata(f) -> object:
+    """Unpickle a torch.distributed.checkpoint `.metadata` stream `f` through the allow-list (`_MetadataUnpickler`:
+    the metadata classes, `torch.Size`, dtypes, layouts; any other global raises `pickle.UnpicklingError` before
+    anything of it runs). The one reader of `.metadata` for `dsv3 export` and the Megatron safe-load patch."""
+    return _MetadataUnpickler(f).load()
+
+
 class MegatronDistReader:
     """Global tensors of one `iter_NNNNNNN` directory, read one key at a time.
 
@@ -88,17 +97,23 @@ class MegatronDistReader:
 
         self.path = path
         meta_path = os.path.join(path, ".metadata")
-        try:
-            with open(meta_path, "rb") as f:
-                self.metadata = _MetadataUnpickler(f).load()
-        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as e:
-            raise CheckpointError(f"{meta_path}: refused or unreadable checkpoint metadata ({e})") from None
+        with open_regular(meta_path, CheckpointError, path) as f:  # regular, inside the checkpoint
+            try:
+                self.metadata = load_dcp_metadata(f)
+            except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as e:
+                raise CheckpointError(f"{meta_path}: refused or unreadable checkpoint metadata ({e})") from None
         from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
         if not isinstance(self.metadata, Metadata):
             raise CheckpointError(f"{meta_path}: not a torch.distributed.checkpoint Metadata object")
         self._tensor_meta = TensorStorageMetadata
         metadata = self.metadata
+        # every data file the metadata names: a regular file inside the checkpoint (torch's reader opens them
+        # by name; a FIFO would hang it, a link could leave the directory)
+        for rel in sorted({getattr(v, "relative_path", "") for v in (metadata.storage_data or {}).values()}):
+            if not rel or os.path.basename(rel) != rel:
+                raise CheckpointError(f"{meta_path}: data file {rel!r} is not a plain file name inside {path}")
+            check_regular(os.path.join(path, rel), CheckpointError, path)
 
         class _Reader(FileSystemReader):  # torch's reader, with the metadata read above (never pickle.load)
             def read_metadata(self, *args, **kwargs):

@@ -176,7 +176,7 @@ def _check_same_model(init: str, kind: str, cfg: DSv3Config, where: str) -> None
         theirs = pretrained_config(init)  # config.json, index, headers, tensor set: CheckpointError naming the file
     else:
         path = os.path.join(init, "config.json")
-        if not os.path.isfile(path):
+        if not os.path.lexists(path):  # (a FIFO or a link out is there: load_json names what it is)
             raise CheckpointError(f"{path}: missing (a `dsv3 convert --to megatron` directory carries config.json)")
         theirs = model_config(load_json(path, what="config.json"), path)
     ours_d, theirs_d = cfg.to_dict(), theirs.to_dict()

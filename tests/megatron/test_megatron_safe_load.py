@@ -105,12 +105,12 @@ def test_crafted_dcp_metadata_is_refused(saved):
 
 
 def test_crafted_byte_item_in_distcp_is_refused(saved):
-    from dsv3_plugin.checkpoint.megatron_dist import _MetadataUnpickler
+    from dsv3_plugin.checkpoint.megatron_dist import load_dcp_metadata
 
     ckpt, it = _copy(saved, "byte_item")
     marker = saved / "marker_byte_item"
     with open(it / ".metadata", "rb") as f:
-        md = _MetadataUnpickler(f).load()
+        md = load_dcp_metadata(f)
     keys = [k for k in md.storage_data if k.fqn.startswith("common_state")]
     assert keys, sorted({k.fqn for k in md.storage_data})[:20]
     info = md.storage_data[keys[0]]

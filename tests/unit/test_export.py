@@ -323,3 +323,41 @@ def test_megatron_lm_torch_dist_source(tmp_path, capsys):
         "--no-progress",
     )
     assert rc == 2 and "refused" in err and not os.path.exists(tmp_path / "pwned")
+
+
+def test_megatron_lm_source_reads_regular_files_inside_only(tmp_path, capsys):
+    """A FIFO in place of the tracker, `.metadata` or a `.distcp` data file of a Megatron-LM checkpoint is refused
+    naming it (it hung the export before), as is a data file linked out of the iteration directory."""
+    cfg = load_config(TINY_RELEASE)
+    state = {k: v for k, v in DSv3Model(cfg).state_dict().items() if not is_runtime_state(k)}
+    from dsv3_plugin.checkpoint.names import parse_native
+
+    mstate = {parse_native(n, expert=0).megatron(): t for n, t in state.items()}
+    (tmp_path / "ds.json").write_text(json.dumps({"dsv3": TINY_RELEASE}))
+
+    def fresh(name):
+        it = tmp_path / name / "iter_0000007"
+        _dcp_save(mstate, str(it))
+        (tmp_path / name / "latest_checkpointed_iteration.txt").write_text("7")
+        return it
+
+    def export(name):
+        args = ["export", str(tmp_path / name), str(tmp_path / f"{name}_out"), "--to", "hf-bf16"]
+        return _cli(capsys, *args, "--config", str(tmp_path / "ds.json"), "--no-progress")
+
+    it = fresh("tracker")
+    os.remove(it.parent / "latest_checkpointed_iteration.txt")
+    os.mkfifo(it.parent / "latest_checkpointed_iteration.txt")
+    rc, err = export("tracker")
+    assert rc == 2 and "latest_checkpointed_iteration.txt: is a FIFO" in err, err
+    it = fresh("metadata")
+    os.remove(it / ".metadata")
+    os.mkfifo(it / ".metadata")
+    rc, err = export("metadata")
+    assert rc == 2 and ".metadata: is a FIFO" in err, err
+    it = fresh("distcp")
+    data = sorted(p for p in os.listdir(it) if p.endswith(".distcp"))[0]
+    os.replace(it / data, tmp_path / "elsewhere.distcp")
+    os.symlink(tmp_path / "elsewhere.distcp", it / data)
+    rc, err = export("distcp")
+    assert rc == 2 and data in err and "outside" in err, err
