@@ -1,7 +1,10 @@
-"""Test harness: run a function on N gloo ranks on loopback; build tiny released-format checkpoints."""
+"""Test harness: run a function on N gloo ranks on loopback; build tiny released-format checkpoints; the flags of
+tiny Megatron-LM runs; the environment, config and metrics of `dsv3 train` subprocesses."""
 
 from __future__ import annotations
 
+import json
+import os
 import warnings
 
 from dsv3_plugin.parallel.distributed import spawn
@@ -15,6 +18,12 @@ __all__ = [
     "dequantize_by_formula",
     "transformers_on",
     "mtp_reference_logits",
+    "MEGATRON_SPEC",
+    "tiny_megatron_args",
+    "subprocess_env",
+    "metrics_lines",
+    "metrics_rows",
+    "write_train_config",
 ]
 
 
@@ -341,3 +350,101 @@ def zero1_ds(dsv3: dict, warmup_steps: int, **top) -> dict:
         **top,
         "dsv3": dsv3,
     }
+
+
+# --- Megatron-LM runs of the plugin's entry point (tests/megatron) --------------------------------------------
+MEGATRON_SPEC = ["--spec", "dsv3_plugin.megatron", "layer_spec"]  # the plugin's layer spec
+
+
+def tiny_megatron_args(
+    iters: int, *, mbs: int = 2, gbs: int = 8, seq: int = 32, lr: str = "3e-3", cosine: bool = True, seed: int = 1234
+) -> list[str]:
+    """The Megatron-LM flags of a tiny mock-data run the tests/megatron tests share: micro-batch 2, NullTokenizer,
+    a log line every iteration, no evaluation.
+
+    Args:
+        iters: --train-iters.
+        mbs: --micro-batch-size.
+        gbs: --global-batch-size.
+        seq: --seq-length.
+        lr: --lr, as written on the command line.
+        cosine: add a cosine decay to 3e-4 after 2 warm-up iterations (else a constant lr).
+        seed: --seed.
+
+    Returns:
+        The argument list (strings), to which a test appends its own flags.
+    """
+    args = ["--micro-batch-size", str(mbs), "--global-batch-size", str(gbs), "--seq-length", str(seq)]
+    args += ["--train-iters", str(iters), "--lr", lr]
+    if cosine:
+        args += ["--min-lr", "3e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2"]
+    args += ["--mock-data", "--tokenizer-type", "NullTokenizer", "--log-interval", "1"]
+    return args + ["--eval-interval", "100", "--eval-iters", "0", "--seed", str(seed)]
+
+
+# --- `dsv3 train` as a subprocess (tests/dist) -------------------------------------------------------------
+def subprocess_env() -> dict:
+    """os.environ for a `dsv3` subprocess: this checkout first on PYTHONPATH, one OpenMP thread, the CPU accelerator.
+
+    Returns:
+        The environment dict.
+    """
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return {
+        **os.environ,
+        "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "OMP_NUM_THREADS": "1",
+        "DS_ACCELERATOR": "cpu",
+    }
+
+
+def metrics_lines(out) -> int:
+    """The number of complete (newline-ended) lines of `out`/metrics.jsonl; 0 before the file exists.
+
+    Args:
+        out: a run directory (`dsv3 train --out`).
+
+    Returns:
+        The line count: the steps logged so far.
+    """
+    p = os.path.join(out, "metrics.jsonl")
+    if not os.path.isfile(p):
+        return 0
+    with open(p) as f:
+        return sum(1 for x in f if x.endswith("\n"))
+
+
+def metrics_rows(out) -> list[dict]:
+    """The rows of `out`/metrics.jsonl.
+
+    Args:
+        out: a run directory (`dsv3 train --out`).
+
+    Returns:
+        One dict per non-blank line.
+    """
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(x) for x in f if x.strip()]
+
+
+def write_train_config(path) -> str:
+    """Write a `dsv3 train --config` JSON for one step of the tiny preset (micro-batch 1, sequences of 16 tokens,
+    torch AdamW at 1e-3), for the tests that only need an entry point to get as far as reading its inputs.
+
+    Args:
+        path: the file to write (a pathlib.Path).
+
+    Returns:
+        `path` as a string.
+    """
+    path.write_text(
+        json.dumps(
+            {
+                "train_micro_batch_size_per_gpu": 1,
+                "steps_per_print": 10**9,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+                "dsv3": {"preset": "tiny", "train": {"seq_len": 16, "steps": 1}},
+            }
+        )
+    )
+    return str(path)

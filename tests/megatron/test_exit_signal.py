@@ -29,6 +29,7 @@ import threading
 import time
 
 import pytest
+from helpers import MEGATRON_SPEC, tiny_megatron_args
 
 pytest.importorskip("megatron.training", reason="megatron-core < 0.19: no megatron.training (Megatron's pretrain())")
 pytestmark = pytest.mark.dist
@@ -36,42 +37,8 @@ pytestmark = pytest.mark.dist
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENTRY = "dsv3_plugin.megatron.pretrain_gpt"
 ITERS = 6
-FLAGS = [
-    "--spec",
-    "dsv3_plugin.megatron",
-    "layer_spec",
-    "--micro-batch-size",
-    "2",
-    "--global-batch-size",
-    "8",
-    "--seq-length",
-    "32",
-    "--train-iters",
-    str(ITERS),
-    "--lr",
-    "3e-3",
-    "--min-lr",
-    "3e-4",
-    "--lr-decay-style",
-    "cosine",
-    "--lr-warmup-iters",
-    "2",
-    "--mock-data",
-    "--tokenizer-type",
-    "NullTokenizer",
-    "--log-interval",
-    "1",
-    "--eval-interval",
-    "100",
-    "--eval-iters",
-    "0",
-    "--seed",
-    "1234",
-    "--pipeline-model-parallel-size",
-    "2",
-    "--dsv3-pipeline-schedule",
-    "dualpipev",
-]
+FLAGS = MEGATRON_SPEC + tiny_megatron_args(ITERS) + ["--pipeline-model-parallel-size", "2"]
+FLAGS += ["--dsv3-pipeline-schedule", "dualpipev"]
 LIMIT_S = 300  # one run; ~30 s each on 2 idle cores
 
 

@@ -13,36 +13,13 @@ import sys
 
 import pytest
 import torch
+from helpers import tiny_megatron_args
 
 pytest.importorskip("megatron.training", reason="megatron-core < 0.19: no megatron.training in the wheel")
 pytestmark = pytest.mark.dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FLAGS = [
-    "--micro-batch-size",
-    "2",
-    "--global-batch-size",
-    "4",
-    "--seq-length",
-    "16",
-    "--train-iters",
-    "1",
-    "--lr",
-    "3e-3",
-    "--mock-data",
-    "--tokenizer-type",
-    "NullTokenizer",
-    "--log-interval",
-    "1",
-    "--eval-interval",
-    "100",
-    "--eval-iters",
-    "0",
-    "--seed",
-    "1234",
-    "--save-interval",
-    "1",
-]
+FLAGS = tiny_megatron_args(1, gbs=4, seq=16, cosine=False) + ["--save-interval", "1"]
 
 
 @pytest.fixture(scope="module")

@@ -24,34 +24,13 @@ import subprocess
 import sys
 
 import pytest
+from helpers import tiny_megatron_args
 
 pytest.importorskip("megatron.training", reason="megatron-core < 0.19: no megatron.training (Megatron's pretrain())")
 pytestmark = pytest.mark.dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FLAGS = [
-    "--micro-batch-size",
-    "2",
-    "--global-batch-size",
-    "2",
-    "--seq-length",
-    "16",
-    "--train-iters",
-    "3",
-    "--lr",
-    "1e-3",
-    "--mock-data",
-    "--tokenizer-type",
-    "NullTokenizer",
-    "--log-interval",
-    "1",
-    "--eval-interval",
-    "100",
-    "--eval-iters",
-    "0",
-    "--seed",
-    "1",
-]
+FLAGS = tiny_megatron_args(3, gbs=2, seq=16, lr="1e-3", cosine=False, seed=1)
 
 
 class _Payload:

@@ -22,6 +22,7 @@ import sys
 import time
 
 import pytest
+from helpers import MEGATRON_SPEC, tiny_megatron_args
 
 pytest.importorskip(
     "megatron.training",
@@ -33,38 +34,7 @@ pytestmark = pytest.mark.dist
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DSV3 = {"preset": "tiny", "model": {"num_hidden_layers": 4}}
 MBS, GBS, SEQ = 2, 8, 32
-FLAGS = [
-    "--spec",
-    "dsv3_plugin.megatron",
-    "layer_spec",
-    "--micro-batch-size",
-    str(MBS),
-    "--global-batch-size",
-    str(GBS),
-    "--seq-length",
-    str(SEQ),
-    "--train-iters",
-    "11",
-    "--lr",
-    "3e-3",
-    "--min-lr",
-    "3e-4",
-    "--lr-decay-style",
-    "cosine",
-    "--lr-warmup-iters",
-    "2",
-    "--mock-data",
-    "--tokenizer-type",
-    "NullTokenizer",
-    "--log-interval",
-    "1",
-    "--eval-interval",
-    "100",
-    "--eval-iters",
-    "0",
-    "--seed",
-    "1234",
-]
+FLAGS = MEGATRON_SPEC + tiny_megatron_args(11, mbs=MBS, gbs=GBS, seq=SEQ)
 LOADED = 5  # the PP = 2 runs resume from the iteration-5 checkpoint
 
 

@@ -14,40 +14,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import tiny_megatron_args
 
 pytest.importorskip("megatron.training", reason="megatron-core < 0.19: no megatron.training in the wheel")
 pytestmark = pytest.mark.dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FLAGS = [
-    "--micro-batch-size",
-    "2",
-    "--global-batch-size",
-    "8",
-    "--seq-length",
-    "32",
-    "--train-iters",
-    "10",
-    "--lr",
-    "3e-3",
-    "--min-lr",
-    "3e-4",
-    "--lr-decay-style",
-    "cosine",
-    "--lr-warmup-iters",
-    "2",
-    "--mock-data",
-    "--tokenizer-type",
-    "NullTokenizer",
-    "--log-interval",
-    "1",
-    "--eval-interval",
-    "100",
-    "--eval-iters",
-    "0",
-    "--seed",
-    "1234",
-]
+FLAGS = tiny_megatron_args(10)
 
 
 def _run(tmp, name, launcher, extra):
