@@ -24,11 +24,11 @@ import time
 
 import psutil
 import pytest
+from helpers import subprocess_env
 from process_leftovers import describe, live_new, snapshot, wait_gone
 
 from dsv3_plugin.parallel.distributed import ROLL_CALL_S, free_port, spawn
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 P2P_S = 20
 BOUND_S = P2P_S + ROLL_CALL_S + 60
 
@@ -119,15 +119,6 @@ def test_spawn_leaves_no_process_when_it_returns():
     assert not left, describe(left)  # no forkserver, no resource tracker
 
 
-def _env():
-    return {
-        **os.environ,
-        "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        "OMP_NUM_THREADS": "1",
-        "DS_ACCELERATOR": "cpu",
-    }
-
-
 def _config(tmp_path) -> str:
     """The tiny preset on 2 data-parallel ranks, running until it is killed."""
     ds = {
@@ -150,7 +141,7 @@ def _kill_after_first_step(cmd, find_victim):
     """Start `cmd`, wait for its first JSON step line, SIGKILL the process `find_victim(launcher)` returns, wait
     for the job to end. Returns (exit code, stderr, seconds from the kill to the end, the job's processes at
     the kill)."""
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env())
     err: list[str] = []
     reader = threading.Thread(target=lambda: err.extend(p.stderr), daemon=True)
     reader.start()

@@ -17,10 +17,10 @@ import time
 
 import psutil
 import pytest
+from helpers import metrics_lines, metrics_rows, subprocess_env
 
 from dsv3_plugin.parallel.distributed import free_port
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BIN = os.path.dirname(sys.executable)
 DSV3 = shutil.which("dsv3", path=BIN)
 pytestmark = pytest.mark.skipif(DSV3 is None, reason="needs the installed `dsv3` script (make venv)")
@@ -37,33 +37,15 @@ def _ds(**dsv3):
                      "train": {"seq_len": 16, "seed": 7, **dsv3.pop("train", {})}, **dsv3}}
 
 
-def _env():
-    return {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-            "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-
-
-def _rows(out):
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(x) for x in f if x.strip()]
-
-
-def _lines(out):
-    p = os.path.join(out, "metrics.jsonl")
-    if not os.path.isfile(p):
-        return 0
-    with open(p) as f:
-        return sum(1 for x in f if x.endswith("\n"))
-
-
 def _run(cmd, **kw):
-    return subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=900, **kw)
+    return subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(), timeout=900, **kw)
 
 
 def _interrupt(cmd, out, at_step, send):
     """Start `cmd`, wait until `at_step` metrics lines exist, call send(process); returns (rc, stderr)."""
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env())
     deadline = time.monotonic() + 600
-    while _lines(out) < at_step and p.poll() is None and time.monotonic() < deadline:
+    while metrics_lines(out) < at_step and p.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
     assert p.poll() is None, f"the run ended before step {at_step}: {p.communicate()[1][-3000:]}"
     send(p)
@@ -85,7 +67,7 @@ def _check_stop(out, rc, err, want_rc, signame, seed):
 
 
 def _compare(out, ref, seed):
-    got, want = _rows(out), _rows(ref)
+    got, want = metrics_rows(out), metrics_rows(ref)
     assert [r["step"] for r in got] == list(range(1, STEPS + 1)), seed
     for g, w in zip(got, want):
         keys = KEYS + ["eval_loss"] * ("eval_loss" in w)
@@ -178,4 +160,4 @@ def test_exit_after_minutes_saves_and_exits_0(tmp_path):
     assert len(stop) == 1 and "exit_after_minutes = 0.3" in stop[0], r.stderr[-3000:]
     done = int(stop[0].split("stopped after step ")[1].split()[0])
     assert open(os.path.join(out, "ckpt", "latest")).read().strip() == f"step{done}"
-    assert [x["step"] for x in _rows(out)] == list(range(1, done + 1))
+    assert [x["step"] for x in metrics_rows(out)] == list(range(1, done + 1))

@@ -20,8 +20,8 @@ import subprocess
 import sys
 
 import pytest
+from helpers import subprocess_env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WALL_CLOCK = {"tokens_per_s"}
 STEPS = 6
 
@@ -41,18 +41,11 @@ DS = {
 }
 
 
-def _env():
-    return {
-        **os.environ,
-        "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        "OMP_NUM_THREADS": "1",
-        "DS_ACCELERATOR": "cpu",
-    }
-
-
 def _train(cfg, out, *extra, preexec=None, prefix=()):
     cmd = [*prefix, sys.executable, "-m", "dsv3_plugin", "train", "--config", cfg, "--out", out, "--no-progress"]
-    return subprocess.run([*cmd, *extra], capture_output=True, text=True, env=_env(), timeout=900, preexec_fn=preexec)
+    return subprocess.run(
+        [*cmd, *extra], capture_output=True, text=True, env=subprocess_env(), timeout=900, preexec_fn=preexec
+    )
 
 
 def _rows(path):
@@ -151,7 +144,7 @@ def test_too_little_space_for_the_next_checkpoint_is_refused_before_writing(base
         ["unshare", "-Urm", "sh", "-c", script, "sh", *cmd, "--steps", str(STEPS)],
         capture_output=True,
         text=True,
-        env=_env(),
+        env=subprocess_env(),
         timeout=900,
     )
     if p.returncode != 0 and "mount" in p.stderr:

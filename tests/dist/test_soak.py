@@ -17,8 +17,8 @@ import time
 
 import psutil
 import pytest
+from helpers import metrics_lines, metrics_rows, subprocess_env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DSV3 = shutil.which("dsv3", path=os.path.dirname(sys.executable))
 pytestmark = pytest.mark.skipif(DSV3 is None, reason="needs the installed `dsv3` script (make venv)")
 STEPS, SAVE_EVERY, KEEP = 200, 10, 3
@@ -37,24 +37,6 @@ DS = {
         "train": {"seq_len": 16, "seed": 3, "save_every": SAVE_EVERY, "keep_last": KEEP},
     },
 }
-
-
-def _env():
-    return {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-            "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-
-
-def _lines(out):
-    p = os.path.join(out, "metrics.jsonl")
-    if not os.path.isfile(p):
-        return 0
-    with open(p) as f:
-        return sum(1 for x in f if x.endswith("\n"))
-
-
-def _rows(out):
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(x) for x in f if x.strip()]
 
 
 def _tags(out):
@@ -76,15 +58,15 @@ def test_soak_pp2_ep2_kills_and_preemptions(tmp_path):
     cfg.write_text(json.dumps(DS))
     base = [DSV3, "train", "--nproc", "4", "--config", str(cfg), "--steps", str(STEPS), "--no-progress"]
     ref, out = str(tmp_path / "ref"), str(tmp_path / "run")
-    r = subprocess.run([*base, "--out", ref], capture_output=True, text=True, env=_env(), timeout=1200)
+    r = subprocess.run([*base, "--out", ref], capture_output=True, text=True, env=subprocess_env(), timeout=1200)
     assert r.returncode == 0, r.stderr[-3000:]
 
     for i, (event, step) in enumerate(zip(events, at)):
         cmd = [*base, "--out", out] + (["--resume", out] if i else [])
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
                              start_new_session=True)
         deadline = time.monotonic() + 900
-        while _lines(out) < step and p.poll() is None and time.monotonic() < deadline:
+        while metrics_lines(out) < step and p.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
         assert p.poll() is None, f"seed {seed}: run {i} ended before step {step}: {p.communicate()[1][-3000:]}"
         job = [p.pid] + [c.pid for c in psutil.Process(p.pid).children(recursive=True)]
@@ -107,9 +89,10 @@ def test_soak_pp2_ep2_kills_and_preemptions(tmp_path):
         done, _ = _tags(out)
         assert len(done) <= KEEP, (seed, done)
 
-    p = subprocess.run([*base, "--out", out, "--resume", out], capture_output=True, text=True, env=_env(), timeout=1200)
+    p = subprocess.run([*base, "--out", out, "--resume", out], capture_output=True, text=True, env=subprocess_env(),
+                       timeout=1200)
     assert p.returncode == 0, f"seed {seed}: {p.stderr[-3000:]}"
-    got, want = _rows(out), _rows(ref)
+    got, want = metrics_rows(out), metrics_rows(ref)
     assert [g["step"] for g in got] == list(range(1, STEPS + 1)), seed
     for g, w in zip(got, want):
         assert {k: g[k] for k in KEYS} == {k: w[k] for k in KEYS}, f"seed {seed}: step {w['step']} differs"

@@ -12,6 +12,7 @@ import struct
 from pathlib import Path
 
 import pytest
+from helpers import write_train_config
 from safetensors.torch import load_file, save_file
 from test_checkpoint_nonfinite import make_loadable_fp8_ckpt
 from test_checkpoint_reader import KV
@@ -393,18 +394,7 @@ def clean(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def train_config(tmp_path_factory):
-    p = tmp_path_factory.mktemp("cfg") / "c.json"
-    p.write_text(
-        json.dumps(
-            {
-                "train_micro_batch_size_per_gpu": 1,
-                "steps_per_print": 10**9,
-                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-                "dsv3": {"preset": "tiny", "train": {"seq_len": 16, "steps": 1}},
-            }
-        )
-    )
-    return str(p)
+    return write_train_config(tmp_path_factory.mktemp("cfg") / "c.json")
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

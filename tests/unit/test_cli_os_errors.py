@@ -187,22 +187,38 @@ def _in_tmpfs(mnt: str, options: str, code: str, timeout=600):
     )
 
 
-@needs_userns
-@pytest.mark.parametrize("kind", ["convert", "export"])
-def test_not_enough_free_space_is_refused_before_writing(kind, release, meg, tmp_path):
+def _tmpfs_out(tmp_path) -> tuple[str, str]:
+    """(a mount point for _in_tmpfs, the output directory inside it)."""
     mnt = str(tmp_path / "mnt")
     os.makedirs(mnt)
-    dst = os.path.join(mnt, "out")
-    argv = _argv(kind, _src(kind, release, meg), dst)
-    r = _in_tmpfs(mnt, "size=512k", f"import sys\nfrom dsv3_plugin.cli import main\nsys.exit(main({argv!r}))\n")
+    return mnt, os.path.join(mnt, "out")
+
+
+def _cli_code(argv) -> str:
+    """Python source that exits with `dsv3 ARGV`'s status."""
+    return f"import sys\nfrom dsv3_plugin.cli import main\nsys.exit(main({argv!r}))\n"
+
+
+def _one_error_line(r) -> str:
+    """The single stderr line of a run that must have exited 2."""
     assert r.returncode == 2, (r.stdout, r.stderr[-3000:])
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1, r.stderr[-3000:]
+    return lines[0]
+
+
+@needs_userns
+@pytest.mark.parametrize("kind", ["convert", "export"])
+def test_not_enough_free_space_is_refused_before_writing(kind, release, meg, tmp_path):
+    mnt, dst = _tmpfs_out(tmp_path)
+    argv = _argv(kind, _src(kind, release, meg), dst)
+    r = _in_tmpfs(mnt, "size=512k", _cli_code(argv))
+    line = _one_error_line(r)
     assert re.fullmatch(
         rf"error: {re.escape(dst)}: the output needs about \d+ bytes \([\d.]+ MiB\) but only \d+ bytes \(\d+\.\d KiB\) "
         rf"are free in {re.escape(mnt)}; nothing was written",
-        lines[0],
-    ), lines[0]
+        line,
+    ), line
     assert r.stdout.strip().splitlines()[-1] == "LEFT:"  # not even a lock file
 
 
@@ -210,9 +226,7 @@ def test_not_enough_free_space_is_refused_before_writing(kind, release, meg, tmp
 def test_disk_full_midway_on_a_real_file_system(release, tmp_path):
     """ENOSPC from a tmpfs that is smaller than the output, with the free-space check blind (another process filling
     the disk after it passed): the same one line, the partial output removed."""
-    mnt = str(tmp_path / "mnt")
-    os.makedirs(mnt)
-    dst = os.path.join(mnt, "out")
+    mnt, dst = _tmpfs_out(tmp_path)
     argv = _argv("convert", release, dst)
     code = f"""
     import sys
@@ -222,24 +236,19 @@ def test_disk_full_midway_on_a_real_file_system(release, tmp_path):
     sys.exit(main({argv!r}))
     """
     r = _in_tmpfs(mnt, "size=512k", code)
-    assert r.returncode == 2, (r.stdout, r.stderr[-3000:])
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1, r.stderr[-3000:]
-    m = _LINE.match(lines[0])
-    assert m and m["why"] == os.strerror(errno.ENOSPC) and m["dst"] == dst, lines[0]
+    line = _one_error_line(r)
+    m = _LINE.match(line)
+    assert m and m["why"] == os.strerror(errno.ENOSPC) and m["dst"] == dst, line
     assert r.stdout.strip().splitlines()[-1] == "LEFT:"
 
 
 @needs_userns
 @pytest.mark.parametrize("kind", ["convert", "export"])
 def test_read_only_file_system(kind, release, meg, tmp_path):
-    mnt = str(tmp_path / "mnt")
-    os.makedirs(mnt)
-    dst = os.path.join(mnt, "out")
+    mnt, dst = _tmpfs_out(tmp_path)
     argv = _argv(kind, _src(kind, release, meg), dst)
-    r = _in_tmpfs(mnt, "ro", f"import sys\nfrom dsv3_plugin.cli import main\nsys.exit(main({argv!r}))\n")
-    assert r.returncode == 2, (r.stdout, r.stderr[-3000:])
-    assert r.stderr.strip() == (
+    r = _in_tmpfs(mnt, "ro", _cli_code(argv))
+    assert _one_error_line(r) == (
         f"error: {dst}: cannot write in {mnt} ({os.strerror(errno.EROFS)}: {os.path.join(mnt, '.out.lock')})"
     )
 

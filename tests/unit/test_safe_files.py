@@ -15,6 +15,7 @@ import socket
 import stat
 
 import pytest
+from helpers import write_train_config
 
 from dsv3_plugin import safe_files as sf
 from dsv3_plugin.checkpoint.convert import convert, load_megatron_rank
@@ -231,18 +232,7 @@ def src(release, tmp_path):
 
 @pytest.fixture(scope="module")
 def train_config(tmp_path_factory):
-    p = tmp_path_factory.mktemp("cfg") / "c.json"
-    p.write_text(
-        json.dumps(
-            {
-                "train_micro_batch_size_per_gpu": 1,
-                "steps_per_print": 10**9,
-                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-                "dsv3": {"preset": "tiny", "train": {"seq_len": 16, "steps": 1}},
-            }
-        )
-    )
-    return str(p)
+    return write_train_config(tmp_path_factory.mktemp("cfg") / "c.json")
 
 
 def _shards(d):
