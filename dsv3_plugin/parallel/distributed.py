@@ -759,6 +759,12 @@ def _run_ranks(ctx, fn, nproc: int, args: tuple, env: dict | None, timeout_s: fl
         its end; for at most 1 s, should a process the rank left running hold the pipe open)."""
         out = []
         for r, p in enumerate(procs):
+            if r not in reports and p.pid is not None and p.exitcode is None and _process_gone(p.pid):
+                # gone, but the forkserver (its parent, which reaps it) has not passed its status on yet: under
+                # load that takes a moment, and without it a killed rank would be missed for its peers' errors
+                until = time.monotonic() + 2.0
+                while p.exitcode is None and time.monotonic() < until:
+                    time.sleep(0.02)
             if r not in reports and p.pid is not None and p.exitcode is not None and _process_gone(p.pid):
                 until = time.monotonic() + 1.0
                 while r not in eof and r not in reports and time.monotonic() < until:

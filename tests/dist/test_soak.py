@@ -53,7 +53,8 @@ def test_soak_pp2_ep2_kills_and_preemptions(tmp_path):
     rng = random.Random(seed)
     events = ["kill"] * 3 + ["term_group", "term_launcher"]
     rng.shuffle(events)
-    at = sorted(rng.sample(range(8, STEPS - 8), len(events)))  # metrics lines to wait for (a step count)
+    # metrics lines to wait for (a step count); after the first save, so that a kill always leaves a checkpoint
+    at = sorted(rng.sample(range(SAVE_EVERY + 2, STEPS - 8), len(events)))
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps(DS))
     base = [DSV3, "train", "--nproc", "4", "--config", str(cfg), "--steps", str(STEPS), "--no-progress"]

@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "tests", "unit"))
@@ -48,5 +47,5 @@ def test_train_init_from_refuses_nan_weight_unless_allowed(tmp_path):
                        env=_env(), timeout=600)
     assert q.returncode == 0, q.stderr[-3000:]
     row = json.loads(q.stdout.strip().splitlines()[0])
-    assert row["step"] == 1 and not torch.isfinite(torch.tensor(row["loss"]))
+    assert row["step"] == 1 and row["loss"] is None  # a non-finite value is written as JSON null
     shutil.rmtree(tmp_path / "b", ignore_errors=True)
