@@ -41,9 +41,9 @@ def _run(cmd, **kw):
     return subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(), timeout=900, **kw)
 
 
-def _interrupt(cmd, out, at_step, send):
+def _interrupt(cmd, out, at_step, send, **popen):
     """Start `cmd`, wait until `at_step` metrics lines exist, call send(process); returns (rc, stderr)."""
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env())
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(), **popen)
     deadline = time.monotonic() + 600
     while metrics_lines(out) < at_step and p.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -161,3 +161,31 @@ def test_exit_after_minutes_saves_and_exits_0(tmp_path):
     done = int(stop[0].split("stopped after step ")[1].split()[0])
     assert open(os.path.join(out, "ckpt", "latest")).read().strip() == f"step{done}"
     assert [x["step"] for x in metrics_rows(out)] == list(range(1, done + 1))
+
+
+DEEPSPEED = shutil.which("deepspeed", path=BIN)
+
+
+@pytest.mark.skipif(DEEPSPEED is None, reason="needs the installed `deepspeed` launcher (make venv)")
+def test_sigterm_to_the_deepspeed_launchers_process_group(tmp_path):
+    """SIGTERM to the process group of a `deepspeed` launch, as Slurm sends it (NOTE: the `deepspeed` command itself
+    does not pass a signal on for a single-node run; its `deepspeed.launcher.launch` child answers SIGTERM by
+    sending SIGTERM to its ranks and SIGKILL 30 s later): the ranks save the step they agree on and stop within
+    that grace, the run directory holds that complete checkpoint as `latest`, and --resume continues from it."""
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps(_ds()))
+    out = str(tmp_path / "run")
+    cmd = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()), DSV3, "train", "--config", str(cfg),
+           "--steps", "1000", "--no-progress", "--out", out]
+    t0 = time.monotonic()
+    rc, err = _interrupt(cmd, out, 3, lambda p: os.killpg(p.pid, signal.SIGTERM), start_new_session=True)
+    assert time.monotonic() - t0 < 600
+    assert rc != 0, err[-3000:]
+    stop = [x for x in err.splitlines() if "dsv3 train: stopped after step" in x]
+    assert len(stop) == 1 and "(SIGTERM received)" in stop[0], err[-3000:]
+    done = int(stop[0].split("stopped after step ")[1].split()[0])
+    assert open(os.path.join(out, "ckpt", "latest")).read().strip() == f"step{done}"
+    assert os.path.isfile(os.path.join(out, "ckpt", f"step{done}", "dsv3_complete.json"))
+    r = _run([DSV3, "train", "--nproc", "2", "--config", str(cfg), "--steps", str(done + 1), "--no-progress",
+              "--out", out, "--resume", out])
+    assert r.returncode == 0 and f"steps {done + 1}-{done + 1}" in r.stdout, r.stderr[-3000:]
