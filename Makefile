@@ -18,7 +18,7 @@ STAMP19 := $(VENV19)/.installed
 # The Megatron tests: every one runs on megatron-core 0.16.1 (.venv) and again on 0.19.x (.venv-mcore19).
 MEGATRON_TESTS := tests/megatron $(sort $(wildcard tests/*/test_megatron_*.py))
 
-.PHONY: venv venv-mcore19 demo lint format test test-mcore19 gpu-check clean
+.PHONY: test-long venv venv-mcore19 demo lint format test test-mcore19 gpu-check clean
 
 venv: $(STAMP)
 
@@ -62,10 +62,17 @@ PARALLEL_PYTEST := OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadfile
 test: venv venv-mcore19
 	rc=0; $(MAKE) --no-print-directory lint || rc=$$?; \
 	$(PARALLEL_PYTEST) tests --ignore=tests/dist || rc=$$?; \
-	$(PARALLEL_PYTEST) tests/dist -m "not serial" || rc=$$?; \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n 3 --dist loadfile tests/dist -m "not serial and not long" || rc=$$?; \
 	$(PY) -m pytest tests/dist -m serial || rc=$$?; \
 	echo "== Megatron tests on megatron-core 0.19 ($(VENV19)) =="; \
-	OMP_NUM_THREADS=1 $(PY19) -m pytest -n 2 --dist loadfile $(MEGATRON_TESTS) || rc=$$?; \
+	OMP_NUM_THREADS=1 $(PY19) -m pytest -n 2 --dist loadfile -m "not long" $(MEGATRON_TESTS) || rc=$$?; \
+	exit $$rc
+
+# The `long` tests: more launchers and file formats for checks `make test` runs once (a few minutes; not in CI).
+# tests/dist runs on 3 workers above: its tests spend part of their time waiting (start-up, peer timeouts, roll calls).
+test-long: venv venv-mcore19
+	rc=0; OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadfile tests/dist -m long || rc=$$?; \
+	OMP_NUM_THREADS=1 $(PY19) -m pytest -n 2 --dist loadfile -m long $(MEGATRON_TESTS) || rc=$$?; \
 	exit $$rc
 
 # ruff (pinned in requirements.txt; rules and line length 120 in pyproject.toml): lint with import order, and the

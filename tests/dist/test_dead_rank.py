@@ -203,6 +203,7 @@ def test_cli_rank_killed_from_outside(tmp_path):
     _gone(job)
 
 
+@pytest.mark.long  # (make test-long)
 def test_torchrun_survivor_names_the_killed_rank(tmp_path):
     def rank1(launcher):
         for c in launcher.children():  # torchrun's workers are its children, each with RANK in its environment

@@ -166,6 +166,7 @@ def test_exit_after_minutes_saves_and_exits_0(tmp_path):
 DEEPSPEED = shutil.which("deepspeed", path=BIN)
 
 
+@pytest.mark.long  # (make test-long)
 @pytest.mark.skipif(DEEPSPEED is None, reason="needs the installed `deepspeed` launcher (make venv)")
 def test_sigterm_to_the_deepspeed_launchers_process_group(tmp_path):
     """SIGTERM to the process group of a `deepspeed` launch, as Slurm sends it (NOTE: the `deepspeed` command itself

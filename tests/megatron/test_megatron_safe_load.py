@@ -103,6 +103,7 @@ def test_crafted_byte_item_in_distcp_is_refused(saved):
     _refused(saved, ckpt, f"{it} (a byte item of its .distcp files)", marker)
 
 
+@pytest.mark.long  # (make test-long)
 def test_crafted_legacy_common_pt_is_refused(saved):
     ckpt, it = _copy(saved, "common_pt")
     marker = saved / "marker_common_pt"
@@ -110,6 +111,7 @@ def test_crafted_legacy_common_pt_is_refused(saved):
     _refused(saved, ckpt, it / "common.pt", marker, env_extra={"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"})
 
 
+@pytest.mark.long  # (make test-long)
 def test_crafted_legacy_model_optim_rng_pt_is_refused(saved):
     ckpt = saved / "legacy"
     f = ckpt / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt"
