@@ -121,6 +121,7 @@ def _worker_pids(launcher_pid, n):
     raise AssertionError("torchrun's workers not found")
 
 
+@pytest.mark.long  # (make test-long)
 def test_sigusr1_to_one_rank_under_torchrun_pp2(tmp_path):
     seed = random.randrange(10**6)
     at = random.Random(seed).randrange(2, STEPS - 2)

@@ -32,7 +32,8 @@ import pytest
 from helpers import MEGATRON_SPEC, tiny_megatron_args
 
 pytest.importorskip("megatron.training", reason="megatron-core < 0.19: no megatron.training (Megatron's pretrain())")
-pytestmark = pytest.mark.dist
+# make test-long: four Megatron launches, minutes of CPU (make test keeps the DeepSpeed path's stop tests)
+pytestmark = [pytest.mark.dist, pytest.mark.long]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENTRY = "dsv3_plugin.megatron.pretrain_gpt"
