@@ -129,6 +129,7 @@ cp -a {mnt}/run {copy}
 """
 
 
+@pytest.mark.long  # (make test-long; tests/unit/test_run_dir_saves.py checks the refusal in make test)
 def test_too_little_space_for_the_next_checkpoint_is_refused_before_writing(base):
     tmp, cfg, want, files = base
     if not shutil.which("unshare"):
