@@ -18,15 +18,13 @@ Design notes (every flag, the CPU path): docs/design_notes.md#megatron-pretrain-
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 from functools import partial
-from typing import Any
 
 import torch
 
-from dsv3_plugin.config import ConfigError, DSv3Config, load_config
+from dsv3_plugin.config import ConfigError, load_config
 from dsv3_plugin.errors import CheckpointError, DataError
 from dsv3_plugin.megatron.dualpipev import embedding_ranks, stage_ends
 from dsv3_plugin.megatron.finetune import (
@@ -36,8 +34,11 @@ from dsv3_plugin.megatron.finetune import (
     load_initial_weights,
     model_vocab_size,
 )
-from dsv3_plugin.megatron.gpt import OUR_SPEC, add_dsv3_args, dualpipev_layout, dualpipev_selected, gpt_builder
+from dsv3_plugin.megatron.flags import adapt_to_cpu, explicit_dests, reconcile_args
+from dsv3_plugin.megatron.fp8 import install_fp8, resolve_fp8_args
+from dsv3_plugin.megatron.gpt import add_dsv3_args, dualpipev_selected, gpt_builder
 from dsv3_plugin.megatron.metrics import MetricsRecorder
+from dsv3_plugin.megatron.schedule_args import PIPELINE_SCHEDULES, apply_pipeline_schedule, resolve_pipeline_schedule
 from dsv3_plugin.megatron.sft_data import MaskedGPTDataset, check_sft_args, check_split_documents
 from dsv3_plugin.megatron.spec import mcore_version_tuple
 from dsv3_plugin.parallel.distributed import spawn
@@ -48,31 +49,13 @@ __all__ = [
     "exit_signals",
     "parse_megatron_args",
     "set_megatron_globals",
-    "reconcile_args",
-    "dsv3_arg_values",
     "model_provider",
     "forward_step",
     "train_valid_test_datasets_provider",
-    "resolve_pipeline_schedule",
     "MIN_MEGATRON_CORE",
-    "MEGATRON_MOE_ONLY_FLAGS",
-    "PIPELINE_SCHEDULES",
 ]
 
 MIN_MEGATRON_CORE = (0, 19)
-
-# Megatron-LM flags that configure Megatron's own MoELayer / router implementation; our DeepSeekMoE ignores them.
-MEGATRON_MOE_ONLY_FLAGS = (
-    "moe_grouped_gemm",
-    "moe_router_fusion",
-    "moe_permute_fusion",
-    "moe_shared_expert_overlap",
-    "moe_router_pre_softmax",
-    "moe_token_dispatcher_type",
-    "moe_expert_capacity_factor",
-    "moe_pad_expert_input_to_capacity",
-    "moe_use_legacy_grouped_gemm",
-)
 
 
 def _require_megatron_training() -> None:
@@ -91,269 +74,6 @@ def _require_megatron_training() -> None:
             f"dsv3_plugin.megatron.pretrain_gpt: needs megatron-core >= 0.19 (its pretrain() API); "
             f"found {v}. With Megatron-LM 0.16 use patches/pretrain_gpt.diff"
         )
-
-
-# --- Megatron-LM flags <-> the "dsv3" block -------------------------------------------------------------------
-
-
-def dsv3_arg_values(cfg: DSv3Config) -> list[tuple[str, str, Any]]:
-    """(Megatron-LM argument dest, dsv3 key it comes from, value) for every model flag the dsv3 block fixes."""
-    m, e, t = cfg.model, cfg.moe, cfg.mtp
-    L, k, rs = m.num_hidden_layers, m.first_k_dense_replace, m.rope_scaling
-    vals = [
-        ("num_layers", "model.num_hidden_layers", L),
-        ("hidden_size", "model.hidden_size", m.hidden_size),
-        ("ffn_hidden_size", "model.intermediate_size", m.intermediate_size),
-        ("num_attention_heads", "model.num_attention_heads", m.num_attention_heads),
-        ("max_position_embeddings", "model.max_position_embeddings", m.max_position_embeddings),
-        ("init_method_std", "model.initializer_range", m.initializer_range),
-        ("multi_latent_attention", "model (MLA)", True),
-        ("q_lora_rank", "model.q_lora_rank", m.q_lora_rank),
-        ("kv_lora_rank", "model.kv_lora_rank", m.kv_lora_rank),
-        ("qk_head_dim", "model.qk_nope_head_dim", m.qk_nope_head_dim),
-        ("qk_pos_emb_head_dim", "model.qk_rope_head_dim", m.qk_rope_head_dim),
-        ("v_head_dim", "model.v_head_dim", m.v_head_dim),
-        ("rotary_base", "model.rope_theta", m.rope_theta),
-        ("rope_type", "model.rope_scaling", "yarn" if rs is not None else "rope"),
-        ("rotary_scaling_factor", "model.rope_scaling.factor", rs.factor if rs is not None else 1.0),
-        ("mscale", "model.rope_scaling.mscale", rs.mscale if rs is not None else 1.0),
-        ("mscale_all_dim", "model.rope_scaling.mscale_all_dim", rs.mscale_all_dim if rs is not None else 0.0),
-        ("normalization", "model (RMSNorm)", "RMSNorm"),
-        ("layernorm_epsilon", "model.rms_norm_eps", m.rms_norm_eps),
-        ("swiglu", "model (SwiGLU)", True),
-        ("add_bias_linear", "model (no linear biases)", False),
-        ("untie_embeddings_and_output_weights", "model.tie_word_embeddings", not m.tie_word_embeddings),
-        ("position_embedding_type", "model (RoPE inside MLA)", "none"),
-        ("qk_layernorm", "model (q/kv latent RMSNorm)", True),
-        ("hidden_dropout", "model (no dropout)", 0.0),
-        ("attention_dropout", "model (no dropout)", 0.0),
-        ("num_experts", "moe.n_routed_experts", e.n_routed_experts),
-        ("moe_router_topk", "moe.top_k", e.top_k),
-        ("moe_ffn_hidden_size", "moe.intermediate_size", e.intermediate_size),
-        (
-            "moe_shared_expert_intermediate_size",
-            "moe.n_shared_experts x moe.intermediate_size",
-            e.intermediate_size * e.n_shared_experts if e.n_shared_experts else None,
-        ),
-        ("moe_layer_freq", "model.first_k_dense_replace", [0] * k + [1] * (L - k)),
-        ("moe_router_score_function", "moe (sigmoid gates)", "sigmoid"),
-        ("moe_router_enable_expert_bias", "moe (aux-loss-free bias)", True),
-        ("moe_router_bias_update_rate", "moe.bias_update_speed", e.gamma(0.0)),
-        ("moe_router_num_groups", "moe.n_group", e.n_group if e.n_group > 1 else None),
-        ("moe_router_group_topk", "moe.topk_group", e.topk_group if e.n_group > 1 else None),
-        ("moe_router_topk_scaling_factor", "moe.route_scale", e.route_scale),
-        ("moe_router_load_balancing_type", "moe.seq_aux_alpha", "seq_aux_loss" if e.seq_aux_alpha > 0 else "none"),
-        ("moe_aux_loss_coeff", "moe.seq_aux_alpha", e.seq_aux_alpha),
-        ("moe_router_dtype", "moe (fp32 router)", "fp32"),
-        ("mtp_num_layers", "mtp.depth", t.depth or None),
-        ("mtp_loss_scaling_factor", "mtp.loss_weight", t.lam(0.0)),
-    ]
-    par = cfg.parallel
-    if "ep" in par.model_fields_set:
-        vals.append(("expert_model_parallel_size", "parallel.ep", par.ep))
-    if "pp" in par.model_fields_set:
-        vals.append(("pipeline_model_parallel_size", "parallel.pp", par.pp))
-    return vals
-
-
-def _norm(dest: str, v: Any, L: int) -> Any:
-    if dest == "moe_layer_freq" and isinstance(v, int):  # Megatron: every v-th layer is MoE
-        return [1 if i % v == 0 else 0 for i in range(L)]
-    if dest != "moe_layer_freq" and isinstance(v, (list, tuple)) and len(v) == 1:
-        return v[0]  # nargs="+" flags (load balancing type, coeff)
-    return v
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
-        return math.isclose(float(a), float(b), rel_tol=1e-12, abs_tol=0.0)
-    return a == b
-
-
-def _flag(parser, dest: str) -> str:
-    for a in parser._actions:
-        if a.dest == dest and a.option_strings:
-            return a.option_strings[0]
-    return "--" + dest.replace("_", "-")
-
-
-def _setting(parser, dest: str, value: Any) -> str:
-    """How a user would write `dest = value` on the command line (`--swiglu`, `--disable-bias-linear`, `--x 3`)."""
-    for a in parser._actions:
-        if a.dest == dest and a.option_strings and a.nargs == 0 and a.const == value:
-            return a.option_strings[0]
-    shown = " ".join(map(str, value)) if isinstance(value, (list, tuple)) else value
-    return f"{_flag(parser, dest)} {shown}"
-
-
-def explicit_dests(parser, argv: list[str]) -> set[str]:
-    """Argument dests the command line sets (so a default can be told from a value the user asked for)."""
-    out = set()
-    for tok in argv:
-        if tok.startswith("--"):
-            action = parser._option_string_actions.get(tok.split("=", 1)[0])
-            if action is not None:
-                out.add(action.dest)
-    return out
-
-
-def reconcile_args(args, parser, explicit: set[str], cfg: DSv3Config, where: str) -> list[str]:
-    """Fill Megatron-LM's model flags from the dsv3 block, refuse contradictions (ConfigError naming both), refuse
-    flags that would do nothing with our layers. Returns notes on what was filled."""
-    L = cfg.model.num_hidden_layers
-    notes = []
-    for dest, key, want in dsv3_arg_values(cfg):
-        if not hasattr(args, dest):
-            continue
-        got = getattr(args, dest)
-        if dest in explicit:
-            if not _same(_norm(dest, got, L), want):
-                raise ConfigError(
-                    f"{_setting(parser, dest, got)}: contradicts {where} dsv3.{key} = {want!r}; "
-                    "drop the flag or change the dsv3 block"
-                )
-        elif not _same(_norm(dest, got, L), want):
-            setattr(args, dest, want)
-            notes.append(f"{_setting(parser, dest, want)} (from dsv3.{key})")
-    if cfg.fp8.enabled:
-        raise ConfigError(
-            f"{where} dsv3.fp8.enabled: the plugin's FP8 path runs under `dsv3 train`/DeepSpeed; with "
-            "Megatron use its Transformer Engine recipes (--fp8-format e4m3 --fp8-recipe blockwise)"
-        )
-    spec = getattr(args, "spec", None)
-    if not spec or tuple(spec) == OUR_SPEC:
-        for dest in MEGATRON_MOE_ONLY_FLAGS:
-            if dest in explicit and hasattr(args, dest) and getattr(args, dest) != parser.get_default(dest):
-                raise ConfigError(
-                    f"{_flag(parser, dest)}: configures Megatron's own MoE layer, which the dsv3 layer "
-                    "spec replaces with DeepSeekMoE; drop the flag (or pass a Megatron --spec)"
-                )
-    if getattr(args, "tokenizer_type", None) == "NullTokenizer":
-        if "vocab_size" in explicit and args.vocab_size != cfg.model.vocab_size:
-            raise ConfigError(
-                f"--vocab-size {args.vocab_size}: contradicts {where} dsv3.model.vocab_size = "
-                f"{cfg.model.vocab_size}; drop the flag or change the dsv3 block"
-            )
-        if args.vocab_size is None:
-            args.vocab_size = cfg.model.vocab_size
-            notes.append(f"--vocab-size {cfg.model.vocab_size} (from dsv3.model.vocab_size)")
-    return notes
-
-
-# --- the pipeline schedule -------------------------------------------------------------------------------------
-
-PIPELINE_SCHEDULES = ("dualpipev", "1f1b")
-
-# Megatron-LM flags our schedules cannot honour: (dest, why). The V sets its own two chunks per rank; our 1F1B runs
-# one; neither drives DDP's no_sync / param-sync hooks that overlapped reduction needs.
-_OURS_REFUSED = (
-    ("num_layers_per_virtual_pipeline_stage", "sets Megatron's interleaved virtual pipeline"),
-    ("num_virtual_stages_per_pipeline_rank", "sets Megatron's interleaved virtual pipeline"),
-    ("pipeline_model_parallel_layout", "sets Megatron's interleaved layout"),
-    ("account_for_embedding_in_pipeline_split", "changes Megatron's own stage split"),
-    ("account_for_loss_in_pipeline_split", "changes Megatron's own stage split"),
-    ("overlap_grad_reduce", "needs DDP's no_sync hooks, which this schedule does not drive"),
-    ("overlap_param_gather", "needs DDP's param-sync hooks, which this schedule does not drive"),
-)
-
-
-def resolve_pipeline_schedule(args, parser, explicit: set[str], cfg: DSv3Config, where: str) -> str:
-    """'dualpipev' or '1f1b' (ours, as Megatron's forward-backward function), or 'megatron' (Megatron's own).
-
-    From `--dsv3-pipeline-schedule`, else from the block's `parallel.schedule` when it asks for "dualpipev"; a
-    block's "1f1b" is satisfied by Megatron's own 1F1B unless the flag asks for ours. Contradictions (DualPipeV on
-    one side only) and flags our schedule cannot honour are ConfigErrors naming both."""
-    flag = getattr(args, "dsv3_pipeline_schedule", None)
-    block = cfg.parallel.schedule if "schedule" in cfg.parallel.model_fields_set else None
-    if cfg.parallel.split_weight_grads:  # a key training would ignore is an error, not a silent no-op
-        raise ConfigError(
-            f"{where} dsv3.parallel.split_weight_grads = true: the W split runs in `dsv3 train` only; "
-            "Megatron's layers compute weight gradients in their own backward (set it false or null)"
-        )
-    if cfg.parallel.overlap_ep_comm:
-        raise ConfigError(
-            f"{where} dsv3.parallel.overlap_ep_comm = true: the overlapped FB pairs run in `dsv3 train` "
-            "only (set it false or null)"
-        )
-    pp = getattr(args, "pipeline_model_parallel_size", 1)
-    if block == "dualpipe" and (pp > 1 or flag):
-        raise ConfigError(
-            f"{where} dsv3.parallel.schedule = 'dualpipe': not available with Megatron (it feeds "
-            "micro-batches in from both pipeline ends; Megatron's data path has one); use "
-            '"dualpipev" (same schedule, V layout, half the ranks) or "1f1b"'
-        )
-    if flag is not None and block is not None and (flag == "dualpipev") != (block == "dualpipev"):
-        raise ConfigError(
-            f"--dsv3-pipeline-schedule {flag}: contradicts {where} dsv3.parallel.schedule = "
-            f"{block!r}; drop the flag or change the dsv3 block"
-        )
-    chosen = flag or ("dualpipev" if block == "dualpipev" else "megatron")
-    if chosen == "megatron" or pp == 1:
-        return chosen
-    for dest, why in _OURS_REFUSED:
-        v = getattr(args, dest, None)
-        if v not in (None, False):
-            raise ConfigError(
-                f"{_flag(parser, dest)}: {why}; not with --dsv3-pipeline-schedule {chosen} "
-                f"(the plugin's {chosen} runs the pipeline)"
-            )
-    return chosen
-
-
-def apply_pipeline_schedule(args, schedule: str, cfg: DSv3Config) -> list[str]:
-    """After Megatron's `validate_args`: record the schedule on `args` (the model builder reads it) and, for
-    DualPipeV, ask Megatron for two model chunks per rank (its virtual-pipeline machinery builds, wraps, saves and
-    feeds them; `dualpipev.py` lays them out as the V)."""
-    args.dsv3_pipeline_schedule = schedule
-    if schedule == "megatron" or args.pipeline_model_parallel_size == 1:
-        if schedule != "megatron":
-            return [f"--dsv3-pipeline-schedule {schedule}: no pipeline at --pipeline-model-parallel-size 1"]
-        return []
-    if schedule == "dualpipev":
-        pp, dp = args.pipeline_model_parallel_size, args.data_parallel_size
-        n_mb = args.global_batch_size // (args.micro_batch_size * dp)
-        if n_mb < 2 * pp:
-            raise ConfigError(
-                f"--global-batch-size {args.global_batch_size}: DualPipeV needs >= 2 x "
-                f"--pipeline-model-parallel-size = {2 * pp} micro-batches per step (has {n_mb}: "
-                f"--micro-batch-size {args.micro_batch_size}, data parallel {dp})"
-            )
-        args.virtual_pipeline_model_parallel_size = 2
-        layout = dualpipev_layout(args, cfg)  # refuses a split that leaves a stage empty, before any process
-        return [
-            f"pipeline schedule: the plugin's dualpipev over {pp} pipeline ranks, {2 * pp} stages with "
-            f"{layout.stage_layers} decoder layers (rank r holds stages r and {2 * pp - 1}-r; embedding, "
-            "output head, MTP and loss on rank 0)"
-        ]
-    return [f"pipeline schedule: the plugin's {schedule} over {args.pipeline_model_parallel_size} pipeline ranks"]
-
-
-# What Megatron defaults to that needs CUDA, and its CPU counterpart: (dest, CPU value, why).
-_CPU_DEFAULTS = (
-    ("distributed_backend", "gloo", "NCCL needs CUDA"),
-    ("gradient_accumulation_fusion", False, "the fused weight-gradient kernel is CUDA-only"),
-    ("transformer_impl", "local", "Transformer Engine layers need CUDA"),
-)
-_CPU_REFUSED = (
-    ("bf16", "Megatron's mixed-precision optimizer asserts CUDA tensors"),
-    ("fp16", "Megatron's mixed-precision optimizer asserts CUDA tensors"),
-    ("fp8", "FP8 runs through Transformer Engine on GPUs"),
-)
-
-
-def adapt_to_cpu(args, parser, explicit: set[str]) -> list[str]:
-    notes = []
-    for dest, cpu_value, why in _CPU_DEFAULTS:
-        if not hasattr(args, dest) or getattr(args, dest) == cpu_value:
-            continue
-        if dest in explicit:
-            raise ConfigError(f"{_flag(parser, dest)} {getattr(args, dest)}: no CUDA on this machine ({why})")
-        setattr(args, dest, cpu_value)
-        notes.append(f"{_setting(parser, dest, cpu_value)} on CPU ({why})")
-    for dest, why in _CPU_REFUSED:
-        if getattr(args, dest, None):
-            raise ConfigError(f"{_flag(parser, dest)}: not on CPU ({why})")
-    return notes
 
 
 def parse_megatron_args(
@@ -404,8 +124,10 @@ def parse_megatron_args(
     explicit = explicit_dests(parser, argv)
     cfg = load_config(args.dsv3_config)
     notes = reconcile_args(args, parser, explicit, cfg, args.dsv3_config)
-    if on_cpu if on_cpu is not None else not torch.cuda.is_available():
+    on_cpu = not torch.cuda.is_available() if on_cpu is None else on_cpu
+    if on_cpu:
         notes += adapt_to_cpu(args, parser, explicit)
+    notes += resolve_fp8_args(args, parser, explicit, cfg, args.dsv3_config, on_cpu)
     schedule = resolve_pipeline_schedule(args, parser, explicit, cfg, args.dsv3_config)
     notes += default_eval_interval(args, explicit)
     # Megatron-LM's default tokenizer, handed over only when --tokenizer-type is absent (Megatron warns about every
@@ -449,6 +171,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     args = get_args()
     model = gpt_builder(args, pre_process, post_process, vp_stage=vp_stage, pg_collection=pg_collection)
     load_initial_weights(model, args)  # --dsv3-init-from: this chunk's own tensors, before DDP and the optimizer
+    install_fp8(model, args)  # after the weights: FP8 kernels read the chunk's own parameters
     return model
 
 

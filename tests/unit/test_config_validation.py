@@ -374,7 +374,7 @@ def test_split_weight_grads_default_follows_the_schedule(parallel, on):
 def test_split_weight_grads_true_is_refused_on_the_megatron_path():
     import argparse
 
-    from dsv3_plugin.megatron.pretrain_gpt import resolve_pipeline_schedule
+    from dsv3_plugin.megatron.schedule_args import resolve_pipeline_schedule
 
     cfg = load_config({"preset": "tiny", "parallel": {"pp": 2, "schedule": "dualpipev", "split_weight_grads": True}})
     args = argparse.Namespace(dsv3_pipeline_schedule=None, pipeline_model_parallel_size=2)

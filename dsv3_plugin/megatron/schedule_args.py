@@ -1,0 +1,100 @@
+"""Which pipeline schedule a `pretrain_gpt` run uses: the plugin's (DualPipeV, 1F1B) as Megatron's
+forward-backward function, or Megatron's own; the flags each can honour (`--dsv3-pipeline-schedule`, the dsv3
+block's `parallel.schedule`). Used by `pretrain_gpt.parse_megatron_args`; the schedules are in `schedules.py`.
+"""
+
+from __future__ import annotations
+
+from dsv3_plugin.config import ConfigError, DSv3Config
+from dsv3_plugin.megatron.flags import flag_name
+from dsv3_plugin.megatron.gpt import dualpipev_layout
+
+__all__ = ["PIPELINE_SCHEDULES", "resolve_pipeline_schedule", "apply_pipeline_schedule"]
+
+PIPELINE_SCHEDULES = ("dualpipev", "1f1b")
+
+# Megatron-LM flags our schedules cannot honour: (dest, why). The V sets its own two chunks per rank; our 1F1B runs
+# one; neither drives DDP's no_sync / param-sync hooks that overlapped reduction needs.
+_OURS_REFUSED = (
+    ("num_layers_per_virtual_pipeline_stage", "sets Megatron's interleaved virtual pipeline"),
+    ("num_virtual_stages_per_pipeline_rank", "sets Megatron's interleaved virtual pipeline"),
+    ("pipeline_model_parallel_layout", "sets Megatron's interleaved layout"),
+    ("account_for_embedding_in_pipeline_split", "changes Megatron's own stage split"),
+    ("account_for_loss_in_pipeline_split", "changes Megatron's own stage split"),
+    ("overlap_grad_reduce", "needs DDP's no_sync hooks, which this schedule does not drive"),
+    ("overlap_param_gather", "needs DDP's param-sync hooks, which this schedule does not drive"),
+)
+
+
+def resolve_pipeline_schedule(args, parser, explicit: set[str], cfg: DSv3Config, where: str) -> str:
+    """'dualpipev' or '1f1b' (ours, as Megatron's forward-backward function), or 'megatron' (Megatron's own).
+
+    From `--dsv3-pipeline-schedule`, else from the block's `parallel.schedule` when it asks for "dualpipev"; a
+    block's "1f1b" is satisfied by Megatron's own 1F1B unless the flag asks for ours. Contradictions (DualPipeV on
+    one side only) and flags our schedule cannot honour are ConfigErrors naming both."""
+    flag = getattr(args, "dsv3_pipeline_schedule", None)
+    block = cfg.parallel.schedule if "schedule" in cfg.parallel.model_fields_set else None
+    if cfg.parallel.split_weight_grads:  # a key training would ignore is an error, not a silent no-op
+        raise ConfigError(
+            f"{where} dsv3.parallel.split_weight_grads = true: the W split runs in `dsv3 train` only; "
+            "Megatron's layers compute weight gradients in their own backward (set it false or null)"
+        )
+    if cfg.parallel.overlap_ep_comm:
+        raise ConfigError(
+            f"{where} dsv3.parallel.overlap_ep_comm = true: the overlapped FB pairs run in `dsv3 train` "
+            "only (set it false or null)"
+        )
+    pp = getattr(args, "pipeline_model_parallel_size", 1)
+    if block == "dualpipe" and (pp > 1 or flag):
+        raise ConfigError(
+            f"{where} dsv3.parallel.schedule = 'dualpipe': not available with Megatron (it feeds "
+            "micro-batches in from both pipeline ends; Megatron's data path has one); use "
+            '"dualpipev" (same schedule, V layout, half the ranks) or "1f1b"'
+        )
+    if flag is not None and block is not None and (flag == "dualpipev") != (block == "dualpipev"):
+        raise ConfigError(
+            f"--dsv3-pipeline-schedule {flag}: contradicts {where} dsv3.parallel.schedule = "
+            f"{block!r}; drop the flag or change the dsv3 block"
+        )
+    chosen = flag or ("dualpipev" if block == "dualpipev" else "megatron")
+    if chosen == "megatron" or pp == 1:
+        return chosen
+    for dest, why in _OURS_REFUSED:
+        v = getattr(args, dest, None)
+        if v not in (None, False):
+            raise ConfigError(
+                f"{flag_name(parser, dest)}: {why}; not with --dsv3-pipeline-schedule {chosen} "
+                f"(the plugin's {chosen} runs the pipeline)"
+            )
+    return chosen
+
+
+def apply_pipeline_schedule(args, schedule: str, cfg: DSv3Config) -> list[str]:
+    """After Megatron's `validate_args`: record the schedule on `args` (the model builder reads it) and, for
+    DualPipeV, ask Megatron for two model chunks per rank (its virtual-pipeline machinery builds, wraps, saves and
+    feeds them; `dualpipev.py` lays them out as the V)."""
+    args.dsv3_pipeline_schedule = schedule
+    if schedule == "megatron" or args.pipeline_model_parallel_size == 1:
+        if schedule != "megatron":
+            return [f"--dsv3-pipeline-schedule {schedule}: no pipeline at --pipeline-model-parallel-size 1"]
+        return []
+    if schedule == "dualpipev":
+        pp, dp = args.pipeline_model_parallel_size, args.data_parallel_size
+        n_mb = args.global_batch_size // (args.micro_batch_size * dp)
+        if n_mb < 2 * pp:
+            raise ConfigError(
+                f"--global-batch-size {args.global_batch_size}: DualPipeV needs >= 2 x "
+                f"--pipeline-model-parallel-size = {2 * pp} micro-batches per step (has {n_mb}: "
+                f"--micro-batch-size {args.micro_batch_size}, data parallel {dp})"
+            )
+        args.virtual_pipeline_model_parallel_size = 2
+        layout = dualpipev_layout(args, cfg)  # refuses a split that leaves a stage empty, before any process
+        return [
+            f"pipeline schedule: the plugin's dualpipev over {pp} pipeline ranks, {2 * pp} stages with "
+            f"{layout.stage_layers} decoder layers (rank r holds stages r and {2 * pp - 1}-r; embedding, "
+            "output head, MTP and loss on rank 0)"
+        ]
+    return [f"pipeline schedule: the plugin's {schedule} over {args.pipeline_model_parallel_size} pipeline ranks"]
+
+
+# What Megatron defaults to that needs CUDA, and its CPU counterpart: (dest, CPU value, why).
