@@ -64,10 +64,32 @@ def apply_transforms(
     return model
 
 
-def convert_to_fp8(model: nn.Module, cfg: FP8Config, device: torch.device | str | None = None) -> Fp8Report:
+def convert_to_fp8(
+    model: nn.Module,
+    cfg: FP8Config,
+    device: torch.device | str | None = None,
+    *,
+    layer_types: tuple[type, ...] = (DecoderLayer,),
+    framework_module=None,
+) -> Fp8Report:
     """Swap the decoder layers' Linear GEMMs (MLA projections, dense/shared-expert MLPs) for `Fp8Linear`
-    and put the routed experts on the FP8 path, in place. Returns (and stores as `model.fp8_report`) what
-    was converted, what was kept in high precision and which backend runs the GEMMs."""
+    and put the routed experts on the FP8 path, in place. The one conversion of every entry point: `dsv3 train`
+    calls it on `DSv3Model`, the Megatron adapter on a `GPTModel` chunk (`megatron.fp8.install_fp8`).
+
+    Args:
+        model: the model (or one pipeline chunk of it).
+        cfg: the FP8 settings (`dsv3.fp8`).
+        device: where the GEMMs will run (default: the first parameter's device) — picks the `auto` backend.
+        layer_types: the modules that are "decoder layers": GEMMs inside them go to FP8, GEMMs outside (head,
+            MTP's `eh_proj`) stay in high precision. Megatron passes its `TransformerLayer`.
+        framework_module: optional `(name, module, inside, recipe, backend, report) -> bool` for a framework's
+            own GEMM modules (Megatron's parallel linears, its embedding): it converts or records `module` and
+            returns True, or returns False to leave it to the walk below.
+
+    Returns:
+        The `Fp8Report` (also stored as `model.fp8_report`): what was converted, what was kept in high precision
+        and which backend runs the GEMMs.
+    """
 
     recipe = Fp8Recipe.from_config(cfg)
     rep = Fp8Report(backend="auto", reason="", recipe=recipe.kind, pow2_scales=recipe.pow2, dispatch=cfg.dispatch)
@@ -76,9 +98,11 @@ def convert_to_fp8(model: nn.Module, cfg: FP8Config, device: torch.device | str 
         device = p.device if p is not None else torch.device("cpu")
     backend = AutoBackend(cfg, rep)  # one shared instance: re-resolves if the model moves to another device
     backend.resolve(torch.device(device))
-    layer_prefixes = [n for n, m in model.named_modules() if isinstance(m, DecoderLayer)]
+    layer_prefixes = [n for n, m in model.named_modules() if isinstance(m, layer_types)]
     for name, mod in list(model.named_modules()):
         inside = any(name == p or name.startswith(p + ".") for p in layer_prefixes)
+        if framework_module is not None and framework_module(name, mod, inside, recipe, backend, rep):
+            continue
         if isinstance(mod, nn.Linear) and not inside:
             rep.high_precision.append(name)  # lm_head, MTP eh_proj
         elif type(mod) is nn.Linear:
