@@ -218,7 +218,7 @@ def convert_chunk_to_fp8(model, cfg: FP8Config, device=None) -> tuple[Fp8Report,
     """
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    from dsv3_plugin.parallel.dispatch import codec_from_config
+    from dsv3_plugin.parallel.dispatch import FP8Codec
     from dsv3_plugin.parallel.expert_parallel import ExpertParallelMoE
     from dsv3_plugin.training.transforms import convert_to_fp8
 
@@ -227,7 +227,7 @@ def convert_chunk_to_fp8(model, cfg: FP8Config, device=None) -> tuple[Fp8Report,
         model, cfg, device, layer_types=(TransformerLayer,), framework_module=_megatron_module(te_names)
     )
     if cfg.dispatch:
-        codec = codec_from_config(DSv3Config(fp8=cfg))
+        codec = FP8Codec()  # what `fp8.dispatch` selects (`dispatch.codec_from_config`)
         for m in model.modules():
             if isinstance(m, ExpertParallelMoE):
                 m.codec = codec

@@ -1,0 +1,347 @@
+"""The plugin's FP8 (DeepSeek-V3 §3.3: E4M3, 1x128 activation tiles, 128x128 weight blocks, FP32 promotion every 128)
+inside Megatron: `--fp8-format e4m3 --fp8-recipe blockwise` and/or the dsv3 block's `fp8` put the MLA projections
+(Megatron's own parallel linears), the dense and shared-expert MLPs and the routed experts of every model chunk on
+the FP8 kernels — the same conversion `dsv3 train` applies (`training.transforms.convert_to_fp8`).
+
+- (c) a chunk's MLA projections / dense MLP / shared experts / routed experts are on the FP8 kernels, the head,
+  embedding, MTP eh_proj, routers and norms are not; one Megatron projection's forward output `torch.equal`s
+  `fp8_linear` on the same inputs, and a routed-expert group's equals the emulated per-expert GEMMs.
+- (b) FP8 vs the non-FP8 path over 200 steps: final smoothed loss within 0.25 % (the paper's figure). On CPU the
+  non-FP8 path is fp32 (Megatron's BF16 optimizer needs CUDA). Run without `pretrain()` (Megatron-Core's DDP,
+  optimizer and `finalize_model_grads`, as `examples/megatron/train_tiny.py`) so it fits the CI time and runs on
+  megatron-core 0.16.1 too; the smallest model that has every FP8 path: 2 layers (1 dense, 1 MoE with a shared
+  expert), FP8 dispatch on, no MTP.
+- (a) through `pretrain()` (the entry point on CPU/gloo, `--dsv3-init-from` a released FP8 checkpoint): the
+  Megatron FP8 run's first-iteration loss vs the DeepSpeed path's FP8 model (`dsv3 train`'s model: the release
+  loaded by `load_pretrained`, then `apply_transforms` with the same dsv3 block) on the batch Megatron recorded.
+  Why the first iteration only: the two entry points cannot be made to see the same batches after it — Megatron's
+  GPTDataset (its shuffle of the indexed data) and `dsv3 train`'s packed loader order documents differently, and
+  the optimizers differ (Megatron's Adam with its clipping / decay rules vs DeepSpeed ZeRO's), so later losses
+  would compare data orders, not FP8. The first iteration has identical weights and tokens on both sides; what
+  differs is the op order before each quantizer.
+- (d) bad input: a flag that contradicts the block, an unsupported recipe / format, TP > 1: one line, exit 2.
+
+(a) needs megatron-core >= 0.19 (`megatron.training`) and is skipped on 0.16.1; (b), (c) and most of (d) run on
+both.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import run_ranks
+
+pytest.importorskip("megatron.core")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HAVE_TRAINING = True
+try:
+    import megatron.training  # noqa: F401
+except ImportError:
+    HAVE_TRAINING = False
+needs_training = pytest.mark.skipif(not HAVE_TRAINING, reason="megatron-core < 0.19: no megatron.training")
+
+# the smallest block with every FP8 path: MLA, a dense layer, a MoE layer with a shared expert, FP8 dispatch
+SMALL = {"preset": "tiny", "model": {"num_hidden_layers": 2, "vocab_size": 64}, "mtp": {"depth": 0}}
+FP8_BLOCK = {"enabled": True, "dispatch": True}
+
+
+# --- (c) what a chunk runs in FP8 -------------------------------------------------------------------------------
+
+
+def _chunk_worker():
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    from dsv3_plugin.config import load_config
+    from dsv3_plugin.megatron.fp8 import MegatronLinearSeam, convert_chunk_to_fp8, fp8_summary
+    from dsv3_plugin.megatron.gpt import build_gpt_model, causal_inputs
+    from dsv3_plugin.megatron.runtime import init_megatron, shutdown_megatron
+    from dsv3_plugin.model.kernels import base_kernel
+    from dsv3_plugin.model.moe.layer import GroupedExperts
+    from dsv3_plugin.precision.fp8.experts import Fp8ExpertKernel, Fp8SwiGLUAct
+    from dsv3_plugin.precision.fp8.linear import EmulatedBackend, Fp8Linear, Fp8LinearKernel, Fp8Recipe, fp8_linear
+    from dsv3_plugin.precision.fp8.quant import fp8_dispatch_qdq
+
+    init_megatron()
+    cfg = load_config({"preset": "tiny", "fp8": FP8_BLOCK})  # 3 layers (1 dense, 2 MoE) + MTP depth 1
+    model = build_gpt_model(cfg)
+    before = {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
+    params_before = {n: p for n, p in model.named_parameters()}
+    rep, te_names = convert_chunk_to_fp8(model, cfg.fp8)
+    out = {"summary": fp8_summary(rep, te_names), "te": te_names, "backend": rep.backend}
+    # the same parameters (objects and values) and state_dict keys: checkpoints and the optimizer are unaffected
+    sd = {k: v for k, v in model.state_dict().items() if torch.is_tensor(v)}
+    out["same_state"] = sd.keys() == before.keys() and all(torch.equal(sd[k], before[k]) for k in sd)
+    out["same_params"] = all(p is params_before[n] for n, p in model.named_parameters())
+    kinds = {}
+    for name, m in model.named_modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+            fp8 = isinstance(m, MegatronLinearSeam) and isinstance(base_kernel(m.kernel), Fp8LinearKernel)
+            kinds[name] = "fp8" if fp8 else type(m).__name__
+        elif isinstance(m, torch.nn.Linear):
+            kinds[name] = "fp8" if isinstance(m, Fp8Linear) else type(m).__name__
+        elif isinstance(m, GroupedExperts):
+            kinds[name] = "fp8" if isinstance(base_kernel(m.kernel), Fp8ExpertKernel) else "plain"
+            out["dispatch"] = base_kernel(m.kernel).dispatch
+        elif name.endswith((".dense", ".shared_experts")):
+            kinds[name + ".act"] = "fp8" if isinstance(m.act, Fp8SwiGLUAct) else "plain"
+        elif name.endswith(".gate"):
+            kinds[name] = "fp8" if any(isinstance(c, (Fp8Linear,)) for c in m.modules()) else "high"
+        elif "norm" in name.rsplit(".", 1)[-1]:
+            kinds[name] = "fp8" if any(isinstance(c, MegatronLinearSeam) for c in m.modules()) else "high"
+    kinds["embedding"] = type(model.embedding.word_embeddings).__name__
+    out["kinds"] = kinds
+
+    # one MLA projection: Megatron's module on FP8 vs fp8_linear on its own weight, the same inputs
+    g = torch.Generator().manual_seed(0)
+    lin = model.decoder.layers[1].self_attention.linear_q_down_proj
+    x = torch.randn(16, 2, lin.weight.shape[1], generator=g)
+    y, bias = lin(x)
+    ref = fp8_linear(x, lin.weight, Fp8Recipe(), EmulatedBackend())
+    out["linear_equal"], out["linear_bias"] = torch.equal(y, ref), bias
+    y_plain = torch.nn.functional.linear(x, lin.weight)
+    out["linear_differs_from_fp32"] = not torch.equal(y, y_plain)
+    # ... and its backward (the input gradient) against fp8_linear's
+    xg, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    dy = torch.randn(y.shape, generator=g)
+    lin(xg)[0].backward(dy)
+    fp8_linear(xr, lin.weight.detach().requires_grad_(), Fp8Recipe(), EmulatedBackend()).backward(dy)
+    out["dgrad_equal"] = torch.equal(xg.grad, xr.grad)
+
+    # the routed experts of a MoE layer: the FP8 kernel vs the emulated per-expert GEMMs on the dispatched rows
+    experts = model.decoder.layers[1].mlp.moe.experts
+    n = 24
+    rows = torch.randn(n, experts.gate_proj.shape[-1], generator=g)
+    counts = [0] * experts.gate_proj.shape[0]
+    counts[1], counts[5], counts[9] = 10, 0, 14
+    got = experts.kernel(rows, counts, experts.gate_proj, experts.up_proj, experts.down_proj)
+    r, emu = Fp8Recipe(), EmulatedBackend()
+    xq = fp8_dispatch_qdq(rows)  # FP8 dispatch: the rows as the all-to-all delivers them
+    want, s = [], 0
+    for e, c in enumerate(counts):
+        if c:
+            xe = xq[s : s + c]
+            gte = fp8_linear(xe, experts.gate_proj[e], r, emu)
+            up = fp8_linear(xe, experts.up_proj[e], r, emu)
+            want.append(fp8_linear(torch.nn.functional.silu(gte) * up, experts.down_proj[e], r, emu))
+            s += c
+    out["experts_equal"] = torch.equal(got, torch.cat(want))
+
+    # the converted chunk trains: forward + backward through every FP8 path
+    ids = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=g)
+    loss = model(ids, *causal_inputs(ids), labels=ids).float().mean()
+    loss.backward()
+    out["finite_grads"] = all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+    out["loss"] = float(loss)
+    shutdown_megatron()
+    return out
+
+
+@pytest.fixture(scope="module")
+def chunk():
+    return run_ranks(_chunk_worker, 1)[0]
+
+
+def test_chunk_runs_the_fp8_kernels_where_the_paper_does(chunk):
+    k = chunk["kinds"]
+    mla = [n for n in k if ".self_attention.linear_" in n]
+    assert len(mla) == 4 * 5  # 3 decoder layers + the MTP layer, 5 projections each (q_a, q_b, kv_a, kv_b, o)
+    assert all(k[n] == "fp8" for n in mla), {n: k[n] for n in mla}
+    mlp = [n for n in k if n.endswith(("gate_proj", "up_proj", "down_proj", ".act"))]
+    assert any(".mlp.dense." in n for n in mlp) and any(".shared_experts." in n for n in mlp)
+    assert all(k[n] == "fp8" for n in mlp), {n: k[n] for n in mlp}
+    experts = [n for n in k if n.endswith(".experts")]
+    assert len(experts) == 3 and all(k[n] == "fp8" for n in experts) and chunk["dispatch"]
+    # high precision: head, MTP's eh_proj, routers, norms, embedding
+    assert k["output_layer"] == "ColumnParallelLinear" and k["mtp.layers.0.eh_proj"] == "ColumnParallelLinear"
+    gates = [n for n in k if n.endswith(".gate")]
+    assert len(gates) == 3 and all(k[n] == "high" for n in gates)
+    norms = [n for n in k if "norm" in n.rsplit(".", 1)[-1]]
+    assert len(norms) > 10 and all(k[n] == "high" for n in norms)
+    assert k["embedding"] == "VocabParallelEmbedding"
+    assert chunk["te"] == [] and chunk["backend"] == "emulate"
+    assert chunk["same_state"] and chunk["same_params"]
+    s = chunk["summary"]
+    assert s.startswith("FP8 (DeepSeek-V3 blockwise: E4M3, 1x128 activation tiles, 128x128 weight blocks")
+    assert "20 MLA projections" in s and "3 routed-expert groups with FP8 dispatch" in s
+    assert "plugin backend emulate" in s and "1 output head, 1 MTP eh_proj, 3 routers, norms" in s
+
+
+def test_one_projection_equals_fp8_linear_bit_for_bit(chunk):
+    assert chunk["linear_equal"] and chunk["linear_bias"] is None
+    assert chunk["linear_differs_from_fp32"]  # it is FP8, not the fp32 GEMM
+    assert chunk["dgrad_equal"]
+
+
+def test_routed_experts_equal_the_emulated_fp8_gemms(chunk):
+    assert chunk["experts_equal"]
+    assert chunk["finite_grads"] and 0 < chunk["loss"] < 20
+
+
+# --- (b) FP8 vs the non-FP8 path over 200 steps ----------------------------------------------------------------
+
+STEPS, SEQ, MBS, LR, SMOOTH = 200, 16, 4, 3e-3, 20
+
+
+def _batch(step: int, vocab: int, mbs: int = MBS) -> torch.Tensor:
+    """Tokens of a fixed random bigram chain (its transition rows: softmax of 2·N(0, 1) logits): a loss floor the
+    model reaches within the run (the chain's conditional entropy, ~3.3 nats for 64 tokens), as a long pretraining
+    run approaches its own, so the two runs are compared near convergence rather than on a steep slope."""
+    P = torch.softmax(2 * torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(7)), -1)
+    g = torch.Generator().manual_seed(step)
+    out = torch.empty(mbs, SEQ + 1, dtype=torch.long)
+    out[:, 0] = torch.randint(0, vocab, (mbs,), generator=g)
+    for t in range(SEQ):
+        out[:, t + 1] = torch.multinomial(P[out[:, t]], 1, generator=g)[:, 0]
+    return out
+
+
+def _train_worker(block: dict, fp8: bool, steps: int = STEPS, lr: float = LR, mbs: int = MBS) -> list[float]:
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from dsv3_plugin.config import load_config
+    from dsv3_plugin.megatron.fp8 import convert_chunk_to_fp8
+    from dsv3_plugin.megatron.gpt import build_gpt_model, causal_inputs
+    from dsv3_plugin.megatron.runtime import init_megatron, shutdown_megatron, wrap_ddp
+
+    init_megatron(seed=1234)
+    cfg = load_config(block)
+    torch.manual_seed(1234)
+    model = build_gpt_model(cfg)  # the same initial weights on both runs (same seeds)
+    if fp8:
+        convert_chunk_to_fp8(model, load_config({**block, "fp8": FP8_BLOCK}).fp8)
+    ddp = wrap_ddp(model)
+    opt = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.0, clip_grad=1.0, use_distributed_optimizer=False),
+        [ddp],
+    )
+    losses = []
+    for step in range(1, steps + 1):
+        ddp.train()
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        data = _batch(step, cfg.model.vocab_size, mbs)
+        ids, labels = data[:, :-1], data[:, 1:]
+        loss = ddp(ids, *causal_inputs(ids), labels=labels).float().mean()
+        loss.backward()
+        finalize_model_grads([ddp])  # also Megatron's expert-bias update of our routers
+        opt.step()
+        losses.append(float(loss))
+    shutdown_megatron()
+    return losses
+
+
+@pytest.fixture(scope="module")
+def curves():
+    return {
+        "fp8": run_ranks(_train_worker, 1, SMALL, True)[0],
+        "fp32": run_ranks(_train_worker, 1, SMALL, False)[0],
+    }
+
+
+def test_fp8_final_loss_within_a_quarter_percent_of_fp32(curves):
+    fp8, ref = curves["fp8"], curves["fp32"]
+    assert len(fp8) == len(ref) == STEPS
+    assert all(l == l for l in fp8 + ref)
+    assert fp8 != ref  # the FP8 run really ran FP8 GEMMs
+    smooth = lambda c: sum(c[-SMOOTH:]) / SMOOTH  # noqa: E731  (the last 20 steps' mean: one batch is noisy)
+    first = sum(ref[:SMOOTH]) / SMOOTH
+    assert smooth(ref) < first - 1.0, (first, smooth(ref))  # it learned (so the comparison is not at chance level)
+    rel = abs(smooth(fp8) - smooth(ref)) / smooth(ref)
+    assert rel <= 0.0025, f"FP8 {smooth(fp8):.5f} vs fp32 {smooth(ref):.5f}: {100 * rel:.3f} % > 0.25 %"
+
+
+# --- (d) the FP8 flags against the block: what runs, what is refused ----------------------------------------------
+
+BASE = ["--micro-batch-size", "2", "--global-batch-size", "4", "--seq-length", "16", "--train-iters", "2"]
+BASE += ["--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer", "--eval-interval", "100"]
+BASE += ["--eval-iters", "0"]
+NO_RANK = pytest.mark.filterwarnings("ignore:Could not determine rank from torch\\.distributed:UserWarning:megatron")
+
+
+def _ds(tmp_path, fp8=None) -> str:
+    block = {"preset": "tiny"} if fp8 is None else {"preset": "tiny", "fp8": fp8}
+    p = tmp_path / "ds.json"
+    p.write_text(json.dumps({"dsv3": block}))
+    return str(p)
+
+
+@needs_training
+@NO_RANK
+@pytest.mark.parametrize(
+    "fp8, flags, recipe, note",
+    [
+        (None, ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"], "blockwise", None),
+        (FP8_BLOCK, [], "blockwise", None),
+        (FP8_BLOCK, ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"], "blockwise", None),
+        (None, ["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"], "tensorwise", "dsv3.fp8.recipe = 'tensorwise'"),
+        ({"enabled": False}, [], None, None),
+    ],
+)
+def test_flags_and_block_select_the_plugins_fp8(tmp_path, fp8, flags, recipe, note):
+    from dsv3_plugin.megatron.pretrain_gpt import parse_megatron_args
+
+    args, notes = parse_megatron_args(
+        BASE + ["--dsv3-config", _ds(tmp_path, fp8)] + flags, world_size=1, on_cpu=True, set_globals=False
+    )
+    if recipe is None:
+        assert args.dsv3_fp8 is None
+        return
+    assert args.dsv3_fp8["enabled"] and args.dsv3_fp8["recipe"] == recipe
+    assert args.dsv3_fp8["dispatch"] == bool(fp8 and fp8.get("dispatch"))
+    assert args.fp8 is None and not args.dsv3_fp8_te  # on CPU Megatron's own (TE) FP8 stays off: ours runs
+    assert any(note in n for n in notes) if note else not any("fp8" in n.lower() for n in notes)
+
+
+@needs_training
+@NO_RANK
+@pytest.mark.parametrize(
+    "fp8, flags, message",
+    [
+        (
+            {"enabled": False},
+            ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"],
+            r"^--fp8-format e4m3: contradicts .*ds\.json dsv3\.fp8\.enabled = False",
+        ),
+        (
+            {"enabled": True, "recipe": "tensorwise"},
+            ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"],
+            r"^--fp8-recipe blockwise: contradicts .*ds\.json dsv3\.fp8\.recipe = 'tensorwise'",
+        ),
+        (
+            None,
+            ["--fp8-format", "hybrid", "--fp8-recipe", "blockwise"],
+            r"^--fp8-format hybrid: the plugin's FP8 is E4M3",
+        ),
+        (None, ["--fp8-format", "e4m3", "--fp8-recipe", "delayed"], r"^--fp8-recipe delayed: delayed scaling"),
+        (None, ["--fp8-format", "e4m3"], r"^--fp8-format e4m3 without --fp8-recipe \(--fp8-recipe delayed\)"),
+        (None, ["--fp8-format", "e4m3", "--fp8-recipe", "mxfp8"], r"^--fp8-recipe mxfp8: MXFP8"),
+        (FP8_BLOCK, ["--tensor-model-parallel-size", "2"], r"^--tensor-model-parallel-size 2: the plugin's FP8 layers"),
+        ({"enabled": True, "backend": "te"}, [], r"^dsv3\.fp8\.backend: 'te' cannot run here"),
+    ],
+)
+def test_bad_fp8_input_is_refused_naming_the_flag(tmp_path, fp8, flags, message):
+    from dsv3_plugin.config import ConfigError
+    from dsv3_plugin.megatron.pretrain_gpt import parse_megatron_args
+
+    with pytest.raises(ConfigError, match=message):
+        parse_megatron_args(
+            BASE + ["--dsv3-config", _ds(tmp_path, fp8)] + flags, world_size=1, on_cpu=True, set_globals=False
+        )
+
+
+@needs_training
+def test_bad_fp8_input_exits_2_with_one_line(tmp_path, capsys):
+    from dsv3_plugin.megatron.pretrain_gpt import main
+
+    argv = BASE + ["--dsv3-config", _ds(tmp_path, {"enabled": False}), "--fp8-format", "e4m3"]
+    assert main(argv + ["--fp8-recipe", "blockwise"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --fp8-format e4m3: contradicts"), err
+    assert main(BASE + ["--dsv3-config", _ds(tmp_path), "--fp8-format", "e4m3", "--fp8-recipe", "mxfp8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --fp8-recipe mxfp8: MXFP8"), err
