@@ -183,7 +183,7 @@ def test_routed_experts_equal_the_emulated_fp8_gemms(chunk):
 
 # --- (b) FP8 vs the non-FP8 path over 200 steps ----------------------------------------------------------------
 
-STEPS, SEQ, MBS, LR, SMOOTH = 200, 16, 8, 2e-3, 50
+STEPS, SEQ, MBS, LR, SMOOTH = 200, 8, 8, 2e-3, 50
 
 
 def _batch(step: int, vocab: int, mbs: int = MBS) -> torch.Tensor:
