@@ -113,6 +113,11 @@ def resolve_fp8_args(args, parser, explicit: set[str], cfg: DSv3Config, where: s
                 "tensor, E4M3) — not DeepSeek-V3's 1x128 / 128x128 recipe"
             )
         fp8 = fp8.model_copy(update={"enabled": True, "recipe": ours})
+    elif recipe_explicit and MEGATRON_RECIPES.get(recipe_flag, (None, ""))[0] != fp8.recipe:
+        raise ConfigError(
+            f"{flag_setting(parser, 'fp8_recipe', recipe_flag)}: contradicts {where} dsv3.fp8.recipe = "
+            f"{fp8.recipe!r}; drop the flag or change the block"
+        )
     tp = getattr(args, "tensor_model_parallel_size", 1) or 1
     if tp > 1:
         raise ConfigError(
@@ -279,7 +284,11 @@ def fp8_summary(rep: Fp8Report, te_names: list[str], te_scales: str = "") -> str
     )
 
 
-def _te_scales() -> str:
+def _te_scales(recipe: str) -> str:
+    """How Megatron's TE recipe for `--fp8-recipe` scales (megatron.core.fp8_utils.get_fp8_recipe builds it with the
+    format only, so TE's defaults apply)."""
+    if recipe != "blockwise":
+        return " (Megatron's Float8CurrentScaling: one current scale per tensor)"
     fp32 = os.environ.get("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "0") not in ("", "0")
     return (
         " (Megatron's Float8BlockScaling: FP32 scales, NVTE_FP8_BLOCK_SCALING_FP32_SCALES set)"
@@ -304,13 +313,19 @@ def install_fp8(model, args) -> Fp8Report | None:
         return None
     fp8 = FP8Config(**fp8)
     rep, te_names = convert_chunk_to_fp8(model, fp8)
-    if getattr(args, "dsv3_fp8_te", False) and not te_names:
+    te = getattr(args, "dsv3_fp8_te", False)
+    if te and not te_names:
         raise ConfigError(
             "--transformer-impl transformer_engine: the layer spec built no Transformer Engine linears, so nothing "
             "would run Megatron's FP8 for the attention (pass --transformer-impl local for the plugin's FP8 there)"
         )
+    config = getattr(model, "config", None)
+    if te and config is not None:
+        # Megatron enters its fp8 context around each layer (and the MTP layer) when the chunk's config says so,
+        # read at every forward; the config built from the dsv3 block may not carry Megatron's FP8 flags
+        config.fp8, config.fp8_recipe = args.fp8, args.fp8_recipe
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     if rank == 0 and not getattr(args, "_dsv3_fp8_printed", False):
         args._dsv3_fp8_printed = True
-        print(f"dsv3_plugin: {fp8_summary(rep, te_names, _te_scales() if te_names else '')}", flush=True)
+        print(f"dsv3_plugin: {fp8_summary(rep, te_names, _te_scales(fp8.recipe) if te_names else '')}", flush=True)
     return rep

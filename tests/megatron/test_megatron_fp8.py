@@ -302,6 +302,20 @@ def test_flags_and_block_select_the_plugins_fp8(tmp_path, fp8, flags, recipe, no
 
 @needs_training
 @NO_RANK
+def test_with_transformer_engine_megatrons_fp8_runs_the_te_layers(tmp_path):
+    """On a GPU with `--transformer-impl transformer_engine` (parsed here as on a GPU machine, not built): Megatron's
+    own FP8 flags stay set for its TE layers, the plugin's layers get the block's FP8."""
+    from dsv3_plugin.megatron.pretrain_gpt import parse_megatron_args
+
+    flags = ["--transformer-impl", "transformer_engine", "--fp8-format", "e4m3", "--fp8-recipe", "blockwise"]
+    argv = BASE + ["--dsv3-config", _ds(tmp_path, FP8_BLOCK)] + flags
+    args, _ = parse_megatron_args(argv, world_size=1, on_cpu=False, set_globals=False)
+    assert (args.fp8, args.fp8_recipe, args.dsv3_fp8_te) == ("e4m3", "blockwise", True)
+    assert args.dsv3_fp8["enabled"] and args.dsv3_fp8["dispatch"]
+
+
+@needs_training
+@NO_RANK
 @pytest.mark.parametrize(
     "fp8, flags, message",
     [
@@ -323,6 +337,7 @@ def test_flags_and_block_select_the_plugins_fp8(tmp_path, fp8, flags, recipe, no
         (None, ["--fp8-format", "e4m3", "--fp8-recipe", "delayed"], r"^--fp8-recipe delayed: delayed scaling"),
         (None, ["--fp8-format", "e4m3"], r"^--fp8-format e4m3 without --fp8-recipe \(--fp8-recipe delayed\)"),
         (None, ["--fp8-format", "e4m3", "--fp8-recipe", "mxfp8"], r"^--fp8-recipe mxfp8: MXFP8"),
+        (FP8_BLOCK, ["--fp8-recipe", "delayed"], r"^--fp8-recipe delayed: contradicts .*dsv3\.fp8\.recipe = 'block"),
         (FP8_BLOCK, ["--tensor-model-parallel-size", "2"], r"^--tensor-model-parallel-size 2: the plugin's FP8 layers"),
         ({"enabled": True, "backend": "te"}, [], r"^dsv3\.fp8\.backend: 'te' cannot run here"),
     ],
