@@ -37,6 +37,8 @@ __all__ = [
     "apply_schedules",
     "set_bias_update_rate",
     "follow_schedules",
+    "run_config",
+    "config_source",
 ]
 
 
@@ -178,3 +180,20 @@ def follow_schedules(model, tokens_seen_fn) -> None:
         apply_schedules(module.config, float(tokens_seen_fn()))
 
     model.register_forward_pre_hook(hook)
+
+
+def run_config(args) -> DSv3Config:
+    """The `DSv3Config` of a Megatron-LM run: `--dsv3-config`'s block, or the one derived from Megatron's own flags
+    (`flags.block_from_args`, kept on `args.dsv3_block` as plain values)."""
+    src = getattr(args, "dsv3_config", None) or getattr(args, "dsv3_block", None)
+    if src is None:
+        raise ConfigError(
+            "megatron args: neither --dsv3-config nor a block derived from the flags (parse them with "
+            "dsv3_plugin.megatron.pretrain_gpt.parse_megatron_args)"
+        )
+    return load_config(src)
+
+
+def config_source(args) -> str:
+    """Where a run's dsv3 block came from, for messages: the `--dsv3-config` file or "the Megatron flags"."""
+    return getattr(args, "dsv3_config", None) or "the Megatron flags"

@@ -128,7 +128,7 @@ def _not_a_megatron_checkpoint(flag: str, path: str, ckpt_step) -> ConfigError:
     )
 
 
-def check_weight_sources(args, cfg: DSv3Config, where: str) -> list[str]:
+def check_weight_sources(args, cfg: DSv3Config, where: str, key_flags: dict | None = None) -> list[str]:
     """Refuse `--load` / `--pretrained-checkpoint` / `--dsv3-init-from` combinations that would not load what the
     user named; check the init checkpoint's config.json against `cfg` (from `where`). Returns notes to print.
 
@@ -143,6 +143,11 @@ def check_weight_sources(args, cfg: DSv3Config, where: str) -> list[str]:
         raise ConfigError(
             f"--dsv3-init-from {init} and --pretrained-checkpoint {pretrained}: both give the starting weights; "
             "pass one"
+        )
+    if init and load and os.path.abspath(load) != os.path.abspath(getattr(args, "save", None) or ""):
+        raise ConfigError(
+            f"--dsv3-init-from {init} and --load {load}: both give the starting weights; pass one (or make --load "
+            "the --save directory: the first start reads --dsv3-init-from, a restart resumes from --save)"
         )
     if pretrained and not has_megatron_checkpoint(pretrained):
         raise _not_a_megatron_checkpoint("--pretrained-checkpoint", pretrained, None)
@@ -163,7 +168,7 @@ def check_weight_sources(args, cfg: DSv3Config, where: str) -> list[str]:
                 f"--dsv3-init-from {init}: neither a released-format checkpoint (config.json + *.safetensors) "
                 f"nor `dsv3 convert --to megatron` output ({LAYOUT_NAME})"
             )
-        _check_same_model(init, kind, cfg, where)
+        _check_same_model(init, kind, cfg, where, key_flags)
         if resumes:
             notes.append(f"--dsv3-init-from {init}: not read, the run resumes from the checkpoint in --load {load}")
         else:
@@ -171,7 +176,8 @@ def check_weight_sources(args, cfg: DSv3Config, where: str) -> list[str]:
     return notes
 
 
-def _check_same_model(init: str, kind: str, cfg: DSv3Config, where: str) -> None:
+def _check_same_model(init: str, kind: str, cfg: DSv3Config, where: str, key_flags: dict | None = None) -> None:
+    """`key_flags` ("sec.key" -> flag): the block was derived from Megatron's flags; name the flag instead."""
     if kind == "released":
         theirs = pretrained_config(init)  # config.json, index, headers, tensor set: CheckpointError naming the file
     else:
@@ -183,6 +189,12 @@ def _check_same_model(init: str, kind: str, cfg: DSv3Config, where: str) -> None
     keys = [("model", k) for k in _MODEL_KEYS] + [("moe", k) for k in _MOE_KEYS] + [("mtp", "depth")]
     for sec, k in keys:
         a, b = ours_d[sec].get(k), theirs_d[sec].get(k)
+        if a != b and key_flags is not None:
+            flag = key_flags.get(f"{sec}.{k}", f"the flag behind dsv3.{sec}.{k}")
+            raise ConfigError(
+                f"--dsv3-init-from {init}: its config.json gives dsv3.{sec}.{k} = {b!r} but {flag} gives {a!r}; "
+                "the weights would not fit (make the Megatron flags describe the checkpoint's model)"
+            )
         if a != b:
             raise ConfigError(
                 f"--dsv3-init-from {init}: its config.json gives dsv3.{sec}.{k} = {b!r} but --dsv3-config {where} "

@@ -65,9 +65,10 @@ def test_launch_script_passes_megatrons_validate_args(tmp_path):
 
 
 def test_wrong_world_size_is_refused_by_megatron(tmp_path):
-    """What the old script hit: 8 processes cannot hold TP x PP = 16 (Megatron's own check fires)."""
+    """What the old script hit: 8 processes cannot hold TP x PP = 16 (Megatron's own check fires, as one line)."""
+    from dsv3_plugin.config import ConfigError
     from dsv3_plugin.megatron.pretrain_gpt import parse_megatron_args
 
     _, _, flags = _recorded_launch(tmp_path)
-    with pytest.raises(AssertionError):
+    with pytest.raises(ConfigError, match=r"^Megatron's argument check: .*8"):
         parse_megatron_args(flags, world_size=8, on_cpu=False, set_globals=False)
