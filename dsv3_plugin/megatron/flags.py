@@ -84,6 +84,21 @@ MEGATRON_MOE_FLAGS: dict[str, tuple[str, str]] = {
         "the plugin's router scores random logits (Megatron's benchmark mode: balanced loads, no learned routing)",
     ),
     "moe_layer_recompute": ("refuse", "use --recompute-granularity selective --recompute-modules mlp"),
+    "moe_token_drop_policy": ("map", "n/a: no token is dropped (no capacity factor)"),
+    "moe_paged_stash_page_size": ("map", "n/a: Megatron's paged activation stash is for its MoELayer"),
+    "moe_paged_stash_buffer_size_factor_cuda": ("map", "n/a: Megatron's paged activation stash is for its MoELayer"),
+    "moe_paged_stash_buffer_size_factor_cpu": ("map", "n/a: Megatron's paged activation stash is for its MoELayer"),
+    "moe_router_quantile_balancing_ema": ("refuse", "quantile balancing is not DeepSeek-V3's balancing"),
+    "moe_upcycling_granularity": ("refuse", "upcycling a dense checkpoint: start from one with --dsv3-init-from"),
+    "moe_routing_trace_max_training_iters": ("refuse", "routing traces are written by Megatron's router only"),
+    "moe_routing_trace_capture_logits": ("refuse", "routing traces are written by Megatron's router only"),
+    "moe_routing_trace_capture_hidden_states": ("refuse", "routing traces are written by Megatron's router only"),
+    "moe_routing_trace_dump_weights": ("refuse", "routing traces are written by Megatron's router only"),
+    "use_megatron_fsdp": (
+        "refuse",
+        "Megatron-FSDP with the dsv3 layers is not built yet (their expert parameters reduce over the expert-data-"
+        "parallel group, which Megatron-FSDP's sharding does not know); run with Megatron's DDP",
+    ),
     "moe_shared_expert_glu_interleave_size": ("refuse", "the plugin's gate/up weights are not interleaved"),
     "moe_mlp_glu_interleave_size": ("refuse", "the plugin's gate/up weights are not interleaved"),
 }

@@ -421,3 +421,23 @@ def test_force_load_balancing_routes_on_random_logits_with_a_straight_through_gr
     # the same products summed over the 16 tokens, possibly in another order: 16·eps·Σ|terms| bounds the difference
     bound = 16 * torch.finfo(torch.float32).eps * (ds.abs().T @ x.abs())
     assert ((routers[0].weight.grad - ds.T @ x).abs() <= bound).all()
+
+
+@needs_training
+def test_every_megatron_moe_flag_has_a_rule():
+    """No Megatron `--moe-*` flag is silently ignored with the dsv3 layers: each is read from / checked against
+    the block (`dsv3_arg_values`), mapped to what runs instead, or refused (`MEGATRON_MOE_FLAGS`)."""
+    from megatron.training import arguments as margs
+
+    from dsv3_plugin.config import load_config
+    from dsv3_plugin.megatron.flags import MEGATRON_MOE_FLAGS, dsv3_arg_values
+
+    parser = margs.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    moe = {a.dest for a in parser._actions if a.dest.startswith("moe_")}
+    table = {dest for dest, _, _ in dsv3_arg_values(load_config({"preset": "tiny"}))}
+    assert sorted(moe - table - set(MEGATRON_MOE_FLAGS)) == []
+    # and docs/megatron.md's table lists each of them
+    doc = open(os.path.join(ROOT, "docs", "megatron.md")).read()
+    names = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}
+    missing = [names[d] for d in sorted(moe | set(MEGATRON_MOE_FLAGS)) if d in names and f"`{names[d]}`" not in doc]
+    assert missing == []
