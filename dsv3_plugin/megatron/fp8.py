@@ -32,7 +32,10 @@ import torch
 from dsv3_plugin.config import ConfigError, DSv3Config, FP8Config
 from dsv3_plugin.megatron.flags import flag_name, flag_setting
 from dsv3_plugin.model.kernels import UsesKernel, base_kernel, rebase
+from dsv3_plugin.parallel.dispatch import FP8Codec
+from dsv3_plugin.parallel.expert_parallel import ExpertParallelMoE
 from dsv3_plugin.precision.fp8.linear import Fp8LinearKernel, Fp8Report, select_backend
+from dsv3_plugin.training.transforms import convert_to_fp8
 
 __all__ = [
     "resolve_fp8_args",
@@ -222,10 +225,6 @@ def convert_chunk_to_fp8(model, cfg: FP8Config, device=None) -> tuple[Fp8Report,
         (the `Fp8Report`, the names of Transformer Engine linears left to Megatron's own FP8 context).
     """
     from megatron.core.transformer.transformer_layer import TransformerLayer
-
-    from dsv3_plugin.parallel.dispatch import FP8Codec
-    from dsv3_plugin.parallel.expert_parallel import ExpertParallelMoE
-    from dsv3_plugin.training.transforms import convert_to_fp8
 
     te_names: list[str] = []
     rep = convert_to_fp8(
