@@ -21,15 +21,41 @@ from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from dsv3_plugin.megatron.config import dsv3_config_of
 from dsv3_plugin.model.moe.layer import DeepSeekMoE, DenseMLP
-from dsv3_plugin.model.moe.router import Router, skip_counting
+from dsv3_plugin.model.moe.router import Router, fp32_linear, skip_counting
 from dsv3_plugin.parallel.expert_parallel import ExpertParallelMoE
 from dsv3_plugin.parallel.groups import build_ep_groups
 
 __all__ = ["MegatronRouter", "DSv3FFN", "ffn_kind"]
 
 
+class _RandomLogits(torch.autograd.Function):
+    """Random normal logits in place of x·W^T, the gradient passed straight through to x·W^T: Megatron's
+    `--moe-router-force-load-balancing` (its `RandomSTE`), drawn from the expert-parallel RNG stream as there."""
+
+    @staticmethod
+    def forward(ctx, logits_TE):
+        from megatron.core.tensor_parallel.random import get_expert_parallel_rng_tracker_name
+
+        with tensor_parallel.get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
+            return logits_TE.clone().normal_()
+
+    @staticmethod
+    def backward(ctx, g_TE):
+        return g_TE
+
+
 class MegatronRouter(Router):
-    """`Router` under the names Megatron-Core's expert-bias update reads (no copies: the same tensors)."""
+    """`Router` under the names Megatron-Core's expert-bias update reads (no copies: the same tensors).
+
+    `force_random_logits` (Megatron's `--moe-router-force-load-balancing`, a benchmark mode): the sigmoid scores
+    are taken of random logits, so every expert gets about the same load whatever the weights."""
+
+    force_random_logits: bool = False
+
+    def scores(self, x_TH: torch.Tensor) -> torch.Tensor:
+        if not self.force_random_logits:
+            return super().scores(x_TH)
+        return torch.sigmoid(_RandomLogits.apply(fp32_linear(x_TH, self.weight)))
 
     @property
     def expert_bias(self) -> torch.Tensor:
@@ -116,6 +142,7 @@ class DSv3FFN(MegatronModule):
                 for p in self.moe.experts.parameters():
                     p.allreduce = False
             self.moe.gate = MegatronRouter(m.hidden_size, self.cfg.moe)
+            self.moe.gate.force_random_logits = bool(getattr(self.config, "moe_router_force_load_balancing", False))
         if torch.cuda.is_available() and not self.config.use_cpu_initialization:
             self.to(torch.cuda.current_device())  # where Megatron puts its own parameters
         self._init_weights()
