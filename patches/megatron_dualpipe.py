@@ -1,17 +1,23 @@
-"""Make Megatron-Core's `get_forward_backward_func` return our pipeline schedule (DualPipeV or our 1F1B).
+"""Make Megatron-Core's `get_forward_backward_func` return our pipeline schedule (DualPipeV, DualPipe or our 1F1B).
 
 `apply(schedule)` replaces `get_forward_backward_func` in `megatron.core.pipeline_parallel.schedules`, in the
 package `megatron.core.pipeline_parallel` (which re-exports it) and in `megatron.training.training` if that
 module is already imported (it binds the name at import time). With a pipeline size > 1 the replacement returns
-`dsv3_plugin.megatron.schedules.forward_backward_dualpipev` for "dualpipev" and `forward_backward_1f1b` for
-"1f1b"; with pipeline size 1, or for "megatron", it defers to Megatron's original (its no-pipelining / 1F1B /
-interleaved functions). `schedule` is that name, or a dsv3 config (DSv3Config, dict or path): its
-`parallel.schedule` "dualpipev" selects ours, "1f1b" leaves Megatron's own. `revert()` restores the exact
+`dsv3_plugin.megatron.schedules.forward_backward_dualpipev` for "dualpipev", `forward_backward_dualpipe` for
+"dualpipe" and `forward_backward_1f1b` for "1f1b"; with pipeline size 1, or for "megatron", it defers to
+Megatron's original (its no-pipelining / 1F1B / interleaved functions). `schedule` is that name, or a dsv3 config
+(DSv3Config, dict or path): its `parallel.schedule` "dualpipev" / "dualpipe" selects ours, "1f1b" leaves
+Megatron's own. `revert()` restores the exact
 original objects; `dualpipe_schedule(schedule)` is the context-manager form. Importing this module patches nothing.
 
 Only megatron-core versions in TESTED_VERSIONS are patched; others are refused with a message naming the
-version (pass force=True to try anyway). DualPipeV also needs the model laid out as two chunks per rank
-(stages r and 2P-1-r): `dsv3_plugin.megatron.dualpipev` (docs/megatron.md).
+version (pass force=True to try anyway). DualPipeV and DualPipe also need the model laid out as two chunks per
+rank (stages r and 2P-1-r of the V: `dsv3_plugin.megatron.dualpipev`; stage r of copy A and P-1-r of copy B:
+`dsv3_plugin.megatron.dualpipev`; docs/megatron.md). For "dualpipe" the patch also lets Megatron's MTP block be
+built on virtual chunk 0: its constructor asserts the last virtual stage (`is_vp_last_stage`, true for the V's
+stage 2P-1), but copy A's last stage, where its MTP layers belong, is chunk 0 of rank P-1; the name
+`is_vp_last_stage` in `megatron.core.transformer.multi_token_prediction` (used there only by that assertion)
+answers True while patched.
 """
 
 from __future__ import annotations
@@ -22,13 +28,14 @@ import sys
 __all__ = ["TESTED_VERSIONS", "SCHEDULES", "apply", "revert", "is_applied", "dualpipe_schedule"]
 
 TESTED_VERSIONS = ("0.16.1", "0.19.2")
-SCHEDULES = ("dualpipev", "1f1b", "megatron")
+SCHEDULES = ("dualpipev", "dualpipe", "1f1b", "megatron")
 _TARGETS = (
     "megatron.core.pipeline_parallel.schedules",
     "megatron.core.pipeline_parallel",
     "megatron.training.training",
 )
 _saved: dict | None = None
+_MTP_MODULE = "megatron.core.transformer.multi_token_prediction"
 
 
 def _version() -> str:
@@ -45,14 +52,8 @@ def _schedule_of(schedule) -> str:
     if isinstance(schedule, str) and not schedule.endswith(".json"):
         raise ConfigError(f"pipeline schedule {schedule!r}: choose from {', '.join(SCHEDULES)}")
     cfg = load_config(schedule)
-    if cfg.parallel.schedule == "dualpipe":
-        raise ConfigError(
-            "dsv3.parallel.schedule: the Megatron adapter runs 'dualpipev' or '1f1b' (or Megatron's "
-            "own schedules); 'dualpipe' needs inputs on both pipeline ends, which Megatron's data "
-            "path does not provide"
-        )
     # a block's "1f1b" is any 1F1B: Megatron's own unless the name "1f1b" is passed (as --dsv3-pipeline-schedule does)
-    return "dualpipev" if cfg.parallel.schedule == "dualpipev" else "megatron"
+    return cfg.parallel.schedule if cfg.parallel.schedule in ("dualpipev", "dualpipe") else "megatron"
 
 
 def is_applied() -> bool:
@@ -99,7 +100,18 @@ def apply(schedule, force: bool = False) -> bool:
         if mod is not None and getattr(mod, "get_forward_backward_func", None) is original:
             saved[target] = original
             mod.get_forward_backward_func = get_forward_backward_func
+    if name == "dualpipe":
+        mtp_mod = importlib.import_module(_MTP_MODULE)
+        if hasattr(mtp_mod, "is_vp_last_stage"):
+            saved[(_MTP_MODULE, "is_vp_last_stage")] = mtp_mod.is_vp_last_stage
+            mtp_mod.is_vp_last_stage = _mtp_on_either_chunk
     _saved = saved
+    return True
+
+
+def _mtp_on_either_chunk(vp_stage=None, vp_size=None) -> bool:
+    """DualPipe: Megatron builds the MTP block only where the layout puts MTP layers (each copy's last stage, chunk 0
+    of rank P-1 or chunk 1 of rank 0), so its last-virtual-stage assertion holds for both."""
     return True
 
 
@@ -108,9 +120,12 @@ def revert() -> bool:
     if _saved is None:
         return False
     for target, fn in _saved.items():
+        attr = "get_forward_backward_func"
+        if isinstance(target, tuple):
+            target, attr = target
         mod = sys.modules.get(target)
         if mod is not None:
-            mod.get_forward_backward_func = fn
+            setattr(mod, attr, fn)
     _saved = None
     return True
 

@@ -1,5 +1,6 @@
-"""Megatron-Core's `GPTModel` cut into DualPipeV's V: two model chunks per pipeline rank, rank r holding model
-stages r and 2P-1-r of the 2P stages (the "cut-in-half" layout of DualPipeV; DeepSeek-V3 tech. report §3.2.1).
+"""Megatron-Core's `GPTModel` as two model chunks per pipeline rank, for DualPipeV and DualPipe: the V (rank r holding
+model stages r and 2P-1-r of 2P stages: the "cut-in-half" layout of DualPipeV; DeepSeek-V3 tech. report §3.2.1) and
+DualPipe's two mirrored model copies (below).
 
 Megatron's own virtual pipeline (VPP = 2) puts chunk v of rank r at stage v·P + r (interleaved), so both its layer
 offsets and its first/last-stage tests are wrong for the V. What this module changes, and how:
@@ -18,14 +19,38 @@ offsets and its first/last-stage tests are wrong for the V. What this module cha
   (`embedding_ranks`) and the copy is made equal at build time (`tie_embedding_copy`) and its gradient summed with
   the original's after each step (`sum_embedding_copy_grads`, the local form of Megatron's all-reduce). Both
   copies then get identical updates; Megatron's checkpoints already store the copy as a replica of the original.
+
+DualPipe, the bidirectional schedule (DeepSeek-V3 tech. report §3.2.1, Fig. 5; `stage_ends`, `tie_embedding_copy`
+and `DualPipeVLayout.for_schedule` take the schedule's name): two copies of the model, A and B, each cut into P
+stages; pipeline rank r holds stage r of copy A (model chunk 0) and stage P-1-r of copy B (model chunk 1).
+Micro-batches enter from both ends: the first half of a step's through copy A on rank 0, the second half through
+copy B on rank P-1. Megatron's two-virtual-chunk machinery builds, wraps, saves and feeds both chunks (as for the
+V); what this module adds for it, and how:
+
+- Layer placement: `DualPipeLayout` (a `DualPipeVLayout` whose chunk 1 of rank r is stage P-1-r of P stages) gives
+  each chunk its stage's global layer numbers, so both copies of a layer carry the same dist-checkpoint keys.
+- Identical copies: at build time (`init_mirror_copy`, when chunk 1 is built) rank r sends its chunk 0 (stage r of
+  A) to its mirror P-1-r, whose chunk 1 is stage r of B, and receives the mirror's chunk 0 into its own chunk 1;
+  on the end ranks the embedding copy kept for MTP / tied heads is then set to the embedding held on the same
+  rank. After each backward `sum_mirror_grads` adds each parameter's gradient to its mirror's (own + mirror's: the
+  same IEEE sum on both sides) and does the same for the routers' token counts (the expert-bias update), before
+  Megatron's `finalize_model_grads`; both copies then take identical optimizer steps.
+- Once per model: copy B's parameters are marked `shared` (Megatron's gradient-norm and zero counts skip them, as
+  they skip the embedding copy), and copy B's dist-checkpoint entries get replica ids that are not the main one
+  (`mark_mirror_copy`): a checkpoint stores each tensor once, and loading fills both copies.
+- Word embedding: on rank 0 the original (A, stage 0) and B's last-stage copy, on rank P-1 B's original and A's
+  copy; Megatron's embedding group is rank 0 alone (`embedding_ranks`), the two copies on one rank are
+  summed locally (`sum_embedding_copy_grads`) before the mirror exchange sums the two ranks' sums.
 """
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 from megatron.core.transformer.enums import LayerType
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 
@@ -41,6 +66,14 @@ __all__ = [
     "tie_embedding_copy",
     "sum_embedding_copy_grads",
     "shared_weights",
+    "DualPipeLayout",
+    "mirror_stage",
+    "chunk_stage_ends",
+    "remember_chunk",
+    "init_mirror_copy",
+    "mark_mirror_copy",
+    "sum_mirror_grads",
+    "copy_checksums",
 ]
 
 
@@ -51,29 +84,40 @@ def v_stage(pp_rank: int, vp_stage: int | None, pp_size: int) -> int:
     return pp_rank if vp_stage == 0 else 2 * pp_size - 1 - pp_rank
 
 
-def stage_ends(pp_rank: int, vp_stage: int | None, pp_size: int) -> tuple[bool, bool]:
-    """(pre_process, post_process) of a chunk: embedding on stage 0, head/MTP/loss on stage 2P-1 (both rank 0)."""
+def stage_ends(pp_rank: int, vp_stage: int | None, pp_size: int, schedule: str = "dualpipev") -> tuple[bool, bool]:
+    """(pre_process, post_process) of a chunk: embedding on stage 0, head/MTP/loss on stage 2P-1 (both rank 0);
+    for `schedule` "dualpipe", `chunk_stage_ends` (each copy's stage 0 and P-1)."""
+    if schedule == "dualpipe":
+        return chunk_stage_ends(pp_rank, vp_stage, pp_size)
     s = v_stage(pp_rank, vp_stage, pp_size)
     return s == 0, s == 2 * pp_size - 1
 
 
-def stage_layer_counts(num_layers: int, pp_size: int, first: int | None = None, last: int | None = None) -> list[int]:
-    """Decoder layers per model stage (2P of them, model order). `first` / `last` fix stages 0 and 2P-1
-    (Megatron-LM's `--decoder-first/last-pipeline-num-layers`); the rest are split as evenly as possible, the
-    earlier stages taking the remainder (like `dsv3_plugin.parallel.pipeline.stages.split_layers`)."""
-    n = 2 * pp_size
+def stage_layer_counts(
+    num_layers: int,
+    pp_size: int,
+    first: int | None = None,
+    last: int | None = None,
+    n_stages: int | None = None,
+    schedule: str = "DualPipeV",
+) -> list[int]:
+    """Decoder layers per model stage (`n_stages` of them, default 2P: the V; model order). `first` / `last` fix
+    the first and last stage (Megatron-LM's `--decoder-first/last-pipeline-num-layers`); the rest are split as
+    evenly as possible, the earlier stages taking the remainder (like `dsv3_plugin.parallel.pipeline.stages.
+    split_layers`). `schedule` names the layout in errors."""
+    n = 2 * pp_size if n_stages is None else n_stages
     fixed = {0: first, n - 1: last}
     fixed = {s: c for s, c in fixed.items() if c is not None}
     for s, c in fixed.items():
         if c < 1:
             which = "first" if s == 0 else "last"
-            raise ConfigError(f"--decoder-{which}-pipeline-num-layers {c}: every DualPipeV stage needs >= 1 layer")
+            raise ConfigError(f"--decoder-{which}-pipeline-num-layers {c}: every {schedule} stage needs >= 1 layer")
     rest = num_layers - sum(fixed.values())
     free = [s for s in range(n) if s not in fixed]
     if rest < len(free) or (not free and rest):
         held = f" ({sum(fixed.values())} of them in the fixed first/last stages)" if fixed else ""
         raise ConfigError(
-            f"DualPipeV with --pipeline-model-parallel-size {pp_size} cuts the model into {n} stages: "
+            f"{schedule} with --pipeline-model-parallel-size {pp_size} cuts the model into {n} stages: "
             f"{num_layers} decoder layers{held} leave a stage without a layer; use fewer pipeline "
             "ranks or more layers"
         )
@@ -91,20 +135,36 @@ class DualPipeVLayout(PipelineParallelLayerLayout):
 
     def __init__(self, stage_layers: Sequence[int], mtp_num_layers: int | None = None):
         n = len(stage_layers)
-        if n < 2 or n % 2:
-            raise ValueError(f"DualPipeVLayout: needs an even number (2P) of stages, got {n}")
-        P = n // 2
+        P = self.ranks_for(n)
         stages = [[LayerType.decoder] * int(c) for c in stage_layers]
         stages[0].insert(0, LayerType.embedding)
         stages[-1] += [LayerType.mtp] * int(mtp_num_layers or 0) + [LayerType.loss]
         # Megatron's flat form lists (virtual stage, pipeline rank) pairs in interleaved order, vp·P + r
-        super().__init__([stages[v_stage(r, vp, P)] for vp in range(2) for r in range(P)], P)
+        super().__init__([stages[self.chunk_stage(r, vp, P)] for vp in range(2) for r in range(P)], P)
         self.stages = stages
         self.stage_layers = [int(c) for c in stage_layers]
         self.flatten_layout = [t for s in stages for t in s]  # model order (Megatron's: interleaved)
 
+    @staticmethod
+    def ranks_for(n_stages: int) -> int:
+        """Pipeline ranks for `n_stages` model stages: half of them (the V folds 2P stages onto P ranks)."""
+        if n_stages < 2 or n_stages % 2:
+            raise ValueError(f"DualPipeVLayout: needs an even number (2P) of stages, got {n_stages}")
+        return n_stages // 2
+
+    @staticmethod
+    def chunk_stage(pp_rank: int, vp_stage: int | None, pp_size: int) -> int:
+        """Model stage of chunk `vp_stage` of pipeline rank `pp_rank` (`v_stage`)."""
+        return v_stage(pp_rank, vp_stage, pp_size)
+
+    @staticmethod
+    def for_schedule(schedule: str, stage_layers: Sequence[int], mtp_num_layers: int | None = None):
+        """The layout of `schedule`: `DualPipeVLayout` (2P stages) or, for "dualpipe", `DualPipeLayout` (P)."""
+        cls = DualPipeLayout if schedule == "dualpipe" else DualPipeVLayout
+        return cls(stage_layers, mtp_num_layers)
+
     def __repr__(self) -> str:
-        return f"DualPipeVLayout(stage_layers={self.stage_layers}, mtp={self.stages[-1].count(LayerType.mtp)})"
+        return f"{type(self).__name__}(stage_layers={self.stage_layers}, mtp={self.stages[-1].count(LayerType.mtp)})"
 
     def get_layer_offset(
         self, layer_type: LayerType = LayerType.decoder, vp_stage: int | None = None, pp_rank: int | None = None
@@ -114,7 +174,7 @@ class DualPipeVLayout(PipelineParallelLayerLayout):
             from megatron.core import parallel_state
 
             pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-        s = v_stage(pp_rank, 0 if vp_stage is None else vp_stage, self.pipeline_model_parallel_size)
+        s = self.chunk_stage(pp_rank, 0 if vp_stage is None else vp_stage, self.pipeline_model_parallel_size)
         return sum(stage.count(layer_type) for stage in self.stages[:s])
 
     def validate_layer_layout(self, num_layers: int, mtp_num_layers: int | None) -> bool:
@@ -133,7 +193,7 @@ class DualPipeVLayout(PipelineParallelLayerLayout):
         if n_mtp != (mtp_num_layers or 0) or any(LayerType.mtp in s for s in self.stages[:-1]):
             problems.append(f"{n_mtp} MTP layers (mtp_num_layers = {mtp_num_layers}), all in the last stage")
         if problems:
-            raise ValueError(f"DualPipeVLayout {self.stage_layers}: " + "; ".join(problems))
+            raise ValueError(f"{type(self).__name__} {self.stage_layers}: " + "; ".join(problems))
         return False
 
 
@@ -167,10 +227,20 @@ def shared_weights(chunks) -> list[torch.nn.Parameter]:
 _first_chunk: weakref.ref | None = None
 
 
-def tie_embedding_copy(chunk, pre_process: bool, post_process: bool) -> None:
+def tie_embedding_copy(
+    chunk, pre_process: bool, post_process: bool, vp_stage: int | None = None, schedule: str = "dualpipev"
+) -> None:
     """Called for each chunk as it is built (chunk 0 first, as Megatron's `get_model` builds them): remembers the
     stage-0 chunk; makes the stage-(2P-1) chunk's embedding copy equal to it (Megatron zero-fills the copy and
-    all-reduces it over the embedding group, which in the V is this rank alone)."""
+    all-reduces it over the embedding group, which in the V is this rank alone). For `schedule` "dualpipe"
+    (`vp_stage` given): remembers chunk 0 and, when chunk 1 is built, makes copy B equal to copy A
+    (`init_mirror_copy`, a collective with the mirror rank) and marks it as A's replica (`mark_mirror_copy`)."""
+    if schedule == "dualpipe":
+        remember_chunk(chunk, vp_stage)
+        if vp_stage == 1:
+            init_mirror_copy(chunk)
+            mark_mirror_copy(chunk)
+        return
     global _first_chunk
     if pre_process:
         _first_chunk = weakref.ref(chunk)
@@ -206,3 +276,191 @@ def sum_embedding_copy_grads(chunks) -> bool:
     for g in grads:
         g.copy_(total)
     return True
+
+
+# --- DualPipe: two mirrored copies -------------------------------------------------------------------------------
+
+
+def mirror_stage(pp_rank: int, vp_stage: int | None, pp_size: int) -> int:
+    """Model stage of chunk `vp_stage` of pipeline rank `pp_rank`: r (copy A), or P-1-r (copy B)."""
+    if vp_stage not in (0, 1):
+        raise ValueError(f"DualPipe: a pipeline rank holds model chunks 0 and 1 (got vp_stage {vp_stage!r})")
+    return pp_rank if vp_stage == 0 else pp_size - 1 - pp_rank
+
+
+def chunk_stage_ends(pp_rank: int, vp_stage: int | None, pp_size: int) -> tuple[bool, bool]:
+    """(pre_process, post_process) of a chunk: embedding on stage 0, head/MTP/loss on stage P-1 of each copy."""
+    s = mirror_stage(pp_rank, vp_stage, pp_size)
+    return s == 0, s == pp_size - 1
+
+
+class DualPipeLayout(DualPipeVLayout):
+    """Megatron's pipeline layer layout for DualPipe: `stages[s]` lists the layers of stage s of one copy (P
+    stages); rank r's chunks 0 and 1 are stage r (copy A) and stage P-1-r (copy B)."""
+
+    @staticmethod
+    def ranks_for(n_stages: int) -> int:
+        if n_stages < 2 or n_stages % 2:
+            raise ValueError(f"DualPipeLayout: needs an even number of stages (P, one per rank), got {n_stages}")
+        return n_stages
+
+    @staticmethod
+    def chunk_stage(pp_rank: int, vp_stage: int | None, pp_size: int) -> int:
+        return mirror_stage(pp_rank, vp_stage, pp_size)
+
+
+def _params(chunk) -> list[torch.nn.Parameter]:
+    return [p for p in chunk.parameters()]
+
+
+_chunk0: weakref.ref | None = None
+
+
+def remember_chunk(chunk, vp_stage: int) -> None:
+    """Called for chunk 0 as it is built (Megatron's `get_model` builds chunk 0 first): `init_mirror_copy` reads
+    it when chunk 1 is built."""
+    global _chunk0
+    if vp_stage == 0:
+        _chunk0 = weakref.ref(chunk)
+
+
+def _pp():
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_pipeline_model_parallel_group()
+    return group, ps.get_pipeline_model_parallel_rank(), dist.get_world_size(group)
+
+
+def _exchange(flat: torch.Tensor, numel: int, peer: int, group) -> torch.Tensor:
+    """Send `flat` to global rank `peer` and receive its `numel` values (one batched pair, so that neither side
+    blocks the other under NCCL)."""
+    other = torch.empty(numel, dtype=flat.dtype, device=flat.device)
+    works = dist.batch_isend_irecv(
+        [dist.P2POp(dist.isend, flat, peer, group=group), dist.P2POp(dist.irecv, other, peer, group=group)]
+    )
+    for w in works:
+        w.wait()
+    return other
+
+
+def init_mirror_copy(chunk1) -> None:
+    """When chunk 1 (copy B's stage P-1-r) is built: exchange with the mirror rank so that every copy-B stage equals
+    the copy-A stage the mirror built, then set each embedding copy for MTP / tied heads to the embedding held on
+    the same rank. A collective of the two mirror ranks (every rank builds its chunk 1)."""
+    first = _chunk0() if _chunk0 is not None else None
+    if first is None:
+        raise RuntimeError(
+            "DualPipe: chunk 1 was built before chunk 0 on this rank (Megatron's get_model builds 0 first)"
+        )
+    group, r, P = _pp()
+    peer = dist.get_process_group_ranks(group)[P - 1 - r]
+    mine, into = _params(first), _params(chunk1)
+    dtypes = {p.dtype for p in mine + into}
+    if len(dtypes) != 1:
+        raise RuntimeError(f"DualPipe: model chunks with several parameter dtypes {sorted(map(str, dtypes))}")
+    with torch.no_grad():
+        flat = torch.cat([p.detach().reshape(-1) for p in mine])
+        got = _exchange(flat, sum(p.numel() for p in into), peer, group)
+        off = 0
+        for p in into:
+            p.copy_(got[off : off + p.numel()].view_as(p))
+            off += p.numel()
+        # the end ranks: one chunk holds an embedding (pre_process), the other a copy of it (MTP / tied head)
+        ws = shared_weights([first, chunk1])
+        if len(ws) == 2:
+            src = ws[0] if getattr(_unwrap_model(first), "pre_process", False) else ws[1]
+            for w in ws:
+                if w is not src:
+                    w.copy_(src)
+
+
+def _unwrap_model(chunk):
+    while not hasattr(chunk, "pre_process") and hasattr(chunk, "module"):
+        chunk = chunk.module  # Megatron DDP / Float16Module wrappers
+    return chunk
+
+
+def mark_mirror_copy(chunk1) -> None:
+    """Copy B's chunk: its parameters are `shared` (left out of Megatron's gradient norm and zero counts: copy A
+    counts each tensor once), and its dist-checkpoint entries get non-main replica ids (saved by copy A only,
+    loaded into both)."""
+    for p in chunk1.parameters():
+        p.shared = True
+    inner = chunk1.sharded_state_dict
+
+    def sharded_state_dict(*args, **kwargs):
+        from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+
+        sd = inner(*args, **kwargs)
+
+        def bump(x):
+            rid = getattr(x, "replica_id", None)
+            if rid is None:
+                return x
+            x.replica_id = (rid[0] + 2, *rid[1:]) if isinstance(rid, tuple) else (rid + 2,)
+            return x
+
+        return dict_list_map_inplace(bump, sd)
+
+    chunk1.sharded_state_dict = sharded_state_dict
+
+
+def _grads(params) -> list[torch.Tensor]:
+    out = []
+    for p in params:
+        g = getattr(p, "main_grad", None)
+        if g is None:
+            g = p.grad
+        out.append(g)
+    return out
+
+
+def _routers(chunk) -> list:
+    return [m for m in chunk.modules() if hasattr(m, "local_tokens_per_expert")]
+
+
+def sum_mirror_grads(chunks, rank: int, P: int, group, stage_of) -> float:
+    """After the backward, before `finalize_model_grads`: every gradient (Megatron's `main_grad` when DDP keeps one)
+    and every router's token counts <- own + the mirror rank's, for the stages both hold. `stage_of(c)` is the
+    model stage of local chunk c; `group` the pipeline group. Returns the seconds it took."""
+    t0 = time.perf_counter()
+    order = sorted(range(len(chunks)), key=stage_of)  # the mirror lists the same stages in the same order
+    params = [p for c in order for p in chunks[c].parameters() if p.requires_grad]
+    grads = _grads(params)
+    counts = [m.local_tokens_per_expert for c in order for m in _routers(chunks[c])]
+    peer = dist.get_process_group_ranks(group)[P - 1 - rank]
+    with torch.no_grad():
+        parts = [g if g is not None else torch.zeros_like(p) for p, g in zip(params, grads)]
+        flat = torch.cat([t.reshape(-1).to(parts[0].dtype) for t in parts]) if parts else None
+        if flat is not None:
+            total = flat + _exchange(flat, flat.numel(), peer, group)
+            off = 0
+            for p, g in zip(params, grads):
+                n = p.numel()
+                if g is not None:
+                    g.copy_(total[off : off + n].view_as(g))
+                else:
+                    p.grad = total[off : off + n].view_as(p).clone()
+                off += n
+        if counts:
+            tc = torch.cat([c.reshape(-1).double() for c in counts])
+            tc = tc + _exchange(tc, tc.numel(), peer, group)
+            off = 0
+            for c in counts:
+                c.copy_(tc[off : off + c.numel()].view_as(c).to(c.dtype))
+                off += c.numel()
+    return time.perf_counter() - t0
+
+
+def copy_checksums(model, pp_rank: int, pp_size: int) -> list[tuple[str, int, float]]:
+    """(copy "A" or "B", model stage, float64 sum of the chunk's parameters and floating buffers) per local chunk:
+    the copies of a stage are identical iff (to that checksum) their sums are equal."""
+    out = []
+    for vp, chunk in enumerate(model):
+        s = mirror_stage(pp_rank, vp, pp_size)
+        # nn.Module's own methods: Megatron's DDP wrapper keeps a list under the name `buffers`
+        total = sum(float(p.detach().double().sum()) for p in torch.nn.Module.parameters(chunk))
+        bufs = torch.nn.Module.buffers(chunk)
+        total += sum(float(b.detach().double().sum()) for b in bufs if b.is_floating_point())
+        out.append(("A" if vp == 0 else "B", s, total))
+    return out

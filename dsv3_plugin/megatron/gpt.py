@@ -128,15 +128,28 @@ _KEEP = (
 
 
 def dualpipev_selected(args) -> bool:
-    """The run lays the model out as DualPipeV's V (`--dsv3-pipeline-schedule dualpipev`, pipeline size > 1)."""
+    """The run lays the model out as two chunks per rank, ours: DualPipeV's V or DualPipe's two mirrored copies
+    (`--dsv3-pipeline-schedule dualpipev` / `dualpipe`, pipeline size > 1)."""
     return (
-        getattr(args, "dsv3_pipeline_schedule", None) == "dualpipev"
+        getattr(args, "dsv3_pipeline_schedule", None) in ("dualpipev", "dualpipe")
         and getattr(args, "pipeline_model_parallel_size", 1) > 1
     )
 
 
 def dualpipev_layout(args, cfg: DSv3Config) -> DualPipeVLayout:
-    """The V for these flags: 2P stages, `--decoder-first/last-pipeline-num-layers` fixing stages 0 and 2P-1."""
+    """The layout for these flags: the V (2P stages) or, for DualPipe, one copy's P stages (`DualPipeLayout`);
+    `--decoder-first/last-pipeline-num-layers` fix the first and last stage."""
+    schedule = getattr(args, "dsv3_pipeline_schedule", None)
+    if schedule == "dualpipe":
+        counts = stage_layer_counts(
+            cfg.model.num_hidden_layers,
+            args.pipeline_model_parallel_size,
+            getattr(args, "decoder_first_pipeline_num_layers", None),
+            getattr(args, "decoder_last_pipeline_num_layers", None),
+            n_stages=args.pipeline_model_parallel_size,  # one copy's stages
+            schedule="DualPipe",
+        )
+        return DualPipeVLayout.for_schedule(schedule, counts, cfg.mtp.depth or None)
     counts = stage_layer_counts(
         cfg.model.num_hidden_layers,
         args.pipeline_model_parallel_size,
@@ -221,11 +234,14 @@ def gpt_builder(args, pre_process, post_process, vp_stage=None, config=None, pg_
         )
     spec = selected_layer_spec(args, config, use_te, vp_stage)
     v = dualpipev_selected(args)
-    if v:  # the V: Megatron asked for interleaved chunk `vp_stage`; build model stage r or 2P-1-r instead
+    if v:  # Megatron asked for interleaved chunk `vp_stage`; build model stage r or 2P-1-r (V) / P-1-r (DualPipe)
         from megatron.core import parallel_state as ps
 
         pre_process, post_process = stage_ends(
-            ps.get_pipeline_model_parallel_rank(), vp_stage, args.pipeline_model_parallel_size
+            ps.get_pipeline_model_parallel_rank(),
+            vp_stage,
+            args.pipeline_model_parallel_size,
+            schedule=args.dsv3_pipeline_schedule,
         )
         _check_v_embedding_group(ps)
     model = build_gpt_model(
@@ -238,15 +254,16 @@ def gpt_builder(args, pre_process, post_process, vp_stage=None, config=None, pg_
         layer_spec=spec,
         vocab_size=getattr(args, "padded_vocab_size", None),
     )
-    if v:
-        tie_embedding_copy(model, pre_process, post_process)
+    if v:  # DualPipe: copy B (chunk 1) made equal to copy A and marked as its replica
+        tie_embedding_copy(model, pre_process, post_process, vp_stage=vp_stage, schedule=args.dsv3_pipeline_schedule)
     follow_schedules(model, lambda: _megatron_lm_tokens_seen(args))
     return model
 
 
 def _check_v_embedding_group(ps) -> None:
     """In the V the embedding and its copies are all on pipeline rank 0; Megatron's default embedding group
-    (first and last pipeline rank) would pair them with a rank that holds none."""
+    (first and last pipeline rank) would pair them with a rank that holds none. DualPipe keeps its copies equal
+    itself (`dualpipev.py`), so it needs the same group: rank 0 alone."""
     import torch.distributed as dist
 
     group = ps.get_embedding_group(check_initialized=False)

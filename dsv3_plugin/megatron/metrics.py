@@ -6,6 +6,19 @@ Written by global rank 0 from what every pipeline stage of data-parallel replica
 over stages, averaged over data parallel, per micro-batch, as its log line), `router_bias_abs_sum` / `routers`
 (all routers of all stages), `word_embedding_sums` (float64 sum of every copy of the word embedding: the
 original and the copies MTP / tied heads keep on the last stage, which must stay identical).
+
+When one of the plugin's pipeline schedules ran the iteration (`--dsv3-pipeline-schedule`, pipeline size > 1), the
+line also holds `pipeline_schedule` (its name) and `pipeline_ranks`: one record per pipeline rank of replica 0, in
+pipeline-rank order, measured by the pipeline runtime during that iteration's training step
+(`schedules.take_step_figures`): `pp`, `busy_s` (stage compute, its P2P waits excluded), `idle_s` (waiting on a
+peer during the schedule: the bubble), `idle_fraction` = idle / (busy + idle), `a2a_wait_s` (blocked in the
+plugin's EP all-to-all waits: the exposed all-to-all time, part of busy), `grad_sync_s` (a mirror gradient
+exchange, apart from idle), `wall_s` (the step), `w_closures` (deferred weight-gradient jobs run by W ops) and
+`fb_hook` (F&B pairs run overlapped). Megatron's own schedules report none of these (the keys are absent).
+
+With DualPipe (two model copies) the router figures count copy A's routers (as at PP = 1), and `copy_sums` =
+{"A": [...], "B": [...]}: per model stage, the float64 sum of the copy's parameters and floating buffers (router
+biases and counts included) after the step; the copies are identical (to that checksum) when A == B.
 """
 
 from __future__ import annotations
@@ -14,7 +27,8 @@ import json
 
 import torch.distributed as dist
 
-from dsv3_plugin.megatron.dualpipev import shared_weights
+from dsv3_plugin.megatron.dualpipev import copy_checksums, shared_weights
+from dsv3_plugin.megatron.schedules import take_step_figures
 
 __all__ = ["MetricsRecorder", "record_iteration"]
 
@@ -57,7 +71,10 @@ def record_iteration(path: str, loss_dict: dict, model) -> None:
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
     from megatron.training import get_args
 
-    routers = [m for chunk in model for m in chunk.modules() if hasattr(m, "expert_bias")]
+    args = get_args()
+    mirrored = getattr(args, "dsv3_pipeline_schedule", None) == "dualpipe" and len(model) == 2
+    # DualPipe: copy B's routers are copy A's (identical: `copy_sums`), counted once as at PP = 1
+    routers = [m for chunk in (model[:1] if mirrored else model) for m in chunk.modules() if hasattr(m, "expert_bias")]
     mtp = MTPLossLoggingHelper.tracker.get("loss_values")
     mine = {
         "dp": ps.get_data_parallel_rank(with_context_parallel=True),
@@ -68,12 +85,16 @@ def record_iteration(path: str, loss_dict: dict, model) -> None:
         "routers": len(routers),
         "mtp": [float(x) for x in mtp.detach().double()] if mtp is not None else None,
         "emb": [float(w.detach().double().sum()) for w in shared_weights(model)],
+        "pipeline": take_step_figures(),
+        "copies": copy_checksums(model, ps.get_pipeline_model_parallel_rank(), args.pipeline_model_parallel_size)
+        if mirrored
+        else None,
     }
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     if dist.get_rank() != 0:
         return
-    line = {"iteration": get_args().curr_iteration + 1}
+    line = {"iteration": args.curr_iteration + 1}
     replica0 = sorted((e for e in every if e["tp"] == 0 and e["dp"] == 0), key=lambda e: e["pp"])
     for e in replica0:
         line.update(e["losses"])
@@ -89,5 +110,17 @@ def record_iteration(path: str, loss_dict: dict, model) -> None:
     line["router_bias_abs_sum"] = sum(e["bias"] for e in replica0)
     line["routers"] = sum(e["routers"] for e in replica0)
     line["word_embedding_sums"] = [x for e in replica0 for x in e["emb"]]
+    copies = [c for e in replica0 if e["copies"] for c in e["copies"]]
+    if copies:
+        n = len(replica0)
+        line["copy_sums"] = {
+            name: [next(t for k, s, t in copies if k == name and s == stage) for stage in range(n)] for name in "AB"
+        }
+    figures = [e for e in replica0 if e["pipeline"] is not None]
+    if figures:
+        line["pipeline_schedule"] = figures[0]["pipeline"]["schedule"]
+        line["pipeline_ranks"] = [
+            {"pp": e["pp"], **{k: v for k, v in e["pipeline"].items() if k != "schedule"}} for e in figures
+        ]
     with open(path, "a") as f:
         f.write(json.dumps(line) + "\n")

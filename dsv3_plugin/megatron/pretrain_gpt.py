@@ -181,14 +181,16 @@ def _device() -> torch.device:
 
 def _reads_data(vp_stage=None) -> bool:
     """Whether this chunk holds the first or the last model stage (the ones that read tokens / labels): for
-    DualPipeV both are chunks of pipeline rank 0 (stages 0 and 2P-1), else Megatron's own rule."""
+    DualPipeV both are chunks of pipeline rank 0 (stages 0 and 2P-1), for DualPipe the chunks of ranks 0 and P-1
+    (stages 0 and P-1 of each copy), else Megatron's own rule."""
     from megatron.training import get_args
 
     args = get_args()
     if dualpipev_selected(args):
         from megatron.core import parallel_state as ps
 
-        return any(stage_ends(ps.get_pipeline_model_parallel_rank(), vp_stage, args.pipeline_model_parallel_size))
+        rank, P = ps.get_pipeline_model_parallel_rank(), args.pipeline_model_parallel_size
+        return any(stage_ends(rank, vp_stage, P, schedule=args.dsv3_pipeline_schedule))
     from megatron.training.utils import is_first_or_last_pipeline_stage
 
     return is_first_or_last_pipeline_stage(vp_stage)

@@ -1,4 +1,4 @@
-"""Which pipeline schedule a `pretrain_gpt` run uses: the plugin's (DualPipeV, 1F1B) as Megatron's
+"""Which pipeline schedule a `pretrain_gpt` run uses: the plugin's (DualPipeV, DualPipe, 1F1B) as Megatron's
 forward-backward function, or Megatron's own; the flags each can honour (`--dsv3-pipeline-schedule`, the dsv3
 block's `parallel.schedule`). Used by `pretrain_gpt.parse_megatron_args`; the schedules are in `schedules.py`.
 """
@@ -11,7 +11,8 @@ from dsv3_plugin.megatron.gpt import dualpipev_layout
 
 __all__ = ["PIPELINE_SCHEDULES", "resolve_pipeline_schedule", "apply_pipeline_schedule"]
 
-PIPELINE_SCHEDULES = ("dualpipev", "1f1b")
+PIPELINE_SCHEDULES = ("dualpipev", "dualpipe", "1f1b")
+TWO_CHUNK = ("dualpipev", "dualpipe")  # a dsv3 block naming one of these selects ours; its "1f1b" is any 1F1B
 
 # Megatron-LM flags our schedules cannot honour: (dest, why). The V sets its own two chunks per rank; our 1F1B runs
 # one; neither drives DDP's no_sync / param-sync hooks that overlapped reduction needs.
@@ -27,11 +28,13 @@ _OURS_REFUSED = (
 
 
 def resolve_pipeline_schedule(args, parser, explicit: set[str], cfg: DSv3Config, where: str) -> str:
-    """'dualpipev' or '1f1b' (ours, as Megatron's forward-backward function), or 'megatron' (Megatron's own).
+    """'dualpipev', 'dualpipe' or '1f1b' (ours, as Megatron's forward-backward function), or 'megatron' (Megatron's
+    own).
 
-    From `--dsv3-pipeline-schedule`, else from the block's `parallel.schedule` when it asks for "dualpipev"; a
-    block's "1f1b" is satisfied by Megatron's own 1F1B unless the flag asks for ours. Contradictions (DualPipeV on
-    one side only) and flags our schedule cannot honour are ConfigErrors naming both."""
+    From `--dsv3-pipeline-schedule`, else from the block's `parallel.schedule` when it asks for "dualpipev" or
+    "dualpipe"; a block's "1f1b" is satisfied by Megatron's own 1F1B unless the flag asks for ours. Contradictions
+    (a two-chunk schedule on one side only, or two different ones) and flags our schedule cannot honour are
+    ConfigErrors naming both."""
     flag = getattr(args, "dsv3_pipeline_schedule", None)
     block = cfg.parallel.schedule if "schedule" in cfg.parallel.model_fields_set else None
     if cfg.parallel.split_weight_grads:  # a key training would ignore is an error, not a silent no-op
@@ -44,20 +47,17 @@ def resolve_pipeline_schedule(args, parser, explicit: set[str], cfg: DSv3Config,
             f"{where} dsv3.parallel.overlap_ep_comm = true: the overlapped FB pairs run in `dsv3 train` "
             "only (set it false or null)"
         )
-    pp = getattr(args, "pipeline_model_parallel_size", 1)
-    if block == "dualpipe" and (pp > 1 or flag):
-        raise ConfigError(
-            f"{where} dsv3.parallel.schedule = 'dualpipe': not available with Megatron (it feeds "
-            "micro-batches in from both pipeline ends; Megatron's data path has one); use "
-            '"dualpipev" (same schedule, V layout, half the ranks) or "1f1b"'
-        )
-    if flag is not None and block is not None and (flag == "dualpipev") != (block == "dualpipev"):
+    if (
+        flag is not None
+        and block is not None
+        and (flag if flag in TWO_CHUNK else None) != (block if block in TWO_CHUNK else None)
+    ):
         raise ConfigError(
             f"--dsv3-pipeline-schedule {flag}: contradicts {where} dsv3.parallel.schedule = "
             f"{block!r}; drop the flag or change the dsv3 block"
         )
-    chosen = flag or ("dualpipev" if block == "dualpipev" else "megatron")
-    if chosen == "megatron" or pp == 1:
+    chosen = flag or (block if block in TWO_CHUNK else "megatron")
+    if chosen == "megatron" or getattr(args, "pipeline_model_parallel_size", 1) == 1:
         return chosen
     for dest, why in _OURS_REFUSED:
         v = getattr(args, dest, None)
@@ -66,18 +66,46 @@ def resolve_pipeline_schedule(args, parser, explicit: set[str], cfg: DSv3Config,
                 f"{flag_name(parser, dest)}: {why}; not with --dsv3-pipeline-schedule {chosen} "
                 f"(the plugin's {chosen} runs the pipeline)"
             )
+    if chosen == "dualpipe" and getattr(args, "log_params_norm", False):
+        # Megatron's parameter norm asserts that no expert parameter is `shared`; copy B's all are (dualpipev.py)
+        raise ConfigError(
+            f"{flag_name(parser, 'log_params_norm')}: not with --dsv3-pipeline-schedule dualpipe (the second "
+            "model copy's parameters are marked shared, which Megatron's parameter norm refuses for experts)"
+        )
     return chosen
 
 
 def apply_pipeline_schedule(args, schedule: str, cfg: DSv3Config) -> list[str]:
     """After Megatron's `validate_args`: record the schedule on `args` (the model builder reads it) and, for
-    DualPipeV, ask Megatron for two model chunks per rank (its virtual-pipeline machinery builds, wraps, saves and
-    feeds them; `dualpipev.py` lays them out as the V)."""
+    DualPipeV and DualPipe, ask Megatron for two model chunks per rank (its virtual-pipeline machinery builds,
+    wraps, saves and feeds them; `dualpipev.py` lays them out as the V, and as two mirrored copies).
+    Refuses a layout the schedule cannot run (ConfigError naming the flag)."""
     args.dsv3_pipeline_schedule = schedule
     if schedule == "megatron" or args.pipeline_model_parallel_size == 1:
         if schedule != "megatron":
             return [f"--dsv3-pipeline-schedule {schedule}: no pipeline at --pipeline-model-parallel-size 1"]
         return []
+    if schedule == "dualpipe":
+        pp, dp = args.pipeline_model_parallel_size, args.data_parallel_size
+        n_mb = args.global_batch_size // (args.micro_batch_size * dp)
+        if pp % 2:
+            raise ConfigError(
+                f"--pipeline-model-parallel-size {pp}: DualPipe needs an even number of pipeline ranks (rank r and "
+                f"its mirror {pp}-1-r hold the same two stages)"
+            )
+        if n_mb < 2 * pp or n_mb % 2:
+            raise ConfigError(
+                f"--global-batch-size {args.global_batch_size}: DualPipe needs an even number >= 2 x "
+                f"--pipeline-model-parallel-size = {2 * pp} of micro-batches per step (has {n_mb}: "
+                f"--micro-batch-size {args.micro_batch_size}, data parallel {dp}; half enter at each end)"
+            )
+        args.virtual_pipeline_model_parallel_size = 2
+        layout = dualpipev_layout(args, cfg)  # refuses a split that leaves a stage empty, before any process
+        return [
+            f"pipeline schedule: the plugin's dualpipe over {pp} pipeline ranks, two model copies of {pp} stages "
+            f"with {layout.stage_layers} decoder layers (rank r holds stage r of copy A and stage {pp - 1}-r of "
+            f"copy B; micro-batches 0..{n_mb // 2 - 1} enter at rank 0, {n_mb // 2}..{n_mb - 1} at rank {pp - 1})"
+        ]
     if schedule == "dualpipev":
         pp, dp = args.pipeline_model_parallel_size, args.data_parallel_size
         n_mb = args.global_batch_size // (args.micro_batch_size * dp)

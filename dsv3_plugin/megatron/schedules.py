@@ -1,10 +1,14 @@
-"""Our pipeline schedules (DualPipeV, 1F1B) as Megatron-Core forward-backward functions.
+"""Our pipeline schedules (DualPipeV, DualPipe, 1F1B) as Megatron-Core forward-backward functions.
 
-`forward_backward_dualpipev` and `forward_backward_1f1b` have the keyword signature of the functions that
-`megatron.core.pipeline_parallel.get_forward_backward_func()` returns, so Megatron's `train_step` / `evaluate` call
-them unchanged (`patches/megatron_dualpipe.py` makes `get_forward_backward_func` return them), with Megatron's
-conventions for `model`, `forward_step_func`, `data_iterator`, loss scaling and the returned loss dicts (on the
-last pipeline rank). DualPipeV: two chunks per rank, stages r and 2P-1-r of the V (`dualpipev.py`).
+`forward_backward_dualpipev`, `forward_backward_dualpipe` and `forward_backward_1f1b` have the keyword signature of
+the functions that `megatron.core.pipeline_parallel.get_forward_backward_func()` returns, so Megatron's `train_step`
+/ `evaluate` call them unchanged (`patches/megatron_dualpipe.py` makes `get_forward_backward_func` return them), with
+Megatron's conventions for `model`, `forward_step_func`, `data_iterator`, loss scaling and the returned loss dicts
+(on the last pipeline rank). DualPipeV: two chunks per rank, stages r and 2P-1-r of the V (`dualpipev.py`).
+DualPipe: two chunks per rank, stage r of copy A and stage P-1-r of copy B (`dualpipev.py`); each chunk that reads
+data gets its half of the step's micro-batches (the first half through A, the second through B), the loss dicts of
+both ends and the MTP losses (per micro-batch) reach the last rank in micro-batch order, and the two copies'
+gradients are summed (the mirror exchange) before `finalize_model_grads`.
 Not supported (refused by the entry point): `--overlap-grad-reduce` / `--overlap-param-gather` (their no_sync /
 param-sync hooks are not driven), `collect_non_loss_data`.
 
@@ -21,10 +25,35 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dsv3_plugin.megatron.dualpipev import sum_embedding_copy_grads
-from dsv3_plugin.parallel.pipeline.runtime import DualPipeV, OneFOneB
+from dsv3_plugin.megatron.dualpipev import mirror_stage, sum_embedding_copy_grads, sum_mirror_grads, v_stage
+from dsv3_plugin.parallel.pipeline.runtime import DualPipe, DualPipeV, OneFOneB
 
-__all__ = ["forward_backward_dualpipev", "forward_backward_1f1b", "MegatronChunkStage", "SCHEDULE_FUNCS"]
+__all__ = [
+    "forward_backward_dualpipev",
+    "forward_backward_dualpipe",
+    "forward_backward_1f1b",
+    "MegatronChunkStage",
+    "SCHEDULE_FUNCS",
+    "take_step_figures",
+]
+
+# The runtime's busy / idle figures of the last training step this process ran (`take_step_figures`).
+_LAST_TRAIN_STEP: dict | None = None
+
+
+def take_step_figures() -> dict | None:
+    """This pipeline rank's figures of the last training (not evaluation) step run by one of our schedules since the
+    previous call, then forgets them (a later iteration run by another schedule reports None, not stale figures).
+
+    Returns:
+        None if none ran, else {"schedule", "busy_s", "idle_s", "idle_fraction", "a2a_wait_s", "grad_sync_s",
+        "wall_s", "w_closures", "fb_hook"}: `PipelineRuntime.last_step` (busy = stage compute, its P2P waits
+        excluded; idle = waiting on a peer during the schedule; a2a_wait_s = blocked in EP all-to-all waits, part of
+        busy) and idle_fraction = idle / (busy + idle).
+    """
+    global _LAST_TRAIN_STEP
+    out, _LAST_TRAIN_STEP = _LAST_TRAIN_STEP, None
+    return out
 
 
 class MegatronChunkStage(nn.Module):
@@ -38,15 +67,51 @@ class MegatronChunkStage(nn.Module):
         self.forward_step_func = None
         self.data_iterator = None
         self.loss_funcs: list = []
+        # a list: record each forward's own MTP tracker values (DualPipe's last stages; see `_mtp_of_forward`)
+        self.mtp_per_forward: list | None = None
 
     def forward(self, *inputs: torch.Tensor):
         target = self.chunk
         while not hasattr(target, "set_input_tensor") and hasattr(target, "module"):
             target = target.module  # Megatron DDP / Float16Module wrappers
         target.set_input_tensor([None] if self.is_first or not inputs else list(inputs))
-        output_tensor, loss_func = self.forward_step_func(self.data_iterator, self.chunk)
+        if self.mtp_per_forward is None:
+            output_tensor, loss_func = self.forward_step_func(self.data_iterator, self.chunk)
+        else:
+            with _mtp_of_forward(self.mtp_per_forward):
+                output_tensor, loss_func = self.forward_step_func(self.data_iterator, self.chunk)
         self.loss_funcs.append(loss_func)
         return output_tensor
+
+
+class _mtp_of_forward:
+    """Around one forward: the MTP tracker's values are set aside and zeroed, what the forward adds (0 + v: v
+    exactly) is appended to `out`, and the set-aside values are put back. The last rank later adds every micro-
+    batch's v in micro-batch order, the sums Megatron's own schedules form on one rank."""
+
+    def __init__(self, out: list):
+        self.out = out
+
+    def __enter__(self):
+        from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+        self.tracker = MTPLossLoggingHelper.tracker
+        self.saved = {k: self.tracker[k].clone() for k in _MTP_KEYS if self.tracker.get(k) is not None}
+        for k in self.saved:
+            self.tracker[k].zero_()
+
+    def __exit__(self, *exc):
+        if exc[0] is not None:
+            return False
+        t = self.tracker
+        self.out.append({k: t[k].detach().clone() for k in _MTP_KEYS if t.get(k) is not None})
+        for k in _MTP_KEYS:
+            if t.get(k) is not None:
+                if k in self.saved:
+                    t[k].copy_(self.saved[k])
+                else:
+                    t[k].zero_()
+        return False
 
 
 def _pp_group(pg_collection):
@@ -66,18 +131,52 @@ def _config_of(chunk):
 _RUNTIMES: dict = {}
 
 
+def _stage_of(name: str, rank: int, chunk: int, P: int) -> tuple[int, int]:
+    """(model stage of local chunk `chunk` on pipeline rank `rank`, number of stages) for schedule `name`."""
+    if name == "dualpipev":
+        return v_stage(rank, chunk, P), 2 * P
+    if name == "dualpipe":
+        return mirror_stage(rank, chunk, P), P
+    return rank, P
+
+
 def _runtime(cls, chunks, group, config):
     key = (cls.schedule_name, tuple(id(c) for c in chunks), id(group))
     rt = _RUNTIMES.get(key)
     if rt is None:
-        first = dist.get_rank(group) == 0
-        # chunk 0 of pipeline rank 0 is the first stage (both schedules); DualPipeV's chunk 1 never is
-        stages = [MegatronChunkStage(c, is_first=first and i == 0) for i, c in enumerate(chunks)]
+        rank, P = dist.get_rank(group), dist.get_world_size(group)
+        stages = [
+            MegatronChunkStage(c, is_first=_stage_of(cls.schedule_name, rank, i, P)[0] == 0)
+            for i, c in enumerate(chunks)
+        ]
         cfg = getattr(config, "dsv3_config", None)  # a config built from a dsv3 block carries its P2P limit
         timeout = float(cfg.parallel.p2p_timeout_s) if cfg is not None else 600.0
-        rt = cls(stages, process_group=group, timeout_s=timeout, timeout_name="dsv3.parallel.p2p_timeout_s")
+        # DualPipe's mirror exchange runs here on Megatron's gradients (`main_grad`), not in the runtime (`.grad`)
+        rt = cls(
+            stages,
+            process_group=group,
+            timeout_s=timeout,
+            timeout_name="dsv3.parallel.p2p_timeout_s",
+            mirror_grad_sync=False,
+        )
         _RUNTIMES[key] = rt
     return rt
+
+
+def _halves(its: list, rank: int, P: int, num_microbatches: int) -> list:
+    """DualPipe: each chunk that reads data (stage 0 or P-1 of its copy) reads the step's micro-batches from its own
+    Megatron iterator (all of them, so that every iterator stays at the same place) and is fed its copy's half:
+    copy A (chunk 0) micro-batches 0..C/2-1, copy B (chunk 1) C/2..C-1."""
+    half = num_microbatches // 2
+    out = []
+    for c, it in enumerate(its):
+        stage = mirror_stage(rank, c, P)
+        if it is None or stage not in (0, P - 1):
+            out.append(it)
+            continue
+        items = [next(it) for _ in range(num_microbatches)]
+        out.append(iter(items[:half] if c == 0 else items[half:]))
+    return out
 
 
 def _iterators(data_iterator, n: int) -> list[Iterator | None]:
@@ -114,12 +213,24 @@ def _forward_backward(
     config = _config_of(chunks[0])
     group = _pp_group(pg_collection)
     rt = _runtime(cls, chunks, group, config)
-    for st, it in zip(rt.modules, _iterators(data_iterator, n_chunks)):
+    its = _iterators(data_iterator, n_chunks)
+    stages = [_stage_of(name, rt.rank, c, rt.P) for c in range(n_chunks)]
+    # the chunk holding a last stage on this rank (V: rank 0's chunk 1; 1F1B: the last rank's; DualPipe: both
+    # ends, one per copy), and the first micro-batch its copy computes
+    ends = [c for c, (s, n) in enumerate(stages) if s == n - 1]
+    last = rt.modules[ends[0] if ends else -1]
+    mb0 = 0
+    mtp_split = False
+    if name == "dualpipe":
+        its = _halves(its, rt.rank, rt.P, num_microbatches)
+        mb0 = num_microbatches // 2 if ends and ends[0] == 1 else 0
+        mtp_split = not forward_only and getattr(config, "mtp_num_layers", None) is not None
+    for c, (st, it) in enumerate(zip(rt.modules, its)):
         st.forward_step_func, st.data_iterator, st.loss_funcs = forward_step_func, it, []
+        st.mtp_per_forward = [] if mtp_split and c in ends else None
 
     forward_data_store: list = []
     total_tokens = torch.zeros([], dtype=torch.int)
-    last = rt.modules[-1]  # the chunk holding the last stage (on rt.loss_rank)
 
     def criterion(*outputs):
         nonlocal total_tokens
@@ -145,16 +256,30 @@ def _forward_backward(
                 rt.step(num_chunks=num_microbatches, criterion=criterion)
         else:
             rt.step(num_chunks=num_microbatches, criterion=criterion)
+            _record_step(rt)
+        mtp_values = last.mtp_per_forward
     finally:
         # The cached runtime outlives the step; holding Megatron's data iterator in it would keep the DataLoader's
         # workers alive to interpreter exit, where multiprocessing stops them with SIGTERM -- which
         # --exit-signal-handler makes them ignore (Megatron installs its handler in every worker), so the rank
         # hung after its last iteration.
         for st in rt.modules:
-            st.forward_step_func, st.data_iterator, st.loss_funcs = None, None, []
-    forward_data_store, total_tokens = _to_last_rank(
-        rt, group, forward_data_store, total_tokens, mtp_metrics=not forward_only
-    )
+            st.forward_step_func, st.data_iterator, st.loss_funcs, st.mtp_per_forward = None, None, [], None
+    if name == "dualpipe":
+        forward_data_store, total_tokens = _both_ends_to_last_rank(
+            rt, group, list(enumerate(forward_data_store, start=mb0)), total_tokens, mtp_values, mb0
+        )
+    else:
+        forward_data_store, total_tokens = _to_last_rank(
+            rt, group, forward_data_store, total_tokens, mtp_metrics=not forward_only
+        )
+    if not forward_only and name == "dualpipe":
+        # the two copies of every stage: gradients (and the routers' token counts) summed before Megatron reduces
+        # them over data parallel and steps the expert biases; the embedding copies on one rank summed first
+        sum_embedding_copy_grads(chunks)
+        sync_s = sum_mirror_grads(chunks, rt.rank, rt.P, group, lambda c: stages[c][0])
+        if _LAST_TRAIN_STEP is not None:
+            _LAST_TRAIN_STEP["grad_sync_s"] += sync_s
     if not forward_only:
         if config.finalize_model_grads_func is not None:
             kw = {}
@@ -164,8 +289,23 @@ def _forward_backward(
             if "force_all_reduce" in params:
                 kw["force_all_reduce"] = force_all_reduce
             config.finalize_model_grads_func(chunks, total_tokens if config.calculate_per_token_loss else None, **kw)
-        sum_embedding_copy_grads(chunks)
+        if name != "dualpipe":
+            sum_embedding_copy_grads(chunks)
     return forward_data_store
+
+
+def _record_step(rt) -> None:
+    global _LAST_TRAIN_STEP
+    f = rt.last_step
+    busy, idle = float(f["busy_s"]), float(f["idle_s"])
+    _LAST_TRAIN_STEP = {
+        "schedule": rt.schedule_name,
+        "busy_s": busy,
+        "idle_s": idle,
+        "idle_fraction": idle / (busy + idle) if busy + idle > 0 else 0.0,
+        **{k: float(f[k]) for k in ("a2a_wait_s", "grad_sync_s", "wall_s")},
+        **{k: int(f[k]) for k in ("w_closures", "fb_hook")},
+    }
 
 
 _MTP_KEYS = ("loss_values", "correct_values", "total_values")
@@ -200,6 +340,29 @@ def _to_last_rank(rt, group, store: list, total_tokens: torch.Tensor, mtp_metric
         if tracker.get("avg_group") is None:  # what the MTP block sets where it runs
             tracker["avg_group"] = parallel_state.get_data_parallel_group(with_context_parallel=True)
     return (box[0] if rt.rank == last else []), box[1]
+
+
+def _both_ends_to_last_rank(rt, group, store: list, total_tokens: torch.Tensor, mtp_values, mb0: int):
+    """DualPipe: the loss dicts (`store`: (micro-batch, dict) pairs), token counts and per-micro-batch MTP tracker
+    values of copy B's end (rank 0) join copy A's on the last rank, which reduces them in micro-batch order (the
+    order Megatron's own schedules add them in); other ranks return []."""
+    last = rt.P - 1
+    mtp = None if mtp_values is None else list(enumerate(mtp_values, start=mb0))
+    box = [store, total_tokens, mtp] if rt.rank == 0 else [None, None, None]
+    dist.broadcast_object_list(box, src=rt.pipe_to_global[0], group=group)
+    if rt.rank != last:
+        return [], total_tokens
+    store = sorted(store + box[0], key=lambda e: e[0])
+    total_tokens = total_tokens + box[1].to(total_tokens.device)
+    if mtp is not None or box[2] is not None:
+        from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+        tracker = MTPLossLoggingHelper.tracker
+        for _, vals in sorted((mtp or []) + (box[2] or []), key=lambda e: e[0]):
+            for k, v in vals.items():
+                v = v.to(rt.device)
+                tracker[k] = tracker[k] + v if tracker.get(k) is not None else v
+    return [d for _, d in store], total_tokens
 
 
 def forward_backward_dualpipev(
@@ -266,7 +429,44 @@ def forward_backward_1f1b(
     )
 
 
-SCHEDULE_FUNCS = {"dualpipev": forward_backward_dualpipev, "1f1b": forward_backward_1f1b}
+def forward_backward_dualpipe(
+    *,
+    forward_step_func,
+    data_iterator,
+    model,
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    decoder_seq_length=None,
+    forward_only: bool = False,
+    collect_non_loss_data: bool = False,
+    first_val_step=None,
+    adjust_tensor_shapes_fn=None,
+    p2p_communicator=None,
+    pg_collection=None,
+    force_all_reduce: bool = False,
+):
+    """DualPipe (bidirectional) over the pipeline group: two chunks per rank, stage r of copy A and stage P-1-r of
+    copy B (`dualpipev.py`); an even number >= 2P of micro-batches, half entering at each end."""
+    return _forward_backward(
+        DualPipe,
+        2,
+        forward_step_func=forward_step_func,
+        data_iterator=data_iterator,
+        model=model,
+        num_microbatches=num_microbatches,
+        forward_only=forward_only,
+        collect_non_loss_data=collect_non_loss_data,
+        pg_collection=pg_collection,
+        force_all_reduce=force_all_reduce,
+    )
+
+
+SCHEDULE_FUNCS = {
+    "dualpipev": forward_backward_dualpipev,
+    "dualpipe": forward_backward_dualpipe,
+    "1f1b": forward_backward_1f1b,
+}
 
 
 def _set_aux_loss_scales(config, num_microbatches: int) -> None:

@@ -1,10 +1,12 @@
-"""DualPipeV as Megatron's pipeline schedule, through Megatron's own `pretrain()` (`python -m
+"""DualPipeV and DualPipe as Megatron's pipeline schedule, through Megatron's own `pretrain()` (`python -m
 dsv3_plugin.megatron.pretrain_gpt`, run as a user runs it, gloo on CPU): Megatron's GPTModel built from our spec
 (`--spec dsv3_plugin.megatron layer_spec`) cut into DualPipeV's V (`--pipeline-model-parallel-size 2
---dsv3-pipeline-schedule dualpipev`: rank r holds stages r and 3-r, embedding, head, MTP and loss on rank 0), and
-our 1F1B through the same hook as the baseline, against the PP = 1 run on the same data and global batch.
+--dsv3-pipeline-schedule dualpipev`: rank r holds stages r and 3-r, embedding, head, MTP and loss on rank 0), into
+DualPipe's two mirrored copies (`--dsv3-pipeline-schedule dualpipe`: rank r holds stage r of copy A and stage 1-r
+of copy B; micro-batches 0-1 enter at rank 0, 2-3 at rank 1), and our 1F1B through the same hook as the baseline,
+against the PP = 1 run on the same data and global batch.
 
-Same starting point for all three: the PP = 1 run (one rank, Megatron's no-pipelining schedule) trains 10
+Same starting point for all four: the PP = 1 run (one rank, Megatron's no-pipelining schedule) trains 10
 iterations and saves a torch_dist checkpoint at iteration 5; the PP = 2 runs load it (Megatron reshards by the
 global layer numbers the V layout gives every layer, so a wrong placement fails to load or computes something
 else) and train iterations 6..10. Tiny model: 4 layers (1 dense, 3 MoE), MTP depth 1, micro-batch 2, global
@@ -83,18 +85,28 @@ def runs(tmp_path_factory):
         load + ["--dsv3-pipeline-schedule", "dualpipev", "--save", ck_v, "--save-interval", str(LOADED)],
     )
     out["1f1b"] = _run(tmp, "1f1b", 2, load + ["--dsv3-pipeline-schedule", "1f1b"])
+    out["dualpipe"] = _run(
+        tmp,
+        "dualpipe",
+        2,
+        load + ["--dsv3-pipeline-schedule", "dualpipe", "--save", str(tmp / "ckpt_dp"), "--save-interval", str(LOADED)],
+    )
+    out["ckpt_v"], out["ckpt_dp"] = tmp / "ckpt_v", tmp / "ckpt_dp"
     # and back: the V's iteration-10 checkpoint, loaded at PP = 1, trains iteration 11
     out["v_to_pp1"] = _run(tmp, "v_to_pp1", 1, ["--load", ck_v])
     # the curves and wall times (pytest -s shows them)
-    print("\niteration | " + " | ".join(f"{k} lm loss" for k in out))
+    runs_ = [k for k, r in out.items() if isinstance(r, dict)]
+    print("\niteration | " + " | ".join(f"{k} lm loss" for k in runs_))
     ref = {r["iteration"]: r for r in out["pp1"]["metrics"]}
     for it in sorted(ref):
         row = [ref[it]["lm_loss"]] + [
             next((r["lm_loss"] for r in out[k]["metrics"] if r["iteration"] == it), None)
-            for k in ("dualpipev", "1f1b", "v_to_pp1")
+            for k in ("dualpipev", "1f1b", "dualpipe", "v_to_pp1")
         ]
         print(f"{it} | " + " | ".join("-" if v is None else f"{v:.9g}" for v in row))
     for k, r in out.items():
+        if not isinstance(r, dict):
+            continue
         its = r["iter_ms"][1:] or r["iter_ms"]
         print(
             f"{k}: wall {r['wall_s']:.1f} s, {len(r['iter_ms'])} iterations, median iteration "
@@ -117,8 +129,14 @@ def test_the_v_layout_is_what_runs(runs):
     ) in log
     assert "successfully loaded checkpoint from" in log and "at iteration 5" in log
     assert "pipeline schedule: the plugin's 1f1b over 2 pipeline ranks" in runs["1f1b"]["log"]
+    assert (
+        "pipeline schedule: the plugin's dualpipe over 2 pipeline ranks, two model copies of 2 stages with [2, 2] "
+        "decoder layers (rank r holds stage r of copy A and stage 1-r of copy B; micro-batches 0..1 enter at rank 0, "
+        "2..3 at rank 1)"
+    ) in runs["dualpipe"]["log"]
     assert "mtp_1 loss" in log  # Megatron logs the MTP loss computed on rank 0 too
-    for k in ("dualpipev", "1f1b"):
+    assert "mtp_1 loss" in runs["dualpipe"]["log"]
+    for k in ("dualpipev", "1f1b", "dualpipe"):
         assert [r["iteration"] for r in runs[k]["metrics"]] == list(range(LOADED + 1, 11))  # 5 iterations
     assert [r["iteration"] for r in runs["pp1"]["metrics"]] == list(range(1, 12))
     assert [r["iteration"] for r in runs["v_to_pp1"]["metrics"]] == [11]
@@ -132,19 +150,21 @@ def test_losses_equal_the_pp1_run(runs):
 
     ref = {r["iteration"]: r for r in runs["pp1"]["metrics"]}
     cfg = load_config({**DSV3, "model": {**DSV3["model"], "vocab_size": _padded_vocab(runs["pp1"]["log"])}})
-    for k in ("dualpipev", "1f1b"):
+    for k in ("dualpipev", "1f1b", "dualpipe"):
         first, *rest = runs[k]["metrics"]
         r0 = ref[first["iteration"]]
-        # Iteration 6 runs the identical op sequence on all three: the same weights and optimizer state (one
-        # checkpoint), the same micro-batches, the same per-micro-batch ops, and the per-micro-batch loss sums
-        # added in micro-batch order on the rank Megatron reduces them on. Equal, not close.
+        # Iteration 6 runs the identical op sequence on all of them: the same weights and optimizer state (one
+        # checkpoint, loaded into both DualPipe copies), the same micro-batches, the same per-micro-batch ops, and
+        # the per-micro-batch loss sums (and MTP tracker values) added in micro-batch order on the rank Megatron
+        # reduces them on. Equal, not close.
         assert (first["lm_loss"], first["mtp_1_loss"]) == (r0["lm_loss"], r0["mtp_1_loss"]), (k, first, r0)
         assert first["router_bias_abs_sum"] == r0["router_bias_abs_sum"], (k, first, r0)  # same loads, same update
         for r in rest:
             # From iteration 7 on the weights carry the rounding of sums the pipeline orders differently: the word
             # embedding's gradient (the token lookup's and the MTP block's contributions, accumulated per micro-
             # batch at PP = 1, per copy then added at PP = 2 - locally in the V, by all-reduce in 1F1B) and the
-            # gradient norm for clipping (partial sums per pipeline rank). model_bound: every reduction of every
+            # gradient norm for clipping (partial sums per pipeline rank), and in DualPipe every gradient as the sum of
+            # the two copies' halves of the batch (the mirror exchange). model_bound: every reduction of every
             # forward and backward since the common checkpoint reordered (2 passes per elapsed iteration, + this
             # forward), assuming - as the helper does - that neither the layers nor AdamW amplify the rounding.
             passes = 2 * (r["iteration"] - first["iteration"]) + 1
@@ -185,10 +205,10 @@ def _t(x):
 
 def test_router_biases_updated_by_finalize_model_grads(runs):
     cfg_gamma, E = 0.001, 16  # tiny preset: bias_update_speed, n_routed_experts
-    for k in ("pp1", "dualpipev", "1f1b"):
+    for k in ("pp1", "dualpipev", "1f1b", "dualpipe"):
         s = runs[k]["metrics"]
         R = s[0]["routers"]
-        assert R == 4  # 3 MoE decoder layers + the MTP layer, over all stages
+        assert R == 4  # 3 MoE decoder layers + the MTP layer, over all stages (DualPipe: of copy A)
         # b <- b + gamma * sign(mean - load): each of R*E entries moves by 0 or exactly gamma per iteration
         for a, b in zip(s, s[1:]):
             assert abs(b["router_bias_abs_sum"] - a["router_bias_abs_sum"]) <= R * E * cfg_gamma + 1e-6, (k, a, b)
@@ -204,3 +224,56 @@ def test_word_embedding_copies_stay_identical(runs):
         for r in runs[k]["metrics"]:
             a, b = r["word_embedding_sums"]
             assert a == b, (k, r)
+    # DualPipe: each copy's embedding and its last stage's copy: four tensors, on ranks 0 and 1
+    for r in runs["dualpipe"]["metrics"]:
+        assert len(r["word_embedding_sums"]) == 4 and len(set(r["word_embedding_sums"])) == 1, r
+
+
+def test_dualpipe_copies_stay_identical(runs):
+    """DualPipe's two model copies (stage s of copy A on rank s, of copy B on rank 1-s): after every iteration's
+    update the float64 sums of each stage's parameters and buffers (router biases and counts included) are equal in
+    the two copies, i.e. the mirror exchange gave both the same gradients and token counts. The sums also moved
+    (the copies are not equal only because nothing trained)."""
+    rows = runs["dualpipe"]["metrics"]
+    for r in rows:
+        assert r["copy_sums"]["A"] == r["copy_sums"]["B"], r
+        assert len(r["copy_sums"]["A"]) == 2
+    assert rows[0]["copy_sums"]["A"] != rows[-1]["copy_sums"]["A"]
+
+
+def test_dualpipe_checkpoint_stores_each_tensor_once(runs):
+    """The DualPipe run saved iteration 10 with copy B's entries as replicas of copy A's: its checkpoint holds the
+    same tensors, under the same keys and shapes, as the V's (one model), not a second copy."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    def entries(root):
+        md = FileSystemReader(str(root / "iter_0000010")).read_metadata()
+        return {k: tuple(getattr(v, "size", ())) for k, v in md.state_dict_metadata.items()}
+
+    dp, v = entries(runs["ckpt_dp"]), entries(runs["ckpt_v"])
+    model_dp = {k: s for k, s in dp.items() if not k.startswith(("optimizer.", "rng_state", "rerun_state"))}
+    model_v = {k: s for k, s in v.items() if not k.startswith(("optimizer.", "rng_state", "rerun_state"))}
+    assert len(model_dp) > 20 and model_dp == model_v
+
+
+def test_idle_per_rank_reported_in_the_metrics(runs):
+    """Every iteration run by the plugin's schedules carries each pipeline rank's busy / idle seconds as the
+    runtime measured them in that step (timing itself is not asserted: only that the figures are there, per rank,
+    finite and consistent); Megatron's own no-pipelining schedule (PP = 1) reports none."""
+    import math
+
+    assert all("pipeline_ranks" not in r and "pipeline_schedule" not in r for r in runs["pp1"]["metrics"])
+    for k in ("dualpipev", "1f1b", "dualpipe"):
+        for r in runs[k]["metrics"]:
+            assert r["pipeline_schedule"] == k, (k, r)
+            ranks = r["pipeline_ranks"]
+            assert [e["pp"] for e in ranks] == [0, 1], (k, r)
+            for e in ranks:
+                for key in ("busy_s", "idle_s", "idle_fraction", "a2a_wait_s", "grad_sync_s", "wall_s"):
+                    assert math.isfinite(e[key]), (k, key, e)
+                assert e["busy_s"] > 0 and e["idle_s"] >= 0 and e["a2a_wait_s"] >= 0, (k, e)
+                assert e["idle_fraction"] == e["idle_s"] / (e["busy_s"] + e["idle_s"]), (k, e)
+                assert e["wall_s"] >= e["busy_s"], (k, e)
+                # DualPipe's mirror exchange is timed apart from idle; the others have none
+                assert (e["grad_sync_s"] > 0) == (k == "dualpipe"), (k, e)
+                assert e["w_closures"] == 0 and e["fb_hook"] == 0, (k, e)

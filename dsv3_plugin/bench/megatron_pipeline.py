@@ -1,0 +1,162 @@
+"""Pipeline bubble in Megatron's `pretrain()`: DualPipeV vs 1F1B (the plugin's schedules as Megatron's
+forward-backward function), idle fraction per pipeline rank and step time, measured on gloo ranks.
+
+Each schedule is one run of `python -m dsv3_plugin.megatron.pretrain_gpt --nproc P` (Megatron-LM's own training
+loop, mock data, the tiny preset with `--layers` decoder layers, fp32, same seed and flags; only
+`--dsv3-pipeline-schedule` differs), one after the other in this process's run. The figures are the pipeline
+runtime's own per-step accounting that `--dsv3-metrics` writes for every iteration (`pipeline_ranks`: busy = time in
+stage compute, its P2P waits excluded; idle = time waiting on a peer during the schedule), summed over the
+measured iterations (the first `--warmup` are left out): a rank's idle fraction = idle / (busy + idle). Step time:
+per iteration the slowest rank's step wall time (`wall_s`), the median over the measured iterations.
+`ours` = DualPipeV's idle fraction averaged over ranks, `baseline` = 1F1B's, `ratio` = baseline / ours (> 1:
+DualPipeV idles less). Needs megatron-core >= 0.19 (`megatron.training`); with an older one it prints why and exits 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+from dsv3_plugin.bench import positive_int
+
+__all__ = ["add_arguments", "run", "summarize"]
+
+SCHEDULES = ("dualpipev", "1f1b")  # ours first, the baseline second
+
+
+def add_arguments(p):
+    p.add_argument("--pp", type=positive_int, default=2, help="pipeline ranks (spawned gloo processes)")
+    p.add_argument("--layers", type=positive_int, default=4, help="decoder layers of the tiny preset")
+    p.add_argument("--micro-batch", type=positive_int, default=2, help="--micro-batch-size")
+    p.add_argument("--chunks", type=positive_int, default=8, help="micro-batches per step (>= 2 x pp)")
+    p.add_argument("--seq-len", type=positive_int, default=64, help="--seq-length")
+    p.add_argument("--iters", type=positive_int, default=8, help="iterations per schedule")
+    p.add_argument("--warmup", type=int, default=2, help="first iterations left out of the figures")
+
+
+def summarize(rows: list[dict], warmup: int) -> dict:
+    """Per-rank idle fractions and the step time from `--dsv3-metrics` lines.
+
+    Args:
+        rows: the JSON lines of one run (each with `pipeline_ranks`).
+        warmup: how many of the first iterations to leave out.
+
+    Returns:
+        {"iterations", "idle_fraction" (per rank), "idle_fraction_mean", "busy_s", "idle_s" (per rank, summed),
+        "a2a_wait_s" (per rank, summed), "step_s" (median over iterations of the slowest rank's wall time)}.
+    """
+    rows = rows[warmup:]
+    if not rows:
+        raise ValueError("no measured iterations (--iters must exceed --warmup)")
+    P = len(rows[0]["pipeline_ranks"])
+    busy, idle, a2a = [0.0] * P, [0.0] * P, [0.0] * P
+    for r in rows:
+        for e in r["pipeline_ranks"]:
+            busy[e["pp"]] += e["busy_s"]
+            idle[e["pp"]] += e["idle_s"]
+            a2a[e["pp"]] += e["a2a_wait_s"]
+    frac = [i / (b + i) if b + i > 0 else 0.0 for b, i in zip(busy, idle)]
+    return {
+        "iterations": [r["iteration"] for r in rows],
+        "idle_fraction": frac,
+        "idle_fraction_mean": sum(frac) / P,
+        "busy_s": busy,
+        "idle_s": idle,
+        "a2a_wait_s": a2a,
+        "step_s": statistics.median(max(e["wall_s"] for e in r["pipeline_ranks"]) for r in rows),
+    }
+
+
+def _flags(args, schedule: str, cfg_path: str, metrics: str) -> list[str]:
+    return [
+        "--nproc",
+        str(args.pp),
+        "--dsv3-config",
+        cfg_path,
+        "--dsv3-metrics",
+        metrics,
+        "--dsv3-pipeline-schedule",
+        schedule,
+        "--spec",
+        "dsv3_plugin.megatron",
+        "layer_spec",
+        "--pipeline-model-parallel-size",
+        str(args.pp),
+        "--micro-batch-size",
+        str(args.micro_batch),
+        "--global-batch-size",
+        str(args.micro_batch * args.chunks),
+        "--seq-length",
+        str(args.seq_len),
+        "--train-iters",
+        str(args.iters),
+        "--lr",
+        "1e-3",
+        "--mock-data",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--log-interval",
+        "1",
+        "--eval-interval",
+        "1000000",
+        "--eval-iters",
+        "0",
+        "--seed",
+        "1234",
+    ]
+
+
+def run(args) -> dict:
+    from importlib.util import find_spec
+
+    if find_spec("megatron") is None or find_spec("megatron.training") is None:
+        print(
+            "error: dsv3 bench megatron-pipeline: needs megatron-core >= 0.19 (megatron.training, Megatron's "
+            "pretrain() loop); this environment has none",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+    if args.chunks < 2 * args.pp:
+        print(f"error: --chunks {args.chunks}: DualPipeV needs >= 2 x --pp = {2 * args.pp}", file=sys.stderr)
+        raise SystemExit(2)
+    if args.warmup < 0 or args.warmup >= args.iters:
+        print(f"error: --warmup {args.warmup}: must be >= 0 and < --iters {args.iters}", file=sys.stderr)
+        raise SystemExit(2)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [root, env.get("PYTHONPATH", "")] if p)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    res: dict = {
+        "pp": args.pp,
+        "layers": args.layers,
+        "micro_batch": args.micro_batch,
+        "chunks": args.chunks,
+        "seq_len": args.seq_len,
+        "iters": args.iters,
+        "warmup": args.warmup,
+        "schedules": {},
+    }
+    with tempfile.TemporaryDirectory(prefix="dsv3-bench-megatron-pipeline-") as tmp:
+        cfg_path = os.path.join(tmp, "ds.json")
+        with open(cfg_path, "w") as f:
+            json.dump({"dsv3": {"preset": "tiny", "model": {"num_hidden_layers": args.layers}}}, f)
+        for s in SCHEDULES:
+            metrics = os.path.join(tmp, f"{s}.jsonl")
+            cmd = [sys.executable, "-m", "dsv3_plugin.megatron.pretrain_gpt", *_flags(args, s, cfg_path, metrics)]
+            p = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True)
+            if p.returncode != 0:
+                raise RuntimeError(f"pretrain_gpt --dsv3-pipeline-schedule {s} failed:\n{p.stderr[-4000:]}")
+            with open(metrics) as f:
+                rows = [json.loads(line) for line in f if line.strip()]
+            res["schedules"][s] = summarize(rows, args.warmup)
+    ours, base = res["schedules"]["dualpipev"], res["schedules"]["1f1b"]
+    res["figure"] = "mean idle fraction per pipeline rank in Megatron's pretrain(): DualPipeV (ours) vs 1F1B (baseline)"
+    res["ours"], res["baseline"] = ours["idle_fraction_mean"], base["idle_fraction_mean"]
+    res["ratio"] = base["idle_fraction_mean"] / max(ours["idle_fraction_mean"], 1e-12)
+    res["step_s"] = {"dualpipev": ours["step_s"], "1f1b": base["step_s"]}
+    res["step_ratio"] = base["step_s"] / ours["step_s"]
+    return res
