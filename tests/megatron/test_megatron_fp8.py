@@ -21,8 +21,12 @@ the FP8 kernels — the same conversion `dsv3 train` applies (`training.transfor
   differs is the op order before each quantizer.
 - (d) bad input: a flag that contradicts the block, an unsupported recipe / format, TP > 1: one line, exit 2.
 
-(a) needs megatron-core >= 0.19 (`megatron.training`) and is skipped on 0.16.1; (b), (c) and most of (d) run on
-both.
+- EP = 2: the expert-parallel layers send the FP8 all-to-all payload, and the losses equal sending the rows as
+  they are (pow2 re-quantization is exact).
+
+(a) and (d) need megatron-core >= 0.19 (`megatron.training`) and are skipped on 0.16.1; (c) runs on both; (b) runs
+only in the 0.16.1 environment and the EP = 2 check only in the 0.19 one (megatron-core only, so the same code on
+both: each once, for CI time).
 """
 
 import json
@@ -179,6 +183,44 @@ def test_one_projection_equals_fp8_linear_bit_for_bit(chunk):
 def test_routed_experts_equal_the_emulated_fp8_gemms(chunk):
     assert chunk["experts_equal"]
     assert chunk["finite_grads"] and 0 < chunk["loss"] < 20
+
+
+def _ep_worker():
+    """EP = 2 (Megatron's expert-model-parallel groups): the chunk's expert-parallel MoE layers get the FP8 all-to-all
+    payload (`fp8.dispatch`). The expert inputs already carry its numerics (pow2 1x128 quantize-dequantize in the
+    FP8 expert kernel), and re-quantizing with power-of-2 scales is exact: the losses equal those of the same chunk
+    sending the rows as they are, bit for bit, while the bytes that cross ranks shrink."""
+    from dsv3_plugin.config import load_config
+    from dsv3_plugin.megatron.fp8 import convert_chunk_to_fp8
+    from dsv3_plugin.megatron.gpt import build_gpt_model, causal_inputs
+    from dsv3_plugin.megatron.runtime import init_megatron, shutdown_megatron
+    from dsv3_plugin.parallel.dispatch import FP8Codec
+    from dsv3_plugin.parallel.expert_parallel import ExpertParallelMoE
+
+    init_megatron(ep=2)
+    cfg = load_config({"preset": "tiny", "fp8": FP8_BLOCK})
+    model = build_gpt_model(cfg)
+    convert_chunk_to_fp8(model, cfg.fp8)
+    moes = [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
+    out = {"moes": len(moes), "codecs": all(isinstance(m.codec, FP8Codec) for m in moes)}
+    ids = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    for name, codec in (("fp8", FP8Codec()), ("plain", None)):
+        for m in moes:
+            m.codec = codec
+            m.reset_dispatch_counters()
+        with torch.no_grad():
+            out[name] = model(ids, *causal_inputs(ids), labels=ids)  # per-token LM loss (the MTP block runs too)
+        out[name + "_bytes"] = sum(m.dispatch_counters["cross_node_bytes"] for m in moes)
+    shutdown_megatron()
+    return out
+
+
+@pytest.mark.skipif(not HAVE_TRAINING, reason="run in the megatron-core 0.19 environment of make test (CI time)")
+def test_ep2_sends_the_fp8_payload_and_changes_no_number():
+    for r in run_ranks(_ep_worker, 2):
+        assert r["moes"] == 3 and r["codecs"]
+        assert torch.equal(r["fp8"], r["plain"])
+        assert 0 < r["fp8_bytes"] < r["plain_bytes"] / 3  # 1 byte + a 4-byte scale per 128 vs 4 bytes per value
 
 
 # --- (b) FP8 vs the non-FP8 path over 200 steps ----------------------------------------------------------------
