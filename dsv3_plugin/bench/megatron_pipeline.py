@@ -1,4 +1,4 @@
-"""Pipeline bubble in Megatron's `pretrain()`: DualPipeV vs 1F1B (the plugin's schedules as Megatron's
+"""Pipeline bubble in Megatron's `pretrain()`: DualPipeV (and DualPipe) vs 1F1B (the plugin's schedules as Megatron's
 forward-backward function), idle fraction per pipeline rank and step time, measured on gloo ranks.
 
 Each schedule is one run of `python -m dsv3_plugin.megatron.pretrain_gpt --nproc P` (Megatron-LM's own training
@@ -7,9 +7,10 @@ loop, mock data, the tiny preset with `--layers` decoder layers, fp32, same seed
 runtime's own per-step accounting that `--dsv3-metrics` writes for every iteration (`pipeline_ranks`: busy = time in
 stage compute, its P2P waits excluded; idle = time waiting on a peer during the schedule), summed over the
 measured iterations (the first `--warmup` are left out): a rank's idle fraction = idle / (busy + idle). Step time:
-per iteration the slowest rank's step wall time (`wall_s`), the median over the measured iterations.
-`ours` = DualPipeV's idle fraction averaged over ranks, `baseline` = 1F1B's, `ratio` = baseline / ours (> 1:
-DualPipeV idles less). Needs megatron-core >= 0.19 (`megatron.training`); with an older one it prints why and exits 2.
+per iteration the slowest rank's step wall time (`wall_s`, DualPipe's mirror gradient exchange included), the median
+over the measured iterations. `ours` = DualPipeV's idle fraction averaged over ranks, `baseline` = 1F1B's, `ratio` =
+baseline / ours (> 1: DualPipeV idles less); DualPipe's figures and its ratio to 1F1B are reported beside them.
+Needs megatron-core >= 0.19 (`megatron.training`); with an older one it prints why and exits 2.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from dsv3_plugin.bench import positive_int
 
 __all__ = ["add_arguments", "run", "summarize"]
 
-SCHEDULES = ("dualpipev", "1f1b")  # ours first, the baseline second
+SCHEDULES = ("dualpipev", "dualpipe", "1f1b")  # ours, DualPipe, the baseline
 
 
 def add_arguments(p):
@@ -123,6 +124,9 @@ def run(args) -> dict:
     if args.chunks < 2 * args.pp:
         print(f"error: --chunks {args.chunks}: DualPipeV needs >= 2 x --pp = {2 * args.pp}", file=sys.stderr)
         raise SystemExit(2)
+    if args.pp % 2 or args.chunks % 2:
+        print(f"error: --pp {args.pp} --chunks {args.chunks}: DualPipe needs both even", file=sys.stderr)
+        raise SystemExit(2)
     if args.warmup < 0 or args.warmup >= args.iters:
         print(f"error: --warmup {args.warmup}: must be >= 0 and < --iters {args.iters}", file=sys.stderr)
         raise SystemExit(2)
@@ -157,6 +161,9 @@ def run(args) -> dict:
     res["figure"] = "mean idle fraction per pipeline rank in Megatron's pretrain(): DualPipeV (ours) vs 1F1B (baseline)"
     res["ours"], res["baseline"] = ours["idle_fraction_mean"], base["idle_fraction_mean"]
     res["ratio"] = base["idle_fraction_mean"] / max(ours["idle_fraction_mean"], 1e-12)
-    res["step_s"] = {"dualpipev": ours["step_s"], "1f1b": base["step_s"]}
+    res["step_s"] = {s: res["schedules"][s]["step_s"] for s in SCHEDULES}
     res["step_ratio"] = base["step_s"] / ours["step_s"]
+    both = res["schedules"]["dualpipe"]
+    res["dualpipe_ratio"] = base["idle_fraction_mean"] / max(both["idle_fraction_mean"], 1e-12)
+    res["dualpipe_step_ratio"] = base["step_s"] / both["step_s"]
     return res

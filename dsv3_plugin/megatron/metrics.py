@@ -12,9 +12,10 @@ line also holds `pipeline_schedule` (its name) and `pipeline_ranks`: one record 
 pipeline-rank order, measured by the pipeline runtime during that iteration's training step
 (`schedules.take_step_figures`): `pp`, `busy_s` (stage compute, its P2P waits excluded), `idle_s` (waiting on a
 peer during the schedule: the bubble), `idle_fraction` = idle / (busy + idle), `a2a_wait_s` (blocked in the
-plugin's EP all-to-all waits: the exposed all-to-all time, part of busy), `grad_sync_s` (a mirror gradient
-exchange, apart from idle), `wall_s` (the step), `w_closures` (deferred weight-gradient jobs run by W ops) and
-`fb_hook` (F&B pairs run overlapped). Megatron's own schedules report none of these (the keys are absent).
+plugin's EP all-to-all waits: the exposed all-to-all time, part of busy), `grad_sync_s` (DualPipe's mirror
+gradient exchange: apart from idle, inside wall_s), `wall_s` (the step), `w_closures` (deferred weight-gradient
+jobs run by W ops) and `fb_hook` (F&B pairs run overlapped). Megatron's own schedules report none of these (the
+keys are absent).
 
 With DualPipe (two model copies) the router figures count copy A's routers (as at PP = 1), and `copy_sums` =
 {"A": [...], "B": [...]}: per model stage, the float64 sum of the copy's parameters and floating buffers (router

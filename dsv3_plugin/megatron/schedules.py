@@ -278,8 +278,9 @@ def _forward_backward(
         # them over data parallel and steps the expert biases; the embedding copies on one rank summed first
         sum_embedding_copy_grads(chunks)
         sync_s = sum_mirror_grads(chunks, rt.rank, rt.P, group, lambda c: stages[c][0])
-        if _LAST_TRAIN_STEP is not None:
+        if _LAST_TRAIN_STEP is not None:  # as the runtime counts its own mirror exchange: in the step, not idle
             _LAST_TRAIN_STEP["grad_sync_s"] += sync_s
+            _LAST_TRAIN_STEP["wall_s"] += sync_s
     if not forward_only:
         if config.finalize_model_grads_func is not None:
             kw = {}

@@ -57,6 +57,7 @@ def test_refused_without_megatron_training(capsys):
     [
         (["--chunks", "3"], "--chunks 3: DualPipeV needs >= 2 x --pp = 4"),
         (["--iters", "2", "--warmup", "2"], "--warmup 2: must be >= 0 and < --iters 2"),
+        (["--chunks", "5"], "--pp 2 --chunks 5: DualPipe needs both even"),
     ],
 )
 def test_bad_arguments_name_the_flag(argv, msg, capsys):
