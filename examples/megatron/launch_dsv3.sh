@@ -11,8 +11,8 @@
 # Layout: PP16 with uneven first/last stages (3 + 14 x 4 + 2 = 61 layers; the MTP layer and the output head sit
 # on the last stage), EP64 (256 experts, 4 per rank), TP1, data parallel 2048/16 = 128 with ZeRO-1 (Megatron's
 # distributed optimizer shards optimizer state only). FP8: Transformer Engine's blockwise recipe (1x128 activation
-# tiles, 128x128 weight blocks, E4M3), applied by TE to the layers it builds (MLA projections); the DeepSeekMoE
-# experts run in BF16 on this path.
+# tiles, 128x128 weight blocks, E4M3), run by TE in the layers it builds (MLA projections) and by the plugin's FP8
+# kernels in the DeepSeekMoE experts (docs/megatron.md, "FP8 with Megatron").
 set -euo pipefail
 NNODES=${NNODES:-256}
 NPROC_PER_NODE=${NPROC_PER_NODE:-8}
