@@ -6,7 +6,8 @@ Each rank first builds the whole model at PP = 1 and runs the micro-batches one 
 batch losses, accumulated gradients), then re-initializes Megatron with PP = 2 and two model chunks per rank
 (`initialize_model_parallel(..., virtual_pipeline_model_parallel_size=2, get_embedding_ranks=embedding_ranks)`),
 builds the chunks with the `DualPipeVLayout` config, copies the reference weights in by global layer number, and
-runs one DualPipeV step.
+runs one DualPipeV step. The same for DualPipe's two mirrored copies (`test_dualpipe_copies_of_gptmodel_run_like_pp1`),
+whose copy B must also equal copy A right after the build (each rank's fresh weights differ).
 """
 
 import pytest
@@ -200,3 +201,151 @@ def test_v_chunks_of_gptmodel_run_dualpipev_like_pp1():
     assert reps[1]["losses_equal"] is True and reps[1]["n_store"] == C  # on the last pipeline rank
     assert reps[0]["n_store"] == 0
     assert reps[0]["copies_equal_grads"] is True  # the copy's gradient summed with the original's
+
+
+def _worker_dualpipe():
+    """DualPipe's two mirrored copies (rank r: stage r of copy A, stage 1-r of copy B) built by Megatron on 2 ranks:
+    copy B equal to copy A right after the build (fresh weights, before any load); then the reference weights in by
+    global layer number and one DualPipe step through Megatron's hook against the whole model."""
+    from dsv3_plugin.parallel.distributed import init_distributed
+
+    r, _ = init_distributed()
+    import megatron.core.pipeline_parallel as pp_pkg
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+    from tolerance import check_within, model_bound
+
+    from dsv3_plugin.config import load_config
+    from dsv3_plugin.megatron.dualpipev import (
+        DualPipeVLayout,
+        embedding_ranks,
+        mirror_stage,
+        stage_ends,
+        stage_layer_counts,
+        tie_embedding_copy,
+    )
+    from dsv3_plugin.megatron.gpt import build_gpt_model
+    from dsv3_plugin.megatron.schedules import forward_backward_dualpipe
+    from dsv3_plugin_patches import megatron_cpu, megatron_dualpipe
+    from dsv3_plugin_patches.megatron_cpu import _CudaLiteralsOnCPU
+
+    cfg = load_config(DSV3)
+    data = _data()
+    megatron_cpu.apply()
+    rep = {}
+
+    def by_stage(chunks, what):
+        """{stage of copy: [tensors]} of this rank's chunks, gathered from both ranks: {(copy, stage): [...]}."""
+        mine = {
+            ("AB"[vp], mirror_stage(r, vp, P)): [t.detach().clone() for t in what(c)] for vp, c in enumerate(chunks)
+        }
+        every = [None] * P
+        dist.all_gather_object(every, mine)
+        return {k: v for e in every for k, v in e.items()}
+
+    with _CudaLiteralsOnCPU(), megatron_dualpipe.dualpipe_schedule("dualpipe"):
+        _mp_init(1)
+        torch.manual_seed(0)
+        ref = build_gpt_model(DSV3)
+        MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1) / C)
+        MTPLossAutoScaler.set_loss_scale(torch.ones(1) / C)
+        ref_sums = []
+        for it in [iter([d]) for d in data]:
+            out, lf = _forward_step(it, ref)
+            loss, n, rd = lf(out)
+            (loss / n / C).backward()
+            ref_sums.append(rd["lm loss"])
+        ref_params = {k: v.detach().clone() for k, v in ref.state_dict().items() if torch.is_tensor(v)}
+        ref_grads = {k: p.grad.detach().clone() for k, p in ref.named_parameters() if p.grad is not None}
+        ps.destroy_model_parallel()
+
+        _mp_init(P, 2, embedding_ranks)
+        layout = DualPipeVLayout.for_schedule("dualpipe", stage_layer_counts(L, P, n_stages=P), cfg.mtp.depth)
+        torch.manual_seed(100 + r)  # each rank's fresh weights differ: equal copies come from the build-time exchange
+        chunks = []
+        for vp in range(2):
+            pre, post = stage_ends(r, vp, P, schedule="dualpipe")
+            m = build_gpt_model(
+                DSV3,
+                pre_process=pre,
+                post_process=post,
+                vp_stage=vp,
+                pipeline_model_parallel_size=P,
+                virtual_pipeline_model_parallel_size=2,
+                pipeline_model_parallel_layout=layout,
+                pipeline_dtype=torch.float32,
+            )
+            tie_embedding_copy(m, pre, post, vp_stage=vp, schedule="dualpipe")
+            m.vp_stage = vp
+            chunks.append(m)
+        rep["layers"] = [[layer.layer_number for layer in c.decoder.layers] for c in chunks]
+        rep["ends"] = [(c.pre_process, c.post_process, hasattr(c, "mtp")) for c in chunks]
+        built = by_stage(chunks, lambda c: list(c.parameters()))
+        rep["copies_equal_at_build"] = all(
+            len(built[("A", s)]) == len(built[("B", s)]) and all(map(torch.equal, built[("A", s)], built[("B", s)]))
+            for s in range(P)
+        )
+        rep["copy_b_shared"] = all(getattr(p, "shared", False) for p in chunks[1].parameters())
+        emb = [c.embedding.word_embeddings.weight for c in chunks if hasattr(c, "embedding")]
+        rep["embedding_copies_equal"] = len(emb) == 2 and torch.equal(emb[0], emb[1])
+        missing = []
+        with torch.no_grad():
+            for vp, c in enumerate(chunks):
+                off = layout.get_layer_offset(vp_stage=vp, pp_rank=r)
+                for name, t in c.state_dict().items():
+                    if not torch.is_tensor(t) or name.endswith("_extra_state"):
+                        continue
+                    g = _global_name(name, off)
+                    if g in ref_params:
+                        t.copy_(ref_params[g])
+                    else:
+                        missing.append(g)
+        rep["missing"] = missing
+        for c in chunks:
+            c.config.finalize_model_grads_func = None
+            c.config.grad_scale_func = None
+        fb = pp_pkg.get_forward_backward_func()
+        rep["hooked"] = fb is forward_backward_dualpipe
+        store = fb(
+            forward_step_func=_forward_step,
+            data_iterator=iter(data),
+            model=chunks,
+            num_microbatches=C,
+            seq_length=T,
+            micro_batch_size=B,
+        )
+        rep["n_store"] = len(store)
+        if r == P - 1:  # micro-batches 0-1 through copy A, 2-3 through copy B; all in order on the last rank
+            rep["losses_equal"] = len(store) == C and all(torch.equal(a["lm loss"], b) for a, b in zip(store, ref_sums))
+        errs = []
+        for vp, c in enumerate(chunks):
+            off = layout.get_layer_offset(vp_stage=vp, pp_rank=r)
+            for name, p in c.named_parameters():
+                want = ref_grads[_global_name(name, off)]
+                # each copy's half of the batch, summed by the mirror exchange: a reordered backward
+                errs.append(check_within(p.grad, want, model_bound(want, cfg, C * B * T, passes=2), name))
+        rep["grad_errors"] = [e for e in errs if e]
+        grads = by_stage(chunks, lambda c: [p.grad for p in c.parameters()])
+        rep["copies_equal_grads"] = all(all(map(torch.equal, grads[("A", s)], grads[("B", s)])) for s in range(P))
+        ps.destroy_model_parallel()
+    megatron_cpu.revert()
+    return rep
+
+
+@pytest.mark.dist
+def test_dualpipe_copies_of_gptmodel_run_like_pp1():
+    reps = run_ranks(_worker_dualpipe, 2, timeout_s=300)
+    # stage 0 of a copy holds layers 1-2 (and the embedding), stage 1 layers 3-4 (head, MTP, loss)
+    assert reps[0]["layers"] == [[1, 2], [3, 4]] and reps[1]["layers"] == [[3, 4], [1, 2]], reps
+    assert reps[0]["ends"] == [(True, False, False), (False, True, True)], reps[0]["ends"]
+    assert reps[1]["ends"] == [(False, True, True), (True, False, False)], reps[1]["ends"]
+    for rep in reps:
+        assert rep["copies_equal_at_build"] is True and rep["copy_b_shared"] is True
+        assert rep["embedding_copies_equal"] is True  # each end rank: one copy's embedding, the other's head copy
+        assert rep["missing"] == [] and rep["hooked"] is True
+        assert rep["grad_errors"] == [], rep["grad_errors"]
+        assert rep["copies_equal_grads"] is True
+    assert reps[1]["losses_equal"] is True and reps[1]["n_store"] == C
+    assert reps[0]["n_store"] == 0
