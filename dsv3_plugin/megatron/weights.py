@@ -88,12 +88,14 @@ def hf_to_megatron_name(
     key = parse_released(hf, L)
     if key.scope == "top":
         return _target(key, inner, stage_local=True)
+    # MTP's tensors live on the stage that holds the MTP block (the last one; in DualPipeV's V, chunk 1 of rank 0)
+    mtp = key.scope in ("mtp", "mtp_layer")
     if key.scope == "layer":
         if not offset <= key.index < offset + n_local:
             return None
         key = key.with_index(index=key.index - offset)
     if key.expert is None:
-        return _target(key, inner)
+        return _target(key, inner, stage_local=mtp)
     if key.expert >= n_experts:
         raise CheckpointError(
             f"{hf}: unexpected tensor (expert {key.expert} but the model has {n_experts} routed experts)"
@@ -101,7 +103,7 @@ def hf_to_megatron_name(
     per_rank = n_experts // ep
     if key.expert // per_rank != ep_rank:
         return None
-    return _target(key, inner, index=key.expert % per_rank)
+    return _target(key, inner, index=key.expert % per_rank, stage_local=mtp)
 
 
 def megatron_layout_to_ours(name: str, inner: str | None = None) -> list[_Target]:
