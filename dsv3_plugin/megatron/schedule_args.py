@@ -37,11 +37,6 @@ def resolve_pipeline_schedule(args, parser, explicit: set[str], cfg: DSv3Config,
     ConfigErrors naming both."""
     flag = getattr(args, "dsv3_pipeline_schedule", None)
     block = cfg.parallel.schedule if "schedule" in cfg.parallel.model_fields_set else None
-    if cfg.parallel.split_weight_grads:  # a key training would ignore is an error, not a silent no-op
-        raise ConfigError(
-            f"{where} dsv3.parallel.split_weight_grads = true: the W split runs in `dsv3 train` only; "
-            "Megatron's layers compute weight gradients in their own backward (set it false or null)"
-        )
     if cfg.parallel.overlap_ep_comm:
         raise ConfigError(
             f"{where} dsv3.parallel.overlap_ep_comm = true: the overlapped FB pairs run in `dsv3 train` "
@@ -57,7 +52,15 @@ def resolve_pipeline_schedule(args, parser, explicit: set[str], cfg: DSv3Config,
             f"{block!r}; drop the flag or change the dsv3 block"
         )
     chosen = flag or (block if block in TWO_CHUNK else "megatron")
-    if chosen == "megatron" or getattr(args, "pipeline_model_parallel_size", 1) == 1:
+    pp = getattr(args, "pipeline_model_parallel_size", 1)
+    if cfg.parallel.split_weight_grads and (chosen not in TWO_CHUNK or pp == 1):
+        # a key training would ignore is an error, not a silent no-op
+        raise ConfigError(
+            f"{where} dsv3.parallel.split_weight_grads = true: with Megatron the W split runs in the plugin's "
+            "dualpipev / dualpipe schedules (their W ops) at --pipeline-model-parallel-size > 1 "
+            f"(here: {chosen}, pipeline size {pp}); set it false or null"
+        )
+    if chosen == "megatron" or pp == 1:
         return chosen
     for dest, why in _OURS_REFUSED:
         v = getattr(args, dest, None)
@@ -85,6 +88,17 @@ def apply_pipeline_schedule(args, schedule: str, cfg: DSv3Config) -> list[str]:
         if schedule != "megatron":
             return [f"--dsv3-pipeline-schedule {schedule}: no pipeline at --pipeline-model-parallel-size 1"]
         return []
+    notes = _layout_notes(args, schedule, cfg)
+    if cfg.parallel.split_weight_grads:
+        notes.append(
+            f"the W split ({schedule}'s W ops): the plugin's dense-MLP and expert GEMMs defer their weight gradients; "
+            "Megatron's own linears (MLA, output head, MTP projection) compute theirs in the input backward"
+        )
+    return notes
+
+
+def _layout_notes(args, schedule: str, cfg: DSv3Config) -> list[str]:
+    """The two-chunk layout of DualPipe / DualPipeV on `args` (refusing one the schedule cannot run) and its note."""
     if schedule == "dualpipe":
         pp, dp = args.pipeline_model_parallel_size, args.data_parallel_size
         n_mb = args.global_batch_size // (args.micro_batch_size * dp)

@@ -27,6 +27,7 @@ from torch import nn
 
 from dsv3_plugin.megatron.dualpipev import mirror_stage, sum_embedding_copy_grads, sum_mirror_grads, v_stage
 from dsv3_plugin.parallel.pipeline.runtime import DualPipe, DualPipeV, OneFOneB
+from dsv3_plugin.parallel.pipeline.weight_grad import split_weight_grads
 
 __all__ = [
     "forward_backward_dualpipev",
@@ -151,6 +152,14 @@ def _runtime(cls, chunks, group, config):
         ]
         cfg = getattr(config, "dsv3_config", None)  # a config built from a dsv3 block carries its P2P limit
         timeout = float(cfg.parallel.p2p_timeout_s) if cfg is not None else 600.0
+        if cfg is not None and cfg.parallel.split_weight_grads and cls.schedule_name in ("dualpipev", "dualpipe"):
+            # the W split (paper §3.2.1): the plugin's GEMMs (dense MLP, routed and shared experts) defer their
+            # weight gradients to the schedule's W ops; Megatron's own linears compute theirs inside I
+            if sum(split_weight_grads(c) for c in chunks) == 0:
+                raise ValueError(
+                    f"dsv3.parallel.split_weight_grads = true: no layer of the plugin in the {cls.schedule_name} "
+                    "chunks defers its weight gradients (a --spec without the plugin's FFN?)"
+                )
         # DualPipe's mirror exchange runs here on Megatron's gradients (`main_grad`), not in the runtime (`.grad`)
         rt = cls(
             stages,
@@ -257,6 +266,8 @@ def _forward_backward(
         else:
             rt.step(num_chunks=num_microbatches, criterion=criterion)
             _record_step(rt)
+            if rt.last_step.get("w_closures"):
+                _deferred_grads_to_main_grad(chunks)
         mtp_values = last.mtp_per_forward
     finally:
         # The cached runtime outlives the step; holding Megatron's data iterator in it would keep the DataLoader's
@@ -293,6 +304,16 @@ def _forward_backward(
         if name != "dualpipe":
             sum_embedding_copy_grads(chunks)
     return forward_data_store
+
+
+def _deferred_grads_to_main_grad(chunks) -> None:
+    """W ops add deferred weight gradients to `.grad` directly (no AccumulateGrad, so Megatron DDP's hook, which
+    moves `.grad` into `main_grad`, does not run for them): move them as that hook does."""
+    for c in chunks:
+        for p in torch.nn.Module.parameters(c):
+            if p.grad is not None and getattr(p, "main_grad", None) is not None:
+                p.main_grad.add_(p.grad.to(p.main_grad.dtype))
+                p.grad = None
 
 
 def _record_step(rt) -> None:

@@ -2,9 +2,9 @@
 dsv3_plugin.megatron.pretrain_gpt`, run as a user runs it, gloo on CPU): Megatron's GPTModel built from our spec
 (`--spec dsv3_plugin.megatron layer_spec`) cut into DualPipeV's V (`--pipeline-model-parallel-size 2
 --dsv3-pipeline-schedule dualpipev`: rank r holds stages r and 3-r, embedding, head, MTP and loss on rank 0), into
-DualPipe's two mirrored copies (`--dsv3-pipeline-schedule dualpipe`: rank r holds stage r of copy A and stage 1-r
-of copy B; micro-batches 0-1 enter at rank 0, 2-3 at rank 1), and our 1F1B through the same hook as the baseline,
-against the PP = 1 run on the same data and global batch.
+DualPipe's two mirrored copies (the dsv3 block's `"schedule": "dualpipe"`, with the W split: rank r holds stage r
+of copy A and stage 1-r of copy B; micro-batches 0-1 enter at rank 0, 2-3 at rank 1), and our 1F1B through the
+same hook as the baseline, against the PP = 1 run on the same data and global batch.
 
 Same starting point for all four: the PP = 1 run (one rank, Megatron's no-pipelining schedule) trains 10
 iterations and saves a torch_dist checkpoint at iteration 5; the PP = 2 runs load it (Megatron reshards by the
@@ -35,12 +35,13 @@ pytestmark = pytest.mark.dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DSV3 = {"preset": "tiny", "model": {"num_hidden_layers": 4}}
+DSV3_DUALPIPE = {**DSV3, "parallel": {"pp": 2, "schedule": "dualpipe", "split_weight_grads": True}}
 MBS, GBS, SEQ = 2, 8, 32
 FLAGS = MEGATRON_SPEC + tiny_megatron_args(11, mbs=MBS, gbs=GBS, seq=SEQ)
 LOADED = 5  # the PP = 2 runs resume from the iteration-5 checkpoint
 
 
-def _run(tmp, name, nproc, extra):
+def _run(tmp, name, nproc, extra, config="ds.json"):
     metrics = tmp / f"{name}.jsonl"
     cmd = (
         [
@@ -50,7 +51,7 @@ def _run(tmp, name, nproc, extra):
             "--nproc",
             str(nproc),
             "--dsv3-config",
-            str(tmp / "ds.json"),
+            str(tmp / config),
             "--dsv3-metrics",
             str(metrics),
         ]
@@ -75,6 +76,7 @@ def _run(tmp, name, nproc, extra):
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dualpipev")
     (tmp / "ds.json").write_text(json.dumps({"dsv3": DSV3}))
+    (tmp / "ds_dualpipe.json").write_text(json.dumps({"dsv3": DSV3_DUALPIPE}))
     ck, ck_v = str(tmp / "ckpt"), str(tmp / "ckpt_v")
     out = {"pp1": _run(tmp, "pp1", 1, ["--save", ck, "--save-interval", str(LOADED)])}
     load = ["--load", ck, "--ckpt-step", str(LOADED), "--pipeline-model-parallel-size", "2", "--exit-interval", "10"]
@@ -85,11 +87,13 @@ def runs(tmp_path_factory):
         load + ["--dsv3-pipeline-schedule", "dualpipev", "--save", ck_v, "--save-interval", str(LOADED)],
     )
     out["1f1b"] = _run(tmp, "1f1b", 2, load + ["--dsv3-pipeline-schedule", "1f1b"])
+    # DualPipe chosen by the dsv3 block, with the W split
     out["dualpipe"] = _run(
         tmp,
         "dualpipe",
         2,
-        load + ["--dsv3-pipeline-schedule", "dualpipe", "--save", str(tmp / "ckpt_dp"), "--save-interval", str(LOADED)],
+        load + ["--save", str(tmp / "ckpt_dp"), "--save-interval", str(LOADED)],
+        config="ds_dualpipe.json",
     )
     out["ckpt_v"], out["ckpt_dp"] = tmp / "ckpt_v", tmp / "ckpt_dp"
     # and back: the V's iteration-10 checkpoint, loaded at PP = 1, trains iteration 11
@@ -134,6 +138,7 @@ def test_the_v_layout_is_what_runs(runs):
         "decoder layers (rank r holds stage r of copy A and stage 1-r of copy B; micro-batches 0..1 enter at rank 0, "
         "2..3 at rank 1)"
     ) in runs["dualpipe"]["log"]
+    assert "the W split (dualpipe's W ops): the plugin's dense-MLP and expert GEMMs defer" in runs["dualpipe"]["log"]
     assert "mtp_1 loss" in log  # Megatron logs the MTP loss computed on rank 0 too
     assert "mtp_1 loss" in runs["dualpipe"]["log"]
     for k in ("dualpipev", "1f1b", "dualpipe"):
@@ -274,6 +279,7 @@ def test_idle_per_rank_reported_in_the_metrics(runs):
                 assert e["busy_s"] > 0 and e["idle_s"] >= 0 and e["a2a_wait_s"] >= 0, (k, e)
                 assert e["idle_fraction"] == e["idle_s"] / (e["busy_s"] + e["idle_s"]), (k, e)
                 assert e["wall_s"] >= e["busy_s"], (k, e)
-                # DualPipe's mirror exchange is timed apart from idle; the others have none
+                # DualPipe's mirror exchange is timed apart from idle; the others have none. DualPipe runs with the W
+                # split: per step, each rank's W ops ran deferred weight-gradient jobs (none without the split)
                 assert (e["grad_sync_s"] > 0) == (k == "dualpipe"), (k, e)
-                assert e["w_closures"] == 0 and e["fb_hook"] == 0, (k, e)
+                assert (e["w_closures"] > 0) == (k == "dualpipe") and e["fb_hook"] == 0, (k, e)
