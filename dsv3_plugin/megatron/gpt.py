@@ -16,8 +16,14 @@ from typing import Any
 
 import torch
 
-from dsv3_plugin.config import ConfigError, DSv3Config, load_config
-from dsv3_plugin.megatron.config import DSv3TransformerConfig, follow_schedules, to_transformer_config
+from dsv3_plugin.config import ConfigError, DSv3Config
+from dsv3_plugin.megatron.config import (
+    DSv3TransformerConfig,
+    config_source,
+    follow_schedules,
+    run_config,
+    to_transformer_config,
+)
 from dsv3_plugin.megatron.dualpipev import DualPipeVLayout, stage_ends, stage_layer_counts, tie_embedding_copy
 from dsv3_plugin.megatron.spec import get_layer_spec, get_mtp_block_spec, have_te
 
@@ -124,6 +130,11 @@ _KEEP = (
     "account_for_loss_in_pipeline_split",
     "variable_seq_lengths",
     "moe_token_dispatcher_type",
+    "moe_router_force_load_balancing",
+    "fp8",
+    "fp8_recipe",
+    "fp8_param",
+    "first_last_layers_bf16",
 )
 
 
@@ -162,12 +173,12 @@ def dualpipev_layout(args, cfg: DSv3Config) -> DualPipeVLayout:
 def transformer_config_from_args(args, base_config=None) -> DSv3TransformerConfig:
     """Megatron-LM `args` (+ the config it built from them) -> our config for `args.dsv3_config`; with DualPipeV
     the config carries the V layout (the first/last-stage layer counts are folded into it)."""
-    cfg = load_config(args.dsv3_config)
+    cfg = run_config(args)
     for key, want in _ARG_CHECKS.items():
         got = getattr(args, key, None)
         if got is not None and got != want(cfg):
             raise ConfigError(
-                f"--{key.replace('_', '-')}: {got} contradicts {args.dsv3_config} ({want(cfg)}); "
+                f"--{key.replace('_', '-')}: {got} contradicts {config_source(args)} ({want(cfg)}); "
                 "drop the flag or change the dsv3 config"
             )
     keep = {}
@@ -347,8 +358,9 @@ def add_dsv3_args(parser, other=None):
         "--dsv3-config",
         type=str,
         default=None,
-        help='JSON file with a "dsv3" block: build the DeepSeek-V3 model (MLA, DeepSeekMoE, MTP) '
-        "from dsv3_plugin instead of Megatron's GPT layers",
+        help='JSON file with a "dsv3" block: the DeepSeek-V3 model (MLA, DeepSeekMoE, MTP) to build; the '
+        "model flags are filled from it or must agree with it. Without it (python -m "
+        "dsv3_plugin.megatron.pretrain_gpt), the block is derived from Megatron's own model flags",
     )
     return parser
 

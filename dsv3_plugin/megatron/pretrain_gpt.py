@@ -4,10 +4,11 @@
     python -m dsv3_plugin.megatron.pretrain_gpt --nproc 2 <flags> --dsv3-config ds.json     # self-spawned ranks
 
 Built on megatron-core's own `megatron.training.pretrain` (in the wheel from 0.19 on; with 0.16 apply
-`patches/pretrain_gpt.diff` to Megatron-LM's `pretrain_gpt.py` instead). It adds `--dsv3-config` (the model and
-the MoE/MTP settings: Megatron's model flags are filled from it or must agree with it), `--spec` defaulting to
-ours, `--dsv3-metrics`, `--nproc` and `--dsv3-pipeline-schedule {dualpipev,1f1b}`. Without CUDA it runs on
-CPU/gloo with the shims of `patches/`. Entry points: `main`, `parse_megatron_args`.
+`patches/pretrain_gpt.diff` to Megatron-LM's `pretrain_gpt.py` instead). It adds `--dsv3-config` (optional: the
+model and the MoE/MTP settings, Megatron's model flags filled from it or checked against it; without it the block
+is derived from Megatron's own model flags, `flags.py`), `--spec` defaulting to ours, `--dsv3-metrics`, `--nproc`
+and `--dsv3-pipeline-schedule {dualpipev,dualpipe,1f1b}`. Without CUDA it runs on CPU/gloo with the shims of
+`patches/`. Entry points: `main`, `parse_megatron_args`.
 
 Fine-tuning (`finetune.py`, `sft_data.py`): `--dsv3-init-from DIR` starts from a released (or converted)
 checkpoint; `--load`/`--pretrained-checkpoint` without a Megatron checkpoint are refused; `--sft` trains on data
@@ -18,6 +19,8 @@ Design notes (every flag, the CPU path): docs/design_notes.md#megatron-pretrain-
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import sys
 from functools import partial
@@ -26,6 +29,7 @@ import torch
 
 from dsv3_plugin.config import ConfigError, load_config
 from dsv3_plugin.errors import CheckpointError, DataError
+from dsv3_plugin.megatron.config import config_source, run_config
 from dsv3_plugin.megatron.dualpipev import embedding_ranks, stage_ends
 from dsv3_plugin.megatron.finetune import (
     add_finetune_args,
@@ -34,7 +38,17 @@ from dsv3_plugin.megatron.finetune import (
     load_initial_weights,
     model_vocab_size,
 )
-from dsv3_plugin.megatron.flags import adapt_to_cpu, explicit_dests, reconcile_args
+from dsv3_plugin.megatron.flags import (
+    FLAGS_SOURCE,
+    adapt_to_cpu,
+    attention_notes,
+    block_from_args,
+    derived_vocab_size,
+    explicit_dests,
+    flag_names_of_keys,
+    flags_config,
+    reconcile_args,
+)
 from dsv3_plugin.megatron.fp8 import install_fp8, resolve_fp8_args
 from dsv3_plugin.megatron.gpt import add_dsv3_args, dualpipev_selected, gpt_builder
 from dsv3_plugin.megatron.metrics import MetricsRecorder
@@ -98,9 +112,9 @@ def parse_megatron_args(
             choices=PIPELINE_SCHEDULES,
             default=None,
             help="with --pipeline-model-parallel-size > 1, run the plugin's pipeline schedule as "
-            "Megatron's forward-backward function: dualpipev (two chunks per rank, the V) or "
-            '1f1b; default: the dsv3 block\'s parallel.schedule if "dualpipev", else '
-            "Megatron's own schedules",
+            "Megatron's forward-backward function: dualpipev (two chunks per rank, the V), dualpipe (two "
+            "mirrored model copies, micro-batches from both ends) or 1f1b; default: the dsv3 block's "
+            'parallel.schedule if "dualpipev" / "dualpipe", else Megatron\'s own schedules',
         )
         captured["parser"] = parser
         return parser
@@ -119,22 +133,29 @@ def parse_megatron_args(
             else:
                 os.environ["WORLD_SIZE"] = saved_ws
     parser = captured["parser"]
-    if not args.dsv3_config:
-        raise ConfigError('--dsv3-config: required (a JSON file with a "dsv3" block)')
     explicit = explicit_dests(parser, argv)
-    cfg = load_config(args.dsv3_config)
-    notes = reconcile_args(args, parser, explicit, cfg, args.dsv3_config)
+    if args.dsv3_config:
+        cfg, where, notes = load_config(args.dsv3_config), args.dsv3_config, []
+        args.dsv3_block = None
+    else:  # Megatron-LM's own DeepSeek-V3 flags describe the model
+        args.dsv3_block, notes = block_from_args(args, parser, derived_vocab_size(args))
+        cfg, where = flags_config(args.dsv3_block, parser), FLAGS_SOURCE
+    notes += reconcile_args(args, parser, explicit, cfg, where)
     on_cpu = not torch.cuda.is_available() if on_cpu is None else on_cpu
     if on_cpu:
         notes += adapt_to_cpu(args, parser, explicit)
-    notes += resolve_fp8_args(args, parser, explicit, cfg, args.dsv3_config, on_cpu)
-    schedule = resolve_pipeline_schedule(args, parser, explicit, cfg, args.dsv3_config)
+    notes += attention_notes(args)
+    notes += resolve_fp8_args(args, parser, explicit, cfg, where, on_cpu)
+    schedule = resolve_pipeline_schedule(args, parser, explicit, cfg, where)
     notes += default_eval_interval(args, explicit)
     # Megatron-LM's default tokenizer, handed over only when --tokenizer-type is absent (Megatron warns about every
     # default it does not apply)
-    margs.validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"} if args.tokenizer_type is None else {})
+    try:
+        margs.validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"} if args.tokenizer_type is None else {})
+    except AssertionError as e:  # Megatron's own argument checks: one line, as ours
+        raise ConfigError(f"Megatron's argument check: {e}") from None
     notes += apply_pipeline_schedule(args, schedule, cfg)
-    notes += check_weight_sources(args, cfg, args.dsv3_config)
+    notes += check_weight_sources(args, cfg, where, None if args.dsv3_config else flag_names_of_keys(parser))
     check_sft_args(args)
     if set_globals:
         set_megatron_globals(args)
@@ -148,12 +169,12 @@ def set_megatron_globals(args) -> list[str]:
     from megatron.training.global_vars import get_tokenizer, set_global_variables
 
     set_global_variables(args)
-    cfg = load_config(args.dsv3_config)
+    cfg = run_config(args)
     padded = getattr(args, "padded_vocab_size", None)
     if padded is None:
         return []
     n = get_tokenizer().vocab_size
-    args.padded_vocab_size = model_vocab_size(args, cfg, n, args.dsv3_config)
+    args.padded_vocab_size = model_vocab_size(args, cfg, n, config_source(args))
     if args.padded_vocab_size != padded:
         return [
             f"model vocabulary: {args.padded_vocab_size} rows (dsv3.model.vocab_size; the tokenizer has {n} entries, "
@@ -286,18 +307,26 @@ def _patches():
         megatron_cpu,
         megatron_dataset_helpers,
         megatron_dualpipe,
+        megatron_recompute_no_te,
         megatron_safe_load,
         megatron_training_cpu,
     )
 
-    return megatron_cpu, megatron_training_cpu, megatron_dataset_helpers, megatron_dualpipe, megatron_safe_load
+    return (
+        megatron_cpu,
+        megatron_training_cpu,
+        megatron_dataset_helpers,
+        megatron_dualpipe,
+        megatron_safe_load,
+        megatron_recompute_no_te,
+    )
 
 
 def run(argv: list[str]) -> int:
     """One rank of the training run (launched by torchrun, or by `--nproc`). Bad flags fail before anything is
     patched; the patches applied here are reverted on the way out (an in-process call leaves Megatron as it was)."""
     _require_megatron_training()
-    megatron_cpu, training_cpu, dataset_helpers, dualpipe, safe_load = _patches()
+    megatron_cpu, training_cpu, dataset_helpers, dualpipe, safe_load, recompute_no_te = _patches()
     on_cpu = not torch.cuda.is_available()
     args, notes = parse_megatron_args(argv, on_cpu=on_cpu, set_globals=False)
     schedule = args.dsv3_pipeline_schedule if args.pipeline_model_parallel_size > 1 else "megatron"
@@ -306,7 +335,15 @@ def run(argv: list[str]) -> int:
         import megatron.training.training  # noqa: F401  (binds get_forward_backward_func; patched below)
 
         # checkpoints (--load, --pretrained-checkpoint) are read without unpickling code
-        for mod, wanted in ((safe_load, True), (dataset_helpers, True), (megatron_cpu, on_cpu), (training_cpu, on_cpu)):
+        # (recompute_no_te: selective recompute of norms / MLA up-projections without Transformer Engine)
+        wanted_patches = (
+            (safe_load, True),
+            (dataset_helpers, True),
+            (recompute_no_te, True),
+            (megatron_cpu, on_cpu),
+            (training_cpu, on_cpu),
+        )
+        for mod, wanted in wanted_patches:
             if wanted and not mod.is_applied() and mod.apply():
                 applied.append(mod)
         if schedule != "megatron" and not dualpipe.is_applied() and dualpipe.apply(schedule):
@@ -315,8 +352,6 @@ def run(argv: list[str]) -> int:
         if args.rank == 0:
             for n in notes:
                 print(f"dsv3_plugin: {n}", flush=True)
-        import contextlib
-
         from megatron.core.enums import ModelType
         from megatron.training import pretrain
         from megatron.training.argument_utils import pretrain_cfg_container_from_args
@@ -394,6 +429,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         if nproc:
+            # bad flags fail here, once, before any rank starts (Megatron's argument printout is not repeated)
+            with contextlib.redirect_stdout(io.StringIO()):
+                parse_megatron_args(argv, world_size=nproc, set_globals=False)
             # with --exit-signal-handler the signal reaches every rank (Megatron's handler there saves and stops)
             spawn(
                 _spawned,

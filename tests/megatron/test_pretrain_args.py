@@ -106,10 +106,7 @@ def test_model_flags_are_filled_from_the_dsv3_block(ds_json):
         (["--moe-router-score-function", "softmax"], r"^--moe-router-score-function softmax: contradicts"),
         (["--vocab-size", "300"], r"^--vocab-size 300: contradicts .*dsv3\.model\.vocab_size = 256"),
         (["--moe-layer-freq", "1"], r"^--moe-layer-freq 1: contradicts .*dsv3\.model\.first_k_dense_replace"),
-        (
-            ["--moe-token-dispatcher-type", "alltoall"],
-            r"^--moe-token-dispatcher-type: configures Megatron's own MoE layer",
-        ),
+        (["--moe-expert-capacity-factor", "1.5"], r"^--moe-expert-capacity-factor 1\.5: token dropping changes"),
         (["--bf16"], r"^--bf16: not on CPU"),
         (["--distributed-backend", "nccl"], r"^--distributed-backend nccl: no CUDA on this machine"),
     ],
@@ -119,6 +116,12 @@ def test_contradictions_are_refused_naming_both(ds_json, flags, message):
 
     with pytest.raises(ConfigError, match=message):
         _parse(BASE + ["--dsv3-config", ds_json] + flags, on_cpu=True)
+
+
+def test_megatron_moe_implementation_flags_say_what_runs_instead(ds_json):
+    args, notes = _parse(BASE + ["--dsv3-config", ds_json, "--moe-token-dispatcher-type", "alltoall"], on_cpu=True)
+    assert "--moe-token-dispatcher-type alltoall: EP = 1: every expert is local, no dispatch runs" in notes
+    assert args.moe_token_dispatcher_type == "allgather"  # consumed: Megatron's default again
 
 
 def test_megatron_moe_flags_allowed_with_a_megatron_spec(ds_json):
@@ -230,6 +233,7 @@ def _ds(tmp_path, **parallel):
         ({}, ["--dsv3-pipeline-schedule", "1f1b"], "1f1b", None),  # our 1F1B, one chunk per rank
         ({"schedule": "1f1b"}, ["--dsv3-pipeline-schedule", "1f1b"], "1f1b", None),
         ({"schedule": "1f1b"}, [], "megatron", None),  # a block's 1f1b: Megatron's 1F1B will do
+        ({"schedule": "dualpipe"}, [], "dualpipe", 2),  # the bidirectional DualPipe: two mirrored copies per rank
     ],
 )
 def test_pipeline_schedule_selection(tmp_path, parallel, flags, schedule, vpp):
@@ -259,7 +263,6 @@ def parse_megatron_args_pp(argv):
             ["--dsv3-pipeline-schedule", "dualpipev"],
             r"^--dsv3-pipeline-schedule dualpipev: contradicts .*dsv3\.parallel\.schedule = '1f1b'",
         ),
-        ({"schedule": "dualpipe"}, [], r"dsv3\.parallel\.schedule = 'dualpipe': not available with Megatron"),
         (
             {},
             ["--dsv3-pipeline-schedule", "dualpipev", "--overlap-grad-reduce"],
