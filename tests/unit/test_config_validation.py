@@ -371,21 +371,23 @@ def test_split_weight_grads_default_follows_the_schedule(parallel, on):
     assert load_config({"preset": "tiny", "parallel": parallel}).parallel.split_w() is on
 
 
-def test_split_weight_grads_true_is_refused_on_the_megatron_path():
+def test_split_weight_grads_true_needs_the_plugins_two_chunk_schedules_on_the_megatron_path():
     import argparse
 
     from dsv3_plugin.megatron.schedule_args import resolve_pipeline_schedule
 
-    cfg = load_config({"preset": "tiny", "parallel": {"pp": 2, "schedule": "dualpipev", "split_weight_grads": True}})
     args = argparse.Namespace(dsv3_pipeline_schedule=None, pipeline_model_parallel_size=2)
+    # DualPipeV / DualPipe run W ops: the split is taken
+    for schedule in ("dualpipev", "dualpipe"):
+        cfg = load_config({"preset": "tiny", "parallel": {"pp": 2, "schedule": schedule, "split_weight_grads": True}})
+        assert resolve_pipeline_schedule(args, argparse.ArgumentParser(), set(), cfg, "the JSON's") == schedule
+    # no pipeline in this run (the block's own checks refuse a schedule without W ops): refused, not ignored
+    args = argparse.Namespace(dsv3_pipeline_schedule=None, pipeline_model_parallel_size=1)
     with pytest.raises(
         ConfigError,
-        match=r"dsv3\.parallel\.split_weight_grads = true: the W split runs in `dsv3 "
-        r"train` only",
+        match=r"dsv3\.parallel\.split_weight_grads = true: with Megatron the W split runs in the plugin's dualpipev",
     ):
         resolve_pipeline_schedule(args, argparse.ArgumentParser(), set(), cfg, "the JSON's")
-    cfg = load_config({"preset": "tiny", "parallel": {"pp": 2, "schedule": "dualpipev", "split_weight_grads": False}})
-    assert resolve_pipeline_schedule(args, argparse.ArgumentParser(), set(), cfg, "the JSON's") == "dualpipev"
 
 
 # ---- overlapped FB pairs: on by default where there is EP communication and FB ops; true elsewhere is refused --
