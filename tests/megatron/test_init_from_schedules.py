@@ -1,9 +1,12 @@
-"""A released FP8 checkpoint (`--dsv3-init-from`) under every pipeline schedule of `pretrain()`, with the plugin's
+"""A released FP8 checkpoint (`--dsv3-init-from`) under the two-chunk pipeline schedules of `pretrain()`, with the
 FP8 on (`--fp8-format e4m3 --fp8-recipe blockwise`): each rank loads its own chunks' tensors by global layer name
-(the V: stages r and 2P-1-r; DualPipe: stage r of copy A and stage P-1-r of copy B, both from the same tensors; 1F1B:
-stage r), and the first iteration's losses equal the PP = 1 run's bit for bit — the forward of every micro-batch runs
+(the V: stages r and 2P-1-r; DualPipe: stage r of copy A and stage P-1-r of copy B, both from the same tensors),
+and the first iteration's losses equal the PP = 1 run's bit for bit — the forward of every micro-batch runs
 the same ops on the same weights and inputs at PP = 1 and PP = 2, and Megatron sums the micro-batches' loss dicts
 in the same order.
+
+1F1B's layout (stage r on rank r, the MTP block on the last) loads through the same per-stage rule as the V's
+chunk 0 and DualPipe's copies; it is not run again here (CI time).
 
 Needs megatron-core >= 0.19 (`megatron.training`); 0.16.1 has no `pretrain()` in its wheel (the chunk-level loading
 is covered there by tests/megatron/test_dualpipev_chunks.py).
@@ -49,13 +52,13 @@ def runs(tmp_path_factory):
     fp8 = {"enabled": True, "recipe": "blockwise", "backend": "emulate"}
     (tmp / "ds.json").write_text(json.dumps({"dsv3": {**block, "fp8": fp8}}))
     out = {"pp1": _run(tmp, rel, "pp1", 1, [])}
-    for schedule in ("dualpipev", "dualpipe", "1f1b"):
+    for schedule in ("dualpipev", "dualpipe"):
         pp2 = ["--pipeline-model-parallel-size", "2", "--dsv3-pipeline-schedule", schedule]
         out[schedule] = _run(tmp, rel, schedule, 2, pp2)
     return out
 
 
-@pytest.mark.parametrize("schedule", ["dualpipev", "dualpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["dualpipev", "dualpipe"])
 def test_first_iteration_equals_the_pp1_run(runs, schedule):
     ref, got = runs["pp1"]["rows"], runs[schedule]["rows"]
     assert len(ref) == len(got) == 1

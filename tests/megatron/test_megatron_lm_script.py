@@ -13,6 +13,7 @@ and the router's benchmark mode run on 0.16.1 too.
 """
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -194,6 +195,7 @@ def argv(flags: dict, paths: dict, drop: tuple = ()) -> list[str]:
     return out
 
 
+@functools.cache
 def gpu_only_flags() -> tuple[str, ...]:
     """The script's flags whose dest the plugin names as GPU-only (`flags.GPU_ONLY_FLAGS`)."""
     from megatron.training import arguments as margs
