@@ -1,7 +1,7 @@
 """A released FP8 checkpoint (`--dsv3-init-from`) under the two-chunk pipeline schedules of `pretrain()`, with the
-FP8 on (`--fp8-format e4m3 --fp8-recipe blockwise`): each rank loads its own chunks' tensors by global layer name
-(the V: stages r and 2P-1-r; DualPipe: stage r of copy A and stage P-1-r of copy B, both from the same tensors),
-and the first iteration's losses equal the PP = 1 run's bit for bit — the forward of every micro-batch runs
+plugin's FP8 on (`--fp8-format e4m3 --fp8-recipe blockwise`): each rank loads its own chunks' tensors by global
+layer name (the V: stages r and 2P-1-r; DualPipe: stage r of copy A and stage P-1-r of copy B, both from the same
+tensors), and the first iteration's losses equal the PP = 1 run's bit for bit — the forward of every micro-batch runs
 the same ops on the same weights and inputs at PP = 1 and PP = 2, and Megatron sums the micro-batches' loss dicts
 in the same order.
 
