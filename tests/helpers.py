@@ -3,9 +3,12 @@ tiny Megatron-LM runs; the environment, config and metrics of `dsv3 train` subpr
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import warnings
+
+import pytest
 
 from dsv3_plugin.parallel.distributed import spawn
 
@@ -448,3 +451,13 @@ def write_train_config(path) -> str:
         )
     )
     return str(path)
+
+
+# --- megatron-core >= 0.19 (its wheel ships `megatron.training`: `pretrain()`, the argument parser) ------------------
+# found without importing it (importing megatron.training takes seconds and the unit tests do not need it)
+HAVE_MEGATRON_TRAINING = importlib.util.find_spec("megatron") is not None and (
+    importlib.util.find_spec("megatron.training") is not None
+)
+needs_megatron_training = pytest.mark.skipif(
+    not HAVE_MEGATRON_TRAINING, reason="megatron-core < 0.19: no megatron.training"
+)

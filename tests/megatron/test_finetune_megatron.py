@@ -26,16 +26,12 @@ import sys
 import numpy as np
 import pytest
 import torch
+from helpers import HAVE_MEGATRON_TRAINING, needs_megatron_training
 
 pytest.importorskip("megatron.core")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-HAVE_TRAINING = True
-try:
-    import megatron.training  # noqa: F401
-except ImportError:
-    HAVE_TRAINING = False
-needs_training = pytest.mark.skipif(not HAVE_TRAINING, reason="megatron-core < 0.19: no megatron.training")
+HAVE_TRAINING, needs_training = HAVE_MEGATRON_TRAINING, needs_megatron_training
 
 SEQ, MBS = 32, 2
 FLAGS = [

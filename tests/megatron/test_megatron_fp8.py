@@ -36,17 +36,12 @@ import sys
 
 import pytest
 import torch
-from helpers import run_ranks
+from helpers import HAVE_MEGATRON_TRAINING, needs_megatron_training, run_ranks
 
 pytest.importorskip("megatron.core")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-HAVE_TRAINING = True
-try:
-    import megatron.training  # noqa: F401
-except ImportError:
-    HAVE_TRAINING = False
-needs_training = pytest.mark.skipif(not HAVE_TRAINING, reason="megatron-core < 0.19: no megatron.training")
+HAVE_TRAINING, needs_training = HAVE_MEGATRON_TRAINING, needs_megatron_training
 
 # the smallest block with every FP8 path: MLA, a dense layer, a MoE layer with a shared expert, FP8 dispatch
 SMALL = {"preset": "tiny", "model": {"num_hidden_layers": 2, "vocab_size": 64}, "mtp": {"depth": 0}}

@@ -22,16 +22,12 @@ import sys
 
 import pytest
 import torch
+from helpers import HAVE_MEGATRON_TRAINING, needs_megatron_training
 
 pytest.importorskip("megatron.core")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-HAVE_TRAINING = True
-try:
-    import megatron.training  # noqa: F401
-except ImportError:
-    HAVE_TRAINING = False
-needs_training = pytest.mark.skipif(not HAVE_TRAINING, reason="megatron-core < 0.19: no megatron.training")
+HAVE_TRAINING, needs_training = HAVE_MEGATRON_TRAINING, needs_megatron_training
 
 # flag -> value (None: a switch; a list: several values). DeepSeek-V3's sizes, as the script has them.
 SCRIPT = {
