@@ -1,7 +1,8 @@
-"""A released FP8 checkpoint (`--dsv3-init-from`) under the two-chunk pipeline schedules of `pretrain()`, with the
-plugin's FP8 on (`--fp8-format e4m3 --fp8-recipe blockwise`): each rank loads its own chunks' tensors by global
-layer name (the V: stages r and 2P-1-r; DualPipe: stage r of copy A and stage P-1-r of copy B, both from the same
-tensors), and the first iteration's losses equal the PP = 1 run's bit for bit — the forward of every micro-batch runs
+"""A released FP8 checkpoint (`--dsv3-init-from`) and real text (`--data-path`, prepared by `dsv3 prepare-data`)
+under the two-chunk pipeline schedules of `pretrain()`, with the plugin's FP8 on (`--fp8-format e4m3 --fp8-recipe
+blockwise`): each rank loads its own chunks' tensors by global layer name (the V: stages r and 2P-1-r; DualPipe:
+stage r of copy A and stage P-1-r of copy B, both from the same tensors; the end ranks read the data), and the first
+iteration's losses equal the PP = 1 run's bit for bit — the forward of every micro-batch runs
 the same ops on the same weights and inputs at PP = 1 and PP = 2, and Megatron sums the micro-batches' loss dicts
 in the same order.
 
@@ -30,7 +31,8 @@ def _run(tmp, rel, name, nproc, extra):
     metrics = tmp / f"{name}.jsonl"
     flags = ["--micro-batch-size", str(MBS), "--global-batch-size", str(GBS), "--seq-length", str(SEQ)]
     flags += ["--train-iters", "1", "--lr", "1e-4", "--log-interval", "1", "--eval-interval", "100"]
-    flags += ["--eval-iters", "0", "--seed", "1234", "--mock-data", "--tokenizer-type", "HuggingFaceTokenizer"]
+    flags += ["--eval-iters", "0", "--seed", "1234", "--tokenizer-type", "HuggingFaceTokenizer"]
+    flags += ["--data-path", str(tmp / "text"), "--split", "100,0,0"]  # real text, prepared as a user prepares it
     flags += ["--tokenizer-model", str(rel), "--dsv3-init-from", str(rel)]
     flags += ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"]
     cmd = [sys.executable, "-m", "dsv3_plugin.megatron.pretrain_gpt", "--nproc", str(nproc)]
@@ -44,11 +46,16 @@ def _run(tmp, rel, name, nproc, extra):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     from dsv3_plugin.checkpoint.tiny_release import TINY_RELEASE, write_tiny_release
+    from dsv3_plugin.data.prepare import prepare
+    from dsv3_plugin.data.tokenizer import pydoc_texts
 
     tmp = tmp_path_factory.mktemp("init_from_schedules")
     # the tiny release with 4 layers (1 dense, 3 MoE): 4 stages of the V, 2 per copy for DualPipe and 1F1B
     block = {**TINY_RELEASE, "model": {**TINY_RELEASE["model"], "num_hidden_layers": 4}}
     rel = write_tiny_release(tmp / "rel", fp8=True, block=block)
+    with open(tmp / "text.jsonl", "w") as f:
+        f.writelines(json.dumps({"text": t[:2000]}) + "\n" for t in pydoc_texts()[:16])
+    prepare([str(tmp / "text.jsonl")], rel, str(tmp / "text"), progress=False)  # `dsv3 prepare-data`
     fp8 = {"enabled": True, "recipe": "blockwise", "backend": "emulate"}
     (tmp / "ds.json").write_text(json.dumps({"dsv3": {**block, "fp8": fp8}}))
     out = {"pp1": _run(tmp, rel, "pp1", 1, [])}
