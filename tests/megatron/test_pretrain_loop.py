@@ -4,7 +4,9 @@ user runs it (a subprocess, 2 ranks): mock data, the tiny model, 10 iterations. 
 resumes exactly: a new run loading the iteration-5 checkpoint reproduces iterations 6..10 of the straight run bit
 for bit (same op sequence on both sides; model, optimizer, LR schedule, RNG and data position restored).
 
-Needs megatron-core >= 0.19 (`megatron.training` in the wheel): skipped on 0.16.1, run by `make test`'s 0.19 run.
+Needs megatron-core >= 0.19 (`megatron.training` in the wheel): skipped on 0.16.1. Marked `long` (`make test-long`,
+CI time): `make test` covers a PP = 1 checkpoint resumed bit-exactly at iteration 6 in test_pretrain_dualpipev.py,
+the bias update there and in test_megatron_lm_script.py; this file adds the torchrun launch and 10 iterations.
 """
 
 import json
@@ -17,7 +19,7 @@ import pytest
 from helpers import tiny_megatron_args
 
 pytest.importorskip("megatron.training", reason="megatron-core < 0.19: no megatron.training in the wheel")
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.long]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FLAGS = tiny_megatron_args(10)
