@@ -21,6 +21,7 @@ from dsv3_plugin.megatron.gpt import OUR_SPEC
 __all__ = [
     "MEGATRON_MOE_FLAGS",
     "megatron_moe_flags",
+    "recompute_module_notes",
     "block_from_args",
     "FLAGS_SOURCE",
     "flags_config",
@@ -164,6 +165,33 @@ def dsv3_arg_values(cfg: DSv3Config) -> list[tuple[str, str, Any]]:
     return vals
 
 
+# --recompute-modules entries Megatron applies inside its own MoELayer: with the dsv3 layers the whole FFN (dense or
+# DeepSeekMoE) is Megatron's "mlp" module, recomputed by "mlp".
+_MOE_LAYER_RECOMPUTE = ("moe", "moe_act", "shared_experts")
+
+
+def recompute_module_notes(args) -> list[str]:
+    """What Megatron's selective recompute of MoELayer parts does with the dsv3 layers (they are "mlp" modules):
+    covered by "mlp" when it is listed too (a note), else refused (it would recompute nothing).
+
+    Raises:
+        ConfigError: `--recompute-modules moe` (or moe_act, shared_experts) without mlp, naming it.
+    """
+    spec = getattr(args, "spec", None)
+    mods = getattr(args, "recompute_modules", None) or []
+    if (spec and tuple(spec) != OUR_SPEC) or getattr(args, "recompute_granularity", None) != "selective":
+        return []
+    moe = [m for m in mods if m in _MOE_LAYER_RECOMPUTE]
+    if not moe:
+        return []
+    if "mlp" not in mods:
+        raise ConfigError(
+            f"--recompute-modules {' '.join(moe)}: recomputes parts of Megatron's MoELayer, which the dsv3 layers "
+            "replace; their FFNs (dense and DeepSeekMoE) are Megatron 'mlp' modules: list mlp instead"
+        )
+    return [f"--recompute-modules {' '.join(moe)}: covered by mlp (the dsv3 FFNs, dense and DeepSeekMoE, are 'mlp')"]
+
+
 def megatron_moe_flags(args, parser, explicit: set[str]) -> list[str]:
     """What runs instead of each Megatron MoE-implementation flag the command line sets (`MEGATRON_MOE_FLAGS`),
     with the plugin's layer spec. Returns one note per mapped flag.
@@ -260,6 +288,7 @@ def reconcile_args(args, parser, explicit: set[str], cfg: DSv3Config, where: str
             setattr(args, dest, want)
             notes.append(f"{flag_setting(parser, dest, want)} (from dsv3.{key})")
     notes += megatron_moe_flags(args, parser, explicit)
+    notes += recompute_module_notes(args)
     if getattr(args, "tokenizer_type", None) == "NullTokenizer":
         if "vocab_size" in explicit and args.vocab_size != cfg.model.vocab_size:
             raise ConfigError(

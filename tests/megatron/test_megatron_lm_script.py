@@ -299,6 +299,7 @@ def test_megatron_moe_flags_are_mapped_with_one_line_each(data):
     ):
         assert flag in mapped, (flag, notes)
     assert any(n.startswith("--use-flash-attn: ") for n in notes)
+    assert any(n.startswith("--recompute-modules moe: covered by mlp") for n in notes)
     assert any("all-to-all over EP = 8" in n for n in notes)
 
 
@@ -315,6 +316,7 @@ def test_megatron_moe_flags_are_mapped_with_one_line_each(data):
         ({"--position-embedding-type": "learned_absolute"}, r"^--position-embedding-type learned_absolute: contra"),
         ({"--moe-router-topk": 300}, r"^--moe-router-topk \(dsv3\.moe\.top_k"),
         ({"--use-distributed-optimizer": None}, r"^--use-distributed-optimizer: not on CPU"),
+        ({"--recompute-modules": ["moe", "layernorm"]}, r"^--recompute-modules moe: recomputes parts of Megatron's"),
     ],
 )
 def test_flags_the_plugin_cannot_honour_are_refused_naming_them(data, change, message):
