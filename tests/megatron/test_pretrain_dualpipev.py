@@ -96,8 +96,7 @@ def runs(tmp_path_factory):
         config="ds_dualpipe.json",
     )
     out["ckpt_v"], out["ckpt_dp"] = tmp / "ckpt_v", tmp / "ckpt_dp"
-    # and back: the V's iteration-10 checkpoint, loaded at PP = 1, trains iteration 11
-    out["v_to_pp1"] = _run(tmp, "v_to_pp1", 1, ["--load", ck_v])
+    out["tmp"] = tmp
     # the curves and wall times (pytest -s shows them)
     runs_ = [k for k, r in out.items() if isinstance(r, dict)]
     print("\niteration | " + " | ".join(f"{k} lm loss" for k in runs_))
@@ -105,7 +104,7 @@ def runs(tmp_path_factory):
     for it in sorted(ref):
         row = [ref[it]["lm_loss"]] + [
             next((r["lm_loss"] for r in out[k]["metrics"] if r["iteration"] == it), None)
-            for k in ("dualpipev", "1f1b", "dualpipe", "v_to_pp1")
+            for k in ("dualpipev", "1f1b", "dualpipe")
         ]
         print(f"{it} | " + " | ".join("-" if v is None else f"{v:.9g}" for v in row))
     for k, r in out.items():
@@ -144,8 +143,6 @@ def test_the_v_layout_is_what_runs(runs):
     for k in ("dualpipev", "1f1b", "dualpipe"):
         assert [r["iteration"] for r in runs[k]["metrics"]] == list(range(LOADED + 1, 11))  # 5 iterations
     assert [r["iteration"] for r in runs["pp1"]["metrics"]] == list(range(1, 12))
-    assert [r["iteration"] for r in runs["v_to_pp1"]["metrics"]] == [11]
-    assert "at iteration 10" in runs["v_to_pp1"]["log"]
 
 
 def test_losses_equal_the_pp1_run(runs):
@@ -183,14 +180,23 @@ def test_losses_equal_the_pp1_run(runs):
                 )
 
 
-def test_a_checkpoint_saved_by_the_v_resumes_at_pp1(runs):
+@pytest.fixture(scope="module")
+def v_to_pp1(runs):
+    """And back: the V's iteration-10 checkpoint, loaded at PP = 1, trains iteration 11 (only when a test asks)."""
+    return _run(runs["tmp"], "v_to_pp1", 1, ["--load", str(runs["ckpt_v"])])
+
+
+@pytest.mark.long  # (CI time: one more launch; `make test-long`)
+def test_a_checkpoint_saved_by_the_v_resumes_at_pp1(runs, v_to_pp1):
     """The V saves Megatron checkpoints under global layer numbers (the replica of the embedding copy not
     stored twice): loaded at PP = 1 its iteration-10 weights train iteration 11 like the PP = 1 run's own."""
     from tolerance import assert_within, model_bound
 
     from dsv3_plugin.config import load_config
 
-    got, want = runs["v_to_pp1"]["metrics"][0], runs["pp1"]["metrics"][10]
+    assert [r["iteration"] for r in v_to_pp1["metrics"]] == [11]
+    assert "at iteration 10" in v_to_pp1["log"]
+    got, want = v_to_pp1["metrics"][0], runs["pp1"]["metrics"][10]
     cfg = load_config({**DSV3, "model": {**DSV3["model"], "vocab_size": _padded_vocab(runs["pp1"]["log"])}})
     for key in ("lm_loss", "mtp_1_loss"):
         # weights of iteration 10 in the V vs at PP = 1: the reorderings of iterations 6..10 (as above), + this forward
