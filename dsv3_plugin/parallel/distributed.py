@@ -53,8 +53,38 @@ def launched_externally() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for ports it hands out itself (connect(), bind to port 0); Linux's default if unknown."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A loopback port that is free now, chosen OUTSIDE the kernel's ephemeral range.
+
+    Why: the port is bound only later, by rank 0 or the launcher (seconds, after imports). A port the kernel handed
+    out for bind(0) returns to its ephemeral pool on close, and every gloo connection made meanwhile (other jobs,
+    other test workers) draws from that pool: the rendezvous then fails with EADDRINUSE. Ports below the range are
+    never handed out by the kernel; a random one that binds now is taken only by another explicit choice.
+    """
+    import random
+
+    lo, _ = _ephemeral_range()
+    first = 10000 if lo > 11000 else 1024
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(first, lo)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # a crowded machine: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
