@@ -37,11 +37,6 @@ def resolve_pipeline_schedule(args, parser, explicit: set[str], cfg: DSv3Config,
     ConfigErrors naming both."""
     flag = getattr(args, "dsv3_pipeline_schedule", None)
     block = cfg.parallel.schedule if "schedule" in cfg.parallel.model_fields_set else None
-    if cfg.parallel.overlap_ep_comm:
-        raise ConfigError(
-            f"{where} dsv3.parallel.overlap_ep_comm = true: the overlapped FB pairs run in `dsv3 train` "
-            "only (set it false or null)"
-        )
     if (
         flag is not None
         and block is not None
@@ -53,6 +48,7 @@ def resolve_pipeline_schedule(args, parser, explicit: set[str], cfg: DSv3Config,
         )
     chosen = flag or (block if block in TWO_CHUNK else "megatron")
     pp = getattr(args, "pipeline_model_parallel_size", 1)
+    _resolve_overlap(args, parser, cfg, where, chosen, pp)
     if cfg.parallel.split_weight_grads and (chosen not in TWO_CHUNK or pp == 1):
         # a key training would ignore is an error, not a silent no-op
         raise ConfigError(
@@ -78,6 +74,30 @@ def resolve_pipeline_schedule(args, parser, explicit: set[str], cfg: DSv3Config,
     return chosen
 
 
+def _resolve_overlap(args, parser, cfg: DSv3Config, where: str, chosen: str, pp: int) -> None:
+    """The FB-pair overlap of the EP all-to-all (paper §3.2.1, Fig. 4) runs in the plugin's DualPipe / DualPipeV
+    (`schedules.overlap_enabled`: on by default where there is EP communication). `dsv3.parallel.overlap_ep_comm =
+    true` and Megatron's `--overlap-moe-expert-parallel-comm` (its own EP overlap of MoELayer, which the dsv3 layers
+    replace) ask for it: refused where no FB pair runs, naming the key or the flag; the flag is then reset, so that
+    Megatron neither checks it for its MoELayer nor asks the forward step for a schedule plan."""
+    ep = getattr(args, "expert_model_parallel_size", 1) or 1
+    runs = chosen in TWO_CHUNK and pp > 1 and ep > 1
+    why = (
+        f"the FB pairs it overlaps run in the plugin's dualpipe / dualpipev at --pipeline-model-parallel-size > 1 "
+        f"with --expert-model-parallel-size > 1 (here: {chosen}, pipeline size {pp}, expert-parallel size {ep})"
+    )
+    if cfg.parallel.overlap_ep_comm and not runs:
+        raise ConfigError(f"{where} dsv3.parallel.overlap_ep_comm = true: {why}; set it false or null")
+    if getattr(args, "overlap_moe_expert_parallel_comm", False):
+        name = flag_name(parser, "overlap_moe_expert_parallel_comm")
+        if not runs:
+            raise ConfigError(f"{name}: {why}")
+        if cfg.parallel.overlap_ep_comm is False:
+            raise ConfigError(f"{name}: contradicts {where} dsv3.parallel.overlap_ep_comm = false")
+        args.overlap_moe_expert_parallel_comm = False
+        args.dsv3_overlap_flag = name
+
+
 def apply_pipeline_schedule(args, schedule: str, cfg: DSv3Config) -> list[str]:
     """After Megatron's `validate_args`: record the schedule on `args` (the model builder reads it) and, for
     DualPipeV and DualPipe, ask Megatron for two model chunks per rank (its virtual-pipeline machinery builds,
@@ -89,6 +109,22 @@ def apply_pipeline_schedule(args, schedule: str, cfg: DSv3Config) -> list[str]:
             return [f"--dsv3-pipeline-schedule {schedule}: no pipeline at --pipeline-model-parallel-size 1"]
         return []
     notes = _layout_notes(args, schedule, cfg)
+    if schedule in TWO_CHUNK and (getattr(args, "expert_model_parallel_size", 1) or 1) > 1:
+        on = cfg.parallel.overlap_ep_comm is not False
+        notes.append(
+            f"EP all-to-all overlap (paper Fig. 4): {schedule}'s FB pairs run "
+            + (
+                "as two lanes, one chunk's dispatch / combine while the other computes"
+                if on
+                else "forward then backward (dsv3.parallel.overlap_ep_comm = false)"
+            )
+        )
+    flag = getattr(args, "dsv3_overlap_flag", None)
+    if flag is not None:
+        notes.append(
+            f"{flag}: the plugin's {schedule} FB pairs overlap the EP all-to-all (Megatron's overlap is for its "
+            "own MoELayer)"
+        )
     if cfg.parallel.split_weight_grads:
         notes.append(
             f"the W split ({schedule}'s W ops): the plugin's dense-MLP and expert GEMMs defer their weight gradients; "

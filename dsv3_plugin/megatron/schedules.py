@@ -27,6 +27,7 @@ from torch import nn
 
 from dsv3_plugin.megatron.dualpipev import mirror_stage, sum_embedding_copy_grads, sum_mirror_grads, v_stage
 from dsv3_plugin.parallel.pipeline.runtime import DualPipe, DualPipeV, OneFOneB
+from dsv3_plugin.parallel.pipeline.stages import ep_layers, overlapped_pair
 from dsv3_plugin.parallel.pipeline.weight_grad import split_weight_grads
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "forward_backward_dualpipe",
     "forward_backward_1f1b",
     "MegatronChunkStage",
+    "overlap_enabled",
     "SCHEDULE_FUNCS",
     "take_step_figures",
 ]
@@ -83,6 +85,25 @@ class MegatronChunkStage(nn.Module):
                 output_tensor, loss_func = self.forward_step_func(self.data_iterator, self.chunk)
         self.loss_funcs.append(loss_func)
         return output_tensor
+
+    @classmethod
+    def overlapped_forward_backward(cls, f_module, f_inputs, f_loss_fn, b_module, b_loss, b_outputs, b_grads):
+        """The runtime's overlap hook for FB ops (`stages.overlapped_pair`, paper Fig. 4): this chunk's forward
+        (Megatron's forward step) and the other chunk's backward as two lanes, each one's EP all-to-all in flight
+        while the other computes; the same ops as forward then backward."""
+        return overlapped_pair(f_module, f_inputs, f_loss_fn, b_module, b_loss, b_outputs, b_grads)
+
+
+def overlap_enabled(cfg, schedule: str, chunks) -> bool:
+    """Whether `schedule`'s FB pairs overlap one chunk's EP all-to-all with the other's compute: the dsv3 block's
+    `parallel.overlap_ep_comm` when set, else (as in `dsv3 train`) on for DualPipe / DualPipeV where a chunk has
+    the plugin's MoE layers with expert-parallel communication."""
+    if schedule not in ("dualpipev", "dualpipe"):
+        return False
+    explicit = None if cfg is None else cfg.parallel.overlap_ep_comm
+    if explicit is not None:
+        return bool(explicit)
+    return any(ep_layers(c) for c in chunks)
 
 
 class _mtp_of_forward:
@@ -164,6 +185,7 @@ def _runtime(cls, chunks, group, config):
         rt = cls(
             stages,
             process_group=group,
+            overlap=overlap_enabled(cfg, cls.schedule_name, chunks),
             timeout_s=timeout,
             timeout_name="dsv3.parallel.p2p_timeout_s",
             mirror_grad_sync=False,

@@ -36,6 +36,8 @@ __all__ = [
     "split_layers",
     "model_stage_layers",
     "DSv3Stage",
+    "overlapped_pair",
+    "ep_layers",
     "build_stages",
     "stage_ids_for_rank",
     "n_stages_of",
@@ -128,7 +130,7 @@ def min_layers(schedule: str, pp: int, mtp_depth: int = 0) -> int:
         L += 1
 
 
-def _ep_layers(module: nn.Module) -> list[ExpertParallelMoE]:
+def ep_layers(module: nn.Module) -> list[ExpertParallelMoE]:
     """The expert-parallel MoE layers of `module` that communicate (EP over more than one rank)."""
     return [m for m in module.modules() if isinstance(m, ExpertParallelMoE) and m.groups.ep_size > 1]
 
@@ -219,27 +221,42 @@ class DSv3Stage(nn.Module):
 
     @classmethod
     def overlapped_forward_backward(cls, f_module, f_inputs, f_loss_fn, b_module, b_loss, b_outputs, b_grads):
-        """DualPipe's overlapped pair (paper §3.2.1, Fig. 4): the forward of `f_module` and the backward of
-        `b_module` run as the two lock-step lanes of `parallel.overlap.run_overlapped`, so each chunk's
-        dispatch / combine all-to-alls travel while the other chunk computes. Same ops as F then B on each
-        chunk (bit-identical losses and gradients). Without EP communication in either chunk: F then B."""
+        """The runtime's overlap hook for FB ops: `overlapped_pair`."""
+        return overlapped_pair(f_module, f_inputs, f_loss_fn, b_module, b_loss, b_outputs, b_grads)
 
-        def forward():
-            outs = f_module(*f_inputs)
-            return outs, (f_loss_fn(outs) if f_loss_fn is not None else None)
 
-        def backward():
-            if b_loss is not None:
-                b_loss.backward()
-            elif b_outputs:
-                torch.autograd.backward(b_outputs, b_grads)
+def overlapped_pair(f_module, f_inputs, f_loss_fn, b_module, b_loss, b_outputs, b_grads):
+    """DualPipe's overlapped pair (paper §3.2.1, Fig. 4): the forward of `f_module` and the backward of `b_module`
+    run as the two lanes of `parallel.overlap.run_overlapped`, so each chunk's dispatch / combine all-to-alls travel
+    while the other chunk computes. Same ops as F then B on each chunk (bit-identical losses and gradients). Any
+    stage module whose MoE layers are `ExpertParallelMoE` qualifies (ours, and a Megatron chunk built with the
+    plugin's layers); without EP communication in either chunk: F then B.
 
-        layers = _ep_layers(f_module) + _ep_layers(b_module)
-        if not layers:
-            res = forward()
-            backward()
-            return res
-        return run_overlapped(forward, backward, lockstep=_needs_lockstep(layers, f_module))
+    Args:
+        f_module: the stage module run forward, on `f_inputs` (a tuple of tensors).
+        f_loss_fn: None, or a function of the forward's outputs giving the micro-batch loss (last stages).
+        b_module: the stage module whose backward runs: from `b_loss` (a scalar) when not None, else from its
+            `b_outputs` with the received gradients `b_grads`.
+
+    Returns:
+        (the forward's outputs, its loss or None)."""
+
+    def forward():
+        outs = f_module(*f_inputs)
+        return outs, (f_loss_fn(outs) if f_loss_fn is not None else None)
+
+    def backward():
+        if b_loss is not None:
+            b_loss.backward()
+        elif b_outputs:
+            torch.autograd.backward(b_outputs, b_grads)
+
+    layers = ep_layers(f_module) + ep_layers(b_module)
+    if not layers:
+        res = forward()
+        backward()
+        return res
+    return run_overlapped(forward, backward, lockstep=_needs_lockstep(layers, f_module))
 
 
 def build_stages(model: DSv3Model, n_stages: int, stage_ids: Sequence[int] | None = None) -> list[DSv3Stage]:
