@@ -3,7 +3,9 @@
 Also reports our achieved GFLOP/s and a large single GEMM's GFLOP/s measured in the same run; their quotient
 is `roofline_fraction` (how close the grouped expert computation gets to what the machine's GEMM can do).
 FLOPs counted: router, routed experts (3 GEMMs per (token, expert) pair) and shared experts, forward
-(2·m·n·k per GEMM) plus backward (2× forward). Element-wise work is not counted.
+(2·m·n·k per GEMM) plus backward (2× forward). Element-wise work is not counted. `--dtype bfloat16` runs both
+layers and the reference GEMM in BF16 (on CPUs with AMX / AVX512-BF16, oneDNN's BF16 GEMM is several times the FP32
+one, so the roofline moves with the dtype).
 """
 
 from __future__ import annotations
@@ -34,6 +36,12 @@ def add_arguments(p) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     p.add_argument("--gemm", type=positive_int, default=2048, help="size n of the n×n×n reference GEMM")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="compute dtype of both layers and of the reference GEMM (bfloat16: the routers stay fp32, as trained)",
+    )
 
 
 def build_pair(tokens=2048, hidden=256, ffn=128, experts=64, top_k=8, groups=8, topk_group=4, shared=1, seed=0):
@@ -124,14 +132,18 @@ def run(args) -> dict:
         args.shared,
         args.seed,
     )
+    dtype = getattr(torch, args.dtype)
+    if dtype != torch.float32:  # both layers cast alike (ours keeps its router's state fp32: `Router._apply`)
+        ours.to(dtype), theirs.to(dtype)
+        x = x.to(dtype)
     g_out = torch.randn_like(x)
     # Same numbers first (a faster wrong layer is worthless).
     y1 = _fwd_bwd(ours, x, g_out)
     y2 = _fwd_bwd(theirs, x, g_out)
     max_abs_diff = float((y1 - y2).abs().max())
     grad_diff = float((ours.experts.down_proj.grad - theirs.experts.down_proj.grad).abs().max())
-    a = torch.randn(args.gemm, args.gemm)
-    b = torch.randn(args.gemm, args.gemm)
+    a = torch.randn(args.gemm, args.gemm, dtype=dtype)
+    b = torch.randn(args.gemm, args.gemm, dtype=dtype)
     t_ours, t_theirs, t_gemm = [], [], []
     # Interleave the three measurements so that machine load hits them alike.
     for i in range(args.repeats + 1):
@@ -170,7 +182,7 @@ def run(args) -> dict:
             "n_group": args.groups,
             "topk_group": args.topk_group,
             "shared": args.shared,
-            "dtype": "float32",
+            "dtype": args.dtype,
         },
         "ours": {"tokens_per_s": args.tokens / to, "ms": to * 1e3, "gflops": ours_gflops},
         "theirs": {
