@@ -10,6 +10,10 @@ measured iterations (the first `--warmup` are left out): a rank's idle fraction 
 per iteration the slowest rank's step wall time (`wall_s`, DualPipe's mirror gradient exchange included), the median
 over the measured iterations. `ours` = DualPipeV's idle fraction averaged over ranks, `baseline` = 1F1B's, `ratio` =
 baseline / ours (> 1: DualPipeV idles less); DualPipe's figures and its ratio to 1F1B are reported beside them.
+With `--ep N` > 1 (pp x N ranks, data parallel N, EP all-to-all in every MoE layer) DualPipeV and DualPipe run twice
+more with their FB-pair overlap off (`dsv3.parallel.overlap_ep_comm = false`), and `overlap` reports per schedule
+the exposed all-to-all (`a2a_wait_s`: time blocked in the plugin's EP all-to-all waits, summed over ranks and
+measured iterations) and the step time with the overlap on and off, and their ratios (off / on).
 Needs megatron-core >= 0.19 (`megatron.training`); with an older one it prints why and exits 2.
 """
 
@@ -31,6 +35,9 @@ SCHEDULES = ("dualpipev", "dualpipe", "1f1b")  # ours, DualPipe, the baseline
 
 def add_arguments(p):
     p.add_argument("--pp", type=positive_int, default=2, help="pipeline ranks (spawned gloo processes)")
+    p.add_argument(
+        "--ep", type=positive_int, default=1, help="expert-parallel ranks per stage (> 1: the FB overlap on vs off)"
+    )
     p.add_argument("--layers", type=positive_int, default=4, help="decoder layers of the tiny preset")
     p.add_argument("--micro-batch", type=positive_int, default=2, help="--micro-batch-size")
     p.add_argument("--chunks", type=positive_int, default=8, help="micro-batches per step (>= 2 x pp)")
@@ -75,7 +82,9 @@ def summarize(rows: list[dict], warmup: int) -> dict:
 def _flags(args, schedule: str, cfg_path: str, metrics: str) -> list[str]:
     return [
         "--nproc",
-        str(args.pp),
+        str(args.pp * args.ep),
+        "--expert-model-parallel-size",
+        str(args.ep),
         "--dsv3-config",
         cfg_path,
         "--dsv3-metrics",
@@ -90,7 +99,7 @@ def _flags(args, schedule: str, cfg_path: str, metrics: str) -> list[str]:
         "--micro-batch-size",
         str(args.micro_batch),
         "--global-batch-size",
-        str(args.micro_batch * args.chunks),
+        str(args.micro_batch * args.chunks * args.ep),  # data parallel = ep: `chunks` micro-batches per replica
         "--seq-length",
         str(args.seq_len),
         "--train-iters",
@@ -145,18 +154,22 @@ def run(args) -> dict:
         "schedules": {},
     }
     with tempfile.TemporaryDirectory(prefix="dsv3-bench-megatron-pipeline-") as tmp:
-        cfg_path = os.path.join(tmp, "ds.json")
-        with open(cfg_path, "w") as f:
-            json.dump({"dsv3": {"preset": "tiny", "model": {"num_hidden_layers": args.layers}}}, f)
-        for s in SCHEDULES:
-            metrics = os.path.join(tmp, f"{s}.jsonl")
+        block = {"preset": "tiny", "model": {"num_hidden_layers": args.layers}}
+        runs = [(s, s, block) for s in SCHEDULES]
+        if args.ep > 1:  # the two-chunk schedules once more, their FB pairs run forward then backward
+            off = {**block, "parallel": {"overlap_ep_comm": False}}
+            runs += [(f"{s}_no_overlap", s, off) for s in ("dualpipev", "dualpipe")]
+        for name, s, blk in runs:
+            cfg_path, metrics = os.path.join(tmp, f"{name}.json"), os.path.join(tmp, f"{name}.jsonl")
+            with open(cfg_path, "w") as f:
+                json.dump({"dsv3": blk}, f)
             cmd = [sys.executable, "-m", "dsv3_plugin.megatron.pretrain_gpt", *_flags(args, s, cfg_path, metrics)]
             p = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True)
             if p.returncode != 0:
-                raise RuntimeError(f"pretrain_gpt --dsv3-pipeline-schedule {s} failed:\n{p.stderr[-4000:]}")
+                raise RuntimeError(f"pretrain_gpt --dsv3-pipeline-schedule {s} ({name}) failed:\n{p.stderr[-4000:]}")
             with open(metrics) as f:
                 rows = [json.loads(line) for line in f if line.strip()]
-            res["schedules"][s] = summarize(rows, args.warmup)
+            res["schedules"][name] = summarize(rows, args.warmup)
     ours, base = res["schedules"]["dualpipev"], res["schedules"]["1f1b"]
     res["figure"] = "mean idle fraction per pipeline rank in Megatron's pretrain(): DualPipeV (ours) vs 1F1B (baseline)"
     res["ours"], res["baseline"] = ours["idle_fraction_mean"], base["idle_fraction_mean"]
@@ -166,4 +179,16 @@ def run(args) -> dict:
     both = res["schedules"]["dualpipe"]
     res["dualpipe_ratio"] = base["idle_fraction_mean"] / max(both["idle_fraction_mean"], 1e-12)
     res["dualpipe_step_ratio"] = base["step_s"] / both["step_s"]
+    if args.ep > 1:
+        res["ep"] = args.ep
+        res["overlap"] = {}
+        for s in ("dualpipev", "dualpipe"):
+            on, off = res["schedules"][s], res["schedules"][f"{s}_no_overlap"]
+            a_on, a_off = sum(on["a2a_wait_s"]), sum(off["a2a_wait_s"])
+            res["overlap"][s] = {
+                "a2a_wait_s": {"on": a_on, "off": a_off},
+                "a2a_wait_ratio": a_off / max(a_on, 1e-12),
+                "step_s": {"on": on["step_s"], "off": off["step_s"]},
+                "step_ratio": off["step_s"] / on["step_s"],
+            }
     return res

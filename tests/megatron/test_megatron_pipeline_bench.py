@@ -72,3 +72,7 @@ def test_bad_sizes_are_usage_errors(capsys):
         main(["bench", "megatron-pipeline", "--pp", "0"])
     assert e.value.code == 2
     assert "argument --pp" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "megatron-pipeline", "--ep", "0"])
+    assert e.value.code == 2
+    assert "argument --ep" in capsys.readouterr().err
