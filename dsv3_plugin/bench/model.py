@@ -37,6 +37,7 @@ import time
 
 from dsv3_plugin.bench import _model_impls as model_impls
 from dsv3_plugin.bench import positive_int, run_child
+from dsv3_plugin.bench._train_overhead import train_tax
 
 __all__ = ["add_arguments", "run", "PARTS", "IMPLS", "titan_import_error"]
 
@@ -116,6 +117,13 @@ def add_arguments(p) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads in the children (0 = torch's default)")
     p.add_argument("--png", default=None, help="write the breakdown as a PNG here")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--train",
+        action="store_true",
+        help="instead: the training-loop tax, `dsv3 train` (1 and 2 gloo ranks) vs the bare fwd + bwd + AdamW step, "
+        "at the first --seq-lens value, fp32",
+    )
+    p.add_argument("--train-steps", type=positive_int, default=12, help="--train: steps of each run")
 
 
 def titan_import_error() -> str | None:
@@ -128,6 +136,21 @@ def titan_import_error() -> str | None:
 
 
 def run(args) -> dict:
+    if args.train:
+        if args.train_steps <= args.warmup:
+            print(f"error: --train-steps {args.train_steps}: must exceed --warmup {args.warmup}", file=sys.stderr)
+            raise SystemExit(2)
+        block = model_impls.bench_config(args.preset, args.seq_lens[0]).to_dict()
+        res = train_tax(block, args.batch, args.seq_lens[0], args.train_steps, args.warmup)
+        res.update(
+            bench="model --train",
+            preset=args.preset,
+            figure="tokens/s: dsv3 train on 1 rank (ours) vs the bare model step in one process (baseline)",
+            ours=res["train_1rank"]["tokens_per_s"],
+            baseline=res["bare"]["tokens_per_s"],
+            ratio=res["train_1rank"]["tokens_per_s"] / res["bare"]["tokens_per_s"],
+        )
+        return res
     impls, skipped = list(args.impls), {}
     if "titan" in impls:
         why = titan_import_error()

@@ -1,0 +1,41 @@
+"""`dsv3 bench model --train`: the training-loop tax, measured through the real `dsv3 train` entry on 1 and 2 gloo
+ranks (torchrun's environment) against the bare step; tiny preset, a few steps. Only the report's structure and
+that every timer saw its part run are checked, never a timing."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.dist
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_train_tax_reports_every_part_of_both_runs():
+    cmd = [sys.executable, "-m", "dsv3_plugin", "bench", "model", "--train", "--json", "--preset", "tiny"]
+    cmd += ["--seq-lens", "16", "--batch", "2", "--train-steps", "4", "--warmup", "1"]
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    r = json.loads(p.stdout)
+    assert r["bench"] == "model --train" and r["config"] == {"batch": 2, "seq_len": 16, "steps": 4, "warmup": 1}
+    for key in ("train_1rank", "train_2ranks"):
+        assert r[key]["steps"] == 4 and r[key]["tokens_per_s"] > 0 and r[key]["wall_s"] > 0
+    assert r["train_2ranks"]["tokens_per_s_per_rank"] == r["train_2ranks"]["tokens_per_s"] / 2
+    assert r["ours"] == r["train_1rank"]["tokens_per_s"] and r["baseline"] == r["bare"]["tokens_per_s"]
+    assert math.isclose(r["tax_1rank"], r["baseline"] / r["ours"] - 1)
+    ranks = r["two_ranks"]["seconds_per_step"]
+    assert len(ranks) == 2
+    for parts in ranks:
+        assert set(parts) == {"collectives", "bias_update", "telemetry", "save", "rest"}
+        # every timed part ran on every rank: gradient / loss all-reduces, the bias update, telemetry, the last save
+        assert all(parts[k] > 0 for k in ("collectives", "bias_update", "telemetry", "save")), parts
+
+
+def test_train_steps_must_exceed_the_warmup():
+    cmd = [sys.executable, "-m", "dsv3_plugin", "bench", "model", "--train", "--train-steps", "2", "--warmup", "3"]
+    p = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True)
+    assert p.returncode == 2 and "--train-steps 2: must exceed --warmup 3" in p.stderr
