@@ -43,39 +43,54 @@ def _run(tmp, name, block, extra):
     return {"metrics": [json.loads(line) for line in metrics.read_text().splitlines()], "log": p.stdout + p.stderr}
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("overlap")
+def _pair(tmp_path_factory, schedule: str) -> dict:
+    """The overlap on and off for one schedule (4 ranks each)."""
+    tmp = tmp_path_factory.mktemp(f"overlap_{schedule}")
     off = {"parallel": {"overlap_ep_comm": False}}
+    if schedule == "dualpipev":
+        flags = ["--dsv3-pipeline-schedule", "dualpipev"]
+        return {"on": _run(tmp, "v_on", DSV3, flags), "off": _run(tmp, "v_off", {**DSV3, **off}, flags)}
     fp8 = {"fp8": {"enabled": True, "dispatch": True}}  # DualPipe's pair: the plugin's FP8, FP8 dispatch payload
+    flags = ["--dsv3-pipeline-schedule", "dualpipe"]
     return {
-        "dualpipev_on": _run(tmp, "v_on", DSV3, ["--dsv3-pipeline-schedule", "dualpipev"]),
-        "dualpipev_off": _run(tmp, "v_off", {**DSV3, **off}, ["--dsv3-pipeline-schedule", "dualpipev"]),
-        "dualpipe_on": _run(
-            tmp,
-            "dp_on",
-            {**DSV3, **fp8},
-            ["--dsv3-pipeline-schedule", "dualpipe", "--overlap-moe-expert-parallel-comm"],
-        ),
-        "dualpipe_off": _run(tmp, "dp_off", {**DSV3, **fp8, **off}, ["--dsv3-pipeline-schedule", "dualpipe"]),
+        "on": _run(tmp, "dp_on", {**DSV3, **fp8}, flags + ["--overlap-moe-expert-parallel-comm"]),
+        "off": _run(tmp, "dp_off", {**DSV3, **fp8, **off}, flags),
     }
+
+
+@pytest.fixture(scope="module")
+def dualpipev_runs(tmp_path_factory):
+    return _pair(tmp_path_factory, "dualpipev")
+
+
+@pytest.fixture(scope="module")
+def dualpipe_runs(tmp_path_factory):
+    return _pair(tmp_path_factory, "dualpipe")
+
+
+@pytest.fixture(params=["dualpipev", pytest.param("dualpipe", marks=pytest.mark.long)])
+def pair(request):
+    """Each schedule's on / off runs. DualPipe's pair (FP8, Megatron's own flag) is a `long` test (CI time:
+    two 4-rank launches): `make test` checks the same overlapped FB pair (`stages.overlapped_pair`) under
+    DualPipe in `dsv3 train` (tests/dist/test_overlap_ep.py) and under DualPipeV here."""
+    return request.param, request.getfixturevalue(f"{request.param}_runs")
 
 
 KEYS = ("lm_loss", "mtp_1_loss", "router_bias_abs_sum")
 
 
-@pytest.mark.parametrize("schedule", ["dualpipev", "dualpipe"])
-def test_overlapped_pairs_change_no_number(runs, schedule):
-    on, off = runs[f"{schedule}_on"]["metrics"], runs[f"{schedule}_off"]["metrics"]
+def test_overlapped_pairs_change_no_number(pair):
+    schedule, runs = pair
+    on, off = runs["on"]["metrics"], runs["off"]["metrics"]
     assert [r["iteration"] for r in on] == list(range(1, ITERS + 1)) == [r["iteration"] for r in off]
     for a, b in zip(on, off):
         assert {k: a[k] for k in KEYS} == {k: b[k] for k in KEYS}, (schedule, a, b)  # equal, not close
 
 
-@pytest.mark.parametrize("schedule", ["dualpipev", "dualpipe"])
-def test_fb_ops_run_overlapped_and_the_exposed_all_to_all_is_reported(runs, schedule):
+def test_fb_ops_run_overlapped_and_the_exposed_all_to_all_is_reported(pair):
+    schedule, runs = pair
     for state in ("on", "off"):
-        for r in runs[f"{schedule}_{state}"]["metrics"]:
+        for r in runs[state]["metrics"]:
             assert r["pipeline_schedule"] == schedule
             ranks = r["pipeline_ranks"]
             assert [e["pp"] for e in ranks] == [0, 1], r
@@ -85,15 +100,16 @@ def test_fb_ops_run_overlapped_and_the_exposed_all_to_all_is_reported(runs, sche
                 assert math.isfinite(e["a2a_wait_s"]) and 0 <= e["a2a_wait_s"] <= e["busy_s"], e
 
 
-def test_the_overlap_is_printed_and_megatrons_flag_is_mapped(runs):
-    for k, r in runs.items():
-        schedule, state = k.rsplit("_", 1)
+def test_the_overlap_is_printed_and_megatrons_flag_is_mapped(pair):
+    schedule, runs = pair
+    for state, r in runs.items():
         line = f"EP all-to-all overlap (paper Fig. 4): {schedule}'s FB pairs run "
         want = "as two lanes" if state == "on" else "forward then backward (dsv3.parallel.overlap_ep_comm = false)"
-        assert line + want in r["log"], k
-    assert "--overlap-moe-expert-parallel-comm: the plugin's" in runs["dualpipe_on"]["log"]
-    for k in ("dualpipe_on", "dualpipe_off"):  # the FP8 pair runs FP8
-        assert any(x.startswith("dsv3_plugin: FP8 (") for x in runs[k]["log"].splitlines()), k
+        assert line + want in r["log"], (schedule, state)
+    if schedule == "dualpipe":
+        assert "--overlap-moe-expert-parallel-comm: the plugin's" in runs["on"]["log"]
+        for state in ("on", "off"):  # the FP8 pair runs FP8
+            assert any(x.startswith("dsv3_plugin: FP8 (") for x in runs[state]["log"].splitlines()), state
 
 
 def _parse(tmp_path, block, argv, world_size=4):
