@@ -15,7 +15,9 @@ the checkpoint save (`RunDir.save`); a collective inside one of the others is co
 tokens/s = tokens per step (all ranks) x steps / the loop's wall time (`summary.wall_s`: every step with its
 telemetry, logging and saves; the model build and DeepSpeed's initialisation are before it).
 
-Reported: `tax_1rank` = bare tokens/s / dsv3 train's (1 rank) − 1 (the issue's target: <= 0.10), and for 2 ranks
+Reported: `tax_1rank` = bare tokens/s / dsv3 train's (1 rank) − 1 (the issue's target: <= 0.10); `phases_1rank`:
+the median seconds of forward, backward and optimizer step in the bare step and around DeepSpeed's engine calls of
+the 1-rank run (what ZeRO-1 adds to each); for 2 ranks
 the tokens/s per rank, and per rank the seconds per step of each timed part and of the rest (forward, backward,
 optimizer: the bare step's work).
 """
@@ -45,18 +47,24 @@ from dsv3_plugin.training.telemetry import RoutingTelemetry
 __all__ = ["train_tax", "ds_json", "install_timers", "TIMED"]
 
 TIMED = ("collectives", "bias_update", "telemetry", "save")  # parts the timers attribute time to
+# the step's phases, timed in the bare step and (1 rank) around DeepSpeed's engine calls: what ZeRO-1 adds to
+# autograd's backward (gradient hooks copying into its buckets and partition) and to the optimizer step
+# (flattening, the gradient norm, copying the partition back into the parameters)
+PHASES = ("forward", "backward", "optimizer")
 
 
-def ds_json(block: dict, batch: int, seq_len: int, steps: int, lr: float = 1e-3) -> dict:
+def ds_json(block: dict, batch: int, seq_len: int, steps: int, lr: float = 1e-3, fused: bool = False) -> dict:
     """The DeepSpeed JSON of both measurements: micro-batch `batch`, no accumulation, ZeRO-1, torch AdamW at a
-    constant `lr`, no clipping, `steps` steps of `seq_len` tokens on synthetic data, one save at the end."""
+    constant `lr` (torch's fused kernel with `fused`, in both), no clipping, `steps` steps of `seq_len` tokens on
+    synthetic data, one save at the end."""
     train = {**block.get("train", {}), "seq_len": seq_len, "steps": steps, "seed": 0, "log_every": 1}
+    params = {"lr": lr, "weight_decay": 0.0, "torch_adam": True, **({"fused": True} if fused else {})}
     return {
         "train_micro_batch_size_per_gpu": batch,
         "gradient_accumulation_steps": 1,
         "steps_per_print": 10**9,
         "zero_optimization": {"stage": 1},
-        "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0, "torch_adam": True}},
+        "optimizer": {"type": "AdamW", "params": params},
         "dsv3": {**block, "train": train},
     }
 
@@ -69,28 +77,49 @@ def _bare(ds: dict, warmup: int) -> dict:
     torch.manual_seed(0)
     model = DSv3Model(cfg).train()
     p = ds["optimizer"]["params"]
-    opt = torch.optim.AdamW(model.parameters(), lr=p["lr"], weight_decay=p["weight_decay"])
+    opt = torch.optim.AdamW(model.parameters(), lr=p["lr"], weight_decay=p["weight_decay"], fused=p.get("fused"))
     B, T, steps = ds["train_micro_batch_size_per_gpu"], cfg.train.seq_len, cfg.train.steps
     g = torch.Generator().manual_seed(0)
-    times = []
+    times, phases = [], {k: [] for k in PHASES}
     for _ in range(steps):
         ids = torch.randint(0, cfg.model.vocab_size, (B, T + 1), generator=g)
         t0 = time.perf_counter()
         out = model(ids[:, :-1], labels=ids[:, 1:])
+        t1 = time.perf_counter()
         out.loss.backward()
+        t2 = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t0)
+        t3 = time.perf_counter()
+        times.append(t3 - t0)
+        for k, dt in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2)):
+            phases[k].append(dt)
     step_s = statistics.median(times[warmup:])
-    return {"step_s": step_s, "tokens_per_s": B * T / step_s}
+    return {
+        "step_s": step_s,
+        "tokens_per_s": B * T / step_s,
+        "phases_s": {k: statistics.median(v[warmup:]) for k, v in phases.items()},
+    }
 
 
 class _Timers:
-    """Seconds per part of this rank; a collective inside another timed part counts in that part only."""
+    """Seconds per part of this rank; a collective inside another timed part counts in that part only. Apart from
+    those: the seconds of each call of DeepSpeed's forward / backward / step (`phases`, a list per phase)."""
 
     def __init__(self):
         self.s = dict.fromkeys(TIMED, 0.0)
+        self.phases = {k: [] for k in PHASES}
         self.depth = 0
+
+    def wrap_phase(self, fn, phase: str):
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.phases[phase].append(time.perf_counter() - t0)
+
+        return timed
 
     def wrap(self, fn, part: str):
         def timed(*a, **kw):
@@ -118,6 +147,10 @@ def install_timers() -> _Timers:
     balancing.update_expert_bias = ds_engine.update_expert_bias = timed_update
     RoutingTelemetry.record = t.wrap(RoutingTelemetry.record, "telemetry")
     RunDir.save = t.wrap(RunDir.save, "save")
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    for phase, name in zip(PHASES, ("forward", "backward", "step")):
+        setattr(DeepSpeedEngine, name, t.wrap_phase(getattr(DeepSpeedEngine, name), phase))
     return t
 
 
@@ -130,7 +163,7 @@ from dsv3_plugin.cli import main
 rc = main(["train", "--config", {config!r}, "--out", {out!r}, "--overwrite", "--no-progress", "--json"])
 import json, os
 with open({timers!r} + "." + os.environ["RANK"], "w") as f:
-    json.dump(t.s, f)
+    json.dump({{**t.s, "phases": t.phases}}, f)
 raise SystemExit(rc)
 """
 
@@ -194,16 +227,17 @@ def _child(argv: list[str]) -> None:
 # --- the measurement --------------------------------------------------------------------------------------------
 
 
-def train_tax(block: dict, batch: int, seq_len: int, steps: int, warmup: int) -> dict:
+def train_tax(block: dict, batch: int, seq_len: int, steps: int, warmup: int, fused: bool = False) -> dict:
     """Measure the training-loop tax (module docstring) for the "dsv3" `block` at micro-batch `batch`, sequence
-    `seq_len`, `steps` steps (the bare step leaves the first `warmup` out).
+    `seq_len`, `steps` steps (the bare step leaves the first `warmup` out); `fused`: torch's fused AdamW kernel on
+    both sides (`"fused": true` in the JSON's optimizer params).
 
     Returns:
         {"config", "bare", "train_1rank", "train_2ranks", "tax_1rank", "two_ranks"}; bare / train figures in
         tokens/s (`train_2ranks` also per rank), `two_ranks` = per-rank seconds per step of each timed part and
         of the rest.
     """
-    ds = ds_json(block, batch, seq_len, steps)
+    ds = ds_json(block, batch, seq_len, steps, fused=fused)
     tokens_step = batch * seq_len
     with tempfile.TemporaryDirectory(prefix="dsv3-bench-train-") as tmp:
         ds_path = os.path.join(tmp, "ds.json")
@@ -212,6 +246,7 @@ def train_tax(block: dict, batch: int, seq_len: int, steps: int, warmup: int) ->
         bare = run_child("dsv3_plugin.bench._train_overhead", "bare", [ds_path, str(warmup)])
         runs = {n: _launch_train(ds, n, tmp) for n in (1, 2)}
     res = {"config": {"batch": batch, "seq_len": seq_len, "steps": steps, "warmup": warmup}, "bare": bare}
+    res["optimizer"] = ds["optimizer"]
     for n, r in runs.items():
         s = r["summary"]
         wall, done = float(s["wall_s"]), int(s["steps"])
@@ -224,11 +259,17 @@ def train_tax(block: dict, batch: int, seq_len: int, steps: int, warmup: int) ->
             "summary_tokens_per_s": s["tokens_per_s"],  # the summary's own (last steps, step time only)
         }
     res["tax_1rank"] = bare["tokens_per_s"] / res["train_1rank"]["tokens_per_s"] - 1
+    # the same phases of the 1-rank run's steps (DeepSpeed's engine calls; the same warm-up steps left out)
+    one = {k: statistics.median(v[warmup:]) for k, v in runs[1]["timers"][0]["phases"].items()}
+    res["phases_1rank"] = {
+        k: {"bare_s": bare["phases_s"][k], "dsv3_train_s": one[k], "added_s": one[k] - bare["phases_s"][k]}
+        for k in PHASES
+    }
     two = runs[2]
     wall2, steps2 = float(two["summary"]["wall_s"]), int(two["summary"]["steps"])
     per_rank = []
     for t in two["timers"]:
-        parts = {k: t[k] / steps2 for k in TIMED}
+        parts = {k: t[k] / steps2 for k in TIMED}  # (the phases are reported for 1 rank)
         parts["rest"] = wall2 / steps2 - sum(parts.values())
         per_rank.append(parts)
     res["two_ranks"] = {

@@ -124,6 +124,11 @@ def add_arguments(p) -> None:
         "at the first --seq-lens value, fp32",
     )
     p.add_argument("--train-steps", type=positive_int, default=12, help="--train: steps of each run")
+    p.add_argument(
+        "--fused-adamw",
+        action="store_true",
+        help='--train: torch\'s fused AdamW kernel on both sides ("fused": true in the optimizer params)',
+    )
 
 
 def titan_import_error() -> str | None:
@@ -136,12 +141,15 @@ def titan_import_error() -> str | None:
 
 
 def run(args) -> dict:
+    if args.fused_adamw and not args.train:
+        print("error: --fused-adamw: only with --train (the optimizer of the training-loop tax)", file=sys.stderr)
+        raise SystemExit(2)
     if args.train:
         if args.train_steps <= args.warmup:
             print(f"error: --train-steps {args.train_steps}: must exceed --warmup {args.warmup}", file=sys.stderr)
             raise SystemExit(2)
         block = model_impls.bench_config(args.preset, args.seq_lens[0]).to_dict()
-        res = train_tax(block, args.batch, args.seq_lens[0], args.train_steps, args.warmup)
+        res = train_tax(block, args.batch, args.seq_lens[0], args.train_steps, args.warmup, args.fused_adamw)
         res.update(
             bench="model --train",
             preset=args.preset,

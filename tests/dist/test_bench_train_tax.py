@@ -16,23 +16,35 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def test_train_tax_reports_every_part_of_both_runs():
     cmd = [sys.executable, "-m", "dsv3_plugin", "bench", "model", "--train", "--json", "--preset", "tiny"]
-    cmd += ["--seq-lens", "16", "--batch", "2", "--train-steps", "4", "--warmup", "1"]
+    cmd += ["--seq-lens", "16", "--batch", "2", "--train-steps", "4", "--warmup", "1", "--fused-adamw"]
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
     r = json.loads(p.stdout)
     assert r["bench"] == "model --train" and r["config"] == {"batch": 2, "seq_len": 16, "steps": 4, "warmup": 1}
+    assert r["optimizer"]["params"]["fused"] is True  # --fused-adamw: torch's fused kernel on both sides
     for key in ("train_1rank", "train_2ranks"):
         assert r[key]["steps"] == 4 and r[key]["tokens_per_s"] > 0 and r[key]["wall_s"] > 0
     assert r["train_2ranks"]["tokens_per_s_per_rank"] == r["train_2ranks"]["tokens_per_s"] / 2
     assert r["ours"] == r["train_1rank"]["tokens_per_s"] and r["baseline"] == r["bare"]["tokens_per_s"]
     assert math.isclose(r["tax_1rank"], r["baseline"] / r["ours"] - 1)
+    # the phases of the 1-rank run's DeepSpeed calls beside the bare step's: all timed, added = difference
+    assert set(r["phases_1rank"]) == {"forward", "backward", "optimizer"}
+    for ph in r["phases_1rank"].values():
+        assert ph["bare_s"] > 0 and ph["dsv3_train_s"] > 0
+        assert ph["added_s"] == ph["dsv3_train_s"] - ph["bare_s"]
     ranks = r["two_ranks"]["seconds_per_step"]
     assert len(ranks) == 2
     for parts in ranks:
         assert set(parts) == {"collectives", "bias_update", "telemetry", "save", "rest"}
         # every timed part ran on every rank: gradient / loss all-reduces, the bias update, telemetry, the last save
         assert all(parts[k] > 0 for k in ("collectives", "bias_update", "telemetry", "save")), parts
+
+
+def test_fused_adamw_is_refused_without_train():
+    cmd = [sys.executable, "-m", "dsv3_plugin", "bench", "model", "--fused-adamw"]
+    p = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True)
+    assert p.returncode == 2 and "--fused-adamw: only with --train" in p.stderr
 
 
 def test_train_steps_must_exceed_the_warmup():
