@@ -43,6 +43,7 @@ __all__ = [
     "convert_chunk_to_fp8",
     "fp8_summary",
     "MegatronLinearSeam",
+    "seam_parallel_linears",
     "MEGATRON_RECIPES",
 ]
 
@@ -173,6 +174,36 @@ def _seam_class(cls: type) -> type:
     if cls not in _SEAM_CLASSES:
         _SEAM_CLASSES[cls] = type(f"Kernel{cls.__name__}", (MegatronLinearSeam, cls), {"__module__": __name__})
     return _SEAM_CLASSES[cls]
+
+
+def seam_parallel_linears(model) -> list[str]:
+    """Give the kernel seam (`PlainLinearKernel`: the same GEMMs as Megatron's `_forward_impl` at TP = 1) to every
+    Megatron `ColumnParallelLinear` / `RowParallelLinear` of `model` that owns its weight and has no seam yet (the
+    MLA projections of the local spec, the output head, MTP's `eh_proj`; FP8 runs already gave the MLA projections
+    theirs), in place, so that the W split defers their weight gradients as `dsv3 train` does for every Linear.
+    An output head tied to the embedding (its weight passed at call time) and Transformer Engine's modules keep
+    Megatron's own backward.
+
+    Args:
+        model: a Megatron model chunk (`GPTModel`).
+
+    Returns:
+        The names of the linears that got the seam.
+    """
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    from dsv3_plugin.model.kernels import PlainLinearKernel
+
+    done = []
+    for name, mod in model.named_modules():
+        if not isinstance(mod, (ColumnParallelLinear, RowParallelLinear)) or isinstance(mod, MegatronLinearSeam):
+            continue
+        if mod.weight is None:  # tied output head: the embedding's weight arrives at call time
+            continue
+        mod.__class__ = _seam_class(type(mod))
+        mod.kernel = PlainLinearKernel()
+        done.append(name)
+    return done
 
 
 def _is_te_module(mod) -> bool:

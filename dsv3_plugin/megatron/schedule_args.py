@@ -127,8 +127,9 @@ def apply_pipeline_schedule(args, schedule: str, cfg: DSv3Config) -> list[str]:
         )
     if cfg.parallel.split_weight_grads:
         notes.append(
-            f"the W split ({schedule}'s W ops): the plugin's dense-MLP and expert GEMMs defer their weight gradients; "
-            "Megatron's own linears (MLA, output head, MTP projection) compute theirs in the input backward"
+            f"the W split ({schedule}'s W ops): every GEMM with a weight defers its weight gradient (the plugin's "
+            "dense-MLP and expert GEMMs, Megatron's MLA projections, output head and MTP projection); an output head "
+            "tied to the embedding and Transformer Engine's linears compute theirs in the input backward"
         )
     return notes
 

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dsv3_plugin.megatron.dualpipev import mirror_stage, sum_embedding_copy_grads, sum_mirror_grads, v_stage
+from dsv3_plugin.megatron.fp8 import seam_parallel_linears
 from dsv3_plugin.parallel.pipeline.runtime import DualPipe, DualPipeV, OneFOneB
 from dsv3_plugin.parallel.pipeline.stages import ep_layers, overlapped_pair
 from dsv3_plugin.parallel.pipeline.weight_grad import split_weight_grads
@@ -174,8 +175,11 @@ def _runtime(cls, chunks, group, config):
         cfg = getattr(config, "dsv3_config", None)  # a config built from a dsv3 block carries its P2P limit
         timeout = float(cfg.parallel.p2p_timeout_s) if cfg is not None else 600.0
         if cfg is not None and cfg.parallel.split_weight_grads and cls.schedule_name in ("dualpipev", "dualpipe"):
-            # the W split (paper §3.2.1): the plugin's GEMMs (dense MLP, routed and shared experts) defer their
-            # weight gradients to the schedule's W ops; Megatron's own linears compute theirs inside I
+            # the W split (paper §3.2.1): the plugin's GEMMs (dense MLP, routed and shared experts) and Megatron's
+            # linears (MLA projections, output head, MTP eh_proj: through the kernel seam) defer their weight
+            # gradients to the schedule's W ops
+            for c in chunks:
+                seam_parallel_linears(c)
             if sum(split_weight_grads(c) for c in chunks) == 0:
                 raise ValueError(
                     f"dsv3.parallel.split_weight_grads = true: no layer of the plugin in the {cls.schedule_name} "

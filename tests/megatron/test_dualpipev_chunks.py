@@ -57,7 +57,10 @@ def _global_name(name, offset):
     return ".".join(parts)
 
 
-def _worker():
+def _worker(split: bool = False):
+    """`split`: the dsv3 block asks for the W split (`parallel.split_weight_grads`), so the schedule defers the
+    weight gradients of the MLA projections (Megatron's linears, through the kernel seam) and of the plugin's
+    GEMMs to its W ops."""
     from dsv3_plugin.parallel.distributed import init_distributed
 
     r, _ = init_distributed()
@@ -80,7 +83,8 @@ def _worker():
     from dsv3_plugin_patches import megatron_cpu, megatron_dualpipe
     from dsv3_plugin_patches.megatron_cpu import _CudaLiteralsOnCPU
 
-    cfg = load_config(DSV3)
+    block = {**DSV3, "parallel": {"pp": P, "schedule": "dualpipev", "split_weight_grads": True}} if split else DSV3
+    cfg = load_config(block)
     data = _data()
     megatron_cpu.apply()
     rep = {}
@@ -108,7 +112,7 @@ def _worker():
         for vp in range(2):
             pre, post = stage_ends(r, vp, P)
             m = build_gpt_model(
-                DSV3,
+                block,
                 pre_process=pre,
                 post_process=post,
                 vp_stage=vp,
@@ -167,6 +171,24 @@ def _worker():
         rep["n_store"] = len(store)
         if r == P - 1:
             rep["losses_equal"] = len(store) == C and all(torch.equal(a["lm loss"], b) for a, b in zip(store, ref_sums))
+        # which Megatron linears deferred their weight gradients (the W split wraps a seam's kernel)
+        from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+        from megatron.core.transformer.transformer_layer import TransformerLayer
+
+        from dsv3_plugin.model.kernels import find_wrapper
+        from dsv3_plugin.parallel.pipeline.weight_grad import DeferredWeightGrads
+
+        rep["last_stage_linears"] = sorted(
+            n for n, _ in chunks[1].named_modules() if n in ("output_layer",) or n.endswith("eh_proj")
+        )
+        rep["transformer_layers"] = sum(isinstance(m, TransformerLayer) for c in chunks for m in c.modules())
+        rep["deferred_linears"] = sorted(
+            n
+            for c in chunks
+            for n, m in c.named_modules()
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
+            and find_wrapper(getattr(m, "kernel", None), DeferredWeightGrads) is not None
+        )
         errs = []
         for vp, c in enumerate(chunks):
             off = layout.get_layer_offset(vp_stage=vp, pp_rank=r)
@@ -186,8 +208,18 @@ def _worker():
 
 
 @pytest.mark.dist
-def test_v_chunks_of_gptmodel_run_dualpipev_like_pp1():
-    reps = run_ranks(_worker, 2, timeout_s=300)
+@pytest.mark.parametrize("split", [False, True], ids=["no_w_split", "w_split"])
+def test_v_chunks_of_gptmodel_run_dualpipev_like_pp1(split):
+    reps = run_ranks(_worker, 2, split, timeout_s=300)
+    for rep in reps:
+        # with the W split every Megatron linear of the rank's chunks defers its weight gradient: the MLA projections
+        # of its decoder layers and of the MTP block's layer (q down / up, kv down / up, output projection: 5 a
+        # layer, q LoRA on), and on rank 0 (the last stage) the output head and MTP's eh_proj; without it none
+        mla = [n for n in rep["deferred_linears"] if ".self_attention." in n]
+        others = sorted(set(rep["deferred_linears"]) - set(mla))
+        assert len(mla) == (5 * rep["transformer_layers"] if split else 0), (rep["transformer_layers"], mla)
+        assert others == (rep["last_stage_linears"] if split else []), others
+    assert reps[0]["last_stage_linears"] == ["mtp.layers.0.eh_proj", "output_layer"], reps[0]["last_stage_linears"]
     # the V: rank 0 holds stages 0 and 3 (layers 1 and 4), rank 1 stages 1 and 2 (layers 2 and 3)
     assert reps[0]["layers"] == [[1], [4]] and reps[1]["layers"] == [[2], [3]], reps
     # (pre_process, post_process, MTP block, output head, final norm): embedding on stage 0; head, MTP, loss and
