@@ -233,9 +233,10 @@ def train_tax(block: dict, batch: int, seq_len: int, steps: int, warmup: int, fu
     both sides (`"fused": true` in the JSON's optimizer params).
 
     Returns:
-        {"config", "bare", "train_1rank", "train_2ranks", "tax_1rank", "two_ranks"}; bare / train figures in
-        tokens/s (`train_2ranks` also per rank), `two_ranks` = per-rank seconds per step of each timed part and
-        of the rest.
+        {"config", "optimizer", "bare", "train_1rank", "train_2ranks", "tax_1rank", "phases_1rank", "two_ranks"};
+        bare / train figures in tokens/s (`train_2ranks` also per rank), `phases_1rank` = per phase (forward,
+        backward, optimizer) the median seconds of the bare step, of DeepSpeed's call in the 1-rank run and their
+        difference, `two_ranks` = per-rank seconds per step of each timed part and of the rest.
     """
     ds = ds_json(block, batch, seq_len, steps, fused=fused)
     tokens_step = batch * seq_len
