@@ -57,10 +57,11 @@ def _global_name(name, offset):
     return ".".join(parts)
 
 
-def _worker(split: bool = False):
+def _worker(split: bool = False, fp8: bool = False):
     """`split`: the dsv3 block asks for the W split (`parallel.split_weight_grads`), so the schedule defers the
-    weight gradients of the MLA projections (Megatron's linears, through the kernel seam) and of the plugin's
-    GEMMs to its W ops."""
+    weight gradients of Megatron's linears (through the kernel seam) and of the plugin's GEMMs to its W ops.
+    `fp8`: the reference and the chunks on the plugin's FP8 (`convert_chunk_to_fp8`, exact emulation) as
+    `pretrain_gpt` puts them, so the split wraps the FP8 kernels of the MLA projections too."""
     from dsv3_plugin.parallel.distributed import init_distributed
 
     r, _ = init_distributed()
@@ -85,6 +86,10 @@ def _worker(split: bool = False):
 
     block = {**DSV3, "parallel": {"pp": P, "schedule": "dualpipev", "split_weight_grads": True}} if split else DSV3
     cfg = load_config(block)
+    from dsv3_plugin.config import FP8Config
+    from dsv3_plugin.megatron.fp8 import convert_chunk_to_fp8
+
+    FP8_CFG = FP8Config(enabled=True, recipe="blockwise", backend="emulate")
     data = _data()
     megatron_cpu.apply()
     rep = {}
@@ -93,6 +98,8 @@ def _worker(split: bool = False):
         _mp_init(1)
         torch.manual_seed(0)
         ref = build_gpt_model(DSV3)
+        if fp8:
+            convert_chunk_to_fp8(ref, FP8_CFG)
         MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1) / C)
         MTPLossAutoScaler.set_loss_scale(torch.ones(1) / C)
         ref_sums = []
@@ -154,6 +161,9 @@ def _worker(split: bool = False):
                     else:
                         missing.append(g)
         rep["missing"] = missing
+        if fp8:  # after the weights are in, as pretrain_gpt converts after its load
+            for c in chunks:
+                convert_chunk_to_fp8(c, FP8_CFG)
         for c in chunks:
             c.config.finalize_model_grads_func = None
             c.config.grad_scale_func = None
@@ -180,6 +190,12 @@ def _worker(split: bool = False):
 
         rep["last_stage_linears"] = sorted(
             n for n, _ in chunks[1].named_modules() if n in ("output_layer",) or n.endswith("eh_proj")
+        )
+        from dsv3_plugin.model.kernels import base_kernel
+        from dsv3_plugin.precision.fp8.linear import Fp8LinearKernel
+
+        rep["fp8_linears"] = sum(
+            isinstance(base_kernel(getattr(m, "kernel", None)), Fp8LinearKernel) for c in chunks for m in c.modules()
         )
         rep["transformer_layers"] = sum(isinstance(m, TransformerLayer) for c in chunks for m in c.modules())
         rep["deferred_linears"] = sorted(
@@ -208,9 +224,13 @@ def _worker(split: bool = False):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("split", [False, True], ids=["no_w_split", "w_split"])
-def test_v_chunks_of_gptmodel_run_dualpipev_like_pp1(split):
-    reps = run_ranks(_worker, 2, split, timeout_s=300)
+@pytest.mark.parametrize(
+    "split, fp8", [(False, False), (True, False), (True, True)], ids=["plain", "w_split", "w_split_fp8"]
+)
+def test_v_chunks_of_gptmodel_run_dualpipev_like_pp1(split, fp8):
+    # with FP8 the reference is FP8 too: every micro-batch runs the same quantized GEMMs on both sides, so what
+    # differs is only the order of the sums (the same bound)
+    reps = run_ranks(_worker, 2, split, fp8, timeout_s=300)
     for rep in reps:
         # with the W split every Megatron linear of the rank's chunks defers its weight gradient: the MLA projections
         # of its decoder layers and of the MTP block's layer (q down / up, kv down / up, output projection: 5 a
@@ -219,6 +239,8 @@ def test_v_chunks_of_gptmodel_run_dualpipev_like_pp1(split):
         others = sorted(set(rep["deferred_linears"]) - set(mla))
         assert len(mla) == (5 * rep["transformer_layers"] if split else 0), (rep["transformer_layers"], mla)
         assert others == (rep["last_stage_linears"] if split else []), others
+        # FP8: the MLA projections and the dense / shared-expert MLP linears ran the FP8 kernels (under the split)
+        assert (rep["fp8_linears"] >= 5 * rep["transformer_layers"]) if fp8 else rep["fp8_linears"] == 0, rep
     assert reps[0]["last_stage_linears"] == ["mtp.layers.0.eh_proj", "output_layer"], reps[0]["last_stage_linears"]
     # the V: rank 0 holds stages 0 and 3 (layers 1 and 4), rank 1 stages 1 and 2 (layers 2 and 3)
     assert reps[0]["layers"] == [[1], [4]] and reps[1]["layers"] == [[2], [3]], reps
