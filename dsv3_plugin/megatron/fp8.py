@@ -31,7 +31,7 @@ import torch
 
 from dsv3_plugin.config import ConfigError, DSv3Config, FP8Config
 from dsv3_plugin.megatron.flags import flag_name, flag_setting
-from dsv3_plugin.model.kernels import UsesKernel, base_kernel, rebase
+from dsv3_plugin.model.kernels import PlainLinearKernel, UsesKernel, base_kernel, rebase
 from dsv3_plugin.parallel.dispatch import FP8Codec
 from dsv3_plugin.parallel.expert_parallel import ExpertParallelMoE
 from dsv3_plugin.precision.fp8.linear import Fp8LinearKernel, Fp8Report, select_backend
@@ -191,8 +191,6 @@ def seam_parallel_linears(model) -> list[str]:
         The names of the linears that got the seam.
     """
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-
-    from dsv3_plugin.model.kernels import PlainLinearKernel
 
     done = []
     for name, mod in model.named_modules():
