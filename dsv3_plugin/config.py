@@ -274,6 +274,12 @@ class MemoryConfig(_Strict):
     # 1 and the update (1 - decay)·θ is lost against ema, so a decay closer to 1 than 1e-7 freezes the EMA
     ema_decay: float = Field(0.999, gt=0, le=1 - 1e-7, description="EMA decay")
     bf16_moments: bool = Field(False, description="AdamW moments stored in BF16 (paper §3.3)")
+    flat_grads: bool = Field(
+        True,
+        description="DeepSpeed ZeRO-1: gradients accumulated in place in one flat FP32 buffer per group, no copies "
+        "(FP32, pp = 1, no expert groups; elsewhere DeepSpeed's own path, said on stderr). Megatron's DDP has its "
+        "own contiguous gradient buffer",
+    )
 
 
 class DataConfig(_Strict):

@@ -2,6 +2,7 @@
 
 Bare step (`--child bare`): `DSv3Model` built from the same "dsv3" block, `torch.optim.AdamW` with the JSON's
 settings, then per step: forward (LM + MTP + balance loss, as `dsv3 train`'s model computes it) + backward +
+gradient clipping at the JSON's `gradient_clipping` (torch's `clip_grad_norm_`; DeepSpeed clips in `dsv3 train`) +
 optimizer step on one random micro-batch; tokens/s = tokens per step / median step wall time (the first
 `--warmup` steps left out).
 
@@ -15,7 +16,9 @@ the checkpoint save (`RunDir.save`); a collective inside one of the others is co
 tokens/s = tokens per step (all ranks) x steps / the loop's wall time (`summary.wall_s`: every step with its
 telemetry, logging and saves; the model build and DeepSpeed's initialisation are before it).
 
-Reported: `tax_1rank` = bare tokens/s / dsv3 train's (1 rank) − 1 (the issue's target: <= 0.10); `phases_1rank`:
+Reported: `tax_1rank` = bare tokens/s / dsv3 train's (1 rank) − 1 (the issue's target: <= 0.10), and
+`tax_1rank_steady` = the same against the run summary's tokens/s (the mean of its last steps' data read + step
+time: what a long run approaches, without the first steps and the final save); `phases_1rank`:
 the median seconds of forward, backward and optimizer step in the bare step and around DeepSpeed's engine calls of
 the 1-rank run (what ZeRO-1 adds to each); for 2 ranks
 the tokens/s per rank, and per rank the seconds per step of each timed part and of the rest (forward, backward,
@@ -51,21 +54,26 @@ TIMED = ("collectives", "bias_update", "telemetry", "save")  # parts the timers 
 # autograd's backward (gradient hooks copying into its buckets and partition) and to the optimizer step
 # (flattening, the gradient norm, copying the partition back into the parameters)
 PHASES = ("forward", "backward", "optimizer")
+CLIP = 1.0  # gradient clipping of both sides
 
 
-def ds_json(block: dict, batch: int, seq_len: int, steps: int, lr: float = 1e-3, fused: bool = False) -> dict:
+def ds_json(
+    block: dict, batch: int, seq_len: int, steps: int, lr: float = 1e-3, fused: bool = False, flat_grads: bool = True
+) -> dict:
     """The DeepSpeed JSON of both measurements: micro-batch `batch`, no accumulation, ZeRO-1, torch AdamW at a
-    constant `lr` (torch's fused kernel with `fused`, in both), no clipping, `steps` steps of `seq_len` tokens on
-    synthetic data, one save at the end."""
+    constant `lr` (torch's fused kernel with `fused`, in both), gradient clipping at 1.0 (DeepSeek-V3's, and
+    `dsv3 train`'s default; in both), `steps` steps of `seq_len` tokens on synthetic data, one save at the end;
+    `flat_grads`: `memory.flat_grads` of `dsv3 train` (false: DeepSpeed's own ZeRO-1 gradient copies)."""
     train = {**block.get("train", {}), "seq_len": seq_len, "steps": steps, "seed": 0, "log_every": 1}
     params = {"lr": lr, "weight_decay": 0.0, "torch_adam": True, **({"fused": True} if fused else {})}
     return {
         "train_micro_batch_size_per_gpu": batch,
         "gradient_accumulation_steps": 1,
         "steps_per_print": 10**9,
+        "gradient_clipping": CLIP,
         "zero_optimization": {"stage": 1},
         "optimizer": {"type": "AdamW", "params": params},
-        "dsv3": {**block, "train": train},
+        "dsv3": {**block, "train": train, "memory": {**block.get("memory", {}), "flat_grads": flat_grads}},
     }
 
 
@@ -77,7 +85,9 @@ def _bare(ds: dict, warmup: int) -> dict:
     torch.manual_seed(0)
     model = DSv3Model(cfg).train()
     p = ds["optimizer"]["params"]
-    opt = torch.optim.AdamW(model.parameters(), lr=p["lr"], weight_decay=p["weight_decay"], fused=p.get("fused"))
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=p["lr"], weight_decay=p["weight_decay"], fused=p.get("fused"))
+    clip = float(ds.get("gradient_clipping", 0.0))
     B, T, steps = ds["train_micro_batch_size_per_gpu"], cfg.train.seq_len, cfg.train.steps
     g = torch.Generator().manual_seed(0)
     times, phases = [], {k: [] for k in PHASES}
@@ -88,6 +98,8 @@ def _bare(ds: dict, warmup: int) -> dict:
         t1 = time.perf_counter()
         out.loss.backward()
         t2 = time.perf_counter()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         t3 = time.perf_counter()
@@ -110,6 +122,7 @@ class _Timers:
         self.s = dict.fromkeys(TIMED, 0.0)
         self.phases = {k: [] for k in PHASES}
         self.depth = 0
+        self.flat_grads = None  # whether `memory.flat_grads` applied to this rank's ZeRO-1 optimizer
 
     def wrap_phase(self, fn, phase: str):
         def timed(*a, **kw):
@@ -147,6 +160,13 @@ def install_timers() -> _Timers:
     balancing.update_expert_bias = ds_engine.update_expert_bias = timed_update
     RoutingTelemetry.record = t.wrap(RoutingTelemetry.record, "telemetry")
     RunDir.save = t.wrap(RunDir.save, "save")
+    decide = ds_engine.flat_grads
+
+    def flat_grads(*a, **kw):
+        t.flat_grads = decide(*a, **kw)
+        return t.flat_grads
+
+    ds_engine.flat_grads = flat_grads
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     for phase, name in zip(PHASES, ("forward", "backward", "step")):
@@ -163,7 +183,7 @@ from dsv3_plugin.cli import main
 rc = main(["train", "--config", {config!r}, "--out", {out!r}, "--overwrite", "--no-progress", "--json"])
 import json, os
 with open({timers!r} + "." + os.environ["RANK"], "w") as f:
-    json.dump({{**t.s, "phases": t.phases}}, f)
+    json.dump({{**t.s, "phases": t.phases, "flat_grads": t.flat_grads}}, f)
 raise SystemExit(rc)
 """
 
@@ -227,18 +247,23 @@ def _child(argv: list[str]) -> None:
 # --- the measurement --------------------------------------------------------------------------------------------
 
 
-def train_tax(block: dict, batch: int, seq_len: int, steps: int, warmup: int, fused: bool = False) -> dict:
+def train_tax(
+    block: dict, batch: int, seq_len: int, steps: int, warmup: int, fused: bool = False, flat_grads: bool = True
+) -> dict:
     """Measure the training-loop tax (module docstring) for the "dsv3" `block` at micro-batch `batch`, sequence
     `seq_len`, `steps` steps (the bare step leaves the first `warmup` out); `fused`: torch's fused AdamW kernel on
-    both sides (`"fused": true` in the JSON's optimizer params).
+    both sides (`"fused": true` in the JSON's optimizer params); `flat_grads`: `memory.flat_grads` of the
+    `dsv3 train` runs.
 
     Returns:
-        {"config", "optimizer", "bare", "train_1rank", "train_2ranks", "tax_1rank", "phases_1rank", "two_ranks"};
+        {"config", "optimizer", "flat_grads", "bare", "train_1rank", "train_2ranks", "tax_1rank", "tax_1rank_steady",
+        "phases_1rank", "two_ranks"}; `flat_grads` = {"asked", "applied": per run (1 and 2 ranks), whether every
+        rank's ZeRO-1 optimizer took the patch};
         bare / train figures in tokens/s (`train_2ranks` also per rank), `phases_1rank` = per phase (forward,
         backward, optimizer) the median seconds of the bare step, of DeepSpeed's call in the 1-rank run and their
         difference, `two_ranks` = per-rank seconds per step of each timed part and of the rest.
     """
-    ds = ds_json(block, batch, seq_len, steps, fused=fused)
+    ds = ds_json(block, batch, seq_len, steps, fused=fused, flat_grads=flat_grads)
     tokens_step = batch * seq_len
     with tempfile.TemporaryDirectory(prefix="dsv3-bench-train-") as tmp:
         ds_path = os.path.join(tmp, "ds.json")
@@ -248,6 +273,12 @@ def train_tax(block: dict, batch: int, seq_len: int, steps: int, warmup: int, fu
         runs = {n: _launch_train(ds, n, tmp) for n in (1, 2)}
     res = {"config": {"batch": batch, "seq_len": seq_len, "steps": steps, "warmup": warmup}, "bare": bare}
     res["optimizer"] = ds["optimizer"]
+    res["flat_grads"] = {
+        "asked": flat_grads,
+        "applied": {
+            f"{n}rank" + ("s" if n > 1 else ""): all(t["flat_grads"] for t in r["timers"]) for n, r in runs.items()
+        },
+    }
     for n, r in runs.items():
         s = r["summary"]
         wall, done = float(s["wall_s"]), int(s["steps"])
@@ -260,6 +291,8 @@ def train_tax(block: dict, batch: int, seq_len: int, steps: int, warmup: int, fu
             "summary_tokens_per_s": s["tokens_per_s"],  # the summary's own (last steps, step time only)
         }
     res["tax_1rank"] = bare["tokens_per_s"] / res["train_1rank"]["tokens_per_s"] - 1
+    # the same against the summary's steady figure (its last steps: data read + step, no first steps, no saves)
+    res["tax_1rank_steady"] = bare["tokens_per_s"] / res["train_1rank"]["summary_tokens_per_s"] - 1
     # the same phases of the 1-rank run's steps (DeepSpeed's engine calls; the same warm-up steps left out)
     one = {k: statistics.median(v[warmup:]) for k, v in runs[1]["timers"][0]["phases"].items()}
     res["phases_1rank"] = {

@@ -129,6 +129,11 @@ def add_arguments(p) -> None:
         action="store_true",
         help='--train: torch\'s fused AdamW kernel on both sides ("fused": true in the optimizer params)',
     )
+    p.add_argument(
+        "--no-flat-grads",
+        action="store_true",
+        help="--train: dsv3 train with memory.flat_grads false (DeepSpeed's own ZeRO-1 gradient copies)",
+    )
 
 
 def titan_import_error() -> str | None:
@@ -141,15 +146,18 @@ def titan_import_error() -> str | None:
 
 
 def run(args) -> dict:
-    if args.fused_adamw and not args.train:
-        print("error: --fused-adamw: only with --train (the optimizer of the training-loop tax)", file=sys.stderr)
-        raise SystemExit(2)
+    for flag, on in (("--fused-adamw", args.fused_adamw), ("--no-flat-grads", args.no_flat_grads)):
+        if on and not args.train:
+            print(f"error: {flag}: only with --train (a setting of the training-loop tax)", file=sys.stderr)
+            raise SystemExit(2)
     if args.train:
         if args.train_steps <= args.warmup:
             print(f"error: --train-steps {args.train_steps}: must exceed --warmup {args.warmup}", file=sys.stderr)
             raise SystemExit(2)
         block = model_impls.bench_config(args.preset, args.seq_lens[0]).to_dict()
-        res = train_tax(block, args.batch, args.seq_lens[0], args.train_steps, args.warmup, args.fused_adamw)
+        res = train_tax(
+            block, args.batch, args.seq_lens[0], args.train_steps, args.warmup, args.fused_adamw, not args.no_flat_grads
+        )
         res.update(
             bench="model --train",
             preset=args.preset,

@@ -43,6 +43,7 @@ __all__ = [
     "mixed_precision_dtype",
     "prepare_mixed_precision",
     "check_fp32_router_state",
+    "flat_grads",
 ]
 
 
@@ -331,5 +332,21 @@ def initialize(
             **kwargs,
         )
     check_fp32_router_state(model)
+    engine.dsv3_flat_grads = flat_grads(engine, cfg)
     engine.dsv3 = _DSv3Hooks(engine, model, cfg, group=group)
     return engine, opt, loader, sched
+
+
+def flat_grads(engine, cfg: DSv3Config) -> bool:
+    """`memory.flat_grads`: ZeRO-1's gradients accumulated in place in one flat FP32 buffer per parameter group
+    (`patches/deepspeed_zero1_flat_grads.py`: DeepSpeed's bucket, partition and flatten copies skipped, the same
+    values bit for bit). Where it does not apply (BF16 parameters, expert-parallel groups, another DeepSpeed) the
+    reason goes to stderr once (rank 0) and DeepSpeed's own path runs. -> whether it applies."""
+    if not cfg.memory.flat_grads:
+        return False
+    from dsv3_plugin_patches import deepspeed_zero1_flat_grads
+
+    ok, why = deepspeed_zero1_flat_grads.apply(engine.optimizer, pipeline=cfg.parallel.pp > 1)
+    if not ok and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(f"dsv3: memory.flat_grads: DeepSpeed's own ZeRO-1 gradient path ({why})", file=sys.stderr, flush=True)
+    return ok

@@ -23,11 +23,14 @@ def test_train_tax_reports_every_part_of_both_runs():
     r = json.loads(p.stdout)
     assert r["bench"] == "model --train" and r["config"] == {"batch": 2, "seq_len": 16, "steps": 4, "warmup": 1}
     assert r["optimizer"]["params"]["fused"] is True  # --fused-adamw: torch's fused kernel on both sides
+    # memory.flat_grads (the default) took on every rank of both runs (FP32, pp = 1, ep = 1)
+    assert r["flat_grads"] == {"asked": True, "applied": {"1rank": True, "2ranks": True}}
     for key in ("train_1rank", "train_2ranks"):
         assert r[key]["steps"] == 4 and r[key]["tokens_per_s"] > 0 and r[key]["wall_s"] > 0
     assert r["train_2ranks"]["tokens_per_s_per_rank"] == r["train_2ranks"]["tokens_per_s"] / 2
     assert r["ours"] == r["train_1rank"]["tokens_per_s"] and r["baseline"] == r["bare"]["tokens_per_s"]
     assert math.isclose(r["tax_1rank"], r["baseline"] / r["ours"] - 1)
+    assert math.isclose(r["tax_1rank_steady"], r["baseline"] / r["train_1rank"]["summary_tokens_per_s"] - 1)
     # the phases of the 1-rank run's DeepSpeed calls beside the bare step's: all timed, added = difference
     assert set(r["phases_1rank"]) == {"forward", "backward", "optimizer"}
     for ph in r["phases_1rank"].values():
@@ -41,10 +44,11 @@ def test_train_tax_reports_every_part_of_both_runs():
         assert all(parts[k] > 0 for k in ("collectives", "bias_update", "telemetry", "save")), parts
 
 
-def test_fused_adamw_is_refused_without_train():
-    cmd = [sys.executable, "-m", "dsv3_plugin", "bench", "model", "--fused-adamw"]
+@pytest.mark.parametrize("flag", ["--fused-adamw", "--no-flat-grads"])
+def test_train_settings_are_refused_without_train(flag):
+    cmd = [sys.executable, "-m", "dsv3_plugin", "bench", "model", flag]
     p = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True)
-    assert p.returncode == 2 and "--fused-adamw: only with --train" in p.stderr
+    assert p.returncode == 2 and f"{flag}: only with --train" in p.stderr
 
 
 def test_train_steps_must_exceed_the_warmup():

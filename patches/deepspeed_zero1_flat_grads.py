@@ -1,0 +1,173 @@
+"""ZeRO-1 gradients kept in one flat buffer per parameter group (deepspeed 0.19.x, FP32 and BF16 models).
+
+Why: DeepSpeed's ZeRO-1 (`DeepSpeedZeroOptimizer`, `partition_gradients = False`) moves every gradient three
+times a step after autograd made it: into its reduction bucket, out of the bucket into the rank's gradient
+partition buffer, and at `step()` into a newly flattened partition for the optimizer. On one CPU rank with a
+21 M-parameter model that is ~100 ms a step of the ~400 ms the bare step takes (docs/results.md, "The
+training-loop tax"); on GPUs the same copies cost HBM bandwidth.
+
+How (one optimizer instance; what it changes is only where the gradients live):
+- a zeroed buffer per group, in the parameters' dtype (DeepSpeed's gradient dtype here), with the exact layout of
+  DeepSpeed's flat parameter buffer (`bit16_groups_flat[i]`, alignment padding included), so that the rank's
+  partition of it is the same slice DeepSpeed hands the optimizer (`partition_size[i]` elements at
+  `rank · partition_size[i]`);
+- `process_gradients` (DeepSpeed's per-parameter post-accumulate hook) copies the first gradient of an
+  accumulation window into the parameter's view of that buffer and makes the view the parameter's `.grad`, so
+  further micro-batches accumulate into it in place (autograd's `+=`, as into a stolen `.grad`);
+- `reduce_gradients` (called by the engine at the accumulation boundary) zeroes the views of parameters that got
+  no gradient, reduces each group's whole buffer over its data-parallel group with DeepSpeed's arithmetic
+  (divide by the world size then sum, `reduce_scatter` on; otherwise DeepSpeed's own
+  `gradient_reduction_w_predivide`), and hands `step()` the partition as a pre-flattened gradient group
+  (DeepSpeed's `GradPartitionBufferGroup` protocol: per-parameter views for the norm, `flat_partition` for the
+  update), which `step()` uses without a copy (BF16: the one cast to the FP32 master's gradient DeepSpeed does
+  too).
+The gradient values are the ones DeepSpeed's path produces (same sums in the same order: on one rank no
+arithmetic at all, on two ranks a/2 + b/2 either way), so norms, clipping and updates are equal, bit for bit
+(tests/dist/test_zero1_flat_grads.py compares both paths with `torch.equal`).
+
+Applies only where that equivalence was checked: deepspeed 0.19.x, `DeepSpeedZeroOptimizer` at stage 1 with FP32
+or BF16 parameters whose gradients are accumulated and communicated in that dtype (no `grad_accum_dtype` /
+`communication_data_type` of another, no autocast, no sequence parallelism), no CPU offload, no `overlap_comm`, no
+expert (MoE) parameter groups, no pipeline engine, every parameter a view of its group's flat buffer. Elsewhere
+`applies` returns the reason and DeepSpeed's own path runs. `revert(optimizer)` restores DeepSpeed's methods
+(gradients of a window in flight are lost).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["applies", "apply", "revert"]
+
+_ATTR = "_dsv3_flat_grads"
+
+
+def applies(optimizer, pipeline: bool = False) -> tuple[bool, str]:
+    """(True, how) when the patch applies to this optimizer, else (False, why not). `pipeline`: the engine is a
+    pipeline engine (its reduction runs outside ZeRO's hooks: not covered)."""
+    import deepspeed
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if not deepspeed.__version__.startswith("0.19."):
+        return False, f"deepspeed {deepspeed.__version__} (checked on 0.19.x)"
+    if type(optimizer) is not DeepSpeedZeroOptimizer:
+        return False, f"the optimizer is a {type(optimizer).__name__}, not DeepSpeed's ZeRO-1/2 optimizer"
+    from deepspeed.runtime.torch_autocast import is_autocast_initialized
+
+    dtype = optimizer.dtype
+    reasons = {
+        "ZeRO stage 2 (gradients partitioned)": optimizer.partition_gradients,
+        f"{dtype} parameters (FP32 or BF16 only)": dtype not in (torch.float32, torch.bfloat16),
+        "gradients accumulated in another dtype": getattr(optimizer, "gradient_accumulation_dtype", None) != dtype,
+        "gradients communicated in another dtype": optimizer.communication_data_type != dtype,
+        "torch autocast": is_autocast_initialized(),
+        "sequence parallelism": optimizer.sequence_parallel_size != 1,
+        "CPU offload": optimizer.cpu_offload,
+        "overlap_comm": optimizer.overlap_comm,
+        "expert (MoE) parameter groups": optimizer.has_moe_layers,
+        "a pipeline engine": pipeline,
+        "gradient accumulation in a separate attribute": optimizer.use_grad_accum_attribute,
+    }
+    for why, hit in reasons.items():
+        if hit:
+            return False, why
+    for i, group in enumerate(optimizer.bit16_groups):
+        flat = optimizer.bit16_groups_flat[i]
+        for p in group:
+            if p.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
+                return False, f"a parameter of group {i} is not a view of its flat buffer"
+    return True, "gradients accumulate into one flat buffer per group (no bucket, partition or flatten copies)"
+
+
+def _param_views(optimizer, i: int, flat_grad: torch.Tensor) -> dict[int, torch.Tensor]:
+    """id(param) -> the param's view of `flat_grad` (group i's gradient buffer, laid out like its parameters)."""
+    flat = optimizer.bit16_groups_flat[i]
+    views = {}
+    for p in optimizer.bit16_groups[i]:
+        off = p.storage_offset() - flat.storage_offset()
+        views[id(p)] = flat_grad.narrow(0, off, p.numel()).view_as(p)
+    return views
+
+
+def _partition_group(optimizer, i: int, flat_grad: torch.Tensor):
+    """DeepSpeed's pre-flattened gradient group for this rank's partition of group i: the partition (a view of
+    `flat_grad`) and, in `params_in_partition` order, each parameter's piece of it (what the norm iterates)."""
+    from deepspeed.runtime.zero.stage_1_and_2 import GradPartitionBufferGroup
+
+    size = int(optimizer.partition_size[i])
+    rank = dist.get_rank(group=optimizer.real_dp_process_group[i])
+    part = flat_grad.narrow(0, rank * size, size)
+    flat = optimizer.bit16_groups_flat[i]
+    pieces = []
+    for p in optimizer.params_in_partition[i]:
+        pid = optimizer.get_param_id(p)
+        src = int(optimizer.grad_start_offset[i][rank][pid])  # first element of p in this partition
+        dst = int(optimizer.grad_partition_insertion_offset[i][rank][pid])  # where it sits in the partition
+        n = int(min(p.numel() - src, size - dst))
+        if p.storage_offset() - flat.storage_offset() + src != rank * size + dst:
+            raise RuntimeError(f"zero1 flat grads: group {i}: parameter {pid} is not where its partition says")
+        piece = part.narrow(0, dst, n)
+        pieces.append(piece.view_as(p) if src == 0 and n == p.numel() else piece)
+    return GradPartitionBufferGroup(pieces, part)
+
+
+def apply(optimizer, pipeline: bool = False) -> tuple[bool, str]:
+    """Patch this optimizer instance (idempotent). -> (applied, how or why not)."""
+    if getattr(optimizer, _ATTR, None) is not None:
+        return True, "already applied"
+    ok, why = applies(optimizer, pipeline)
+    if not ok:
+        return False, why
+    flat_grads = [torch.zeros_like(f) for f in optimizer.bit16_groups_flat]  # the parameters' dtype
+    views = {}
+    for i, fg in enumerate(flat_grads):
+        views.update(_param_views(optimizer, i, fg))
+    for i, fg in enumerate(flat_grads):  # checked once: the layout the step relies on
+        _partition_group(optimizer, i, fg)
+    state = {"filled": set(), "reduced": False}
+
+    def process_gradients(param, i):
+        view, grad = views[id(param)], param.grad
+        if grad is None:
+            return
+        state["reduced"] = False
+        if grad.data_ptr() != view.data_ptr():  # autograd's own tensor: the window's first gradient
+            if id(param) in state["filled"]:
+                view.add_(grad)
+            else:
+                view.copy_(grad)
+            param.grad = view  # later micro-batches accumulate in place
+        state["filled"].add(id(param))
+
+    def reduce_gradients(pipeline_parallel=False):
+        if state["reduced"]:
+            return
+        for i, group in enumerate(optimizer.bit16_groups):
+            for p in group:
+                if id(p) not in state["filled"]:
+                    views[id(p)].zero_()  # no gradient this window (a stale one is in the buffer)
+            fg, pg = flat_grads[i], optimizer.real_dp_process_group[i]
+            if dist.get_world_size(group=pg) > 1:
+                if optimizer.reduce_scatter:  # DeepSpeed's average_tensor: divide, then sum
+                    if optimizer.gradient_average:
+                        world = dist.get_world_size(group=optimizer.dp_process_group)
+                        fg.div_(world / float(optimizer.sequence_parallel_size))
+                    dist.all_reduce(fg, group=pg)
+                else:
+                    optimizer.gradient_reduction_w_predivide(fg, fg.dtype)
+            optimizer.averaged_gradients[i] = _partition_group(optimizer, i, fg)
+        state["filled"].clear()
+        state["reduced"] = True
+
+    optimizer.process_gradients = process_gradients
+    optimizer.reduce_gradients = reduce_gradients
+    setattr(optimizer, _ATTR, (flat_grads, state))
+    return True, why
+
+
+def revert(optimizer) -> None:
+    if getattr(optimizer, _ATTR, None) is not None:
+        del optimizer.process_gradients
+        del optimizer.reduce_gradients
+        delattr(optimizer, _ATTR)

@@ -1,0 +1,125 @@
+"""`memory.flat_grads` (patches/deepspeed_zero1_flat_grads.py): ZeRO-1 with the gradients accumulated in place in one
+flat buffer per group trains exactly as DeepSpeed's own gradient path, in FP32 and in BF16 (`"bf16"` enabled:
+BF16 gradients, FP32 masters).
+
+Same seed, same batches, 3 optimizer steps of 2 micro-batches with clipping 1.0 (the shared 2-rank JSON), a
+parameter added to the model that gets a gradient in every other optimizer step only (its buffer view must not keep
+the last step's gradient): losses, global gradient norms, every parameter and the
+FP32 master partitions `torch.equal` between the two paths, on 1 rank (no arithmetic in either path: the
+gradients are only moved) and on 2 gloo ranks (a/2 + b/2 in both: DeepSpeed divides by the world size before
+summing, and a sum of two terms does not depend on the order). Where the patch does not apply (FP32 gradient
+accumulation of BF16 parameters, i.e. DeepSpeed's BF16_Optimizer; expert-parallel groups) DeepSpeed's path runs and
+the reason is printed once.
+"""
+
+import contextlib
+import copy
+import io
+
+import pytest
+import torch
+from helpers import run_ranks, zero1_ds
+
+DS = zero1_ds({"preset": "tiny", "train": {"seq_len": 16, "seed": 5}}, warmup_steps=2)
+STEPS = 3
+
+
+def _train(flat: bool, ds: dict) -> dict:
+    import torch.distributed as dist
+
+    from dsv3_plugin.deepspeed import initialize
+    from dsv3_plugin.deepspeed.moe_layer import prepare_model
+    from dsv3_plugin.deepspeed.validate import validate_ds_config
+    from dsv3_plugin.training.transforms import build_model
+
+    ds = copy.deepcopy(ds)
+    ds["dsv3"].setdefault("memory", {})["flat_grads"] = flat
+    checked = validate_ds_config(copy.deepcopy(ds), target="train", world_size=dist.get_world_size())
+    cfg = checked.cfg
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    model.register_parameter("sometimes", torch.nn.Parameter(torch.ones(5)))  # a gradient in even steps only
+    prepare_model(model, cfg)
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        engine, *_ = initialize(model, ds)
+    opt = engine.optimizer
+    # the FP32 masters this rank steps (DeepSpeed's ZeRO-1 optimizer, or its BF16_Optimizer where the patch is off)
+    master_groups = getattr(opt, "single_partition_of_fp32_groups", None) or opt.fp32_groups_flat_partition
+    first = master_groups[0].detach().clone()  # (BF16: the module's weights may not move in 3 small steps)
+    gas = engine.gradient_accumulation_steps()
+    ids = torch.randint(0, 256, (STEPS * gas * 2, 17), generator=torch.Generator().manual_seed(dist.get_rank()))
+    losses, norms = [], []
+    for s in range(STEPS):
+        for m in range(gas):
+            b = ids[(s * gas + m) * 2 : (s * gas + m) * 2 + 2]
+            out = engine(b[:, :-1], labels=b[:, 1:])
+            extra = model.sometimes.square().sum() * 1e-2 if s % 2 == 0 else 0.0
+            engine.backward(out.loss + extra)
+            losses.append(out.loss.detach())
+            engine.step()
+        norms.append(torch.as_tensor(engine.get_global_grad_norm()))
+    masters = [m.detach().clone() for m in master_groups]
+    buffers = getattr(engine.optimizer, "_dsv3_flat_grads", None)  # the patch's own gradient buffers
+    engine.dsv3.remove()
+    return {
+        "applied": engine.dsv3_flat_grads,
+        "stderr": err.getvalue(),
+        "losses": torch.stack(losses),
+        "norms": torch.stack(norms),
+        "params": [p.detach().clone() for p in model.parameters()],
+        "trained": not torch.equal(first, masters[0]),
+        "masters": masters,
+        "buffers_used": buffers is not None and all(bool(b.abs().sum() > 0) for b in buffers[0]),
+    }
+
+
+def _both(ds):
+    from dsv3_plugin.parallel.distributed import init_distributed
+
+    init_distributed()
+    return {"stock": _train(False, ds), "flat": _train(True, ds)}
+
+
+def _not_applied(ds):
+    from dsv3_plugin.parallel.distributed import init_distributed
+
+    init_distributed()
+    return _train(True, ds)
+
+
+def _check_equal(res):
+    stock, flat = res["stock"], res["flat"]
+    assert flat["applied"] and not stock["applied"]
+    assert flat["buffers_used"] and not stock["buffers_used"]  # the gradients went through the flat buffers
+    assert torch.equal(flat["losses"], stock["losses"])
+    assert torch.equal(flat["norms"], stock["norms"]) and bool((flat["norms"] > 0).all())
+    assert len(flat["params"]) == len(stock["params"])
+    for a, b in zip(flat["params"], stock["params"]):
+        assert torch.equal(a, b)
+    for a, b in zip(flat["masters"], stock["masters"]):
+        assert torch.equal(a, b)
+    assert flat["trained"]  # the masters moved
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_flat_grads_equal_deepspeed_path(nproc, dtype):
+    ds = copy.deepcopy(DS)
+    if dtype == "bf16":
+        ds["bf16"] = {"enabled": True}
+    for res in run_ranks(_both, nproc, ds):
+        _check_equal(res)
+
+
+def test_flat_grads_not_applied_says_why():
+    acc32 = copy.deepcopy(DS)
+    acc32["bf16"] = {"enabled": True}
+    acc32["data_types"] = {"grad_accum_dtype": "fp32"}
+    ep2 = copy.deepcopy(DS)
+    ep2["dsv3"]["parallel"] = {"ep": 2}
+    for ds, why in ((acc32, "the optimizer is a BF16_Optimizer"), (ep2, "expert (MoE) parameter groups")):
+        r0, r1 = run_ranks(_not_applied, 2, ds)
+        assert not r0["applied"] and not r1["applied"]
+        assert f"DeepSpeed's own ZeRO-1 gradient path ({why}" in r0["stderr"]
+        assert "memory.flat_grads" not in r1["stderr"]  # said once, by rank 0
