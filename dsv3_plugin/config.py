@@ -276,9 +276,9 @@ class MemoryConfig(_Strict):
     bf16_moments: bool = Field(False, description="AdamW moments stored in BF16 (paper §3.3)")
     flat_grads: bool = Field(
         True,
-        description="DeepSpeed ZeRO-1: gradients accumulated in place in one flat FP32 buffer per group, no copies "
-        "(FP32, pp = 1, no expert groups; elsewhere DeepSpeed's own path, said on stderr). Megatron's DDP has its "
-        "own contiguous gradient buffer",
+        description="DeepSpeed ZeRO-1: gradients accumulated in place in one flat buffer per group, no copies "
+        "(FP32 or BF16, pp = 1, no expert groups; elsewhere DeepSpeed's own path, said on stderr). Megatron's DDP "
+        "has its own contiguous gradient buffer",
     )
 
 
