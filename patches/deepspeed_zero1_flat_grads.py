@@ -13,7 +13,8 @@ How (one optimizer instance; what it changes is only where the gradients live):
   `rank · partition_size[i]`);
 - `process_gradients` (DeepSpeed's per-parameter post-accumulate hook) copies the first gradient of an
   accumulation window into the parameter's view of that buffer and makes the view the parameter's `.grad`, so
-  further micro-batches accumulate into it in place (autograd's `+=`, as into a stolen `.grad`);
+  further micro-batches accumulate into it in place (autograd's `+=`, as into a stolen `.grad`; a `.grad` that is
+  not the view again is the whole gradient so far and is copied);
 - `reduce_gradients` (called by the engine at the accumulation boundary) zeroes the views of parameters that got
   no gradient, reduces each group's whole buffer over its data-parallel group with DeepSpeed's arithmetic
   (divide by the world size then sum, `reduce_scatter` on; otherwise DeepSpeed's own
@@ -132,11 +133,10 @@ def apply(optimizer, pipeline: bool = False) -> tuple[bool, str]:
         if grad is None:
             return
         state["reduced"] = False
-        if grad.data_ptr() != view.data_ptr():  # autograd's own tensor: the window's first gradient
-            if id(param) in state["filled"]:
-                view.add_(grad)
-            else:
-                view.copy_(grad)
+        if grad.data_ptr() != view.data_ptr():
+            # autograd's own tensor: the window's first gradient, or (`.grad` reset by the caller mid-window, or
+            # accumulated out of place under create_graph) the whole gradient so far, as DeepSpeed's path sees it
+            view.copy_(grad)
             param.grad = view  # later micro-batches accumulate in place
         state["filled"].add(id(param))
 
