@@ -78,6 +78,10 @@ def applies(optimizer, pipeline: bool = False) -> tuple[bool, str]:
         for p in group:
             if p.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
                 return False, f"a parameter of group {i} is not a view of its flat buffer"
+        try:  # the partition layout the step relies on (the parameter buffer stands in for the gradient one)
+            _partition_group(optimizer, i, flat)
+        except RuntimeError as e:
+            return False, str(e)
     return True, "gradients accumulate into one flat buffer per group (no bucket, partition or flatten copies)"
 
 
@@ -107,7 +111,7 @@ def _partition_group(optimizer, i: int, flat_grad: torch.Tensor):
         dst = int(optimizer.grad_partition_insertion_offset[i][rank][pid])  # where it sits in the partition
         n = int(min(p.numel() - src, size - dst))
         if p.storage_offset() - flat.storage_offset() + src != rank * size + dst:
-            raise RuntimeError(f"zero1 flat grads: group {i}: parameter {pid} is not where its partition says")
+            raise RuntimeError(f"group {i}: parameter {pid} is not where its ZeRO partition says")
         piece = part.narrow(0, dst, n)
         pieces.append(piece.view_as(p) if src == 0 and n == p.numel() else piece)
     return GradPartitionBufferGroup(pieces, part)
@@ -124,8 +128,6 @@ def apply(optimizer, pipeline: bool = False) -> tuple[bool, str]:
     views = {}
     for i, fg in enumerate(flat_grads):
         views.update(_param_views(optimizer, i, fg))
-    for i, fg in enumerate(flat_grads):  # checked once: the layout the step relies on
-        _partition_group(optimizer, i, fg)
     state = {"filled": set(), "reduced": False}
 
     def process_gradients(param, i):
