@@ -277,8 +277,8 @@ class MemoryConfig(_Strict):
     flat_grads: bool = Field(
         True,
         description="DeepSpeed ZeRO-1: gradients accumulated in place in one flat buffer per group, no copies "
-        "(FP32 or BF16, pp = 1, no expert groups; elsewhere DeepSpeed's own path, said on stderr). Megatron's DDP "
-        "has its own contiguous gradient buffer",
+        "(FP32 or BF16, pp = 1, no expert groups; elsewhere DeepSpeed's own path, said on stderr); refused on the "
+        "Megatron path (its DDP has its own contiguous gradient buffer)",
     )
 
 

@@ -338,12 +338,12 @@ def initialize(
 
 
 def flat_grads(engine, cfg: DSv3Config, pipeline: bool | None = None) -> bool:
-    """`memory.flat_grads`: ZeRO-1's gradients accumulated in place in one flat FP32 buffer per parameter group
-    (`patches/deepspeed_zero1_flat_grads.py`: DeepSpeed's bucket, partition and flatten copies skipped, the same
-    values bit for bit). Where it does not apply (BF16 parameters, expert-parallel groups, another DeepSpeed) the
-    reason goes to stderr once (rank 0) and DeepSpeed's own path runs. `pipeline`: the engine's gradients come from
-    a pipeline schedule outside `engine.backward` (`PipelinedEngine`; default: `parallel.pp > 1`), which the patch
-    does not cover. -> whether it applies."""
+    """`memory.flat_grads`: ZeRO-1's gradients accumulated in place in one flat buffer per parameter group, in the
+    parameters' dtype (`patches/deepspeed_zero1_flat_grads.py`: DeepSpeed's bucket, partition and flatten copies
+    skipped, the same values bit for bit). Where it does not apply (DeepSpeed's BF16_Optimizer, expert-parallel
+    groups, another DeepSpeed) the reason goes to stderr once (rank 0) and DeepSpeed's own path runs. `pipeline`:
+    the engine's gradients come from a pipeline schedule outside `engine.backward` (`PipelinedEngine`; default:
+    `parallel.pp > 1`), which the patch does not cover. -> whether it applies."""
     if not cfg.memory.flat_grads:
         return False
     from dsv3_plugin_patches import deepspeed_zero1_flat_grads

@@ -30,6 +30,7 @@ __all__ = [
     "dsv3_arg_values",
     "explicit_dests",
     "reconcile_args",
+    "refuse_deepspeed_only_keys",
     "adapt_to_cpu",
     "attention_notes",
     "GPU_ONLY_FLAGS",
@@ -299,6 +300,28 @@ def reconcile_args(args, parser, explicit: set[str], cfg: DSv3Config, where: str
             args.vocab_size = cfg.model.vocab_size
             notes.append(f"--vocab-size {cfg.model.vocab_size} (from dsv3.model.vocab_size)")
     return notes
+
+
+# The "memory" keys only `dsv3 train` reads (its model transforms, its DeepSpeed engine): in a Megatron run they would
+# be accepted and do nothing, so a value other than the default is refused, saying what Megatron has instead.
+_DEEPSPEED_ONLY_MEMORY = {
+    "recompute": "Megatron's pretrain() takes activation recompute from its flags: --recompute-granularity selective "
+    "--recompute-modules mlp mla_up_proj layernorm, or --recompute-granularity full",
+    "ema": "the parameter EMA is dsv3 train's; Megatron's pretrain() keeps none",
+    "ema_decay": "the parameter EMA is dsv3 train's; Megatron's pretrain() keeps none",
+    "bf16_moments": "dsv3 train's AdamW; Megatron's optimizer keeps its own moments",
+    "flat_grads": "a DeepSpeed ZeRO-1 setting; Megatron's DDP keeps its own contiguous gradient buffer",
+}
+
+
+def refuse_deepspeed_only_keys(cfg: DSv3Config, where: str) -> None:
+    """ConfigError naming the first `memory` key of the block (`where`: the --dsv3-config file) set to anything but
+    its default: those keys configure `dsv3 train` only (`_DEEPSPEED_ONLY_MEMORY` says what Megatron has instead)."""
+    default = type(cfg.memory)()
+    for key, why in _DEEPSPEED_ONLY_MEMORY.items():
+        got = getattr(cfg.memory, key)
+        if got != getattr(default, key):
+            raise ConfigError(f"dsv3.memory.{key} = {got!r} in {where}: not read by the Megatron path ({why})")
 
 
 _CPU_DEFAULTS = (

@@ -48,6 +48,7 @@ from dsv3_plugin.megatron.flags import (
     flag_names_of_keys,
     flags_config,
     reconcile_args,
+    refuse_deepspeed_only_keys,
 )
 from dsv3_plugin.megatron.fp8 import install_fp8, resolve_fp8_args
 from dsv3_plugin.megatron.gpt import add_dsv3_args, dualpipev_selected, gpt_builder
@@ -140,6 +141,7 @@ def parse_megatron_args(
     else:  # Megatron-LM's own DeepSeek-V3 flags describe the model
         args.dsv3_block, notes = block_from_args(args, parser, derived_vocab_size(args))
         cfg, where = flags_config(args.dsv3_block, parser), FLAGS_SOURCE
+    refuse_deepspeed_only_keys(cfg, where)
     notes += reconcile_args(args, parser, explicit, cfg, where)
     on_cpu = not torch.cuda.is_available() if on_cpu is None else on_cpu
     if on_cpu:

@@ -348,3 +348,28 @@ def test_pipeline_schedule_flag_without_pipeline_is_a_note(tmp_path):
     )
     assert args.virtual_pipeline_model_parallel_size is None
     assert "--dsv3-pipeline-schedule dualpipev: no pipeline at --pipeline-model-parallel-size 1" in notes
+
+
+@pytest.mark.parametrize(
+    "memory, message",
+    [
+        (
+            {"recompute": "full"},
+            r"^dsv3\.memory\.recompute = 'full' in .*ds\.json: not read by the Megatron path "
+            r"\(Megatron's pretrain\(\) takes activation recompute from its flags",
+        ),
+        ({"ema": True}, r"^dsv3\.memory\.ema = True in .*: not read by the Megatron path"),
+        ({"bf16_moments": True}, r"^dsv3\.memory\.bf16_moments = True in "),
+        ({"flat_grads": False}, r"^dsv3\.memory\.flat_grads = False in .*a DeepSpeed ZeRO-1 setting"),
+    ],
+)
+def test_deepspeed_only_memory_keys_are_refused(tmp_path, memory, message):
+    """The "memory" section configures dsv3 train only: a Megatron run refuses it rather than ignore it."""
+    from dsv3_plugin.config import ConfigError, MemoryConfig
+    from dsv3_plugin.megatron.flags import _DEEPSPEED_ONLY_MEMORY
+
+    assert set(_DEEPSPEED_ONLY_MEMORY) == set(MemoryConfig.model_fields)  # a new key needs its rule
+    p = tmp_path / "ds.json"
+    p.write_text(json.dumps({"dsv3": {"preset": "tiny", "memory": memory}}))
+    with pytest.raises(ConfigError, match=message):
+        _parse(BASE + ["--dsv3-config", str(p)], on_cpu=True)
