@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from tolerance import assert_within, reorder_bound
 
+from dsv3_plugin.model.moe import layer as moe_layer
+from dsv3_plugin.model.moe.grouped_mm import swiglu_magnitudes
 from dsv3_plugin.model.moe.layer import GroupedExperts, grouped_swiglu, swiglu_rows
 
 
@@ -108,3 +110,73 @@ def test_bench_pair_is_the_same_layer_as_transformers():
     }
     for name, (a, b, stages) in pairs.items():
         assert_within(a, b, reorder_bound(48, b.abs().max(), stages=stages), f"bench pair {name}: ours vs transformers")
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_gradcheck_gate_up_fused_and_not(monkeypatch, fused):
+    """Both layouts of gate/up (one GEMM against [W1; W3] with g | u in one buffer, or two GEMMs) are the exact
+    derivative, routing weights (`scale_N`) and experts without rows included: float64 gradcheck, with the
+    BF16/FP16 choice forced either way."""
+    monkeypatch.setattr(moe_layer, "fuse_gate_up", lambda dtype: fused)
+    counts = [2, 0, 3, 1, 0]
+    x = torch.randn(6, 5, dtype=torch.double, requires_grad=True)
+    s = torch.rand(6, dtype=torch.double).requires_grad_(True)
+    w = _weights(5, 3, 5, torch.double)
+    kernel = moe_layer.GroupedSwiGLUKernel()
+    assert torch.autograd.gradcheck(lambda *a: kernel(a[0], counts, *a[1:4], scale_N=a[4]), (x, *w, s))
+
+
+def _stacked(ws):
+    """DeepSpeed's layout: one parameter per expert, stacked each call (the kernel then slices the parameters)."""
+    per_expert = [[p.detach().clone().requires_grad_(p.requires_grad) for p in w.unbind(0)] for w in ws]
+    return [torch.stack(ps) for ps in per_expert], per_expert
+
+
+@pytest.mark.parametrize("layout", ["stacked", "per_expert_params"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("w_grads", [(True, True, True), (False, True, True)])
+def test_loop_kernel_matches_float64(dtype, layout, w_grads):
+    """The loop kernel in FP32 and in BF16 (where gate and up run as one GEMM: `fuse_gate_up`) against float64
+    autograd on the same (rounded) operands, routing weights applied inside, an expert without rows; also with
+    only some weight gradients asked for (the un-fused W for gate/up then) and DeepSpeed's per-expert parameters."""
+    counts = [9, 0, 17, 6]
+    E, I, H, N = len(counts), 16, 32, sum(counts)
+    g = torch.Generator().manual_seed(7)
+    # operands rounded to `dtype` first: the float64 reference sees what the kernel sees
+    x = torch.randn(N, H, generator=g).to(dtype)
+    ws = [(torch.randn(*sh, generator=g) * 0.1).to(dtype) for sh in ((E, I, H), (E, I, H), (E, H, I))]
+    s = torch.rand(N, generator=g).clamp_min(0.05).to(dtype).float()  # routing weights in (0, 1], FP32 as routed
+    dy = torch.randn(N, H, generator=g).to(dtype)
+    xs = x.clone().requires_grad_(True)
+    params = [w.clone().requires_grad_(need) for w, need in zip(ws, w_grads)]
+    args, per_expert = (params, None) if layout == "stacked" else _stacked(params)
+    y = moe_layer.GroupedSwiGLUKernel()(xs, counts, *args, scale_N=s)
+    y.backward(dy)
+    grads = [
+        p.grad if per_expert is None else (torch.stack([q.grad for q in per_expert[i]]) if w_grads[i] else None)
+        for i, p in enumerate(params)
+    ]
+
+    rx = x.double().requires_grad_(True)
+    rw = [w.double().requires_grad_(True) for w in ws]
+    outs, o = [], 0
+    for e, n in enumerate(counts):
+        xe = rx[o : o + n]
+        outs.append((F.silu(xe @ rw[0][e].t()) * (xe @ rw[1][e].t()) * s[o : o + n, None].double()) @ rw[2][e].t())
+        o += n
+    ref_y = torch.cat(outs)
+    ref = torch.autograd.grad((ref_y * dy.double()).sum(), (rx, *rw))
+    mags = swiglu_magnitudes(x, counts, *ws, dy)  # |s| <= 1: the unscaled terms bound the scaled ones
+    # Roundings on the longest path (dx, dW1): g|u, silu(g)·u... counted per stored intermediate in `dtype`:
+    # g|u, da = dy·W2, da·s, da·u, silu'(g)·(da·u), the GEMM's output: <= 7 (y, dW2: 5), compounded; plus FP32
+    # accumulation in every GEMM over at most N + H + 2I terms (dx's K = 2I when fused).
+    unit = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-24
+    scale = (1 + unit) ** 7 - 1 + (N + H + 2 * I) * 2.0**-24
+    for name, a, b, m in zip(("y", "dx", "dw1", "dw3", "dw2"), (y, xs.grad, *grads), (ref_y, *ref), mags):
+        if a is None:
+            continue
+        assert a.dtype == dtype, name
+        assert bool(((a.double() - b).abs() <= scale * m).all()), f"{name} ({dtype}, {layout}, {w_grads})"
+    for gw in grads:
+        if gw is not None:
+            assert torch.count_nonzero(gw[1]) == 0  # the expert without rows: exactly zero
