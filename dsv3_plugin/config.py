@@ -280,6 +280,13 @@ class MemoryConfig(_Strict):
         "(FP32 or BF16, pp = 1, no expert groups; elsewhere DeepSpeed's own path, said on stderr); refused on the "
         "Megatron path (its DDP has its own contiguous gradient buffer)",
     )
+    grad_norm: Literal["fp64", "fp32"] = Field(
+        "fp64",
+        description="DeepSpeed ZeRO-1 gradient norm (clipping, the logged grad_norm): fp64 = DeepSpeed's own (per "
+        "parameter, each gradient cast to FP64); fp32 = one FP32 pass over the flat gradient partition, as torch's "
+        "clip_grad_norm_ and Megatron (faster; the norm differs in the last bits). fp32 needs flat_grads applied "
+        "(refused where it is not); refused on the Megatron path",
+    )
 
 
 class DataConfig(_Strict):
@@ -859,6 +866,14 @@ def _check_cross_fields(c: DSv3Config) -> None:
         )
     if m.qk_rope_head_dim % 2:
         _fail("model.qk_rope_head_dim", f"must be even for RoPE (got {m.qk_rope_head_dim})")
+    if c.memory.grad_norm == "fp32":  # the norm over the flat gradient buffer, which these setups do not use
+        for off, why in (
+            (not c.memory.flat_grads, "memory.flat_grads false"),
+            (c.parallel.ep > 1, f"parallel.ep = {c.parallel.ep} (expert parameter groups)"),
+            (c.parallel.pp > 1, f"parallel.pp = {c.parallel.pp} (pipeline engine)"),
+        ):
+            if off:
+                _fail("memory.grad_norm", f"fp32 is taken over the flat gradient buffer, which {why} does not use")
     _check_schedule("moe.bias_update_schedule", e.bias_update_schedule, _le(MoEConfig, "bias_update_speed"), "γ")
     _check_schedule("mtp.loss_weight_schedule", c.mtp.loss_weight_schedule, _le(MTPConfig, "loss_weight"), "λ")
     rs = m.rope_scaling

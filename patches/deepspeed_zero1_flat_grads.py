@@ -32,6 +32,14 @@ or BF16 parameters whose gradients are accumulated and communicated in that dtyp
 expert (MoE) parameter groups, no pipeline engine, every parameter a view of its group's flat buffer. Elsewhere
 `applies` returns the reason and DeepSpeed's own path runs. `revert(optimizer)` restores DeepSpeed's methods
 (gradients of a window in flight are lost).
+
+`apply(..., norm="fp32")` (`memory.grad_norm: fp32`) also replaces DeepSpeed's L2 gradient norm: instead of a norm
+per parameter in FP64 (`get_norm_dtype()`: each gradient cast to a new FP64 tensor, ~40 ms a step on one CPU rank
+of the 21 M-parameter bench model), one FP32 pass over the rank's flat partition (what torch's `clip_grad_norm_` and
+Megatron compute), then DeepSpeed's own all-reduce, square root and inf/NaN -> -1 sentinel. NOTE: this changes
+DeepSpeed's arithmetic: the norm (hence the clip factor) differs in the last bits, within (n + 1)/2 + 2 FP32 units
+roundoff relative for n gradient elements (tests/dist/test_zero1_flat_grads.py); a norm above ~1.8e19 overflows
+FP32 and the step is skipped as an overflow, where FP64 would have clipped it.
 """
 
 from __future__ import annotations
@@ -117,9 +125,14 @@ def _partition_group(optimizer, i: int, flat_grad: torch.Tensor):
     return GradPartitionBufferGroup(pieces, part)
 
 
-def apply(optimizer, pipeline: bool = False) -> tuple[bool, str]:
-    """Patch this optimizer instance (idempotent). -> (applied, how or why not)."""
+def apply(optimizer, pipeline: bool = False, norm: str = "fp64") -> tuple[bool, str]:
+    """Patch this optimizer instance (idempotent). `norm`: "fp64" (DeepSpeed's gradient norm) or "fp32" (one FP32
+    pass over the flat partition, see above). -> (applied, how or why not)."""
+    if norm not in ("fp64", "fp32"):
+        raise ValueError(f"deepspeed_zero1_flat_grads: norm must be 'fp64' or 'fp32', not {norm!r}")
     if getattr(optimizer, _ATTR, None) is not None:
+        if getattr(optimizer, _ATTR)[2] != norm:
+            raise ValueError(f"deepspeed_zero1_flat_grads: already applied with norm {getattr(optimizer, _ATTR)[2]}")
         return True, "already applied"
     ok, why = applies(optimizer, pipeline)
     if not ok:
@@ -164,12 +177,41 @@ def apply(optimizer, pipeline: bool = False) -> tuple[bool, str]:
 
     optimizer.process_gradients = process_gradients
     optimizer.reduce_gradients = reduce_gradients
-    setattr(optimizer, _ATTR, (flat_grads, state))
+    if norm == "fp32":
+        optimizer.get_grad_norm_direct = _fp32_norm(optimizer)
+        why += "; gradient norm in FP32 over the flat partition"
+    setattr(optimizer, _ATTR, (flat_grads, state, norm))
     return True, why
+
+
+def _fp32_norm(optimizer):
+    """DeepSpeed's `get_grad_norm_direct` for this optimizer, the L2 norm of a flat partition taken in FP32."""
+    from deepspeed.runtime.utils import mask_nan_or_inf_with_val_inplace
+    from deepspeed.runtime.zero.stage_1_and_2 import GradPartitionBufferGroup
+
+    deepspeeds = optimizer.get_grad_norm_direct
+
+    def get_grad_norm_direct(gradients, params, norm_type=2):
+        if float(norm_type) != 2.0 or not isinstance(gradients, GradPartitionBufferGroup):
+            return deepspeeds(gradients, params, norm_type)
+        # Every element of the partition is counted once, as DeepSpeed's per-parameter sum counts each
+        # parameter's piece (alignment padding is zeros): no pipeline-replicated or tensor-parallel parameters
+        # here (`applies`: no pipeline engine; the plugin has no tensor parallelism).
+        part = gradients.flat_partition
+        total = torch.linalg.vector_norm(part, 2, dtype=torch.float32).square()  # Σ g², FP32 accumulation
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=optimizer.dp_process_group)
+        optimizer._model_parallel_all_reduce(tensor=total, op=dist.ReduceOp.SUM)
+        total = total.sqrt()
+        mask_nan_or_inf_with_val_inplace(total, device=optimizer.device)  # DeepSpeed's -1 sentinel
+        return total
+
+    return get_grad_norm_direct
 
 
 def revert(optimizer) -> None:
     if getattr(optimizer, _ATTR, None) is not None:
         del optimizer.process_gradients
         del optimizer.reduce_gradients
+        if getattr(optimizer, _ATTR)[2] == "fp32":
+            del optimizer.get_grad_norm_direct
         delattr(optimizer, _ATTR)

@@ -58,12 +58,21 @@ CLIP = 1.0  # gradient clipping of both sides
 
 
 def ds_json(
-    block: dict, batch: int, seq_len: int, steps: int, lr: float = 1e-3, fused: bool = False, flat_grads: bool = True
+    block: dict,
+    batch: int,
+    seq_len: int,
+    steps: int,
+    lr: float = 1e-3,
+    fused: bool = False,
+    flat_grads: bool = True,
+    grad_norm: str = "fp64",
 ) -> dict:
     """The DeepSpeed JSON of both measurements: micro-batch `batch`, no accumulation, ZeRO-1, torch AdamW at a
     constant `lr` (torch's fused kernel with `fused`, in both), gradient clipping at 1.0 (DeepSeek-V3's, and
     `dsv3 train`'s default; in both), `steps` steps of `seq_len` tokens on synthetic data, one save at the end;
-    `flat_grads`: `memory.flat_grads` of `dsv3 train` (false: DeepSpeed's own ZeRO-1 gradient copies)."""
+    `flat_grads`: `memory.flat_grads` of `dsv3 train` (false: DeepSpeed's own ZeRO-1 gradient copies); `grad_norm`:
+    its `memory.grad_norm` (fp64: DeepSpeed's norm; fp32: one FP32 pass over the flat gradients, as the bare step's
+    `clip_grad_norm_`)."""
     train = {**block.get("train", {}), "seq_len": seq_len, "steps": steps, "seed": 0, "log_every": 1}
     params = {"lr": lr, "weight_decay": 0.0, "torch_adam": True, **({"fused": True} if fused else {})}
     return {
@@ -73,7 +82,11 @@ def ds_json(
         "gradient_clipping": CLIP,
         "zero_optimization": {"stage": 1},
         "optimizer": {"type": "AdamW", "params": params},
-        "dsv3": {**block, "train": train, "memory": {**block.get("memory", {}), "flat_grads": flat_grads}},
+        "dsv3": {
+            **block,
+            "train": train,
+            "memory": {**block.get("memory", {}), "flat_grads": flat_grads, "grad_norm": grad_norm},
+        },
     }
 
 
@@ -248,22 +261,29 @@ def _child(argv: list[str]) -> None:
 
 
 def train_tax(
-    block: dict, batch: int, seq_len: int, steps: int, warmup: int, fused: bool = False, flat_grads: bool = True
+    block: dict,
+    batch: int,
+    seq_len: int,
+    steps: int,
+    warmup: int,
+    fused: bool = False,
+    flat_grads: bool = True,
+    grad_norm: str = "fp64",
 ) -> dict:
     """Measure the training-loop tax (module docstring) for the "dsv3" `block` at micro-batch `batch`, sequence
     `seq_len`, `steps` steps (the bare step leaves the first `warmup` out); `fused`: torch's fused AdamW kernel on
-    both sides (`"fused": true` in the JSON's optimizer params); `flat_grads`: `memory.flat_grads` of the
-    `dsv3 train` runs.
+    both sides (`"fused": true` in the JSON's optimizer params); `flat_grads` and `grad_norm`: `memory.flat_grads`
+    and `memory.grad_norm` of the `dsv3 train` runs.
 
     Returns:
-        {"config", "optimizer", "flat_grads", "bare", "train_1rank", "train_2ranks", "tax_1rank", "tax_1rank_steady",
-        "phases_1rank", "two_ranks"}; `flat_grads` = {"asked", "applied": per run (1 and 2 ranks), whether every
-        rank's ZeRO-1 optimizer took the patch};
+        {"config", "optimizer", "flat_grads", "grad_norm", "bare", "train_1rank", "train_2ranks", "tax_1rank",
+        "tax_1rank_steady", "phases_1rank", "two_ranks"}; `flat_grads` = {"asked", "applied": per run (1 and 2
+        ranks), whether every rank's ZeRO-1 optimizer took the patch}; `grad_norm` = the runs' memory.grad_norm;
         bare / train figures in tokens/s (`train_2ranks` also per rank), `phases_1rank` = per phase (forward,
         backward, optimizer) the median seconds of the bare step, of DeepSpeed's call in the 1-rank run and their
         difference, `two_ranks` = per-rank seconds per step of each timed part and of the rest.
     """
-    ds = ds_json(block, batch, seq_len, steps, fused=fused, flat_grads=flat_grads)
+    ds = ds_json(block, batch, seq_len, steps, fused=fused, flat_grads=flat_grads, grad_norm=grad_norm)
     tokens_step = batch * seq_len
     with tempfile.TemporaryDirectory(prefix="dsv3-bench-train-") as tmp:
         ds_path = os.path.join(tmp, "ds.json")
@@ -273,6 +293,7 @@ def train_tax(
         runs = {n: _launch_train(ds, n, tmp) for n in (1, 2)}
     res = {"config": {"batch": batch, "seq_len": seq_len, "steps": steps, "warmup": warmup}, "bare": bare}
     res["optimizer"] = ds["optimizer"]
+    res["grad_norm"] = grad_norm  # dsv3 train's memory.grad_norm (the bare step: torch's FP32 clip_grad_norm_)
     res["flat_grads"] = {
         "asked": flat_grads,
         "applied": {

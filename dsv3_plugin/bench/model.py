@@ -134,6 +134,12 @@ def add_arguments(p) -> None:
         action="store_true",
         help="--train: dsv3 train with memory.flat_grads false (DeepSpeed's own ZeRO-1 gradient copies)",
     )
+    p.add_argument(
+        "--fp32-grad-norm",
+        action="store_true",
+        help="--train: dsv3 train with memory.grad_norm fp32 (one FP32 pass over the flat gradients, as the bare "
+        "step's clip_grad_norm_, instead of DeepSpeed's FP64 norm per parameter)",
+    )
 
 
 def titan_import_error() -> str | None:
@@ -146,17 +152,34 @@ def titan_import_error() -> str | None:
 
 
 def run(args) -> dict:
-    for flag, on in (("--fused-adamw", args.fused_adamw), ("--no-flat-grads", args.no_flat_grads)):
+    for flag, on in (
+        ("--fused-adamw", args.fused_adamw),
+        ("--no-flat-grads", args.no_flat_grads),
+        ("--fp32-grad-norm", args.fp32_grad_norm),
+    ):
         if on and not args.train:
             print(f"error: {flag}: only with --train (a setting of the training-loop tax)", file=sys.stderr)
             raise SystemExit(2)
+    if args.fp32_grad_norm and args.no_flat_grads:
+        print(
+            "error: --fp32-grad-norm: the FP32 norm is taken over the flat gradients, not with --no-flat-grads",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
     if args.train:
         if args.train_steps <= args.warmup:
             print(f"error: --train-steps {args.train_steps}: must exceed --warmup {args.warmup}", file=sys.stderr)
             raise SystemExit(2)
         block = model_impls.bench_config(args.preset, args.seq_lens[0]).to_dict()
         res = train_tax(
-            block, args.batch, args.seq_lens[0], args.train_steps, args.warmup, args.fused_adamw, not args.no_flat_grads
+            block,
+            args.batch,
+            args.seq_lens[0],
+            args.train_steps,
+            args.warmup,
+            args.fused_adamw,
+            not args.no_flat_grads,
+            "fp32" if args.fp32_grad_norm else "fp64",
         )
         res.update(
             bench="model --train",

@@ -343,13 +343,20 @@ def flat_grads(engine, cfg: DSv3Config, pipeline: bool | None = None) -> bool:
     skipped, the same values bit for bit). Where it does not apply (DeepSpeed's BF16_Optimizer, expert-parallel
     groups, another DeepSpeed) the reason goes to stderr once (rank 0) and DeepSpeed's own path runs. `pipeline`:
     the engine's gradients come from a pipeline schedule outside `engine.backward` (`PipelinedEngine`; default:
-    `parallel.pp > 1`), which the patch does not cover. -> whether it applies."""
+    `parallel.pp > 1`), which the patch does not cover. `memory.grad_norm: fp32` (the norm over the flat buffer
+    in FP32) needs the patch: where it does not apply that is a ConfigError naming why. -> whether it applies."""
+    norm = cfg.memory.grad_norm
     if not cfg.memory.flat_grads:
         return False
     from dsv3_plugin_patches import deepspeed_zero1_flat_grads
 
     pipeline = cfg.parallel.pp > 1 if pipeline is None else pipeline
-    ok, why = deepspeed_zero1_flat_grads.apply(engine.optimizer, pipeline=pipeline)
+    ok, why = deepspeed_zero1_flat_grads.apply(engine.optimizer, pipeline=pipeline, norm=norm)
+    if not ok and norm == "fp32":
+        raise ConfigError(
+            f"dsv3.memory.grad_norm = 'fp32': the FP32 norm is taken over the flat gradient buffer, which does not "
+            f"apply here ({why}); use grad_norm 'fp64' (DeepSpeed's own norm)"
+        )
     if not ok and (not dist.is_initialized() or dist.get_rank() == 0):
         print(f"dsv3: memory.flat_grads: DeepSpeed's own ZeRO-1 gradient path ({why})", file=sys.stderr, flush=True)
     return ok

@@ -311,6 +311,7 @@ _DEEPSPEED_ONLY_MEMORY = {
     "ema_decay": "the parameter EMA is dsv3 train's; Megatron's pretrain() keeps none",
     "bf16_moments": "dsv3 train's AdamW; Megatron's optimizer keeps its own moments",
     "flat_grads": "a DeepSpeed ZeRO-1 setting; Megatron's DDP keeps its own contiguous gradient buffer",
+    "grad_norm": "a DeepSpeed ZeRO-1 setting; Megatron's optimizer takes its gradient norm in FP32 already",
 }
 
 

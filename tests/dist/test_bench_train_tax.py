@@ -17,6 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_train_tax_reports_every_part_of_both_runs():
     cmd = [sys.executable, "-m", "dsv3_plugin", "bench", "model", "--train", "--json", "--preset", "tiny"]
     cmd += ["--seq-lens", "16", "--batch", "2", "--train-steps", "4", "--warmup", "1", "--fused-adamw"]
+    cmd += ["--fp32-grad-norm"]
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
@@ -25,6 +26,7 @@ def test_train_tax_reports_every_part_of_both_runs():
     assert r["optimizer"]["params"]["fused"] is True  # --fused-adamw: torch's fused kernel on both sides
     # memory.flat_grads (the default) took on every rank of both runs (FP32, pp = 1, ep = 1)
     assert r["flat_grads"] == {"asked": True, "applied": {"1rank": True, "2ranks": True}}
+    assert r["grad_norm"] == "fp32"  # --fp32-grad-norm reached dsv3 train (the patch refuses it where it cannot)
     for key in ("train_1rank", "train_2ranks"):
         assert r[key]["steps"] == 4 and r[key]["tokens_per_s"] > 0 and r[key]["wall_s"] > 0
     assert r["train_2ranks"]["tokens_per_s_per_rank"] == r["train_2ranks"]["tokens_per_s"] / 2
@@ -44,7 +46,7 @@ def test_train_tax_reports_every_part_of_both_runs():
         assert all(parts[k] > 0 for k in ("collectives", "bias_update", "telemetry", "save")), parts
 
 
-@pytest.mark.parametrize("flag", ["--fused-adamw", "--no-flat-grads"])
+@pytest.mark.parametrize("flag", ["--fused-adamw", "--no-flat-grads", "--fp32-grad-norm"])
 def test_train_settings_are_refused_without_train(flag):
     cmd = [sys.executable, "-m", "dsv3_plugin", "bench", "model", flag]
     p = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True)
@@ -55,3 +57,9 @@ def test_train_steps_must_exceed_the_warmup():
     cmd = [sys.executable, "-m", "dsv3_plugin", "bench", "model", "--train", "--train-steps", "2", "--warmup", "3"]
     p = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True)
     assert p.returncode == 2 and "--train-steps 2: must exceed --warmup 3" in p.stderr
+
+
+def test_fp32_grad_norm_needs_the_flat_gradients():
+    cmd = [sys.executable, "-m", "dsv3_plugin", "bench", "model", "--train", "--fp32-grad-norm", "--no-flat-grads"]
+    p = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True)
+    assert p.returncode == 2 and "--fp32-grad-norm: the FP32 norm is taken over the flat gradients" in p.stderr

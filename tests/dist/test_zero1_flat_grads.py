@@ -10,6 +10,11 @@ gradients are only moved) and on 2 gloo ranks (a/2 + b/2 in both: DeepSpeed divi
 summing, and a sum of two terms does not depend on the order). Where the patch does not apply (FP32 gradient
 accumulation of BF16 parameters, i.e. DeepSpeed's BF16_Optimizer; expert-parallel groups) DeepSpeed's path runs and
 the reason is printed once.
+
+`memory.grad_norm: fp32` (the norm in one FP32 pass over the flat partition instead of DeepSpeed's FP64 per
+parameter): with clipping inactive (a bound of 1e6: both clip factors are exactly 1) losses, parameters and masters
+stay equal to DeepSpeed's path and every step's norm is within the FP32 summation bound of DeepSpeed's FP64 one; an
+inf gradient gives DeepSpeed's overflow (norm inf, step skipped) on both paths.
 """
 
 import contextlib
@@ -24,7 +29,7 @@ DS = zero1_ds({"preset": "tiny", "train": {"seq_len": 16, "seed": 5}}, warmup_st
 STEPS = 3
 
 
-def _train(flat: bool, ds: dict) -> dict:
+def _train(flat: bool, ds: dict, norm: str = "fp64", inf_step: int | None = None) -> dict:
     import torch.distributed as dist
 
     from dsv3_plugin.deepspeed import initialize
@@ -33,7 +38,7 @@ def _train(flat: bool, ds: dict) -> dict:
     from dsv3_plugin.training.transforms import build_model
 
     ds = copy.deepcopy(ds)
-    ds["dsv3"].setdefault("memory", {})["flat_grads"] = flat
+    ds["dsv3"].setdefault("memory", {}).update(flat_grads=flat, grad_norm=norm)
     checked = validate_ds_config(copy.deepcopy(ds), target="train", world_size=dist.get_world_size())
     cfg = checked.cfg
     torch.manual_seed(0)
@@ -55,6 +60,8 @@ def _train(flat: bool, ds: dict) -> dict:
             b = ids[(s * gas + m) * 2 : (s * gas + m) * 2 + 2]
             out = engine(b[:, :-1], labels=b[:, 1:])
             extra = model.sometimes.square().sum() * 1e-2 if s % 2 == 0 else 0.0
+            if s == inf_step:
+                extra = model.sometimes.sum() * float("inf")  # an inf gradient for `sometimes` only
             engine.backward(out.loss + extra)
             losses.append(out.loss.detach())
             engine.step()
@@ -71,6 +78,8 @@ def _train(flat: bool, ds: dict) -> dict:
         "trained": not torch.equal(first, masters[0]),
         "masters": masters,
         "buffers_used": buffers is not None and all(bool(b.abs().sum() > 0) for b in buffers[0]),
+        "numel": sum(f.numel() for f in opt.bit16_groups_flat),  # gradient elements the norm sums (padding incl.)
+        "first_master": first,
     }
 
 
@@ -123,3 +132,70 @@ def test_flat_grads_not_applied_says_why():
         assert not r0["applied"] and not r1["applied"]
         assert f"DeepSpeed's own ZeRO-1 gradient path ({why}" in r0["stderr"]
         assert "memory.flat_grads" not in r1["stderr"]  # said once, by rank 0
+
+
+def _fp32_norm(ds):
+    from dsv3_plugin.parallel.distributed import init_distributed
+
+    init_distributed()
+    return {"stock": _train(False, ds), "fp32": _train(True, ds, norm="fp32")}
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_fp32_grad_norm_within_bound_of_deepspeeds(nproc, dtype):
+    ds = copy.deepcopy(DS)
+    ds["gradient_clipping"] = 1e6  # inactive: both clip factors are 1.0 exactly, so the updates stay equal
+    if dtype == "bf16":
+        ds["bf16"] = {"enabled": True}
+    for res in run_ranks(_fp32_norm, nproc, ds):
+        stock, fp32 = res["stock"], res["fp32"]
+        assert fp32["applied"] and fp32["buffers_used"]
+        assert torch.equal(fp32["losses"], stock["losses"])
+        for a, b in zip(fp32["params"] + fp32["masters"], stock["params"] + stock["masters"]):
+            assert torch.equal(a, b)
+        # Σ g² over n elements with FP32 accumulation in any order: relative error <= n·u (u = 2^-24; the squares
+        # of FP32 or BF16 gradients add one rounding each, the 2-rank all-reduce one more term); the square root
+        # halves it and adds u; DeepSpeed's FP64 norm (exact to ~n·2^-53) is rounded to FP32 once more: u.
+        n = stock["numel"]
+        bound = ((n + 2) / 2 + 2) * 2.0**-24 * stock["norms"].double()
+        diff = (fp32["norms"].double() - stock["norms"].double()).abs()
+        assert bool((diff <= bound).all()), (fp32["norms"], stock["norms"], bound)
+        assert bool((stock["norms"] > 0).all())
+
+
+def _inf_runs(ds):
+    from dsv3_plugin.parallel.distributed import init_distributed
+
+    init_distributed()
+    return {"stock": _train(False, ds, inf_step=0), "fp32": _train(True, ds, norm="fp32", inf_step=0)}
+
+
+def test_fp32_grad_norm_inf_is_deepspeeds_overflow():
+    (res,) = run_ranks(_inf_runs, 1, copy.deepcopy(DS))
+    for r in res.values():  # step 0 skipped on both paths (FP32 model: an invalid norm is an overflow)
+        assert r["norms"][0] == float("inf") and bool(torch.isfinite(r["norms"][1:]).all())
+    assert torch.equal(res["fp32"]["norms"][0], res["stock"]["norms"][0])
+
+
+def _refused(ds):
+    from dsv3_plugin.config import ConfigError
+    from dsv3_plugin.parallel.distributed import init_distributed
+
+    init_distributed()
+    try:
+        _train(True, ds, norm="fp32")
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def test_fp32_grad_norm_refused_where_flat_grads_do_not_apply():
+    """DeepSpeed's BF16_Optimizer (BF16 parameters, FP32 gradient accumulation) keeps its own gradients: the FP32
+    norm over the flat buffer cannot be taken there, so it is refused (not silently DeepSpeed's FP64 norm)."""
+    acc32 = copy.deepcopy(DS)
+    acc32["bf16"] = {"enabled": True}
+    acc32["data_types"] = {"grad_accum_dtype": "fp32"}
+    (msg,) = run_ranks(_refused, 1, acc32)
+    assert msg is not None and msg.startswith("dsv3.memory.grad_norm = 'fp32': the FP32 norm is taken over")
+    assert "the optimizer is a BF16_Optimizer" in msg

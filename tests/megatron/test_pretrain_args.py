@@ -361,6 +361,7 @@ def test_pipeline_schedule_flag_without_pipeline_is_a_note(tmp_path):
         ({"ema": True}, r"^dsv3\.memory\.ema = True in .*: not read by the Megatron path"),
         ({"bf16_moments": True}, r"^dsv3\.memory\.bf16_moments = True in "),
         ({"flat_grads": False}, r"^dsv3\.memory\.flat_grads = False in .*a DeepSpeed ZeRO-1 setting"),
+        ({"grad_norm": "fp32"}, r"^dsv3\.memory\.grad_norm = 'fp32' in .*a DeepSpeed ZeRO-1 setting"),
     ],
 )
 def test_deepspeed_only_memory_keys_are_refused(tmp_path, memory, message):
