@@ -47,7 +47,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["applies", "apply", "revert"]
+__all__ = ["applies", "apply", "claim", "revert"]
 
 _ATTR = "_dsv3_flat_grads"
 
@@ -141,14 +141,16 @@ def apply(optimizer, pipeline: bool = False, norm: str = "fp64") -> tuple[bool, 
     views = {}
     for i, fg in enumerate(flat_grads):
         views.update(_param_views(optimizer, i, fg))
-    state = {"filled": set(), "reduced": False}
+    state = {"filled": set(), "claimed": set(), "reduced": False, "in_place": 0}
 
     def process_gradients(param, i):
         view, grad = views[id(param)], param.grad
         if grad is None:
             return
         state["reduced"] = False
-        if grad.data_ptr() != view.data_ptr():
+        if grad.data_ptr() == view.data_ptr():
+            state["in_place"] += 1  # written into the buffer by its producer (`claim`) or accumulated there
+        else:
             # autograd's own tensor: the window's first gradient, or (`.grad` reset by the caller mid-window, or
             # accumulated out of place under create_graph) the whole gradient so far, as DeepSpeed's path sees it
             view.copy_(grad)
@@ -173,6 +175,7 @@ def apply(optimizer, pipeline: bool = False, norm: str = "fp64") -> tuple[bool, 
                     optimizer.gradient_reduction_w_predivide(fg, fg.dtype)
             optimizer.averaged_gradients[i] = _partition_group(optimizer, i, fg)
         state["filled"].clear()
+        state["claimed"].clear()
         state["reduced"] = True
 
     optimizer.process_gradients = process_gradients
@@ -180,8 +183,25 @@ def apply(optimizer, pipeline: bool = False, norm: str = "fp64") -> tuple[bool, 
     if norm == "fp32":
         optimizer.get_grad_norm_direct = _fp32_norm(optimizer)
         why += "; gradient norm in FP32 over the flat partition"
-    setattr(optimizer, _ATTR, (flat_grads, state, norm))
+    setattr(optimizer, _ATTR, (flat_grads, state, norm, views))
     return True, why
+
+
+def claim(optimizer, param) -> torch.Tensor | None:
+    """The parameter's view of the flat gradient buffer, for whoever computes its gradient to write it there (the
+    view then comes back as the gradient: `process_gradients` finds it in place, nothing to copy); None where the
+    patch is not applied, the parameter is not in a group, it has a `.grad` this window, or the view was already
+    claimed this window (two producers of one gradient in a backward would overwrite each other)."""
+    patched = getattr(optimizer, _ATTR, None)
+    if patched is None or param.grad is not None:
+        return None
+    _, state, _, views = patched
+    view = views.get(id(param))
+    if view is None or id(param) in state["claimed"] or id(param) in state["filled"]:
+        return None
+    state["claimed"].add(id(param))
+    state["reduced"] = False
+    return view.detach()  # a new tensor object on the view's memory: autograd may keep it as the .grad
 
 
 def _fp32_norm(optimizer):

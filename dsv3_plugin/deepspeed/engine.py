@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import os
 import sys
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from dsv3_plugin.deepspeed.moe_layer import stacking_order
 from dsv3_plugin.deepspeed.save_errors import deferred_write_errors
 from dsv3_plugin.deepspeed.validate import validate_ds_config
 from dsv3_plugin.errors import CheckpointError
+from dsv3_plugin.model.kernels import GRAD_DESTINATION
 from dsv3_plugin.model.moe.balancing import update_expert_bias
 from dsv3_plugin.model.moe.router import Router
 from dsv3_plugin.parallel.distributed import new_groups_bounded
@@ -344,7 +346,9 @@ def flat_grads(engine, cfg: DSv3Config, pipeline: bool | None = None) -> bool:
     groups, another DeepSpeed) the reason goes to stderr once (rank 0) and DeepSpeed's own path runs. `pipeline`:
     the engine's gradients come from a pipeline schedule outside `engine.backward` (`PipelinedEngine`; default:
     `parallel.pp > 1`), which the patch does not cover. `memory.grad_norm: fp32` (the norm over the flat buffer
-    in FP32) needs the patch: where it does not apply that is a ConfigError naming why. -> whether it applies."""
+    in FP32) needs the patch: where it does not apply that is a ConfigError naming why. Where it applies, every
+    parameter gets a `GRAD_DESTINATION` (its view of the buffer, `model/kernels.py`): the expert kernel writes its
+    weight gradients there, so the patch's copy of them is skipped. -> whether it applies."""
     norm = cfg.memory.grad_norm
     if not cfg.memory.flat_grads:
         return False
@@ -359,4 +363,8 @@ def flat_grads(engine, cfg: DSv3Config, pipeline: bool | None = None) -> bool:
         )
     if not ok and (not dist.is_initialized() or dist.get_rank() == 0):
         print(f"dsv3: memory.flat_grads: DeepSpeed's own ZeRO-1 gradient path ({why})", file=sys.stderr, flush=True)
+    if ok:
+        for group in engine.optimizer.bit16_groups:
+            for p in group:
+                setattr(p, GRAD_DESTINATION, functools.partial(deepspeed_zero1_flat_grads.claim, engine.optimizer, p))
     return ok

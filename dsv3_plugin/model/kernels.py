@@ -30,6 +30,8 @@ __all__ = [
     "apply_split",
     "expert_spans",
     "stacked_params",
+    "GRAD_DESTINATION",
+    "grad_destination",
     "UsesKernel",
     "KernelLinear",
     "PlainLinearKernel",
@@ -174,6 +176,25 @@ class _SplitKernelFn(torch.autograd.Function):
 # grad_fn names of a stack of parameters: torch.stack's, and pipeline.weight_grad's zero-copy stack (a view of
 # parameters that lie back to back in DeepSpeed's flat ZeRO buffer)
 _STACK_NODES = ("StackBackward0", "_StackedViewBackward")
+
+
+# A parameter attribute a training framework may set: a callable that hands out the memory the parameter's next
+# gradient should be written to (its view of a flat gradient buffer), or None when it has none to give now.
+GRAD_DESTINATION = "_dsv3_grad_destination"
+
+
+def grad_destination(w: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor | None:
+    """Where a kernel may write parameter `w`'s whole gradient ([shape], `dtype`) instead of a new tensor, or None.
+
+    Set by DeepSpeed's flat-gradient buffer (`memory.flat_grads`): when `w` has no `.grad` yet in the accumulation
+    window, its view of the buffer, claimed once (a second claim in the window gets None). A kernel that returns
+    the gradient in that memory lets autograd keep it as `.grad` (it takes a fresh, contiguous gradient as it is),
+    so the buffer needs no copy of it. The values are the ones the kernel would have returned anyway."""
+    claim = getattr(w, GRAD_DESTINATION, None)
+    if claim is None or w.grad is not None:
+        return None
+    dest = claim()
+    return dest if dest is not None and dest.shape == shape and dest.dtype == dtype else None
 
 
 def stacked_params(w: torch.Tensor) -> list | None:

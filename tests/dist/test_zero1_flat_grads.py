@@ -78,7 +78,9 @@ def _train(flat: bool, ds: dict, norm: str = "fp64", inf_step: int | None = None
         "trained": not torch.equal(first, masters[0]),
         "masters": masters,
         "buffers_used": buffers is not None and all(bool(b.abs().sum() > 0) for b in buffers[0]),
-        "numel": sum(f.numel() for f in opt.bit16_groups_flat),  # gradient elements the norm sums (padding incl.)
+        # gradients found in place (the expert kernel wrote them into the buffer: `grad_destination`)
+        "in_place": 0 if buffers is None else buffers[1]["in_place"],
+        "numel": sum(f.numel() for f in getattr(opt, "bit16_groups_flat", [])),  # elements the norm sums (padding incl.)
         "first_master": first,
     }
 
@@ -101,6 +103,8 @@ def _check_equal(res):
     stock, flat = res["stock"], res["flat"]
     assert flat["applied"] and not stock["applied"]
     assert flat["buffers_used"] and not stock["buffers_used"]  # the gradients went through the flat buffers
+    # the routed experts' weight gradients were written into the buffer by the kernel (3 per MoE layer a window)
+    assert flat["in_place"] >= 3 * STEPS
     assert torch.equal(flat["losses"], stock["losses"])
     assert torch.equal(flat["norms"], stock["norms"]) and bool((flat["norms"] > 0).all())
     assert len(flat["params"]) == len(stock["params"])

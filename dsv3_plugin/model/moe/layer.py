@@ -16,7 +16,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv3_plugin.config import MoEConfig
-from dsv3_plugin.model.kernels import ExpertKernel, SplitKernel, UsesKernel, apply_split, expert_spans, stacked_params
+from dsv3_plugin.model.kernels import (
+    ExpertKernel,
+    SplitKernel,
+    UsesKernel,
+    apply_split,
+    expert_spans,
+    grad_destination,
+    stacked_params,
+)
 from dsv3_plugin.model.moe.balancing import seq_balance_loss
 from dsv3_plugin.model.moe.grouped_mm import expert_kernel, grouped_mm_swiglu
 from dsv3_plugin.model.moe.router import Router
@@ -231,7 +239,10 @@ class GroupedSwiGLUKernel(SplitKernel):
         srcs = tuple(stacked_params(w) for w in weights)
         kept = tuple(None if sp is not None else w for sp, w in zip(srcs, (w1_EIH, w3_EIH, w2_EHI)))
         w_meta = tuple((w.shape, w.device) for w in (w1_EIH, w3_EIH, w2_EHI))
-        return y_NH, (x_NH, *gu, silu_NI, a_NI, s_N, *kept), (spans, w_dtypes, srcs, dt, w_meta)
+        # the parameters themselves (leaves only: a stack built this call is not kept): W may write their gradients
+        # where a framework wants them (`grad_destination`)
+        params = tuple(w if w.is_leaf else None for w in weights)
+        return y_NH, (x_NH, *gu, silu_NI, a_NI, s_N, *kept), (spans, w_dtypes, srcs, dt, w_meta, params)
 
     @staticmethod
     def _expert_w(saved_w, src, e, dt):
@@ -239,7 +250,7 @@ class GroupedSwiGLUKernel(SplitKernel):
 
     def input_grad(self, saved, meta, dy_NH, need):
         x_NH, g_NI, u_NI, gu_N2I, silu_NI, a_NI, s_N, w1_EIH, w3_EIH, w2_EHI = saved
-        spans, _, srcs, wdt, _ = meta
+        spans, _, srcs, wdt, _, _ = meta
         W = self._expert_w
         N, I = silu_NI.shape
         fused = gu_N2I is not None
@@ -268,7 +279,7 @@ class GroupedSwiGLUKernel(SplitKernel):
 
     def weight_grads(self, saved, meta, carry, need_w):
         x_NH, _, _, _, _, a_NI, s_N, _, _, _ = saved
-        spans, w_dtypes, _, wdt, w_meta = meta
+        spans, w_dtypes, _, wdt, w_meta, params = meta
         s_N1 = None if s_N is None else s_N.to(wdt)[:, None]
         dy_NH, *dgu = carry
         I = a_NI.shape[1]
@@ -281,9 +292,15 @@ class GroupedSwiGLUKernel(SplitKernel):
                 gw[miss] = 0
             return gw
 
-        dw1, dw3, dw2 = (
-            zero_missed(torch.empty(sh, dtype=wdt, device=dev) if n else None) for (sh, dev), n in zip(w_meta, need_w)
-        )
+        def new_grad(p, shape_dev, need, w_dtype):
+            if not need:
+                return None
+            shape, dev = shape_dev
+            # returned as is (no cast after it) into the parameter's .grad
+            dest = grad_destination(p, shape, wdt) if p is not None and w_dtype == wdt else None
+            return zero_missed(dest if dest is not None else torch.empty(shape, dtype=wdt, device=dev))
+
+        dw1, dw3, dw2 = (new_grad(*a) for a in zip(params, w_meta, need_w, w_dtypes))
         fused = dgu[2] is not None and dw1 is not None and dw3 is not None
         dw13_2IH = x_NH.new_empty(2 * I, x_NH.shape[1]) if fused else None
         sa_NI = a_NI if dw2 is None or s_N1 is None else a_NI * s_N1  # s·a, as in forward
