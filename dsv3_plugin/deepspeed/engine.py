@@ -350,6 +350,8 @@ def flat_grads(engine, cfg: DSv3Config, pipeline: bool | None = None) -> bool:
     parameter gets a `GRAD_DESTINATION` (its view of the buffer, `model/kernels.py`): the expert kernel writes its
     weight gradients there, so the patch's copy of them is skipped. -> whether it applies."""
     norm = cfg.memory.grad_norm
+    for p in engine.module.parameters():  # an earlier engine's buffer (the same model wrapped again) is not this one's
+        p.__dict__.pop(GRAD_DESTINATION, None)
     if not cfg.memory.flat_grads:
         return False
     from dsv3_plugin_patches import deepspeed_zero1_flat_grads
