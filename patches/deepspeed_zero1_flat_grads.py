@@ -37,7 +37,7 @@ expert (MoE) parameter groups, no pipeline engine, every parameter a view of its
 per parameter in FP64 (`get_norm_dtype()`: each gradient cast to a new FP64 tensor, ~40 ms a step on one CPU rank
 of the 21 M-parameter bench model), one FP32 pass over the rank's flat partition (what torch's `clip_grad_norm_` and
 Megatron compute), then DeepSpeed's own all-reduce, square root and inf/NaN -> -1 sentinel. NOTE: this changes
-DeepSpeed's arithmetic: the norm (hence the clip factor) differs in the last bits, within (n + 1)/2 + 2 FP32 units
+DeepSpeed's arithmetic: the norm (hence the clip factor) differs in the last bits, within (n + 2)/2 + 2 FP32 units
 roundoff relative for n gradient elements (tests/dist/test_zero1_flat_grads.py); a norm above ~1.8e19 overflows
 FP32 and the step is skipped as an overflow, where FP64 would have clipped it.
 """
