@@ -283,8 +283,8 @@ class MemoryConfig(_Strict):
     grad_norm: Literal["fp64", "fp32"] = Field(
         "fp64",
         description="DeepSpeed ZeRO-1 gradient norm (clipping, the logged grad_norm): fp64 = DeepSpeed's own (per "
-        "parameter, each gradient cast to FP64); fp32 = one FP32 pass over the flat gradient partition, as torch's "
-        "clip_grad_norm_ and Megatron (faster; the norm differs in the last bits). fp32 needs flat_grads applied "
+        "parameter, each gradient cast to FP64); fp32 = FP32 norms of 256-element pieces of the flat gradient "
+        "partition summed in FP64 (faster; the norm differs in the last bits). fp32 needs flat_grads applied "
         "(refused where it is not); refused on the Megatron path",
     )
 

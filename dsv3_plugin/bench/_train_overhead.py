@@ -71,7 +71,7 @@ def ds_json(
     constant `lr` (torch's fused kernel with `fused`, in both), gradient clipping at 1.0 (DeepSeek-V3's, and
     `dsv3 train`'s default; in both), `steps` steps of `seq_len` tokens on synthetic data, one save at the end;
     `flat_grads`: `memory.flat_grads` of `dsv3 train` (false: DeepSpeed's own ZeRO-1 gradient copies); `grad_norm`:
-    its `memory.grad_norm` (fp64: DeepSpeed's norm; fp32: one FP32 pass over the flat gradients, as the bare step's
+    its `memory.grad_norm` (fp64: DeepSpeed's norm; fp32: FP32 pieces of the flat gradients, as the bare step's
     `clip_grad_norm_`)."""
     train = {**block.get("train", {}), "seq_len": seq_len, "steps": steps, "seed": 0, "log_every": 1}
     params = {"lr": lr, "weight_decay": 0.0, "torch_adam": True, **({"fused": True} if fused else {})}

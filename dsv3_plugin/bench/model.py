@@ -137,7 +137,7 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--fp32-grad-norm",
         action="store_true",
-        help="--train: dsv3 train with memory.grad_norm fp32 (one FP32 pass over the flat gradients, as the bare "
+        help="--train: dsv3 train with memory.grad_norm fp32 (FP32 pieces of the flat gradients, as the bare "
         "step's clip_grad_norm_, instead of DeepSpeed's FP64 norm per parameter)",
     )
 
