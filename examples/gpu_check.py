@@ -17,7 +17,8 @@ Sections (each {"status": "ok" | "fail" | "skipped" | "error", ...}; a skipped s
   grouped_mm      routed experts through `grouped_mm` vs the loop kernel (BF16 on the GPU), forward and grads
   moe             MoE layer forward+backward at DeepSeek-V3 shapes (hidden 7168, expert width 2048, top-8; 8 and
                   32 local experts, as a rank of 256 experts under EP 32 / 8): tokens/s and TFLOP/s in BF16 and FP8
-                  against transformers' DeepseekV3MoE on the same weights, and the GPU's peak
+                  against transformers' DeepseekV3MoE and Megatron-Core's MoELayer (TE grouped GEMM, BF16 and its
+                  blockwise FP8) on the same weights, FP8 against our BF16 path, and the GPU's peak
 Sections stop being started once `--budget-s` is spent (reported as skipped).
 """
 
@@ -419,6 +420,64 @@ def _time_fwd_bwd(mod, x, g_out, repeats, dev):
     return min(ts)
 
 
+class _BTH(torch.nn.Module):
+    """Megatron-Core's MoELayer called as our layers are: [B, T, H] in, [B, T, H] out."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        from dsv3_plugin.bench import megatron_moe
+
+        return megatron_moe.forward(self.layer, x)
+
+
+def _megatron_rows(dev, dt, ours, x, g_out, repeats, flops) -> tuple[dict, bool]:
+    """Megatron-Core's own MoELayer holding our layer's weights (`bench/megatron_moe.py`): its output against ours
+    and its forward+backward time, in `dt` and (TE on CUDA) with Megatron's blockwise FP8. -> (rows, failed)."""
+    from dsv3_plugin.bench import megatron_moe
+
+    have, why = megatron_moe.available()
+    if not have:
+        return {"megatron_core": f"unavailable ({why})"}, False
+    from patches.megatron_cpu import cpu_shims
+
+    T, H = x.shape[1], x.shape[2]
+    I = ours.experts.down_proj.shape[2]
+    out, failed = {"megatron_core_version": why}, False
+    with cpu_shims():  # on CPU only (the --dry-run): nothing is patched where CUDA is available
+        megatron_moe.ensure_parallel_state(dev)
+        for fp8 in (False, True):
+            key = "megatron_core_fp8" if fp8 else "megatron_core"
+            try:
+                layer, info = megatron_moe.build(ours, dt, dev, fp8=fp8)
+            except ValueError as e:  # FP8 without TE on CUDA: not measurable here, said so
+                out[key] = f"unavailable ({e})"
+                continue
+            try:
+                mod = _BTH(layer)
+                if not fp8:
+                    with torch.no_grad():
+                        ref, got = ours(x), mod(x)
+                    # both in `dt`: the stored fc1 / activation / fc2 / combine results rounded (4 u) plus FP32
+                    # accumulation over fc1 (H), fc2 (I) and the top-8 + shared sum, on each side; normwise proxy
+                    unit = 2.0**-8 if dt == torch.bfloat16 else 2.0**-24
+                    bound = 2 * (4 * unit + (H + I + 9) * 2.0**-24) * ref.abs().max()
+                    within = _within(got, ref, bound)
+                    out["ours_vs_megatron_core"] = {**_diff(got, ref), "within_bound": within}
+                    # FP32 (the CPU check): same routing, same products; a wrong weight mapping fails here. In
+                    # BF16 a near-tie of router scores may pick another expert on one side: reported, not failed.
+                    failed |= dt == torch.float32 and not within
+                t = _time_fwd_bwd(mod, x, g_out, repeats, dev)
+                out[key] = {"tokens_per_s": T / t, "tflops": flops / t / 1e12, "ms": t * 1e3, **info}
+            except Exception as e:  # noqa: BLE001 — reported in the row; the section then fails
+                out[key] = f"error ({type(e).__name__}: {str(e)[:300]})"
+                failed = True
+            del layer
+    return out, failed
+
+
 def sec_moe(args, res):
     from dsv3_plugin.bench.moe import moe_flops
     from dsv3_plugin.precision.fp8.experts import Fp8ExpertKernel
@@ -436,6 +495,7 @@ def sec_moe(args, res):
         "top_k": 8,
         "timing": f"best of {R} forward+backward passes after one warm-up",
     }
+    failed = False
     for E in args.shapes["moe_local_experts"]:
         ours, theirs, x = _moe_pair(dev, dt, T, H, I, E)
         g_out = torch.randn_like(x)
@@ -453,6 +513,9 @@ def sec_moe(args, res):
             row["transformers_grouped_mm"] = {"tokens_per_s": T / t, "tflops": flops / t / 1e12, "ms": t * 1e3}
         except Exception as e:  # noqa: BLE001
             row["transformers_grouped_mm"] = f"unavailable ({type(e).__name__}: {str(e)[:160]})"
+        mg, mg_failed = _megatron_rows(dev, dt, ours, x, g_out, R, flops)
+        row.update(mg)
+        failed |= mg_failed
         # FP8: routed experts on the FP8 path, shared expert's Linears as Fp8Linear, backend `auto` for the device
         cfg = FP8Config(enabled=True)
         be, why = select_backend(cfg, dev)
@@ -471,6 +534,10 @@ def sec_moe(args, res):
         base = max((v["tokens_per_s"] for k, v in row.items() if k.startswith("transformers") and isinstance(v, dict)))
         row["ratio_vs_best_transformers"] = row["ours"]["tokens_per_s"] / base
         row["ratio_fp8_vs_best_transformers"] = row["ours_fp8"]["tokens_per_s"] / base
+        row["ratio_fp8_vs_ours_bf16"] = row["ours_fp8"]["tokens_per_s"] / row["ours"]["tokens_per_s"]
+        for ours_key, mg_key in (("ours", "megatron_core"), ("ours_fp8", "megatron_core_fp8")):
+            if isinstance(row.get(mg_key), dict):
+                row[f"ratio_{ours_key}_vs_{mg_key}"] = row[ours_key]["tokens_per_s"] / row[mg_key]["tokens_per_s"]
         if peak:
             row["fraction_of_peak"] = {
                 "ours": row["ours"]["tflops"] / peak["bf16"],
@@ -480,6 +547,8 @@ def sec_moe(args, res):
         del ours, theirs, x, g_out
         if dev.type == "cuda":
             torch.cuda.empty_cache()
+    if failed:
+        out["status"] = "fail"
     return out
 
 

@@ -5,7 +5,8 @@ driver code runs unpatched on GPUs. Importing this module changes nothing; `appl
 `cpu_shims()` context manager) switch the shims on and off, restoring the exact original objects. Patched
 (megatron-core 0.16.1 and 0.19.2): `torch.cuda.current_device`, the CUDA RNG tracker and RNG state, the
 optimizer's literal `device='cuda'` allocations and CUDA-only grad clipping, `multi_latent_attention.HAVE_TE`,
-CUDA streams. An untested Megatron-Core version is refused with an error naming it (`force=True` tries anyway).
+CUDA streams, and (0.16.1 without TE) the unbound `moe_utils.te_general_gemm` of Megatron's own MoE router. An
+untested Megatron-Core version is refused with an error naming it (`force=True` tries anyway).
 
 What each shim does and why: docs/design_notes.md#patches-megatron-cpu
 """
@@ -280,6 +281,13 @@ def apply(force: bool = False) -> bool:
     mrandom._CUDA_RNG_STATE_TRACKER = _tracker_class()()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     mla.HAVE_TE = False
+    # 0.16.1 without TE never binds `te_general_gemm` in moe_utils (0.19 binds it to None), so Megatron's own MoE
+    # router raises NameError on its first GEMM; None is what its `is not None` check expects when TE is absent
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+        _saved["moe_te_gemm_added"] = moe_utils
     return True
 
 
@@ -298,6 +306,8 @@ def revert() -> None:
     mla.HAVE_TE = _saved["mla_have_te"]
     for owner, attr, orig in reversed(_saved["sites"]):
         setattr(owner, attr, orig)
+    if "moe_te_gemm_added" in _saved:
+        del _saved["moe_te_gemm_added"].te_general_gemm
     _saved = None
 
 

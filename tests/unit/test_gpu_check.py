@@ -46,6 +46,11 @@ def test_dry_run_reports_every_section(tmp_path):
             "ours_vs_transformers",
         } <= set(row)
         assert row["ours"]["tokens_per_s"] > 0 and row["ours_vs_transformers"]["normwise_rel_diff"] < 1e-5
+        # Megatron-Core's MoELayer with our weights (SequentialMLP on CPU): same output, timed; its FP8 needs TE
+        assert row["megatron_core"]["experts"] == "SequentialMLP" and row["megatron_core"]["tokens_per_s"] > 0
+        assert row["ours_vs_megatron_core"]["within_bound"] is True
+        assert row["megatron_core_fp8"].startswith("unavailable (") and "Transformer Engine" in row["megatron_core_fp8"]
+        assert row["ratio_ours_vs_megatron_core"] > 0 and row["ratio_fp8_vs_ours_bf16"] > 0
     assert res["shapes"]["moe_local_experts"] == [8, 32]
 
 

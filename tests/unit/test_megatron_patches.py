@@ -18,9 +18,11 @@ def _megatron_state():
     import megatron.core.optimizer.clip_grads as cg
     import megatron.core.optimizer.optimizer as mopt
     import megatron.core.tensor_parallel.random as mrandom
+    import megatron.core.transformer.moe.moe_utils as moe_utils
     import megatron.core.transformer.multi_latent_attention as mla
 
     return (
+        "te_general_gemm" in vars(moe_utils),
         torch.cuda.current_device,
         mrandom._CUDA_RNG_STATE_TRACKER,
         mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED,
@@ -62,6 +64,9 @@ def test_apply_and_revert_restore_the_exact_objects():
     try:
         assert torch.cuda.current_device() == torch.device("cpu")
         assert mla.HAVE_TE is False
+        import megatron.core.transformer.moe.moe_utils as moe_utils
+
+        assert moe_utils.te_general_gemm is None  # bound (0.16.1 without TE leaves it unbound)
         assert _megatron_state() != before
         assert megatron_cpu.apply() is True  # idempotent
     finally:
