@@ -428,15 +428,15 @@ class _BTH(torch.nn.Module):
         self.layer = layer
 
     def forward(self, x):
-        from dsv3_plugin.bench import megatron_moe
+        from dsv3_plugin.bench import _megatron_moe as megatron_moe
 
         return megatron_moe.forward(self.layer, x)
 
 
 def _megatron_rows(dev, dt, ours, x, g_out, repeats, flops) -> tuple[dict, bool]:
-    """Megatron-Core's own MoELayer holding our layer's weights (`bench/megatron_moe.py`): its output against ours
+    """Megatron-Core's own MoELayer holding our layer's weights (`bench/_megatron_moe.py`): its output against ours
     and its forward+backward time, in `dt` and (TE on CUDA) with Megatron's blockwise FP8. -> (rows, failed)."""
-    from dsv3_plugin.bench import megatron_moe
+    from dsv3_plugin.bench import _megatron_moe as megatron_moe
 
     have, why = megatron_moe.available()
     if not have:

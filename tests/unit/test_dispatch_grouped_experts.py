@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from tolerance import assert_within, reorder_bound
 
 from dsv3_plugin.model.moe import layer as moe_layer
+from dsv3_plugin.model.moe import padded_experts
 from dsv3_plugin.model.moe.grouped_mm import swiglu_magnitudes
 from dsv3_plugin.model.moe.layer import GroupedExperts, grouped_swiglu, swiglu_rows
 
@@ -112,12 +113,14 @@ def test_bench_pair_is_the_same_layer_as_transformers():
         assert_within(a, b, reorder_bound(48, b.abs().max(), stages=stages), f"bench pair {name}: ours vs transformers")
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_gradcheck_gate_up_fused_and_not(monkeypatch, fused):
-    """Both layouts of gate/up (one GEMM against [W1; W3] with g | u in one buffer, or two GEMMs) are the exact
-    derivative, routing weights (`scale_N`) and experts without rows included: float64 gradcheck, with the
-    BF16/FP16 choice forced either way."""
-    monkeypatch.setattr(moe_layer, "fuse_gate_up", lambda dtype: fused)
+@pytest.mark.parametrize("layout", ["rows", "rows_fused", "padded"])
+def test_gradcheck_every_layout(monkeypatch, layout):
+    """Every layout of the kernel's GEMMs is the exact derivative, routing weights (`scale_N`) and experts without
+    rows included: float64 gradcheck, with the BF16/FP16 choices forced: per-expert GEMMs with gate and up as two
+    GEMMs or one against [W1; W3] (g | u in one buffer), or batched GEMMs over the padded [E, C, ·] layout."""
+    monkeypatch.setattr(moe_layer, "fuse_gate_up", lambda dtype: layout == "rows_fused")
+    real = padded_experts.plan  # padded: C = 2, experts 0 and 2 overflow (3 rows > 2)
+    monkeypatch.setattr(padded_experts, "plan", lambda d, c, dev: real(d, c, dev, C=2) if layout == "padded" else None)
     counts = [2, 0, 3, 1, 0]
     x = torch.randn(6, 5, dtype=torch.double, requires_grad=True)
     s = torch.rand(6, dtype=torch.double).requires_grad_(True)
@@ -132,13 +135,18 @@ def _stacked(ws):
     return [torch.stack(ps) for ps in per_expert], per_expert
 
 
+@pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("layout", ["stacked", "per_expert_params"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("w_grads", [(True, True, True), (False, True, True)])
-def test_loop_kernel_matches_float64(dtype, layout, w_grads):
-    """The loop kernel in FP32 and in BF16 (where gate and up run as one GEMM: `fuse_gate_up`) against float64
-    autograd on the same (rounded) operands, routing weights applied inside, an expert without rows; also with
-    only some weight gradients asked for (the un-fused W for gate/up then) and DeepSpeed's per-expert parameters."""
+def test_loop_kernel_matches_float64(monkeypatch, dtype, layout, w_grads, padded):
+    """The expert kernel in FP32 and in BF16 against float64 autograd on the same (rounded) operands, routing
+    weights applied inside, an expert without rows; per-expert GEMMs (in BF16 gate and up as one GEMM:
+    `fuse_gate_up`) or batched GEMMs over the padded layout (`padded_experts`, forced here: these counts pad 68
+    rows for 32, past `PAD_LIMIT`); also with only some weight gradients asked for (the un-fused W for gate/up
+    then) and DeepSpeed's per-expert parameters (stacked again in backward by the padded layout)."""
+    real = padded_experts.plan  # padded: C = 9, expert 2 (17 rows) overflows into the rows after the [4, 9] block
+    monkeypatch.setattr(padded_experts, "plan", lambda d, c, dev: real(d, c, dev, C=9) if padded else None)
     counts = [9, 0, 17, 6]
     E, I, H, N = len(counts), 16, 32, sum(counts)
     g = torch.Generator().manual_seed(7)
@@ -176,7 +184,40 @@ def test_loop_kernel_matches_float64(dtype, layout, w_grads):
         if a is None:
             continue
         assert a.dtype == dtype, name
-        assert bool(((a.double() - b).abs() <= scale * m).all()), f"{name} ({dtype}, {layout}, {w_grads})"
+        assert bool(((a.double() - b).abs() <= scale * m).all()), f"{name} ({dtype}, {layout}, {w_grads}, {padded})"
     for gw in grads:
         if gw is not None:
             assert torch.count_nonzero(gw[1]) == 0  # the expert without rows: exactly zero
+
+
+def test_padded_plan_choice_and_rows():
+    """BF16/FP16 only; C by the cost model, a multiple of BLOCK_GRANULE; each sorted row gets its own buffer row:
+    e·C + j for row j < C of expert e, the overflow rows after the block, sorted by expert."""
+    cpu = torch.device("cpu")
+    assert padded_experts.BLOCK_GRANULE == 32
+    even = [128, 120, 0, 136]
+    p = padded_experts.plan(torch.bfloat16, even, cpu)
+    assert p is not None and p.C == 160 and p.overflow == () and p.rows == 4 * 160
+    assert padded_experts.plan(torch.float16, even, cpu).C == 160
+    assert padded_experts.plan(torch.float32, even, cpu) is None
+    assert padded_experts.plan(torch.bfloat16, [0, 0], cpu) is None
+    skewed = [100] * 15 + [1000]  # one hot expert: its rows beyond the others' go to the overflow
+    p = padded_experts.plan(torch.bfloat16, skewed, cpu)
+    assert p.C == 128 and p.overflow == ((15, 2048, 2920),)
+    p = padded_experts.plan(torch.float32, [3, 4, 0, 1], cpu, C=2)
+    assert p.rows == 8 + 1 + 2 and p.overflow == ((0, 8, 9), (1, 9, 11))
+    assert p.dst_N.tolist() == [0, 1, 8, 2, 3, 9, 10, 6]
+
+
+def test_padded_layout_is_the_default_bf16_path_on_even_routing(monkeypatch):
+    """Without forcing: BF16 rows spread evenly take the padded layout (its forward is called), FP32 does not."""
+    calls = []
+    real = padded_experts.forward
+    monkeypatch.setattr(padded_experts, "forward", lambda *a: calls.append(1) or real(*a))
+    counts = [5, 6, 5, 6]
+    for dtype, want in ((torch.bfloat16, 1), (torch.float32, 0)):
+        calls.clear()
+        x = torch.randn(sum(counts), 8).to(dtype)
+        w = [t.to(dtype) for t in _weights(4, 4, 8, torch.float32)]
+        moe_layer.GroupedSwiGLUKernel()(x, counts, *w)
+        assert len(calls) == want, dtype

@@ -1,4 +1,4 @@
-"""`bench/megatron_moe.py`: Megatron-Core's own MoELayer holding one of our DeepSeekMoE layers' weights (the baseline
+"""`bench/_megatron_moe.py`: Megatron-Core's own MoELayer holding one of our DeepSeekMoE layers' weights (the baseline
 the GPU check times ours against) computes our layer's function: output, input gradient and every weight's gradient
 (router, routed experts as [gate; up] / down, shared expert) within a derived FP32 bound, with group-limited routing
 and the expert bias. On CPU Megatron-Core runs its SequentialMLP experts and all-gather dispatcher (under the CPU
@@ -44,7 +44,7 @@ def _ours(seed: int, groups: int, topk_group: int):
 
 
 def _compare(groups: int, topk_group: int, swap_one_expert: bool):
-    from dsv3_plugin.bench import megatron_moe
+    from dsv3_plugin.bench import _megatron_moe as megatron_moe
     from patches.megatron_cpu import cpu_shims
 
     ours = _ours(0, groups, topk_group)
@@ -107,7 +107,7 @@ def test_a_wrong_weight_mapping_is_caught():
 
 
 def test_fp8_layer_needs_te_on_cuda():
-    from dsv3_plugin.bench import megatron_moe
+    from dsv3_plugin.bench import _megatron_moe as megatron_moe
 
     with pytest.raises(ValueError, match="Transformer Engine on CUDA"):
         megatron_moe.build(_ours(0, 1, 1), torch.float32, torch.device("cpu"), fp8=True)

@@ -25,6 +25,7 @@ from dsv3_plugin.model.kernels import (
     grad_destination,
     stacked_params,
 )
+from dsv3_plugin.model.moe import padded_experts
 from dsv3_plugin.model.moe.balancing import seq_balance_loss
 from dsv3_plugin.model.moe.grouped_mm import expert_kernel, grouped_mm_swiglu
 from dsv3_plugin.model.moe.router import Router
@@ -191,6 +192,10 @@ class GroupedSwiGLUKernel(SplitKernel):
     dx = [dg | du]·[W1; W3] (one GEMM with K = 2I instead of two with K = I, added) and [dW1; dW3] = [dg | du]ᵀ·x;
     the same products in wider GEMMs, only dx's sum over K is regrouped.
 
+    In BF16/FP16 the GEMMs run batched over all experts instead where `padded_experts.plan` finds it cheaper (in
+    practice nearly always): the rows are placed in an [E, C, ·] block plus overflow rows, each product is one `bmm`
+    (and a GEMM per overflowing expert), the saved buffers below then hold those E·C + R rows.
+
     Saved for backward: x [N, H]; g = x·W1ᵀ, u = x·W3ᵀ, silu(g) and a = silu(g)·u [N, I] (4·N·I floats,
     what autograd over the plain ops would keep too), the routing weights when given; the weights by reference
     (stacks of per-expert parameters: the parameters). W needs dy, dL/dg and dL/du besides (`carry`).
@@ -219,11 +224,23 @@ class GroupedSwiGLUKernel(SplitKernel):
         N, I, H = x_NH.shape[0], w1_EIH.shape[1], w2_EHI.shape[1]
         x_NH = x_NH.contiguous()
         s_N1 = None if s_N is None else s_N.to(dt)[:, None]  # [N, 1] routing weight, in the GEMMs' dtype
+        spans = expert_spans(counts)
+        # weights stacked from per-expert parameters this call (DeepSpeed's layout) are not kept: backward
+        # slices the parameters themselves (a stack per micro-batch in flight would be a copy of the experts)
+        srcs = tuple(stacked_params(w) for w in weights)
+        kept = tuple(None if sp is not None else w for sp, w in zip(srcs, (w1_EIH, w3_EIH, w2_EHI)))
+        w_meta = tuple((w.shape, w.device) for w in (w1_EIH, w3_EIH, w2_EHI))
+        # the parameters themselves (leaves only: a stack built this call is not kept): W may write their gradients
+        # where a framework wants them (`grad_destination`)
+        params = tuple(w if w.is_leaf else None for w in weights)
+        plan = padded_experts.plan(dt, counts, x_NH.device)
+        if plan is not None:  # BF16/FP16: one batched GEMM over all experts per product (`padded_experts`)
+            y_NH, pad = padded_experts.forward(x_NH, s_N1, w1_EIH, w3_EIH, w2_EHI, plan)
+            return y_NH, (*pad, s_N, *kept), (spans, w_dtypes, srcs, dt, w_meta, params, plan)
         fused = fuse_gate_up(dt)
         gu = _pair(x_NH, N, I, fused)  # (g, u, g|u or None)
         silu_NI, a_NI = x_NH.new_empty(N, I), x_NH.new_empty(N, I)
         y_NH = x_NH.new_empty(N, H)
-        spans = expert_spans(counts)
         w13_2IH = x_NH.new_empty(2 * I, H) if fused else None  # one expert's [W1; W3] at a time
         # The GEMMs per expert, the element-wise work once over all rows in between: per expert it would be
         # ~4 more small ops an expert (dispatch cost ~ the arithmetic at these sizes).
@@ -234,23 +251,27 @@ class GroupedSwiGLUKernel(SplitKernel):
         sa_NI = a_NI if s_N1 is None else a_NI * s_N1
         for e, s, t in spans:
             torch.mm(sa_NI[s:t], w2_EHI[e].t(), out=y_NH[s:t])
-        # weights stacked from per-expert parameters this call (DeepSpeed's layout) are not kept: backward
-        # slices the parameters themselves (a stack per micro-batch in flight would be a copy of the experts)
-        srcs = tuple(stacked_params(w) for w in weights)
-        kept = tuple(None if sp is not None else w for sp, w in zip(srcs, (w1_EIH, w3_EIH, w2_EHI)))
-        w_meta = tuple((w.shape, w.device) for w in (w1_EIH, w3_EIH, w2_EHI))
-        # the parameters themselves (leaves only: a stack built this call is not kept): W may write their gradients
-        # where a framework wants them (`grad_destination`)
-        params = tuple(w if w.is_leaf else None for w in weights)
-        return y_NH, (x_NH, *gu, silu_NI, a_NI, s_N, *kept), (spans, w_dtypes, srcs, dt, w_meta, params)
+        return y_NH, (x_NH, *gu, silu_NI, a_NI, s_N, *kept), (spans, w_dtypes, srcs, dt, w_meta, params, None)
 
     @staticmethod
     def _expert_w(saved_w, src, e, dt):
         return saved_w[e] if saved_w is not None else src[e].to(dt)
 
+    @staticmethod
+    def _all_w(saved_w, src, dt):
+        return saved_w if saved_w is not None else torch.stack([p.to(dt) for p in src])
+
     def input_grad(self, saved, meta, dy_NH, need):
+        if meta[6] is not None:  # the padded layout (forward)
+            *pad, s_N, w1, w3, w2 = saved
+            _, _, srcs, wdt, _, _, plan = meta
+            need_x, need_s = need[0] if s_N is not None else (need[0], False)
+            ws = (self._all_w(w, sp, wdt) for w, sp in zip((w1, w3, w2), srcs))
+            dx, ds_N, carry = padded_experts.input_grad(pad, *ws, dy_NH.contiguous(), plan, need_x, need_s)
+            ds_N = None if ds_N is None else ds_N.to(s_N.dtype)
+            return (dx if s_N is None else (dx, ds_N)), carry
         x_NH, g_NI, u_NI, gu_N2I, silu_NI, a_NI, s_N, w1_EIH, w3_EIH, w2_EHI = saved
-        spans, _, srcs, wdt, _, _ = meta
+        spans, _, srcs, wdt, _, _, _ = meta
         W = self._expert_w
         N, I = silu_NI.shape
         fused = gu_N2I is not None
@@ -278,11 +299,7 @@ class GroupedSwiGLUKernel(SplitKernel):
         return (dx if s_N is None else (dx, ds_N)), (dy_NH, *dgu)
 
     def weight_grads(self, saved, meta, carry, need_w):
-        x_NH, _, _, _, _, a_NI, s_N, _, _, _ = saved
-        spans, w_dtypes, _, wdt, w_meta, params = meta
-        s_N1 = None if s_N is None else s_N.to(wdt)[:, None]
-        dy_NH, *dgu = carry
-        I = a_NI.shape[1]
+        spans, w_dtypes, _, wdt, w_meta, params, plan = meta
         hit = [e for e, _, _ in spans]
 
         def zero_missed(gw):  # experts that got no rows have zero gradient
@@ -298,9 +315,18 @@ class GroupedSwiGLUKernel(SplitKernel):
             shape, dev = shape_dev
             # returned as is (no cast after it) into the parameter's .grad
             dest = grad_destination(p, shape, wdt) if p is not None and w_dtype == wdt else None
-            return zero_missed(dest if dest is not None else torch.empty(shape, dtype=wdt, device=dev))
+            out = dest if dest is not None else torch.empty(shape, dtype=wdt, device=dev)
+            # the padded layout's batched GEMMs write every expert, zeros where it had no rows
+            return out if plan is not None else zero_missed(out)
 
         dw1, dw3, dw2 = (new_grad(*a) for a in zip(params, w_meta, need_w, w_dtypes))
+        if plan is not None:
+            padded_experts.weight_grads(saved[:6], carry, plan, dw1, dw3, dw2)
+            return tuple(None if g is None else g.to(dt) for g, dt in zip((dw1, dw3, dw2), w_dtypes))
+        x_NH, _, _, _, _, a_NI, s_N, _, _, _ = saved
+        s_N1 = None if s_N is None else s_N.to(wdt)[:, None]
+        dy_NH, *dgu = carry
+        I = a_NI.shape[1]
         fused = dgu[2] is not None and dw1 is not None and dw3 is not None
         dw13_2IH = x_NH.new_empty(2 * I, x_NH.shape[1]) if fused else None
         sa_NI = a_NI if dw2 is None or s_N1 is None else a_NI * s_N1  # s·a, as in forward

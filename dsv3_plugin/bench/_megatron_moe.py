@@ -16,7 +16,8 @@ plugin's Megatron CPU shims, so a `--dry-run` of the GPU check compares the two 
 weight mapping before a GPU is spent on it.
 
 Megatron-Core needs `torch.distributed` and its parallel state; `ensure_parallel_state` sets up one rank
-(gloo on CPU, NCCL on CUDA) unless the caller already has.
+(gloo on CPU, NCCL on CUDA) unless the caller already has. A private module (leading underscore): `dsv3 bench` does
+not register it as a bench of its own.
 """
 
 from __future__ import annotations
