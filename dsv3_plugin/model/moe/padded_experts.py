@@ -11,9 +11,11 @@ H = 256, N = 256 per GEMM): `bmm` over [64, 160, 256] 1.7 ms against 4.6 ms for 
 rows each (2.7x faster despite 25 % padding; 2.2x with 2x padding). In FP32 (MKL: small per-call cost) `bmm` was
 no faster, so FP32 keeps the per-expert GEMMs (`plan` returns None).
 
-The padding rows are zeros in x, so g = u = 0 there, silu(0)·0 = 0 and the routing weight is 0: they add exact
-zeros to the weight gradients' sums and are never read back (outputs are gathered from the real rows only).
-Buffers hold P = E·C + R rows (R overflow rows), so the element-wise work runs once over all of them.
+The padding rows are zeros in every GEMM operand placed there (x, s·a, dy, dL/dg, dL/du): they add exact zeros to
+the weight gradients' sums and are never read back (outputs are gathered from the real rows only). The GEMM
+buffers hold P = E·C + R rows (R overflow rows); what is saved for backward and the element-wise work stay in the
+N expert-sorted rows (the activation memory of the per-expert GEMMs, which `dsv3 memory-plan` models), at the
+price of a gather or scatter of each [N, ·] operand on the way in and out of the batched GEMMs.
 """
 
 from __future__ import annotations
@@ -40,12 +42,14 @@ BLOCK_GRANULE = 32
 
 @dataclass(frozen=True)
 class Plan:
-    """Where each expert-sorted row goes: `dst_N` [N] its row in the [E·C + R] buffers; `overflow` the
-    (expert, first row, end row) spans of the overflow rows within those buffers (row E·C on)."""
+    """Where each expert-sorted row goes: `dst_N` [N] its row in the [E·C + R] buffers; `pad_rows` the block rows
+    no row goes to (the padding); `overflow` the (expert, first row, end row) spans of the overflow rows within
+    those buffers (row E·C on)."""
 
     E: int
     C: int
     dst_N: torch.Tensor
+    pad_rows: torch.Tensor
     overflow: tuple[tuple[int, int, int], ...]
 
     @property
@@ -83,12 +87,15 @@ def plan(dtype: torch.dtype, counts: Sequence[int], device: torch.device, C: int
         if k > C:
             spans.append((e, s, s + k - C))
             s += k - C
-    return Plan(E, C, dst_N, tuple(spans))
+    free = torch.ones(s, dtype=torch.bool, device=device)
+    free[dst_N] = False
+    return Plan(E, C, dst_N, free.nonzero().squeeze(1), tuple(spans))
 
 
 def _scatter(rows_NX: torch.Tensor, p: Plan) -> torch.Tensor:
-    """[N, X] expert-sorted rows -> [P, X] buffer rows, zeros in the padding."""
-    return rows_NX.new_zeros(p.rows, rows_NX.shape[1]).index_copy_(0, p.dst_N, rows_NX)
+    """[N, X] expert-sorted rows -> [P, X] buffer rows, zeros in the padding (only the padding is zero-filled)."""
+    out = rows_NX.new_empty(p.rows, rows_NX.shape[1]).index_copy_(0, p.dst_N, rows_NX)
+    return out.index_fill_(0, p.pad_rows, 0)
 
 
 def _block(buf_PX: torch.Tensor, p: Plan) -> torch.Tensor:
@@ -124,29 +131,31 @@ def _wgrad(a_PX: torch.Tensor, b_PY: torch.Tensor, p: Plan, out_EXY: torch.Tenso
 def forward(x_NH, s_N1, w1_EIH, w3_EIH, w2_EHI, p: Plan):
     """y = (s · silu(x·W1ᵀ) ⊙ x·W3ᵀ)·W2ᵀ per expert. s_N1 [N, 1] or None.
 
-    Returns (y_NH, saved): saved = (x, g, u, silu(g), a = silu(g)·u, s) as [P, ·] buffers (s [P, 1] or None).
+    Returns (y_NH, saved): saved = (x, g, u, silu(g), a = silu(g)·u, s) in expert-sorted rows ([N, ·], s [N, 1] or
+    None): what the per-expert GEMMs keep, so the layout changes no activation memory; the element-wise work runs
+    on the N real rows, the GEMMs on the padded buffers.
     """
     x_PH = _scatter(x_NH, p)
-    g_PI, u_PI = _times_w(x_PH, w1_EIH, p, True), _times_w(x_PH, w3_EIH, p, True)
-    silu_PI = torch.nn.functional.silu(g_PI)
-    a_PI = silu_PI * u_PI
-    s_P1 = None if s_N1 is None else _scatter(s_N1, p)  # 0 in the padding
-    sa_PI = a_PI if s_P1 is None else a_PI * s_P1
-    y_NH = _times_w(sa_PI, w2_EHI, p, True).index_select(0, p.dst_N)
-    return y_NH, (x_PH, g_PI, u_PI, silu_PI, a_PI, s_P1)
+    g_NI = _times_w(x_PH, w1_EIH, p, True).index_select(0, p.dst_N)
+    u_NI = _times_w(x_PH, w3_EIH, p, True).index_select(0, p.dst_N)
+    silu_NI = torch.nn.functional.silu(g_NI)
+    a_NI = silu_NI * u_NI
+    sa_NI = a_NI if s_N1 is None else a_NI * s_N1
+    y_NH = _times_w(_scatter(sa_NI, p), w2_EHI, p, True).index_select(0, p.dst_N)
+    return y_NH, (x_NH, g_NI, u_NI, silu_NI, a_NI, s_N1)
 
 
 def input_grad(saved, w1_EIH, w3_EIH, w2_EHI, dy_NH, p: Plan, need_x: bool, need_s: bool):
     """dL/dx [N, H] (None unless need_x), dL/ds [N] (None unless need_s), and what W needs: (dy, dL/dg, dL/du)
     as [P, ·] buffers."""
-    _, g_PI, u_PI, silu_PI, a_PI, s_P1 = saved
+    _, g_NI, u_NI, silu_NI, a_NI, s_N1 = saved
     dy_PH = _scatter(dy_NH, p)
-    da_PI = _times_w(dy_PH, w2_EHI, p, False)  # dL/d(s·a)
-    ds_N = (da_PI * a_PI).sum(-1).index_select(0, p.dst_N) if need_s else None
-    if s_P1 is not None:
-        da_PI.mul_(s_P1)  # dL/da
-    du_PI = da_PI * silu_PI
-    dg_PI = torch.ops.aten.silu_backward(da_PI.mul_(u_PI), g_PI)  # silu'(g) · dL/da · u
+    da_NI = _times_w(dy_PH, w2_EHI, p, False).index_select(0, p.dst_N)  # dL/d(s·a)
+    ds_N = (da_NI * a_NI).sum(-1) if need_s else None
+    if s_N1 is not None:
+        da_NI.mul_(s_N1)  # dL/da
+    du_PI = _scatter(da_NI * silu_NI, p)
+    dg_PI = _scatter(torch.ops.aten.silu_backward(da_NI.mul_(u_NI), g_NI), p)  # silu'(g) · dL/da · u
     dx_NH = None
     if need_x:
         dx_PH = _times_w(dg_PI, w1_EIH, p, False)
@@ -157,11 +166,13 @@ def input_grad(saved, w1_EIH, w3_EIH, w2_EHI, dy_NH, p: Plan, need_x: bool, need
 def weight_grads(saved, carry, p: Plan, dw1_EIH, dw3_EIH, dw2_EHI) -> None:
     """Write dW1 = dgᵀ·x, dW3 = duᵀ·x, dW2 = dyᵀ·(s·a) per expert into the given [E, ·, ·] tensors (None: not
     wanted). Experts without rows get exact zeros (their block rows are all padding)."""
-    x_PH, _, _, _, a_PI, s_P1 = saved
+    x_NH, _, _, _, a_NI, s_N1 = saved
     dy_PH, dg_PI, du_PI = carry
     if dw2_EHI is not None:
-        _wgrad(dy_PH, a_PI if s_P1 is None else a_PI * s_P1, p, dw2_EHI)  # s·a, as in forward
-    if dw1_EIH is not None:
-        _wgrad(dg_PI, x_PH, p, dw1_EIH)
-    if dw3_EIH is not None:
-        _wgrad(du_PI, x_PH, p, dw3_EIH)
+        _wgrad(dy_PH, _scatter(a_NI if s_N1 is None else a_NI * s_N1, p), p, dw2_EHI)  # s·a, as in forward
+    if dw1_EIH is not None or dw3_EIH is not None:
+        x_PH = _scatter(x_NH, p)
+        if dw1_EIH is not None:
+            _wgrad(dg_PI, x_PH, p, dw1_EIH)
+        if dw3_EIH is not None:
+            _wgrad(du_PI, x_PH, p, dw3_EIH)
