@@ -85,14 +85,28 @@ def _compare(groups: int, topk_group: int, swap_one_expert: bool):
     }
 
 
+CASES = {"plain": (1, 1, False), "grouped": (4, 2, False), "wrong_mapping": (4, 2, True)}
+
+
+def _compare_all():
+    """Every case in one spawned process (one Megatron-Core import and parallel state for all)."""
+    return {name: _compare(*args) for name, args in CASES.items()}
+
+
+@pytest.fixture(scope="module")
+def results():
+    (res,) = run_ranks(_compare_all, 1)
+    return res
+
+
 def _within(got, ref) -> bool:
     bound = reorder_bound(max(H, I, T) + K + 1, ref.abs().max(), torch.float32, stages=4)
     return bool(((got - ref).abs() <= bound).all())
 
 
-@pytest.mark.parametrize("groups,topk_group", [(1, 1), (4, 2)])
-def test_megatron_core_moe_layer_computes_ours(groups, topk_group):
-    (res,) = run_ranks(_compare, 1, groups, topk_group, False)
+@pytest.mark.parametrize("case", ["plain", "grouped"])
+def test_megatron_core_moe_layer_computes_ours(results, case):
+    res = results[case]
     assert res["info"]["experts"] == "SequentialMLP" and res["info"]["dispatcher"] == "allgather"
     for name, (got, ref) in res["pairs"].items():
         assert got is not None and got.shape == ref.shape, name
@@ -100,9 +114,8 @@ def test_megatron_core_moe_layer_computes_ours(groups, topk_group):
         assert _within(got, ref), (name, (got - ref).abs().max())
 
 
-def test_a_wrong_weight_mapping_is_caught():
-    (res,) = run_ranks(_compare, 1, 4, 2, True)
-    got, ref = res["pairs"]["y"]
+def test_a_wrong_weight_mapping_is_caught(results):
+    got, ref = results["wrong_mapping"]["pairs"]["y"]
     assert not _within(got, ref)
 
 
