@@ -193,8 +193,8 @@ class GroupedSwiGLUKernel(SplitKernel):
     the same products in wider GEMMs, only dx's sum over K is regrouped.
 
     In BF16/FP16 the GEMMs run batched over all experts instead where `padded_experts.plan` finds it cheaper (in
-    practice nearly always): the rows are placed in an [E, C, ·] block plus overflow rows, each product is one `bmm`
-    (and a GEMM per overflowing expert), the saved buffers below then hold those E·C + R rows.
+    practice nearly always): each GEMM's operand is placed in an [E, C, ·] block plus overflow rows, each product is
+    one `bmm` (and a GEMM per overflowing expert); what is saved (below) stays in the N expert-sorted rows.
 
     Saved for backward: x [N, H]; g = x·W1ᵀ, u = x·W3ᵀ, silu(g) and a = silu(g)·u [N, I] (4·N·I floats,
     what autograd over the plain ops would keep too), the routing weights when given; the weights by reference
