@@ -287,6 +287,12 @@ class MemoryConfig(_Strict):
         "partition summed in FP64 (faster; the norm differs in the last bits). fp32 needs flat_grads applied "
         "(refused where it is not); refused on the Megatron path",
     )
+    chunked_step: bool = Field(
+        True,
+        description="DeepSpeed ZeRO-1 optimizer step without full-size temporaries: torch Adam/AdamW over pieces of "
+        "1 M elements of the flat partition, DeepSpeed's FP64 gradient norm cast into one reused buffer; the same "
+        "values bit for bit (elsewhere DeepSpeed's own step, said on stderr); refused on the Megatron path",
+    )
 
 
 class DataConfig(_Strict):

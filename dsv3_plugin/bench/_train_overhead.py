@@ -55,6 +55,7 @@ TIMED = ("collectives", "bias_update", "telemetry", "save")  # parts the timers 
 # (flattening, the gradient norm, copying the partition back into the parameters)
 PHASES = ("forward", "backward", "optimizer")
 CLIP = 1.0  # gradient clipping of both sides
+PATCHES = ("flat_grads", "chunked_step")  # the engine's decisions on its runtime patches of DeepSpeed's optimizer
 
 
 def ds_json(
@@ -66,13 +67,14 @@ def ds_json(
     fused: bool = False,
     flat_grads: bool = True,
     grad_norm: str = "fp64",
+    chunked_step: bool = True,
 ) -> dict:
     """The DeepSpeed JSON of both measurements: micro-batch `batch`, no accumulation, ZeRO-1, torch AdamW at a
     constant `lr` (torch's fused kernel with `fused`, in both), gradient clipping at 1.0 (DeepSeek-V3's, and
     `dsv3 train`'s default; in both), `steps` steps of `seq_len` tokens on synthetic data, one save at the end;
     `flat_grads`: `memory.flat_grads` of `dsv3 train` (false: DeepSpeed's own ZeRO-1 gradient copies); `grad_norm`:
     its `memory.grad_norm` (fp64: DeepSpeed's norm; fp32: FP32 pieces of the flat gradients, as the bare step's
-    `clip_grad_norm_`)."""
+    `clip_grad_norm_`); `chunked_step`: its `memory.chunked_step` (false: DeepSpeed's own optimizer step)."""
     train = {**block.get("train", {}), "seq_len": seq_len, "steps": steps, "seed": 0, "log_every": 1}
     params = {"lr": lr, "weight_decay": 0.0, "torch_adam": True, **({"fused": True} if fused else {})}
     return {
@@ -85,7 +87,12 @@ def ds_json(
         "dsv3": {
             **block,
             "train": train,
-            "memory": {**block.get("memory", {}), "flat_grads": flat_grads, "grad_norm": grad_norm},
+            "memory": {
+                **block.get("memory", {}),
+                "flat_grads": flat_grads,
+                "grad_norm": grad_norm,
+                "chunked_step": chunked_step,
+            },
         },
     }
 
@@ -135,7 +142,8 @@ class _Timers:
         self.s = dict.fromkeys(TIMED, 0.0)
         self.phases = {k: [] for k in PHASES}
         self.depth = 0
-        self.flat_grads = None  # whether `memory.flat_grads` applied to this rank's ZeRO-1 optimizer
+        # per patch decision (`memory.flat_grads`, `memory.chunked_step`): whether it applied to this rank's optimizer
+        self.applied: dict[str, bool] = {}
 
     def wrap_phase(self, fn, phase: str):
         def timed(*a, **kw):
@@ -162,6 +170,14 @@ class _Timers:
         return timed
 
 
+def _recorded(t: _Timers, name: str, decide):
+    def recorded(*a, **kw):
+        t.applied[name] = decide(*a, **kw)
+        return t.applied[name]
+
+    return recorded
+
+
 def install_timers() -> _Timers:
     """In a `dsv3 train` rank, before the run: the timers (torch.distributed's functions are looked up at each call;
     the bias update also where the DeepSpeed engine bound its name)."""
@@ -173,13 +189,8 @@ def install_timers() -> _Timers:
     balancing.update_expert_bias = ds_engine.update_expert_bias = timed_update
     RoutingTelemetry.record = t.wrap(RoutingTelemetry.record, "telemetry")
     RunDir.save = t.wrap(RunDir.save, "save")
-    decide = ds_engine.flat_grads
-
-    def flat_grads(*a, **kw):
-        t.flat_grads = decide(*a, **kw)
-        return t.flat_grads
-
-    ds_engine.flat_grads = flat_grads
+    for name in PATCHES:
+        setattr(ds_engine, name, _recorded(t, name, getattr(ds_engine, name)))
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     for phase, name in zip(PHASES, ("forward", "backward", "step")):
@@ -196,7 +207,7 @@ from dsv3_plugin.cli import main
 rc = main(["train", "--config", {config!r}, "--out", {out!r}, "--overwrite", "--no-progress", "--json"])
 import json, os
 with open({timers!r} + "." + os.environ["RANK"], "w") as f:
-    json.dump({{**t.s, "phases": t.phases, "flat_grads": t.flat_grads}}, f)
+    json.dump({{**t.s, "phases": t.phases, "applied": t.applied}}, f)
 raise SystemExit(rc)
 """
 
@@ -269,21 +280,25 @@ def train_tax(
     fused: bool = False,
     flat_grads: bool = True,
     grad_norm: str = "fp64",
+    chunked_step: bool = True,
 ) -> dict:
     """Measure the training-loop tax (module docstring) for the "dsv3" `block` at micro-batch `batch`, sequence
     `seq_len`, `steps` steps (the bare step leaves the first `warmup` out); `fused`: torch's fused AdamW kernel on
     both sides (`"fused": true` in the JSON's optimizer params); `flat_grads` and `grad_norm`: `memory.flat_grads`
-    and `memory.grad_norm` of the `dsv3 train` runs.
+    `memory.grad_norm` and `chunked_step`: `memory.chunked_step` of the `dsv3 train` runs.
 
     Returns:
-        {"config", "optimizer", "flat_grads", "grad_norm", "bare", "train_1rank", "train_2ranks", "tax_1rank",
-        "tax_1rank_steady", "phases_1rank", "two_ranks"}; `flat_grads` = {"asked", "applied": per run (1 and 2
-        ranks), whether every rank's ZeRO-1 optimizer took the patch}; `grad_norm` = the runs' memory.grad_norm;
-        bare / train figures in tokens/s (`train_2ranks` also per rank), `phases_1rank` = per phase (forward,
-        backward, optimizer) the median seconds of the bare step, of DeepSpeed's call in the 1-rank run and their
+        {"config", "optimizer", "flat_grads", "chunked_step", "grad_norm", "bare", "train_1rank",
+        "train_2ranks", "tax_1rank", "tax_1rank_steady", "phases_1rank", "two_ranks"}; `flat_grads` = {"asked",
+        "applied": per run (1 and 2 ranks), whether every rank's ZeRO-1 optimizer took the patch}, `chunked_step`
+        likewise; `grad_norm` = the runs' memory.grad_norm; bare / train figures in tokens/s (`train_2ranks` also
+        per rank), `phases_1rank` = per phase (forward, backward, optimizer) the median seconds of the bare step,
+        of DeepSpeed's call in the 1-rank run and their
         difference, `two_ranks` = per-rank seconds per step of each timed part and of the rest.
     """
-    ds = ds_json(block, batch, seq_len, steps, fused=fused, flat_grads=flat_grads, grad_norm=grad_norm)
+    ds = ds_json(
+        block, batch, seq_len, steps, fused=fused, flat_grads=flat_grads, grad_norm=grad_norm, chunked_step=chunked_step
+    )
     tokens_step = batch * seq_len
     with tempfile.TemporaryDirectory(prefix="dsv3-bench-train-") as tmp:
         ds_path = os.path.join(tmp, "ds.json")
@@ -294,12 +309,14 @@ def train_tax(
     res = {"config": {"batch": batch, "seq_len": seq_len, "steps": steps, "warmup": warmup}, "bare": bare}
     res["optimizer"] = ds["optimizer"]
     res["grad_norm"] = grad_norm  # dsv3 train's memory.grad_norm (the bare step: torch's FP32 clip_grad_norm_)
-    res["flat_grads"] = {
-        "asked": flat_grads,
-        "applied": {
-            f"{n}rank" + ("s" if n > 1 else ""): all(t["flat_grads"] for t in r["timers"]) for n, r in runs.items()
-        },
-    }
+    for name, asked in zip(PATCHES, (flat_grads, chunked_step)):
+        res[name] = {
+            "asked": asked,
+            "applied": {
+                f"{n}rank" + ("s" if n > 1 else ""): all(t["applied"].get(name, False) for t in r["timers"])
+                for n, r in runs.items()
+            },
+        }
     for n, r in runs.items():
         s = r["summary"]
         wall, done = float(s["wall_s"]), int(s["steps"])

@@ -135,6 +135,12 @@ def add_arguments(p) -> None:
         help="--train: dsv3 train with memory.flat_grads false (DeepSpeed's own ZeRO-1 gradient copies)",
     )
     p.add_argument(
+        "--no-chunked-step",
+        action="store_true",
+        help="--train: dsv3 train with memory.chunked_step false (DeepSpeed's own optimizer step, full-size "
+        "temporaries)",
+    )
+    p.add_argument(
         "--fp32-grad-norm",
         action="store_true",
         help="--train: dsv3 train with memory.grad_norm fp32 (FP32 pieces of the flat gradients, as the bare "
@@ -156,6 +162,7 @@ def run(args) -> dict:
         ("--fused-adamw", args.fused_adamw),
         ("--no-flat-grads", args.no_flat_grads),
         ("--fp32-grad-norm", args.fp32_grad_norm),
+        ("--no-chunked-step", args.no_chunked_step),
     ):
         if on and not args.train:
             print(f"error: {flag}: only with --train (a setting of the training-loop tax)", file=sys.stderr)
@@ -180,6 +187,7 @@ def run(args) -> dict:
             args.fused_adamw,
             not args.no_flat_grads,
             "fp32" if args.fp32_grad_norm else "fp64",
+            not args.no_chunked_step,
         )
         res.update(
             bench="model --train",

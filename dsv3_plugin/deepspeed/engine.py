@@ -335,8 +335,26 @@ def initialize(
         )
     check_fp32_router_state(model)
     engine.dsv3_flat_grads = flat_grads(engine, cfg)
+    engine.dsv3_chunked_step = chunked_step(engine, cfg)
     engine.dsv3 = _DSv3Hooks(engine, model, cfg, group=group)
     return engine, opt, loader, sched
+
+
+def chunked_step(engine, cfg: DSv3Config) -> bool:
+    """`memory.chunked_step`: ZeRO-1's optimizer step without full-size temporaries (`patches/
+    deepspeed_zero1_chunked_step.py`: torch Adam/AdamW over pieces of the flat partition, DeepSpeed's FP64 gradient
+    norm through one reused buffer; the same values bit for bit). Where it does not apply (a fused or another
+    optimizer, CPU offload, DeepSpeed's BF16_Optimizer, another DeepSpeed) the reason goes to stderr once (rank 0)
+    and DeepSpeed's own step runs. Call it after the other patches of the optimizer's norm (`flat_grads`, the
+    pipeline's norm): a norm they replaced is kept. -> whether it applies."""
+    if not cfg.memory.chunked_step:
+        return False
+    from dsv3_plugin_patches import deepspeed_zero1_chunked_step
+
+    ok, why = deepspeed_zero1_chunked_step.apply(engine.optimizer)
+    if not ok and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(f"dsv3: memory.chunked_step: DeepSpeed's own optimizer step ({why})", file=sys.stderr, flush=True)
+    return ok
 
 
 def flat_grads(engine, cfg: DSv3Config, pipeline: bool | None = None) -> bool:

@@ -16,7 +16,13 @@ import torch.distributed as dist
 
 from dsv3_plugin.config import ConfigError
 from dsv3_plugin.deepspeed.backend import import_deepspeed
-from dsv3_plugin.deepspeed.engine import check_fp32_router_state, client_optimizer, flat_grads, prepare_mixed_precision
+from dsv3_plugin.deepspeed.engine import (
+    check_fp32_router_state,
+    chunked_step,
+    client_optimizer,
+    flat_grads,
+    prepare_mixed_precision,
+)
 from dsv3_plugin.deepspeed.moe_layer import prepare_model, stacking_order
 from dsv3_plugin.deepspeed.save_errors import deferred_write_errors
 from dsv3_plugin.errors import CheckpointError
@@ -134,6 +140,7 @@ class PipelinedEngine(PipelinedStages):
         check_fp32_router_state(self.module)
         self.engine.dsv3_flat_grads = flat_grads(self.engine, cfg, pipeline=True)  # not here: said on stderr
         self._one_norm_all_reduce()
+        self.engine.dsv3_chunked_step = chunked_step(self.engine, cfg)  # after the norm patches (it keeps theirs)
         # Gradients are produced outside engine.backward (by the schedule): reduce them like DeepSpeed's own
         # pipeline engine does.
         self.engine.pipeline_parallelism = True

@@ -312,6 +312,7 @@ _DEEPSPEED_ONLY_MEMORY = {
     "bf16_moments": "dsv3 train's AdamW; Megatron's optimizer keeps its own moments",
     "flat_grads": "a DeepSpeed ZeRO-1 setting; Megatron's DDP keeps its own contiguous gradient buffer",
     "grad_norm": "a DeepSpeed ZeRO-1 setting; Megatron's optimizer takes its gradient norm in FP32 already",
+    "chunked_step": "a DeepSpeed ZeRO-1 setting; Megatron's optimizer has its own step",
 }
 
 

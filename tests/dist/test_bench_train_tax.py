@@ -26,6 +26,8 @@ def test_train_tax_reports_every_part_of_both_runs():
     assert r["optimizer"]["params"]["fused"] is True  # --fused-adamw: torch's fused kernel on both sides
     # memory.flat_grads (the default) took on every rank of both runs (FP32, pp = 1, ep = 1)
     assert r["flat_grads"] == {"asked": True, "applied": {"1rank": True, "2ranks": True}}
+    # memory.chunked_step (the default) does not apply to torch's fused AdamW (no temporaries to avoid)
+    assert r["chunked_step"] == {"asked": True, "applied": {"1rank": False, "2ranks": False}}
     assert r["grad_norm"] == "fp32"  # --fp32-grad-norm reached dsv3 train (the patch refuses it where it cannot)
     for key in ("train_1rank", "train_2ranks"):
         assert r[key]["steps"] == 4 and r[key]["tokens_per_s"] > 0 and r[key]["wall_s"] > 0
@@ -46,7 +48,7 @@ def test_train_tax_reports_every_part_of_both_runs():
         assert all(parts[k] > 0 for k in ("collectives", "bias_update", "telemetry", "save")), parts
 
 
-@pytest.mark.parametrize("flag", ["--fused-adamw", "--no-flat-grads", "--fp32-grad-norm"])
+@pytest.mark.parametrize("flag", ["--fused-adamw", "--no-flat-grads", "--fp32-grad-norm", "--no-chunked-step"])
 def test_train_settings_are_refused_without_train(flag):
     cmd = [sys.executable, "-m", "dsv3_plugin", "bench", "model", flag]
     p = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True)
