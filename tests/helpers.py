@@ -355,6 +355,26 @@ def zero1_ds(dsv3: dict, warmup_steps: int, **top) -> dict:
     }
 
 
+def zero1_steps(engine, steps: int, seed: int, extra=None):
+    """`steps` optimizer steps of a DeepSpeed `engine` (its accumulation count of micro-batches of 2 rows of 16 random
+    token ids < 256, drawn from `seed`), as the ZeRO-1 equality tests train both paths; `extra(step)`: a loss term
+    added in that step's backward (0.0 for none). -> (losses [steps·gas], global gradient norms [steps])."""
+    import torch
+
+    gas = engine.gradient_accumulation_steps()
+    ids = torch.randint(0, 256, (steps * gas * 2, 17), generator=torch.Generator().manual_seed(seed))
+    losses, norms = [], []
+    for s in range(steps):
+        for m in range(gas):
+            b = ids[(s * gas + m) * 2 : (s * gas + m) * 2 + 2]
+            out = engine(b[:, :-1], labels=b[:, 1:])
+            engine.backward(out.loss + (extra(s) if extra is not None else 0.0))
+            losses.append(out.loss.detach())
+            engine.step()
+        norms.append(torch.as_tensor(engine.get_global_grad_norm()))
+    return torch.stack(losses), torch.stack(norms)
+
+
 # --- Megatron-LM runs of the plugin's entry point (tests/megatron) --------------------------------------------
 MEGATRON_SPEC = ["--spec", "dsv3_plugin.megatron", "layer_spec"]  # the plugin's layer spec
 

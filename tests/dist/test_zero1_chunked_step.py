@@ -17,7 +17,7 @@ import io
 
 import pytest
 import torch
-from helpers import run_ranks, zero1_ds
+from helpers import run_ranks, zero1_ds, zero1_steps
 
 DS = zero1_ds({"preset": "tiny", "train": {"seq_len": 16, "seed": 5}}, warmup_steps=2)
 STEPS = 3
@@ -44,24 +44,14 @@ def _train(chunked: bool, ds: dict) -> dict:
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
         engine, *_ = initialize(model, ds)
     opt = engine.optimizer
-    gas = engine.gradient_accumulation_steps()
-    ids = torch.randint(0, 256, (STEPS * gas * 2, 17), generator=torch.Generator().manual_seed(dist.get_rank()))
-    losses, norms = [], []
-    for s in range(STEPS):
-        for m in range(gas):
-            b = ids[(s * gas + m) * 2 : (s * gas + m) * 2 + 2]
-            out = engine(b[:, :-1], labels=b[:, 1:])
-            engine.backward(out.loss)
-            losses.append(out.loss.detach())
-            engine.step()
-        norms.append(torch.as_tensor(engine.get_global_grad_norm()))
+    losses, norms = zero1_steps(engine, STEPS, dist.get_rank())
     masters = opt.single_partition_of_fp32_groups
     state = [opt.optimizer.state[m] for m in masters]
     res = {
         "applied": engine.dsv3_chunked_step,
         "stderr": err.getvalue(),
-        "losses": torch.stack(losses),
-        "norms": torch.stack(norms),
+        "losses": losses,
+        "norms": norms,
         "params": [p.detach().clone() for p in model.parameters()],
         "masters": [m.detach().clone() for m in masters],
         "moments": [st[k].clone() for st in state for k in ("exp_avg", "exp_avg_sq", "step")],

@@ -23,7 +23,7 @@ import io
 
 import pytest
 import torch
-from helpers import run_ranks, zero1_ds
+from helpers import run_ranks, zero1_ds, zero1_steps
 
 from patches.deepspeed_zero1_flat_grads import NORM_CHUNK
 
@@ -54,28 +54,20 @@ def _train(flat: bool, ds: dict, norm: str = "fp64", inf_step: int | None = None
     # the FP32 masters this rank steps (DeepSpeed's ZeRO-1 optimizer, or its BF16_Optimizer where the patch is off)
     master_groups = getattr(opt, "single_partition_of_fp32_groups", None) or opt.fp32_groups_flat_partition
     first = master_groups[0].detach().clone()  # (BF16: the module's weights may not move in 3 small steps)
-    gas = engine.gradient_accumulation_steps()
-    ids = torch.randint(0, 256, (STEPS * gas * 2, 17), generator=torch.Generator().manual_seed(dist.get_rank()))
-    losses, norms = [], []
-    for s in range(STEPS):
-        for m in range(gas):
-            b = ids[(s * gas + m) * 2 : (s * gas + m) * 2 + 2]
-            out = engine(b[:, :-1], labels=b[:, 1:])
-            extra = model.sometimes.square().sum() * 1e-2 if s % 2 == 0 else 0.0
-            if s == inf_step:
-                extra = model.sometimes.sum() * float("inf")  # an inf gradient for `sometimes` only
-            engine.backward(out.loss + extra)
-            losses.append(out.loss.detach())
-            engine.step()
-        norms.append(torch.as_tensor(engine.get_global_grad_norm()))
+    def extra(s):  # `sometimes` gets a gradient in even steps only; an inf one at `inf_step`
+        if s == inf_step:
+            return model.sometimes.sum() * float("inf")
+        return model.sometimes.square().sum() * 1e-2 if s % 2 == 0 else 0.0
+
+    losses, norms = zero1_steps(engine, STEPS, dist.get_rank(), extra)
     masters = [m.detach().clone() for m in master_groups]
     buffers = getattr(engine.optimizer, "_dsv3_flat_grads", None)  # the patch's own gradient buffers
     engine.dsv3.remove()
     return {
         "applied": engine.dsv3_flat_grads,
         "stderr": err.getvalue(),
-        "losses": torch.stack(losses),
-        "norms": torch.stack(norms),
+        "losses": losses,
+        "norms": norms,
         "params": [p.detach().clone() for p in model.parameters()],
         "trained": not torch.equal(first, masters[0]),
         "masters": masters,
