@@ -75,8 +75,18 @@ def _logged_losses(log: str) -> dict[int, str]:
     return out
 
 
+# what a run times (each pipeline rank's busy / idle / wait seconds in `pipeline_ranks`) differs between any two runs:
+# dropped, so that the comparison is of what the runs compute (losses, biases, sums, the ranks' closure counts)
+_TIMED = re.compile(r"(_s|_fraction)$")
+
+
 def _metrics(tmp, name):
-    return [json.loads(line) for line in (tmp / f"{name}.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (tmp / f"{name}.jsonl").read_text().splitlines()]
+    for row in rows:
+        for rank in row.get("pipeline_ranks", []):
+            for key in [k for k in rank if _TIMED.search(k)]:
+                del rank[key]
+    return rows
 
 
 def _run(tmp, name, extra):
