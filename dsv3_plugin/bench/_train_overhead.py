@@ -284,8 +284,8 @@ def train_tax(
 ) -> dict:
     """Measure the training-loop tax (module docstring) for the "dsv3" `block` at micro-batch `batch`, sequence
     `seq_len`, `steps` steps (the bare step leaves the first `warmup` out); `fused`: torch's fused AdamW kernel on
-    both sides (`"fused": true` in the JSON's optimizer params); `flat_grads` and `grad_norm`: `memory.flat_grads`
-    `memory.grad_norm` and `chunked_step`: `memory.chunked_step` of the `dsv3 train` runs.
+    both sides (`"fused": true` in the JSON's optimizer params); `flat_grads`, `grad_norm` and `chunked_step`:
+    `memory.flat_grads`, `memory.grad_norm` and `memory.chunked_step` of the `dsv3 train` runs.
 
     Returns:
         {"config", "optimizer", "flat_grads", "chunked_step", "grad_norm", "bare", "train_1rank",
@@ -293,8 +293,8 @@ def train_tax(
         "applied": per run (1 and 2 ranks), whether every rank's ZeRO-1 optimizer took the patch}, `chunked_step`
         likewise; `grad_norm` = the runs' memory.grad_norm; bare / train figures in tokens/s (`train_2ranks` also
         per rank), `phases_1rank` = per phase (forward, backward, optimizer) the median seconds of the bare step,
-        of DeepSpeed's call in the 1-rank run and their
-        difference, `two_ranks` = per-rank seconds per step of each timed part and of the rest.
+        of DeepSpeed's call in the 1-rank run and their difference, `two_ranks` = per-rank seconds per step of each
+        timed part and of the rest.
     """
     ds = ds_json(
         block, batch, seq_len, steps, fused=fused, flat_grads=flat_grads, grad_norm=grad_norm, chunked_step=chunked_step
