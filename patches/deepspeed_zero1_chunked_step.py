@@ -5,9 +5,10 @@ flat parameter, and takes the gradient norm by casting every parameter's gradien
 of fresh full-size temporaries follow each step: torch's single-tensor Adam makes two of the partition's size
 (`exp_avg_sq.sqrt()` and its division by the bias correction), and the norm one FP64 copy per gradient. Tensors
 that large are new memory mappings each time (glibc serves allocations above its mmap threshold, at most 32 MB,
-from fresh pages), so every element costs a page fault's share besides its arithmetic. Measured on one CPU rank
-of the 21 M-parameter bench model (`dsv3 bench model --train`): DeepSpeed's `step()` 0.29 s, of which 0.17 s
-Adam and 0.09 s the norm; the bare model's AdamW over its per-parameter tensors (at most 8 MB each) 0.10 s.
+from fresh pages), so every element costs a page fault's share besides its arithmetic. A cProfile on one CPU rank
+of the 21 M-parameter bench model: DeepSpeed's `step()` 0.29 s, of which 0.17 s Adam and 0.09 s the norm; the bare
+model's AdamW over its per-parameter tensors (at most 8 MB each) 0.10 s (`dsv3 bench model --train
+[--no-chunked-step]` measures the tax with and without the patch).
 
 How (one optimizer instance):
 - Adam / AdamW: once a parameter has its state, `step` runs torch's own `step` over views of at most `CHUNK`
@@ -57,6 +58,8 @@ def applies(optimizer) -> tuple[bool, str]:
     inner = optimizer.optimizer
     if type(inner) not in (torch.optim.Adam, torch.optim.AdamW):
         return False, f"the optimizer is a {type(inner).__name__}, not torch's Adam or AdamW"
+    if _hooked(inner) is None:  # this torch's step hooks cannot be seen: pieces might run them once each
+        return False, f"torch {torch.__version__}: its optimizer step hooks are not where 2.x keeps them"
     for key in ("fused", "capturable", "differentiable"):
         if any(g.get(key) for g in inner.param_groups):
             return False, f"torch Adam with {key}=True"
@@ -89,15 +92,16 @@ def revert(optimizer) -> None:
     delattr(optimizer, _ATTR)
 
 
-def _hooked(opt: torch.optim.Optimizer) -> bool:
-    from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+def _hooked(opt: torch.optim.Optimizer) -> bool | None:
+    """Whether step hooks (the optimizer's own or torch's global ones) are registered; None where this torch keeps
+    them elsewhere than torch 2.x does."""
+    import torch.optim.optimizer as torch_opt
 
-    return bool(
-        opt._optimizer_step_pre_hooks
-        or opt._optimizer_step_post_hooks
-        or _global_optimizer_pre_hooks
-        or _global_optimizer_post_hooks
-    )
+    hooks = [getattr(opt, k, None) for k in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")]
+    hooks += [getattr(torch_opt, k, None) for k in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")]
+    if any(h is None for h in hooks):
+        return None
+    return any(bool(h) for h in hooks)
 
 
 def _chunked_adam_step(opt: torch.optim.Optimizer):
