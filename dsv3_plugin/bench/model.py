@@ -15,6 +15,13 @@ What is measured, per sequence length T (`--seq-lens`) and dtype (`--dtypes`), B
   `--part-repeats`). The parts' sum is reported next to the step: the rest (`other`: residual adds, reshapes, the
   optimizer-free glue; and caches that are warmer in isolation) is their difference, and can be negative.
 - Parameter counts per part; the bench fails when the totals differ (naming the parts that differ).
+- Where ours stands against the machine (`gemm`, ours only, in the round with the breakdown): one more step under
+  torch's profiler gives the matrix products' calls (`aten::mm` / `addmm` / `bmm` / `baddbmm`; FLOPs from their
+  operands' shapes; the CPU flash-attention kernel is not one and stays in the rest) and their self CPU time; a
+  2048³ GEMM in the step's dtype, timed in the same child, gives the machine's GEMM rate. `ratio_if_gemm_at_peak` =
+  peer CPU ms / (ours − our GEMMs' time + their FLOPs at that rate): the ratio ours would reach if every matrix
+  product of the step ran at the rate of one large GEMM and nothing else changed — the ceiling of what faster
+  GEMM kernels alone can give on this machine.
 
 Excluded alike: MTP (transformers builds no MTP module; ours runs with mtp.depth = 0, torchtitan without
 mtp_layers), the sequence-wise balance loss (ours at α = 0: the peers compute none), YaRN (plain RoPE in all).
@@ -29,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import resource
 import statistics
@@ -226,6 +234,10 @@ def run(args) -> dict:
         "breakdown_method": "inputs captured with forward hooks during one step, each part's fwd+bwd timed alone",
         # CPU time peer / ours per (T, dtype): > 1 means ours is faster
         "ratio": {f"T={r['T']} {r['dtype']}": r["ratio"] for r in results},
+        # the same if our step's matrix products ran at the rate of one 2048³ GEMM (module docstring)
+        "ratio_if_gemm_at_peak": {
+            f"T={r['T']} {r['dtype']}": r["ratio_if_gemm_at_peak"] for r in results if "ratio_if_gemm_at_peak" in r
+        },
         "results": results,
     }
     if args.png:
@@ -266,10 +278,18 @@ def _measure(args, impls, T, dtype) -> dict:
         }
         if rs[0].get("breakdown") is not None:
             per[impl]["breakdown"] = rs[0]["breakdown"]
+        if rs[0].get("gemm") is not None:
+            per[impl]["gemm"] = rs[0]["gemm"]
     ours = per["ours"]
     ratio = {p: per[p]["cpu_ms"] / ours["cpu_ms"] for p in per if p != "ours"}
     ratio_wall = {p: per[p]["wall_ms"] / ours["wall_ms"] for p in per if p != "ours"}
-    return {"T": T, "dtype": dtype, "tokens_per_step": T * args.batch, **per, "ratio": ratio, "ratio_wall": ratio_wall}
+    out = {"T": T, "dtype": dtype, "tokens_per_step": T * args.batch, **per, "ratio": ratio, "ratio_wall": ratio_wall}
+    if "gemm" in ours:
+        g = ours["gemm"]
+        g["rate_fraction"] = g["gflop"] / (g["cpu_ms"] / 1e3) / g["peak_gflops"] if g["cpu_ms"] > 0 else None
+        at_peak_ms = ours["cpu_ms"] - g["cpu_ms"] + g["gflop"] / g["peak_gflops"] * 1e3
+        out["ratio_if_gemm_at_peak"] = {p: per[p]["cpu_ms"] / at_peak_ms for p in per if p != "ours"}
+    return out
 
 
 def _check_counts(params: dict) -> None:
@@ -348,7 +368,45 @@ def _child(impl: str, spec_json: str) -> None:
         bd["step_cpu_ms"] = statistics.median(cpu) * 1e3
         bd["other_cpu_ms"] = bd["step_cpu_ms"] - bd["sum_cpu_ms"]
         out["breakdown"] = bd
+        if impl == "ours":
+            out["gemm"] = _gemm_share(step, model, dtype)
     print(json.dumps(out))
+
+
+# matrix products of a step: op -> index of its first matrix operand among the op's inputs (the second follows it)
+_GEMM_OPS = {"aten::mm": 0, "aten::bmm": 0}
+_GEMM_OPS.update({f"aten::{op}": 1 for op in ("addmm", "addmm_", "baddbmm", "baddbmm_")})  # self, then the matrices
+
+
+def _gemm_flops(op: str, shapes: list) -> float:
+    """2·(batch)·M·K·N of one call from its recorded input shapes ([.., M, K] times [.., K, N])."""
+    a, b = shapes[_GEMM_OPS[op]], shapes[_GEMM_OPS[op] + 1]
+    return 2.0 * math.prod(a) * b[-1]
+
+
+def _gemm_share(step, model, dtype, n: int = 2048) -> dict:
+    """The matrix products of one step (GFLOP from their operands' shapes, self CPU ms under torch's profiler) and
+    the machine's GEMM rate in `dtype` (best of 3 n×n×n products, GFLOP/s). NOTE: the FLOPs are counted here, not
+    by the profiler's `with_flops`, which counts none for the in-place `addmm_` / `baddbmm_` the expert kernel uses."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    model.zero_grad(set_to_none=True)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        step()
+    events = [e for e in prof.key_averages(group_by_input_shape=True) if e.key in _GEMM_OPS]
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    best = float("inf")
+    for _ in range(3):
+        c0 = time.process_time()
+        torch.mm(a, b)
+        best = min(best, time.process_time() - c0)
+    return {
+        "gflop": sum(e.count * _gemm_flops(e.key, e.input_shapes) for e in events) / 1e9,
+        "cpu_ms": sum(e.self_cpu_time_total for e in events) / 1e3,  # profiler times are in µs
+        "calls": sum(e.count for e in events),
+        "peak_gflops": 2 * n**3 / best / 1e9,
+    }
 
 
 def _param_counts(impl: str, model) -> dict:

@@ -5,8 +5,10 @@ import json
 import sys
 
 import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
 
-from dsv3_plugin.bench.model import IMPLS, PARTS, _check_counts, titan_import_error
+from dsv3_plugin.bench.model import _GEMM_OPS, IMPLS, PARTS, _check_counts, _gemm_flops, titan_import_error
 from dsv3_plugin.cli import main
 
 TINY = ["--preset", "tiny", "--seq-lens", "32", "--dtypes", "float32", "--batch", "2", "--rounds", "1"]
@@ -62,6 +64,13 @@ def test_tiny_run_reports_every_implementation_with_equal_parameters_and_all_par
         assert bd["calls"]["attention"] == 3 and bd["calls"]["routed_experts"] == 2  # tiny: 3 layers, 1 dense
         assert bd["sum_cpu_ms"] == pytest.approx(sum(bd["cpu_ms"].values()))
         assert bd["other_cpu_ms"] == pytest.approx(bd["step_cpu_ms"] - bd["sum_cpu_ms"])
+    g = r["ours"]["gemm"]  # where ours stands against the machine's GEMM rate
+    assert g["gflop"] > 0 and g["cpu_ms"] > 0 and g["calls"] > 0 and g["peak_gflops"] > 0 and g["rate_fraction"] > 0
+    assert all("gemm" not in r[i] for i in expected if i != "ours")
+    at_peak_ms = r["ours"]["cpu_ms"] - g["cpu_ms"] + g["gflop"] / g["peak_gflops"] * 1e3
+    assert d["ratio_if_gemm_at_peak"]["T=32 float32"] == r["ratio_if_gemm_at_peak"]
+    for i in set(expected) - {"ours"}:
+        assert r["ratio_if_gemm_at_peak"][i] == pytest.approx(r[i]["cpu_ms"] / at_peak_ms)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -74,6 +83,7 @@ def test_torchtitan_absent_is_stated(monkeypatch, capsys):
     assert d["impls"] == ["ours"] and "torchtitan not importable" in d["skipped"]["titan"]
     assert "[bench model] torchtitan skipped" in cap.err
     assert d["results"][0]["ratio"] == {} and "breakdown" not in d["results"][0]["ours"]
+    assert "gemm" not in d["results"][0]["ours"] and d["ratio_if_gemm_at_peak"] == {}
 
 
 def test_unequal_parameter_counts_fail_naming_the_part():
@@ -83,3 +93,25 @@ def test_unequal_parameter_counts_fail_naming_the_part():
         _check_counts(
             {"ours": {"total": 30, "by_part": same}, "hf": {"total": 32, "by_part": {**same, "attention": 12}}}
         )
+
+
+def test_gemm_flops_count_every_matrix_product_including_in_place_ones():
+    """2·M·K·N per call (times the batch for bmm), out= and in-place forms included: the profiler's own FLOP
+    counter reports 0 for `addmm_` / `baddbmm_`, which the expert kernel uses."""
+    a, b, c = torch.randn(6, 5), torch.randn(5, 3), torch.zeros(6, 3)
+    A, B, C = torch.randn(4, 6, 5), torch.randn(4, 5, 3), torch.zeros(4, 6, 3)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        torch.mm(a, b)
+        torch.mm(a, b, out=c)
+        c.addmm_(a, b)
+        torch.addmm(c, a, b)
+        torch.mm(b.t(), a.t())  # [3, 5]·[5, 6]
+        torch.bmm(A, B)
+        C.baddbmm_(A, B)
+    got = {}
+    for e in prof.key_averages(group_by_input_shape=True):
+        if e.key in _GEMM_OPS:
+            got[e.key] = got.get(e.key, 0) + e.count * _gemm_flops(e.key, e.input_shapes)
+    mm = 2 * 6 * 5 * 3
+    want = {"aten::mm": 3 * mm, "aten::addmm_": mm, "aten::addmm": mm, "aten::bmm": 4 * mm, "aten::baddbmm_": 4 * mm}
+    assert got == want
