@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import resource
 import statistics
@@ -45,6 +44,7 @@ import time
 
 from dsv3_plugin.bench import _model_impls as model_impls
 from dsv3_plugin.bench import positive_int, run_child
+from dsv3_plugin.bench._gemm_profile import gemm_rate, profile_gemms
 from dsv3_plugin.bench._train_overhead import train_tax
 
 __all__ = ["add_arguments", "run", "PARTS", "IMPLS", "titan_import_error"]
@@ -369,44 +369,9 @@ def _child(impl: str, spec_json: str) -> None:
         bd["other_cpu_ms"] = bd["step_cpu_ms"] - bd["sum_cpu_ms"]
         out["breakdown"] = bd
         if impl == "ours":
-            out["gemm"] = _gemm_share(step, model, dtype)
+            model.zero_grad(set_to_none=True)
+            out["gemm"] = dict(profile_gemms(step), peak_gflops=gemm_rate(dtype))
     print(json.dumps(out))
-
-
-# matrix products of a step: op -> index of its first matrix operand among the op's inputs (the second follows it)
-_GEMM_OPS = {"aten::mm": 0, "aten::bmm": 0}
-_GEMM_OPS.update({f"aten::{op}": 1 for op in ("addmm", "addmm_", "baddbmm", "baddbmm_")})  # self, then the matrices
-
-
-def _gemm_flops(op: str, shapes: list) -> float:
-    """2·(batch)·M·K·N of one call from its recorded input shapes ([.., M, K] times [.., K, N])."""
-    a, b = shapes[_GEMM_OPS[op]], shapes[_GEMM_OPS[op] + 1]
-    return 2.0 * math.prod(a) * b[-1]
-
-
-def _gemm_share(step, model, dtype, n: int = 2048) -> dict:
-    """The matrix products of one step (GFLOP from their operands' shapes, self CPU ms under torch's profiler) and
-    the machine's GEMM rate in `dtype` (best of 3 n×n×n products, GFLOP/s). NOTE: the FLOPs are counted here, not
-    by the profiler's `with_flops`, which counts none for the in-place `addmm_` / `baddbmm_` the expert kernel uses."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    model.zero_grad(set_to_none=True)
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        step()
-    events = [e for e in prof.key_averages(group_by_input_shape=True) if e.key in _GEMM_OPS]
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    best = float("inf")
-    for _ in range(3):
-        c0 = time.process_time()
-        torch.mm(a, b)
-        best = min(best, time.process_time() - c0)
-    return {
-        "gflop": sum(e.count * _gemm_flops(e.key, e.input_shapes) for e in events) / 1e9,
-        "cpu_ms": sum(e.self_cpu_time_total for e in events) / 1e3,  # profiler times are in µs
-        "calls": sum(e.count for e in events),
-        "peak_gflops": 2 * n**3 / best / 1e9,
-    }
 
 
 def _param_counts(impl: str, model) -> dict:

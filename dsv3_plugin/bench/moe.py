@@ -5,7 +5,8 @@ is `roofline_fraction` (how close the grouped expert computation gets to what th
 FLOPs counted: router, routed experts (3 GEMMs per (token, expert) pair) and shared experts, forward
 (2·m·n·k per GEMM) plus backward (2× forward). Element-wise work is not counted. `--dtype bfloat16` runs both
 layers and the reference GEMM in BF16 (on CPUs with AMX / AVX512-BF16, oneDNN's BF16 GEMM is several times the FP32
-one, so the roofline moves with the dtype).
+one, so the roofline moves with the dtype). `ours_gemms`: our layer's matrix products alone, counted and timed
+under torch's profiler (`bench/_gemm_profile.py`), and the roofline fraction they alone allow.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 import torch
 
 from dsv3_plugin.bench import positive_int
+from dsv3_plugin.bench._gemm_profile import profile_gemms
 from dsv3_plugin.config import MoEConfig
 from dsv3_plugin.model.moe.layer import DeepSeekMoE
 
@@ -140,7 +142,7 @@ def run(args) -> dict:
     # Same numbers first (a faster wrong layer is worthless).
     y1 = _fwd_bwd(ours, x, g_out)
     y2 = _fwd_bwd(theirs, x, g_out)
-    max_abs_diff = float((y1 - y2).abs().max())
+    max_abs_diff = float((y1 - y2).detach().abs().max())
     grad_diff = float((ours.experts.down_proj.grad - theirs.experts.down_proj.grad).abs().max())
     a = torch.randn(args.gemm, args.gemm, dtype=dtype)
     b = torch.randn(args.gemm, args.gemm, dtype=dtype)
@@ -168,6 +170,12 @@ def run(args) -> dict:
     }
     flops = moe_flops(args.tokens, args.hidden, args.ffn, args.experts, args.top_k, args.shared)
     gemm_gflops = 2 * args.gemm**3 / tg / 1e9
+    # our layer's matrix products alone (one more fwd + bwd under the profiler; `gflop` as executed, the BF16
+    # padded layout's zero rows included): the roofline fraction the layer would reach if everything else in it
+    # took no time, i.e. the most that faster non-GEMM work could give with today's GEMMs
+    ours.zero_grad(set_to_none=True)
+    prods = profile_gemms(lambda: _fwd_bwd(ours, x, g_out))
+    prods["roofline_fraction_gemms_only"] = flops / (prods["cpu_ms"] / 1e3) / 1e9 / gemm_gflops
     ours_gflops = flops / to / 1e9
     theirs_gflops = flops / tt / 1e9
     impl = getattr(theirs.config, "_experts_implementation", None) or "eager"
@@ -194,6 +202,7 @@ def run(args) -> dict:
         "ratio": tt / to,
         "gemm_gflops": gemm_gflops,
         "roofline_fraction": ours_gflops / gemm_gflops,
+        "ours_gemms": prods,
         "theirs_roofline_fraction": theirs_gflops / gemm_gflops,
         "max_abs_diff": max_abs_diff,
         "max_abs_grad_diff": grad_diff,

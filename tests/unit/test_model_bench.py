@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from dsv3_plugin.bench.model import _GEMM_OPS, IMPLS, PARTS, _check_counts, _gemm_flops, titan_import_error
+from dsv3_plugin.bench._gemm_profile import GEMM_OPS, gemm_flops
+from dsv3_plugin.bench.model import IMPLS, PARTS, _check_counts, titan_import_error
 from dsv3_plugin.cli import main
 
 TINY = ["--preset", "tiny", "--seq-lens", "32", "--dtypes", "float32", "--batch", "2", "--rounds", "1"]
@@ -110,8 +111,8 @@ def test_gemm_flops_count_every_matrix_product_including_in_place_ones():
         C.baddbmm_(A, B)
     got = {}
     for e in prof.key_averages(group_by_input_shape=True):
-        if e.key in _GEMM_OPS:
-            got[e.key] = got.get(e.key, 0) + e.count * _gemm_flops(e.key, e.input_shapes)
+        if e.key in GEMM_OPS:
+            got[e.key] = got.get(e.key, 0) + e.count * gemm_flops(e.key, e.input_shapes)
     mm = 2 * 6 * 5 * 3
     want = {"aten::mm": 3 * mm, "aten::addmm_": mm, "aten::addmm": mm, "aten::bmm": 4 * mm, "aten::baddbmm_": 4 * mm}
     assert got == want
