@@ -25,7 +25,9 @@ def gemm_flops(op: str, shapes: list) -> float:
 
 
 def profile_gemms(fn) -> dict:
-    """Run `fn()` once under torch's CPU profiler -> {"gflop", "cpu_ms" (the products' self CPU time), "calls"}."""
+    """Run `fn()` once under torch's CPU profiler -> {"gflop", "ms", "calls"}: `ms` is the products' self time as
+    the profiler measures it, the wall-clock time of each call on the calling thread (all of its OpenMP threads'
+    work inside it), so it compares with wall times, not with a process's CPU time when torch runs > 1 thread."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
@@ -33,19 +35,19 @@ def profile_gemms(fn) -> dict:
     events = [e for e in prof.key_averages(group_by_input_shape=True) if e.key in GEMM_OPS]
     return {
         "gflop": sum(e.count * gemm_flops(e.key, e.input_shapes) for e in events) / 1e9,
-        "cpu_ms": sum(e.self_cpu_time_total for e in events) / 1e3,  # profiler times are in µs
+        "ms": sum(e.self_cpu_time_total for e in events) / 1e3,  # profiler times are in µs
         "calls": sum(e.count for e in events),
     }
 
 
 def gemm_rate(dtype, n: int = 2048, repeats: int = 3) -> float:
-    """GFLOP/s of an n×n×n `torch.mm` in `dtype` (CPU time, best of `repeats`)."""
+    """GFLOP/s of an n×n×n `torch.mm` in `dtype` (wall time, best of `repeats`, torch's threads as set)."""
     import torch
 
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     best = float("inf")
     for _ in range(repeats):
-        c0 = time.process_time()
+        t0 = time.perf_counter()
         torch.mm(a, b)
-        best = min(best, time.process_time() - c0)
+        best = min(best, time.perf_counter() - t0)
     return 2 * n**3 / best / 1e9
