@@ -121,7 +121,9 @@ def add_arguments(p) -> None:
         help="untimed steps first (the first few are slower: fresh pages, the allocator's thresholds settling)",
     )
     p.add_argument("--part-repeats", type=positive_int, default=3, help="standalone timings per part")
-    p.add_argument("--no-breakdown", action="store_true", help="skip the per-part breakdown")
+    p.add_argument(
+        "--no-breakdown", action="store_true", help="skip the per-part breakdown (and with it our GEMM ceiling, `gemm`)"
+    )
     p.add_argument("--threads", type=int, default=0, help="torch threads in the children (0 = torch's default)")
     p.add_argument("--png", default=None, help="write the breakdown as a PNG here")
     p.add_argument("--seed", type=int, default=0)
