@@ -32,6 +32,9 @@ __all__ = [
     "ParallelConfig",
     "FP8Config",
     "MemoryConfig",
+    "LoRAConfig",
+    "LORA_TARGETS",
+    "lora_targets",
     "DataConfig",
     "TrainConfig",
     "DSv3Config",
@@ -295,6 +298,48 @@ class MemoryConfig(_Strict):
     )
 
 
+# peft's `target_modules` names for DeepseekV3 (the released checkpoint's module names); `q_proj` is the query
+# projection of models without a query bottleneck (q_lora_rank = null)
+LORA_TARGETS = (
+    "q_proj",
+    "q_a_proj",
+    "q_b_proj",
+    "kv_a_proj_with_mqa",
+    "kv_b_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
+LoraTarget = Literal[LORA_TARGETS]
+
+
+class LoRAConfig(_Strict):
+    """`dsv3.lora`: low-rank adapters y = W x + (alpha / r) B A x on a frozen base (peft's LoRA, Hu et al. 2021)."""
+
+    rank: int = Field(16, ge=1, le=MAX_WIDTH, description="r, the adapters' rank")
+    # [32] alpha / r scales the adapter branch; 0 would switch it off, beyond 2^16 x r it is a typo
+    alpha: float = Field(32.0, gt=0, le=2.0**16 * MAX_WIDTH, description="alpha; the branch is scaled by alpha / r")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter branch's input (training only)")
+    use_rslora: bool = Field(False, description="scale by alpha / sqrt(r) (rsLoRA, peft's use_rslora)")
+    targets: list[LoraTarget] | None = Field(
+        None,
+        description="module names as in the released checkpoint and peft's target_modules; null = every one the "
+        "model has in attention, dense MLPs and shared experts",
+    )
+    experts: bool = Field(False, description="adapters on the routed experts' gate/up/down too (sharded with them)")
+    bias_update: bool = Field(
+        False,
+        description="keep updating the aux-loss-free routing bias during LoRA (false: the released bias stays, and "
+        "a PEFT adapter describes the whole fine-tuned model)",
+    )
+    mtp: Literal["off", "frozen"] = Field(
+        "off",
+        description="off: no MTP loss during LoRA (as transformers/peft, whose model has no MTP layer); frozen: the "
+        "MTP loss trains the main model's adapters through the frozen MTP layer",
+    )
+
+
 class DataConfig(_Strict):
     """`dsv3.train.data` as an object: prepared (Megatron indexed) or `.jsonl` data to train and evaluate on.
 
@@ -407,6 +452,7 @@ class DSv3Config(_Strict):
         fp8: FP8 training (on/off, recipe, power-of-2 scales, FP8 dispatch, GEMM backend, promotion interval).
         memory: recompute, EMA of the weights (decay), BF16 optimizer moments.
         train: `dsv3 train`'s loop (sequence length, steps, seed, data, logging and checkpoint cadence).
+        lora: LoRA adapters on the frozen base (rank, alpha, dropout, targets, routed experts), or None.
     """
 
     preset: str | None = None
@@ -417,6 +463,7 @@ class DSv3Config(_Strict):
     fp8: FP8Config = Field(default_factory=FP8Config)
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    lora: LoRAConfig | None = Field(None, description="LoRA adapters on a frozen base (null: full fine-tuning)")
 
     # --- derived shapes -------------------------------------------------------------------------
     @property
@@ -921,6 +968,8 @@ def _check_cross_fields(c: DSv3Config) -> None:
         )
     if isinstance(c.train.data, DataConfig):
         _check_data(c.train.data)
+    if c.lora is not None:
+        _check_lora(c)
     if c.fp8.dispatch and not c.fp8.enabled:
         _fail("fp8.dispatch", "requires fp8.enabled = true")
     if c.fp8.recipe == "tensorwise" and c.fp8.dispatch:
@@ -941,6 +990,46 @@ def _check_cross_fields(c: DSv3Config) -> None:
             f"at promotion, so N_C must divide 128 (got {nc}); None or N_C > 128 needs "
             f"fp8.recipe = 'tensorwise'",
         )
+
+
+def _lora_modules(c: DSv3Config) -> tuple[str, ...]:
+    """The `LORA_TARGETS` names that exist in this model (attention always; MLP names with a dense layer, a shared
+    expert, or `lora.experts` and routed experts)."""
+    m, e = c.model, c.moe
+    names = ["q_proj"] if m.q_lora_rank is None else ["q_a_proj", "q_b_proj"]
+    names += ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+    moe_layers = m.num_hidden_layers > m.first_k_dense_replace
+    dense_mlp = m.first_k_dense_replace > 0 or (moe_layers and e.n_shared_experts > 0)
+    if dense_mlp or (c.lora is not None and c.lora.experts and moe_layers):
+        names += ["gate_proj", "up_proj", "down_proj"]
+    return tuple(names)
+
+
+def lora_targets(c: DSv3Config) -> tuple[str, ...]:
+    """The module names `dsv3.lora` adapts: `lora.targets`, or (null) every `LORA_TARGETS` name the model has.
+
+    Returns:
+        Names in `LORA_TARGETS` order; () when `c.lora` is None.
+    """
+    if c.lora is None:
+        return ()
+    have = _lora_modules(c)
+    if c.lora.targets is None:
+        return have
+    return tuple(t for t in LORA_TARGETS if t in c.lora.targets)
+
+
+def _check_lora(c: DSv3Config) -> None:
+    lo = c.lora
+    if lo.targets is not None:
+        if not lo.targets:
+            _fail("lora.targets", "must name at least one module (or be null: every attention and MLP projection)")
+        if len(set(lo.targets)) != len(lo.targets):
+            _fail("lora.targets", f"names a module twice (got {short_json(lo.targets)})")
+        have = _lora_modules(c)
+        for i, t in enumerate(lo.targets):
+            if t not in have:
+                _fail(f"lora.targets.{i}", f"{t!r} names no module of this model (it has {', '.join(have)})")
 
 
 def _check_data(d: DataConfig) -> None:
