@@ -9,16 +9,7 @@ A checkpoint, run or tokenizer directory is untrusted input, and its *entries* a
   check does not block the open) and `O_NOFOLLOW` on its resolved path, then `fstat`-ed again: the descriptor must
   be the very regular file that was checked (same device and inode), or nothing is read.
 
-NOTE: one kind of link leaving the directory is allowed: a Hugging Face hub cache snapshot
-(`.../models--ORG--NAME/snapshots/REV/file`) holds links into the same repository's blob store
-(`../../blobs/SHA`), and `huggingface_hub.snapshot_download` gives users exactly such directories. A directory at
-or below `<repo>/snapshots/<rev>` may read files whose real path lies in `<repo>/blobs`; nothing else.
-
-Libraries that take a path (safetensors' `safe_open`, `torch.load(mmap=True)`) get `opened_path`: on Linux the
-`/proc/self/fd/N` name of the descriptor that was checked, so that they open that same file and no other.
-
-Every refusal is the caller's error type (`CheckpointError` for checkpoints, `DataError` for tokenizers and data),
-one line naming the file: the CLI prints it and exits 2.
+Design notes: docs/design_notes.md#safe-files
 """
 
 from __future__ import annotations

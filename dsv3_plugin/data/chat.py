@@ -7,10 +7,9 @@ spans are found without knowing the template: for assistant message i, the rende
 generation prompt is where the turn starts and the rendering of `messages[:i + 1]` is where it ends, provided
 each rendering is a token prefix of the next (checked; a template that is not prefix-stable is refused).
 
-Mask convention (the training reader relies on it): `mask[t] == 1` means token t is a training TARGET, i.e. the
-loss of predicting token t from tokens < t counts.
-
 Public API: `ROLES`, `check_messages`, `encode_chat`.
+
+Design notes: docs/design_notes.md#data-chat
 """
 
 from __future__ import annotations

@@ -9,12 +9,7 @@ nodes. Routed outputs go through `dispatch.moe_dispatch_combine` (per-expert or 
 all-to-alls are asynchronous: the shared experts run while the routed tokens travel (§3.2.1), and an
 overlapped pipeline pair (`parallel.overlap`) runs the other chunk's compute during them.
 
-NOTE: with `moe.n_group = 1` there is no node limit (a token may use every node); configure
-`n_group` = number of nodes (or a multiple) and `topk_group` = M to get the paper's node-limited routing.
-
-Telemetry: each layer sums, per optimizer step, the tokens it routed, the rows its local experts processed,
-and the cross-node copies and bytes its dispatch sent (`dispatch_counters`); `training/telemetry.py` reduces them
-over the EP group (routed − processed = dropped tokens, which must be 0) and resets them.
+Design notes: docs/design_notes.md#parallel-expert-parallel
 """
 
 from __future__ import annotations
