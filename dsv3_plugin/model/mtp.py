@@ -1,7 +1,5 @@
-"""Multi-Token Prediction (paper §2.2, eqs. 21-25).
-
-Depth k (1..D) at position i combines the previous depth's representation h^{k-1}_i with the embedding of
-token t_{i+k} and predicts t_{i+k+1}:
+"""Multi-Token Prediction (paper §2.2, eqs. 21-25): depth k (1..D) at position i combines the previous depth's
+representation h^{k-1}_i with the embedding of token t_{i+k} and predicts t_{i+k+1}:
 
     h'^k_i = eh_proj([enorm(Emb(t_{i+k})) ; hnorm(h^{k-1}_i)])     (eq. 21)
     h^k    = TRM_k(h'^k_{1:T-k})                                   (eq. 22)
@@ -9,7 +7,9 @@ token t_{i+k} and predicts t_{i+k+1}:
     L^k    = CE(P^k, t_{k+2:T+1}) summed / T  (the *full* T)       (eq. 24)
     L_MTP  = λ/D Σ_k L^k                                           (eq. 25)
 
-Design notes: docs/design_notes.md#model-mtp
+NOTE: the embedding half comes first in eh_proj's input, as the released weights are laid out (eq. 21 writes the
+other order); h^0 is the main model's hidden state after the final RMSNorm; with masked labels eq. 24's T is the
+number of the main model's loss tokens. Design notes: docs/design_notes.md#model-mtp
 """
 
 from __future__ import annotations
