@@ -6,6 +6,7 @@ checkpoint/ < deepspeed/, megatron/ (thin adapters, importing their framework la
 The benches live beside the package, in `benchmarks/`.
 
 docs/architecture.md draws the same picture with the data flow; CONTRIBUTING.md lists what each layer holds.
+Design notes: docs/design_notes.md#package
 """
 
 from dsv3_plugin.checkpoint.hf import load_pretrained
