@@ -1,11 +1,13 @@
 """ZeRO-1 gradients kept in one flat buffer per parameter group (deepspeed 0.19.x, FP32 and BF16 models).
 
-Applies only where that equivalence was checked: deepspeed 0.19.x, `DeepSpeedZeroOptimizer` at stage 1 with FP32
-or BF16 parameters whose gradients are accumulated and communicated in that dtype (no `grad_accum_dtype` /
-`communication_data_type` of another, no autocast, no sequence parallelism), no CPU offload, no `overlap_comm`, no
-expert (MoE) parameter groups, no pipeline engine, every parameter a view of its group's flat buffer. Elsewhere
-`applies` returns the reason and DeepSpeed's own path runs. `revert(optimizer)` restores DeepSpeed's methods
-(gradients of a window in flight are lost).
+Gradients accumulate in place in a buffer with the layout of DeepSpeed's flat parameter buffer, are reduced over
+the data-parallel group with DeepSpeed's arithmetic and handed to `step()` as its partition without a copy: the same
+values bit for bit. Applies only where that was checked (stage 1, FP32 or BF16 gradients in the parameters' dtype,
+no CPU offload, no `overlap_comm`, no expert groups, no pipeline engine); elsewhere `applies` returns the reason and
+DeepSpeed's own path runs. `revert(optimizer)` restores DeepSpeed's methods.
+
+NOTE: `apply(..., norm="fp32")` (`memory.grad_norm: fp32`) also replaces DeepSpeed's FP64 gradient norm by FP32
+norms of 256-element pieces summed in FP64: the norm differs from DeepSpeed's in the last bits (a derived bound).
 
 Design notes: docs/design_notes.md#patches-deepspeed-zero1-flat-grads
 """
