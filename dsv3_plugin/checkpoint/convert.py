@@ -1,9 +1,13 @@
 """Streaming checkpoint conversion: released FP8/BF16 format -> dequantized released format, -> Megatron
 per-(pp, ep)-rank layout, and back.
 
-dtype rule (`dtype`, default bf16): FP8 weights are dequantized to `dtype`; other floating tensors are
-upcast to `dtype` when narrower, and never downcast (the fp32 router bias stays fp32). So BF16 sources
-round-trip bit-exactly through the Megatron layout with the default.
+Streaming (each tensor read lazily and written straight into a safetensors file whose header was computed up
+front: peak memory about one tensor), atomic (a hidden `.<DST>.partial-<pid>` renamed at the end, an exclusive
+lock on DST, free space checked first), untrusted input read as regular files inside SRC only, and every header,
+FP8 scale grid and tensor name validated before anything is written.
+
+dtype rule (`dtype`, default bf16): FP8 weights are dequantized to `dtype`; other floating tensors are upcast to
+`dtype` when narrower, never downcast (the fp32 router bias stays fp32), so BF16 sources round-trip bit-exactly.
 
 Design notes: docs/design_notes.md#checkpoint-convert
 """
