@@ -1,19 +1,12 @@
 """dsv3-plugin: DeepSeek-V3's training system as a plugin for DeepSpeed and Megatron-Core.
 
-The folders are the architecture; imports point one way (enforced by tests/unit/test_import_layers.py):
+The folders are layers; imports point one way, downward (enforced by tests/unit/test_import_layers.py):
+errors, json_input, safe_files, schedule_traits, config < model/ < precision/ < parallel/ < data/ < training/ <
+checkpoint/ < deepspeed/, megatron/ (thin adapters, importing their framework lazily) < cli/ (the `dsv3` commands).
+The benches live beside the package, in `benchmarks/`.
 
-    errors, json_input, config   the "dsv3" block (one typed config), ConfigError / CheckpointError
-    model/                       the network: transformer, mla, rope, norm, mtp, kernels; model/moe/ (router,
-                                 balancing, experts + layer)                   — device-agnostic PyTorch
-    precision/                   FP8 (precision/fp8/: quant, linear, experts, hopper), BF16-moment AdamW
-    parallel/                    process groups, EP dispatch, expert_parallel, pipeline/ (schedules, runtime)
-    training/                    transforms (FP8 → recompute → EP → W-split), rank-local build (meta → what a
-                                 rank owns), recompute, ema, data, telemetry, memory plan, run directories
-    checkpoint/                  released checkpoints: reader, writer, hf, convert, synthetic, integrity
-    deepspeed/, megatron/        thin adapters (import their framework lazily)
-    cli/, bench/                 `dsv3 ...` commands and `dsv3 bench ...`
-
-docs/architecture.md draws the same picture with the data flow.
+docs/architecture.md draws the same picture with the data flow; CONTRIBUTING.md lists what each layer holds.
+Design notes: docs/design_notes.md#package
 """
 
 from dsv3_plugin.checkpoint.hf import load_pretrained

@@ -1,20 +1,14 @@
 """Reading a JSON file someone else wrote: every way it can be malformed is one clear error naming the file.
 
-`json.load` alone turns hostile-but-realistic files into tracebacks or silent surprises:
-- a non-UTF-8 file (latin-1, UTF-16 from a Windows editor) raises `UnicodeDecodeError`, and a UTF-8 byte-order
-  mark raises "Unexpected UTF-8 BOM";
-- 10 000 nested brackets raise `RecursionError` (and a few hundred pass the parser but break `copy.deepcopy`);
-- `NaN`, `Infinity` and `1e400` (which overflows to inf) are accepted and become non-finite floats;
-- a key given twice silently keeps the last value; an integer of 5 000 digits raises a bare `ValueError`.
+`json.load` alone turns hostile-but-realistic files into tracebacks or silent surprises: a non-UTF-8 file, 10 000
+nested brackets (`RecursionError`), `NaN` / `Infinity` / `1e400` accepted as non-finite floats, a key given twice
+silently keeping the last value, an integer of 5 000 digits. `read_json` refuses each of these with `error_cls` (a
+`ConfigError` for configs), non-finite numbers reported with the dotted path of their key.
 
-`read_json` refuses each of these with `error_cls` (a `ConfigError` for configs), except the BOM:
-NOTE: a UTF-8 BOM is accepted and skipped (RFC 8259 §8.1 lets parsers ignore it; Notepad writes one). Any
-other encoding is refused with its name: JSON exchanged between systems must be UTF-8 (RFC 8259 §8.1).
-Non-finite numbers are reported with the dotted path of the key that holds them (`dsv3.moe.route_scale`).
+NOTE: a UTF-8 BOM is accepted and skipped (RFC 8259 §8.1 lets parsers ignore it; Notepad writes one); any other
+encoding is refused with its name.
 
-Readers that refuse a non-finite number where the parser meets it (no path to report: a checkpoint's JSON side
-files, a metrics line) pass `finite_float` / `no_constant` as `json.loads`' `parse_float` / `parse_constant`: both
-raise `NonFiniteNumber`.
+Design notes: docs/design_notes.md#json-input
 """
 
 from __future__ import annotations

@@ -1,24 +1,15 @@
 """Reading files out of a directory someone else filled: regular files only, and only inside that directory.
 
-A checkpoint, run or tokenizer directory is untrusted input, and its *entries* are too, not just their bytes:
-- a symbolic link can point anywhere (`tokenizer.json -> /home/alice/.ssh/id_rsa` would be copied into an
-  exported model and shipped), so a file is read only when its real path lies inside the directory's real path;
-- `open()` of a FIFO blocks until a writer appears (forever), a character device can stream without end, and a
-  directory or socket fails with an error that names no file, so a file is read only when it is a regular file:
-  checked with `os.stat` before it is opened, and opened with `O_NONBLOCK` (an entry swapped for a FIFO after the
-  check does not block the open) and `O_NOFOLLOW` on its resolved path, then `fstat`-ed again: the descriptor must
-  be the very regular file that was checked (same device and inode), or nothing is read.
+A checkpoint, run or tokenizer directory is untrusted input, and its *entries* are too: a symbolic link can point
+anywhere (a `tokenizer.json` linked to a private key would be copied into an exported model), so a file is read
+only when its real path lies inside the directory's real path; `open()` of a FIFO blocks forever and a device can
+stream without end, so a file is read only when it is a regular file, checked with `os.stat`, opened with
+`O_NONBLOCK | O_NOFOLLOW` and `fstat`-ed again (same device and inode as checked), or nothing is read.
 
-NOTE: one kind of link leaving the directory is allowed: a Hugging Face hub cache snapshot
-(`.../models--ORG--NAME/snapshots/REV/file`) holds links into the same repository's blob store
-(`../../blobs/SHA`), and `huggingface_hub.snapshot_download` gives users exactly such directories. A directory at
-or below `<repo>/snapshots/<rev>` may read files whose real path lies in `<repo>/blobs`; nothing else.
+NOTE: one kind of link out is allowed: a Hugging Face hub cache snapshot (`.../models--ORG--NAME/snapshots/REV/`)
+may read files whose real path lies in the same repository's `blobs/`, as `snapshot_download` lays them out.
 
-Libraries that take a path (safetensors' `safe_open`, `torch.load(mmap=True)`) get `opened_path`: on Linux the
-`/proc/self/fd/N` name of the descriptor that was checked, so that they open that same file and no other.
-
-Every refusal is the caller's error type (`CheckpointError` for checkpoints, `DataError` for tokenizers and data),
-one line naming the file: the CLI prints it and exits 2.
+Design notes: docs/design_notes.md#safe-files
 """
 
 from __future__ import annotations

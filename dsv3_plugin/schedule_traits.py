@@ -2,15 +2,13 @@
 what it guarantees (stages per rank, where losses come back, mirror copies, W ops), and `check_chunks`, the one
 check of those counts.
 
-They live below the schedules themselves (`dsv3_plugin.parallel.pipeline.schedule` builds the per-rank op lists
-from them, and every built `ScheduleSpec` carries its traits) so that the `"dsv3"` config validation, which sits
-at the bottom of the package, reads the same rules as the DeepSpeed adapter and the pipeline runtime:
-
   1F1B       one stage per rank (P stages), losses on the last rank, any micro-batch count >= 1
   ZB1P       1F1B with backwards split into I + W (Qi et al. 2023)
   DualPipe   ranks r and P-1-r hold the same two stages (mirror copies, gradients summed), P even, an even
              number of micro-batches >= 2P, losses gathered on rank 0 (DeepSeek-V3 report §3.2.1)
   DualPipeV  2P stages on P ranks (rank r: stages r and 2P-1-r), >= 2P micro-batches, losses on rank 0
+
+Design notes: docs/design_notes.md#schedule-traits
 """
 
 from __future__ import annotations

@@ -1,35 +1,11 @@
 """ZeRO-1's optimizer step without full-size temporaries (deepspeed 0.19.x, torch Adam / AdamW), the same values.
 
-Why: DeepSpeed's ZeRO-1 (`DeepSpeedZeroOptimizer`) hands the optimizer the rank's whole FP32 partition as one
-flat parameter, and takes the gradient norm by casting every parameter's gradient to a new FP64 tensor. Two kinds
-of fresh full-size temporaries follow each step: torch's single-tensor Adam makes two of the partition's size
-(`exp_avg_sq.sqrt()` and its division by the bias correction), and the norm one FP64 copy per gradient. Tensors
-that large are new memory mappings each time (glibc serves allocations above its mmap threshold, at most 32 MB,
-from fresh pages), so every element costs a page fault's share besides its arithmetic. A cProfile on one CPU rank
-of the 21 M-parameter bench model: DeepSpeed's `step()` 0.29 s, of which 0.17 s Adam and 0.09 s the norm; the bare
-model's AdamW over its per-parameter tensors (at most 8 MB each) 0.10 s (`dsv3 bench model --train
-[--no-chunked-step]` measures the tax with and without the patch).
-
-How (one optimizer instance):
-- Adam / AdamW: once a parameter has its state, `step` runs torch's own `step` over views of at most `CHUNK`
-  elements of each parameter, its gradient and its moments (one piece at a time as the only parameter of a copy
-  of its group, the step count cloned from before the step for every piece, then written back once). Adam is
-  element-wise: every element gets the same operations with the same scalars as in one call over the whole
-  tensor, so the same bits (tests/dist/test_zero1_chunked_step.py: `torch.equal` of losses, norms, parameters,
-  masters and moments, pieces of 3,000 elements that start off the SIMD width). Temporaries are then at most
-  `CHUNK` elements (4 MB in FP32), which the allocator reuses. The first step of a parameter (its state is
-  created there) runs whole, as do optimizers with step hooks (they would run once per piece).
-- gradient norm: DeepSpeed's `get_grad_norm_direct` (L2) with each gradient's FP64 cast written into one reused
-  FP64 buffer of `SCRATCH` elements instead of a new tensor: the same values (the cast is exact), then the same
-  `vector_norm` on a contiguous tensor of the same shape, so the same norm; larger gradients take DeepSpeed's own
-  cast. The rest (padding and pipeline-replicated parameters skipped, model-parallel rank, the sum, the
-  all-reduces, the square root, the inf/NaN -> -1 sentinel) is DeepSpeed 0.19's code, unchanged. Not applied when
-  the norm was already replaced (`memory.grad_norm: fp32`, `deepspeed_zero1_flat_grads`).
-
 Applies to DeepSpeed's ZeRO-1/2 optimizer (not its BF16_Optimizer, not CPU offload, whose Adam is DeepSpeed's C++
 one) whose optimizer is a torch `Adam` or `AdamW` without `fused`, `capturable` or `differentiable` (a fused Adam
 makes no temporaries); elsewhere `applies` returns the reason and DeepSpeed's own step runs. `revert(optimizer)`
 restores both methods.
+
+Design notes: docs/design_notes.md#patches-deepspeed-zero1-chunked-step
 """
 
 from __future__ import annotations

@@ -1,46 +1,15 @@
 """ZeRO-1 gradients kept in one flat buffer per parameter group (deepspeed 0.19.x, FP32 and BF16 models).
 
-Why: DeepSpeed's ZeRO-1 (`DeepSpeedZeroOptimizer`, `partition_gradients = False`) moves every gradient three
-times a step after autograd made it: into its reduction bucket, out of the bucket into the rank's gradient
-partition buffer, and at `step()` into a newly flattened partition for the optimizer. On one CPU rank with a
-21 M-parameter model that is ~100 ms a step of the ~400 ms the bare step takes (docs/results.md, "The
-training-loop tax"); on GPUs the same copies cost HBM bandwidth.
+Gradients accumulate in place in a buffer with the layout of DeepSpeed's flat parameter buffer, are reduced over
+the data-parallel group with DeepSpeed's arithmetic and handed to `step()` as its partition without a copy: the same
+values bit for bit. Applies only where that was checked (stage 1, FP32 or BF16 gradients in the parameters' dtype,
+no CPU offload, no `overlap_comm`, no expert groups, no pipeline engine); elsewhere `applies` returns the reason and
+DeepSpeed's own path runs. `revert(optimizer)` restores DeepSpeed's methods.
 
-How (one optimizer instance; what it changes is only where the gradients live):
-- a zeroed buffer per group, in the parameters' dtype (DeepSpeed's gradient dtype here), with the exact layout of
-  DeepSpeed's flat parameter buffer (`bit16_groups_flat[i]`, alignment padding included), so that the rank's
-  partition of it is the same slice DeepSpeed hands the optimizer (`partition_size[i]` elements at
-  `rank · partition_size[i]`);
-- `process_gradients` (DeepSpeed's per-parameter post-accumulate hook) copies the first gradient of an
-  accumulation window into the parameter's view of that buffer and makes the view the parameter's `.grad`, so
-  further micro-batches accumulate into it in place (autograd's `+=`, as into a stolen `.grad`; a `.grad` that is
-  not the view again is the whole gradient so far and is copied);
-- `reduce_gradients` (called by the engine at the accumulation boundary) zeroes the views of parameters that got
-  no gradient, reduces each group's whole buffer over its data-parallel group with DeepSpeed's arithmetic
-  (divide by the world size then sum, `reduce_scatter` on; otherwise DeepSpeed's own
-  `gradient_reduction_w_predivide`), and hands `step()` the partition as a pre-flattened gradient group
-  (DeepSpeed's `GradPartitionBufferGroup` protocol: per-parameter views for the norm, `flat_partition` for the
-  update), which `step()` uses without a copy (BF16: the one cast to the FP32 master's gradient DeepSpeed does
-  too).
-The gradient values are the ones DeepSpeed's path produces (same sums in the same order: on one rank no
-arithmetic at all, on two ranks a/2 + b/2 either way), so norms, clipping and updates are equal, bit for bit
-(tests/dist/test_zero1_flat_grads.py compares both paths with `torch.equal`).
+NOTE: `apply(..., norm="fp32")` (`memory.grad_norm: fp32`) also replaces DeepSpeed's FP64 gradient norm by FP32
+norms of 256-element pieces summed in FP64: the norm differs from DeepSpeed's in the last bits (a derived bound).
 
-Applies only where that equivalence was checked: deepspeed 0.19.x, `DeepSpeedZeroOptimizer` at stage 1 with FP32
-or BF16 parameters whose gradients are accumulated and communicated in that dtype (no `grad_accum_dtype` /
-`communication_data_type` of another, no autocast, no sequence parallelism), no CPU offload, no `overlap_comm`, no
-expert (MoE) parameter groups, no pipeline engine, every parameter a view of its group's flat buffer. Elsewhere
-`applies` returns the reason and DeepSpeed's own path runs. `revert(optimizer)` restores DeepSpeed's methods
-(gradients of a window in flight are lost).
-
-`apply(..., norm="fp32")` (`memory.grad_norm: fp32`) also replaces DeepSpeed's L2 gradient norm: instead of a norm
-per parameter in FP64 (`get_norm_dtype()`: each gradient cast to a new FP64 tensor, ~40 ms a step on one CPU rank
-of the 21 M-parameter bench model), FP32 norms of 256-element pieces of the rank's flat partition summed in FP64
-(`chunked_sq_norm`: one pass, ~7 ms there), then DeepSpeed's own all-reduce, square root and inf/NaN -> -1
-sentinel. NOTE: this changes DeepSpeed's arithmetic: the norm (hence the clip factor) differs in the last bits,
-within (min(n, 256) + 5)/2 + 2 FP32 units roundoff relative for n gradient elements
-(tests/dist/test_zero1_flat_grads.py); a norm above ~1.8e19 overflows FP32 and the step is skipped as an overflow,
-where FP64 would have clipped it.
+Design notes: docs/design_notes.md#patches-deepspeed-zero1-flat-grads
 """
 
 from __future__ import annotations
@@ -214,7 +183,7 @@ def chunked_sq_norm(flat: torch.Tensor, chunk: int = NORM_CHUNK) -> torch.Tensor
     their squares summed in FP64, rounded to FP32 once.
 
     Why chunks: one FP32 `vector_norm` over a whole partition accumulates in a few running sums, whose relative
-    error grows with the length (measured: 1.6e-4 at 4 M elements, 2.2e-3 at 21 M, against FP64). Here each
+    error grows with the length (to ~1e-3 relative at tens of millions of elements, against FP64). Here each
     piece's error is at most (chunk + 1)·u (u = 2^-24: chunk − 1 additions and the squares' roundings), its
     square root and re-squaring add 2u, the FP64 sum of the pieces adds nothing visible in FP32 and the final
     rounding u: at most (chunk + 4)·u relative for any length (tests/unit/test_chunked_grad_norm.py).

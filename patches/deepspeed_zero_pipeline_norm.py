@@ -1,15 +1,5 @@
 """One model-parallel all-reduce per gradient norm in DeepSpeed's ZeRO-1/2 optimizer (deepspeed 0.19.x).
 
-Why: `DeepSpeedZeroOptimizer.scaled_global_norm` takes one norm per parameter group and all-reduces each over the
-mpu's model-parallel group, which `dsv3 train` sets to the pipeline group (so the norm for clipping covers every
-stage). The ranks of one pipeline can hold different numbers of parameter groups:
-- a stage without MoE layers (e.g. only layers before `first_k_dense_replace`) has no expert group;
-- DeepSpeed splits a stage's expert parameters into groups of at most 178,956,971 elements
-  (`split_params_into_different_moe_groups_for_optimizer`), so a stage with more experts has more groups (v3-671b,
-  EP64: 4 experts x 44 M elements per MoE layer, so 1 group on a stage with one MoE layer, 4 on one with four).
-Different counts pair the per-group all-reduces wrongly across the pipeline; with gloo the surplus one silently
-pairs with the next collective on the pipeline group (the loss sum), and the run trains on garbage.
-
 How: on one optimizer instance, `scaled_global_norm` runs DeepSpeed's own code with the per-group
 model-parallel all-reduce skipped (each group's norm then covers this stage: summed over the data-parallel group,
 expert groups averaged over their expert-data-parallel group, as DeepSpeed does), combines the groups as DeepSpeed
@@ -17,6 +7,8 @@ does, and sums the squared stage norm over the model-parallel group once: sqrt(s
 of n^2), the same quantity as DeepSpeed's sqrt(sum over groups of sum over stages of n^2), added in another order
 (in float64, then rounded to float32 like DeepSpeed's result). An invalid group norm (inf / NaN) still makes the
 whole norm inf, on every rank. `revert(optimizer)` restores DeepSpeed's method.
+
+Design notes: docs/design_notes.md#patches-deepspeed-zero-pipeline-norm
 """
 
 from __future__ import annotations

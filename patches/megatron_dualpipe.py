@@ -1,15 +1,5 @@
 """Make Megatron-Core's `get_forward_backward_func` return our pipeline schedule (DualPipeV, DualPipe or our 1F1B).
 
-`apply(schedule)` replaces `get_forward_backward_func` in `megatron.core.pipeline_parallel.schedules`, in the
-package `megatron.core.pipeline_parallel` (which re-exports it) and in `megatron.training.training` if that
-module is already imported (it binds the name at import time). With a pipeline size > 1 the replacement returns
-`dsv3_plugin.megatron.schedules.forward_backward_dualpipev` for "dualpipev", `forward_backward_dualpipe` for
-"dualpipe" and `forward_backward_1f1b` for "1f1b"; with pipeline size 1, or for "megatron", it defers to
-Megatron's original (its no-pipelining / 1F1B / interleaved functions). `schedule` is that name, or a dsv3 config
-(DSv3Config, dict or path): its `parallel.schedule` "dualpipev" / "dualpipe" selects ours, "1f1b" leaves
-Megatron's own. `revert()` restores the exact
-original objects; `dualpipe_schedule(schedule)` is the context-manager form. Importing this module patches nothing.
-
 Only megatron-core versions in TESTED_VERSIONS are patched; others are refused with a message naming the
 version (pass force=True to try anyway). DualPipeV and DualPipe also need the model laid out as two chunks per
 rank (stages r and 2P-1-r of the V: `dsv3_plugin.megatron.dualpipev`; stage r of copy A and P-1-r of copy B:
@@ -18,6 +8,8 @@ built on virtual chunk 0: its constructor asserts the last virtual stage (`is_vp
 stage 2P-1), but copy A's last stage, where its MTP layers belong, is chunk 0 of rank P-1; the name
 `is_vp_last_stage` in `megatron.core.transformer.multi_token_prediction` (used there only by that assertion)
 answers True while patched.
+
+Design notes: docs/design_notes.md#patches-megatron-dualpipe
 """
 
 from __future__ import annotations

@@ -7,19 +7,7 @@ byte items of every `__<rank>_<k>.distcp`, Megatron's `common_state` among them)
 (`model_optim_rng.pt`, `distrib_optim.pt`) go through `torch.load` with torch's default, which an environment
 variable (`TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`) turns unsafe.
 
-How (`apply()` / `revert()`, for the length of a run of `dsv3_plugin.megatron.pretrain_gpt`):
-- `torch.load` loads with `weights_only=True` whatever the caller asks, under an explicit allow-list
-  (`safe_globals()`: the classes Megatron's checkpoints hold besides tensors and plain values: megatron-core's
-  own `SAFE_GLOBALS` list plus the byte-item wrapper `io.BytesIO`);
-- `FileSystemReader.read_metadata` reads `.metadata` with the checkpoint layer's allow-listed unpickler
-  (`dsv3_plugin.checkpoint.megatron_dist`, the one `dsv3 export` uses);
-- a file naming any other global is refused with `CheckpointError` naming the file (`FileSystemReader.read_data`
-  adds the checkpoint directory to a refusal of one of its byte items). Megatron catches some errors on its load
-  path (the legacy one prints and calls `sys.exit()`, status 0), so the refusal is also kept: `refusal()`
-  returns it, and the entry point raises it whatever Megatron made of it.
-
-Only the versions in TESTED_VERSIONS are patched; others are refused with a message naming the version
-(`force=True` tries anyway). Importing this module patches nothing.
+Design notes: docs/design_notes.md#patches-megatron-safe-load
 """
 
 from __future__ import annotations

@@ -1,24 +1,15 @@
 """Streaming checkpoint conversion: released FP8/BF16 format -> dequantized released format, -> Megatron
 per-(pp, ep)-rank layout, and back.
 
-- Streaming: every input tensor is read lazily and written straight into a safetensors file whose header
-  was computed up front (`StreamingSafetensorsWriter`), so peak memory is about one tensor (plus its fp32
-  dequantization block), whatever the model size: well inside "largest output shard + 1 GiB".
-- Atomic: output goes to a hidden sibling `.<DST>.partial-<pid>` that is renamed to DST at the end. Any
-  failure removes it; a run killed with -9 leaves only that hidden directory, which the next run removes
-  before starting, so DST either is complete or does not exist. A writer holds an exclusive `flock` on
-  `.<DST>.lock` (released by the kernel when it dies), so a second convert or export to the same DST refuses at
-  once naming the holder. Free space is checked against the expected output size before anything is written;
-  a full disk, a quota or a read-only file system midway removes the partial output and names DST, the bytes
-  needed and the bytes free (`atomic_output_dir`).
-- Untrusted input: every file read from SRC (config, index, shards, side files copied along) is a regular file
-  inside SRC (`dsv3_plugin.safe_files`: no link out of it, no FIFO that would hang the read).
-- Validation happens before anything is written: the reader checks every header, FP8 scale pairing and
-  grid, and the tensor set against the names the config implies (missing or unexpected tensors).
+Streaming (each tensor read lazily and written straight into a safetensors file whose header was computed up
+front: peak memory about one tensor), atomic (a hidden `.<DST>.partial-<pid>` renamed at the end, an exclusive
+lock on DST, free space checked first), untrusted input read as regular files inside SRC only, and every header,
+FP8 scale grid and tensor name validated before anything is written.
 
-dtype rule (`dtype`, default bf16): FP8 weights are dequantized to `dtype`; other floating tensors are
-upcast to `dtype` when narrower, and never downcast (the fp32 router bias stays fp32). So BF16 sources
-round-trip bit-exactly through the Megatron layout with the default.
+dtype rule (`dtype`, default bf16): FP8 weights are dequantized to `dtype`; other floating tensors are upcast to
+`dtype` when narrower, never downcast (the fp32 router bias stays fp32), so BF16 sources round-trip bit-exactly.
+
+Design notes: docs/design_notes.md#checkpoint-convert
 """
 
 from __future__ import annotations

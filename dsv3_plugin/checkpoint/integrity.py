@@ -2,22 +2,11 @@
 
 Everything a checkpoint directory holds is untrusted input. The reader (`checkpoint/reader.py`) uses the
 checks here so that a damaged or hostile directory fails with a `CheckpointError` that names the file and
-the tensor or key (CLI exit 2), never with a traceback, a hang, or silently wrong numbers:
+the tensor or key (CLI exit 2), never with a traceback, a hang, or silently wrong numbers: `load_json` (strict
+JSON of regular files inside the directory), `check_finite` (weights and scales; `allow_non_finite=True` skips
+it) and `check_released_config` (the shape keys are integers in a plausible range, bounded by the tensor count).
 
-- `load_json`: `config.json`, `model.safetensors.index.json`, `layout.json`. Refuses what Python's `json`
-  accepts or crashes on: a path that is not a regular file (a directory, a FIFO that would block `open`) or
-  a link out of the checkpoint directory (`safe_files`), bytes that are not UTF-8, duplicate keys (the last
-  would silently win), NaN/Infinity literals, nesting deep enough to exhaust the recursion limit.
-- `check_finite`: weights and scales must be finite. DeepSeek's dequantization (`fp8 -> float * scale`)
-  turns an E4M3 NaN code (0x7F/0xFF) or a non-finite scale into NaN, and a model loaded with one NaN weight
-  computes NaN everywhere downstream (`generate` then prints token 0 forever, training logs `loss nan`).
-  The check streams over the tensor once in 1 M-element chunks with `aminmax` (NaN propagates into it,
-  ±Inf shows as an extreme), ~10-20 G elements/s on one core, so it costs a few percent of a conversion.
-  `allow_non_finite=True` (CLI `--allow-non-finite`) skips it for people who want to inspect such a file.
-- `check_released_config`: the keys the reader and the converter derive tensor names and shapes from must
-  be integers in a plausible range (a `num_hidden_layers` of 10**30 would otherwise enumerate names
-  forever); layers, and MoE layers x routed experts, are bounded by the number of tensors the directory
-  actually holds (each owns at least one).
+Design notes: docs/design_notes.md#checkpoint-integrity
 """
 
 from __future__ import annotations

@@ -8,10 +8,7 @@ one global tensor per layer under our Megatron names (`names.Key.megatron()`: `d
 stacked `[E, …]`, the MTP block's `mtp.layers.{k}.transformer_layer.…`); with mixed precision the FP32 master weights
 are the optimizer's `optimizer.state.fp32_param.<name>`.
 
-Safety: torch's own reader unpickles `.metadata` with `pickle.load`; here it goes through an unpickler that resolves
-only the checkpoint-metadata dataclasses and enums, `torch.Size`, torch dtypes and layouts (anything else:
-CheckpointError naming the file). Tensor data is read by torch's reader with `torch.load(weights_only=True)`; byte
-items (optimizer bookkeeping, RNG, Transformer Engine extra state) are never read.
+Design notes: docs/design_notes.md#checkpoint-megatron-dist
 """
 
 from __future__ import annotations

@@ -1,23 +1,14 @@
 """Placement of released tensors in the Megatron-Core layout of `dsv3 convert --to megatron`: pipeline stage,
 expert rank and file name (the names themselves are the `file` scheme of the table in `names.py`).
 
-Placement (docs/checkpoints.md):
-- Decoder layers are split into `pp` contiguous stages as evenly as possible (the first `L % pp` stages get
-  one more); layer names are stage-local (`decoder.layers.{local}`), as Megatron-Core numbers them.
-- Stage 0 holds the embedding; the last stage holds `decoder.final_layernorm`, `output_layer` and the
-  MTP modules (MTP is placed with the output head, which it shares).
-- Routed experts are split over `ep` ranks in contiguous blocks (expert e -> rank e // (E/ep), local index
-  e % (E/ep)), as `mlp.experts.local_experts.{j}.*`. Every other tensor of a stage lives in that stage's
-  ep-rank-0 file only, so every tensor is stored exactly once; a rank loads its stage's ep-0 tensors
-  plus its own experts (`convert.load_megatron_rank`).
-- SwiGLU gate and up projections are one `linear_fc1` = cat([gate; up], dim 0), as Megatron-Core stores
-  them; the split is by rows, so the reverse is bit-exact.
+Decoder layers are split into `pp` contiguous stages (the first `L % pp` get one more), numbered stage-locally;
+stage 0 holds the embedding, the last stage the final norm, the output layer and the MTP modules. Routed experts
+are split over `ep` ranks in contiguous blocks (expert e -> rank e // (E/ep)); every other tensor of a stage lives
+in its ep-rank-0 file only. SwiGLU gate and up are one `linear_fc1` = cat([gate; up], dim 0), as Megatron stores it.
 
-NOTE: released files carry the MTP block's embedding and output head as separate tensors
-(`model.layers.{L+k}.embed_tokens`, `.shared_head.head`), normally copies of the main ones. Megatron-Core
-ties them to `embedding.word_embeddings` / `output_layer`; they are kept here as
-`mtp.layers.{k}.embed_tokens.weight` / `mtp.layers.{k}.output_layer.weight` so the round trip is exact even
-when the copies differ.
+NOTE: the MTP block's own embedding and output head (released as separate tensors, normally copies of the main
+ones) are kept as `mtp.layers.{k}.embed_tokens.weight` / `mtp.layers.{k}.output_layer.weight`, so the round trip
+is exact even when the copies differ. Design notes: docs/design_notes.md#checkpoint-megatron-layout
 """
 
 from __future__ import annotations

@@ -7,11 +7,9 @@ Decoding is `model.generate.generate`: greedy (optionally MTP-speculative) or sa
 Streaming decodes incrementally (`TextStream`), the windowed scheme detokenizers of serving engines use: only
 the new text is printed, and text ending in an incomplete UTF-8 character is held back until it completes.
 
-Memory is checked first (`check_load_memory`): from config.json alone, before the index, any shard or tensor is
-read, the bytes the model takes (`training.memory_estimate.load_bytes`) are compared with the memory available,
-so a checkpoint larger than the machine is one line and exit 2, not an allocator failure minutes later.
-
 Public API: `register`, `run`, `TextStream`.
+
+Design notes: docs/design_notes.md#cli-generate
 """
 
 from __future__ import annotations

@@ -1,16 +1,15 @@
 """Chat conversations -> token ids and a loss mask over the assistant's tokens, with the tokenizer's own template.
 
 Supervised fine-tuning (as Megatron-LM's SFT dataset and DeepSeek-V3's own SFT) trains only on what the assistant
-says: its content and the end-of-turn token the template closes its turn with. The conversation is rendered by
-the tokenizer's `chat_template` (`apply_chat_template`), never by a re-implementation of it, and the assistant
-spans are found without knowing the template: for assistant message i, the rendering of `messages[:i]` with the
-generation prompt is where the turn starts and the rendering of `messages[:i + 1]` is where it ends, provided
-each rendering is a token prefix of the next (checked; a template that is not prefix-stable is refused).
+says: its content and the end-of-turn token of its turn. The conversation is rendered by the tokenizer's
+`chat_template` (never a re-implementation); assistant message i spans from the rendering of `messages[:i]` with
+the generation prompt to the rendering of `messages[:i + 1]`, provided each rendering is a token prefix of the
+next (checked; a template that is not prefix-stable is refused).
 
-Mask convention (the training reader relies on it): `mask[t] == 1` means token t is a training TARGET, i.e. the
-loss of predicting token t from tokens < t counts.
+Mask convention: `mask[t] == 1` means token t is a training TARGET (the loss of predicting it from tokens < t counts).
 
 Public API: `ROLES`, `check_messages`, `encode_chat`.
+Design notes: docs/design_notes.md#data-chat
 """
 
 from __future__ import annotations

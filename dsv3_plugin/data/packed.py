@@ -1,21 +1,14 @@
 """What `dsv3 train` reads from prepared data: rows (packed or padded), blends, epochs, disjoint data-parallel
 shards and a fixed evaluation set, every micro-batch a pure function of (seed, epoch, step, micro-batch, rank).
 
-Rows of one source (`RowTable`):
-- packing on (Megatron-LM's `--reset-position-ids --reset-attention-mask --eod-mask-loss`): the documents, in a
-  seeded order, are concatenated into one stream; row r is stream[r*T : r*T + T + 1] (consecutive rows share one
-  token, as Megatron's GPTDataset samples do), inputs = row[:-1], labels = row[1:]. `position_ids` restart at 0
-  at column 0 and where a document starts; a label whose target token starts a document is -100, and so is one
-  whose target is not a training target (the chat loss mask).
-- packing off: row r is document r (seeded order), truncated to T + 1 tokens and right-padded with the
-  tokenizer's pad id; `token_mask` is False at padding and labels are -100 there.
-
 Epochs and shards (`PackedData`): an epoch is N entries (N = every source's rows; with weights, source i
 contributes round(N * w_i / sum w) of them, its rows taken in seeded cycles). Sample k of the run lives in epoch
 e = k // N at position perm_e[k % N], perm_e a permutation seeded by (seed + e); micro-batch `micro` of
 data-parallel rank `rank` at step `step` holds samples k = ((step * gas + micro) * dp + rank) * B + b, so the
 ranks of a step read disjoint rows, an epoch is covered before any row repeats, and a checkpoint's data position
 is its step (resume needs no iterator state). `fingerprint()` is what `--resume` compares.
+
+Design notes: docs/design_notes.md#data-packed
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
 """`dsv3 prepare-data`: a corpus -> Megatron's indexed dataset (`PREFIX.bin` / `PREFIX.idx`), streaming, in
 several processes, atomically.
 
-What Megatron-LM's `tools/preprocess_data.py` does, for fine-tuning data: every document is tokenized (plain text:
-BOS from the tokenizer's post-processor + text + EOS, as `--append-eod`; chat: the tokenizer's own chat template,
-`dsv3_plugin.data.chat`) and written with megatron-core's `IndexedDatasetBuilder` (one sequence per document,
-`add_item` + `end_document`; dtype `DType.optimal_dtype(len(tokenizer))`), so Megatron's `IndexedDataset` reads the
-files. Chat data also gets `PREFIX_mask.bin/.idx`: a uint8 indexed dataset with the same document lengths, where
-`mask[t] == 1` means token t is a training target (the loss of predicting it from tokens < t counts); plain text has
-no mask file (every token is a target). `PREFIX.json` holds the run's summary (counts, tokenizer, dtype).
-
 Streaming: the main process reads records in batches (`sources.iter_records`) and hands them to a pool of
 `workers` processes (forkserver; decode, parse, tokenize), at most `2 * workers` batches in flight, and writes the
 results in input order, so the files are byte-identical for any number of workers and memory stays bounded.
@@ -16,6 +8,8 @@ Atomic: everything is written to `<final name>.tmp<pid>` and renamed at the end,
 killed run leaves no `PREFIX.*` of its own.
 
 Public API: `mask_prefix`, `encode_records`, `tokenize_file`, `prepare`, `BATCH_RECORDS`, `BATCH_BYTES`.
+
+Design notes: docs/design_notes.md#data-prepare
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """Reading a fine-tuning corpus: the records of `.jsonl`, `.txt`, `.parquet`, `.json` and `.arrow` files, in file
 order, one at a time (the corpus is never held), each tagged with where it came from.
 
-- `.jsonl`: one JSON object per line with a text field (`text_key`) or, for chat data, `"messages"` (a list of
-  `{"role": system|user|assistant, "content": str}`, as Megatron-LM's SFT dataset reads). Lines are handed out
-  undecoded (`Record.raw`) so that UTF-8 decoding and JSON parsing happen in the tokenizing worker processes.
-- `.txt`: the whole file is one document.
-- `.parquet`, `.json`, `.arrow`: through the `datasets` library's local loaders
-  (`datasets.load_dataset(<builder>, data_files=..., streaming=True)`), row by row.
-
 `parse_record` turns a record into the text or the validated conversation, or a skip reason; every bad input is
 a `DataError` naming the file and line (or row).
 
 Public API: `SUFFIXES`, `Record`, `check_inputs`, `iter_records`, `parse_record`.
+
+Design notes: docs/design_notes.md#data-sources
 """
 
 from __future__ import annotations

@@ -5,17 +5,10 @@ real signal, (2) skews the router (a few tokens dominate, so some experts are ov
 aux-loss-free bias update has something to fix) and (3) makes the MTP objective learnable: the token two
 positions ahead depends on the current one through the chain's two-step transition.
 
-Construction (all from one seed):
-- token popularity p_v ∝ 1/(rank_v + 1)^a over a random permutation of the vocabulary (Zipf, exponent a);
-- every token v gets `branching` distinct successors, drawn without replacement ∝ p, so popular tokens are
-  also popular successors and the stationary distribution stays skewed;
-- the successor slot is picked with fixed Zipf-like probabilities q_j ∝ 1/(j + 1)^2 (j = 0..branching-1);
-- the first token of a sequence is drawn from p.
-The entropy rate is H(q) (≈ 0.9 nats for 4 branches) — the floor of the next-token loss — against
-ln(vocab) for an untrained model.
-
 Batches are a pure function of (seed, step, micro-batch, rank): no iterator state, so the data position of a
 checkpoint is just the next step index, and a resumed run sees exactly the batches an uninterrupted run sees.
+
+Design notes: docs/design_notes.md#data-synthetic
 """
 
 from __future__ import annotations

@@ -1,46 +1,14 @@
 """Megatron-Core's `GPTModel` as two model chunks per pipeline rank, for DualPipeV and DualPipe: the V (rank r holding
 model stages r and 2P-1-r of 2P stages: the "cut-in-half" layout of DualPipeV; DeepSeek-V3 tech. report §3.2.1) and
-DualPipe's two mirrored model copies (below).
+DualPipe's two mirrored model copies (rank r: stage r of copy A, stage P-1-r of copy B; §3.2.1, Fig. 5).
 
 Megatron's own virtual pipeline (VPP = 2) puts chunk v of rank r at stage v·P + r (interleaved), so both its layer
-offsets and its first/last-stage tests are wrong for the V. What this module changes, and how:
+offsets and its first/last-stage tests are wrong for the V. This module supplies the layer placement
+(`DualPipeVLayout`, a Megatron `PipelineParallelLayerLayout`), the stage ends (`stage_ends`), and the embedding
+copy on the last stage kept equal to the original (`embedding_ranks`, `tie_embedding_copy`,
+`sum_embedding_copy_grads`).
 
-- Layer placement: `DualPipeVLayout` is a Megatron `PipelineParallelLayerLayout` (the config field
-  `pipeline_model_parallel_layout` takes one; TransformerBlock, TransformerLayer and the MTP block read layer counts
-  and offsets from it) whose grid holds the V: `layout[r][0]` = stage r, `layout[r][1]` = stage 2P-1-r, and whose
-  offsets count layers in model order. So every decoder layer gets its global layer number (dense vs MoE, the
-  final norm on the stage with layer L, dist-checkpoint keys `decoder.layers.{global}`) from Megatron's own code.
-- Stage ends: the embedding lives on stage 0 (rank 0, chunk 0); final norm, output head, MTP and the loss on
-  stage 2P-1 (rank 0, chunk 1), as DualPipeV puts them (inputs, labels and losses all on rank 0).
-  `stage_ends(pp_rank, vp_stage, P)` gives the `pre_process` / `post_process` of a chunk.
-- The embedding copy: with MTP (or tied embeddings) the last stage holds a copy of the word embedding (Megatron
-  keeps the copies equal across ranks with its embedding group: zero + all-reduce at init, grad all-reduce in
-  `finalize_model_grads`). In the V both copies are on rank 0, so the embedding group is rank 0 alone
-  (`embedding_ranks`) and the copy is made equal at build time (`tie_embedding_copy`) and its gradient summed with
-  the original's after each step (`sum_embedding_copy_grads`, the local form of Megatron's all-reduce). Both
-  copies then get identical updates; Megatron's checkpoints already store the copy as a replica of the original.
-
-DualPipe, the bidirectional schedule (DeepSeek-V3 tech. report §3.2.1, Fig. 5; `stage_ends`, `tie_embedding_copy`
-and `DualPipeVLayout.for_schedule` take the schedule's name): two copies of the model, A and B, each cut into P
-stages; pipeline rank r holds stage r of copy A (model chunk 0) and stage P-1-r of copy B (model chunk 1).
-Micro-batches enter from both ends: the first half of a step's through copy A on rank 0, the second half through
-copy B on rank P-1. Megatron's two-virtual-chunk machinery builds, wraps, saves and feeds both chunks (as for the
-V); what this module adds for it, and how:
-
-- Layer placement: `DualPipeLayout` (a `DualPipeVLayout` whose chunk 1 of rank r is stage P-1-r of P stages) gives
-  each chunk its stage's global layer numbers, so both copies of a layer carry the same dist-checkpoint keys.
-- Identical copies: at build time (`init_mirror_copy`, when chunk 1 is built) rank r sends its chunk 0 (stage r of
-  A) to its mirror P-1-r, whose chunk 1 is stage r of B, and receives the mirror's chunk 0 into its own chunk 1;
-  on the end ranks the embedding copy kept for MTP / tied heads is then set to the embedding held on the same
-  rank. After each backward `sum_mirror_grads` adds each parameter's gradient to its mirror's (own + mirror's: the
-  same IEEE sum on both sides) and does the same for the routers' token counts (the expert-bias update), before
-  Megatron's `finalize_model_grads`; both copies then take identical optimizer steps.
-- Once per model: copy B's parameters are marked `shared` (Megatron's gradient-norm and zero counts skip them, as
-  they skip the embedding copy), and copy B's dist-checkpoint entries get replica ids that are not the main one
-  (`mark_mirror_copy`): a checkpoint stores each tensor once, and loading fills both copies.
-- Word embedding: on rank 0 the original (A, stage 0) and B's last-stage copy, on rank P-1 B's original and A's
-  copy; Megatron's embedding group is rank 0 alone (`embedding_ranks`), the two copies on one rank are
-  summed locally (`sum_embedding_copy_grads`) before the mirror exchange sums the two ranks' sums.
+Design notes: docs/design_notes.md#megatron-dualpipev
 """
 
 from __future__ import annotations

@@ -1,24 +1,10 @@
 """Fine-tuning in `python -m dsv3_plugin.megatron.pretrain_gpt`: where the first weights come from, the vocabulary
 rule of released checkpoints, and Megatron-LM settings whose absence would crash or silently start from random.
 
-- `--dsv3-init-from DIR`: the weights of a released-format checkpoint (`config.json` + safetensors, FP8 blocks
-  dequantized with their `weight_scale_inv` as they are read) or of `dsv3 convert --to megatron` output
-  (`layout.json`), loaded by each rank into its own part of the model (`megatron/weights.py`: its pipeline
-  stage's layers, its experts) right after Megatron builds it. The checkpoint's config.json must describe the
-  model the `--dsv3-config` block builds (one-line `ConfigError` naming both flags and the key).
-- `--load DIR` / `--pretrained-checkpoint DIR` must hold a Megatron training checkpoint
-  (`latest_checkpointed_iteration.txt`, or `iter_NNNNNNN` with `--ckpt-step N`): Megatron itself warns once and
-  trains from random weights (`--load`) or raises `FileNotFoundError` (`--pretrained-checkpoint`). A released or
-  converted directory there is refused with a message pointing at `--dsv3-init-from`. An empty `--load` is
-  accepted only as the restart-safe pattern (`--load` = `--save`, or with `--dsv3-init-from` as the first start).
-- Vocabulary (DeepSeek-V3's release: 129,280 embedding rows, ~128.8k tokenizer entries): a tokenizer smaller than
-  `dsv3.model.vocab_size` is normal (the model keeps its rows; from scratch, Megatron's padding when larger); a
-  larger one is an error (except Megatron's NullTokenizer from scratch).
-- `--eval-interval` absent: Megatron-core 0.19 defaults it to None and divides by it; we set Megatron-LM's
-  long-standing default, 1000, and say so.
-
 Public API: `add_finetune_args`, `check_weight_sources`, `init_source_kind`, `has_megatron_checkpoint`,
 `model_vocab_size`, `default_eval_interval`, `load_initial_weights`, `DEFAULT_EVAL_INTERVAL`.
+
+Design notes: docs/design_notes.md#megatron-finetune
 """
 
 from __future__ import annotations

@@ -1,26 +1,15 @@
 """The plugin's FP8 (DeepSeek-V3 report §3.3: E4M3, 1×128 activation tiles, 128×128 weight blocks, FP32 promotion
 every 128) in a `pretrain_gpt` run, experts included.
 
-Two steps, both called by `pretrain_gpt`:
+Two steps, both called by `pretrain_gpt`: `resolve_fp8_args(args, ...)` reconciles Megatron's `--fp8-format` /
+`--fp8-recipe` with the dsv3 block's `fp8` section into one `FP8Config` before any rank builds the model (recipes
+the plugin's layers cannot run are refused naming the flag); `install_fp8(chunk, args)` applies the one conversion
+of `dsv3 train` (`training.transforms.convert_to_fp8`) to every model chunk after its weights are built or loaded:
+MLA projections, dense and shared MLPs and routed experts go to FP8; embedding, head, MTP's `eh_proj`, routers and
+norms stay in high precision. Megatron's parallel linears get the kernel seam of `model.kernels` through their own
+`_forward_impl` hook, keeping their class's behaviour, parameters and `sharded_state_dict`.
 
-- `resolve_fp8_args(args, ...)`, before any rank builds the model: Megatron's `--fp8-format` / `--fp8-recipe` and the
-  dsv3 block's `fp8` section are reconciled into one `FP8Config` (`args.dsv3_fp8`, or None): either may turn FP8
-  on; where both speak they must agree (a `ConfigError` naming both); recipes the plugin's layers cannot run
-  (`hybrid`'s E5M2 gradients, delayed scaling, MXFP8, custom) are refused naming the flag; `tensorwise` maps to
-  the plugin's per-tensor recipe; TP > 1 is refused (the FP8 seam below runs the whole GEMM on one rank).
-- `install_fp8(chunk, args)`, on every model chunk right after its weights are built or loaded: the one conversion
-  of `dsv3 train` (`training.transforms.convert_to_fp8`) with Megatron's `TransformerLayer` as the decoder layer:
-  MLA projections (Megatron's `ColumnParallelLinear` / `RowParallelLinear` of the local spec), the dense and
-  shared-expert MLPs (`Fp8Linear`, SwiGLU inputs cached in FP8) and the routed experts (`Fp8ExpertKernel`, FP8
-  dispatch with `fp8.dispatch`) go to FP8; embedding, output head, MTP's `eh_proj`, routers and norms stay in
-  high precision. With `--transformer-impl transformer_engine` the MLA projections are TE modules: Megatron's own
-  fp8 context runs them with TE's recipe (`--fp8-format e4m3 --fp8-recipe blockwise` -> `Float8BlockScaling`)
-  and the plugin's layers use the block's backend (`auto` picks TE / cuBLAS blockwise on Hopper). One line says
-  what runs where.
-
-Megatron's parallel linears get the kernel seam of `model.kernels` through their own `_forward_impl` hook: the
-module keeps its class's behaviour, parameters, `sharded_state_dict` and identity (its class becomes a subclass
-that also is a `kernels.UsesKernel`), so checkpoints, DDP's gradient hooks and the W split treat it like any seam.
+Design notes: docs/design_notes.md#megatron-fp8
 """
 
 from __future__ import annotations

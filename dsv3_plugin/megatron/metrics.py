@@ -7,19 +7,7 @@ over stages, averaged over data parallel, per micro-batch, as its log line), `ro
 (all routers of all stages), `word_embedding_sums` (float64 sum of every copy of the word embedding: the
 original and the copies MTP / tied heads keep on the last stage, which must stay identical).
 
-When one of the plugin's pipeline schedules ran the iteration (`--dsv3-pipeline-schedule`, pipeline size > 1), the
-line also holds `pipeline_schedule` (its name) and `pipeline_ranks`: one record per pipeline rank of replica 0, in
-pipeline-rank order, measured by the pipeline runtime during that iteration's training step
-(`schedules.take_step_figures`): `pp`, `busy_s` (stage compute, its P2P waits excluded), `idle_s` (waiting on a
-peer during the schedule: the bubble), `idle_fraction` = idle / (busy + idle), `a2a_wait_s` (blocked in the
-plugin's EP all-to-all waits: the exposed all-to-all time, part of busy), `grad_sync_s` (DualPipe's mirror
-gradient exchange: apart from idle, inside wall_s), `wall_s` (the step), `w_closures` (deferred weight-gradient
-jobs run by W ops) and `fb_hook` (F&B pairs run overlapped). Megatron's own schedules report none of these (the
-keys are absent).
-
-With DualPipe (two model copies) the router figures count copy A's routers (as at PP = 1), and `copy_sums` =
-{"A": [...], "B": [...]}: per model stage, the float64 sum of the copy's parameters and floating buffers (router
-biases and counts included) after the step; the copies are identical (to that checksum) when A == B.
+Design notes: docs/design_notes.md#megatron-metrics
 """
 
 from __future__ import annotations

@@ -1,17 +1,5 @@
 """Our pipeline schedules (DualPipeV, DualPipe, 1F1B) as Megatron-Core forward-backward functions.
 
-`forward_backward_dualpipev`, `forward_backward_dualpipe` and `forward_backward_1f1b` have the keyword signature of
-the functions that `megatron.core.pipeline_parallel.get_forward_backward_func()` returns, so Megatron's `train_step`
-/ `evaluate` call them unchanged (`patches/megatron_dualpipe.py` makes `get_forward_backward_func` return them), with
-Megatron's conventions for `model`, `forward_step_func`, `data_iterator`, loss scaling and the returned loss dicts
-(on the last pipeline rank). DualPipeV: two chunks per rank, stages r and 2P-1-r of the V (`dualpipev.py`).
-DualPipe: two chunks per rank, stage r of copy A and stage P-1-r of copy B (`dualpipev.py`); each chunk that reads
-data gets its half of the step's micro-batches (the first half through A, the second through B), the loss dicts of
-both ends and the MTP losses (per micro-batch) reach the last rank in micro-batch order, and the two copies'
-gradients are summed (the mirror exchange) before `finalize_model_grads`.
-Not supported (refused by the entry point): `--overlap-grad-reduce` / `--overlap-param-gather` (their no_sync /
-param-sync hooks are not driven), `collect_non_loss_data`.
-
 Design notes (each convention in detail): docs/design_notes.md#megatron-schedules
 """
 

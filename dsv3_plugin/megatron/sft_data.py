@@ -1,24 +1,15 @@
 """`--sft` in the plugin's Megatron entry: Megatron's GPT dataset over chat data prepared by `dsv3 prepare-data
 --chat`, with the prepared loss mask as Megatron's `loss_mask`.
 
-The prepared data is two indexed datasets (megatron-core's `IndexedDataset`, what Megatron-LM's
-`tools/preprocess_data.py` writes): `PREFIX.bin/.idx` (the tokens) and `PREFIX_mask.bin/.idx` (uint8, one entry per
-token, 1 where that token is a training target: the assistant turns and their end-of-turn token). `MaskedGPTDataset`
-is megatron-core's `GPTDataset` (same document/sample/shuffle indices, same packing of documents into
-`--seq-length` windows, same flags) reading the mask over exactly the spans it reads tokens from: the label of
-position t is token t+1, so `loss_mask[t] *= mask[t+1]`.
-
 Megatron-LM's own `SFTDataset` (megatron-core >= 0.19, jsonl `{"messages": [...]}`) is not used: it needs Megatron's
 `SFTTokenizer` prompt formats rather than the checkpoint's chat template, and it packs conversations with
 `cu_seqlens` for THD attention, which the plugin's attention refuses (`megatron/attention.py`); `check_sft_paths`
 refuses a jsonl with the command that prepares it. The dataset needs megatron-core only (0.16 and 0.19).
 
-`check_split_documents` refuses a `--split` share that gets no document of a small corpus: megatron-core builds
-every split with a non-zero share and, for an empty one, loops forever counting epochs (`_get_num_epochs` adds 0
-tokens per epoch).
-
 Public API: `MaskedGPTDataset`, `check_sft_args`, `check_sft_paths`, `check_split_documents`; `mask_prefix`
 (prepare-data's naming).
+
+Design notes: docs/design_notes.md#megatron-sft-data
 """
 
 from __future__ import annotations

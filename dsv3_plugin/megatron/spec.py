@@ -1,19 +1,15 @@
 """Layer specs: Megatron-Core `TransformerLayer`s with MLA self-attention and our FFNs (dense / DeepSeekMoE).
 
-- `get_layer_spec(use_te=None)`: one `ModuleSpec` of a `TransformerLayer` for every decoder layer and the MTP
-  layers (the FFN picks dense or MoE from its layer number, see `moe.DSv3FFN`). Without Transformer Engine the
-  attention is Megatron's `MLASelfAttention` with local (torch) linears, torch RMSNorm for the q/kv latents and
-  our `SDPACoreAttention`; with TE it is Megatron's own TE MLA spec with our FFN swapped in.
-- `get_mtp_block_spec(config, use_te=None)`: Megatron's MTP block around the same layer spec (enorm, hnorm,
-  eh_proj, the layer, final_layernorm — the released `shared_head.norm`), with `mtp.DSv3MTPLayer` handing
-  depth k+1 the paper's h^k.
-- `layer_spec`: the spec object for Megatron-LM's `--spec dsv3_plugin.megatron layer_spec` (Megatron-LM
-  imports a module attribute, it does not call it); `dsv3_plugin.megatron` creates it on first access.
+`get_layer_spec(use_te=None)`: one `ModuleSpec` for every decoder and MTP layer (the FFN picks dense or MoE from
+its layer number, `moe.DSv3FFN`); without Transformer Engine Megatron's `MLASelfAttention` with local linears and
+our `SDPACoreAttention`, with TE Megatron's own TE MLA spec with our FFN swapped in. `get_mtp_block_spec(config)`:
+Megatron's MTP block around the same layer spec, `mtp.DSv3MTPLayer` handing depth k+1 the paper's h^k.
+`layer_spec`: the object for Megatron-LM's `--spec dsv3_plugin.megatron layer_spec`.
 
-The MLP is plugged in the way Megatron-Core 0.15–0.17 builds it (`build_module(spec, config=...)`); from
-0.18 on a layer's `mlp` is a builder callable `mlp(config=, pg_collection=, is_mtp_layer=, name=)` (the
-`MlpBuilder` protocol), which `_build_ffn` provides. Tested: 0.16.1 and 0.19.2. From 0.19 the MTP layer's inner
-layer is `mtp_model_layer` (was `transformer_layer`) and is numbered 1..D with `is_mtp_layer=True`.
+Megatron-Core 0.15–0.17 builds the MLP with `build_module(spec, config=...)`, 0.18+ through a builder callable
+(the `MlpBuilder` protocol, `_build_ffn`). Tested: 0.16.1 and 0.19.2.
+
+Design notes: docs/design_notes.md#megatron-spec
 """
 
 from __future__ import annotations

@@ -5,19 +5,11 @@ Names: the `megatron` and `file` schemes of the one name table, `checkpoint/name
 embedding, MLA, norms, output layer and MTP block; ours below `mlp.`: `mlp.dense.*`, `mlp.moe.gate.*`, stacked
 experts `mlp.moe.experts.{gate,up,down}_proj` [E_local, ...], `mlp.moe.shared_experts.*`).
 
-Data: a released directory goes through the one checkpoint reader, `checkpoint.reader.CheckpointReader` (lazy
-per-tensor reads; FP8 weights dequantized block-wise with their `weight_scale_inv` in fp32, exactly DeepSeek's
-formula, then cast to the parameter's dtype; header, index, scale-grid and NaN/Inf checks), so released FP8
-checkpoints load directly. A converted directory goes through `checkpoint.convert.load_megatron_rank`
-(`layout.json` and header checks, NaN/Inf checks).
-
 Every parameter and router bias is filled exactly once. The tensors are matched against the model from the
 headers first, before any data is read: a missing, duplicated, unexpected or mis-shaped tensor is a
 `CheckpointError` naming it (and its file).
 
-Pipeline stages load only their own layers (Megatron numbers layers per stage); with expert parallelism a rank
-loads its contiguous block of experts (expert e on EP rank e // (E/ep)). Tensor parallelism > 1 is not supported
-by these loaders.
+Design notes: docs/design_notes.md#megatron-weights
 """
 
 from __future__ import annotations

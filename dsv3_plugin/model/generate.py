@@ -1,23 +1,15 @@
 """Decoding: greedy, plain or with MTP self-speculative decoding (paper §5.4.3: the depth-1 MTP module drafts
-the token after next, the main model verifies it; V3 reports 85-90% acceptance, ~1.8x tokens per second), or
-sampled (temperature, top-p: `model.sampling`) one token per forward; optional stop ids (EOS) and streaming.
+the token after next, the main model verifies it), or sampled (temperature, top-p: `model.sampling`) one token per
+forward; optional stop ids (EOS) and streaming.
 
-One step of the speculative loop, for a sequence s whose next token n = argmax P(. | s) is already known
-from the previous main forward (with its final-normed hidden states h, the MTP input h^0, §6):
-
-1. draft d = argmax of the MTP head at the last position: h'_i = eh_proj([enorm(Emb(t_{i+1})); hnorm(h_i)])
-   over i = 0..|s|-1 with t_{|s|} = n, then the MTP block, `shared_head.norm` and the shared head
-   (eqs. 21-23). This runs the one MTP block, not the main model.
-2. one main forward over s + [n, d] gives v = argmax P(. | s, n) and, if v == d, also
-   argmax P(. | s, n, d) for free. Accept d iff v == d; on rejection v is the next token instead.
-
-Causality makes every emitted token the main model's greedy choice given its prefix, so the output equals
-plain greedy decoding; each main forward yields 1 + [accepted] tokens.
-
-NOTE: the model has no KV cache, so every forward recomputes the whole prefix (both modes alike);
-"tokens per forward" counts main-model forward passes, which is what speculation saves.
+Speculative step, for s whose next token n = argmax P(. | s) is known: draft d = argmax of the MTP head at the
+last position (eqs. 21-23, the one MTP block); one main forward over s + [n, d] gives v = argmax P(. | s, n) and,
+if v == d, also the token after d. Accept d iff v == d. The output equals plain greedy decoding.
+NOTE: no KV cache: every forward recomputes the whole prefix (both modes alike).
 
 Public API: `generate`, `greedy_generate`, `mtp_draft`, `GenerationResult`.
+
+Design notes: docs/design_notes.md#model-generate
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Multi-Token Prediction (paper §2.2, eqs. 21-25).
-
-Depth k (1..D) at position i combines the previous depth's representation h^{k-1}_i with the embedding of
-token t_{i+k} and predicts t_{i+k+1}:
+"""Multi-Token Prediction (paper §2.2, eqs. 21-25): depth k (1..D) at position i combines the previous depth's
+representation h^{k-1}_i with the embedding of token t_{i+k} and predicts t_{i+k+1}:
 
     h'^k_i = eh_proj([enorm(Emb(t_{i+k})) ; hnorm(h^{k-1}_i)])     (eq. 21)
     h^k    = TRM_k(h'^k_{1:T-k})                                   (eq. 22)
@@ -9,15 +7,9 @@ token t_{i+k} and predicts t_{i+k+1}:
     L^k    = CE(P^k, t_{k+2:T+1}) summed / T  (the *full* T)       (eq. 24)
     L_MTP  = λ/D Σ_k L^k                                           (eq. 25)
 
-NOTE: the embedding half comes *first* in eh_proj's input, as the released weights are laid out (vLLM,
-Megatron-Core); the paper's eq. 21 writes the other order. h^0 is the main model's hidden state *after* the
-final RMSNorm (the tensor that feeds lm_head), as vLLM, SGLang and Megatron-Core feed it. Emb and OutHead
-are the main model's modules (shared physically). Positions inside TRM_k run 0..T-k-1 (packed rows: the main
-model's per-document positions and mask, restricted to the S = T-k rows, `model.packing.mtp_rows`).
-
-NOTE: eq. 24's 1/T assumes every position has a target. With masked labels (prompt tokens, packed documents'
-ends, padding) L^k divides by the number of the main model's loss tokens (labels != -100) instead of B·T, the
-count the LM loss averages over; without masking that count is B·T and eq. 24 is unchanged.
+NOTE: the embedding half comes first in eh_proj's input, as the released weights are laid out (eq. 21 writes the
+other order); h^0 is the main model's hidden state after the final RMSNorm; with masked labels eq. 24's T is the
+number of the main model's loss tokens. Design notes: docs/design_notes.md#model-mtp
 """
 
 from __future__ import annotations

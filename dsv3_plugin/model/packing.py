@@ -9,12 +9,7 @@ share one row of T tokens; `position_ids` [B, T] restart at 0 where a document s
 - the MTP target at depth k of position i (token i+k+1, paper §2.2 eq. 24) is dropped when that token lies in
   another document than position i (the main target of a document's last token is already -100 in the labels).
 
-Padding (`token_mask` [B, T] False) flows through the network like any token (static shapes) but is left out
-of the experts' loads (`moe.router`, `moe.balancing`). It must come after the real tokens of its row (right
-padding) or form its own document: with plain causal attention, real tokens never see later positions.
-
-`document_ids` is the rule of `dsv3_plugin.data.batch.document_ids` (the data layer sits above the model and
-may not be imported here).
+Design notes: docs/design_notes.md#model-packing
 """
 
 from __future__ import annotations

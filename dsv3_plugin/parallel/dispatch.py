@@ -5,11 +5,6 @@ K selected experts, and combine brings the weighted outputs back:
 
     out_t = sum_k w_{t,k} * FFN_{e_{t,k}}(x_t)                      (paper eq. 12, routed part)
 
-`moe_dispatch_combine` (`dedup=False`: one copy per selected expert; `dedup=True`: one copy per selected node,
-relayed inside the node); `AllToAll` / `exchange_start`: the autograd all-to-alls (synchronous / started and
-waited for apart); `DispatchCodec`: the FP8 payload hook (`fp8.dispatch`; gradients and the combine travel in
-full precision).
-
 Design notes (the two modes, nodes, the FP8 payload): docs/design_notes.md#parallel-dispatch
 """
 

@@ -1,20 +1,15 @@
 """Expert-parallel DeepSeekMoE (paper §3.1-3.2: experts sharded over an EP group, all-to-all dispatch/combine).
 
-`ExpertParallelMoE` is a `DeepSeekMoE` whose `experts` hold only this rank's E/P routed experts; the router
-and the shared experts are replicated (shared experts run locally on the rank's own tokens, paper eq. 12).
-Routing is unchanged, so node-limited routing is the router's group limit: with `moe.n_group` a multiple
-of the EP nodes (contiguous blocks of `moe.ranks_per_node` ranks, expert e on EP rank e // (E/P)), every
-group lies inside one node and a token selected from at most `topk_group` = M groups touches at most M
-nodes. Routed outputs go through `dispatch.moe_dispatch_combine` (per-expert or node-deduplicated), whose
-all-to-alls are asynchronous: the shared experts run while the routed tokens travel (§3.2.1), and an
-overlapped pipeline pair (`parallel.overlap`) runs the other chunk's compute during them.
+`ExpertParallelMoE` is a `DeepSeekMoE` whose `experts` hold only this rank's E/P routed experts (expert e on EP
+rank e // (E/P)); the router and the shared experts are replicated (shared experts run on the rank's own tokens,
+paper eq. 12). Node-limited routing is the router's group limit: with `moe.n_group` a multiple of the EP nodes
+(blocks of `moe.ranks_per_node` ranks) a token selected from at most `topk_group` = M groups touches at most M
+nodes. Routed outputs go through `dispatch.moe_dispatch_combine`, whose asynchronous all-to-alls run while the
+shared experts compute (§3.2.1).
 
-NOTE: with `moe.n_group = 1` there is no node limit (a token may use every node); configure
-`n_group` = number of nodes (or a multiple) and `topk_group` = M to get the paper's node-limited routing.
-
-Telemetry: each layer sums, per optimizer step, the tokens it routed, the rows its local experts processed,
-and the cross-node copies and bytes its dispatch sent (`dispatch_counters`); `training/telemetry.py` reduces them
-over the EP group (routed − processed = dropped tokens, which must be 0) and resets them.
+NOTE: with `moe.n_group = 1` there is no node limit; configure `n_group` = number of nodes (or a multiple) and
+`topk_group` = M to get the paper's node-limited routing.
+Design notes: docs/design_notes.md#parallel-expert-parallel
 """
 
 from __future__ import annotations

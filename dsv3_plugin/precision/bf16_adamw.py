@@ -8,12 +8,7 @@ Per step, for each parameter (decoupled weight decay, Loshchilov & Hutter):
     m, v ← bf16(m32), bf16(v32)               (round-to-nearest-even storage)
     θ ← θ·(1 − lr·wd) − lr · (m32 / (1−β1^t)) / (sqrt(v32 / (1−β2^t)) + eps)
 
-The step itself uses the FP32 values (as a fused kernel that loads BF16 state, computes in FP32 and stores
-BF16 would); only what is carried to the next step is rounded. This halves optimizer-state memory
-(8 -> 4 bytes per parameter). `make_optimizer` picks it from `memory.bf16_moments`.
-
-With DeepSpeed, pass the instance as the client optimizer (`deepspeed.initialize(optimizer=...)`); ZeRO-1
-then partitions its state like any torch optimizer's.
+Design notes: docs/design_notes.md#precision-bf16-adamw
 """
 
 from __future__ import annotations

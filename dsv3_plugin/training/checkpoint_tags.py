@@ -9,12 +9,7 @@ marker is a save that did not finish: never resumed, deleted by the next save's 
 every file's checksum again before the run starts: a changed file is refused by name (never skipped for an older
 tag in silence).
 
-`ckpt/latest` names the newest complete tag: it is written (atomically) only after the marker, so it never names
-an incomplete tag the plugin wrote; when it is missing, empty, or names an incomplete tag anyway (another writer,
-a crash, a hand edit), `--resume` takes the newest complete tag and says so. A save (`save_tag`, every rank)
-checks the free space before anything is written, removes a partial tag when a write fails (ENOSPC, EDQUOT,
-EROFS, ...) so that `latest` keeps naming the previous checkpoint, and then applies `dsv3.train.keep_last` (the
-newest N complete tags stay; older ones and incomplete ones go).
+Design notes: docs/design_notes.md#training-checkpoint-tags
 """
 
 from __future__ import annotations

@@ -4,14 +4,10 @@ estimate the model's performance after learning-rate decay without extra GPU mem
 
     ema_t = decay · ema_{t-1} + (1 - decay) · θ_t          (ema_0 = θ_0, FP32)
 
-`EMA.update()` is called right after `optimizer.step()`. It snapshots the parameters into pinned CPU
-staging buffers (on GPU a non-blocking device-to-host copy, fenced with an event) and hands the FP32
-arithmetic to a background thread, so the next step's forward/backward overlaps it. Before the next
-snapshot overwrites the staging buffers it waits for the previous update. The arithmetic is the same
-element-wise FP32 ops in the same order as `async_=False`, hence bit-identical results.
-
 `state_dict()` / `load_state_dict()` (tensors + decay + update count) make it resumable; `copy_to(model)`
 loads the averaged weights into a model for evaluation.
+
+Design notes: docs/design_notes.md#training-ema
 """
 
 from __future__ import annotations

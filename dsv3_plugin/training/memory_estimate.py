@@ -1,26 +1,14 @@
 """A lower bound on the host memory `dsv3 train` needs for a config, so that an impossible size is refused with
 the estimate instead of a hang (`num_hidden_layers: 10**30` would loop building layers for ever) or an OOM kill.
 
-Per rank, for the fp32 training `dsv3 train` runs (parameter counts from `memory_plan.param_counts`):
-- build: with pp = ep = 1 every rank builds the whole model in fp32: 4 B x P; otherwise a rank builds only
-  what it owns (`training.rank_local`): 4 B x P_rank;
-- training: weights 4 B x P_rank + gradients 4 B x P_rank + ZeRO-1 optimizer state (fp32 master partition and
-  AdamW's two moments, 12 B) x P / (pp x dp) + the activations of one micro-batch (`memory_plan.
-  layer_activation_bytes` at 4 B per element, x tokens x layers on the rank) + its logits (4 B x tokens x
-  vocab x (1 + MTP depth));
-- under DeepSpeed bf16 (or fp16) weights, gradients and activations count 2 B instead of 4 (the FP32 master is
-  in the optimizer term; BF16_Optimizer's FP32 gradient buffers are left out, which only lowers the bound);
-- peak = max(build, training); the host needs `ranks_on_host` x peak.
-P_rank = (P minus the routed experts other EP ranks hold) / pp. Everything left out (in-flight
-pipeline micro-batches, attention scores, allocator slack, DeepSpeed's buffers) only adds, so a config is
-refused only when it certainly cannot fit.
-
 The message names the key that drives the estimate: the size key whose reduction to the `tiny` preset's value
 (1 for the micro-batch) would shrink the estimate the most.
 
 Loading a released checkpoint (`dsv3 generate`) has its own lower bound, `load_bytes`: the model is built in FP32
 before its weights are read, so the host needs 4 B x P, compared with the memory available now
 (`available_memory_bytes`: MemAvailable, or what the container's limit leaves, whichever is lower).
+
+Design notes: docs/design_notes.md#training-memory-estimate
 """
 
 from __future__ import annotations

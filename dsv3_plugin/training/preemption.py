@@ -1,28 +1,10 @@
 """Preemption: stop a run on request at a step boundary, every rank at the same step, after a complete save.
 
-What a cluster does to a long job: the scheduler sends SIGTERM (Slurm, Kubernetes, torchrun's and the deepspeed
-launcher's shutdown), a user presses Ctrl-C (SIGINT), or a job script asks for a checkpoint-and-exit (SIGUSR1,
-e.g. Slurm's `--signal=USR1@120`), and then kills the job a grace period later. Megatron-LM's answer is
-`--exit-signal-handler` / `--exit-duration-in-mins`; this module is the same for `dsv3 train`:
-
-- `StopRequests.install()` records the first SIGTERM / SIGINT / SIGUSR1 this rank receives (the handler only sets
-  a flag: no collective, no I/O inside a signal handler).
-- `StopRequests.agree(step_s)` at every step boundary: ONE all-reduce (MAX) of [signal number, budget flag] over
-  the world, so every rank takes the same decision at the same step even if only one rank was signalled, and a
-  rank never decides alone (a per-rank decision would leave its peers waiting in the next collective).
-- The wall-clock budget (`dsv3.train.exit_after_minutes`, CLI `--exit-after-minutes`): stop at the first boundary
-  where the next step plus a save might end past the budget (the longest step and the longest save so far are the
-  estimate), counted from this process's start, so that the checkpoint is written before the budget runs out.
-- A second signal — a different one, or the same one more than `REPEAT_WINDOW_S` after the first — aborts at
-  once (exit 128 + signal, no save): the checkpoint being written is never marked complete and `latest` still
-  names the previous one (`training.checkpoint_tags`), so nothing is corrupted. The same signal repeated within the
-  window is the same request delivered twice: a terminal's Ctrl-C or a scheduler reaches every process of the job
-  while the launcher forwards it to its ranks as well (`dsv3 train --nproc N` forwards all three, so that a
-  scheduler that signals only the job's main process — Kubernetes, Docker — stops the run the same way).
-
 Exit statuses: 128 + the signal number (SIGTERM 143, SIGINT 130, SIGUSR1 138), like a process killed by it, so
 job scripts can tell a preempted run from a finished one (0) and from bad input (2); the budget stop exits 0
 (Megatron-LM's `--exit-duration-in-mins` does the same) with a line saying how to continue.
+
+Design notes: docs/design_notes.md#training-preemption
 """
 
 from __future__ import annotations

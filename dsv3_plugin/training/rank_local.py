@@ -6,14 +6,7 @@ holds the embedding, the last the final norm, the output head and the MTP module
 §2.2), and under DualPipe both sit on one rank (ranks 0 and P-1 hold stages 0 and P-1, §3.2.1), so the
 embedding is one physical parameter there.
 
-`RankLayout` is that ownership as data (pure: no process group). `build_rank_local(cfg, layout)` builds
-`DSv3Model` on the `meta` device and materializes only the owned parameters, directly in the parameter dtype,
-with the values a full model built after the same `torch.manual_seed` holds (`model.init`: per-tensor keyed
-initialisation). Modules of other ranks stay on `meta` (no memory) and are dropped by the pipeline split
-(`parallel.pipeline.stages.build_stages` references only its stages' modules). Routed experts of an owned MoE
-layer are a `GroupedExperts` of the local experts only, tagged with `expert_range`; expert parallelism
-(`parallel.expert_parallel`) takes such a slab as it is, so the model is meant for the EP transform
-(`ep` > 1 models compute correctly only after it, as the full model's experts would be missing).
+Design notes: docs/design_notes.md#training-rank-local
 """
 
 from __future__ import annotations

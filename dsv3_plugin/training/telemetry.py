@@ -5,18 +5,11 @@ MaxVio = max_i load_i / mean load − 1 (Wang et al. 2024, "Auxiliary-loss-free 
 DeepSeek-V3 report §4.5.2). MaxVio_batch uses the loads of one step's global batch; MaxVio_global uses the
 loads summed over every step after `warmup_steps` (the whole-run balance a bias update aims at).
 
-Use: after each optimizer step, with what `balancing.update_expert_bias` returned (loads already all-reduced
-over DP×EP)::
-
-    tel = RoutingTelemetry(model)
-    ...
-    stats = update_expert_bias(model, gamma)
-    record = tel.record(stats)          # collective when torch.distributed is initialised
-    json_line.update(record)
-
 Cross-node copies and dropped tokens come from expert-parallel layers (`moe_parallel.ExpertParallelMoE`,
 also at EP = 1); they are all-reduced over `group` here and reset. Layers without dispatch counters report
 them as null.
+
+Design notes: docs/design_notes.md#training-telemetry
 """
 
 from __future__ import annotations

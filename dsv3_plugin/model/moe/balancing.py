@@ -1,26 +1,14 @@
 """Load balancing for DeepSeekMoE: the auxiliary-loss-free bias update and the sequence-wise balance loss.
 
-Aux-loss-free (paper §2.1.2, Algorithm in §4.2): at the end of each step, for every expert i,
+Aux-loss-free (paper §2.1.2, Algorithm in §4.2), once per optimizer step, with load_i the tokens routed to expert i
+over the whole global batch of the step (counts all-reduced over data and expert parallel ranks):
     b_i <- b_i + γ · sign(mean_load - load_i)
-where load_i counts the tokens routed to expert i over the *whole global batch* of the step.
-
-NOTE on when and over what the counts are taken:
-- Routers count in forward, in training mode only (`Router.tokens_per_expert`), and the counts accumulate
-  over all micro-batches of a gradient-accumulation window; `update_expert_bias` runs once per optimizer
-  step (not per micro-batch), so with accumulation 4 the bias moves once, from the 4 micro-batches' sum.
-- The counts are all-reduced (sum) over the data-parallel group (and EP ranks, which see different
-  tokens) before the sign step, so every rank applies the same update and holds the same bias.
-- Activation recompute re-runs the forward in backward: recompute code wraps it in
-  `router.skip_counting()` so loads are not counted twice (torchtitan halves the counts instead).
-- Unlike torchtitan we do not subtract the mean of the update (paper's rule as written; torchtitan#1506).
-
-Sequence-wise balance loss (eqs. 17-20): per sequence of T tokens,
+Sequence-wise balance loss (eqs. 17-20), per sequence of T real tokens:
     f_i = N_r/(K_r·T) · Σ_t 1[s_{i,t} ∈ TopK(s_t, K_r)]   (plain top-k: no bias, no groups)
-    P_i = 1/T · Σ_t s_{i,t} / Σ_j s_{j,t}                 (normalized over all N_r experts)
+    P_i = 1/T · Σ_t s_{i,t} / Σ_j s_{j,t}
     L_Bal = α Σ_i f_i P_i,  averaged over the sequences of the batch.
-With padding (`token_mask` False) T is each sequence's count of real tokens, the sums run over those, and
-sequences without any are left out of the average; the padded tokens are not counted in the loads either
-(`Router.forward`). A packed row of several documents is one sequence here (as in Megatron's seq_aux_loss).
+
+Design notes (when and over what the counts are taken, padding, packing): docs/design_notes.md#model-moe-balancing
 """
 
 from __future__ import annotations

@@ -4,16 +4,7 @@ projection for all experts instead of one `torch.mm` per expert (DeepSeekMoE, re
     g = grouped_mm(x, W1ᵀ), u = grouped_mm(x, W3ᵀ)        x [Np, H] rows grouped by expert, W [E, I, H]
     y = grouped_mm(silu(g) ⊙ u, W2ᵀ)                       W2 [E, H, I]
 
-`grouped_mm(mat_a [rows, K], mat_b [E, K, N], offs=int32 [E])` multiplies the rows offs[e-1]:offs[e] of mat_a by
-mat_b[e]; its autograd gives dX (2-D × 3-D again) and the weight gradients (2-D × 2-D, the token dimension
-contracted per group). torch 2.13 documents it for BF16 on CUDA SM ≥ 80, with every operand's leading stride a
-multiple of 16 bytes. Hence:
-  * H and I must be multiples of 8 (BF16: 16 bytes) — checked, otherwise the loop kernel runs;
-  * each expert's group of rows is zero-padded to a multiple of 16 rows (`ALIGN_ROWS`), so that the group
-    boundaries of the Wgrad's contracted token dimension are 16-byte aligned for BF16 and FP8 alike. Padding rows
-    are zeros: they add nothing to any weight gradient and their outputs are dropped.
-Selection (`expert_kernel`): this path on a CUDA device when all of the above hold; everywhere else (CPU, FP32
-models, odd widths) the existing loop kernel of `layer.grouped_swiglu`.
+Design notes: docs/design_notes.md#model-moe-grouped-mm
 """
 
 from __future__ import annotations

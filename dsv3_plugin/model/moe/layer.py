@@ -33,9 +33,8 @@ from dsv3_plugin.model.moe.router import Router
 # NOTE: torch's CPU BF16 GEMMs run on oneDNN, which JIT-compiles and caches one kernel per GEMM shape (1024 by default,
 # least recently used out first). The per-expert GEMMs have one shape per (rows of the expert, GEMM of the SwiGLU and
 # its backward), so a few MoE layers of 64 experts need more than 1024; an LRU cache over a cyclic sequence longer
-# than itself misses on every call, and every expert GEMM then compiles its kernel anew: measured on the bench's
-# model (dim 256, 3 MoE layers, B = 4, T = 256, BF16, 1 thread) 0.73 s a step vs 0.43 s with room for all of them,
-# the token ids deciding on which side of the cliff a batch falls. A user's own setting is kept; the variable is read
+# than itself misses on every call, and every expert GEMM then compiles its kernel anew (a much slower step, the
+# token ids deciding on which side of the cliff a batch falls). A user's own setting is kept; the variable is read
 # when oneDNN first runs a primitive, so this takes effect where the plugin is imported before the first BF16 GEMM.
 ONEDNN_CACHE_CAPACITY = 16384
 os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE_CAPACITY))
@@ -98,7 +97,7 @@ def combine_rows(y_NH: torch.Tensor, token_of_N: torch.Tensor, T: int) -> torch.
 
 class _GatherRows(torch.autograd.Function):
     """x[token_of]: `index_select` whose backward is `index_add_` (autograd's backward of advanced indexing is an
-    accumulating `index_put_`, which sorts the indices first: ~3x slower on CPU for the k·T rows of the experts)."""
+    accumulating `index_put_`, which sorts the indices first: slower on CPU for the k·T rows of the experts)."""
 
     @staticmethod
     def forward(ctx, x_TH, token_of_N):
@@ -121,12 +120,9 @@ def fuse_gate_up(dtype: torch.dtype) -> bool:
     """Whether `GroupedSwiGLUKernel` runs an expert's gate and up projections as one GEMM against [W1; W3]
     (BF16/FP16) or as two (FP32).
 
-    NOTE: a CPU BF16 GEMM (oneDNN) costs ~22 µs a call before any arithmetic (1 thread, AMX: [8, 256]·[256, 128]
-    takes 23 µs, [128, 256]·[256, 128] 29 µs), so the per-expert GEMMs of a small expert are mostly that cost and
-    halving their number pays for copying [W1; W3] next to each other. Measured on the bench's experts (8,192 rows,
-    64 experts, H = 256, I = 128, forward + backward, 1 thread): BF16 40.9 -> 38.5 ms fused; FP32 56.5 -> 63.1 ms
-    (MKL's FP32 GEMMs cost ~7 µs a call: the copies outweigh the saving), so FP32 keeps two GEMMs (and its sums
-    in the order of two)."""
+    NOTE: a CPU BF16 GEMM (oneDNN) has a per-call cost comparable to a small expert's arithmetic, so halving the
+    number of calls pays for copying [W1; W3] next to each other; MKL's FP32 GEMMs cost far less a call, the copies
+    outweigh the saving there, so FP32 keeps two GEMMs (and its sums in the order of two)."""
     return dtype in (torch.bfloat16, torch.float16)
 
 

@@ -5,17 +5,7 @@ experts plus one small GEMM per overflowing expert, instead of E small GEMMs. `G
 (`moe/layer.py`) runs its math this way where `plan` returns a plan; the kernel's interface (expert-sorted rows in
 and out) is unchanged.
 
-Why: on CPU, torch's BF16 GEMMs run on oneDNN, whose per-call cost dominates an expert's small GEMM, while one
-batched call over all experts runs near the machine's BF16 rate. Measured (1 thread, AMX Xeon, 64 experts,
-H = 256, N = 256 per GEMM): `bmm` over [64, 160, 256] 1.7 ms against 4.6 ms for the 64 exact-size GEMMs of 128
-rows each (2.7x faster despite 25 % padding; 2.2x with 2x padding). In FP32 (MKL: small per-call cost) `bmm` was
-no faster, so FP32 keeps the per-expert GEMMs (`plan` returns None).
-
-The padding rows are zeros in every GEMM operand placed there (x, s·a, dy, dL/dg, dL/du): they add exact zeros to
-the weight gradients' sums and are never read back (outputs are gathered from the real rows only). The GEMM
-buffers hold P = E·C + R rows (R overflow rows); what is saved for backward and the element-wise work stay in the
-N expert-sorted rows (the activation memory of the per-expert GEMMs, which `dsv3 memory-plan` models), at the
-price of a gather or scatter of each [N, ·] operand on the way in and out of the batched GEMMs.
+Design notes: docs/design_notes.md#model-moe-padded-experts
 """
 
 from __future__ import annotations
@@ -27,16 +17,14 @@ import torch
 
 __all__ = ["Plan", "plan", "forward", "input_grad", "weight_grads", "OVERFLOW_CALL_ROWS", "OVERFLOW_ROW_COST"]
 
-# The cost model that picks C, in units of one padded row of a batched GEMM (~0.17 µs for H = 256, I = 128 BF16,
-# measured as above): an extra per-expert GEMM call costs ~25 µs before its rows (~150 padded rows' worth) and
-# ~0.35 µs a row (~2 padded rows). NOTE: constants of the machine measured; elsewhere they pick a C that is not
-# the fastest, never a wrong result.
+# The cost model that picks C, in units of one padded row of a batched GEMM: an extra per-expert GEMM call costs
+# about 150 padded rows' worth before its rows and about 2 padded rows a row (ratios of a CPU's BF16 GEMM costs at
+# H = 256, I = 128). NOTE: machine constants; elsewhere they pick a C that is not the fastest, never a wrong result.
 OVERFLOW_CALL_ROWS = 150
 OVERFLOW_ROW_COST = 2
 # C is a multiple of this: oneDNN compiles (and caches) a kernel per GEMM shape, and a block height that followed the
 # routing row by row would be a new shape in nearly every step and layer (a compile each); 32 rows bound the extra
-# padding to < 32 per expert. (Measured on the bench model with its batch repeated, where shapes recur anyway: 1, 16,
-# 32 and 64 within noise of each other.)
+# padding to < 32 per expert (where shapes recur anyway, granules of 1 to 64 run alike).
 BLOCK_GRANULE = 32
 
 

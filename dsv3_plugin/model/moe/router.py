@@ -1,19 +1,15 @@
 """DeepSeekMoE router: sigmoid affinities, selection-only bias, group (node)-limited top-k.
 
 Paper eqs. 13-16 and §2.1.2 ("the bias term is only used for routing"), DeepSeek-V3 `inference/model.py`
-`Gate.forward`. Step by step, for tokens T and routed experts E:
+`Gate.forward`. For tokens T and routed experts E:
 
-1. s = sigmoid(u·e_i) in fp32                                   (eq. 15)
-2. biased = s + b (b = `e_score_correction_bias`, fp32, never trained by gradient)
-3. groups (= nodes): group score = sum of the top-(K_r/M) biased scores per group (top-2 for V3,
-   the paper's node score for node-limited routing); keep the best `topk_group` (M) groups and mask the
-   others with **-inf** (NOTE: transformers 4.x masked with 0.0, which can pick a masked expert when kept
-   competitors' biased scores are negative; -inf is DeepSeek's and Megatron's behaviour)
-4. top-K_r of the masked biased scores -> indices
-5. gates = the *unbiased* s at those indices, normalized over the selected K_r, × route_scale (eq. 16)
-
-The sequence-wise balance loss (eqs. 17-20) is in `balancing.py`; it uses the plain top-k of s.
-No capacity, no token dropping.
+1. s = sigmoid(u·e_i) in fp32 (eq. 15); biased = s + b (`e_score_correction_bias`, fp32, not trained by gradient)
+2. group score = sum of the top-(K_r/M) biased scores per group; keep the best `topk_group` (M) groups and mask
+   the others with **-inf** (NOTE: transformers 4.x masked with 0.0, which can pick a masked expert)
+3. top-K_r of the masked biased scores -> indices
+4. gates = the *unbiased* s at those indices, normalized over the selected K_r, × route_scale (eq. 16)
+No capacity, no token dropping; the sequence-wise balance loss (eqs. 17-20) is in `balancing.py`.
+Design notes: docs/design_notes.md#model-moe-router
 """
 
 from __future__ import annotations

@@ -1,12 +1,5 @@
 """Two-lane model of one overlapped forward & backward pair (DeepSeek-V3 §3.2.1, Fig. 4).
 
-The report divides each chunk into attention, all-to-all dispatch, MLP and all-to-all combine; a backward
-chunk runs them in reverse (combine, MLP, dispatch, attention), with attention and MLP split into "backward
-for input" and "backward for weights" (ZeroBubble), plus a PP communication component. In a pair, one
-micro-batch's communication runs while the other micro-batch computes. This module lays the components of a
-pair on two serial lanes, computation and communication, in Fig. 4's order, one transformer layer after
-another (forward layer i beside backward layer L-1-i):
-
     computation:   ATTN(F)   MLP(B) MLP(W)    MLP(F)      ATTN(B) ATTN(W)
     communication: COMBINE(B) DISPATCH(F)     DISPATCH(B) COMBINE(F)           [+ PP(F), PP(B) at the end]
 
@@ -15,6 +8,8 @@ micro-batch); the pair's duration F&B is when both lanes are done. Communication
 waits for is *exposed*: the computation lane's idle time, F&B - (computation time). A lone F or B chunk has
 nobody to overlap with: its components run back to back (NOTE: real kernels could still overlap e.g. the
 shared expert with the dispatch; the model does not).
+
+Design notes: docs/design_notes.md#parallel-pipeline-fb-overlap
 """
 
 from __future__ import annotations

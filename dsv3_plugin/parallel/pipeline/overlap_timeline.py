@@ -7,12 +7,7 @@ so that one micro-batch's communication runs while the other computes. Fig. 4's 
 forward, green denotes 'backward for input', blue denotes 'backward for weights', purple denotes PP
 communication"; this module uses those colours.
 
-An event is one bar:
-    {"lane": "compute" | "comm", "chunk": "F" | "B" | "W", "label": str, "start": float, "end": float,
-     "mb": int | None}
-Labels are free text; the components are named "attention", "dispatch", "mlp", "combine" (forward and
-backward), "weights" (W) and "pp" (PP send/receive on the comm lane). The same function draws a simulated
-pair and a measured one (timestamps from the runtime).
+Design notes: docs/design_notes.md#parallel-pipeline-overlap-timeline
 """
 
 from __future__ import annotations

@@ -5,17 +5,7 @@ lm_head + the MTP modules (which reuse embed_tokens and lm_head, paper §2.2 / �
 one model instance (no copies): with DualPipe(V) rank 0 holds both the first and the last stage, so the
 embedding that MTP reuses is one physical parameter there.
 
-Messages between stages: (hidden_BTH, aux_M, produced_M, input_ids_BT) where aux_M [M] holds the
-sequence-wise balance loss α·L_Bal of each of the model's M MoE layers (main layers then MTP layers) as
-soon as its stage has run (zeros before) and produced_M marks which ones exist; input_ids ride along for
-MTP. Packed / padded micro-batches add their `position_ids` [B, T] (int64) and / or `token_mask` [B, T] (bool)
-after input_ids, to the first stage's inputs and to every message (each is told apart by its dtype; absent ones
-are not sent, and without both the messages are the plain ones): every stage needs the positions for RoPE and the
-document mask, and the padding mask for its MoE layers' loads (`model.packing`). The last stage returns
-(logits, *mtp_logits, aux_M, produced_M) and `DSv3PipelineLoss` combines them with the labels (and, for packed
-rows, the positions: MTP targets stay inside a document) exactly as `DSv3Model._losses` does (same ops, same
-order: bit-identical losses). `PipelineCESum` is the forward-only criterion of an evaluation: the LM
-cross-entropy summed over the loss tokens.
+Design notes: docs/design_notes.md#parallel-pipeline-stages
 """
 
 from __future__ import annotations

@@ -6,16 +6,7 @@ the SwiGLU output is recomputed from them in backward. Per expert e, on its rows
     h = silu(g) ⊙ u                (high precision, from the exact g and u)
     Y = h W2ᵀ                      (FP8 Fprop)
 
-Saved for backward (per token): Xᵀ in FP8 once for both Wgrads (1×128 along tokens), g and u in FP8
-(1×128 along I) — instead of X twice, g, u, silu(g) and h in high precision. The weights are kept by
-reference and re-quantized in backward (parameters; stacked copies keep their FP8 blocks instead).
-Backward dequantizes g and u, recomputes silu(g) and h, and runs the five remaining GEMMs in FP8:
-Dgrad of W2 and of W1, W3 (summed into dX) in I; Wgrad of W1, W3, W2 in W (`kernels.SplitKernel`).
-
-`Fp8ExpertKernel` is the `kernels.ExpertKernel` that `convert_to_fp8` gives `GroupedExperts`; it wraps and is
-wrapped like any kernel (W deferral for the pipeline's B/W split). The forward is bit-identical to three
-separate `fp8_linear` calls with the SwiGLU in between; gradients differ from that by the FP8 rounding of
-the cached g and u.
+Design notes: docs/design_notes.md#precision-fp8-experts
 """
 
 from __future__ import annotations

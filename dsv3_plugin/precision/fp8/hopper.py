@@ -7,10 +7,6 @@ Precision"; DeepGEMM's 1×128 × 128×128 kernel), for every window w of N_C ele
 `hopper_gemm`, `HopperEmulatedBackend` (`fp8.backend = "hopper-emulated"`) and error bounds (`hopper_error_bound`,
 ...). The chain is `mmaemu`'s (pinned 0.1.0), imported only when a GEMM runs: the package works without it.
 
-NOTE: mmaemu's evidence is an H100 PCIe with cuBLASLt 12.8; DeepSeek trained on H800s (same SM90 tensor cores).
-The model is of the tensor core's arithmetic inside one chain, which both share; the split-K and epilogue
-behaviour of cuBLAS that mmaemu also models is not used here (splitk=1, our own promotion and scaling).
-
 Design notes (the report's numbers, promote_every, mmaemu's model): docs/design_notes.md#precision-fp8-hopper
 """
 

@@ -1,22 +1,9 @@
 """Fine-grained FP8 quantization (DeepSeek-V3 report §3.3, App. B; reference kernels `act_quant`,
 `weight_quant`/`weight_dequant`, `fp8_gemm` of the released inference code).
 
-Semantics implemented here, element for element:
-
-* E4M3 (`torch.float8_e4m3fn`, max 448) for every operand, forward and backward (no E5M2).
-* A group (1×128 tile or 128×128 block) is scaled online by its own max-abs:
-  ``amax = max(max|x|, 1e-4)``, ``s = amax / 448``, optionally rounded up to a power of two
-  (``s = 2^ceil(log2 s)``, "ue8m0", computed exactly from the float's bits), and stored as
-  ``q = fp8(x / s)``; dequantization is ``q · s``. A group holding Inf/NaN gets a NaN scale.
-  ``s`` is the *decode* scale ("scale_inv" in released checkpoints).
-* Activations and activation gradients: 1×128 tiles along the contraction dim; weights: 128×128 blocks.
-  Ragged edges (K or N not a multiple of 128) form smaller groups, exactly as zero padding would.
-* GEMM: per 128-chunk of K the partial product of the FP8 operands is promoted to FP32 and scaled by
-  ``a_s[row, chunk] · b_s[col, chunk]`` before it is added to the FP32 accumulator (the paper's N_C = 128
-  promotion, `fp8_gemm`'s BLOCK_K = 128). The emulation does that chunk by chunk; with
-  ``acc_mantissa_bits`` it also models the tensor cores' limited-precision accumulation inside a chunk.
-
 `dsv3_plugin.precision.fp8.linear` builds the FP8 Linear (Fprop/Dgrad/Wgrad) and the model conversion on top of this.
+
+Design notes: docs/design_notes.md#precision-fp8-quant
 """
 
 from __future__ import annotations
