@@ -3,7 +3,7 @@ run's saved "dsv3" config, and every trained tensor under its released name, one
 
 Parameters come from the module state, or, when the module holds BF16 copies (`"bf16"` mixed precision), from the
 FP32 masters in ZeRO-1's flat partitions (`zero_pp_rank_*_optim_states.pt`), stitched back together per parameter
-(`zero_masters`). Files are loaded memory-mapped with `torch.load(weights_only=True)` as regular files inside
+(`_zero_masters`). Files are loaded memory-mapped with `torch.load(weights_only=True)` as regular files inside
 their tag directory (`dsv3_plugin.safe_files`). Details: docs/design_notes.md#checkpoint-export.
 """
 
