@@ -174,7 +174,6 @@ def test_failure_mid_export_leaves_no_dst(run, tmp_path, monkeypatch):
     assert len(calls) == 2 and os.listdir(tmp_path) == []  # no DST, no hidden partial directory
 
 
-
 def test_export_of_an_opened_source(run, tmp_path):
     """`open_source` gives the run as a `RunSource` (its config, tag, default tokenizer); `export` of that source
     writes what `export` of the path writes; `tag` / `config` belong to `open_source` and are refused with a source."""
@@ -196,6 +195,7 @@ def test_export_of_an_opened_source(run, tmp_path):
     with pytest.raises(ConfigError, match="choose hf-bf16 or hf"):
         ex.export(src, tmp_path / "c", "bf16", progress=False)
     assert not os.path.exists(tmp_path / "c")
+
 
 def _cli(capsys, *args) -> tuple[int, str]:
     rc = cli_main([*args])
