@@ -80,7 +80,7 @@ class Source(ABC):
         `on_read(n)` after each n bytes of the source read (progress)."""
 
 
-@dataclass
+@dataclass(eq=False)  # a source is an open checkpoint: compared by identity
 class RunSource(Source):
     """A `dsv3 train` run's checkpoint (`run_checkpoint.find_run_checkpoint`), its saved "dsv3" config."""
 
@@ -122,7 +122,7 @@ class RunSource(Source):
         return run_tensors(self.run, self.cfg, self.sd0, on_read)
 
 
-@dataclass
+@dataclass(eq=False)  # a source is an open checkpoint: compared by identity
 class LayoutSource(Source):
     """A Megatron-layout directory: `layout.json`, its files (checked by `convert`'s rules) and config.json."""
 
@@ -174,7 +174,7 @@ class LayoutSource(Source):
             on_read(sum(i.nbytes for i in self.headers[fn].values()))
 
 
-@dataclass
+@dataclass(eq=False)  # a source is an open checkpoint: compared by identity
 class MegatronLMSource(Source):
     """A Megatron-LM torch_dist checkpoint (one `iter_NNNNNNN`), read through `megatron_dist.MegatronDistReader`."""
 
