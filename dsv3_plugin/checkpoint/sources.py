@@ -37,7 +37,7 @@ from dsv3_plugin.errors import CheckpointError
 from dsv3_plugin.safe_files import opened_path
 from dsv3_plugin.training.run_dir import TOKENIZER_DIR
 
-__all__ = ["Source", "RunSource", "MegatronLMSource", "LayoutSource", "open_source", "NOT_A_SOURCE"]
+__all__ = ["Source", "Tensors", "RunSource", "MegatronLMSource", "LayoutSource", "open_source", "NOT_A_SOURCE"]
 
 NOT_A_SOURCE = (
     "neither a dsv3 train run directory (no ckpt/ with a 'latest' file or step<N> tags) nor a Megatron checkpoint "
