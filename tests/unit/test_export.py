@@ -174,6 +174,29 @@ def test_failure_mid_export_leaves_no_dst(run, tmp_path, monkeypatch):
     assert len(calls) == 2 and os.listdir(tmp_path) == []  # no DST, no hidden partial directory
 
 
+def test_export_of_an_opened_source(run, tmp_path):
+    """`open_source` gives the run as a `RunSource` (its config, tag, default tokenizer); `export` of that source
+    writes what `export` of the path writes; `tag` / `config` belong to `open_source` and are refused with a source."""
+    from dsv3_plugin.checkpoint.sources import RunSource, open_source
+    from dsv3_plugin.config import ConfigError
+
+    root, _ = run
+    src = open_source(root)
+    assert isinstance(src, RunSource) and src.kind == "run" and src.tag == "step3" and src.hf == src.cfg.to_hf()
+    assert src.default_tokenizer == os.path.join(root, "tokenizer") and not src.duplicates
+    a = ex.export(src, tmp_path / "a", "hf", progress=False)
+    b = ex.export(root, tmp_path / "b", "hf", progress=False)
+    assert {k: v for k, v in a.items() if k != "dst"} == {k: v for k, v in b.items() if k != "dst"}
+    got_a, got_b = _stored(a["dst"]), _stored(b["dst"])
+    assert got_a.keys() == got_b.keys()
+    assert all(torch.equal(got_a[n].view(torch.uint8), got_b[n].view(torch.uint8)) for n in got_a)
+    with pytest.raises(ConfigError, match="--tag / --config"):
+        ex.export(src, tmp_path / "c", "hf", tag="step3", progress=False)
+    with pytest.raises(ConfigError, match="choose hf-bf16 or hf"):
+        ex.export(src, tmp_path / "c", "bf16", progress=False)
+    assert not os.path.exists(tmp_path / "c")
+
+
 def _cli(capsys, *args) -> tuple[int, str]:
     rc = cli_main([*args])
     return rc, capsys.readouterr().err
