@@ -4,8 +4,6 @@ scales, the frozen BF16 parts, ZeRO-1's partition of the adapters' optimizer sta
 
 import json
 
-import pytest
-
 from dsv3_plugin.cli import main
 from dsv3_plugin.config import load_config
 from dsv3_plugin.parallel.pipeline.trainable_gemms import adapter_params
@@ -98,12 +96,13 @@ def test_cli_plans_lora_and_refuses_bad_flags(capsys):
         assert err.startswith(f"error: {where}") and err.count("\n") == 1, err
 
 
-@pytest.mark.parametrize("pp_ep_dp", [(2, 8, 8)])
-def test_v3_lora_fits_two_nodes_with_full_recompute(pp_ep_dp):
-    """The docs/finetune.md row: DeepSeek-V3 LoRA r = 16 on 16 GPUs (DualPipeV) is under 72 GiB a rank."""
-    pp, ep, dp = pp_ep_dp
+def test_v3_lora_fits_two_nodes_only_with_full_recompute():
+    """docs/finetune.md §9: DeepSeek-V3 LoRA r = 16 on 2 × 8 GPUs (pp 2, EP 8, DualPipeV) plans under 72 GiB a
+    rank with full recompute, over it with less."""
     cfg = load_config({"preset": "v3-671b", "lora": {"rank": 16}})
-    rows = [
-        lora_rank_memory(cfg, "dualpipev", pp, r, ep, dp, micro_batch_tokens=4096, recompute="full") for r in (0, 1)
-    ]
-    assert max(r.total_GiB for r in rows) < 72
+
+    def worst(rec):
+        ranks = [lora_rank_memory(cfg, "dualpipev", 2, r, 8, 8, micro_batch_tokens=4096, recompute=rec) for r in (0, 1)]
+        return max(m.total_GiB for m in ranks)
+
+    assert worst("full") < 72 < worst("norm_and_mla_up")
