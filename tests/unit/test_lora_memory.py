@@ -8,6 +8,7 @@ from dsv3_plugin.cli import main
 from dsv3_plugin.config import load_config
 from dsv3_plugin.parallel.pipeline.trainable_gemms import adapter_params
 from dsv3_plugin.training.lora_memory import fp8_matrix_bytes, lora_layer_delta, lora_rank_memory
+from dsv3_plugin.training.memory_estimate import estimate_train_memory, model_param_count
 from dsv3_plugin.training.memory_plan import GiB
 
 # tiny: h 64, dense I 128, 3 layers (layer 0 dense), 4 heads, q_lora 32, kv_lora 32, d_nope 16, d_rope 8, d_v 16,
@@ -106,3 +107,13 @@ def test_v3_lora_fits_two_nodes_only_with_full_recompute():
         return max(m.total_GiB for m in ranks)
 
     assert worst("full") < 72 < worst("norm_and_mla_up")
+
+
+def test_host_estimate_with_lora_counts_no_base_gradient_or_optimizer():
+    """`dsv3 train`'s lower bound (training.memory_estimate): a frozen base has no gradient and no optimizer state,
+    and takes at least its FP8 bytes; the full-training estimate would refuse runs LoRA fits."""
+    full = estimate_train_memory(load_config({"preset": "tiny"}))
+    lora = estimate_train_memory(_cfg())
+    P = model_param_count(load_config({"preset": "tiny", "mtp": {"depth": 0}}))  # lora.mtp off: no MTP layer
+    assert lora.parts["gradients"] == lora.parts["optimizer"] == 0 and lora.parts["weights"] == P
+    assert lora.per_rank_bytes == P + 4 * 64 * 256 < full.per_rank_bytes  # + the logits of one 64-token row
