@@ -99,13 +99,13 @@ def lora_layer_delta(
     return d
 
 
-def _stage_activation(cfg, layer_ids, tokens, seq, first, last, recompute, A) -> dict:
-    """`stage_activation` (BF16 path) with each decoder / MTP layer's `lora_layer_delta`, and without the inputs
-    of the frozen head and `eh_proj`."""
-    out = {**stage_activation(cfg, layer_ids, 1, tokens, first, last, recompute, False, A), "adapters": 0.0}
-    deltas = [lora_layer_delta(cfg, cfg.is_moe_layer(i), tokens, recompute, A) for i in layer_ids]
+def _stage_activation(cfg, layer_ids, seq, first, last, recompute, A) -> dict:
+    """`stage_activation` of one `seq`-token micro-batch (BF16 path) with each decoder / MTP layer's
+    `lora_layer_delta`, and without the inputs of the frozen head and `eh_proj`."""
+    out = {**stage_activation(cfg, layer_ids, 1, seq, first, last, recompute, False, A), "adapters": 0.0}
+    deltas = [lora_layer_delta(cfg, cfg.is_moe_layer(i), seq, recompute, A) for i in layer_ids]
     if last:
-        out["head_mtp"] -= A * cfg.model.hidden_size * tokens  # the head's input
+        out["head_mtp"] -= A * cfg.model.hidden_size * seq  # the head's input
         for k in range(1, cfg.mtp.depth + 1):
             S = max(seq - k, 0)
             if S:
@@ -199,8 +199,7 @@ def lora_rank_memory(
     bf16_b += 2 * rp.by_part["mtp_extra"]  # eh_proj, enorm, hnorm, the MTP head's norm (BF16 as released)
     stages = _stage_layers(c, schedule, pp)
     per_chunk = [
-        _stage_activation(c, stages[s], seq, seq, s == 0, s == last, recompute, act_bytes)
-        for s in t.stage_ids(pp, pp_rank)
+        _stage_activation(c, stages[s], seq, s == 0, s == last, recompute, act_bytes) for s in t.stage_ids(pp, pp_rank)
     ]
     peak, live = inflight_peak(schedule, pp, pp_rank, [sum(x.values()) for x in per_chunk])
     acts = {k: sum(n * x[k] for n, x in zip(live, per_chunk)) for k in LORA_COMPONENTS}
