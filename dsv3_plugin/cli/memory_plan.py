@@ -12,6 +12,7 @@ listed as not planned, with the reason.
 
 import json
 
+from dsv3_plugin.cli._lora import add_lora_flags, lora_flags, run_lora_plan
 from dsv3_plugin.config import ConfigError, DSv3Config, load_config, read_ds_json
 from dsv3_plugin.deepspeed.validate import check_layout, validate_ds_config
 from dsv3_plugin.schedule_traits import check_chunks
@@ -33,6 +34,7 @@ def register(sub):
     p.add_argument("--bf16-moments", dest="bf16_moments", action="store_true", default=None)
     p.add_argument("--fp32-moments", dest="bf16_moments", action="store_false")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_lora_flags(p, "with a lora block the plan is LoRA's: FP8 base, adapters, their state")
     p.add_argument("--all-ranks", action="store_true", help="every pipeline rank, not only each schedule's worst")
     p.add_argument(
         "--materialize",
@@ -76,6 +78,7 @@ def _check_flags(args) -> None:
         ("--micro-batch-tokens", args.micro_batch_tokens, 2),
         ("--pp-rank", args.pp_rank, 0),
         ("--ep-rank", args.ep_rank, 0),
+        ("--lora-rank", args.lora_rank, 1),
     ):
         if val is not None and val < least:
             raise ConfigError(f"{flag}: must be >= {least} (got {val})")
@@ -115,6 +118,12 @@ def _checked_layout(args) -> tuple[DSv3Config, dict | None, dict, dict]:
             cfg = _validated(ds, block, over, None)
         except ConfigError as e:
             raise ConfigError(f"{flag if isinstance(val, bool) else f'{flag} {val}'}: {e}") from None
+    for text, val, key in lora_flags(args):  # into dsv3.lora, judged by its checks
+        over.setdefault("lora", {})[key] = val
+        try:
+            cfg = _validated(ds, block, over, None)
+        except ConfigError as e:
+            raise ConfigError(f"{text}: {e}") from None
     world = cfg.parallel.pp * args.dp
     try:  # the world the plan is for: pp x dp ranks
         cfg = _validated(ds, block, over, world)
@@ -147,6 +156,8 @@ def run(args) -> int:
         if args.materialize and rank >= n:
             raise ConfigError(f"{flag} {rank}: outside 0..{n - 1} (the layout has {n} such ranks)")
     schedules, not_planned = _plannable(cfg, ds, block, over, pp * args.dp)
+    if cfg.lora is not None:
+        return run_lora_plan(args, cfg, schedules, not_planned)
     if args.all_ranks:
         mb = (1, args.micro_batch_tokens) if args.micro_batch_tokens else None
         rows = [

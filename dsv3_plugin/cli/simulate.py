@@ -2,7 +2,8 @@
 computed from the same op lists the runtime executes; `--png` draws it, `--table` prints the comparison
 with the published formulas. With per-component durations (attention / dispatch / MLP / combine, §3.2.1) or
 `--paper-setup` (the report's PP16 / EP64 H800 setup from first principles) an overlapped F&B pair is the
-two-lane schedule of Fig. 4, and `--fig4 PATH` draws one pair."""
+two-lane schedule of Fig. 4, and `--fig4 PATH` draws one pair. `--lora-rank` (with --paper-setup): LoRA on the
+frozen base, whose W ops keep only the adapters' weight gradients."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import json
 import math
 import sys
 
+from dsv3_plugin.cli._lora import add_lora_flags, lora_flags
+from dsv3_plugin.config import ConfigError, load_config, lora_targets
 from dsv3_plugin.parallel.pipeline.comm_model import (
     DEFAULT_MFU,
     IB_GBPS,
@@ -84,6 +87,7 @@ def register(sub):
         help=f"--paper-setup: fraction of dense peak the computation reaches (default {DEFAULT_MFU})",
     )
     g.add_argument("--ib-gbps", type=float, default=None, help=f"--paper-setup: IB GB/s per GPU (default {IB_GBPS})")
+    add_lora_flags(p, "--paper-setup: frozen base, the W op is the adapters' weight gradients")
     g.add_argument("--fig4", default=None, help="draw one overlapped F&B pair (two lanes, Fig. 4 style) here")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--timeline", action="store_true", help="include every op's start/end in the JSON")
@@ -118,10 +122,22 @@ def _components(args) -> tuple[ChunkComponents | None, dict | None, str | None]:
         except ValueError as e:
             flag = "--mfu" if "mfu" in str(e) else "--ib-gbps"
             return None, None, f"{flag}: {e}"
-        comp, details = paper_setup(hw, layers=LAYERS_PER_CHUNK if args.layers is None else args.layers)
-        details["break_even_mfu"] = break_even_mfu(hw, comp.layers)
-        details["break_even_mfu_a2a_only"] = break_even_mfu(hw, comp.layers, with_pp=False)
+        block: dict = {"preset": "v3-671b"}
+        for text, val, key in lora_flags(args):  # into dsv3.lora, judged by its checks
+            block.setdefault("lora", {})[key] = val
+            try:
+                cfg = load_config(block)
+            except ConfigError as e:
+                return None, None, f"{text}: {e}"
+        cfg = load_config(block)
+        comp, details = paper_setup(hw, LAYERS_PER_CHUNK if args.layers is None else args.layers, cfg=cfg)
+        details["break_even_mfu"] = break_even_mfu(hw, comp.layers, cfg=cfg)
+        details["break_even_mfu_a2a_only"] = break_even_mfu(hw, comp.layers, cfg=cfg, with_pp=False)
+        if cfg.lora is not None:
+            details["lora"] = {"rank": cfg.lora.rank, "experts": cfg.lora.experts, "targets": lora_targets(cfg)}
         return comp, details, None
+    if lora_flags(args):
+        return None, None, f"{lora_flags(args)[0][0]}: needs --paper-setup (the W cost is derived from its GEMMs)"
     for flag, v in (("--mfu", args.mfu), ("--ib-gbps", args.ib_gbps)):
         if v is not None:
             return None, None, f"{flag} only applies with --paper-setup"
@@ -239,6 +255,12 @@ def run(args) -> int:
             f"  step makespan {st['makespan_overlap']:.6g} with overlap, {st['makespan_no_overlap']:.6g} without "
             f"({st['speedup']:.3f}x)"
         )
+        if details is not None and "lora" in details:
+            lo = details["lora"]
+            print(
+                f"  LoRA rank {lo['rank']} on {','.join(lo['targets'])}{' + routed experts' if lo['experts'] else ''}"
+                f": frozen base, W = the adapters' weight gradients ({comp.w:.4g} of B {comp.b:.4g} per chunk)"
+            )
         if details is not None:
             be = details["break_even_mfu"]
             be2 = details["break_even_mfu_a2a_only"]

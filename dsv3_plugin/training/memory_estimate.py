@@ -162,6 +162,8 @@ def load_bytes(cfg: DSv3Config, dtype_bytes: int, on_host: bool) -> dict:
 
 
 def _estimate(cfg: DSv3Config, mbs: int, world: int, ranks_on_host: int, lp: float = 4.0) -> MemoryEstimate:
+    if cfg.lora is not None and cfg.lora.mtp == "off":  # no MTP loss: its layer need not be there (a lower bound)
+        cfg = cfg.model_copy(update={"mtp": cfg.mtp.model_copy(update={"depth": 0})})
     m, p = cfg.model, cfg.parallel
     pc = param_counts(cfg)
     L, k, D = m.num_hidden_layers, min(m.first_k_dense_replace, m.num_hidden_layers), cfg.mtp.depth
@@ -178,6 +180,14 @@ def _estimate(cfg: DSv3Config, mbs: int, world: int, ranks_on_host: int, lp: flo
         + (L - k + D) * layer_activation_bytes(cfg, True, rec, fp8, act_bytes=int(lp))
     ) / p.pp
     acts = tokens * per_token + 4.0 * tokens * m.vocab_size * (1 + D)
+    if cfg.lora is not None:
+        # LoRA: the frozen base takes at least its FP8 bytes (1 B), and has no gradient and no optimizer state;
+        # the adapters' state and all activations but the logits are left out (they only add)
+        lora = 1.0 * P_rank
+        parts = {"build": lora, "weights": lora, "gradients": 0.0, "optimizer": 0.0}
+        parts["activations"] = 4.0 * tokens * m.vocab_size
+        per_rank = max(parts["build"], lora + parts["activations"])
+        return MemoryEstimate(ranks_on_host * per_rank, per_rank, ranks_on_host, int(P), parts)
     # with pp = ep = 1 the whole model is built; otherwise only the rank's part (`training.rank_local`)
     parts = {
         "build": 4.0 * (P if p.pp == 1 and p.ep == 1 else P_rank),

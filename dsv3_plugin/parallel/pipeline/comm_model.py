@@ -6,6 +6,8 @@ SwiGLU expert), at an assumed throughput (dense peak x MFU x the share of SMs le
 Communication: bytes one GPU sends per all-to-all over InfiniBand (node-limited routing: a token crosses IB at
 most once per target node, §3.2.2), at the IB bandwidth; the NVLink forwarding inside a node runs concurrently
 (§3.2.2: "communications via IB and NVLink are fully overlapped"), so an all-to-all takes the longer of the two.
+With `dsv3.lora` the base is frozen: its GEMMs keep forward and input gradient, the W op keeps only the
+adapters' weight gradients (`trainable_gemms.adapter_flops`), and the adapters add one pass each to F and B.
 This is a model, not a measurement: every constant below names its source or is marked as an assumption.
 """
 
@@ -15,6 +17,7 @@ from dataclasses import dataclass, replace
 
 from dsv3_plugin.config import DSv3Config, load_config
 from dsv3_plugin.parallel.pipeline.fb_overlap import ChunkComponents, two_lane_pair
+from dsv3_plugin.parallel.pipeline.trainable_gemms import adapter_flops
 
 __all__ = [
     "Hardware",
@@ -98,6 +101,7 @@ def layer_flops(cfg: DSv3Config, tokens: int) -> dict[str, dict[str, float]]:
     core attention, router), mlp (routed + shared experts); their backward for input (`_b`) and for weights
     (`_w`). Balanced routing (§2.1.2's auxiliary-loss-free balancing): each GPU's experts receive as many
     token-expert pairs as its own tokens route out, so the routed-expert FLOPs per GPU are tokens x K_r experts.
+    With `cfg.lora` the frozen base has no weight gradients: `_w` holds the adapters' alone.
     NOTE: norms, RoPE, SwiGLU and other element-wise ops are not counted (memory-bound, small next to GEMMs)."""
     m, e = cfg.model, cfg.moe
     T, h, H = tokens, m.hidden_size, m.num_attention_heads
@@ -115,6 +119,19 @@ def layer_flops(cfg: DSv3Config, tokens: int) -> dict[str, dict[str, float]]:
     expert = 3 * h * e.intermediate_size  # SwiGLU: gate, up, down
     mlp_gemm = 2 * T * expert * (e.top_k + e.n_shared_experts)
     recompute = 2 * T * (q_up + kv_up)  # §3.2.3: MLA up-projections recomputed in backward
+    if cfg.lora is not None:  # frozen base: no Wgrad (router included); adapters (BF16) add a pass to F, B and W
+        ad = adapter_flops(cfg, True, T)
+        return {
+            "attention": {"fp8": attn_gemm, "bf16": attn_core + router + ad["attention"]},
+            "mlp": {"fp8": mlp_gemm, "bf16": ad["mlp"]},
+            "attention_b": {
+                "fp8": attn_gemm + recompute,
+                "bf16": ATTN_CORE_BWD_FACTOR * attn_core + router + ad["attention"],
+            },
+            "mlp_b": {"fp8": mlp_gemm, "bf16": ad["mlp"]},
+            "attention_w": {"fp8": 0.0, "bf16": ad["attention"]},
+            "mlp_w": {"fp8": 0.0, "bf16": ad["mlp"]},
+        }
     return {
         "attention": {"fp8": attn_gemm, "bf16": attn_core + router},
         "mlp": {"fp8": mlp_gemm, "bf16": 0.0},

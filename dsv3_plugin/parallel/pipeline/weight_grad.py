@@ -161,7 +161,8 @@ class DeferredWeightGrads(KernelWrapper):
     inside an I op (`WeightGradQueue.deferring()`) the backward computes the input gradient at once and
     queues W, which then runs the inner kernel's own weight-gradient GEMMs and adds the results to the
     parameters' `.grad`. Outside an I op it is the inner kernel. Same numbers as the inner kernel, bit for
-    bit: only *when* W runs changes.
+    bit: only *when* W runs changes. A call whose weights are all frozen (requires_grad False: a LoRA base)
+    queues nothing (`kernels.apply_split` asks for no weight gradient), so W holds only trainable GEMMs' work.
 
     NOTE: deferred gradients are written to `.grad` directly (AccumulateGrad is bypassed, so hooks
     registered on it do not fire for them); the weights must therefore be the leaf parameters themselves, or
