@@ -11,7 +11,7 @@ The folders are the architecture; imports point one way (enforced by tests/unit/
                                  rank owns), recompute, ema, data, telemetry, memory plan, run directories
     checkpoint/                  released checkpoints: reader, writer, hf, convert, synthetic, integrity
     deepspeed/, megatron/        thin adapters (import their framework lazily)
-    cli/, bench/                 `dsv3 ...` commands and `dsv3 bench ...`
+    cli/                         `dsv3 ...` commands (benches: `benchmarks/` beside the package, not installed)
 
 docs/architecture.md draws the same picture with the data flow.
 """

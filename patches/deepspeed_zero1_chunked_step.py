@@ -7,7 +7,7 @@ of fresh full-size temporaries follow each step: torch's single-tensor Adam make
 that large are new memory mappings each time (glibc serves allocations above its mmap threshold, at most 32 MB,
 from fresh pages), so every element costs a page fault's share besides its arithmetic. A cProfile on one CPU rank
 of the 21 M-parameter bench model: DeepSpeed's `step()` 0.29 s, of which 0.17 s Adam and 0.09 s the norm; the bare
-model's AdamW over its per-parameter tensors (at most 8 MB each) 0.10 s (`dsv3 bench model --train
+model's AdamW over its per-parameter tensors (at most 8 MB each) 0.10 s (`python -m benchmarks model --train
 [--no-chunked-step]` measures the tax with and without the patch).
 
 How (one optimizer instance):

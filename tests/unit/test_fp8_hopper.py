@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from dsv3_plugin.bench.fp8_accum import measure_cell, operands
+from benchmarks.fp8_accum import measure_cell, operands
 from dsv3_plugin.config import ConfigError, FP8Config, load_config
 from dsv3_plugin.model.kernels import base_kernel
 from dsv3_plugin.precision.fp8.hopper import (
