@@ -8,8 +8,8 @@ pp 2 x dp 2 with EP 2 carved from each stage's data-parallel group, one spawn fo
   `torch.equal` (each chunk runs exactly the plain forward / plain backward ops), with FP8 dispatch on and off,
   per-expert and node-deduplicated dispatch, lanes taking turns (own EP groups for the backward lane) and in
   lock step (shared groups); the hook really ran (FB ops through it, the turn passed between the lanes);
-- `dsv3 train`'s pipelined engine (through `python -m benchmarks overlap`'s per-rank measurement: two engines, two steps
-  each, tiny model): `parallel.overlap_ep_comm` switches the FB path (hook vs none) and both give the same
+- `dsv3 train`'s pipelined engine (through `python -m benchmarks overlap`'s per-rank measurement: two engines, two
+  steps each, tiny model): `parallel.overlap_ep_comm` switches the FB path (hook vs none) and both give the same
   losses, the second step's after an optimizer step; the bench's summary and timeline (no timing asserted).
 """
 import dataclasses

@@ -1,6 +1,6 @@
-"""`python -m benchmarks pipeline` measures `dsv3 train`'s pipelined step (PipelinedEngine on spawned gloo ranks) with the W
-split on and off in the same run: its report has both variants per rank, and the split really ran deferred W
-jobs only where it was on. No timed assertions: the idle fractions are whatever the machine gave."""
+"""`python -m benchmarks pipeline` measures `dsv3 train`'s pipelined step (PipelinedEngine on spawned gloo ranks)
+with the W split on and off in the same run: its report has both variants per rank, and the split really ran
+deferred W jobs only where it was on. No timed assertions: the idle fractions are whatever the machine gave."""
 import json
 
 import pytest

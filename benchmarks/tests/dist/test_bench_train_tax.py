@@ -1,6 +1,6 @@
-"""`python -m benchmarks model --train`: the training-loop tax, measured through the real `dsv3 train` entry on 1 and 2 gloo
-ranks (torchrun's environment) against the bare step; tiny preset, a few steps. Only the report's structure and
-that every timer saw its part run are checked, never a timing."""
+"""`python -m benchmarks model --train`: the training-loop tax, measured through the real `dsv3 train` entry on 1
+and 2 gloo ranks (torchrun's environment) against the bare step; tiny preset, a few steps. Only the report's
+structure and that every timer saw its part run are checked, never a timing."""
 
 import json
 import math
