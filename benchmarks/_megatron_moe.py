@@ -1,23 +1,14 @@
 """Megatron-Core's own `MoELayer` holding the weights of one of our `DeepSeekMoE` layers: the baseline `make gpu-check`
 times our MoE layer (BF16 and FP8) against at DeepSeek-V3 shapes.
 
-The same function on both sides, configured as Megatron-Core users configure DeepSeek-V3 (Megatron-LM's
-`--moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-topk-scaling-factor ...`):
-sigmoid scores, the auxiliary-loss-free expert bias added for the selection only, group-limited top-k
-(`moe_router_num_groups` / `moe_router_group_topk`: Megatron scores a group by the sum of its top topk/group_topk
-experts, i.e. top-2 for V3's 8 of 4 groups, as the released model), gates = the selected scores normalised to sum 1
-times the scaling factor, SwiGLU experts (Megatron's `linear_fc1` is [gate; up]: its GLU applies the activation to
-the first half) and the shared experts; no auxiliary loss, no token dropping.
-
-Experts and dispatcher: with Transformer Engine on CUDA, TE's grouped GEMM (`TEGroupedMLP`, `moe_grouped_gemm`) and
-the all-to-all dispatcher (what Megatron-Core runs at scale); elsewhere its `SequentialMLP` (one expert after the
-other) and the all-gather dispatcher (the all-to-all one synchronises CUDA events). The latter runs on CPU under the
-plugin's Megatron CPU shims, so a `--dry-run` of the GPU check compares the two layers' outputs and catches a wrong
-weight mapping before a GPU is spent on it.
-
-Megatron-Core needs `torch.distributed` and its parallel state; `ensure_parallel_state` sets up one rank
-(gloo on CPU, NCCL on CUDA) unless the caller already has. A private module (leading underscore): the runner
+The same function on both sides, configured as Megatron-Core users configure DeepSeek-V3: sigmoid scores, the
+auxiliary-loss-free expert bias for the selection only, group-limited top-k, gates normalised to sum 1 times the
+scaling factor, SwiGLU experts (`linear_fc1` = [gate; up]) and the shared experts. Experts: TE's grouped GEMM on
+CUDA, else `SequentialMLP` under the plugin's Megatron CPU shims (a `--dry-run` catches a wrong weight mapping).
+`ensure_parallel_state` sets up one rank unless the caller has. A private module (leading underscore): the runner
 (`python -m benchmarks`) does not register it as a bench of its own.
+
+Design notes (router options, experts and dispatchers): docs/design_notes.md#bench-megatron-moe
 """
 
 from __future__ import annotations

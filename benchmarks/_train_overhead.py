@@ -1,28 +1,12 @@
 """The training-loop tax: `dsv3 train`'s tokens/s against the bare model step in one process, same config and batch.
 
-Bare step (`--child bare`): `DSv3Model` built from the same "dsv3" block, `torch.optim.AdamW` with the JSON's
-settings, then per step: forward (LM + MTP + balance loss, as `dsv3 train`'s model computes it) + backward +
-gradient clipping at the JSON's `gradient_clipping` (torch's `clip_grad_norm_`; DeepSpeed clips in `dsv3 train`) +
-optimizer step on one random micro-batch; tokens/s = tokens per step / median step wall time (the first
-`--warmup` steps left out).
+Bare step (`--child bare`): `DSv3Model` + `torch.optim.AdamW`, forward + backward + clipping + optimizer step.
+`dsv3 train` (`--child train`, on 1 rank and on 2): the real entry, each rank its own process as torchrun starts it,
+with timers around what the loop adds (collectives, the router bias update, routing telemetry, the save).
+Reported: `tax_1rank` = bare tokens/s / dsv3 train's (1 rank) − 1, `tax_1rank_steady` against the run summary's
+tokens/s, `phases_1rank` (forward, backward, optimizer step on both sides) and the 2-rank run's parts per step.
 
-`dsv3 train` (`--child train`, once on 1 rank and once on 2): the real `dsv3 train` entry (`cli.main(["train",
-...])`: DeepSpeed ZeRO-1 engine, router bias update, routing telemetry, metrics.jsonl, the final checkpoint), each
-rank its own process as torchrun starts it (RANK / WORLD_SIZE / MASTER_* in the environment; one thread each).
-Timers are installed in each rank around what the loop adds to the bare step: every torch.distributed collective
-(DeepSpeed's gradient reduction, the loss all-reduce), the router bias update (`balancing.update_expert_bias`:
-its load-count all-reduce and the sign step), the routing telemetry (`RoutingTelemetry.record`, collective) and
-the checkpoint save (`RunDir.save`); a collective inside one of the others is counted there, not twice.
-tokens/s = tokens per step (all ranks) x steps / the loop's wall time (`summary.wall_s`: every step with its
-telemetry, logging and saves; the model build and DeepSpeed's initialisation are before it).
-
-Reported: `tax_1rank` = bare tokens/s / dsv3 train's (1 rank) − 1 (the issue's target: <= 0.10), and
-`tax_1rank_steady` = the same against the run summary's tokens/s (the mean of its last steps' data read + step
-time: what a long run approaches, without the first steps and the final save); `phases_1rank`:
-the median seconds of forward, backward and optimizer step in the bare step and around DeepSpeed's engine calls of
-the 1-rank run (what ZeRO-1 adds to each); for 2 ranks
-the tokens/s per rank, and per rank the seconds per step of each timed part and of the rest (forward, backward,
-optimizer: the bare step's work).
+Design notes (what each side runs, the timers, every reported figure): docs/design_notes.md#bench-train-overhead
 """
 
 from __future__ import annotations

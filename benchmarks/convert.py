@@ -1,21 +1,12 @@
 """Checkpoint conversion: throughput and peak RSS of the streaming FP8 -> BF16 converter vs load-all-then-save.
 
-A synthetic sharded FP8 checkpoint with V3-shaped layers (hidden 7168, 128 heads, MLA, 2048-wide experts;
-small vocabulary) is generated in a temporary directory at each requested size and removed afterwards.
-Each approach runs in its own child process (peak RSS = that process's ru_maxrss; the time covers the
-conversion only, not interpreter start-up):
+A synthetic sharded FP8 checkpoint with V3-shaped layers is generated at each requested size; each approach runs in
+its own child process (peak RSS = its ru_maxrss): ours (`checkpoint.convert(..., to="hf-bf16")`), the baseline
+(load every shard, dequantize with DeepSeek's per-block formula in plain torch, save per shard), a plain copy (the
+I/O ceiling) and, at the largest size, ours without the non-finite checks (what they cost). Figures are GB/s of
+input bytes; `ratio` = ours / baseline at the largest size, `fraction_of_copy` = ours / copy.
 
-- ours: `dsv3_plugin.checkpoint.convert(..., to="hf-bf16")` (streaming, fast exact dequantization);
-- baseline: load every shard (`safetensors.torch.load_file`), dequantize with DeepSeek's per-block formula
-  written plainly in torch (expand the scale grid, multiply in fp32, cast), then `save_file` per shard;
-- copy: read + write of the same files (16 MiB chunks), the I/O ceiling;
-- ours_unchecked (largest size only): ours with `allow_non_finite=True`, i.e. without the NaN/Inf checks of
-  weights and scales; `finite_check_cost` = 1 - ours / ours_unchecked (GB/s) is what those checks cost,
-  `finite_check_cpu_cost` the same in CPU seconds (user + sys: less disturbed by other jobs' I/O).
-
-Figures are GB/s of input bytes. `ratio` = ours / baseline at the largest size; `fraction_of_copy` =
-ours / copy. Peak RSS is reported at every size (ours should stay flat, bounded by the largest output
-shard + 1 GiB; the baseline grows with the model).
+Design notes (the approaches, the checks' cost, peak RSS): docs/design_notes.md#bench-convert
 """
 
 from __future__ import annotations

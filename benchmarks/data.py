@@ -1,19 +1,13 @@
 """Data preparation throughput: `dsv3 prepare-data` vs `datasets.Dataset.map(batched=True, num_proc=N)`.
 
-The corpus is Python's own documentation (`pydoc_texts()`, real text on every machine) repeated `--repeat` times
-as a `.jsonl` of `{"text": ...}` lines; the tokenizer is the tiny DeepSeek-style BPE (`train_tiny_tokenizer`) or
-`--tokenizer DIR`. Both sides use the same tokenizer, the same number of processes and the same document rule
-(BOS from the post-processor + text + EOS), and both start from the `.jsonl` file:
+The corpus is Python's own documentation (`pydoc_texts()`) repeated `--repeat` times as a `.jsonl`; both sides use
+the same tokenizer (the tiny DeepSeek-style BPE or `--tokenizer DIR`), the same number of processes and the same
+document rule (BOS + text + EOS), and both start from the `.jsonl` file: ours is
+`dsv3_plugin.data.prepare.prepare(..., workers=N)`, the baseline `datasets.load_dataset("json")` + `Dataset.map`.
+Best wall time of `--trials` alternating runs; tokens per second, `ratio` = ours / baseline; the two sides' token
+totals must agree.
 
-- ours: `dsv3_plugin.data.prepare.prepare(..., workers=N)`: read, tokenize, write `PREFIX.bin/.idx/.json`;
-- baseline: `datasets.load_dataset("json", ...)` (into a fresh Arrow cache) then `Dataset.map(tokenize,
-  batched=True, num_proc=N)` (what a Hugging Face fine-tuning script does; its output is an Arrow cache, not
-  Megatron's files).
-
-Each side runs `--trials` times, alternating (fresh output and cache directories each time); the best wall time
-counts, start-up of the worker processes included (the tokenizer's modules are imported once before). Figures
-are tokens per second; `ratio` = ours / baseline. The two sides' token totals must agree (checked: a bench that
-tokenized differently would compare nothing).
+Design notes (both sides, the trials): docs/design_notes.md#bench-data
 """
 
 from __future__ import annotations

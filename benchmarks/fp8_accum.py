@@ -1,18 +1,13 @@
 """FP8 accumulation error of Hopper's tensor cores vs the FP32 promotion interval N_C (DeepSeek-V3 report §3.3.2).
 
-For each K and N_C, the GEMM of two E4M3 matrices is computed as `precision.fp8.hopper.hopper_gemm` does (each window of
-N_C elements one tensor-core chain, bit-exact H100 arithmetic via mmaemu; windows added in FP32; N_C = none:
-one chain over all of K) and compared with the exact product of the same FP8 values in float64. Also measured
-in the same run: our exact emulation (`fp8.fp8_gemm_emulated`, FP32 inside each 128-chunk).
+For each K and N_C, the GEMM of two E4M3 matrices as `precision.fp8.hopper.hopper_gemm` computes it (tensor-core
+chains of N_C elements via mmaemu, windows added in FP32; N_C = none: one chain over K) against the exact float64
+product of the same FP8 values, beside our exact emulation (`fp8_gemm_emulated`). Error of one output element:
+|y − y64| / Σ_k |a_k·b_k| (the paper's relative error on the `positive` distribution); per cell max, mean,
+normwise and the a-priori bound of `hopper_error_bound`. Headline: `ours` = max error with N_C = 128 at K = 4096
+(`positive`), `baseline` = the same without promotion, `ratio` = baseline / ours.
 
-Error of one output element: |y − y64| / Σ_k |a_k·b_k| (for the `positive` distribution, where every product is
-≥ 0, this is exactly |y − y64| / |y64|, the paper's relative error; for mixed signs it is not inflated by
-cancellation). Reported per cell: max and mean over the M×N outputs, the normwise ‖y − y64‖/‖y64‖, and the
-a-priori worst-case bound of `precision.fp8.hopper.hopper_error_bound` (max over outputs, same normalisation).
-
-Headline: `ours` = max error with N_C = 128 at K = 4096 on the `positive` distribution (where the error is the
-paper's relative error), `baseline` = the same GEMM without promotion, `ratio` = baseline / ours (how much
-promotion every 128 reduces the worst error); the activation × weight figures are in `errors`.
+Design notes (the error measure, the distributions, the headline): docs/design_notes.md#bench-fp8-accum
 """
 
 from __future__ import annotations

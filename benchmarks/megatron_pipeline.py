@@ -1,20 +1,14 @@
 """Pipeline bubble in Megatron's `pretrain()`: DualPipeV (and DualPipe) vs 1F1B (the plugin's schedules as Megatron's
 forward-backward function), idle fraction per pipeline rank and step time, measured on gloo ranks.
 
-Each schedule is one run of `python -m dsv3_plugin.megatron.pretrain_gpt --nproc P` (Megatron-LM's own training
-loop, mock data, the tiny preset with `--layers` decoder layers, fp32, same seed and flags; only
-`--dsv3-pipeline-schedule` differs), one after the other in this process's run. The figures are the pipeline
-runtime's own per-step accounting that `--dsv3-metrics` writes for every iteration (`pipeline_ranks`: busy = time in
-stage compute, its P2P waits excluded; idle = time waiting on a peer during the schedule), summed over the
-measured iterations (the first `--warmup` are left out): a rank's idle fraction = idle / (busy + idle). Step time:
-per iteration the slowest rank's step wall time (`wall_s`, DualPipe's mirror gradient exchange included), the median
-over the measured iterations. `ours` = DualPipeV's idle fraction averaged over ranks, `baseline` = 1F1B's, `ratio` =
-baseline / ours (> 1: DualPipeV idles less); DualPipe's figures and its ratio to 1F1B are reported beside them.
-With `--ep N` > 1 (pp x N ranks, data parallel N, EP all-to-all in every MoE layer) DualPipeV and DualPipe run twice
-more with their FB-pair overlap off (`dsv3.parallel.overlap_ep_comm = false`), and `overlap` reports per schedule
-the exposed all-to-all (`a2a_wait_s`: time blocked in the plugin's EP all-to-all waits, summed over ranks and
-measured iterations) and the step time with the overlap on and off, and their ratios (off / on).
-Needs megatron-core >= 0.19 (`megatron.training`); with an older one it prints why and exits 2.
+Each schedule is one run of `python -m dsv3_plugin.megatron.pretrain_gpt --nproc P` (mock data, tiny preset, same
+flags but `--dsv3-pipeline-schedule`); figures from the runtime's per-step accounting in `--dsv3-metrics`: a rank's
+idle fraction = idle / (busy + idle) over the measured iterations. `ours` = DualPipeV's mean idle fraction,
+`baseline` = 1F1B's, `ratio` = baseline / ours. `--ep N` > 1 also runs both DualPipes with the FB-pair overlap off
+and reports the exposed all-to-all and step time on and off. Needs megatron-core >= 0.19 (`megatron.training`);
+with an older one it prints why and exits 2.
+
+Design notes (what is summed, step time, the overlap runs): docs/design_notes.md#bench-megatron-pipeline
 """
 
 from __future__ import annotations

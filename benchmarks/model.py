@@ -1,35 +1,14 @@
 """Whole-model training step (forward + LM loss + backward) of our DSv3Model vs transformers' DeepseekV3ForCausalLM
 vs torchtitan's DeepSeekV3Model, same config, same parameter count, same batch.
 
-What is measured, per sequence length T (`--seq-lens`) and dtype (`--dtypes`), B sequences (`--batch`) a step:
-- CPU time (`time.process_time`: all threads of the process) and wall time per step, median over every timed step
-  of every round, after `--warmup` untimed steps (the first few steps are slower: fresh pages, glibc's allocation
-  thresholds settling). Each implementation runs in its own child process (`bench.run_child`) and the children are
-  interleaved, round by round (ours, hf, titan, ours, hf, titan, ...), so that machine load hits them alike.
-- Peak memory: the child's peak RSS (`ru_maxrss`) after its timed steps (interpreter, torch and the library's
-  imports included; `rss_after_build_mib` is the same process before its first step, so the difference is what
-  the steps add). The breakdown below runs after that reading and is not in it.
-- A breakdown per part (attention incl. its q/kv norms and RoPE, routed experts incl. dispatch/combine, router,
-  dense / shared-expert MLPs, head + loss, the decoder's norms, embedding): forward hooks capture every call's
-  inputs during one step, then each part's forward + backward is timed standalone on those inputs (median of
-  `--part-repeats`). The parts' sum is reported next to the step: the rest (`other`: residual adds, reshapes, the
-  optimizer-free glue; and caches that are warmer in isolation) is their difference, and can be negative.
-- Parameter counts per part; the bench fails when the totals differ (naming the parts that differ).
-- Where ours stands against the machine (`gemm`, ours only, in the round with the breakdown): one more step under
-  torch's profiler gives the matrix products' calls (`aten::mm` / `addmm` / `bmm` / `baddbmm`; FLOPs from their
-  operands' shapes; the CPU flash-attention kernel is not one and stays in the rest) and their time; a 2048³ GEMM
-  in the step's dtype, timed in the same child, gives the machine's GEMM rate. `ratio_if_gemm_at_peak` = peer wall
-  ms / (ours − our GEMMs' time + their FLOPs at that rate), all wall times (the profiler's are; at 1 thread they
-  equal CPU times): the ratio ours would reach if every matrix product of the step ran at the rate of one large
-  GEMM and nothing else changed — the ceiling of what faster GEMM kernels alone can give on this machine.
+Per sequence length and dtype: CPU and wall time per step (median, each implementation in its own child process,
+interleaved round by round), peak RSS, a per-part breakdown (each part's forward + backward timed standalone on the
+inputs it saw), parameter counts per part (the bench fails when the totals differ), and for ours the matrix
+products' time and FLOPs against a 2048³ GEMM's rate (`ratio_if_gemm_at_peak`). Excluded alike: MTP, the balance
+loss, YaRN. torchtitan is optional (extra `peers`): when it does not import, the bench says so (`skipped`).
+`--train` measures the training-loop tax instead (`benchmarks._train_overhead`).
 
-Excluded alike: MTP (transformers builds no MTP module; ours runs with mtp.depth = 0, torchtitan without
-mtp_layers), the sequence-wise balance loss (ours at α = 0: the peers compute none), YaRN (plain RoPE in all).
-Weights: every matrix N(0, 0.02), norms 1, router biases 0, in all three (so that routing is equally balanced).
-torchtitan runs its own `ScaledDotProductAttention` (its FlexAttention runs under torch.compile, an inductor build
-per shape, and varlen attention is CUDA FlashAttention) and its GroupedExperts, which compute in BF16
-(`torch._grouped_mm`) whatever the model's dtype. torchtitan is optional (extra `peers`): when it does not import,
-the bench says so on stderr and in the JSON (`skipped`) and measures the others.
+Design notes (what is timed, the breakdown, the GEMM ceiling, the peers' setup): docs/design_notes.md#bench-model
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ FLOPs counted: router, routed experts (3 GEMMs per (token, expert) pair) and sha
 (2·m·n·k per GEMM) plus backward (2× forward). Element-wise work is not counted. `--dtype bfloat16` runs both
 layers and the reference GEMM in BF16 (on CPUs with AMX / AVX512-BF16, oneDNN's BF16 GEMM is several times the FP32
 one, so the roofline moves with the dtype). `ours_gemms`: our layer's matrix products alone, counted and timed
-under torch's profiler (`bench/_gemm_profile.py`), and the roofline fraction they alone allow.
+under torch's profiler (`benchmarks/_gemm_profile.py`), and the roofline fraction they alone allow.
 """
 
 from __future__ import annotations

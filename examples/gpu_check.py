@@ -434,7 +434,7 @@ class _BTH(torch.nn.Module):
 
 
 def _megatron_rows(dev, dt, ours, x, g_out, repeats, flops) -> tuple[dict, bool]:
-    """Megatron-Core's own MoELayer holding our layer's weights (`bench/_megatron_moe.py`): its output against ours
+    """Megatron-Core's own MoELayer holding our layer's weights (`benchmarks/_megatron_moe.py`): its output against ours
     and its forward+backward time, in `dt` and (TE on CUDA) with Megatron's blockwise FP8. -> (rows, failed)."""
     from benchmarks import _megatron_moe as megatron_moe
 

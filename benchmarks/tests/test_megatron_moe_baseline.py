@@ -1,8 +1,8 @@
-"""`bench/_megatron_moe.py`: Megatron-Core's own MoELayer holding one of our DeepSeekMoE layers' weights (the baseline
-the GPU check times ours against) computes our layer's function: output, input gradient and every weight's gradient
-(router, routed experts as [gate; up] / down, shared expert) within a derived FP32 bound, with group-limited routing
-and the expert bias. On CPU Megatron-Core runs its SequentialMLP experts and all-gather dispatcher (under the CPU
-shims); on a GPU the same mapping feeds TE's grouped experts. Runs on megatron-core 0.16.1 and 0.19.x.
+"""`benchmarks/_megatron_moe.py`: Megatron-Core's own MoELayer holding one of our DeepSeekMoE layers' weights (the
+baseline the GPU check times ours against) computes our layer's function: output, input gradient and every weight's
+gradient (router, routed experts as [gate; up] / down, shared expert) within a derived FP32 bound, with group-limited
+routing and the expert bias. On CPU Megatron-Core runs its SequentialMLP experts and all-gather dispatcher (under the
+CPU shims); on a GPU the same mapping feeds TE's grouped experts. Runs on megatron-core 0.16.1 and 0.19.x.
 
 Bound (tests/tolerance.py): both layers multiply the same FP32 operands with the same routing; what may differ is the
 order of the reductions (the H- and I-long GEMM sums, the T-long weight-gradient sums, the combine over top-k + 1
