@@ -60,7 +60,8 @@ demo: venv
 # those three on .venv (megatron-core 0.16.1), then the Megatron tests on .venv-mcore19 (0.19.x); each runs even
 # when one before failed, and `make test` fails if any did.
 # One thread per worker because two workers x two threads oversubscribe 2 cores (133 s instead of 88 s); the
-# tests pass at 2 threads as well: `OMP_NUM_THREADS=2 .venv/bin/python -m pytest -n 2 tests --ignore=tests/dist`.
+# tests pass at 2 threads as well: `OMP_NUM_THREADS=2 .venv/bin/python -m pytest -n 2 tests benchmarks/tests
+# --ignore=tests/dist --ignore=benchmarks/tests/dist`.
 PARALLEL_PYTEST := OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadfile
 test: venv venv-mcore19
 	rc=0; $(MAKE) --no-print-directory lint || rc=$$?; \
