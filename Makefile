@@ -16,9 +16,12 @@ VENV19  := .venv-mcore19
 PY19    := $(VENV19)/bin/python
 STAMP19 := $(VENV19)/.installed
 # The Megatron tests: every one runs on megatron-core 0.16.1 (.venv) and again on 0.19.x (.venv-mcore19).
-MEGATRON_TESTS := tests/megatron $(sort $(wildcard tests/*/test_megatron_*.py))
+MEGATRON_TESTS := tests/megatron $(sort $(wildcard tests/*/test_megatron_*.py benchmarks/tests/test_megatron_*.py))
+# The benches' own tests (benchmarks/tests, beside the package's tests/) run in the same phases: single-process ones
+# with tests/unit, multi-process ones (benchmarks/tests/dist) with tests/dist.
+DIST_TESTS := tests/dist benchmarks/tests/dist
 
-.PHONY: test-long venv venv-mcore19 demo lint format test test-mcore19 gpu-check clean
+.PHONY: test-long venv venv-mcore19 demo lint format test test-mcore19 gpu-check bench clean
 
 venv: $(STAMP)
 
@@ -57,13 +60,14 @@ demo: venv
 # those three on .venv (megatron-core 0.16.1), then the Megatron tests on .venv-mcore19 (0.19.x); each runs even
 # when one before failed, and `make test` fails if any did.
 # One thread per worker because two workers x two threads oversubscribe 2 cores (133 s instead of 88 s); the
-# tests pass at 2 threads as well: `OMP_NUM_THREADS=2 .venv/bin/python -m pytest -n 2 tests --ignore=tests/dist`.
+# tests pass at 2 threads as well: `OMP_NUM_THREADS=2 .venv/bin/python -m pytest -n 2 tests benchmarks/tests
+# --ignore=tests/dist --ignore=benchmarks/tests/dist`.
 PARALLEL_PYTEST := OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadfile
 test: venv venv-mcore19
 	rc=0; $(MAKE) --no-print-directory lint || rc=$$?; \
-	$(PARALLEL_PYTEST) tests --ignore=tests/dist || rc=$$?; \
-	OMP_NUM_THREADS=1 $(PY) -m pytest -n 3 --dist loadfile tests/dist -m "not serial and not long" || rc=$$?; \
-	$(PY) -m pytest tests/dist -m serial || rc=$$?; \
+	$(PARALLEL_PYTEST) tests benchmarks/tests $(addprefix --ignore=,$(DIST_TESTS)) || rc=$$?; \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n 3 --dist loadfile $(DIST_TESTS) -m "not serial and not long" || rc=$$?; \
+	$(PY) -m pytest $(DIST_TESTS) -m serial || rc=$$?; \
 	echo "== Megatron tests on megatron-core 0.19 ($(VENV19)) =="; \
 	OMP_NUM_THREADS=1 $(PY19) -m pytest -n 3 --dist loadfile -m "not long" $(MEGATRON_TESTS) || rc=$$?; \
 	exit $$rc
@@ -73,7 +77,7 @@ test: venv venv-mcore19
 # The `long` tests: more launchers and file formats for checks `make test` runs once (a few minutes; not in CI).
 # tests/dist runs on 3 workers above: its tests spend part of their time waiting (start-up, peer timeouts, roll calls).
 test-long: venv venv-mcore19
-	rc=0; OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadfile tests/dist -m long || rc=$$?; \
+	rc=0; OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadfile $(DIST_TESTS) -m long || rc=$$?; \
 	OMP_NUM_THREADS=1 $(PY19) -m pytest -n 2 --dist loadfile -m long $(MEGATRON_TESTS) || rc=$$?; \
 	exit $$rc
 
@@ -94,6 +98,11 @@ test-mcore19: venv-mcore19
 # `make gpu-check GPU_CHECK_ARGS=--dry-run` (tiny shapes on CPU; `make test` runs it too)
 gpu-check: venv
 	$(PY) examples/gpu_check.py $(GPU_CHECK_ARGS)
+
+# One bench (benchmarks/NAME.py, run from the checkout: not installed with the package), its JSON on stdout:
+# `make bench NAME=model ARGS="--preset tiny --seq-lens 32"`; `make bench` alone lists the benches.
+bench: venv
+	$(PY) -m benchmarks $(or $(NAME),--help) $(ARGS)
 
 clean:
 	rm -rf runs .pytest_cache

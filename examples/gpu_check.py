@@ -390,7 +390,7 @@ def _moe_pair(dev, dt, tokens, hidden, ffn, experts):
     """Our DeepSeekMoE and transformers' DeepseekV3MoE with identical weights (bench `moe`'s builder), every
     matrix rescaled by fan-in (the builder's scale is set for hidden 256 / FFN 128) so that router scores and
     activations stay in range at hidden 7168."""
-    from dsv3_plugin.bench.moe import build_pair
+    from benchmarks.moe import build_pair
 
     ours, theirs, x = build_pair(
         tokens=tokens, hidden=hidden, ffn=ffn, experts=experts, top_k=8, groups=1, topk_group=1, shared=1, seed=0
@@ -428,15 +428,15 @@ class _BTH(torch.nn.Module):
         self.layer = layer
 
     def forward(self, x):
-        from dsv3_plugin.bench import _megatron_moe as megatron_moe
+        from benchmarks import _megatron_moe as megatron_moe
 
         return megatron_moe.forward(self.layer, x)
 
 
 def _megatron_rows(dev, dt, ours, x, g_out, repeats, flops) -> tuple[dict, bool]:
-    """Megatron-Core's own MoELayer holding our layer's weights (`bench/_megatron_moe.py`): its output against ours
+    """Megatron-Core's own MoELayer holding our layer's weights (`benchmarks/_megatron_moe.py`): its output against ours
     and its forward+backward time, in `dt` and (TE on CUDA) with Megatron's blockwise FP8. -> (rows, failed)."""
-    from dsv3_plugin.bench import _megatron_moe as megatron_moe
+    from benchmarks import _megatron_moe as megatron_moe
 
     have, why = megatron_moe.available()
     if not have:
@@ -479,7 +479,7 @@ def _megatron_rows(dev, dt, ours, x, g_out, repeats, flops) -> tuple[dict, bool]
 
 
 def sec_moe(args, res):
-    from dsv3_plugin.bench.moe import moe_flops
+    from benchmarks.moe import moe_flops
     from dsv3_plugin.precision.fp8.experts import Fp8ExpertKernel
 
     dev = args.device

@@ -18,7 +18,7 @@ import sys
 from dsv3_plugin.config import ConfigError
 from dsv3_plugin.errors import CheckpointError, DataError
 
-__all__ = ["main", "build_parser", "strip_launcher_args"]
+__all__ = ["main", "build_parser", "run_command", "strip_launcher_args"]
 
 
 def _installed_version() -> str:
@@ -85,8 +85,23 @@ def main(argv: list[str] | None = None) -> int:
     """
     argv = strip_launcher_args(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
+    return run_command(args.func, args, args.command)
+
+
+def run_command(func, args: argparse.Namespace, command: str) -> int:
+    """Run one parsed command under the exit-code convention of `main` (also used by `python -m benchmarks`).
+
+    Args:
+        func: the command, `func(args) -> int | None`.
+        args: its parsed arguments.
+        command: its name, for the one-line message of an OSError that names a path.
+
+    Returns:
+        What `func` returned (0 for None), 2 on bad input (`ConfigError`, `CheckpointError`, `DataError`: printed
+        as `error: ...` on stderr) and on an OSError that names a path, 130 when interrupted.
+    """
     try:
-        return int(args.func(args) or 0)
+        return int(func(args) or 0)
     except KeyboardInterrupt:
         print("dsv3: interrupted", file=sys.stderr)
         return 130
@@ -106,5 +121,5 @@ def main(argv: list[str] | None = None) -> int:
             if e.filename2 is None
             else f"{os.fsdecode(e.filename)} -> {os.fsdecode(e.filename2)}"
         )
-        print(f"error: {args.command}: {e.strerror or os.strerror(e.errno)}: {where}", file=sys.stderr)
+        print(f"error: {command}: {e.strerror or os.strerror(e.errno)}: {where}", file=sys.stderr)
         return 2

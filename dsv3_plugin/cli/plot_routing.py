@@ -1,6 +1,6 @@
 """`dsv3 plot-routing RUN_DIR [RUN_DIR ...]`: expert-load heatmap over steps and MaxVio curves -> PNG.
 
-Reads each run's `metrics.jsonl` (the JSON lines of `dsv3 train` / `dsv3 bench balance`, with the routing
+Reads each run's `metrics.jsonl` (the JSON lines of `dsv3 train` / `python -m benchmarks balance`, with the routing
 telemetry under `moe_layers`). The first run gives the heatmap (load of each expert over steps, one MoE
 layer, normalised by the mean load: 1 = balanced); every run adds its MaxVio_batch and MaxVio_global curves,
 labelled by its bias update speed γ — pass a γ = 0 run next to a γ > 0 one to see the bias update's effect.

@@ -8,8 +8,8 @@ pp 2 x dp 2 with EP 2 carved from each stage's data-parallel group, one spawn fo
   `torch.equal` (each chunk runs exactly the plain forward / plain backward ops), with FP8 dispatch on and off,
   per-expert and node-deduplicated dispatch, lanes taking turns (own EP groups for the backward lane) and in
   lock step (shared groups); the hook really ran (FB ops through it, the turn passed between the lanes);
-- `dsv3 train`'s pipelined engine (through `dsv3 bench overlap`'s per-rank measurement: two engines, two steps
-  each, tiny model): `parallel.overlap_ep_comm` switches the FB path (hook vs none) and both give the same
+- `dsv3 train`'s pipelined engine (through `python -m benchmarks overlap`'s per-rank measurement: two engines, two
+  steps each, tiny model): `parallel.overlap_ep_comm` switches the FB path (hook vs none) and both give the same
   losses, the second step's after an optimizer step; the bench's summary and timeline (no timing asserted).
 """
 import dataclasses
@@ -111,7 +111,7 @@ def _main():
     pg = pipeline_groups(PP, timeout_s=120)
     res = {"async": _async_vs_sync(build_ep_groups(EP, 1, pp=PP, dp_group=pg.dp_group))}
     res["pipeline"] = {name: _pipeline_case(*case, pg) for name, case in zip(NAMES, CASES)}
-    from dsv3_plugin.bench.overlap import _rank_main
+    from benchmarks.overlap import _rank_main
     res["bench"] = _rank_main(BENCH)      # two PipelinedEngines, parallel.overlap_ep_comm true / false
     return res
 
@@ -158,7 +158,7 @@ def test_train_key_switches_the_fb_path(ranks):
 
 @pytest.mark.dist
 def test_bench_overlap_measures_both_variants(ranks, tmp_path):
-    from dsv3_plugin.bench.overlap import summarize
+    from benchmarks.overlap import summarize
     from dsv3_plugin.parallel.pipeline.overlap_timeline import plot_overlap_timeline
     res = summarize([r["bench"] for r in ranks], BENCH)
     assert res["losses_equal"]

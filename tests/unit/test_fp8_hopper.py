@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from dsv3_plugin.bench.fp8_accum import measure_cell, operands
+from benchmarks.fp8_accum import measure_cell, operands
 from dsv3_plugin.config import ConfigError, FP8Config, load_config
 from dsv3_plugin.model.kernels import base_kernel
 from dsv3_plugin.precision.fp8.hopper import (
@@ -215,7 +215,7 @@ def test_without_mmaemu_a_clear_config_error(monkeypatch):
 
 def test_package_imports_and_trains_without_mmaemu():
     """A fresh interpreter in which `import mmaemu` fails: the package, its FP8 paths (other backends) and the
-    benches' registry still work."""
+    benches' runner (`python -m benchmarks`, from the checkout) still work."""
     code = (
         "import sys; sys.modules['mmaemu'] = None\n"
         "import torch, dsv3_plugin, dsv3_plugin.precision.fp8.hopper, dsv3_plugin.cli\n"
@@ -225,7 +225,8 @@ def test_package_imports_and_trains_without_mmaemu():
         "ids = torch.randint(0, 256, (1, 8))\n"
         "m(ids, ids).loss.backward()\n"
         "assert m.fp8_report.backend == 'emulate'\n"
-        "dsv3_plugin.cli.main(['bench', 'fp8-accum', '--help'])\n"
+        "from benchmarks.__main__ import main\n"
+        "main(['fp8-accum', '--help'])\n"
     )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]

@@ -3,8 +3,9 @@ imports sit at module top (an import inside a function is allowed only for an op
 
 Layers, lowest first (a module may import its own layer and the ones below):
   errors, json_input, safe_files, schedule_traits, config  <  model  <  precision  <  parallel  <  data  <  training
-  <  checkpoint  <  deepspeed, megatron  <  cli, bench  <  the top-level package (public API; imported by nothing
-  inside).
+  <  checkpoint  <  deepspeed, megatron  <  cli  <  the top-level package (public API; imported by nothing inside).
+The benches (`benchmarks/`, beside the package, not installed) sit above all of it: nothing in the package or in
+`patches/` imports them, at module top or anywhere else.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pathlib
 import pytest
 
 PKG = "dsv3_plugin"
+BENCHMARKS = "benchmarks"  # the benches' folder beside the package
 ROOT = pathlib.Path(__file__).resolve().parents[2] / PKG
 
 LAYERS = [
@@ -26,7 +28,7 @@ LAYERS = [
     {"training"},
     {"checkpoint"},
     {"deepspeed", "megatron"},
-    {"cli", "bench", "__main__"},
+    {"cli", "__main__"},
 ]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 TOP = len(LAYERS)  # `dsv3_plugin` itself
@@ -138,6 +140,31 @@ def test_internal_imports_at_module_top():
         if not top
     ]
     assert not inside, "package-internal imports inside functions:\n" + "\n".join(inside)
+
+
+def _names_benchmarks(name) -> bool:
+    return isinstance(name, str) and (name == BENCHMARKS or name.startswith(BENCHMARKS + "."))
+
+
+def test_package_never_imports_the_benchmarks():
+    """`import benchmarks[...]`, `from benchmarks[...] import ...` and `importlib.import_module("benchmarks...")` /
+    `__import__("benchmarks...")` with a literal name, anywhere in a module of the package or of `patches/`."""
+    bad = []
+    for path in sorted([*ROOT.rglob("*.py"), *(ROOT.parent / "patches").rglob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                hit = any(_names_benchmarks(a.name) for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                hit = node.level == 0 and _names_benchmarks(node.module)
+            elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+                f = node.func
+                called = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+                hit = called in ("import_module", "__import__") and _names_benchmarks(node.args[0].value)
+            else:
+                continue
+            if hit:
+                bad.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}")
+    assert not bad, "the package imports the benches (benchmarks/ is not installed):\n" + "\n".join(bad)
 
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if not m.endswith("__main__")))
