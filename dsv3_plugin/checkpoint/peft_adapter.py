@@ -247,10 +247,17 @@ def _read_config(path: str) -> tuple[dict, int, float, float, bool, list[str], l
     params = _get(conf, "target_parameters", lambda v: v is None or strs(v), "a list of parameter names", path) or []
     for m in mods:
         if m not in _ATTN:
-            raise CheckpointError(f"{path}: target_modules names {m!r}, not one of {', '.join(_ATTN)}")
-    for p in params:
-        if p not in _MLP_PARAMS and p not in (_GATE_UP, _DOWN):
+            why = " (peft 0.21.2 maps it to the fused experts: a target_parameter)" if m in MLP_TARGETS else ""
+            raise CheckpointError(f"{path}: target_modules names {m!r}, not one of {', '.join(_ATTN)}{why}")
+    canon = []
+    for (
+        p
+    ) in params:  # peft matches a parameter name as a suffix of `model.layers.N.<name>` (peft's own: "gate_up_proj")
+        hit = [c for c in (*_MLP_PARAMS, _GATE_UP, _DOWN) if f"model.layers.0.{c}".endswith("." + p)]
+        if not hit:
             raise CheckpointError(f"{path}: target_parameters names {p!r}, not a DeepseekV3 MLP or expert weight")
+        canon += [c for c in hit if c not in canon]
+    params = canon
     pats = lambda v: isinstance(v, dict) and all(num(x) for x in v.values())  # noqa: E731
     ranks = _get(conf, "rank_pattern", pats, "an object of numbers", path, {}) or {}
     alphas = _get(conf, "alpha_pattern", pats, "an object of numbers", path, {}) or {}
@@ -318,6 +325,9 @@ def read_peft_adapter(src: str | os.PathLike, cfg: DSv3Config) -> tuple[dict[str
         raise CheckpointError(f"{wpath}: missing{other}")
     conf, r, alpha, dropout, rs, mods, params, ranks, alphas = _read_config(cpath)
     m, E = cfg.model, cfg.moe.n_routed_experts
+    for t in mods:
+        if (t == "q_proj") != (m.q_lora_rank is None):
+            raise CheckpointError(f"{cpath}: target_modules names {t!r}, which the base model does not have")
     k = m.first_k_dense_replace
     hf = cfg.to_hf()
     H, I = m.hidden_size, hf["moe_intermediate_size"]

@@ -149,6 +149,8 @@ Q_A = "base_model.model.model.layers.0.self_attn.q_a_proj.lora_A.weight"
         (lambda d: _edit_config(d, target_modules=["q_a_proj", "v_proj"]), r"target_modules names 'v_proj'"),
         (lambda d: _edit_config(d, target_modules=["gate_proj"]), r"target_modules names 'gate_proj'"),
         (lambda d: _edit_config(d, use_dora=True), r"use_dora = true"),
+        (lambda d: _edit_config(d, target_modules=["q_proj"]), r"'q_proj', which the base model does not have"),
+        (lambda d: _edit_config(d, target_parameters=["mlp.experts.w1"]), r"target_parameters names 'mlp.experts.w1'"),
         (lambda d: _edit_config(d, r=5, rank_pattern={GU: 10}, alpha_pattern={GU: 16}),
          r"lora_A\.weight in .*: shape \[4, 64\], the base model needs \[5, 64\]"),
         (lambda d: _edit_config(d, alpha_pattern={GU: 8}), r"alpha_pattern gives .*gate_up_proj another scale"),
@@ -168,6 +170,16 @@ def test_read_refuses(written, edit, match):
     with pytest.raises(CheckpointError, match=match) as e:
         read_peft_adapter(d, cfg)
     assert "\n" not in str(e.value)
+
+
+def test_read_accepts_peft_parameter_suffixes(written):
+    """peft's own MoE conversion writes bare "gate_up_proj" / "down_proj": the same adapter."""
+    cfg, ad, d = written
+    conf = json.load(open(os.path.join(d, ADAPTER_CONFIG)))
+    short = {"mlp.experts.gate_up_proj": "gate_up_proj", "mlp.experts.down_proj": "experts.down_proj"}
+    _edit_config(d, target_parameters=[short.get(p, p) for p in conf["target_parameters"]])
+    back, _ = read_peft_adapter(d, cfg)
+    assert set(back) == set(ad) and all(torch.equal(back[k], ad[k]) for k in ad)
 
 
 def test_read_refuses_shared_rank_columns(written):
