@@ -218,3 +218,54 @@ def test_write_refuses(tmp_path):
         assert not os.path.exists(tmp_path / f"x{i}")
     # a valid set is accepted by the same check
     assert len(adapter_sites(ad, cfg, lo)) == 3 * 5 + 3 + 2 * 3 + 2 * 3
+
+
+# --- merged export: structure and refusals (the numerics: tests/parity/test_peft_parity.py) -----------------------
+
+
+def test_merge_mtp_adapter_and_replaced_tensor(tmp_path):
+    """An MTP-layer adapter merges into the release's layer L (the MTP block); `replace` puts a trained tensor (the
+    router bias of a `bias_update` run) in the base's place. Same op sequence as lora_merge: torch.equal."""
+    from helpers import read_stored_tensors
+
+    from dsv3_plugin.checkpoint.lora_merge import write_merged_release
+
+    cfg = _cfg({"rank": 2, "alpha": 4, "targets": ["o_proj"]})
+    base = write_tiny_release(tmp_path / "base", fp8=False)
+    g = torch.Generator().manual_seed(0)
+    ad = {"mtp.0.layer.self_attn.o_proj.lora_A": torch.randn(2, 64, generator=g),
+          "mtp.0.layer.self_attn.o_proj.lora_B": torch.randn(64, 2, generator=g)}  # fmt: skip
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    new_bias = torch.randn(cfg.moe.n_routed_experts, generator=g)
+    write_merged_release(base, tmp_path / "m", ad, cfg, cfg.lora, to="hf-fp32", replace={bias: new_bias})
+    b, m = read_stored_tensors(base), read_stored_tensors(tmp_path / "m")
+    o = "model.layers.3.self_attn.o_proj.weight"
+    A, B = ad["mtp.0.layer.self_attn.o_proj.lora_A"], ad["mtp.0.layer.self_attn.o_proj.lora_B"]
+    assert torch.equal(m[o], b[o].float() + (B @ A) * 2.0)
+    assert torch.equal(m[bias], new_bias)
+    for n in set(b) - {o, bias}:
+        assert torch.equal(m[n], b[n].float()), n
+
+
+def test_merge_refuses(tmp_path):
+    from dsv3_plugin.checkpoint.lora_merge import write_merged_release
+
+    cfg = _cfg({"rank": 2, "alpha": 4, "targets": ["o_proj"]})
+    base = write_tiny_release(tmp_path / "base", fp8=True)
+    ad = lora_adapters(cfg, cfg.lora)
+    huge = {k: v * 1e30 for k, v in ad.items()}
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    cases = [
+        (ad, {"to": "hf-fp16"}, "merge target 'hf-fp16'"),
+        (ad, {"replace": {"model.layers.9.mlp.gate.e_score_correction_bias": torch.zeros(16)}}, "replaces no tensor"),
+        (ad, {"replace": {bias: torch.zeros(3)}}, r"e_score_correction_bias: replaces no tensor of shape \[3\]"),
+        (huge, {}, r"o_proj\.weight: non-finite values \(merged with its LoRA adapter\)"),
+    ]
+    for i, (adapters, kw, match) in enumerate(cases):
+        with pytest.raises(CheckpointError, match=match) as e:
+            write_merged_release(base, tmp_path / f"x{i}", adapters, cfg, cfg.lora, **kw)
+        assert "\n" not in str(e.value)
+        assert not os.path.exists(tmp_path / f"x{i}")
+    write_merged_release(base, tmp_path / "ok", ad, cfg, cfg.lora)
+    with pytest.raises(CheckpointError, match="already exists"):
+        write_merged_release(base, tmp_path / "ok", ad, cfg, cfg.lora)
