@@ -95,10 +95,10 @@ def group_modules(cfg: DSv3Config, kind: str, target: str) -> list[str]:
     return [f"layers.{i}.mlp.experts" for i in range(k, L)]
 
 
-def _site(name: str, cfg: DSv3Config) -> tuple[AdapterSite, str]:
-    """(site, "A" | "B") of one native adapter tensor name; CheckpointError if it names no adaptable weight."""
+def _site(name: str, hf: dict) -> tuple[AdapterSite, str]:
+    """(site, "A" | "B") of one native adapter tensor name (`hf`: the base's released config); CheckpointError if it
+    names no adaptable weight."""
     module, _, leaf = name.rpartition(".")
-    hf = cfg.to_hf()
     bad = CheckpointError(f"{name}: not a LoRA adapter tensor of this model (no such adapted weight)")
     if leaf in ("lora_A", "lora_B"):
         try:
@@ -156,8 +156,9 @@ def adapter_sites(adapters: Mapping[str, torch.Tensor], cfg: DSv3Config, lora: L
     targets = set(config_targets(cfg, lora))
     r, E = lora.rank, cfg.moe.n_routed_experts
     sites: dict[str, AdapterSite] = {}
+    hf = cfg.to_hf()
     for name, t in adapters.items():
-        site, ab = _site(name, cfg)
+        site, ab = _site(name, hf)
         if not _layer_exists(site, cfg):
             raise CheckpointError(f"{name}: adapts {site.module}, which this model does not have")
         if site.target not in targets or (site.kind == "experts" and not lora.experts):
