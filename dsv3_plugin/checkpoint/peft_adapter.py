@@ -159,7 +159,7 @@ def _plan(sites, adapters, cfg: DSv3Config, lora: LoRAConfig):
             out[f"{_PREFIX}{w}.lora_B.weight"] = adapters[s0.b].contiguous()
             continue
         pre = f"{_PREFIX}model.layers.{_layer(module)}.mlp.experts"
-        if gu:  # the gate_up_proj wrapper is the inner one when down_proj is adapted too (peft wraps in order)
+        if gu:  # peft wraps the experts' parameters in registration order: gate_up_proj inside, down_proj outside
             I = s0.shape[0] if s0.target != "down_proj" else s0.shape[1]
             A = torch.cat([adapters[ts[t].a] for t in gu], dim=1)  # [E, R, H]
             E = A.shape[0]
