@@ -27,6 +27,8 @@ __all__ = [
     "metrics_lines",
     "metrics_rows",
     "write_train_config",
+    "lora_adapters",
+    "hf_from_pretrained",
 ]
 
 
@@ -148,6 +150,48 @@ def make_tiny_hf_checkpoint(
     with open(cfg_path, "w") as f:
         json.dump(c, f, indent=2)
     return hf
+
+
+def lora_adapters(cfg, lora, seed: int = 0, scale: float = 0.1) -> dict:
+    """Native LoRA adapters (`checkpoint.lora_names` naming) on every site `lora` adapts in `cfg`'s main decoder
+    layers: A and B both N(0, scale^2) (B nonzero, unlike an initialisation, so that every layout is exercised)."""
+    import torch
+
+    from dsv3_plugin.checkpoint.lora_names import EXPERT_PROJ, config_groups, group_modules
+    from dsv3_plugin.checkpoint.names import parse_native
+
+    hf, E, r = cfg.to_hf(), cfg.moe.n_routed_experts, lora.rank
+    g = torch.Generator().manual_seed(seed)
+    proj = {v: k for k, v in EXPERT_PROJ.items()}
+    out = {}
+    for kind, t in sorted(config_groups(cfg, lora)):
+        for mod in group_modules(cfg, kind, t):
+            if kind == "experts":
+                d_out, d_in = parse_native(f"{mod}.{t}", expert=0).row.shape(hf)
+                out[f"{mod}.{proj[t]}_lora_A"] = torch.randn(E, r, d_in, generator=g) * scale
+                out[f"{mod}.{proj[t]}_lora_B"] = torch.randn(E, d_out, r, generator=g) * scale
+            else:
+                d_out, d_in = parse_native(mod + ".weight").row.shape(hf)
+                out[f"{mod}.lora_A"] = torch.randn(r, d_in, generator=g) * scale
+                out[f"{mod}.lora_B"] = torch.randn(d_out, r, generator=g) * scale
+    return out
+
+
+def hf_from_pretrained(path):
+    """transformers' `DeepseekV3ForCausalLM` of a released-format directory (BF16/FP32 files), in fp32 and eval mode;
+    its report of the MTP layer's tensors (which transformers' model has no place for) silenced."""
+    import logging
+
+    import torch
+    from transformers import DeepseekV3ForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity(logging.ERROR)
+    try:
+        return DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def make_truncated_checkpoint(ck):
