@@ -429,15 +429,23 @@ def pretrain_gpt_counting_config_builds(argv: list[str]) -> int:
     # `main` spawns the rank function it finds under this name when it runs; the ranks import the module afresh
     pretrain_gpt._spawned = _spawned_counting_config_builds
     code = pretrain_gpt.main(argv)
-    print(f"config builds: parent {config.CONFIG_BUILDS}", flush=True)
+    _say(f"config builds: parent {config.CONFIG_BUILDS}")
     return code
+
+
+def _say(line: str) -> None:
+    """One write of a whole line (the ranks share the parent's stdout: a `print` may interleave with theirs)."""
+    import sys
+
+    sys.stdout.flush()
+    os.write(1, (line + "\n").encode())
 
 
 def _spawned_counting_config_builds(argv: list[str]) -> int:
     from dsv3_plugin.megatron import config, pretrain_gpt
 
     code = pretrain_gpt._spawned(argv)
-    print(f"config builds: rank {os.environ['RANK']} {config.CONFIG_BUILDS}", flush=True)
+    _say(f"config builds: rank {os.environ['RANK']} {config.CONFIG_BUILDS}")
     return code
 
 
@@ -445,7 +453,7 @@ def config_builds(log: str) -> dict[str, int]:
     """The counts `pretrain_gpt_counting_config_builds` printed: {"parent": n, "rank 0": n, ...}."""
     import re
 
-    return {who: int(n) for who, n in re.findall(r"^config builds: (parent|rank \d+) (\d+)$", log, re.M)}
+    return {who: int(n) for who, n in re.findall(r"config builds: (parent|rank \d+) (\d+)$", log, re.M)}
 
 
 # --- `dsv3 train` as a subprocess (tests/dist) -------------------------------------------------------------
