@@ -23,6 +23,9 @@ __all__ = [
     "mtp_reference_logits",
     "MEGATRON_SPEC",
     "tiny_megatron_args",
+    "PRETRAIN_GPT_COUNTING_CONFIG_BUILDS",
+    "pretrain_gpt_counting_config_builds",
+    "config_builds",
     "subprocess_env",
     "metrics_lines",
     "metrics_rows",
@@ -447,6 +450,54 @@ def tiny_megatron_args(
         args += ["--min-lr", "3e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2"]
     args += ["--mock-data", "--tokenizer-type", "NullTokenizer", "--log-interval", "1"]
     return args + ["--eval-interval", "100", "--eval-iters", "0", "--seed", str(seed)]
+
+
+# `python -c` code: `python -m dsv3_plugin.megatron.pretrain_gpt ARGS` through the function below (tests/ on PYTHONPATH)
+PRETRAIN_GPT_COUNTING_CONFIG_BUILDS = (
+    "import sys, helpers; sys.exit(helpers.pretrain_gpt_counting_config_builds(sys.argv[1:]))"
+)
+
+
+def pretrain_gpt_counting_config_builds(argv: list[str]) -> int:
+    """`dsv3_plugin.megatron.pretrain_gpt.main(argv)` (with `--nproc N`), each process printing how many run configs
+    it built (`megatron.config.CONFIG_BUILDS`) when done: `config builds: parent <n>`, `config builds: rank <r> <n>`.
+
+    Args:
+        argv: the entry point's arguments, `--nproc` included.
+
+    Returns:
+        The entry point's exit status.
+    """
+    from dsv3_plugin.megatron import config, pretrain_gpt
+
+    # `main` spawns the rank function it finds under this name when it runs; the ranks import the module afresh
+    pretrain_gpt._spawned = _spawned_counting_config_builds
+    code = pretrain_gpt.main(argv)
+    _say(f"config builds: parent {config.CONFIG_BUILDS}")
+    return code
+
+
+def _say(line: str) -> None:
+    """One write of a whole line (the ranks share the parent's stdout: a `print` may interleave with theirs)."""
+    import sys
+
+    sys.stdout.flush()
+    os.write(1, (line + "\n").encode())
+
+
+def _spawned_counting_config_builds(argv: list[str]) -> int:
+    from dsv3_plugin.megatron import config, pretrain_gpt
+
+    code = pretrain_gpt._spawned(argv)
+    _say(f"config builds: rank {os.environ['RANK']} {config.CONFIG_BUILDS}")
+    return code
+
+
+def config_builds(log: str) -> dict[str, int]:
+    """The counts `pretrain_gpt_counting_config_builds` printed: {"parent": n, "rank 0": n, ...}."""
+    import re
+
+    return {who: int(n) for who, n in re.findall(r"config builds: (parent|rank \d+) (\d+)$", log, re.M)}
 
 
 # --- `dsv3 train` as a subprocess (tests/dist) -------------------------------------------------------------

@@ -14,7 +14,8 @@ from typing import Any
 
 from dsv3_plugin.checkpoint.hf import model_config, pretrained_config
 from dsv3_plugin.checkpoint.integrity import load_json
-from dsv3_plugin.config import ConfigError, DSv3Config, load_config
+from dsv3_plugin.config import ConfigError, DSv3Config
+from dsv3_plugin.megatron.config import config_from_block
 from dsv3_plugin.megatron.finetune import init_source_kind
 from dsv3_plugin.megatron.gpt import OUR_SPEC
 
@@ -525,13 +526,14 @@ def flag_names_of_keys(parser) -> dict[str, str]:
 
 
 def flags_config(block: dict, parser) -> DSv3Config:
-    """`load_config` of a derived block; a value out of range is reported under the flag it came from.
+    """The `DSv3Config` of a derived block (`config.config_from_block`: validated once); a value out of range is
+    reported under the flag it came from.
 
     Raises:
         ConfigError: `--flag (dsv3.key): why`.
     """
     try:
-        return load_config(block)
+        return config_from_block(block)
     except ConfigError as e:
         msg = str(e)
         for key in sorted(_KEY_FLAGS, key=len, reverse=True):

@@ -97,7 +97,7 @@ def _worker(split: bool = False, fp8: bool = False):
         # -- reference: the whole model, no pipeline, micro-batch by micro-batch
         _mp_init(1)
         torch.manual_seed(0)
-        ref = build_gpt_model(DSV3)
+        ref = build_gpt_model(load_config(DSV3))
         if fp8:
             convert_chunk_to_fp8(ref, FP8_CFG)
         MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1) / C)
@@ -119,7 +119,7 @@ def _worker(split: bool = False, fp8: bool = False):
         for vp in range(2):
             pre, post = stage_ends(r, vp, P)
             m = build_gpt_model(
-                block,
+                cfg,
                 pre_process=pre,
                 post_process=post,
                 vp_stage=vp,
@@ -302,7 +302,7 @@ def _worker_dualpipe():
     with _CudaLiteralsOnCPU(), megatron_dualpipe.dualpipe_schedule("dualpipe"):
         _mp_init(1)
         torch.manual_seed(0)
-        ref = build_gpt_model(DSV3)
+        ref = build_gpt_model(load_config(DSV3))
         MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1) / C)
         MTPLossAutoScaler.set_loss_scale(torch.ones(1) / C)
         ref_sums = []
@@ -322,7 +322,7 @@ def _worker_dualpipe():
         for vp in range(2):
             pre, post = stage_ends(r, vp, P, schedule="dualpipe")
             m = build_gpt_model(
-                DSV3,
+                cfg,
                 pre_process=pre,
                 post_process=post,
                 vp_stage=vp,
