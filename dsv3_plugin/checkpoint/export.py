@@ -177,7 +177,7 @@ def _run_config(run: RunCheckpoint) -> tuple[DSv3Config, dict]:
     if not isinstance(st, dict) or not isinstance(st.get("config"), dict):
         raise CheckpointError(f"{f}: no 'dsv3' config in the checkpoint (not written by dsv3 train)")
     try:
-        cfg = load_config(st["config"])
+        cfg = DSv3Config.from_block(st["config"])
     except ConfigError as e:
         raise CheckpointError(f"{f}: the saved 'dsv3' config is invalid ({e})") from None
     marker = ct.read_marker(run.ckpt, run.tag)

@@ -12,7 +12,7 @@ listed as not planned, with the reason.
 
 import json
 
-from dsv3_plugin.config import ConfigError, DSv3Config, load_config, read_ds_json
+from dsv3_plugin.config import ConfigError, DSv3Config, read_ds_json
 from dsv3_plugin.deepspeed.validate import check_layout, validate_ds_config
 from dsv3_plugin.schedule_traits import check_chunks
 from dsv3_plugin.training.memory_plan import SCHEDULES, GiB, format_table, plan, plan_ranks, rank_param_count
@@ -62,7 +62,7 @@ def _validated(ds: dict | None, block: dict, over: dict, world: int | None) -> D
     DeepSpeed JSON when there is one (`ds`), else the block's own rules."""
     b = _with(block, over)
     if ds is None:
-        cfg = load_config({"dsv3": b})
+        cfg = DSv3Config.from_block(b)
         check_layout(cfg, target="train", world_size=world)
         return cfg
     return validate_ds_config({**ds, "dsv3": b}, target="train", world_size=world).cfg

@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
-from dsv3_plugin.config import ConfigError, DSv3Config, check_numbers, load_config, read_ds_json, value_with_type
+from dsv3_plugin.config import ConfigError, DSv3Config, check_numbers, read_ds_json, value_with_type
 from dsv3_plugin.deepspeed.config_keys import adamw_hyperparameters, check_deepspeed_keys, micro_batch, resolve_batch
 from dsv3_plugin.schedule_traits import check_chunks
 from dsv3_plugin.training.memory_estimate import MemoryEstimate, check_budget
@@ -142,7 +142,7 @@ def validate_ds_config(
     raw = read_ds_json(config)
     check_numbers(raw, prefix=())
     block = raw.pop("dsv3")
-    cfg = load_config({"dsv3": block})
+    cfg = DSv3Config.from_block(block)
     ds = check_deepspeed_keys(raw, train=target == "train")
     _deepspeed_path_rules(cfg, ds)
     dp = check_layout(cfg, target=target, world_size=world_size)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dsv3_plugin.cli import main
-from dsv3_plugin.config import load_config
+from dsv3_plugin.config import DSv3Config, load_config
 from tolerance import model_bound
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -84,7 +84,7 @@ def _reference_first_lm_loss(ck, seq_len, seed, mbs):
 def test_train_cli_spawned_then_resumed_under_torchrun(tmp_path):
     from helpers import make_tiny_hf_checkpoint
     ck = str(tmp_path / "hf")
-    make_tiny_hf_checkpoint(ck, load_config({"preset": "tiny"}), seed=1)
+    make_tiny_hf_checkpoint(ck, DSv3Config.from_block({"preset": "tiny"}), seed=1)
     cfg = _write(tmp_path / "c.json", _ds(moe={"bias_update_speed": 0.01}))
     out = str(tmp_path / "run")
 
@@ -107,7 +107,7 @@ def test_train_cli_spawned_then_resumed_under_torchrun(tmp_path):
     # (both run the loaded model's forward on the same micro-batches; the engine's forward may order its
     # reductions differently, so: what float32 allows through a forward, on the 2 x 2 x 16 tokens)
     ref = _reference_first_lm_loss(ck, 16, 5, 2)
-    bound = float(model_bound(torch.tensor(ref), load_config({"preset": "tiny"}), 2 * 2 * 16, passes=1))
+    bound = float(model_bound(torch.tensor(ref), DSv3Config.from_block({"preset": "tiny"}), 2 * 2 * 16, passes=1))
     assert abs(rows[0]["lm_loss"] - ref) <= bound, (rows[0]["lm_loss"], ref, bound)
     assert rows[0]["gamma"] == 0.01 and rows[-1]["tokens_seen"] == 3 * 2 * 2 * 16
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from dsv3_plugin.cli import main
-from dsv3_plugin.config import ConfigError, load_config
+from dsv3_plugin.config import ConfigError, DSv3Config
 from dsv3_plugin.deepspeed.train import DEFAULT_DS_CONFIG, _prepare
 
 SEED = int(os.environ.get("DSV3_FUZZ_SEED", "20261201"))
@@ -30,7 +30,7 @@ def _bases():
     """(DeepSpeed JSON, world size) pairs that are valid; the second has its "dsv3" block fully spelt out."""
     plain = copy.deepcopy(DEFAULT_DS_CONFIG)
     full = copy.deepcopy(DEFAULT_DS_CONFIG)
-    full["dsv3"] = load_config(full).to_dict()
+    full["dsv3"] = DSv3Config.from_block(full["dsv3"]).to_dict()
     full["dsv3"]["preset"] = None
     pipe = copy.deepcopy(DEFAULT_DS_CONFIG)
     pipe.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=4)
