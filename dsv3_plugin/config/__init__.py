@@ -6,7 +6,7 @@ file) or `DSv3Config.from_hf(config_json)`; a whole run's config (DeepSpeed keys
 `dsv3_plugin.deepspeed.run_config.RunConfig`. Errors are `ConfigError`s led by the dotted key.
 """
 
-from dsv3_plugin.config.loading import load_config, read_ds_json, reference_table
+from dsv3_plugin.config.loading import check_ds_dict, load_config, read_ds_json, reference_table
 from dsv3_plugin.config.presets import PRESETS, deep_merge
 from dsv3_plugin.config.schema import (
     LORA_TARGETS,
@@ -51,6 +51,7 @@ __all__ = [
     "deep_merge",
     "load_config",
     "read_ds_json",
+    "check_ds_dict",
     "schedule_value",
     "reference_table",
     "check_numbers",

@@ -31,33 +31,41 @@ from dsv3_plugin.config.schema import (
 from dsv3_plugin.errors import ConfigError
 from dsv3_plugin.json_input import read_json
 
-__all__ = ["read_ds_json", "load_config", "reference_table"]
+__all__ = ["read_ds_json", "check_ds_dict", "load_config", "reference_table"]
 
 
-def read_ds_json(src: str | os.PathLike | dict) -> dict:
-    """The one reader of a DeepSpeed JSON with a "dsv3" block (`dsv3 check-config`, `dsv3 train`, the engine and
-    `load_config` all use it).
-
-    Args:
-        src: a file path, read by `dsv3_plugin.json_input.read_json`; or an already parsed dict, which gets the
-            checks that apply to parsed JSON (a "dsv3" block, nesting depth, finite numbers).
+def check_ds_dict(ds: dict) -> dict:
+    """The checks a parsed DeepSpeed JSON gets (what `read_ds_json` applies to a file's contents): a "dsv3" block,
+    nesting depth, finite numbers, integers within +-10^36.
 
     Returns:
-        The whole DeepSpeed config (not only the block), as a copy the caller may change.
+        A copy the caller may change. Raises ConfigError naming the key.
+    """
+    if not isinstance(ds, dict):
+        raise ConfigError(f"dsv3: a DeepSpeed config must be a path or a dict (got {type(ds).__name__})")
+    if "dsv3" not in ds:
+        raise ConfigError('dsv3: the DeepSpeed config has no "dsv3" block')
+    check_numbers(ds, prefix=())  # iterative: a hostile depth is refused before deepcopy recurses
+    return copy.deepcopy(ds)
+
+
+def read_ds_json(path: str | os.PathLike) -> dict:
+    """The one reader of a DeepSpeed JSON file with a "dsv3" block (`RunConfig.load`, `load_config`,
+    `dsv3 memory-plan`).
+
+    Args:
+        path: the file, read by `dsv3_plugin.json_input.read_json` (a parsed dict goes to `check_ds_dict`).
+
+    Returns:
+        The whole DeepSpeed config (not only the block), a new dict.
 
     Raises:
         ConfigError: the file is not found, not UTF-8, not JSON, nested too deep, holds NaN/inf or duplicate
-            keys, is not a JSON object, or has no "dsv3" block; `src` is neither a path nor a dict. The message
-            names the file.
+            keys, is not a JSON object, or has no "dsv3" block; `path` is not a path. The message names the file.
     """
-    if isinstance(src, dict):
-        if "dsv3" not in src:
-            raise ConfigError('dsv3: the DeepSpeed config has no "dsv3" block')
-        check_numbers(src, prefix=())  # iterative: a hostile depth is refused before deepcopy recurses
-        return copy.deepcopy(src)
-    if not isinstance(src, (str, os.PathLike)):
-        raise ConfigError(f"dsv3: a DeepSpeed config must be a path or a dict (got {type(src).__name__})")
-    where = os.fspath(src)
+    if not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(f"dsv3: a DeepSpeed config must be a path or a dict (got {type(path).__name__})")
+    where = os.fspath(path)
     raw = read_json(where, ConfigError)
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: must hold a JSON object (got {value_with_type(raw)})")

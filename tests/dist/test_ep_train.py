@@ -7,8 +7,9 @@ from helpers import run_ranks
 
 
 def _train_ep2():
-    from dsv3_plugin.deepspeed.train import DEFAULT_DS_CONFIG, train
-    ds = copy.deepcopy(DEFAULT_DS_CONFIG)
+    from dsv3_plugin.deepspeed.run_config import default_ds_config
+    from dsv3_plugin.deepspeed.train import train
+    ds = default_ds_config()
     ds["dsv3"]["parallel"] = {"ep": 2}
     ds["dsv3"]["train"]["seq_len"] = 32
     res = train(ds, steps=3, progress=False, echo=False, save=False)

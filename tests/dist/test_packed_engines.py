@@ -130,6 +130,7 @@ def _reference(model, batches, gamma, short=0):
 
 def _pipelined(schedule, split):
     from dsv3_plugin.config import DSv3Config, load_config
+    from dsv3_plugin.deepspeed.run_config import RunConfig
     from dsv3_plugin.deepspeed.train import PipelinedStepEngine
     from dsv3_plugin.parallel.distributed import init_distributed
     from dsv3_plugin.training.transforms import build_model
@@ -143,7 +144,7 @@ def _pipelined(schedule, split):
     ref_model = copy.deepcopy(model)
     names = {id(p): n for n, p in model.named_parameters()}
     bufs = {id(b): n for n, b in model.named_buffers()}
-    eng = PipelinedStepEngine(model, ds, cfg)
+    eng = PipelinedStepEngine(model, RunConfig(ds=ds, cfg=cfg))
     pe = eng.pe
     batches = _batches(7)
     out = {"problems": []}
@@ -183,6 +184,7 @@ def _zero():
     import torch.distributed as dist
 
     from dsv3_plugin.config import DSv3Config, load_config
+    from dsv3_plugin.deepspeed.run_config import RunConfig
     from dsv3_plugin.deepspeed.train import ZeroStepEngine
     from dsv3_plugin.parallel.distributed import init_distributed
     from dsv3_plugin.training.transforms import build_model
@@ -195,7 +197,8 @@ def _zero():
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg)
     ref_model = copy.deepcopy(model)
-    eng = ZeroStepEngine(model, ds, cfg)
+    run = RunConfig.load(ds, target="engine", world_size=dist.get_world_size(), model_shape=model.cfg)
+    eng = ZeroStepEngine(model, run)
     per_rank = [_batches(20 + r) for r in range(2)]
     before = _state(eng.module, eng.engine)
     ev = eng.eval_loss(per_rank[rank])

@@ -38,7 +38,7 @@ def _live_state(ds, pp=1):
         engine.dsv3.remove()
     else:
         from dsv3_plugin.deepspeed.pipeline import PipelinedEngine
-        from dsv3_plugin.deepspeed.validate import validate_ds_config
+        from dsv3_plugin.deepspeed.run_config import validate_ds_config
         checked = validate_ds_config(copy.deepcopy(ds), target="train", world_size=2)
         pe = PipelinedEngine(model, checked.ds, checked.cfg)
         ids = torch.randint(0, 256, (2 * pe.gas, 16))

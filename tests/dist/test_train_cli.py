@@ -34,9 +34,10 @@ def _env():
 
 
 def test_example_config_is_the_default():
-    from dsv3_plugin.deepspeed.train import DEFAULT_DS_CONFIG
-    with open(os.path.join(ROOT, "examples", "deepspeed", "ds_config.json")) as f:
-        assert json.load(f) == DEFAULT_DS_CONFIG
+    from dsv3_plugin.deepspeed.run_config import DEFAULT_DS_CONFIG_PATH
+    with open(os.path.join(ROOT, "examples", "deepspeed", "ds_config.json"), "rb") as f, \
+            open(DEFAULT_DS_CONFIG_PATH, "rb") as g:
+        assert f.read() == g.read()  # the user-facing copy of the packaged default
     assert main(["check-config", os.path.join(ROOT, "examples", "deepspeed", "ds_config.json")]) == 0
 
 

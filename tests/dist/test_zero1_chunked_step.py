@@ -30,7 +30,7 @@ def _train(chunked: bool, ds: dict) -> dict:
 
     from dsv3_plugin.deepspeed import initialize
     from dsv3_plugin.deepspeed.moe_layer import prepare_model
-    from dsv3_plugin.deepspeed.validate import validate_ds_config
+    from dsv3_plugin.deepspeed.run_config import validate_ds_config
     from dsv3_plugin.training.transforms import build_model
     from dsv3_plugin_patches import deepspeed_zero1_chunked_step as patch
 

@@ -7,7 +7,7 @@ import torch
 from dsv3_plugin.config import ConfigError, DSv3Config
 from dsv3_plugin.deepspeed import split_ds_config
 from dsv3_plugin.deepspeed.engine import check_fp32_router_state, mixed_precision_dtype, prepare_mixed_precision
-from dsv3_plugin.deepspeed.validate import validate_ds_config
+from dsv3_plugin.deepspeed.run_config import validate_ds_config
 from dsv3_plugin.training.transforms import build_model
 
 

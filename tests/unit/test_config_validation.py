@@ -227,7 +227,7 @@ def test_engine_refuses_what_deepspeed_would(capsys):
 
 # ---- world-size rules (--nproc) and the batch triple ----------------------------------------------------------
 def test_world_size_rules(tmp_path, capsys):
-    from dsv3_plugin.deepspeed.validate import validate_ds_config
+    from dsv3_plugin.deepspeed.run_config import validate_ds_config
 
     p = tmp_path / "c.json"
     p.write_text(json.dumps({**_ds(), "dsv3": {"preset": "tiny", "parallel": {"ep": 4}}}))
@@ -263,7 +263,7 @@ def test_world_size_rules(tmp_path, capsys):
 
 def test_low_level_guards_say_the_same(tmp_path):
     """The in-rank guards that remain (group builders) raise the validation's message word for word."""
-    from dsv3_plugin.deepspeed.validate import validate_ds_config
+    from dsv3_plugin.deepspeed.run_config import validate_ds_config
     from dsv3_plugin.parallel.groups import ep_layout
 
     with pytest.raises(ConfigError) as low:
@@ -336,7 +336,7 @@ def test_pp_with_ep_accepts_a_pipeline_rank_without_moe_layer():
     norm per group over the pipeline (once a gloo size mismatch in the first step, so this was refused); the
     pipeline engine now sums one norm per stage (patches/deepspeed_zero_pipeline_norm.py; trained against the
     single process in tests/dist/test_pipeline_ep_train.py, 1F1B with a dense-only stage 0)."""
-    from dsv3_plugin.deepspeed.validate import validate_ds_config
+    from dsv3_plugin.deepspeed.run_config import validate_ds_config
 
     def ds(schedule, gas):
         return {
