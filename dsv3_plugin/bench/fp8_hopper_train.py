@@ -1,19 +1,14 @@
 """Training under modeled Hopper FP8 hardware: loss curves with FP32 promotion every N_C = 128 vs none, against
 the exact emulation (DeepSeek-V3 report §3.3.2).
 
-Every run trains the same small DSv3 model (same initial weights, same synthetic Markov batches, AdamW) with all
-decoder-layer GEMMs in FP8 (Fprop, Dgrad, Wgrad; experts included) through one backend:
-  * `emulate`        exact FP8 semantics, FP32 inside each 128-chunk (`fp8.backend = emulate`);
-  * `hopper-128`     Hopper tensor-core accumulation (mmaemu), promoted to FP32 every 128 (`hopper-emulated`);
-  * `hopper-none`    the same with no promotion: every GEMM one tensor-core chain over all of K;
-  * `fp32`           no FP8 (reference).
-The FP8 runs use `fp8.recipe = tensorwise` by default: without promotion a per-128 scale cannot be applied, so
-"no promotion" only exists with one scale per tensor (`--recipe blockwise` compares hopper-128 and emulate only).
-Wgrad contracts over the step's tokens (`--batch` × `--seq-len`), the longest K here; Fprop/Dgrad contract over
-the hidden and FFN widths (≤ 128 at this size), where one window covers all of K and the two runs coincide.
-
-Headline: `ours` = final loss (mean of the last `--tail` steps) of hopper-128, `baseline` = the exact emulation's,
-`ratio` = ours / baseline; `no_promotion` carries hopper-none's figures.
+Every run trains the same small model (same weights, synthetic batches, AdamW) with all decoder-layer GEMMs in
+FP8 (Fprop, Dgrad, Wgrad; experts included) through one backend: `emulate` (exact FP8, FP32 inside each
+128-chunk), `hopper-128` (Hopper tensor-core accumulation via mmaemu, promoted every 128), `hopper-none` (no
+promotion: one chain over all of K), `fp32` (no FP8). FP8 runs use `fp8.recipe = tensorwise` by default (without
+promotion a per-128 scale cannot be applied; `--recipe blockwise` compares hopper-128 and emulate only). Wgrad
+contracts over the step's tokens (`--batch` × `--seq-len`), the longest K here. Headline: `ours` = final loss
+(mean of the last `--tail` steps) of hopper-128, `baseline` = the exact emulation's, `ratio` = ours / baseline;
+`no_promotion` carries hopper-none's figures.
 """
 
 from __future__ import annotations

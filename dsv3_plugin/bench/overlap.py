@@ -1,19 +1,14 @@
 """Computation-communication overlap (DeepSeek-V3 §3.2.1, Fig. 4): exposed EP all-to-all time of DualPipe's FB pairs
 with the overlap hook vs F then B, in `dsv3 train`'s pipelined step on spawned gloo ranks.
 
-pp x ep ranks (data parallel = ep, EP carved from each stage's data-parallel group) each build the same model
-twice (same seed) and wrap it in two `PipelinedEngine`s, the engine `dsv3 train` runs for pp > 1, one with
-`parallel.overlap_ep_comm` on and one with it off; each step both train on the same micro-batches, alternating
-which goes first so that load drift on a shared machine hits both alike. Per rank and per op kind (F, B, I, W,
-FB) the runtime splits the op time into time blocked in EP all-to-all waits (`a2a_wait_s`), time blocked on
-pipeline peers (`p2p_wait_s`) and the rest (`compute_s`). `ours` is the exposed all-to-all time per FB pair with
-the hook (mean over ranks), `baseline` the same F then B, `ratio` = baseline / ours (> 1: the hook hides more);
-`fb_pair_wall_s` is the wall time of one FB op with and without (the hook must not be slower). The first step
-of each engine is a warm-up and not measured.
-
-`--timeline PNG` draws one measured FB pair with the hook (the middle FB op of the last step on global rank
-`--timeline-rank`, by default pipeline rank pp - 1, whose two chunks are DualPipeV's middle stages) as a
-computation and a communication lane (`pipeline.overlap_timeline`); `--events JSON` writes its events.
+pp x ep ranks each build the same model twice (same seed) into two `PipelinedEngine`s, `parallel.overlap_ep_comm`
+on and off, training on the same micro-batches in alternating order (load drift hits both alike). Per rank and op
+kind the runtime splits op time into EP all-to-all waits (`a2a_wait_s`), pipeline-peer waits (`p2p_wait_s`) and
+the rest (`compute_s`). `ours` = exposed all-to-all time per FB pair with the hook (mean over ranks), `baseline`
+F then B, `ratio` = baseline / ours (> 1: the hook hides more); `fb_pair_wall_s`: one FB op's wall time with and
+without. Each engine's first step is a warm-up. `--timeline PNG` draws one measured FB pair with the hook (on
+`--timeline-rank`, default pipeline rank pp - 1) as a computation and a communication lane; `--events JSON`
+writes its events.
 """
 
 from __future__ import annotations

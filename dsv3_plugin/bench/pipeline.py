@@ -1,17 +1,13 @@
 """The W split in training (DeepSeek-V3 §3.2.1): per-rank idle fraction of `dsv3 train`'s pipeline step with the
 weight gradients deferred to the W ops vs computed inside B, on spawned gloo ranks.
 
-Each rank builds the same model twice (same seed, `--preset` with `--layers` decoder layers) and wraps it in two
-`PipelinedEngine`s, the engine `dsv3 train` runs for pp > 1 (the schedule's stages, DeepSpeed ZeRO-1, the
-optimizer step), one with `parallel.split_weight_grads` on and one with it off; each step both train on the
-same micro-batches, the two alternating so that load drift on a shared machine hits both alike. What a step
-runs is `PipelinedEngine.train_step` (`dsv3 train`'s step without the MoE bias update and its metrics, which do
-not depend on the split). A rank's idle fraction is idle / (busy + idle) summed over the measured steps (the
-first one is a warm-up): busy = time inside F/B/W/FB stage compute, idle = time waiting on a peer during the
-schedule (the runtime's own accounting, `PipelineRuntime.step`; DualPipe's mirror gradient exchange is reported
-apart as `grad_sync_s`). `ours` is the mean idle fraction with the split, `baseline`
-without it, `ratio` = baseline / ours (> 1: the split idles less). `w_closures` counts the deferred weight-gradient jobs
-the W ops ran (0 without the split: what runs really differs).
+Each rank builds the same model twice (same seed) into two `PipelinedEngine`s (`dsv3 train`'s engine for pp > 1),
+`parallel.split_weight_grads` on and off, training alternately on the same micro-batches (load drift hits both
+alike); a step is `PipelinedEngine.train_step`. Idle fraction = idle / (busy + idle) over the measured steps (the
+first is a warm-up): busy = F/B/W/FB stage compute, idle = waits on a peer (`PipelineRuntime.step`; DualPipe's
+mirror gradient exchange apart as `grad_sync_s`). `ours` = mean idle fraction with the split, `baseline`
+without, `ratio` = baseline / ours (> 1: the split idles less); `w_closures` counts the deferred weight-gradient
+jobs the W ops ran (0 without the split).
 """
 
 from __future__ import annotations

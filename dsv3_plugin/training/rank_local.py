@@ -1,19 +1,14 @@
 """Rank-local models: what one rank of a PP x EP (x DP) job owns, built without ever allocating the rest.
 
 DeepSeek-V3 trains with PP16 (DualPipe) x EP64 x ZeRO-1 DP (report §3.2): a rank holds its pipeline stages'
-decoder layers and, inside every MoE layer of those, its E/EP slice of the routed experts; the first stage
-holds the embedding, the last the final norm, the output head and the MTP modules (which reuse the embedding,
-§2.2), and under DualPipe both sit on one rank (ranks 0 and P-1 hold stages 0 and P-1, §3.2.1), so the
-embedding is one physical parameter there.
-
+decoder layers and its E/EP slice of each of their MoE layers' routed experts; the first stage holds the
+embedding, the last the final norm, output head and MTP modules (§2.2; under DualPipe both on one rank, §3.2.1).
 `RankLayout` is that ownership as data (pure: no process group). `build_rank_local(cfg, layout)` builds
-`DSv3Model` on the `meta` device and materializes only the owned parameters, directly in the parameter dtype,
-with the values a full model built after the same `torch.manual_seed` holds (`model.init`: per-tensor keyed
-initialisation). Modules of other ranks stay on `meta` (no memory) and are dropped by the pipeline split
-(`parallel.pipeline.stages.build_stages` references only its stages' modules). Routed experts of an owned MoE
-layer are a `GroupedExperts` of the local experts only, tagged with `expert_range`; expert parallelism
-(`parallel.expert_parallel`) takes such a slab as it is, so the model is meant for the EP transform
-(`ep` > 1 models compute correctly only after it, as the full model's experts would be missing).
+`DSv3Model` on `meta` and materializes only the owned parameters, in the parameter dtype, with the values the
+full model built after the same `torch.manual_seed` holds (`model.init`: per-tensor keyed initialisation).
+Other ranks' modules stay on `meta` and are dropped by the pipeline split; an owned MoE layer's routed experts
+are a `GroupedExperts` of the local experts only (`expert_range`), the slab the EP transform
+(`parallel.expert_parallel`) takes as it is (`ep` > 1 models compute correctly only after it).
 """
 
 from __future__ import annotations
