@@ -1,13 +1,14 @@
 """Computation-communication overlap (DeepSeek-V3 §3.2.1, Fig. 4): exposed EP all-to-all time of DualPipe's FB pairs
 with the overlap hook vs F then B, in `dsv3 train`'s pipelined step on spawned gloo ranks.
 
-pp x ep ranks each wrap the same model in two `PipelinedEngine`s, `parallel.overlap_ep_comm` on and off, trained
-on the same micro-batches in alternating order; per op kind the runtime splits op time into all-to-all waits,
-pipeline-peer waits and compute. `ours` = exposed all-to-all time per FB pair with the hook (mean over ranks),
-`baseline` = the same F then B, `ratio` = baseline / ours; `fb_pair_wall_s` per variant. `--timeline PNG` draws
-one measured FB pair as a computation and a communication lane; `--events JSON` writes its events.
-
-Design notes (the engines, the accounting, the timeline's pair): docs/design_notes.md#bench-overlap
+pp x ep ranks each build the same model twice (same seed) into two `PipelinedEngine`s, `parallel.overlap_ep_comm`
+on and off, training on the same micro-batches in alternating order (load drift hits both alike). Per rank and op
+kind the runtime splits op time into EP all-to-all waits (`a2a_wait_s`), pipeline-peer waits (`p2p_wait_s`) and
+the rest (`compute_s`). `ours` = exposed all-to-all time per FB pair with the hook (mean over ranks), `baseline`
+F then B, `ratio` = baseline / ours (> 1: the hook hides more); `fb_pair_wall_s`: one FB op's wall time with and
+without. Each engine's first step is a warm-up. `--timeline PNG` draws one measured FB pair with the hook (on
+`--timeline-rank`, default pipeline rank pp - 1) as a computation and a communication lane; `--events JSON`
+writes its events.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import json
 import torch
 
 from benchmarks import positive_int
-from dsv3_plugin.config import ConfigError, load_config
+from dsv3_plugin.config import ConfigError, DSv3Config
 from dsv3_plugin.data.synthetic import MarkovData
 from dsv3_plugin.deepspeed.pipeline import PipelinedEngine
 from dsv3_plugin.parallel import overlap
@@ -96,7 +97,7 @@ def _rank_main(a: dict) -> dict:
     engines = {}
     for hook in (True, False):
         ds = _ds(a, hook)
-        cfg = load_config(ds)
+        cfg = DSv3Config.from_block(ds["dsv3"])
         torch.manual_seed(cfg.train.seed)
         engines[hook] = PipelinedEngine(build_model(cfg), ds, cfg)
     pe = engines[True]
@@ -154,7 +155,7 @@ def run(args) -> dict:
         check_chunks(args.schedule, args.pp, args.chunks, chunks_key="--chunks", pp_key="--pp")
         if args.ep < 2:
             raise ConfigError("--ep: must be >= 2 (no all-to-all to overlap at ep = 1)")
-        load_config(_ds(a, True))
+        DSv3Config.from_block(_ds(a, True)["dsv3"])
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)

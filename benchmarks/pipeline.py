@@ -1,12 +1,13 @@
 """The W split in training (DeepSeek-V3 §3.2.1): per-rank idle fraction of `dsv3 train`'s pipeline step with the
 weight gradients deferred to the W ops vs computed inside B, on spawned gloo ranks.
 
-Each rank wraps the same model in two `PipelinedEngine`s, `parallel.split_weight_grads` on and off, trained on the
-same micro-batches in alternating order. A rank's idle fraction is idle / (busy + idle) over the measured steps
-(the runtime's own accounting; DualPipe's mirror gradient exchange apart as `grad_sync_s`). `ours` = mean idle
-fraction with the split, `baseline` without, `ratio` = baseline / ours; `w_closures` counts the deferred jobs.
-
-Design notes (what a step runs, the accounting): docs/design_notes.md#bench-pipeline
+Each rank builds the same model twice (same seed) into two `PipelinedEngine`s (`dsv3 train`'s engine for pp > 1),
+`parallel.split_weight_grads` on and off, training alternately on the same micro-batches (load drift hits both
+alike); a step is `PipelinedEngine.train_step`. Idle fraction = idle / (busy + idle) over the measured steps (the
+first is a warm-up): busy = F/B/W/FB stage compute, idle = waits on a peer (`PipelineRuntime.step`; DualPipe's
+mirror gradient exchange apart as `grad_sync_s`). `ours` = mean idle fraction with the split, `baseline`
+without, `ratio` = baseline / ours (> 1: the split idles less); `w_closures` counts the deferred weight-gradient
+jobs the W ops ran (0 without the split).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from benchmarks import positive_int
-from dsv3_plugin.config import ConfigError, load_config
+from dsv3_plugin.config import ConfigError, DSv3Config
 from dsv3_plugin.data.synthetic import MarkovData
 from dsv3_plugin.deepspeed.pipeline import PipelinedEngine
 from dsv3_plugin.parallel.distributed import init_distributed, spawn
@@ -73,7 +74,7 @@ def _rank_main(a: dict) -> dict:
         engines = {}
         for split in (True, False):
             ds = _ds(a, schedule, split)
-            cfg = load_config(ds)
+            cfg = DSv3Config.from_block(ds["dsv3"])
             torch.manual_seed(cfg.train.seed)
             engines[split] = PipelinedEngine(build_model(cfg), ds, cfg)
         data = MarkovData(cfg.model.vocab_size, cfg.train.seq_len, seed=cfg.train.seed)
@@ -107,7 +108,7 @@ def run(args) -> dict:
     try:
         for s in schedules:
             check_chunks(s, args.pp, args.chunks, chunks_key="--chunks", pp_key="--pp")
-            load_config(_ds(a, s, True))
+            DSv3Config.from_block(_ds(a, s, True)["dsv3"])
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)

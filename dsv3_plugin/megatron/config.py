@@ -195,7 +195,7 @@ _RUN: tuple[weakref.ref, DSv3Config] | None = None
 
 def _block_config(block: dict) -> DSv3Config:
     """The one place the Megatron path validates a bare "dsv3" block."""
-    return load_config(block)
+    return DSv3Config.from_block(block)
 
 
 def read_config_file(path: str) -> DSv3Config:

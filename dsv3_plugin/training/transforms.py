@@ -1,17 +1,12 @@
 """Model transforms, applied in one place and in one order: FP8 → recompute → expert parallelism → W-split.
 
-`DSv3Model(cfg)` builds the plain BF16/FP32 model (report §2); everything that changes *how* it computes, not
-*what*, is applied here, after construction, by swapping kernels or modules in place (parameter names and
-state_dict keys never change, so checkpoints load before or after):
-
-  1. FP8 (report §3.3): decoder-layer Linear GEMMs become `Fp8Linear`, routed experts get `Fp8ExpertKernel`,
-     dense / shared-expert SwiGLUs cache their inputs in FP8 (`Fp8SwiGLUAct`);
-  2. recompute (report §3.2.3): RMSNorm and MLA up-projections recomputed in backward (`training.recompute`);
-  3. expert parallelism (report §3.2.2): each MoE layer replaced by its EP shard (`parallel.expert_parallel`),
-     done by the caller that owns the process groups (`deepspeed.moe_layer.prepare_model`, Megatron's spec);
-  4. weight-gradient split (report §3.2.1, DualPipe's W ops): every kernel seam wrapped in
-     `DeferredWeightGrads` (`parallel.pipeline.weight_grad.split_weight_grads`).
-
+`DSv3Model(cfg)` builds the plain BF16/FP32 model (report §2); what changes *how* it computes, not *what*, is
+applied here after construction by swapping kernels or modules in place (parameter names and state_dict keys
+never change): 1. FP8 (§3.3): decoder-layer Linears become `Fp8Linear`, routed experts get `Fp8ExpertKernel`,
+dense / shared-expert SwiGLUs cache their inputs in FP8; 2. recompute (§3.2.3): RMSNorm and MLA up-projections
+recomputed in backward (`training.recompute`); 3. expert parallelism (§3.2.2): each MoE layer replaced by its EP
+shard, by the caller that owns the process groups (`deepspeed.moe_layer.prepare_model`, Megatron's spec);
+4. weight-gradient split (§3.2.1, DualPipe's W ops): every kernel seam wrapped in `DeferredWeightGrads`.
 The order matters where two transforms touch one module: FP8 replaces the innermost kernel and W-split wraps
 whatever kernel is there, so FP8 under the W split keeps both (see `model.kernels`).
 """
@@ -21,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsv3_plugin.config import DSv3Config, FP8Config, load_config
+from dsv3_plugin.config import DSv3Config, FP8Config
 from dsv3_plugin.model.kernels import KernelLinear, base_kernel, rebase
 from dsv3_plugin.model.moe.layer import DenseMLP, GroupedExperts
 from dsv3_plugin.model.transformer import DecoderLayer, DSv3Model
@@ -33,18 +28,17 @@ from dsv3_plugin.training.recompute import apply_recompute
 __all__ = ["build_model", "apply_transforms", "convert_to_fp8"]
 
 
-def build_model(cfg: DSv3Config | dict | str) -> DSv3Model:
+def build_model(cfg: DSv3Config) -> DSv3Model:
     """`DSv3Model(cfg)` with the transforms its config asks for (`fp8.enabled`, `memory.recompute`).
 
     Args:
-        cfg: a `DSv3Config`, a "dsv3" block dict, or a preset name.
+        cfg: the validated config (`DSv3Config.from_block`, `load_config`, `DSv3Config.from_hf`).
 
     Returns:
         The model (FP32 parameters, initialised from the config's seed), transformed in place: with FP8 its
         decoder-layer Linears are `Fp8Linear` and its routed experts run `Fp8ExpertKernel`; with recompute its
         norms / MLA up-projections (or whole layers) are recomputed in backward. Parameter names are unchanged.
     """
-    cfg = load_config(cfg)
     return apply_transforms(DSv3Model(cfg), cfg)
 
 
