@@ -13,7 +13,7 @@ from dsv3_plugin.checkpoint.lora_merge import write_merged_release
 from dsv3_plugin.checkpoint.lora_names import adapter_sites, lora_scale
 from dsv3_plugin.checkpoint.peft_adapter import write_peft_adapter
 from dsv3_plugin.checkpoint.tiny_release import TINY_RELEASE, write_tiny_release
-from dsv3_plugin.config import DSv3Config, 
+from dsv3_plugin.config import DSv3Config
 
 pytestmark = pytest.mark.filterwarnings("ignore:The following (rank|alpha)_pattern keys did not match:RuntimeWarning")
 

@@ -5,7 +5,7 @@ scales, the frozen BF16 parts, ZeRO-1's partition of the adapters' optimizer sta
 import json
 
 from dsv3_plugin.cli import main
-from dsv3_plugin.config import DSv3Config, 
+from dsv3_plugin.config import DSv3Config
 from dsv3_plugin.parallel.pipeline.trainable_gemms import adapter_params
 from dsv3_plugin.training.lora_memory import fp8_matrix_bytes, lora_layer_delta, lora_rank_memory
 from dsv3_plugin.training.memory_estimate import estimate_train_memory, model_param_count

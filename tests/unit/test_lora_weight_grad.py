@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from dsv3_plugin.config import DSv3Config, 
+from dsv3_plugin.config import DSv3Config
 from dsv3_plugin.parallel.pipeline.weight_grad import WeightGradQueue, split_weight_grads
 from dsv3_plugin.training.transforms import build_model
 

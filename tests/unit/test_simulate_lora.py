@@ -5,7 +5,7 @@ FLOPs, 2·T·r·(d_in + d_out) per adapted matrix (`comm_model.layer_flops`), an
 import json
 
 from dsv3_plugin.cli import main
-from dsv3_plugin.config import DSv3Config, 
+from dsv3_plugin.config import DSv3Config
 from dsv3_plugin.parallel.pipeline.comm_model import Hardware, layer_flops, paper_setup
 from dsv3_plugin.parallel.pipeline.schedule import build_schedule
 from dsv3_plugin.parallel.pipeline.simulate import Durations, simulate
