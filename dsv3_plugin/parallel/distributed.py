@@ -36,6 +36,7 @@ __all__ = [
     "init_distributed",
     "default_backend",
     "spawn",
+    "shared_forkserver",
     "first_failure",
     "rank",
     "world_size",
@@ -477,11 +478,16 @@ def _worker(
     env: dict,
     parent_pid: int | None = None,
     stdio: Any = None,
+    caller_env: dict | None = None,
 ) -> None:
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELPER_BLOCKED)  # inherited blocked from the forkserver
     if parent_pid is not None:
         _die_with_parent(parent_pid)
+    if caller_env is not None:  # a shared forkserver (`shared_forkserver`): its environment is from its own start
+        for k in set(os.environ) - set(caller_env):
+            del os.environ[k]
+        os.environ.update(caller_env)
     os.environ.update(env)
     if env.get("OMP_NUM_THREADS", "").isdigit():
         # the forkserver imported torch with the spawning process's environment: apply this rank's thread count
@@ -571,13 +577,13 @@ class _Helpers:
     def __init__(self):
         self.forkserver = self.tracker = None  # the ones `start` started
 
-    def start(self):
+    def start(self, preload: tuple[str, ...] = ()):
         if "forkserver" not in mp.get_all_start_methods():
             return mp.get_context("spawn")
         from multiprocessing import forkserver, resource_tracker
 
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(_PRELOAD)
+        ctx.set_forkserver_preload([*_PRELOAD, *preload])
         fs, rt = forkserver._forkserver, resource_tracker._resource_tracker
         had = (fs._forkserver_pid, rt._pid)
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _HELPER_BLOCKED)
@@ -730,10 +736,31 @@ def spawn(
     helpers = _Helpers()
     try:
         ctx = helpers.start()
-        return _run_ranks(ctx, fn, nproc, args, env, timeout_s, forwarder)
+        shared = helpers.forkserver is None and ctx.get_start_method() == "forkserver"  # one started before
+        return _run_ranks(ctx, fn, nproc, args, env, timeout_s, forwarder, dict(os.environ) if shared else None)
     finally:
         if forwarder is not None:
             forwarder.restore()
+        helpers.stop()
+
+
+@contextlib.contextmanager
+def shared_forkserver(preload: tuple[str, ...] = ()):
+    """One forkserver (and resource tracker) for every `spawn` inside the block instead of one per call, for a
+    process that spawns many times (a test session): it pays the server's start-up (importing torch and `preload`)
+    once. Each rank is still a fork of the server, never of an earlier rank, so no rank state carries over from one
+    `spawn` to the next; a rank gets the caller's environment of its `spawn` call, not the server's. A forkserver
+    already running is used and left running. Both are stopped when the block ends.
+
+    Args:
+        preload: modules the server imports besides torch, so that the ranks need not (e.g. "deepspeed"). They
+            are imported with the environment of this call; one that fails to import is skipped there.
+    """
+    helpers = _Helpers()
+    helpers.start(tuple(preload))
+    try:
+        yield
+    finally:
         helpers.stop()
 
 
@@ -747,7 +774,9 @@ def _process_gone(pid: int) -> bool:
         return True
 
 
-def _run_ranks(ctx, fn, nproc: int, args: tuple, env: dict | None, timeout_s: float, forwarder) -> list[Any]:
+def _run_ranks(
+    ctx, fn, nproc: int, args: tuple, env: dict | None, timeout_s: float, forwarder, caller_env: dict | None = None
+) -> list[Any]:
     import io
     import time
     from multiprocessing.connection import wait
@@ -759,7 +788,9 @@ def _run_ranks(ctx, fn, nproc: int, args: tuple, env: dict | None, timeout_s: fl
     pipes = [ctx.Pipe(duplex=False) for _ in range(nproc)]
     procs = [
         ctx.Process(
-            target=_worker, args=(r, nproc, port, fn, args, pipes[r][1], env, os.getpid(), _Stdio()), daemon=False
+            target=_worker,
+            args=(r, nproc, port, fn, args, pipes[r][1], env, os.getpid(), _Stdio(), caller_env),
+            daemon=False,
         )
         for r in range(nproc)
     ]
