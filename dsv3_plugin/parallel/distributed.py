@@ -2,8 +2,8 @@
 
 The same code runs under the launchers users already have (`torchrun`, the `deepspeed` launcher: they
 set RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT) and self-spawned on loopback
-(`--nproc N`, via `torch.multiprocessing`: forks of a forkserver that imported torch once), with gloo on CPU and
-NCCL on GPU.
+(`--nproc N`, via `torch.multiprocessing`: forks of a forkserver that imported torch and the rank's module once;
+`shared_forkserver` keeps one for many calls), with gloo on CPU and NCCL on GPU.
 
 When a rank dies (issue 27, point 2): the others fail in their next wait on it (at once when its connections
 close; within `parallel.p2p_timeout_s` otherwise) and `peer_failures` names the dead rank after a roll call through
@@ -561,6 +561,18 @@ def _input_error(name: str, message: str) -> ValueError:
 _PRELOAD = ["torch", "torch.distributed"]
 
 
+def _rank_module(fn: Callable) -> tuple[str, ...]:
+    """The module of `fn`, for a new forkserver to import once instead of every rank: a rank imports it anyway while
+    it unpickles `fn`, before `_worker` runs, in the server's environment (the caller's), so the rank gets the same
+    module either way. Only this package's modules (the server finds them where the caller did: installed or on
+    PYTHONPATH, not on a path the caller added at run time), and only while CUDA is not initialised here: an import
+    that initialised it in the server would break the forks, and one that did not here will not there."""
+    name = getattr(fn, "__module__", None) or ""
+    if not name.startswith("dsv3_plugin.") or torch.cuda.is_initialized():
+        return ()
+    return (name,)
+
+
 class _Helpers:
     """The forkserver (Unix; elsewhere ranks start as fresh interpreters, "spawn") and the resource tracker it
     starts, each stopped by `stop` if `start` started it: nothing of a `spawn` call outlives it (issue 27: no fork
@@ -571,8 +583,9 @@ class _Helpers:
     (1.9 s of CPU); 5 calls of `spawn` with 2 ranks that join a group took 2.7-3.6 s each, against 0.5-0.9 s
     with one forkserver kept warm across the calls (the first call pays for it either way). `dsv3 train` spawns
     once per process, so only callers that spawn many times in one process (the tests) pay it; the alternative,
-    two processes per calling process left running until it exits, is what issue 27 rules out. A forkserver
-    already running when `spawn` is called (someone else's) is used and left running."""
+    two processes per calling process left running until it exits, is what issue 27 rules out unless the caller
+    asks for it (`shared_forkserver`). A forkserver already running when `spawn` is called (someone else's, or
+    `shared_forkserver`'s) is used and left running."""
 
     def __init__(self):
         self.forkserver = self.tracker = None  # the ones `start` started
@@ -735,7 +748,7 @@ def spawn(
     forwarder = _Forwarder(forward_signals, repeat_window_s) if forward_signals else None
     helpers = _Helpers()
     try:
-        ctx = helpers.start()
+        ctx = helpers.start(_rank_module(fn))
         shared = helpers.forkserver is None and ctx.get_start_method() == "forkserver"  # one started before
         return _run_ranks(ctx, fn, nproc, args, env, timeout_s, forwarder, dict(os.environ) if shared else None)
     finally:
