@@ -18,6 +18,7 @@ import os
 import re
 import signal
 import socket
+import sys
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -479,6 +480,7 @@ def _worker(
     parent_pid: int | None = None,
     stdio: Any = None,
     caller_env: dict | None = None,
+    module_file: str | None = None,
 ) -> None:
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELPER_BLOCKED)  # inherited blocked from the forkserver
@@ -511,6 +513,11 @@ def _worker(
             pass
 
     try:
+        if module_file is not None and getattr(sys.modules.get(fn.__module__), "__file__", None) != module_file:
+            raise RuntimeError(  # the forkserver found another copy of it (`_rank_module`)
+                f"{fn.__module__} is {sys.modules[fn.__module__].__file__} in the ranks, {module_file} in the "
+                "spawning process: put the package on PYTHONPATH (or install it) rather than on sys.path at run time"
+            )
         out = fn(*args)
         # Pickle here: tensors would otherwise travel as shared memory of a process that is about to exit.
         import io
@@ -545,8 +552,6 @@ def _worker(
             except Exception:  # a peer already gone: nothing left to tear down cleanly
                 pass
     if exit_now:
-        import sys
-
         sys.stdout.flush(), sys.stderr.flush()
         os._exit(code)  # skip interpreter teardown: threads of a broken process group can block it
 
@@ -748,9 +753,13 @@ def spawn(
     forwarder = _Forwarder(forward_signals, repeat_window_s) if forward_signals else None
     helpers = _Helpers()
     try:
-        ctx = helpers.start(_rank_module(fn))
+        preload = _rank_module(fn)
+        ctx = helpers.start(preload)
         shared = helpers.forkserver is None and ctx.get_start_method() == "forkserver"  # one started before
-        return _run_ranks(ctx, fn, nproc, args, env, timeout_s, forwarder, dict(os.environ) if shared else None)
+        module_file = sys.modules[fn.__module__].__file__ if preload else None
+        return _run_ranks(
+            ctx, fn, nproc, args, env, timeout_s, forwarder, dict(os.environ) if shared else None, module_file
+        )
     finally:
         if forwarder is not None:
             forwarder.restore()
@@ -788,7 +797,15 @@ def _process_gone(pid: int) -> bool:
 
 
 def _run_ranks(
-    ctx, fn, nproc: int, args: tuple, env: dict | None, timeout_s: float, forwarder, caller_env: dict | None = None
+    ctx,
+    fn,
+    nproc: int,
+    args: tuple,
+    env: dict | None,
+    timeout_s: float,
+    forwarder,
+    caller_env: dict | None = None,
+    module_file: str | None = None,
 ) -> list[Any]:
     import io
     import time
@@ -802,7 +819,7 @@ def _run_ranks(
     procs = [
         ctx.Process(
             target=_worker,
-            args=(r, nproc, port, fn, args, pipes[r][1], env, os.getpid(), _Stdio(), caller_env),
+            args=(r, nproc, port, fn, args, pipes[r][1], env, os.getpid(), _Stdio(), caller_env, module_file),
             daemon=False,
         )
         for r in range(nproc)
