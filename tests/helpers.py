@@ -3,6 +3,7 @@ tiny Megatron-LM runs; the environment, config and metrics of `dsv3 train` subpr
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -10,10 +11,12 @@ import warnings
 
 import pytest
 
-from dsv3_plugin.parallel.distributed import spawn
+from dsv3_plugin.parallel.distributed import shared_forkserver, spawn
 
 __all__ = [
     "run_ranks",
+    "RANK_PRELOAD",
+    "RankServer",
     "hf_config",
     "make_tiny_hf_checkpoint",
     "make_truncated_checkpoint",
@@ -39,6 +42,40 @@ def run_ranks(fn, nproc: int, *args, timeout_s: float = 300.0):
     """Run module-level `fn(*args)` on `nproc` gloo ranks; `fn` calls `init_distributed()` itself.
     Returns the list of per-rank return values (rank order)."""
     return spawn(fn, nproc, *args, timeout_s=timeout_s)
+
+
+# What the ranks of tests/dist and tests/megatron import, imported once by the forkserver they are forked from
+# (`RankServer`): ~3 s of CPU per `spawn` otherwise (torch, then these, in a new server and in every rank). A module
+# the environment lacks (megatron.training on megatron-core 0.16.1) is skipped there.
+RANK_PRELOAD = (
+    "deepspeed",
+    "dsv3_plugin.deepspeed.train",
+    "dsv3_plugin.deepspeed.pipeline",
+    "dsv3_plugin.checkpoint.hf",
+    "megatron.core",
+    "dsv3_plugin.megatron.gpt",
+    "dsv3_plugin.megatron.pretrain_gpt",
+)
+
+
+class RankServer:
+    """The forkserver this pytest process's `spawn` calls share (`shared_forkserver`), started on the first test
+    that asks for it (the `shared_rank_server` fixture) and stopped at the end of the session, or for a test marked
+    `own_forkserver` (one that checks what a `spawn` call starts and stops itself)."""
+
+    def __init__(self):
+        self._stack: contextlib.ExitStack | None = None
+
+    def up(self) -> None:
+        if self._stack is None:
+            stack = contextlib.ExitStack()
+            stack.enter_context(shared_forkserver(RANK_PRELOAD))
+            self._stack = stack
+
+    def down(self) -> None:
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            stack.close()
 
 
 def hf_config(cfg):
