@@ -1,0 +1,301 @@
+"""LoRA on a frozen base (`training.lora`, `precision.fp8.frozen`, `checkpoint.frozen_base`): the adapted model
+with B = 0 is the base exactly, the frozen FP8 GEMMs use the stored blocks and stay within the FP8 emulation's
+bound of the dequantized weight, adapter gradients match a dense reference, nothing else trains, and a released
+directory loads into FP8 storage without a dequantized copy."""
+
+import json
+import math
+import os
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tolerance import assert_within, fp8_error, matmul_bound, perturbed_matmul_bound, reorder_bound
+
+from dsv3_plugin.checkpoint.frozen_base import base_fingerprint, load_frozen_base
+from dsv3_plugin.checkpoint.tiny_release import write_tiny_release
+from dsv3_plugin.config import ConfigError, FP8Config, load_config
+from dsv3_plugin.errors import CheckpointError
+from dsv3_plugin.model.moe.layer import GroupedExperts
+from dsv3_plugin.model.transformer import DSv3Model
+from dsv3_plugin.parallel.pipeline.weight_grad import WeightGradQueue, split_weight_grads
+from dsv3_plugin.precision.fp8.frozen import FrozenFp8Experts, FrozenFp8Gemm, FrozenFp8Linear, freeze_fp8
+from dsv3_plugin.precision.fp8.linear import EmulatedBackend, Fp8Recipe
+from dsv3_plugin.precision.fp8.quant import (
+    FP8_DTYPE,
+    dequantize_blockwise,
+    fp8_gemm_emulated,
+    quantize_tilewise,
+)
+from dsv3_plugin.training.lora import adapter_names, apply_lora, lora_scale
+from dsv3_plugin.training.transforms import build_model
+
+GEMM = FrozenFp8Gemm(Fp8Recipe(), EmulatedBackend())
+
+
+def _cfg(fp8=True, **lora):
+    return load_config({"preset": "tiny", "fp8": {"enabled": fp8}, "lora": {"rank": 4, "experts": True, **lora}})
+
+
+def _frozen_linear(O, K, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(O, K, generator=g) * 0.05
+    lin = torch.nn.Linear(K, O, bias=False)
+    lin.weight.data.copy_(w)
+    return FrozenFp8Linear.from_linear(lin, GEMM)
+
+
+def _ids(cfg, B=2, T=12, seed=1):
+    return torch.randint(0, cfg.model.vocab_size, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+# ------------------------------------------------------------------------------------------------ (a) B = 0
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+def test_zero_b_gives_the_base_logits_exactly(fp8):
+    cfg = _cfg(fp8)
+    torch.manual_seed(0)
+    base = DSv3Model(cfg)
+    if fp8:
+        freeze_fp8(base, cfg.fp8)
+    torch.manual_seed(0)
+    adapted = build_model(cfg)
+    assert adapted.lora_report.experts and adapted.lora_report.linear
+    ids = _ids(cfg)
+    with torch.no_grad():
+        want = base(ids).logits
+    got = adapted(ids).logits  # with grad: the adapter nodes run (B = 0 adds exact zeros)
+    if fp8:  # the same FP8 GEMMs in the same order, plus zeros
+        assert torch.equal(got, want)
+    else:
+        # NOTE: the plain experts' kernel (GroupedSwiGLUKernel) and LoRAExpertKernel order the same products
+        # differently (GEMM blocking); everything else is the same op sequence.
+        assert_within(got, want, reorder_bound(cfg.model.vocab_size, want.abs().max(), stages=20), "logits")
+
+
+# ------------------------------------------------------------------------------------------------ (b) FP8 GEMMs
+
+
+def test_frozen_fp8_linear_uses_the_stored_blocks_and_is_within_the_fp8_bound():
+    O, K, M = 136, 200, 6  # ragged: 2x2 blocks, the last ones partial
+    lin = _frozen_linear(O, K)
+    q, s = lin.weight, lin.weight_scale_inv
+    assert q.dtype == FP8_DTYPE and s.dtype == torch.float32 and s.shape == (2, 2)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    y = lin(x)
+    # the very GEMM of the emulation on the stored bytes (nothing re-quantized)
+    assert torch.equal(y, fp8_gemm_emulated(*quantize_tilewise(x.detach()), q, s))
+    W = dequantize_blockwise(q, s).double()  # the dequantized base
+    sx = quantize_tilewise(x.detach())[1]
+    dx_in = fp8_error(x, sx.repeat_interleave(128, -1)[:, :K])  # 1x128 activation tiles
+    assert_within(y, x.double() @ W.t(), perturbed_matmul_bound(x, dx_in, W.t(), 0), "frozen FP8 Fprop")
+    dy = torch.randn(M, O, generator=torch.Generator().manual_seed(3))
+    y.backward(dy)
+    sdy = quantize_tilewise(dy)[1]
+    ddy = fp8_error(dy, sdy.repeat_interleave(128, -1)[:, :O])
+    assert_within(x.grad, dy.double() @ W, perturbed_matmul_bound(dy, ddy, W, 0), "frozen FP8 Dgrad")
+
+
+def test_frozen_fp8_experts_use_the_stored_blocks():
+    E, H, I, N = 3, 64, 40, 9
+    ex = GroupedExperts(E, H, I)
+    FrozenFp8Experts.freeze(ex, GEMM)
+    assert not list(ex.parameters()) and ex.gate_proj.dtype == FP8_DTYPE
+    counts = [4, 0, 5]
+    x = torch.randn(N, H, generator=torch.Generator().manual_seed(4))
+    r = torch.rand(N, generator=torch.Generator().manual_seed(5))
+    y = ex.kernel(x, counts, ex.gate_proj, ex.up_proj, ex.down_proj, scale_N=r)
+
+    def mm(a, name, e):  # one emulated FP8 GEMM against expert e's stored blocks
+        return fp8_gemm_emulated(*quantize_tilewise(a), getattr(ex, name)[e], getattr(ex, name + "_scale_inv")[e])
+
+    want = torch.empty_like(y)
+    for e, a, b in ((0, 0, 4), (2, 4, 9)):
+        h = F.silu(mm(x[a:b], "gate_proj", e)) * mm(x[a:b], "up_proj", e) * r[a:b, None]
+        want[a:b] = mm(h, "down_proj", e)
+    assert torch.equal(y, want)
+
+
+def test_frozen_storage_survives_dtype_casts_and_has_no_high_precision_copy():
+    cfg = _cfg(True)
+    torch.manual_seed(0)
+    m = build_model(cfg)
+    before = {n: b.clone() for n, b in m.named_buffers() if b.dtype == FP8_DTYPE}
+    m.bfloat16()
+    fp8 = {n: b for n, b in m.named_buffers() if b.dtype == FP8_DTYPE}
+    assert set(fp8) == set(before) and all(
+        torch.equal(fp8[n].view(torch.uint8), before[n].view(torch.uint8)) for n in fp8
+    )
+    assert all(b.dtype == torch.float32 for n, b in m.named_buffers() if n.endswith("_scale_inv"))
+    trainable = {n for n, p in m.named_parameters() if p.requires_grad}
+    assert trainable == set(adapter_names(m))
+    # no decoder-layer GEMM weight is a parameter any more: the frozen base is the FP8 bytes only
+    for n, p in m.named_parameters():
+        if n.startswith("layers.") and "lora_" not in n:
+            assert n.endswith(("layernorm.weight", "gate.weight")), n
+
+
+# ------------------------------------------------------------------------------------------------ (c) gradients
+
+
+def test_linear_adapter_gradients_match_a_dense_reference():
+    cfg = _cfg(True, dropout=0.0, alpha=12.0, use_rslora=True)
+    s = lora_scale(cfg.lora)
+    assert s == 12.0 / 2.0  # alpha / sqrt(r)
+    O, K, M, r = 136, 200, 7, 4
+    lin = _frozen_linear(O, K)
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([torch.nn.Module()])
+    model.layers[0].o_proj = lin
+    apply_lora(model, cfg, dtype=torch.float32)
+    with torch.no_grad():
+        lin.lora_B.normal_(0, 0.1, generator=torch.Generator().manual_seed(6))
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(7), requires_grad=True)
+    dy = torch.randn(M, O, generator=torch.Generator().manual_seed(8))
+    lin(x).backward(dy)
+    A, B = lin.lora_A.detach().double().requires_grad_(), lin.lora_B.detach().double().requires_grad_()
+    W = dequantize_blockwise(lin.weight, lin.weight_scale_inv).double()
+    xd = x.detach().double()
+    (xd @ W.t() + s * (xd @ A.t()) @ B.t()).backward(dy.double())
+    # the adapters' gradients do not depend on the base (y = Wx + z): fp32 vs fp64, two GEMMs each
+    t = xd @ A.detach().t()
+    assert_within(lin.lora_B.grad, B.grad, s * matmul_bound(dy.t(), t, torch.float32, stages=2), "dL/dB")
+    dt = s * dy.double() @ B.detach()
+    assert_within(lin.lora_A.grad, A.grad, matmul_bound(dt.t(), xd, torch.float32, stages=2), "dL/dA")
+
+
+def _dense_experts(x, counts, w, ad, s, r):
+    """Autograd reference of the adapted experts, float64: w = (W1, W3, W2) dequantized, ad = (A1, B1, ...)."""
+    W1, W3, W2 = w
+    A1, B1, A3, B3, A2, B2 = ad
+    out, a = [], 0
+    for e, n in enumerate(counts):
+        xe = x[a : a + n]
+        g = xe @ W1[e].t() + s * (xe @ A1[e].t()) @ B1[e].t()
+        u = xe @ W3[e].t() + s * (xe @ A3[e].t()) @ B3[e].t()
+        h = F.silu(g) * u * r[a : a + n, None]
+        out.append(h @ W2[e].t() + s * (h @ A2[e].t()) @ B2[e].t())
+        a += n
+    return torch.cat(out)
+
+
+def test_expert_adapter_gradients_match_a_dense_reference():
+    cfg = _cfg(False, dropout=0.0)
+    s = lora_scale(cfg.lora)
+    E, H, I, N = 3, 64, 40, 10
+    ex = GroupedExperts(E, H, I)
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([torch.nn.Module()])
+    model.layers[0].experts = ex
+    apply_lora(model, cfg, dtype=torch.float32)
+    names = [f"{k}_lora_{ab}" for k in ("w1", "w3", "w2") for ab in "AB"]
+    with torch.no_grad():
+        for i, n in enumerate(names[1::2]):
+            getattr(ex, n).normal_(0, 0.1, generator=torch.Generator().manual_seed(20 + i))
+    counts = [6, 0, 4]
+    x = torch.randn(N, H, generator=torch.Generator().manual_seed(9), requires_grad=True)
+    r = torch.rand(N, generator=torch.Generator().manual_seed(10))
+    dy = torch.randn(N, H, generator=torch.Generator().manual_seed(11))
+    ex.kernel(x, counts, ex.gate_proj, ex.up_proj, ex.down_proj, scale_N=r).backward(dy)
+    ad = [getattr(ex, n).detach().double().requires_grad_() for n in names]
+    w = [getattr(ex, n).detach().double() for n in ("gate_proj", "up_proj", "down_proj")]
+    xd = x.detach().double().requires_grad_()
+    _dense_experts(xd, counts, w, ad, s, r.double()).backward(dy.double())
+    # fp32 vs fp64 through one SwiGLU layer: its reductions (gate/up, down, adapters, their backward) are at most
+    # max(H, I, N) long; 16 stages per pass (REDUCTIONS_PER_BLOCK) x 2 passes covers the longest path
+    for n, ref in zip(names, ad):
+        got = getattr(ex, n).grad
+        assert got is not None and got[1].abs().max() == 0  # expert 1 had no rows
+        assert_within(got, ref.grad, reorder_bound(max(H, I, N), ref.grad.abs().max(), stages=32), f"dL/d{n}")
+    assert_within(x.grad, xd.grad, reorder_bound(max(H, I, N), xd.grad.abs().max(), stages=32), "dL/dx")
+
+
+# ------------------------------------------------------------------------------------------------ (d) frozen, W split
+
+
+def test_frozen_base_takes_no_grad_and_the_w_split_defers_only_the_adapters():
+    cfg = _cfg(True)
+    torch.manual_seed(0)
+    m = build_model(cfg)
+    split_weight_grads(m)
+    ids = _ids(cfg)
+    q = WeightGradQueue()
+    with q.deferring("mb0"):
+        m(ids, labels=ids).loss.backward()
+    adapters = set(adapter_names(m))
+    # B = 0: dA = 0 and dB = s·dzᵀ·t, both deferred; every adapter of a layer that ran is a W op
+    assert all(p.grad is None for n, p in m.named_parameters() if n in adapters)
+    assert q.pop("mb0") > 0
+    got = {n for n, p in m.named_parameters() if p.grad is not None}
+    assert got == adapters
+    assert all(not p.requires_grad for n, p in m.named_parameters() if n not in adapters)
+    assert any(m.get_parameter(n).grad.abs().max() > 0 for n in adapters if n.endswith("lora_B"))
+
+
+def test_lora_honours_targets_and_experts():
+    torch.manual_seed(0)
+    m = build_model(_cfg(True, targets=["q_a_proj", "down_proj"], experts=False))
+    names = set(adapter_names(m))
+    assert names and all(".q_a_proj." in n or ".down_proj." in n for n in names)
+    assert not any(".experts." in n for n in names) and not any(n.startswith("mtp.") for n in names)
+    torch.manual_seed(0)
+    m2 = build_model(_cfg(True, targets=["up_proj"], experts=True))
+    ex = {n for n in adapter_names(m2) if ".experts." in n}
+    assert ex and all(n.rsplit(".", 1)[1] in ("w3_lora_A", "w3_lora_B") for n in ex)
+    A = m2.get_parameter(sorted(ex)[0])
+    assert A.shape == (cfg_experts := m2.cfg.moe.n_routed_experts, 4, m2.cfg.model.hidden_size)
+    # peft's Kaiming-uniform(a = sqrt(5)) A: bound 1/sqrt(fan_in), per expert its own draw
+    assert A.abs().max() <= 1 / math.sqrt(A.shape[2]) and not torch.equal(A[0], A[cfg_experts - 1])
+
+
+def test_config_refuses_targets_naming_no_module():
+    with pytest.raises(ConfigError, match=r"lora\.targets"):
+        load_config({"preset": "tiny", "lora": {"targets": []}})
+
+
+def test_frozen_fp8_needs_the_blockwise_recipe():
+    with pytest.raises(ConfigError, match="blockwise"):
+        freeze_fp8(DSv3Model({"preset": "tiny"}), FP8Config(enabled=True, recipe="tensorwise"))
+
+
+# ------------------------------------------------------------------------------------------------ loading
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    return write_tiny_release(tmp_path_factory.mktemp("lora_release") / "ckpt", fp8=True)
+
+
+def test_released_fp8_base_loads_into_frozen_storage_as_stored(release):
+    from dsv3_plugin.checkpoint.reader import CheckpointReader
+
+    m = load_frozen_base(release, fp8={"enabled": True}, lora={"rank": 4, "experts": True})
+    with CheckpointReader(release) as r:
+        q, s = r.get_fp8("model.layers.1.self_attn.q_a_proj.weight")
+        assert torch.equal(m.layers[1].self_attn.q_a_proj.weight.view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(m.layers[1].self_attn.q_a_proj.weight_scale_inv, s)
+        q5, s5 = r.get_fp8("model.layers.2.mlp.experts.5.down_proj.weight")
+        assert torch.equal(m.layers[2].mlp.experts.down_proj[5].view(torch.uint8), q5.view(torch.uint8))
+        assert torch.equal(m.layers[2].mlp.experts.down_proj_scale_inv[5], s5)
+        assert torch.equal(m.embed_tokens.weight, r.get("model.embed_tokens.weight", torch.float32))
+    assert m.base_fingerprint == base_fingerprint(release) and m.base_fingerprint.startswith("sha256:")
+    assert {n for n, p in m.named_parameters() if p.requires_grad} == set(adapter_names(m))
+    ids = torch.randint(0, 1000, (1, 8), generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(m(ids).logits).all()
+
+
+def test_loading_refuses_mismatched_tensors_and_an_fp8_release_without_fp8(release, tmp_path):
+    with pytest.raises(ConfigError, match="fp8.enabled"):
+        load_frozen_base(release, lora={"rank": 4})
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in os.listdir(release):
+        if f != "config.json" and os.path.isfile(os.path.join(release, f)):
+            shutil.copy(os.path.join(release, f), bad / f)
+    hf = json.load(open(os.path.join(release, "config.json")))
+    hf["moe_intermediate_size"] = hf["moe_intermediate_size"] * 2
+    (bad / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(CheckpointError, match=r"model\.layers\.\d+\.mlp\.experts\.\d+\.\w+_proj\.weight"):
+        load_frozen_base(bad, fp8={"enabled": True}, lora={"rank": 4})
