@@ -144,7 +144,7 @@ def test_linear_adapter_gradients_match_a_dense_reference():
     cfg = _cfg(True, dropout=0.0, alpha=12.0, use_rslora=True)
     s = lora_scale(cfg.lora)
     assert s == 12.0 / 2.0  # alpha / sqrt(r)
-    O, K, M, r = 136, 200, 7, 4
+    O, K, M = 136, 200, 7
     lin = _frozen_linear(O, K)
     model = torch.nn.Module()
     model.layers = torch.nn.ModuleList([torch.nn.Module()])
