@@ -118,7 +118,9 @@ def load_frozen_base(
                 freeze_fp8(model, cfg.fp8, device)
 
         model = build_rank_local(cfg, layout, dtype, device, init=False, transforms=False, prepare=prepare)
-        state = model.state_dict(keep_vars=True)
+        # the frozen FP8 buffers are not persistent (not in state_dict): look tensors up by name
+        state = dict(model.named_buffers(remove_duplicate=False))
+        state.update(model.named_parameters(remove_duplicate=False))
         er = layout.expert_range if layout.ep > 1 else None
         for name, native, expert in plan:
             dst = state[native]

@@ -6,9 +6,9 @@
 
 A frozen weight has no Wgrad: its kernel's W op does nothing (`kernels.SplitKernel`, need_w all False).
 `FrozenFp8Linear` (decoder-layer Linears) and `FrozenFp8Experts` (routed experts, [E, O, K] plus
-[E, ceil(O/128), ceil(K/128)] scales) hold the bytes as buffers, kept in their dtypes by `.to(dtype)` /
-`.bfloat16()`; `freeze_fp8` converts a model's decoder layers (blockwise quantization of a high-precision
-weight, once; a released FP8 weight is loaded into the buffers as it is: `checkpoint.frozen_base`).
+[E, ceil(O/128), ceil(K/128)] scales) hold the bytes as non-persistent buffers (checkpoints hold adapters, not
+the base) that `.to(dtype)` never converts; `freeze_fp8` converts a model's decoder layers (a high-precision weight
+quantized once; a released FP8 weight is loaded as it is: `checkpoint.frozen_base`).
 """
 
 from __future__ import annotations
@@ -138,10 +138,12 @@ class FrozenFp8Linear(UsesKernel, nn.Module):
     def __init__(self, in_features: int, out_features: int, gemm: FrozenFp8Gemm, device=None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device))
+        # not persistent: a checkpoint of the run holds the adapters, not the base (`base_fingerprint` names it)
         self.register_buffer(
-            "weight_scale_inv", torch.empty(scale_grid(out_features, in_features), dtype=torch.float32, device=device)
+            "weight", torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device), persistent=False
         )
+        s = torch.empty(scale_grid(out_features, in_features), dtype=torch.float32, device=device)
+        self.register_buffer("weight_scale_inv", s, persistent=False)
         self.register_parameter("bias", None)
         self.kernel = FrozenFp8LinearKernel(gemm)
 
@@ -273,8 +275,8 @@ class FrozenFp8Experts(GroupedExperts):
                 for e in range(E):
                     q[e], s[e] = quantize_blockwise(w[e].detach(), TILE, pow2=False)
             del mod._parameters[n]
-            mod.register_buffer(n, q)
-            mod.register_buffer(n + SCALE_SUFFIX, s)
+            mod.register_buffer(n, q, persistent=False)  # as FrozenFp8Linear's: not in checkpoints
+            mod.register_buffer(n + SCALE_SUFFIX, s, persistent=False)
         mod.__class__ = cls
         mod.kernel = FrozenFp8ExpertKernel(mod, gemm, dispatch)
         return mod
