@@ -299,3 +299,67 @@ def test_loading_refuses_mismatched_tensors_and_an_fp8_release_without_fp8(relea
     (bad / "config.json").write_text(json.dumps(hf))
     with pytest.raises(CheckpointError, match=r"model\.layers\.\d+\.mlp\.experts\.\d+\.\w+_proj\.weight"):
         load_frozen_base(bad, fp8={"enabled": True}, lora={"rank": 4})
+
+
+def test_an_expert_parallel_rank_loads_its_experts_and_the_same_adapters(release):
+    from dsv3_plugin.checkpoint.hf import pretrained_config
+    from dsv3_plugin.training.rank_local import RankLayout
+
+    over = {"fp8": {"enabled": True}, "lora": {"rank": 4, "experts": True}}
+    full = load_frozen_base(release, **over)
+    layout = RankLayout.of(pretrained_config(release, **over), ep_rank=1, ep=2)
+    part = load_frozen_base(release, layout=layout, **over)
+    a, b = full.layers[2].mlp.experts, part.layers[2].mlp.experts
+    n = b.gate_proj.shape[0]
+    assert n == a.gate_proj.shape[0] // 2 and b.expert_range.start == n
+    for w in ("gate_proj", "up_proj", "down_proj"):
+        assert torch.equal(b.get_buffer(w).view(torch.uint8), a.get_buffer(w)[n:].view(torch.uint8))
+        assert torch.equal(b.get_buffer(w + "_scale_inv"), a.get_buffer(w + "_scale_inv")[n:])
+    for k in ("w1", "w3", "w2"):  # adapters drawn per global expert: the same on every layout
+        assert torch.equal(getattr(b, k + "_lora_A"), getattr(a, k + "_lora_A")[n:])
+    assert torch.equal(part.layers[0].self_attn.q_a_proj.lora_A, full.layers[0].self_attn.q_a_proj.lora_A)
+
+
+def test_dropout_acts_on_the_adapter_branch_in_training_only():
+    cfg = _cfg(True, dropout=0.5)
+    torch.manual_seed(0)
+    m = build_model(cfg)
+    ids = _ids(cfg)
+    with torch.no_grad():
+        base = m(ids).logits  # B = 0: dropout on the branch changes nothing
+        for n in adapter_names(m):
+            if n.endswith("lora_B"):
+                m.get_parameter(n).normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
+        m.train()
+        t1, t2 = m(ids).logits, m(ids).logits
+        m.eval()
+        e1, e2 = m(ids).logits, m(ids).logits
+    assert not torch.equal(t1, t2) and torch.equal(e1, e2) and not torch.equal(e1, base)
+    m.train()
+    torch.manual_seed(0)
+    m(ids, labels=ids).loss.backward()
+    assert all(m.get_parameter(n).grad is not None for n in adapter_names(m) if ".layers.0." in "." + n)
+
+
+def test_recompute_keeps_the_adapters_gradients_bit_identical():
+    grads = []
+    for mode in ("none", "norm_and_mla_up"):
+        cfg = load_config(
+            {
+                "preset": "tiny",
+                "fp8": {"enabled": True},
+                "memory": {"recompute": mode},
+                "lora": {"rank": 4, "experts": True, "dropout": 0.1},
+            }
+        )
+        torch.manual_seed(0)
+        m = build_model(cfg)
+        with torch.no_grad():
+            for n in adapter_names(m):
+                if n.endswith("lora_B"):
+                    m.get_parameter(n).normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
+        torch.manual_seed(5)
+        m(_ids(cfg), labels=_ids(cfg)).loss.backward()
+        grads.append({n: m.get_parameter(n).grad for n in adapter_names(m)})
+    assert grads[0].keys() == grads[1].keys()
+    assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
