@@ -28,7 +28,15 @@ from dsv3_plugin.precision.fp8.quant import (
     fp8_gemm_emulated,
     quantize_tilewise,
 )
-from dsv3_plugin.training.lora import adapter_names, apply_lora, lora_scale
+from dsv3_plugin.training.lora import (
+    adapter_names,
+    apply_lora,
+    bias_update_speed,
+    check_lora_checkpoint,
+    lora_checkpoint_state,
+    lora_model_config,
+    lora_scale,
+)
 from dsv3_plugin.training.transforms import build_model
 
 GEMM = FrozenFp8Gemm(Fp8Recipe(), EmulatedBackend())
@@ -307,7 +315,7 @@ def test_an_expert_parallel_rank_loads_its_experts_and_the_same_adapters(release
 
     over = {"fp8": {"enabled": True}, "lora": {"rank": 4, "experts": True}}
     full = load_frozen_base(release, **over)
-    layout = RankLayout.of(pretrained_config(release, **over), ep_rank=1, ep=2)
+    layout = RankLayout.of(lora_model_config(pretrained_config(release, **over)), ep_rank=1, ep=2)
     part = load_frozen_base(release, layout=layout, **over)
     a, b = full.layers[2].mlp.experts, part.layers[2].mlp.experts
     n = b.gate_proj.shape[0]
@@ -363,3 +371,38 @@ def test_recompute_keeps_the_adapters_gradients_bit_identical():
         grads.append({n: m.get_parameter(n).grad for n in adapter_names(m)})
     assert grads[0].keys() == grads[1].keys()
     assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+
+
+def test_mtp_off_builds_no_mtp_and_frozen_trains_the_adapters_through_it():
+    torch.manual_seed(0)
+    off = build_model(_cfg(True))
+    assert len(off.mtp) == 0 and off.cfg.mtp.depth == 0
+    ids = _ids(off.cfg)
+    out = off(ids, labels=ids)
+    assert out.mtp_loss is None and not out.mtp_logits
+    with pytest.raises(ConfigError, match=r"lora\.mtp"):
+        apply_lora(DSv3Model(_cfg(True)), _cfg(True))
+    torch.manual_seed(0)
+    fr = build_model(_cfg(True, mtp="frozen"))
+    assert len(fr.mtp) == 1 and not any(p.requires_grad for p in fr.mtp.parameters())
+    out = fr(ids, labels=ids)
+    assert out.mtp_loss is not None
+    out.mtp_loss.backward()  # the MTP loss alone reaches the main model's adapters through the frozen MTP layer
+    assert any(p.grad is not None and p.grad.abs().max() > 0 for n, p in fr.named_parameters() if "lora_B" in n)
+
+
+def test_bias_update_and_checkpoint_record():
+    cfg = _cfg(True)
+    assert bias_update_speed(cfg, 1e6) == 0.0
+    cfg_b = _cfg(True, bias_update=True)
+    assert bias_update_speed(cfg_b, 1e6) == cfg_b.moe.gamma(1e6)
+    torch.manual_seed(0)
+    m = build_model(cfg)
+    st = lora_checkpoint_state(m)
+    check_lora_checkpoint(m, st, "ckpt")
+    with pytest.raises(CheckpointError, match="ckpt: adapters trained on base sha256:x"):
+        check_lora_checkpoint(m, {**st, "base_fingerprint": "sha256:x"}, "ckpt")
+    with pytest.raises(CheckpointError, match="ckpt: adapters differ"):
+        check_lora_checkpoint(m, {**st, "adapters": st["adapters"][1:]}, "ckpt")
+    with pytest.raises(CheckpointError, match="ckpt: no LoRA record"):
+        check_lora_checkpoint(m, None, "ckpt")
