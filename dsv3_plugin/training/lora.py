@@ -190,6 +190,12 @@ class LoRAExpertKernel(SplitKernel):
     def call(self, via, x_NH, counts, w1_EIH, w3_EIH, w2_EHI, scale_N=None):
         if sum(counts) != x_NH.shape[0]:
             raise ValueError(f"LoRAExpertKernel: counts sum to {sum(counts)} but there are {x_NH.shape[0]} rows")
+        for n, w in zip(EXPERT_ADAPTERS, (w1_EIH, w3_EIH, w2_EHI)):
+            if w is not getattr(self.owner, n):  # the adapters are the owner's: its weights must be too
+                raise RuntimeError(
+                    f"LoRAExpertKernel: got a {tuple(w.shape)} weight that is not its experts' {n} (adapted experts "
+                    "cannot be re-sliced or stacked: build them rank-locally)"
+                )
         fp8 = isinstance(self.base, FrozenFp8ExpertKernel)
         ops = _Fp8Base(self.base.gemm, expert_scales(self.owner, w1_EIH, w3_EIH, w2_EHI)) if fp8 else _PlainBase()
         dispatch = fp8 and self.base.dispatch
