@@ -20,7 +20,7 @@ import torch
 
 from dsv3_plugin.checkpoint.hf import _config_of, _reader_plan, _state_shapes
 from dsv3_plugin.checkpoint.reader import CheckpointReader
-from dsv3_plugin.config import ConfigError
+from dsv3_plugin.config import ConfigError, load_config
 from dsv3_plugin.errors import CheckpointError
 from dsv3_plugin.model.transformer import DSv3Model
 from dsv3_plugin.precision.fp8.frozen import SCALE_SUFFIX, freeze_fp8
@@ -101,8 +101,14 @@ def load_frozen_base(
         cfg = _config_of(reader, config_overrides)
         if cfg.lora is None:
             raise ConfigError("dsv3.lora: load_frozen_base loads a base for LoRA; the config has no lora section")
+        run = lora_model_config(cfg)  # lora.mtp "off": no MTP modules, the release's MTP layer is not read
         L = cfg.model.num_hidden_layers
-        plan, _ = _reader_plan(reader, _state_shapes(cfg), L)  # names and shapes against the config, headers only
+        shape = cfg
+        if cfg.lora.mtp == "off":  # nothing of MTP is built: check the release's MTP tensors against its own depth
+            d = cfg.to_dict()
+            d["mtp"]["depth"] = _config_of(reader, {}).mtp.depth
+            shape = load_config(d)
+        plan, _ = _reader_plan(reader, _state_shapes(shape), L)  # names and shapes against the config, headers only
         if reader.is_quantized() and not cfg.fp8.enabled:
             raise ConfigError(
                 f"dsv3.fp8.enabled: {reader.path} is an FP8 release; LoRA keeps its base in FP8 and computes with "
@@ -113,7 +119,6 @@ def load_frozen_base(
                 f"{reader.config_path}: quantization_config.weight_block_size {list(reader.block)}: the frozen FP8 "
                 f"base needs the release's {TILE}x{TILE} blocks"
             )
-        run = lora_model_config(cfg)  # lora.mtp "off": no MTP modules, the release's MTP layer is not read
         layout = layout or RankLayout.of(run, pp=1, ep=1)
 
         def prepare(model):

@@ -406,3 +406,12 @@ def test_bias_update_and_checkpoint_record():
         check_lora_checkpoint(m, {**st, "adapters": st["adapters"][1:]}, "ckpt")
     with pytest.raises(CheckpointError, match="ckpt: no LoRA record"):
         check_lora_checkpoint(m, None, "ckpt")
+
+
+def test_the_loader_takes_the_run_config_too(release):
+    # the train path may hand over sections of `lora_model_config(cfg)` (mtp.depth 0): the release's MTP layer
+    # is still checked against the release and not read
+    m = load_frozen_base(release, fp8={"enabled": True}, lora={"rank": 4}, mtp={"depth": 0})
+    assert len(m.mtp) == 0
+    with pytest.raises(CheckpointError, match=r"model\.layers\.\d+\.\w+"):  # frozen MTP: depth must be the release's
+        load_frozen_base(release, fp8={"enabled": True}, lora={"rank": 4, "mtp": "frozen"}, mtp={"depth": 0})
