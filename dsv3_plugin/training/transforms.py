@@ -56,7 +56,7 @@ def apply_transforms(
     framework adapter between recompute and the W split (see the module docstring). `device`: where the GEMMs
     will run (default: the first parameter's; a rank-local model's first parameter may be on `meta`)."""
     if cfg.fp8.enabled and cfg.lora is not None:
-        model.frozen_fp8 = freeze_fp8(model, cfg.fp8, device)  # the frozen base stored in FP8, computed in FP8
+        freeze_fp8(model, cfg.fp8, device)  # the frozen base stored in FP8, computed in FP8
     elif cfg.fp8.enabled:
         convert_to_fp8(model, cfg.fp8, device)
     if cfg.lora is not None:

@@ -415,3 +415,12 @@ def test_the_loader_takes_the_run_config_too(release):
     assert len(m.mtp) == 0
     with pytest.raises(CheckpointError, match=r"model\.layers\.\d+\.\w+"):  # frozen MTP: depth must be the release's
         load_frozen_base(release, fp8={"enabled": True}, lora={"rank": 4, "mtp": "frozen"}, mtp={"depth": 0})
+
+
+def test_freeze_reports_what_it_froze():
+    torch.manual_seed(0)
+    m = build_model(_cfg(True))
+    rep = m.fp8_report
+    assert rep.backend == "emulate" and "layers.1.mlp.experts" in rep.grouped
+    assert "layers.0.self_attn.q_a_proj" in rep.converted and "lm_head" in rep.high_precision
+    assert all(isinstance(m.get_submodule(n), FrozenFp8Linear) for n in rep.converted)
