@@ -312,7 +312,7 @@ class LoRAReport:
     targets: tuple[str, ...]
     linear: list[str] = field(default_factory=list)  # adapted Linear modules
     experts: list[str] = field(default_factory=list)  # adapted GroupedExperts
-    trainable: int = 0  # adapter elements on this rank
+    trainable: int = 0  # adapter elements this rank holds (not on meta)
 
 
 @torch.no_grad()
@@ -451,6 +451,6 @@ def apply_lora(model: nn.Module, cfg: DSv3Config, dtype: torch.dtype | None = No
                 )
             mod.kernel = LoRAExpertKernel(mod.kernel, mod, s, lo.dropout, which)
             rep.experts.append(name)
-    rep.trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    rep.trainable = sum(p.numel() for p in model.parameters() if p.requires_grad and not p.is_meta)
     model.lora_report = rep
     return rep
