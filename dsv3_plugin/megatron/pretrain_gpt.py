@@ -52,6 +52,7 @@ from dsv3_plugin.megatron.flags import (
 )
 from dsv3_plugin.megatron.fp8 import install_fp8, resolve_fp8_args
 from dsv3_plugin.megatron.gpt import add_dsv3_args, dualpipev_selected, gpt_builder
+from dsv3_plugin.megatron.lora import add_lora_args, attach_lora, freeze_lora_base, resolve_lora_args
 from dsv3_plugin.megatron.metrics import MetricsRecorder
 from dsv3_plugin.megatron.schedule_args import PIPELINE_SCHEDULES, apply_pipeline_schedule, resolve_pipeline_schedule
 from dsv3_plugin.megatron.sft_data import MaskedGPTDataset, check_sft_args, check_split_documents
@@ -101,7 +102,7 @@ def parse_megatron_args(
     captured = {}
 
     def provider(parser):
-        parser = add_finetune_args(add_dsv3_args(parser))
+        parser = add_lora_args(add_finetune_args(add_dsv3_args(parser)))
         parser.add_argument(
             "--dsv3-metrics",
             type=str,
@@ -148,6 +149,7 @@ def parse_megatron_args(
         notes += adapt_to_cpu(args, parser, explicit)
     notes += attention_notes(args)
     notes += resolve_fp8_args(args, parser, explicit, cfg, where, on_cpu)
+    notes += resolve_lora_args(args, cfg, where)
     schedule = resolve_pipeline_schedule(args, parser, explicit, cfg, where)
     notes += default_eval_interval(args, explicit)
     # Megatron-LM's default tokenizer, handed over only when --tokenizer-type is absent (Megatron warns about every
@@ -193,8 +195,10 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
 
     args = get_args()
     model = gpt_builder(args, pre_process, post_process, vp_stage=vp_stage, pg_collection=pg_collection)
+    freeze_lora_base(model, args)  # LoRA: the base frozen (FP8: empty frozen storage the release's bytes fill)
     load_initial_weights(model, args)  # --dsv3-init-from: this chunk's own tensors, before DDP and the optimizer
-    install_fp8(model, args)  # after the weights: FP8 kernels read the chunk's own parameters
+    if attach_lora(model, args) is None:  # LoRA: adapters on the loaded base, all DDP and the optimizer see
+        install_fp8(model, args)  # after the weights: FP8 kernels read the chunk's own parameters
     return model
 
 
