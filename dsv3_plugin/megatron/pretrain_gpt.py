@@ -13,6 +13,7 @@ and `--dsv3-pipeline-schedule {dualpipev,dualpipe,1f1b}`. Without CUDA it runs o
 Fine-tuning (`finetune.py`, `sft_data.py`): `--dsv3-init-from DIR` starts from a released (or converted)
 checkpoint; `--load`/`--pretrained-checkpoint` without a Megatron checkpoint are refused; `--sft` trains on data
 prepared by `dsv3 prepare-data --chat` with its loss mask; a missing `--eval-interval` gets Megatron-LM's 1000.
+LoRA (`lora.py`): `--dsv3-lora-rank R` with `--dsv3-init-from` trains adapters on the frozen (FP8) base.
 
 Design notes (every flag, the CPU path): docs/design_notes.md#megatron-pretrain-gpt
 """
