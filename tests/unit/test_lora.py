@@ -174,26 +174,42 @@ def test_linear_adapter_gradients_match_a_dense_reference():
     assert_within(lin.lora_A.grad, A.grad, matmul_bound(dt.t(), xd, torch.float32, stages=2), "dL/dA")
 
 
-def _dense_experts(x, counts, w, ad, s, r):
-    """Autograd reference of the adapted experts, float64: w = (W1, W3, W2) dequantized, ad = (A1, B1, ...)."""
-    W1, W3, W2 = w
+def _dense_experts(x, counts, mm, ad, s, r):
+    """Autograd reference of the adapted experts: mm(x, k, e) = x·W_kᵀ of expert e (k: 0 gate, 1 up, 2 down),
+    ad = (A1, B1, A3, B3, A2, B2)."""
     A1, B1, A3, B3, A2, B2 = ad
     out, a = [], 0
     for e, n in enumerate(counts):
         xe = x[a : a + n]
-        g = xe @ W1[e].t() + s * (xe @ A1[e].t()) @ B1[e].t()
-        u = xe @ W3[e].t() + s * (xe @ A3[e].t()) @ B3[e].t()
+        g = mm(xe, 0, e) + s * (xe @ A1[e].t()) @ B1[e].t()
+        u = mm(xe, 1, e) + s * (xe @ A3[e].t()) @ B3[e].t()
         h = F.silu(g) * u * r[a : a + n, None]
-        out.append(h @ W2[e].t() + s * (h @ A2[e].t()) @ B2[e].t())
+        out.append(mm(h, 2, e) + s * (h @ A2[e].t()) @ B2[e].t())
         a += n
     return torch.cat(out)
 
 
-def test_expert_adapter_gradients_match_a_dense_reference():
-    cfg = _cfg(False, dropout=0.0)
+class _FrozenMm(torch.autograd.Function):
+    """x·Wᵀ by the frozen FP8 GEMMs (Fprop, and Dgrad in backward): the kernel's own base, as a reference op."""
+
+    @staticmethod
+    def forward(ctx, x, q, s):
+        ctx.qs = (q, s)
+        return GEMM.fwd(x, q, s)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return GEMM.dgrad(dy, *ctx.qs), None, None
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_expert_adapter_gradients_match_a_dense_reference(fp8):
+    cfg = _cfg(fp8, dropout=0.0)
     s = lora_scale(cfg.lora)
     E, H, I, N = 3, 64, 40, 10
     ex = GroupedExperts(E, H, I)
+    if fp8:
+        FrozenFp8Experts.freeze(ex, GEMM)
     model = torch.nn.Module()
     model.layers = torch.nn.ModuleList([torch.nn.Module()])
     model.layers[0].experts = ex
@@ -207,17 +223,34 @@ def test_expert_adapter_gradients_match_a_dense_reference():
     r = torch.rand(N, generator=torch.Generator().manual_seed(10))
     dy = torch.randn(N, H, generator=torch.Generator().manual_seed(11))
     ex.kernel(x, counts, ex.gate_proj, ex.up_proj, ex.down_proj, scale_N=r).backward(dy)
-    ad = [getattr(ex, n).detach().double().requires_grad_() for n in names]
-    w = [getattr(ex, n).detach().double() for n in ("gate_proj", "up_proj", "down_proj")]
-    xd = x.detach().double().requires_grad_()
-    _dense_experts(xd, counts, w, ad, s, r.double()).backward(dy.double())
-    # fp32 vs fp64 through one SwiGLU layer: its reductions (gate/up, down, adapters, their backward) are at most
-    # max(H, I, N) long; 16 stages per pass (REDUCTIONS_PER_BLOCK) x 2 passes covers the longest path
+    ws = ("gate_proj", "up_proj", "down_proj")
+    if fp8:
+        # NOTE: the reference runs the kernel's own FP8 GEMMs (same calls on the same operands: the same FP8
+        # products); what differs is the high-precision SwiGLU / adapter arithmetic around them, in fp32 on both
+        # sides, and no FP8 rounding lies on the path from those to the adapters' gradients.
+        qs = [(ex.get_buffer(n), ex.get_buffer(n + "_scale_inv")) for n in ws]
+        dtype, ad = torch.float32, [getattr(ex, n).detach().clone().requires_grad_() for n in names]
+
+        def mm(a, k, e):
+            return _FrozenMm.apply(a, qs[k][0][e], qs[k][1][e])
+    else:
+        w = [getattr(ex, n).detach().double() for n in ws]
+        dtype, ad = torch.float64, [getattr(ex, n).detach().double().requires_grad_() for n in names]
+
+        def mm(a, k, e):
+            return a @ w[k][e].t()
+
+    xd = x.detach().to(dtype).requires_grad_()
+    _dense_experts(xd, counts, mm, ad, s, r.to(dtype)).backward(dy.to(dtype))
+    # the layer's reductions (gate/up, down, adapters, their backward) are at most max(H, I, N) long;
+    # 16 stages per pass (REDUCTIONS_PER_BLOCK) x 2 passes covers the longest path
+    K = max(H, I, N)
     for n, ref in zip(names, ad):
         got = getattr(ex, n).grad
         assert got is not None and got[1].abs().max() == 0  # expert 1 had no rows
-        assert_within(got, ref.grad, reorder_bound(max(H, I, N), ref.grad.abs().max(), stages=32), f"dL/d{n}")
-    assert_within(x.grad, xd.grad, reorder_bound(max(H, I, N), xd.grad.abs().max(), stages=32), "dL/dx")
+        assert_within(got, ref.grad, reorder_bound(K, ref.grad.abs().max(), stages=32), f"dL/d{n}")
+    if not fp8:  # (with FP8 the input gradient's Dgrad quantizes dL/dg, which differs in its last bits)
+        assert_within(x.grad, xd.grad, reorder_bound(K, xd.grad.abs().max(), stages=32), "dL/dx")
 
 
 # ------------------------------------------------------------------------------------------------ (d) frozen, W split
