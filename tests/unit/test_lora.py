@@ -26,6 +26,7 @@ from dsv3_plugin.precision.fp8.quant import (
     FP8_DTYPE,
     dequantize_blockwise,
     fp8_gemm_emulated,
+    quantize_blockwise,
     quantize_tilewise,
 )
 from dsv3_plugin.training.lora import (
@@ -457,3 +458,19 @@ def test_freeze_reports_what_it_froze():
     assert rep.backend == "emulate" and "layers.1.mlp.experts" in rep.grouped
     assert "layers.0.self_attn.q_a_proj" in rep.converted and "lm_head" in rep.high_precision
     assert all(isinstance(m.get_submodule(n), FrozenFp8Linear) for n in rep.converted)
+
+
+def test_a_bf16_release_stays_bf16_frozen_or_is_quantized_once_under_fp8(tmp_path):
+    from dsv3_plugin.checkpoint.reader import CheckpointReader
+
+    rel = write_tiny_release(tmp_path / "bf16", fp8=False)
+    name, native = "model.layers.1.self_attn.q_b_proj.weight", "layers.1.self_attn.q_b_proj"
+    with CheckpointReader(rel) as r:
+        w = r.get(name, torch.float32)
+    m = load_frozen_base(rel, dtype=torch.bfloat16, lora={"rank": 4})
+    p = m.get_submodule(native).weight
+    assert p.dtype == torch.bfloat16 and not p.requires_grad and torch.equal(p, w.bfloat16())
+    m8 = load_frozen_base(rel, fp8={"enabled": True, "pow2_scales": True}, lora={"rank": 4})
+    lin = m8.get_submodule(native)
+    q, s = quantize_blockwise(w, 128, pow2=True)  # what the FP8 training path makes of it each call
+    assert torch.equal(lin.weight.view(torch.uint8), q.view(torch.uint8)) and torch.equal(lin.weight_scale_inv, s)
