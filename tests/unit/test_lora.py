@@ -474,3 +474,46 @@ def test_a_bf16_release_stays_bf16_frozen_or_is_quantized_once_under_fp8(tmp_pat
     lin = m8.get_submodule(native)
     q, s = quantize_blockwise(w, 128, pow2=True)  # what the FP8 training path makes of it each call
     assert torch.equal(lin.weight.view(torch.uint8), q.view(torch.uint8)) and torch.equal(lin.weight_scale_inv, s)
+
+
+def test_frozen_fp8_experts_input_gradients_are_within_the_fp8_bound():
+    """dx and dL/dr of frozen FP8 experts against float64 math on the dequantized weights, with g and u taken from
+    the kernel's own forward GEMMs: the bound follows the backward's FP8 roundings (dy for W2's Dgrad, dL/dg and
+    dL/du for W1's and W3's), each tile's scale bounded by its row's max."""
+    E, H, I, N = 3, 64, 40, 9
+    ex = GroupedExperts(E, H, I)
+    FrozenFp8Experts.freeze(ex, GEMM)
+    counts, spans = [4, 0, 5], ((0, 0, 4), (2, 4, 9))
+    x = torch.randn(N, H, generator=torch.Generator().manual_seed(4), requires_grad=True)
+    r = torch.rand(N, generator=torch.Generator().manual_seed(5), requires_grad=True)
+    dy = torch.randn(N, H, generator=torch.Generator().manual_seed(6))
+    ex.kernel(x, counts, ex.gate_proj, ex.up_proj, ex.down_proj, scale_N=r).backward(dy)
+    W = {n: [dequantize_blockwise(ex.get_buffer(n)[e], ex.get_buffer(n + "_scale_inv")[e]).double() for e in range(E)]
+         for n in ("gate_proj", "up_proj", "down_proj")}  # fmt: skip
+
+    def fe(v, dv):  # FP8 rounding of v̂ (|v̂ - v| <= dv), tile scale <= its row's max / 448
+        return fp8_error(v.abs() + dv, ((v.abs() + dv).amax(-1, keepdim=True) / 448).clamp(min=1e-4 / 448))
+
+    for e, a, b in spans:
+        xe = x.detach()[a:b]
+        g = GEMM.fwd(xe, ex.gate_proj[e], ex.gate_proj_scale_inv[e]).double()  # the kernel's forward values
+        u = GEMM.fwd(xe, ex.up_proj[e], ex.up_proj_scale_inv[e]).double()
+        re, dye = r.detach()[a:b, None].double(), dy[a:b].double()
+        sig = torch.sigmoid(g)
+        dh = dye @ W["down_proj"][e]  # exact dL/d(r·h)
+        ddh = perturbed_matmul_bound(dye, fe(dye, 0), W["down_proj"][e], 0)  # FP8 of dy
+        silu_d = sig * (1 + g * (1 - sig))
+        dg, du = dh * re * u * silu_d, dh * re * g * sig
+        # + fp32 rounding of the few element-wise products (γ_8 relative, generous)
+        ddg = ddh * (re * u * silu_d).abs() + reorder_bound(8, dg.abs())
+        ddu = ddh * (re * g * sig).abs() + reorder_bound(8, du.abs())
+        want = dg @ W["gate_proj"][e] + du @ W["up_proj"][e]
+        bound = perturbed_matmul_bound(dg, ddg + fe(dg, ddg), W["gate_proj"][e], 0) + perturbed_matmul_bound(
+            du, ddu + fe(du, ddu), W["up_proj"][e], 0
+        )
+        assert_within(x.grad[a:b], want, bound, f"expert {e} dL/dx")
+        dr = (dh * F.silu(g) * u).sum(-1)
+        dr_bound = (ddh * (F.silu(g) * u).abs()).sum(-1) + reorder_bound(
+            I, (dh * F.silu(g) * u).abs().sum(-1), stages=2
+        )
+        assert_within(r.grad[a:b], dr, dr_bound, f"expert {e} dL/dr")
