@@ -50,15 +50,15 @@ def base_fingerprint(path: str | os.PathLike) -> str:
     return "sha256:" + h.hexdigest()
 
 
-def _load_tensor(reader: CheckpointReader, name: str, dst: torch.Tensor, sdst: torch.Tensor | None) -> None:
+def _load_tensor(reader: CheckpointReader, name: str, dst: torch.Tensor, sdst: torch.Tensor | None, pow2: bool) -> None:
     where = f"{name} in {os.path.basename(reader.info(name).file)}"
     if sdst is None:  # high-precision frozen tensor: as `load_pretrained` reads it
         dst.copy_(reader.get(name, torch.float32 if reader.is_fp8(name) else None).to(dst.dtype))
         return
     if reader.is_fp8(name):
         q, s = reader.get_fp8(name)  # the released bytes and block scales, as they are
-    else:  # a BF16 / FP32 release under fp8.enabled: quantized once, in 128x128 blocks
-        q, s = quantize_blockwise(reader.get(name, torch.float32), TILE)
+    else:  # a BF16 / FP32 release under fp8.enabled: quantized once, as the FP8 path would each call
+        q, s = quantize_blockwise(reader.get(name, torch.float32), TILE, pow2)
     if q.shape != dst.shape or s.shape != sdst.shape:
         raise CheckpointError(
             f"{where}: FP8 weight {list(q.shape)} with scales {list(s.shape)} does not fit the frozen "
@@ -142,7 +142,7 @@ def load_frozen_base(
                     continue  # another EP rank's expert
                 row = expert - (er.start if er is not None else 0)
                 dst, sdst = dst[row], None if sdst is None else sdst[row]
-            _load_tensor(reader, name, dst, sdst)
+            _load_tensor(reader, name, dst, sdst, cfg.fp8.pow2_scales)
         bytes_read = reader.bytes_read
     apply_transforms(model, run, device=device)  # frozen FP8 storage kept as loaded; LoRA; recompute
     model.base_fingerprint = base_fingerprint(path)

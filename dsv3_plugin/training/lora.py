@@ -50,7 +50,7 @@ __all__ = [
     "check_lora_checkpoint",
 ]
 
-# routed-expert weight -> (released target name, adapter prefix): gate_proj = w1, up_proj = w3, down_proj = w2
+# routed-expert weight (= its `lora.targets` name) -> adapter prefix: gate_proj = w1, up_proj = w3, down_proj = w2
 EXPERT_ADAPTERS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 
@@ -408,6 +408,8 @@ def apply_lora(model: nn.Module, cfg: DSv3Config, dtype: torch.dtype | None = No
     lo = cfg.lora
     if lo is None:
         raise ValueError("apply_lora: the config has no dsv3.lora section")
+    if getattr(model, "lora_report", None) is not None:
+        raise ValueError("apply_lora: the model already has LoRA adapters")
     if lo.mtp == "off" and len(getattr(model, "mtp", ())):
         raise ConfigError(
             "dsv3.lora.mtp: 'off' trains without the MTP loss, but the model was built with MTP modules; build it "

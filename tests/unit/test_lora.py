@@ -26,6 +26,7 @@ from dsv3_plugin.precision.fp8.quant import (
     FP8_DTYPE,
     dequantize_blockwise,
     fp8_gemm_emulated,
+    quantize_blockwise,
     quantize_tilewise,
 )
 from dsv3_plugin.training.lora import (
@@ -174,26 +175,42 @@ def test_linear_adapter_gradients_match_a_dense_reference():
     assert_within(lin.lora_A.grad, A.grad, matmul_bound(dt.t(), xd, torch.float32, stages=2), "dL/dA")
 
 
-def _dense_experts(x, counts, w, ad, s, r):
-    """Autograd reference of the adapted experts, float64: w = (W1, W3, W2) dequantized, ad = (A1, B1, ...)."""
-    W1, W3, W2 = w
+def _dense_experts(x, counts, mm, ad, s, r):
+    """Autograd reference of the adapted experts: mm(x, k, e) = x·W_kᵀ of expert e (k: 0 gate, 1 up, 2 down),
+    ad = (A1, B1, A3, B3, A2, B2)."""
     A1, B1, A3, B3, A2, B2 = ad
     out, a = [], 0
     for e, n in enumerate(counts):
         xe = x[a : a + n]
-        g = xe @ W1[e].t() + s * (xe @ A1[e].t()) @ B1[e].t()
-        u = xe @ W3[e].t() + s * (xe @ A3[e].t()) @ B3[e].t()
+        g = mm(xe, 0, e) + s * (xe @ A1[e].t()) @ B1[e].t()
+        u = mm(xe, 1, e) + s * (xe @ A3[e].t()) @ B3[e].t()
         h = F.silu(g) * u * r[a : a + n, None]
-        out.append(h @ W2[e].t() + s * (h @ A2[e].t()) @ B2[e].t())
+        out.append(mm(h, 2, e) + s * (h @ A2[e].t()) @ B2[e].t())
         a += n
     return torch.cat(out)
 
 
-def test_expert_adapter_gradients_match_a_dense_reference():
-    cfg = _cfg(False, dropout=0.0)
+class _FrozenMm(torch.autograd.Function):
+    """x·Wᵀ by the frozen FP8 GEMMs (Fprop, and Dgrad in backward): the kernel's own base, as a reference op."""
+
+    @staticmethod
+    def forward(ctx, x, q, s):
+        ctx.qs = (q, s)
+        return GEMM.fwd(x, q, s)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return GEMM.dgrad(dy, *ctx.qs), None, None
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_expert_adapter_gradients_match_a_dense_reference(fp8):
+    cfg = _cfg(fp8, dropout=0.0)
     s = lora_scale(cfg.lora)
     E, H, I, N = 3, 64, 40, 10
     ex = GroupedExperts(E, H, I)
+    if fp8:
+        FrozenFp8Experts.freeze(ex, GEMM)
     model = torch.nn.Module()
     model.layers = torch.nn.ModuleList([torch.nn.Module()])
     model.layers[0].experts = ex
@@ -207,17 +224,34 @@ def test_expert_adapter_gradients_match_a_dense_reference():
     r = torch.rand(N, generator=torch.Generator().manual_seed(10))
     dy = torch.randn(N, H, generator=torch.Generator().manual_seed(11))
     ex.kernel(x, counts, ex.gate_proj, ex.up_proj, ex.down_proj, scale_N=r).backward(dy)
-    ad = [getattr(ex, n).detach().double().requires_grad_() for n in names]
-    w = [getattr(ex, n).detach().double() for n in ("gate_proj", "up_proj", "down_proj")]
-    xd = x.detach().double().requires_grad_()
-    _dense_experts(xd, counts, w, ad, s, r.double()).backward(dy.double())
-    # fp32 vs fp64 through one SwiGLU layer: its reductions (gate/up, down, adapters, their backward) are at most
-    # max(H, I, N) long; 16 stages per pass (REDUCTIONS_PER_BLOCK) x 2 passes covers the longest path
+    ws = ("gate_proj", "up_proj", "down_proj")
+    if fp8:
+        # NOTE: the reference runs the kernel's own FP8 GEMMs (same calls on the same operands: the same FP8
+        # products); what differs is the high-precision SwiGLU / adapter arithmetic around them, in fp32 on both
+        # sides, and no FP8 rounding lies on the path from those to the adapters' gradients.
+        qs = [(ex.get_buffer(n), ex.get_buffer(n + "_scale_inv")) for n in ws]
+        dtype, ad = torch.float32, [getattr(ex, n).detach().clone().requires_grad_() for n in names]
+
+        def mm(a, k, e):
+            return _FrozenMm.apply(a, qs[k][0][e], qs[k][1][e])
+    else:
+        w = [getattr(ex, n).detach().double() for n in ws]
+        dtype, ad = torch.float64, [getattr(ex, n).detach().double().requires_grad_() for n in names]
+
+        def mm(a, k, e):
+            return a @ w[k][e].t()
+
+    xd = x.detach().to(dtype).requires_grad_()
+    _dense_experts(xd, counts, mm, ad, s, r.to(dtype)).backward(dy.to(dtype))
+    # the layer's reductions (gate/up, down, adapters, their backward) are at most max(H, I, N) long;
+    # 16 stages per pass (REDUCTIONS_PER_BLOCK) x 2 passes covers the longest path
+    K = max(H, I, N)
     for n, ref in zip(names, ad):
         got = getattr(ex, n).grad
         assert got is not None and got[1].abs().max() == 0  # expert 1 had no rows
-        assert_within(got, ref.grad, reorder_bound(max(H, I, N), ref.grad.abs().max(), stages=32), f"dL/d{n}")
-    assert_within(x.grad, xd.grad, reorder_bound(max(H, I, N), xd.grad.abs().max(), stages=32), "dL/dx")
+        assert_within(got, ref.grad, reorder_bound(K, ref.grad.abs().max(), stages=32), f"dL/d{n}")
+    if not fp8:  # (with FP8 the input gradient's Dgrad quantizes dL/dg, which differs in its last bits)
+        assert_within(x.grad, xd.grad, reorder_bound(K, xd.grad.abs().max(), stages=32), "dL/dx")
 
 
 # ------------------------------------------------------------------------------------------------ (d) frozen, W split
@@ -424,3 +458,62 @@ def test_freeze_reports_what_it_froze():
     assert rep.backend == "emulate" and "layers.1.mlp.experts" in rep.grouped
     assert "layers.0.self_attn.q_a_proj" in rep.converted and "lm_head" in rep.high_precision
     assert all(isinstance(m.get_submodule(n), FrozenFp8Linear) for n in rep.converted)
+
+
+def test_a_bf16_release_stays_bf16_frozen_or_is_quantized_once_under_fp8(tmp_path):
+    from dsv3_plugin.checkpoint.reader import CheckpointReader
+
+    rel = write_tiny_release(tmp_path / "bf16", fp8=False)
+    name, native = "model.layers.1.self_attn.q_b_proj.weight", "layers.1.self_attn.q_b_proj"
+    with CheckpointReader(rel) as r:
+        w = r.get(name, torch.float32)
+    m = load_frozen_base(rel, dtype=torch.bfloat16, lora={"rank": 4})
+    p = m.get_submodule(native).weight
+    assert p.dtype == torch.bfloat16 and not p.requires_grad and torch.equal(p, w.bfloat16())
+    m8 = load_frozen_base(rel, fp8={"enabled": True, "pow2_scales": True}, lora={"rank": 4})
+    lin = m8.get_submodule(native)
+    q, s = quantize_blockwise(w, 128, pow2=True)  # what the FP8 training path makes of it each call
+    assert torch.equal(lin.weight.view(torch.uint8), q.view(torch.uint8)) and torch.equal(lin.weight_scale_inv, s)
+
+
+def test_frozen_fp8_experts_input_gradients_are_within_the_fp8_bound():
+    """dx and dL/dr of frozen FP8 experts against float64 math on the dequantized weights, with g and u taken from
+    the kernel's own forward GEMMs: the bound follows the backward's FP8 roundings (dy for W2's Dgrad, dL/dg and
+    dL/du for W1's and W3's), each tile's scale bounded by its row's max."""
+    E, H, I, N = 3, 64, 40, 9
+    ex = GroupedExperts(E, H, I)
+    FrozenFp8Experts.freeze(ex, GEMM)
+    counts, spans = [4, 0, 5], ((0, 0, 4), (2, 4, 9))
+    x = torch.randn(N, H, generator=torch.Generator().manual_seed(4), requires_grad=True)
+    r = torch.rand(N, generator=torch.Generator().manual_seed(5), requires_grad=True)
+    dy = torch.randn(N, H, generator=torch.Generator().manual_seed(6))
+    ex.kernel(x, counts, ex.gate_proj, ex.up_proj, ex.down_proj, scale_N=r).backward(dy)
+    W = {n: [dequantize_blockwise(ex.get_buffer(n)[e], ex.get_buffer(n + "_scale_inv")[e]).double() for e in range(E)]
+         for n in ("gate_proj", "up_proj", "down_proj")}  # fmt: skip
+
+    def fe(v, dv):  # FP8 rounding of v̂ (|v̂ - v| <= dv), tile scale <= its row's max / 448
+        return fp8_error(v.abs() + dv, ((v.abs() + dv).amax(-1, keepdim=True) / 448).clamp(min=1e-4 / 448))
+
+    for e, a, b in spans:
+        xe = x.detach()[a:b]
+        g = GEMM.fwd(xe, ex.gate_proj[e], ex.gate_proj_scale_inv[e]).double()  # the kernel's forward values
+        u = GEMM.fwd(xe, ex.up_proj[e], ex.up_proj_scale_inv[e]).double()
+        re, dye = r.detach()[a:b, None].double(), dy[a:b].double()
+        sig = torch.sigmoid(g)
+        dh = dye @ W["down_proj"][e]  # exact dL/d(r·h)
+        ddh = perturbed_matmul_bound(dye, fe(dye, 0), W["down_proj"][e], 0)  # FP8 of dy
+        silu_d = sig * (1 + g * (1 - sig))
+        dg, du = dh * re * u * silu_d, dh * re * g * sig
+        # + fp32 rounding of the few element-wise products (γ_8 relative, generous)
+        ddg = ddh * (re * u * silu_d).abs() + reorder_bound(8, dg.abs())
+        ddu = ddh * (re * g * sig).abs() + reorder_bound(8, du.abs())
+        want = dg @ W["gate_proj"][e] + du @ W["up_proj"][e]
+        bound = perturbed_matmul_bound(dg, ddg + fe(dg, ddg), W["gate_proj"][e], 0) + perturbed_matmul_bound(
+            du, ddu + fe(du, ddu), W["up_proj"][e], 0
+        )
+        assert_within(x.grad[a:b], want, bound, f"expert {e} dL/dx")
+        dr = (dh * F.silu(g) * u).sum(-1)
+        dr_bound = (ddh * (F.silu(g) * u).abs()).sum(-1) + reorder_bound(
+            I, (dh * F.silu(g) * u).abs().sum(-1), stages=2
+        )
+        assert_within(r.grad[a:b], dr, dr_bound, f"expert {e} dL/dr")

@@ -150,12 +150,13 @@ class FrozenFp8Linear(UsesKernel, nn.Module):
     @classmethod
     @torch.no_grad()
     def from_linear(cls, lin: nn.Linear, gemm: FrozenFp8Gemm) -> FrozenFp8Linear:
-        """`lin`'s weight quantized in 128×128 blocks (meta stays meta). A bias is refused (DeepSeek-V3 has none)."""
+        """`lin`'s weight quantized in 128×128 blocks as the FP8 training path quantizes a weight (`recipe.pow2`
+        scales or not: the bytes `Fp8LinearKernel` would make each call); meta stays meta. A bias is refused."""
         if lin.bias is not None:
             raise ValueError("FrozenFp8Linear: a Linear with a bias cannot be frozen to FP8 (DeepSeek-V3 has none)")
         new = cls(lin.in_features, lin.out_features, gemm, device=lin.weight.device)
         if not lin.weight.is_meta:
-            new.weight, new.weight_scale_inv = quantize_blockwise(lin.weight.detach(), TILE, pow2=False)
+            new.weight, new.weight_scale_inv = quantize_blockwise(lin.weight.detach(), TILE, gemm.recipe.pow2)
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -265,7 +266,7 @@ class FrozenFp8Experts(GroupedExperts):
     @classmethod
     @torch.no_grad()
     def freeze(cls, mod: GroupedExperts, gemm: FrozenFp8Gemm, dispatch: bool = False) -> FrozenFp8Experts:
-        """`mod` in place: each expert's weights quantized in 128×128 blocks (meta stays meta)."""
+        """`mod` in place: each expert's weights quantized in 128×128 blocks (`recipe.pow2` as `from_linear`)."""
         for n in EXPERT_WEIGHTS:
             w = getattr(mod, n)
             E, O, K = w.shape
@@ -273,7 +274,7 @@ class FrozenFp8Experts(GroupedExperts):
             s = torch.empty(E, *scale_grid(O, K), dtype=torch.float32, device=w.device)
             if not w.is_meta:
                 for e in range(E):
-                    q[e], s[e] = quantize_blockwise(w[e].detach(), TILE, pow2=False)
+                    q[e], s[e] = quantize_blockwise(w[e].detach(), TILE, gemm.recipe.pow2)
             del mod._parameters[n]
             mod.register_buffer(n, q, persistent=False)  # as FrozenFp8Linear's: not in checkpoints
             mod.register_buffer(n + SCALE_SUFFIX, s, persistent=False)
