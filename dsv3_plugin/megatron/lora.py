@@ -178,8 +178,8 @@ def resolve_lora_args(args, cfg: DSv3Config, where: str) -> list[str]:
 
     Raises:
         ConfigError: LoRA without `--dsv3-init-from` (or with a converted one), a rank < 1, a target naming no module,
-            an FP8 release without FP8 (or not blockwise), Transformer Engine layers, a `--load` / `--save` holding a
-            checkpoint of another kind (one line naming the flag).
+            an FP8 release without FP8 (or not blockwise), Transformer Engine layers, TP > 1, expert adapters at
+            EP > 1, a `--load` / `--save` holding a checkpoint of another kind (one line naming the flag).
         CheckpointError: `--load`'s / `--save`'s record names another base or other adapters.
     """
     args.dsv3_lora = lora = _lora_from_flags(args, cfg, where)
@@ -202,6 +202,11 @@ def resolve_lora_args(args, cfg: DSv3Config, where: str) -> list[str]:
         raise ConfigError(
             f"{how}: the adapters attach through the plugin's kernel seams, which Transformer Engine's layers lack; "
             "pass --transformer-impl local"
+        )
+    if lora["experts"] and (getattr(args, "expert_model_parallel_size", 1) or 1) > 1:
+        raise ConfigError(
+            f"--expert-model-parallel-size {args.expert_model_parallel_size}: adapters on the routed experts run at "
+            "expert parallel size 1 (their checkpoint shards are not laid out per EP rank); drop --dsv3-lora-experts"
         )
     if getattr(args, "tensor_model_parallel_size", 1) > 1:
         raise ConfigError(f"{how}: LoRA runs at --tensor-model-parallel-size 1 (the weight loader's limit)")
@@ -361,6 +366,8 @@ def attach_lora(model, args) -> LoRAReport | None:
         return None
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
+    if getattr(model, "lora_report", None) is not None:
+        raise ValueError("attach_lora: the chunk already has LoRA adapters")
     cfg = lora_run_config(load_config(model.config.dsv3_config), args)
     lo, targets, s = cfg.lora, lora_targets(cfg), lora_scale(cfg.lora)
     dtype = model.config.params_dtype

@@ -258,7 +258,7 @@ def _parse(data, *extra, init=True):
 @NO_RANK
 def test_bad_lora_flags_are_refused_in_one_line(data, capsys):
     from dsv3_plugin.config import ConfigError
-    from dsv3_plugin.megatron.pretrain_gpt import main
+    from dsv3_plugin.megatron.pretrain_gpt import main, parse_megatron_args
 
     with pytest.raises(ConfigError, match=r"^--dsv3-lora-rank: LoRA trains adapters on a frozen base; give it with"):
         _parse(data, *LORA, init=False)
@@ -268,6 +268,14 @@ def test_bad_lora_flags_are_refused_in_one_line(data, capsys):
         _parse(data, "--dsv3-lora-alpha", "8")
     with pytest.raises(ConfigError, match=r"^--dsv3-lora-targets q_proj: names no module of this model \(it has q_a"):
         _parse(data, *LORA, "--dsv3-lora-targets", "q_a_proj", "q_proj")
+    with pytest.raises(ConfigError, match=r"^--expert-model-parallel-size 2: adapters on the routed experts run at"):
+        parse_megatron_args(
+            _flags(data["tmp"], data["rel"], "--train-iters", "1", *LORA, "--dsv3-lora-experts")
+            + ["--expert-model-parallel-size", "2"],
+            world_size=2,
+            on_cpu=True,
+            set_globals=False,
+        )
     # the entry's own main(): exit 2, one line
     flags = _flags(data["tmp"], data["rel"], "--train-iters", "1", "--dsv3-lora-rank", "0")
     assert main(flags) == 2
