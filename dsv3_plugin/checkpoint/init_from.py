@@ -51,8 +51,8 @@ def build_train_model(
 
 def with_model_shape(ds: dict, shape: DSv3Config, keep_user_model_keys: bool = False) -> dict:
     """The DeepSpeed JSON `ds` with its "dsv3" block's model shape taken from `shape` (a released config.json's,
-    or a built model's `cfg`) and the training knobs (γ, λ, α schedules, parallel, fp8, memory, train.*) from the
-    block: the JSON need not repeat a checkpoint's shape.
+    or a built model's `cfg`) and the training knobs (γ, λ, α schedules, parallel, fp8, memory, train.*, lora) from
+    the block: the JSON need not repeat a checkpoint's shape.
 
     Args:
         ds: the DeepSpeed JSON as a dict, with a "dsv3" block.
@@ -75,6 +75,8 @@ def with_model_shape(ds: dict, shape: DSv3Config, keep_user_model_keys: bool = F
             block[sec][k] = v
     for sec in ("parallel", "fp8", "memory", "train"):
         block[sec] = asked.to_dict()[sec]
+    if asked.lora is not None:
+        block["lora"] = asked.to_dict()["lora"]
     out = dict(ds)
     out["dsv3"] = block
     return out

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from dsv3_plugin.config import ConfigError, DSv3Config, load_config
+from dsv3_plugin.training.lora import bias_update_speed
 
 __all__ = [
     "DSv3TransformerConfig",
@@ -162,7 +163,7 @@ def apply_schedules(config, tokens_seen: float) -> tuple[float, float]:
     tokens; λ = 0.3 for the first 10T tokens then 0.1): Megatron reads `moe_router_bias_update_rate` at every
     `finalize_model_grads` and `mtp_loss_scaling_factor` at every forward. Returns (γ, λ)."""
     cfg = dsv3_config_of(config)
-    gamma, lam = cfg.moe.gamma(tokens_seen), cfg.mtp.lam(tokens_seen)
+    gamma, lam = bias_update_speed(cfg, tokens_seen), cfg.mtp.lam(tokens_seen)  # γ 0 under LoRA without bias_update
     config.moe_router_bias_update_rate = gamma
     if config.mtp_num_layers:
         config.mtp_loss_scaling_factor = lam

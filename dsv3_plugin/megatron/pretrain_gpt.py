@@ -8,6 +8,7 @@ Megatron-LM's `pretrain_gpt.py`). Adds `--dsv3-config` (without it the block is 
 `flags.py`; either way `parse_megatron_args` builds the run's `DSv3Config` once per process, `config.run_config`),
 `--spec` (ours by default), `--dsv3-metrics`, `--nproc`, `--dsv3-pipeline-schedule {dualpipev,dualpipe,1f1b}` and
 fine-tuning (`--dsv3-init-from`, `--sft`: `finetune.py`, `sft_data.py`). Entry points: `main`, `parse_megatron_args`.
+LoRA (`lora.py`): `--dsv3-lora-rank R` with `--dsv3-init-from` trains adapters on the frozen (FP8) base.
 Design notes (every flag, fine-tuning, the CPU path): docs/design_notes.md#megatron-pretrain-gpt
 """
 
@@ -21,7 +22,7 @@ from functools import partial
 
 import torch
 
-from dsv3_plugin.config import ConfigError
+from dsv3_plugin.config import ConfigError, LoRAConfig
 from dsv3_plugin.errors import CheckpointError, DataError
 from dsv3_plugin.megatron.config import config_source, read_config_file, run_config, set_run_config
 from dsv3_plugin.megatron.dualpipev import embedding_ranks, stage_ends
@@ -46,11 +47,13 @@ from dsv3_plugin.megatron.flags import (
 )
 from dsv3_plugin.megatron.fp8 import install_fp8, resolve_fp8_args
 from dsv3_plugin.megatron.gpt import add_dsv3_args, dualpipev_selected, gpt_builder
+from dsv3_plugin.megatron.lora import add_lora_args, attach_lora, freeze_lora_base, resolve_lora_args
 from dsv3_plugin.megatron.metrics import MetricsRecorder
 from dsv3_plugin.megatron.schedule_args import PIPELINE_SCHEDULES, apply_pipeline_schedule, resolve_pipeline_schedule
 from dsv3_plugin.megatron.sft_data import MaskedGPTDataset, check_sft_args, check_split_documents
 from dsv3_plugin.megatron.spec import mcore_version_tuple
 from dsv3_plugin.parallel.distributed import spawn
+from dsv3_plugin.training.lora import lora_model_config
 from dsv3_plugin.training.preemption import REPEAT_WINDOW_S
 
 __all__ = [
@@ -95,7 +98,7 @@ def parse_megatron_args(
     captured = {}
 
     def provider(parser):
-        parser = add_finetune_args(add_dsv3_args(parser))
+        parser = add_lora_args(add_finetune_args(add_dsv3_args(parser)))
         parser.add_argument(
             "--dsv3-metrics",
             type=str,
@@ -145,6 +148,9 @@ def parse_megatron_args(
     fp8_notes, fp8 = resolve_fp8_args(args, parser, explicit, cfg, where, on_cpu)
     notes += fp8_notes
     cfg = cfg.model_copy(update={"fp8": fp8})  # what the plugin's layers run (enabled or not), already validated
+    notes += resolve_lora_args(args, cfg, where)
+    if args.dsv3_lora is not None:  # LoRA's settings join the run's one config; lora.mtp "off": no MTP modules
+        cfg = lora_model_config(cfg.model_copy(update={"lora": LoRAConfig(**args.dsv3_lora)}))
     schedule = resolve_pipeline_schedule(args, parser, explicit, cfg, where)
     notes += default_eval_interval(args, explicit)
     # Megatron-LM's default tokenizer, handed over only when --tokenizer-type is absent (Megatron warns about every
@@ -191,8 +197,10 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
 
     args = get_args()
     model = gpt_builder(args, pre_process, post_process, vp_stage=vp_stage, pg_collection=pg_collection)
+    freeze_lora_base(model, args)  # LoRA: the base frozen (FP8: empty frozen storage the release's bytes fill)
     load_initial_weights(model, args)  # --dsv3-init-from: this chunk's own tensors, before DDP and the optimizer
-    install_fp8(model, args, run_config(args).fp8)  # after the weights: FP8 kernels read the chunk's own parameters
+    if attach_lora(model, args) is None:  # LoRA: adapters on the loaded base, all DDP and the optimizer see
+        install_fp8(model, args, run_config(args).fp8)  # after the weights: FP8 kernels read the chunk's own parameters
     return model
 
 
