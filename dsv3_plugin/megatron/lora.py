@@ -22,7 +22,7 @@ from torch import nn
 from dsv3_plugin.checkpoint.frozen_base import base_fingerprint
 from dsv3_plugin.checkpoint.names import LAYER
 from dsv3_plugin.checkpoint.reader import CheckpointReader
-from dsv3_plugin.config import ConfigError, DSv3Config, FP8Config, LoRAConfig, lora_targets
+from dsv3_plugin.config import ConfigError, DSv3Config, LoRAConfig, lora_targets
 from dsv3_plugin.errors import CheckpointError
 from dsv3_plugin.megatron.config import run_config
 from dsv3_plugin.megatron.finetune import TRACKER, init_source_kind
@@ -310,10 +310,10 @@ def freeze_lora_base(model, args) -> bool:
 
     for p in model.parameters():
         p.requires_grad_(False)
-    if args.dsv3_fp8 is None:
+    fp8 = run_config(args).fp8  # the run's one config, FP8 resolved (`resolve_fp8_args`)
+    if not fp8.enabled:
         seam_parallel_linears(model)  # high-precision frozen base: the adapters still need the seam
         return True
-    fp8 = FP8Config(**args.dsv3_fp8)
     p0 = next(model.parameters())
     freeze_fp8(model, fp8, p0.device, layer_types=(TransformerLayer,))  # our FFNs' Linears and experts
     backend = AutoBackend(fp8)
