@@ -24,7 +24,7 @@ import zlib
 
 from benchmarks import env_facts, positive_int, run_child
 
-__all__ = ["IMPLS", "add_arguments", "run", "write_base"]
+__all__ = ["IMPLS", "add_arguments", "batch", "build_ours", "run", "write_base"]
 
 # child -> what it trains
 IMPLS = {
@@ -188,11 +188,23 @@ def _shifted(ids_BT):
     return labels
 
 
+def batch(spec: dict, vocab: int):
+    """The batch every child trains on: ids_BT [B, T] uniform over the vocabulary, drawn from `seed` + 1."""
+    import torch
+
+    g = torch.Generator().manual_seed(spec["seed"] + 1)
+    return torch.randint(0, vocab, (spec["batch"], spec["seq_len"]), generator=g)
+
+
 def _lora_block(spec: dict) -> dict:
     return {"rank": spec["rank"], "alpha": spec["alpha"], "dropout": 0.0}
 
 
-def _build_ours(impl: str, spec: dict):
+def build_ours(impl: str, spec: dict):
+    """Our model for child `impl` ("lora_fp8", "lora_fp32", "full_fp32") from the base at `spec["base"]`.
+
+    Returns:
+        (model, step: ids_BT -> loss, base precision in words, LoRA targets, name)."""
     import torch
 
     from dsv3_plugin.checkpoint.frozen_base import load_frozen_base
@@ -312,14 +324,13 @@ def _child(impl: str, spec_json: str) -> None:
         targets = list(lora_targets(load_config({**_block(spec["preset"], 1), "lora": _lora_block(spec)})))
         model, step, base, name = _build_peft(spec, targets)
     else:
-        model, step, base, targets, name = _build_ours(impl, spec)
+        model, step, base, targets, name = build_ours(impl, spec)
     trainable = [p for p in model.parameters() if p.requires_grad]
     frozen = sum(t.numel() * t.element_size() for t in model.parameters() if not t.requires_grad)
     frozen += sum(t.numel() * t.element_size() for t in model.buffers())
     opt = torch.optim.AdamW(trainable, lr=spec["lr"])
-    vocab = model.get_input_embeddings().weight.shape[0] if impl == "peft_fp32" else model.cfg.model.vocab_size
-    g = torch.Generator().manual_seed(spec["seed"] + 1)
-    ids_BT = torch.randint(0, vocab, (spec["batch"], spec["seq_len"]), generator=g)
+    embed = model.get_input_embeddings() if impl == "peft_fp32" else model.embed_tokens
+    ids_BT = batch(spec, embed.weight.shape[0])
     gc.collect()
     rss_built = _status_mib("VmRSS")
     _reset_peak()
