@@ -118,10 +118,16 @@ def run(args) -> dict:
             "fp8_base": pf["step_peak_rss_mib"] / o8["step_peak_rss_mib"],
             "fp32_base": pf["step_peak_rss_mib"] / o32["step_peak_rss_mib"],
         },
+        "ratio_step_peak_over_imports": {
+            "fp8_base": pf["step_peak_over_imports_mib"] / o8["step_peak_over_imports_mib"],
+            "fp32_base": pf["step_peak_over_imports_mib"] / o32["step_peak_over_imports_mib"],
+        },
         "lora_vs_full": {
             f"{b}_base": {
                 "full_over_lora_cpu": full["cpu_ms"] / lo["cpu_ms"],
                 "full_over_lora_step_peak_rss": full["step_peak_rss_mib"] / lo["step_peak_rss_mib"],
+                "full_over_lora_step_peak_over_imports": full["step_peak_over_imports_mib"]
+                / lo["step_peak_over_imports_mib"],
                 "lora_faster": lo["cpu_ms"] < full["cpu_ms"],
                 "lora_lower_step_peak": lo["step_peak_rss_mib"] < full["step_peak_rss_mib"],
             }
@@ -145,7 +151,8 @@ def run(args) -> dict:
         "timing": "median per step over rounds x steps after --warmup steps; children interleaved; CPU time = "
         "process_time of the child",
         "peak_memory": "step_peak_rss_mib: the child's VmHWM over its warm-up and timed steps (reset after the "
-        "build; resident imports included); peak_rss_mib: ru_maxrss over its life (imports and loading included)",
+        "build; resident imports included); step_peak_over_imports_mib: that peak less the RSS after the imports "
+        "(the model, optimizer and steps); peak_rss_mib: ru_maxrss over its life (imports and loading included)",
         "results": per,
         "env": env_facts(),
     }
@@ -160,6 +167,8 @@ def _summary(rs: list[dict]) -> dict:
         wall_ms=statistics.median(wall) * 1e3,
         **{k: max(r[k] for r in rs) for k in ("rss_imports_mib", "rss_built_mib", "step_peak_rss_mib", "peak_rss_mib")},
     )
+    # what the model, its optimizer and the steps hold on top of the child's imports
+    out["step_peak_over_imports_mib"] = max(r["step_peak_rss_mib"] - r["rss_imports_mib"] for r in rs)
     return out
 
 

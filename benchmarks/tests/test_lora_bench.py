@@ -31,7 +31,9 @@ def _dequantized(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 def test_tiny_run_reports_the_figures_of_one_lora_on_one_base_and_batch(tmp_path):
     d = _run()
     assert d["bench"] == "lora" and {"ours", "baseline", "ratio", "env"} <= set(d)
-    assert set(d["ours"]) == set(d["ratio"]) == set(d["lora_vs_full"]) == {"fp8_base", "fp32_base"}
+    bases = {"fp8_base", "fp32_base"}
+    assert set(d["ours"]) == set(d["ratio"]) == set(d["lora_vs_full"]) == set(d["ratio_step_peak_rss"]) == bases
+    assert set(d["ratio_step_peak_over_imports"]) == bases
     res = d["results"]
     for b in ("fp8_base", "fp32_base"):
         lo, full = res["lora_" + b.removesuffix("_base")], res["full_fp32"]
