@@ -20,11 +20,12 @@ import torch
 
 from dsv3_plugin.checkpoint.hf import _config_of, _reader_plan, _state_shapes
 from dsv3_plugin.checkpoint.reader import CheckpointReader
-from dsv3_plugin.config import ConfigError
+from dsv3_plugin.config import ConfigError, load_config
 from dsv3_plugin.errors import CheckpointError
 from dsv3_plugin.model.transformer import DSv3Model
 from dsv3_plugin.precision.fp8.frozen import SCALE_SUFFIX, freeze_fp8
 from dsv3_plugin.precision.fp8.quant import FP8_DTYPE, TILE, quantize_blockwise
+from dsv3_plugin.training.lora import lora_model_config
 from dsv3_plugin.training.rank_local import RankLayout, build_rank_local
 from dsv3_plugin.training.transforms import apply_transforms
 
@@ -81,7 +82,8 @@ def load_frozen_base(
 
     Args:
         path: a released-format checkpoint directory.
-        layout: the rank's `RankLayout` (default: the whole model); only its tensors are read.
+        layout: the rank's `RankLayout` (default: the whole model) of `training.lora.lora_model_config(cfg)`
+            (no MTP modules under `lora.mtp` "off"); only its tensors are read.
         dtype: dtype of the high-precision parameters (and of the adapters).
         device: where the model's tensors go.
         allow_non_finite: load NaN/Inf weights or scales instead of refusing them.
@@ -99,8 +101,14 @@ def load_frozen_base(
         cfg = _config_of(reader, config_overrides)
         if cfg.lora is None:
             raise ConfigError("dsv3.lora: load_frozen_base loads a base for LoRA; the config has no lora section")
+        run = lora_model_config(cfg)  # lora.mtp "off": no MTP modules, the release's MTP layer is not read
         L = cfg.model.num_hidden_layers
-        plan, _ = _reader_plan(reader, _state_shapes(cfg), L)  # names and shapes against the config, headers only
+        shape = cfg
+        if cfg.lora.mtp == "off":  # nothing of MTP is built: check the release's MTP tensors against its own depth
+            d = cfg.to_dict()
+            d["mtp"]["depth"] = _config_of(reader, {}).mtp.depth
+            shape = load_config(d)
+        plan, _ = _reader_plan(reader, _state_shapes(shape), L)  # names and shapes against the config, headers only
         if reader.is_quantized() and not cfg.fp8.enabled:
             raise ConfigError(
                 f"dsv3.fp8.enabled: {reader.path} is an FP8 release; LoRA keeps its base in FP8 and computes with "
@@ -111,18 +119,20 @@ def load_frozen_base(
                 f"{reader.config_path}: quantization_config.weight_block_size {list(reader.block)}: the frozen FP8 "
                 f"base needs the release's {TILE}x{TILE} blocks"
             )
-        layout = layout or RankLayout.of(cfg, pp=1, ep=1)
+        layout = layout or RankLayout.of(run, pp=1, ep=1)
 
         def prepare(model):
             if cfg.fp8.enabled:
                 freeze_fp8(model, cfg.fp8, device)
 
-        model = build_rank_local(cfg, layout, dtype, device, init=False, transforms=False, prepare=prepare)
+        model = build_rank_local(run, layout, dtype, device, init=False, transforms=False, prepare=prepare)
         # the frozen FP8 buffers are not persistent (not in state_dict): look tensors up by name
         state = dict(model.named_buffers(remove_duplicate=False))
         state.update(model.named_parameters(remove_duplicate=False))
         er = layout.expert_range if layout.ep > 1 else None
         for name, native, expert in plan:
+            if run.mtp.depth == 0 and native.startswith("mtp."):
+                continue  # checked against the config above, not built
             dst = state[native]
             if dst.is_meta:
                 continue  # another rank's tensor: never read
@@ -134,7 +144,7 @@ def load_frozen_base(
                 dst, sdst = dst[row], None if sdst is None else sdst[row]
             _load_tensor(reader, name, dst, sdst)
         bytes_read = reader.bytes_read
-    apply_transforms(model, cfg, device=device)  # frozen FP8 storage kept as loaded; LoRA; recompute
+    apply_transforms(model, run, device=device)  # frozen FP8 storage kept as loaded; LoRA; recompute
     model.base_fingerprint = base_fingerprint(path)
     model.checkpoint_bytes_read = bytes_read
     return model

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsv3_plugin.config import DSv3Config, LoRAConfig, lora_targets
+from dsv3_plugin.config import ConfigError, DSv3Config, LoRAConfig, load_config, lora_targets
+from dsv3_plugin.errors import CheckpointError
 from dsv3_plugin.model.init import param_seed
 from dsv3_plugin.model.kernels import (
     KernelLinear,
@@ -42,6 +43,11 @@ __all__ = [
     "lora_scale",
     "adapter_names",
     "is_adapter",
+    "lora_model_config",
+    "bias_update_speed",
+    "trainable_parameters",
+    "lora_checkpoint_state",
+    "check_lora_checkpoint",
 ]
 
 # routed-expert weight -> (released target name, adapter prefix): gate_proj = w1, up_proj = w3, down_proj = w2
@@ -184,6 +190,12 @@ class LoRAExpertKernel(SplitKernel):
     def call(self, via, x_NH, counts, w1_EIH, w3_EIH, w2_EHI, scale_N=None):
         if sum(counts) != x_NH.shape[0]:
             raise ValueError(f"LoRAExpertKernel: counts sum to {sum(counts)} but there are {x_NH.shape[0]} rows")
+        for n, w in zip(EXPERT_ADAPTERS, (w1_EIH, w3_EIH, w2_EHI)):
+            if w is not getattr(self.owner, n):  # the adapters are the owner's: its weights must be too
+                raise RuntimeError(
+                    f"LoRAExpertKernel: got a {tuple(w.shape)} weight that is not its experts' {n} (adapted experts "
+                    "cannot be re-sliced or stacked: build them rank-locally)"
+                )
         fp8 = isinstance(self.base, FrozenFp8ExpertKernel)
         ops = _Fp8Base(self.base.gemm, expert_scales(self.owner, w1_EIH, w3_EIH, w2_EHI)) if fp8 else _PlainBase()
         dispatch = fp8 and self.base.dispatch
@@ -300,7 +312,7 @@ class LoRAReport:
     targets: tuple[str, ...]
     linear: list[str] = field(default_factory=list)  # adapted Linear modules
     experts: list[str] = field(default_factory=list)  # adapted GroupedExperts
-    trainable: int = 0  # adapter elements on this rank
+    trainable: int = 0  # adapter elements this rank holds (not on meta)
 
 
 @torch.no_grad()
@@ -322,6 +334,62 @@ def _compute_dtype(model: nn.Module) -> torch.dtype:
     return torch.float32
 
 
+def lora_model_config(cfg: DSv3Config) -> DSv3Config:
+    """The config a LoRA run builds its model (and rank layout) from: `lora.mtp = "off"` builds no MTP modules
+    (mtp.depth 0: no MTP loss, no MTP memory, as transformers/peft's DeepseekV3); otherwise `cfg` itself."""
+    if cfg.lora is None or cfg.lora.mtp != "off" or cfg.mtp.depth == 0:
+        return cfg
+    d = cfg.to_dict()
+    d["mtp"]["depth"] = 0
+    return load_config(d)
+
+
+def bias_update_speed(cfg: DSv3Config, tokens_seen: float) -> float:
+    """γ of the aux-loss-free bias update after an optimizer step: `moe.gamma(tokens_seen)`, or 0 (the released
+    bias stays; loads are still counted and reported) under LoRA with `lora.bias_update` false."""
+    if cfg.lora is not None and not cfg.lora.bias_update:
+        return 0.0
+    return cfg.moe.gamma(tokens_seen)
+
+
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters an optimizer (ZeRO-1's partitions) gets: those with requires_grad (the adapters)."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def lora_checkpoint_state(model: nn.Module) -> dict:
+    """What a LoRA checkpoint records besides the adapters and their optimizer state: the base's fingerprint
+    (`checkpoint.frozen_base.base_fingerprint`; None for a base not loaded from a release), the adapter names and
+    the scale."""
+    rep = getattr(model, "lora_report", None)
+    if rep is None:
+        raise ValueError("lora_checkpoint_state: the model has no LoRA adapters (apply_lora was not run)")
+    return {
+        "base_fingerprint": getattr(model, "base_fingerprint", None),
+        "adapters": adapter_names(model),
+        "scale": rep.scale,
+    }
+
+
+def check_lora_checkpoint(model: nn.Module, state: dict | None, where: str) -> None:
+    """Refuse to resume `model` from a checkpoint (`where`) whose LoRA record (`lora_checkpoint_state`) is missing
+    or names another base, other adapters or another scale: CheckpointError naming what differs."""
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{where}: no LoRA record in the checkpoint (not saved by a dsv3.lora run)")
+    have = lora_checkpoint_state(model)
+    if state.get("base_fingerprint") != have["base_fingerprint"]:
+        raise CheckpointError(
+            f"{where}: adapters trained on base {state.get('base_fingerprint')}, but this run's base is "
+            f"{have['base_fingerprint']}"
+        )
+    if state.get("adapters") != have["adapters"]:
+        missing = sorted(set(have["adapters"]) - set(state.get("adapters") or []))
+        extra = sorted(set(state.get("adapters") or []) - set(have["adapters"]))
+        raise CheckpointError(f"{where}: adapters differ from this run's (missing {missing[:3]}, extra {extra[:3]})")
+    if state.get("scale") != have["scale"]:
+        raise CheckpointError(f"{where}: adapters scaled by {state.get('scale')}, this run by {have['scale']}")
+
+
 def apply_lora(model: nn.Module, cfg: DSv3Config, dtype: torch.dtype | None = None) -> LoRAReport:
     """Freeze `model` and attach `cfg.lora`'s adapters, in place (after FP8, before recompute / EP / W split).
 
@@ -333,10 +401,18 @@ def apply_lora(model: nn.Module, cfg: DSv3Config, dtype: torch.dtype | None = No
     Returns:
         The `LoRAReport` (also `model.lora_report`). Adapters on decoder layers only (`layers.*`: the MTP
         modules, embedding, head, norms and routers stay frozen).
+
+    Raises:
+        ConfigError: `lora.mtp` is "off" but the model has MTP modules (build it from `lora_model_config`).
     """
     lo = cfg.lora
     if lo is None:
         raise ValueError("apply_lora: the config has no dsv3.lora section")
+    if lo.mtp == "off" and len(getattr(model, "mtp", ())):
+        raise ConfigError(
+            "dsv3.lora.mtp: 'off' trains without the MTP loss, but the model was built with MTP modules; build it "
+            "from training.lora.lora_model_config(cfg) (mtp.depth 0)"
+        )
     targets, s = lora_targets(cfg), lora_scale(lo)
     dtype = dtype or _compute_dtype(model)
     rep = LoRAReport(scale=s, targets=targets)
@@ -375,6 +451,6 @@ def apply_lora(model: nn.Module, cfg: DSv3Config, dtype: torch.dtype | None = No
                 )
             mod.kernel = LoRAExpertKernel(mod.kernel, mod, s, lo.dropout, which)
             rep.experts.append(name)
-    rep.trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    rep.trainable = sum(p.numel() for p in model.parameters() if p.requires_grad and not p.is_meta)
     model.lora_report = rep
     return rep

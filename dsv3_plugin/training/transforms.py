@@ -24,7 +24,7 @@ from dsv3_plugin.parallel.pipeline.weight_grad import split_weight_grads
 from dsv3_plugin.precision.fp8.experts import Fp8ExpertKernel, Fp8SwiGLUAct
 from dsv3_plugin.precision.fp8.frozen import freeze_fp8
 from dsv3_plugin.precision.fp8.linear import AutoBackend, Fp8Linear, Fp8LinearKernel, Fp8Recipe, Fp8Report
-from dsv3_plugin.training.lora import apply_lora
+from dsv3_plugin.training.lora import apply_lora, lora_model_config
 from dsv3_plugin.training.recompute import apply_recompute
 
 __all__ = ["build_model", "apply_transforms", "convert_to_fp8"]
@@ -40,8 +40,10 @@ def build_model(cfg: DSv3Config | dict | str) -> DSv3Model:
         The model (FP32 parameters, initialised from the config's seed), transformed in place: with FP8 its
         decoder-layer Linears are `Fp8Linear` and its routed experts run `Fp8ExpertKernel`; with recompute its
         norms / MLA up-projections (or whole layers) are recomputed in backward. Parameter names are unchanged.
+        With `lora`: the frozen base (FP8 storage with `fp8.enabled`) with adapters, built from
+        `lora_model_config(cfg)` (no MTP modules under `lora.mtp` "off").
     """
-    cfg = load_config(cfg)
+    cfg = lora_model_config(load_config(cfg))  # lora.mtp "off": no MTP modules
     return apply_transforms(DSv3Model(cfg), cfg)
 
 
@@ -54,7 +56,7 @@ def apply_transforms(
     framework adapter between recompute and the W split (see the module docstring). `device`: where the GEMMs
     will run (default: the first parameter's; a rank-local model's first parameter may be on `meta`)."""
     if cfg.fp8.enabled and cfg.lora is not None:
-        model.frozen_fp8 = freeze_fp8(model, cfg.fp8, device)  # the frozen base stored in FP8, computed in FP8
+        freeze_fp8(model, cfg.fp8, device)  # the frozen base stored in FP8, computed in FP8
     elif cfg.fp8.enabled:
         convert_to_fp8(model, cfg.fp8, device)
     if cfg.lora is not None:

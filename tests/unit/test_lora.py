@@ -28,7 +28,15 @@ from dsv3_plugin.precision.fp8.quant import (
     fp8_gemm_emulated,
     quantize_tilewise,
 )
-from dsv3_plugin.training.lora import adapter_names, apply_lora, lora_scale
+from dsv3_plugin.training.lora import (
+    adapter_names,
+    apply_lora,
+    bias_update_speed,
+    check_lora_checkpoint,
+    lora_checkpoint_state,
+    lora_model_config,
+    lora_scale,
+)
 from dsv3_plugin.training.transforms import build_model
 
 GEMM = FrozenFp8Gemm(Fp8Recipe(), EmulatedBackend())
@@ -166,26 +174,42 @@ def test_linear_adapter_gradients_match_a_dense_reference():
     assert_within(lin.lora_A.grad, A.grad, matmul_bound(dt.t(), xd, torch.float32, stages=2), "dL/dA")
 
 
-def _dense_experts(x, counts, w, ad, s, r):
-    """Autograd reference of the adapted experts, float64: w = (W1, W3, W2) dequantized, ad = (A1, B1, ...)."""
-    W1, W3, W2 = w
+def _dense_experts(x, counts, mm, ad, s, r):
+    """Autograd reference of the adapted experts: mm(x, k, e) = x·W_kᵀ of expert e (k: 0 gate, 1 up, 2 down),
+    ad = (A1, B1, A3, B3, A2, B2)."""
     A1, B1, A3, B3, A2, B2 = ad
     out, a = [], 0
     for e, n in enumerate(counts):
         xe = x[a : a + n]
-        g = xe @ W1[e].t() + s * (xe @ A1[e].t()) @ B1[e].t()
-        u = xe @ W3[e].t() + s * (xe @ A3[e].t()) @ B3[e].t()
+        g = mm(xe, 0, e) + s * (xe @ A1[e].t()) @ B1[e].t()
+        u = mm(xe, 1, e) + s * (xe @ A3[e].t()) @ B3[e].t()
         h = F.silu(g) * u * r[a : a + n, None]
-        out.append(h @ W2[e].t() + s * (h @ A2[e].t()) @ B2[e].t())
+        out.append(mm(h, 2, e) + s * (h @ A2[e].t()) @ B2[e].t())
         a += n
     return torch.cat(out)
 
 
-def test_expert_adapter_gradients_match_a_dense_reference():
-    cfg = _cfg(False, dropout=0.0)
+class _FrozenMm(torch.autograd.Function):
+    """x·Wᵀ by the frozen FP8 GEMMs (Fprop, and Dgrad in backward): the kernel's own base, as a reference op."""
+
+    @staticmethod
+    def forward(ctx, x, q, s):
+        ctx.qs = (q, s)
+        return GEMM.fwd(x, q, s)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return GEMM.dgrad(dy, *ctx.qs), None, None
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_expert_adapter_gradients_match_a_dense_reference(fp8):
+    cfg = _cfg(fp8, dropout=0.0)
     s = lora_scale(cfg.lora)
     E, H, I, N = 3, 64, 40, 10
     ex = GroupedExperts(E, H, I)
+    if fp8:
+        FrozenFp8Experts.freeze(ex, GEMM)
     model = torch.nn.Module()
     model.layers = torch.nn.ModuleList([torch.nn.Module()])
     model.layers[0].experts = ex
@@ -199,17 +223,34 @@ def test_expert_adapter_gradients_match_a_dense_reference():
     r = torch.rand(N, generator=torch.Generator().manual_seed(10))
     dy = torch.randn(N, H, generator=torch.Generator().manual_seed(11))
     ex.kernel(x, counts, ex.gate_proj, ex.up_proj, ex.down_proj, scale_N=r).backward(dy)
-    ad = [getattr(ex, n).detach().double().requires_grad_() for n in names]
-    w = [getattr(ex, n).detach().double() for n in ("gate_proj", "up_proj", "down_proj")]
-    xd = x.detach().double().requires_grad_()
-    _dense_experts(xd, counts, w, ad, s, r.double()).backward(dy.double())
-    # fp32 vs fp64 through one SwiGLU layer: its reductions (gate/up, down, adapters, their backward) are at most
-    # max(H, I, N) long; 16 stages per pass (REDUCTIONS_PER_BLOCK) x 2 passes covers the longest path
+    ws = ("gate_proj", "up_proj", "down_proj")
+    if fp8:
+        # NOTE: the reference runs the kernel's own FP8 GEMMs (same calls on the same operands: the same FP8
+        # products); what differs is the high-precision SwiGLU / adapter arithmetic around them, in fp32 on both
+        # sides, and no FP8 rounding lies on the path from those to the adapters' gradients.
+        qs = [(ex.get_buffer(n), ex.get_buffer(n + "_scale_inv")) for n in ws]
+        dtype, ad = torch.float32, [getattr(ex, n).detach().clone().requires_grad_() for n in names]
+
+        def mm(a, k, e):
+            return _FrozenMm.apply(a, qs[k][0][e], qs[k][1][e])
+    else:
+        w = [getattr(ex, n).detach().double() for n in ws]
+        dtype, ad = torch.float64, [getattr(ex, n).detach().double().requires_grad_() for n in names]
+
+        def mm(a, k, e):
+            return a @ w[k][e].t()
+
+    xd = x.detach().to(dtype).requires_grad_()
+    _dense_experts(xd, counts, mm, ad, s, r.to(dtype)).backward(dy.to(dtype))
+    # the layer's reductions (gate/up, down, adapters, their backward) are at most max(H, I, N) long;
+    # 16 stages per pass (REDUCTIONS_PER_BLOCK) x 2 passes covers the longest path
+    K = max(H, I, N)
     for n, ref in zip(names, ad):
         got = getattr(ex, n).grad
         assert got is not None and got[1].abs().max() == 0  # expert 1 had no rows
-        assert_within(got, ref.grad, reorder_bound(max(H, I, N), ref.grad.abs().max(), stages=32), f"dL/d{n}")
-    assert_within(x.grad, xd.grad, reorder_bound(max(H, I, N), xd.grad.abs().max(), stages=32), "dL/dx")
+        assert_within(got, ref.grad, reorder_bound(K, ref.grad.abs().max(), stages=32), f"dL/d{n}")
+    if not fp8:  # (with FP8 the input gradient's Dgrad quantizes dL/dg, which differs in its last bits)
+        assert_within(x.grad, xd.grad, reorder_bound(K, xd.grad.abs().max(), stages=32), "dL/dx")
 
 
 # ------------------------------------------------------------------------------------------------ (d) frozen, W split
@@ -307,7 +348,7 @@ def test_an_expert_parallel_rank_loads_its_experts_and_the_same_adapters(release
 
     over = {"fp8": {"enabled": True}, "lora": {"rank": 4, "experts": True}}
     full = load_frozen_base(release, **over)
-    layout = RankLayout.of(pretrained_config(release, **over), ep_rank=1, ep=2)
+    layout = RankLayout.of(lora_model_config(pretrained_config(release, **over)), ep_rank=1, ep=2)
     part = load_frozen_base(release, layout=layout, **over)
     a, b = full.layers[2].mlp.experts, part.layers[2].mlp.experts
     n = b.gate_proj.shape[0]
@@ -363,3 +404,56 @@ def test_recompute_keeps_the_adapters_gradients_bit_identical():
         grads.append({n: m.get_parameter(n).grad for n in adapter_names(m)})
     assert grads[0].keys() == grads[1].keys()
     assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+
+
+def test_mtp_off_builds_no_mtp_and_frozen_trains_the_adapters_through_it():
+    torch.manual_seed(0)
+    off = build_model(_cfg(True))
+    assert len(off.mtp) == 0 and off.cfg.mtp.depth == 0
+    ids = _ids(off.cfg)
+    out = off(ids, labels=ids)
+    assert out.mtp_loss is None and not out.mtp_logits
+    with pytest.raises(ConfigError, match=r"lora\.mtp"):
+        apply_lora(DSv3Model(_cfg(True)), _cfg(True))
+    torch.manual_seed(0)
+    fr = build_model(_cfg(True, mtp="frozen"))
+    assert len(fr.mtp) == 1 and not any(p.requires_grad for p in fr.mtp.parameters())
+    out = fr(ids, labels=ids)
+    assert out.mtp_loss is not None
+    out.mtp_loss.backward()  # the MTP loss alone reaches the main model's adapters through the frozen MTP layer
+    assert any(p.grad is not None and p.grad.abs().max() > 0 for n, p in fr.named_parameters() if "lora_B" in n)
+
+
+def test_bias_update_and_checkpoint_record():
+    cfg = _cfg(True)
+    assert bias_update_speed(cfg, 1e6) == 0.0
+    cfg_b = _cfg(True, bias_update=True)
+    assert bias_update_speed(cfg_b, 1e6) == cfg_b.moe.gamma(1e6)
+    torch.manual_seed(0)
+    m = build_model(cfg)
+    st = lora_checkpoint_state(m)
+    check_lora_checkpoint(m, st, "ckpt")
+    with pytest.raises(CheckpointError, match="ckpt: adapters trained on base sha256:x"):
+        check_lora_checkpoint(m, {**st, "base_fingerprint": "sha256:x"}, "ckpt")
+    with pytest.raises(CheckpointError, match="ckpt: adapters differ"):
+        check_lora_checkpoint(m, {**st, "adapters": st["adapters"][1:]}, "ckpt")
+    with pytest.raises(CheckpointError, match="ckpt: no LoRA record"):
+        check_lora_checkpoint(m, None, "ckpt")
+
+
+def test_the_loader_takes_the_run_config_too(release):
+    # the train path may hand over sections of `lora_model_config(cfg)` (mtp.depth 0): the release's MTP layer
+    # is still checked against the release and not read
+    m = load_frozen_base(release, fp8={"enabled": True}, lora={"rank": 4}, mtp={"depth": 0})
+    assert len(m.mtp) == 0
+    with pytest.raises(CheckpointError, match=r"model\.layers\.\d+\.\w+"):  # frozen MTP: depth must be the release's
+        load_frozen_base(release, fp8={"enabled": True}, lora={"rank": 4, "mtp": "frozen"}, mtp={"depth": 0})
+
+
+def test_freeze_reports_what_it_froze():
+    torch.manual_seed(0)
+    m = build_model(_cfg(True))
+    rep = m.fp8_report
+    assert rep.backend == "emulate" and "layers.1.mlp.experts" in rep.grouped
+    assert "layers.0.self_attn.q_a_proj" in rep.converted and "lm_head" in rep.high_precision
+    assert all(isinstance(m.get_submodule(n), FrozenFp8Linear) for n in rep.converted)

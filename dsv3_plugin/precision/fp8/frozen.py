@@ -24,7 +24,7 @@ from dsv3_plugin.model.kernels import SplitKernel, UsesKernel, apply_split, expe
 from dsv3_plugin.model.moe.layer import DenseMLP, GroupedExperts
 from dsv3_plugin.model.transformer import DecoderLayer
 from dsv3_plugin.precision.fp8.experts import Fp8SwiGLUAct
-from dsv3_plugin.precision.fp8.linear import AutoBackend, Fp8Recipe
+from dsv3_plugin.precision.fp8.linear import AutoBackend, Fp8Recipe, Fp8Report
 from dsv3_plugin.precision.fp8.quant import FP8_DTYPE, TILE, fp8_combine_grad_qdq, fp8_dispatch_qdq, quantize_blockwise
 
 __all__ = [
@@ -284,37 +284,43 @@ class FrozenFp8Experts(GroupedExperts):
 
 def freeze_fp8(
     model: nn.Module, cfg: FP8Config, device: torch.device | str | None = None, layer_types=(DecoderLayer,)
-) -> dict[str, list[str]]:
+) -> Fp8Report:
     """Put the decoder layers' Linear GEMMs and routed experts on frozen FP8 storage, in place (modules already
     frozen are kept; parameters elsewhere are untouched). Dense / shared-expert SwiGLUs cache their inputs in FP8
     (`Fp8SwiGLUAct`), as `convert_to_fp8` does.
 
     Returns:
-        {"linear": names of `FrozenFp8Linear`s, "experts": names of `FrozenFp8Experts`}.
+        The `Fp8Report` (also `model.fp8_report`): `converted` the `FrozenFp8Linear`s, `grouped` the frozen
+        experts, `high_precision` the GEMM modules outside the decoder layers, and the backend running the GEMMs.
     """
     recipe = Fp8Recipe.from_config(cfg)
+    rep = Fp8Report(backend="auto", reason="", recipe=recipe.kind, pow2_scales=recipe.pow2, dispatch=cfg.dispatch)
     if device is None:
         p = next((t for t in model.parameters() if not t.is_meta), None)
         device = p.device if p is not None else torch.device("cpu")
-    backend = AutoBackend(cfg)
+    backend = AutoBackend(cfg, rep)
     backend.resolve(torch.device(device))
     gemm = FrozenFp8Gemm(recipe, backend)
     prefixes = [n for n, m in model.named_modules() if isinstance(m, layer_types)]
-    out: dict[str, list[str]] = {"linear": [], "experts": []}
     for name, mod in list(model.named_modules()):
         if not any(name.startswith(p + ".") for p in prefixes):
+            if isinstance(mod, (nn.Linear, nn.Embedding)) or name.endswith(".gate"):
+                rep.high_precision.append(name)  # embedding, lm_head, MTP eh_proj, routers
             continue
         if isinstance(mod, FrozenFp8Linear):
-            out["linear"].append(name)
+            rep.converted.append(name)
         elif isinstance(mod, nn.Linear):
             parent, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent), attr, FrozenFp8Linear.from_linear(mod, gemm))
-            out["linear"].append(name)
+            rep.converted.append(name)
         elif isinstance(mod, FrozenFp8Experts):
-            out["experts"].append(name)
+            rep.grouped.append(name)
         elif isinstance(mod, GroupedExperts):
             FrozenFp8Experts.freeze(mod, gemm, cfg.dispatch)
-            out["experts"].append(name)
+            rep.grouped.append(name)
         elif isinstance(mod, DenseMLP):
             mod.act = Fp8SwiGLUAct(recipe)
-    return out
+        elif name.endswith(".gate"):
+            rep.high_precision.append(name)
+    model.fp8_report = rep
+    return rep
