@@ -276,7 +276,10 @@ def _build_peft(spec: dict, targets: list[str]):
     def step(ids_BT):
         return model(input_ids=ids_BT, labels=ids_BT, use_cache=False).loss  # shifts the labels itself
 
+    c = model.get_base_model().config
+    experts = getattr(c, "_experts_implementation", None) or "eager"
     name = f"peft {peft.__version__} on transformers {transformers.__version__} DeepseekV3ForCausalLM"
+    name += f" ({c._attn_implementation} attention, {experts} experts)"
     return model, step, "FP32 (the FP8 release dequantized on load; frozen)", name
 
 
