@@ -68,7 +68,7 @@ def write_base(path: str, preset: str, T: int, seed: int) -> str:
     import torch
 
     from dsv3_plugin.checkpoint.synthetic import write_released_checkpoint
-    from dsv3_plugin.config import load_config
+    from dsv3_plugin.config import DSv3Config
 
     def make(name: str, shape: tuple) -> torch.Tensor:
         if name.endswith("e_score_correction_bias"):
@@ -78,7 +78,7 @@ def write_base(path: str, preset: str, T: int, seed: int) -> str:
         g = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{name}".encode()))
         return torch.randn(shape, generator=g) * 0.02
 
-    write_released_checkpoint(path, load_config(_block(preset, T)).to_hf(), make, fp8=True)
+    write_released_checkpoint(path, DSv3Config.from_block(_block(preset, T)).to_hf(), make, fp8=True)
     return path
 
 
@@ -254,9 +254,9 @@ def _build_peft(spec: dict, targets: list[str]):
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     from dsv3_plugin.checkpoint.reader import CheckpointReader
-    from dsv3_plugin.config import load_config
+    from dsv3_plugin.config import DSv3Config
 
-    cfg = load_config(_block(spec["preset"], spec["seq_len"]))
+    cfg = DSv3Config.from_block(_block(spec["preset"], spec["seq_len"]))
     d = cfg.to_hf()
     d["rope_parameters"] = {"rope_type": "default", "rope_theta": d.pop("rope_theta")}
     for k in ("rope_scaling", "architectures", "model_type", "torch_dtype", "topk_method", "scoring_func"):
@@ -331,9 +331,9 @@ def _child(impl: str, spec_json: str) -> None:
     rss_imports = _status_mib("VmRSS")
     torch.manual_seed(spec["seed"])
     if impl == "peft_fp32":
-        from dsv3_plugin.config import load_config, lora_targets
+        from dsv3_plugin.config import DSv3Config, lora_targets
 
-        targets = list(lora_targets(load_config({**_block(spec["preset"], 1), "lora": _lora_block(spec)})))
+        targets = list(lora_targets(DSv3Config.from_block({**_block(spec["preset"], 1), "lora": _lora_block(spec)})))
         model, step, base, name = _build_peft(spec, targets)
     else:
         model, step, base, targets, name = build_ours(impl, spec)

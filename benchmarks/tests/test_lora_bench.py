@@ -9,7 +9,7 @@ import torch
 from tolerance import assert_within, model_bound
 
 from benchmarks import lora
-from dsv3_plugin.config import load_config
+from dsv3_plugin.config import DSv3Config
 from dsv3_plugin.precision.fp8.quant import FP8_DTYPE, dequantize_blockwise
 
 T, B = 16, 2
@@ -53,7 +53,7 @@ def test_tiny_run_reports_the_figures_of_one_lora_on_one_base_and_batch(tmp_path
     # our LoRA with B = 0 adds exact zeros to our full model's op sequence
     assert torch.equal(loss["lora_fp32"], loss["full_fp32"])
     # transformers + peft: the same math on the same FP32 weights, reductions ordered differently (forward only)
-    bound = model_bound(loss["lora_fp32"], load_config(lora._block("tiny", T)), tokens=B * T, passes=1)
+    bound = model_bound(loss["lora_fp32"], DSv3Config.from_block(lora._block("tiny", T)), tokens=B * T, passes=1)
     assert_within(loss["peft_fp32"], loss["lora_fp32"], bound, "peft's first-step loss")
 
     # the same base (the bench's is seeded: written again here) and batch, in this process at the children's 1 thread
