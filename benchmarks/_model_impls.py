@@ -13,7 +13,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from dsv3_plugin.config import load_config
+from dsv3_plugin.config import DSv3Config
 from dsv3_plugin.model import DSv3Model
 from dsv3_plugin.model.packing import lm_mean
 
@@ -34,7 +34,7 @@ class Built:
 
 def bench_config(preset: str, max_T: int):
     """Our config for the bench: the preset, without MTP, balance loss and YaRN (what all three build alike)."""
-    return load_config(
+    return DSv3Config.from_block(
         {
             "preset": preset,
             "model": {"rope_scaling": None, "max_position_embeddings": max(max_T, 256)},

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks import ROOT, run_child
-from dsv3_plugin.config import load_config
+from dsv3_plugin.config import DSv3Config
 from dsv3_plugin.deepspeed import engine as ds_engine
 from dsv3_plugin.model.moe import balancing
 from dsv3_plugin.model.transformer import DSv3Model
@@ -85,7 +85,7 @@ def ds_json(
 
 
 def _bare(ds: dict, warmup: int) -> dict:
-    cfg = load_config(ds["dsv3"])
+    cfg = DSv3Config.from_block(ds["dsv3"])
     torch.manual_seed(0)
     model = DSv3Model(cfg).train()
     p = ds["optimizer"]["params"]

@@ -15,7 +15,7 @@ import sys
 import torch
 
 from benchmarks import positive_int
-from dsv3_plugin.config import load_config
+from dsv3_plugin.config import DSv3Config
 from dsv3_plugin.model.moe.balancing import update_expert_bias
 from dsv3_plugin.parallel.expert_parallel import expert_parallel
 from dsv3_plugin.parallel.groups import single_process_groups
@@ -58,7 +58,7 @@ def train_balance(
     progress: bool = True,
 ) -> list[dict]:
 
-    cfg = load_config(
+    cfg = DSv3Config.from_block(
         {"preset": "tiny", "moe": {"bias_update_speed": gamma, "seq_aux_alpha": 0.0}, "mtp": {"depth": 0}}
     )
     torch.manual_seed(seed)

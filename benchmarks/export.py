@@ -26,7 +26,7 @@ import time
 from benchmarks import positive_int, run_child
 from dsv3_plugin.checkpoint.export import export
 from dsv3_plugin.checkpoint.names import is_runtime_state
-from dsv3_plugin.config import load_config
+from dsv3_plugin.config import DSv3Config
 from dsv3_plugin.model.transformer import DSv3Model
 
 __all__ = ["add_arguments", "run", "make_synthetic_run", "bench_block"]
@@ -73,7 +73,7 @@ def make_synthetic_run(path: str, block: dict) -> int:
     describes; values cut from one random pool (their content does not change the cost). Returns input bytes."""
     import torch
 
-    cfg = load_config(block)
+    cfg = DSv3Config.from_block(block)
     with torch.device("meta"):
         model = DSv3Model(cfg)
     pool = torch.randn(16 * 2**20, generator=torch.Generator().manual_seed(0)) * 0.02

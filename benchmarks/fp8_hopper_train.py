@@ -22,7 +22,7 @@ import time
 import torch
 
 from benchmarks import positive_int
-from dsv3_plugin.config import load_config
+from dsv3_plugin.config import DSv3Config
 from dsv3_plugin.data.synthetic import MarkovData
 from dsv3_plugin.precision.fp8.hopper import mmaemu_status
 from dsv3_plugin.training.transforms import build_model
@@ -69,7 +69,7 @@ def _config(args, run_name: str) -> dict:
 
 def train_run(args, run_name: str, progress=None) -> dict:
     """Train one run; -> {"loss": [...], "s_per_step": float, "backend": str}."""
-    cfg = load_config(_config(args, run_name))
+    cfg = DSv3Config.from_block(_config(args, run_name))
     torch.manual_seed(args.seed)
     m = build_model(cfg)
     m.reset_parameters(seed=args.seed)

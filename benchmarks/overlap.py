@@ -17,7 +17,7 @@ import json
 import torch
 
 from benchmarks import positive_int
-from dsv3_plugin.config import ConfigError, load_config
+from dsv3_plugin.config import ConfigError, DSv3Config
 from dsv3_plugin.data.synthetic import MarkovData
 from dsv3_plugin.deepspeed.pipeline import PipelinedEngine
 from dsv3_plugin.parallel import overlap
@@ -96,7 +96,7 @@ def _rank_main(a: dict) -> dict:
     engines = {}
     for hook in (True, False):
         ds = _ds(a, hook)
-        cfg = load_config(ds)
+        cfg = DSv3Config.from_block(ds["dsv3"])
         torch.manual_seed(cfg.train.seed)
         engines[hook] = PipelinedEngine(build_model(cfg), ds, cfg)
     pe = engines[True]
@@ -154,7 +154,7 @@ def run(args) -> dict:
         check_chunks(args.schedule, args.pp, args.chunks, chunks_key="--chunks", pp_key="--pp")
         if args.ep < 2:
             raise ConfigError("--ep: must be >= 2 (no all-to-all to overlap at ep = 1)")
-        load_config(_ds(a, True))
+        DSv3Config.from_block(_ds(a, True)["dsv3"])
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)

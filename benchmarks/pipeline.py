@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from benchmarks import positive_int
-from dsv3_plugin.config import ConfigError, load_config
+from dsv3_plugin.config import ConfigError, DSv3Config
 from dsv3_plugin.data.synthetic import MarkovData
 from dsv3_plugin.deepspeed.pipeline import PipelinedEngine
 from dsv3_plugin.parallel.distributed import init_distributed, spawn
@@ -73,7 +73,7 @@ def _rank_main(a: dict) -> dict:
         engines = {}
         for split in (True, False):
             ds = _ds(a, schedule, split)
-            cfg = load_config(ds)
+            cfg = DSv3Config.from_block(ds["dsv3"])
             torch.manual_seed(cfg.train.seed)
             engines[split] = PipelinedEngine(build_model(cfg), ds, cfg)
         data = MarkovData(cfg.model.vocab_size, cfg.train.seq_len, seed=cfg.train.seed)
@@ -107,7 +107,7 @@ def run(args) -> dict:
     try:
         for s in schedules:
             check_chunks(s, args.pp, args.chunks, chunks_key="--chunks", pp_key="--pp")
-            load_config(_ds(a, s, True))
+            DSv3Config.from_block(_ds(a, s, True)["dsv3"])
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)

@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dsv3_plugin.config import FP8Config, load_config  # noqa: E402
+from dsv3_plugin.config import DSv3Config, FP8Config  # noqa: E402
 from dsv3_plugin.precision.fp8.linear import (
     EmulatedBackend,
     Fp8Linear,
@@ -293,7 +293,7 @@ def sec_te_linear(args, res):
 def _tiny(seed=0, **ovr):
     from dsv3_plugin.training.transforms import build_model
 
-    m = build_model(load_config({"preset": "tiny", **ovr}))
+    m = build_model(DSv3Config.from_block({"preset": "tiny", **ovr}))
     m.reset_parameters(seed=seed)
     return m
 

@@ -198,9 +198,9 @@ def make_truncated_checkpoint(ck):
     """A released-format checkpoint in 3+ shards, the first one cut short by 66 bytes -> (dir, shard name)."""
     import os
 
-    from dsv3_plugin.config import load_config
+    from dsv3_plugin.config import DSv3Config
 
-    make_tiny_hf_checkpoint(ck, load_config({"preset": "tiny"}), seed=1, shard_bytes=300_000)
+    make_tiny_hf_checkpoint(ck, DSv3Config.from_block({"preset": "tiny"}), seed=1, shard_bytes=300_000)
     shards = sorted(f for f in os.listdir(ck) if f.endswith(".safetensors"))
     assert len(shards) >= 3
     path = os.path.join(ck, shards[0])
@@ -341,9 +341,9 @@ def write_rank_local_checkpoint(path, block: dict = CK_CFG) -> tuple[object, int
     import torch
 
     from dsv3_plugin.checkpoint.synthetic import write_released_checkpoint
-    from dsv3_plugin.config import load_config
+    from dsv3_plugin.config import DSv3Config
 
-    cfg = load_config(block)
+    cfg = DSv3Config.from_block(block)
     L = cfg.model.num_hidden_layers
     main = {
         f"model.layers.{L}.embed_tokens.weight": "model.embed_tokens.weight",

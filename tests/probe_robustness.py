@@ -192,7 +192,7 @@ def probe_config_fuzz(t: Tally, work: str, seed: int, train_accepted) -> None:
 
     fz.SEED = seed
     cases = fz._cases()
-    base = json.dumps(fz.DEFAULT_DS_CONFIG)
+    base = json.dumps(fz.default_ds_config())
     hostile = [
         (base.encode("utf-16"), 2, "UTF-16 file"),
         (base.replace("tiny", "t\u00efny").encode("latin-1"), 2, "latin-1 file"),

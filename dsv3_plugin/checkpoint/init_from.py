@@ -12,7 +12,7 @@ import os
 import torch
 
 from dsv3_plugin.checkpoint.hf import load_pretrained, pretrained_config
-from dsv3_plugin.config import ConfigError, DSv3Config, load_config
+from dsv3_plugin.config import ConfigError, DSv3Config
 from dsv3_plugin.errors import CheckpointError
 from dsv3_plugin.training.rank_local import RankLayout, build_rank_local
 from dsv3_plugin.training.transforms import build_model
@@ -67,7 +67,7 @@ def with_model_shape(ds: dict, shape: DSv3Config, keep_user_model_keys: bool = F
     if not isinstance(ds.get("dsv3"), dict):
         raise ConfigError('dsv3: the DeepSpeed JSON has no "dsv3" block')
     user = ds["dsv3"]
-    asked = load_config({"dsv3": user})
+    asked = DSv3Config.from_block(user)
     have = shape.to_dict()
     block = {"preset": None, "model": dict(have["model"]), "moe": dict(have["moe"]), "mtp": dict(have["mtp"])}
     for sec in ("model", "moe", "mtp") if keep_user_model_keys else ("moe", "mtp"):
@@ -87,5 +87,5 @@ def init_from_config(ds: dict, init_from: str) -> dict:
     hf_path = os.path.join(init_from, "config.json")
     if not os.path.lexists(hf_path):  # (present but a FIFO, a directory or a link out: the reader names it)
         raise CheckpointError(f"{hf_path}: not found (--init-from needs a released-format checkpoint dir)")
-    load_config({"dsv3": ds["dsv3"]})  # the block's own errors first, named by key
+    DSv3Config.from_block(ds["dsv3"])  # the block's own errors first, named by key
     return with_model_shape(ds, pretrained_config(init_from))  # config.json, index, headers: CheckpointError

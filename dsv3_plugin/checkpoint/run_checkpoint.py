@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv3_plugin.checkpoint.names import is_runtime_state, native_to_released, parse_native
-from dsv3_plugin.config import ConfigError, DSv3Config, load_config
+from dsv3_plugin.config import ConfigError, DSv3Config
 from dsv3_plugin.errors import CheckpointError
 from dsv3_plugin.parallel.pipeline.stages import model_stage_layers, n_stages_of, stage_ids_for_rank
 from dsv3_plugin.safe_files import opened_path
@@ -123,7 +123,7 @@ def _load_optim_pt(path: str) -> dict:
 
 def _config_of_block(block: dict) -> DSv3Config:
     """The config of a saved "dsv3" block (a dict): the one place export builds a config from a dict."""
-    return load_config(block)
+    return DSv3Config.from_block(block)
 
 
 def run_config(run: RunCheckpoint) -> tuple[DSv3Config, dict]:

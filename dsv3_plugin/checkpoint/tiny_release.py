@@ -16,7 +16,7 @@ import zlib
 import torch
 
 from dsv3_plugin.checkpoint.synthetic import write_released_checkpoint
-from dsv3_plugin.config import load_config
+from dsv3_plugin.config import DSv3Config
 from dsv3_plugin.data.tokenizer import train_tiny_tokenizer
 
 __all__ = ["TINY_RELEASE", "write_tiny_release"]
@@ -48,7 +48,7 @@ def write_tiny_release(
     Returns:
         `out_dir`.
     """
-    cfg = load_config(block or TINY_RELEASE)
+    cfg = DSv3Config.from_block(block or TINY_RELEASE)
     hf = cfg.to_hf()
     L = cfg.model.num_hidden_layers
     same_as = {

@@ -1,13 +1,14 @@
 """`dsv3 check-config FILE [--nproc N]`: the validation `dsv3 train` and the DeepSpeed engine run, without running.
 
 Exit 0 with a one-line summary (or the resolved JSON with --print), or 2 with the message of the first problem,
-which starts with the key that is wrong (or names the file). What is checked: `dsv3_plugin.deepspeed.validate`.
+which starts with the key that is wrong (or names the file). It runs `RunConfig.load`, the function `dsv3 train`
+runs before it spawns ranks; what is checked: `dsv3_plugin.deepspeed.validate`.
 """
 
 import json
 
 from dsv3_plugin.config import ConfigError
-from dsv3_plugin.deepspeed.validate import validate_ds_config
+from dsv3_plugin.deepspeed.run_config import RunConfig
 from dsv3_plugin.training.memory_estimate import format_bytes, host_memory_bytes
 
 
@@ -43,7 +44,7 @@ def run(args) -> int:
         raise ConfigError(f"--host-memory-gib: must be a positive number of GiB (got {args.host_memory_gib})")
     memory = int(args.host_memory_gib * 1024**3) if args.host_memory_gib is not None else host_memory_bytes()
     train = args.target == "train"  # the memory bound is dsv3 train's (the engine gets a model already built)
-    checked = validate_ds_config(
+    checked = RunConfig.load(
         args.file,
         target=args.target,
         world_size=args.nproc,

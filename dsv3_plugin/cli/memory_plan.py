@@ -2,19 +2,20 @@
 schedule (`training.memory_plan`).
 
 The layout it plans is first validated as `dsv3 check-config` / `dsv3 train` would validate it (`_validated`:
-`deepspeed.validate.validate_ds_config` on the --config file with the flags written into its "dsv3" block, or, for a
---preset without DeepSpeed keys, the same block rules: `load_config` + `deepspeed.validate.check_layout`), for the
-world of pp x dp ranks. A layout they refuse is refused here, with exit 2 and the same reason, led by the flag that
-made it wrong (each flag is applied in turn, so the first one that breaks a rule is named); nothing is planned for
-it. The other schedules of the table are validated the same way: one that the rules refuse for this layout is
-listed as not planned, with the reason.
+`deepspeed.run_config.validate_ds_config` on the --config file with the flags written into its "dsv3" block, or,
+for a --preset without DeepSpeed keys, the same block rules: `DSv3Config.from_block` +
+`deepspeed.validate.check_layout`), for the world of pp x dp ranks. A layout they refuse is refused here, with
+exit 2 and the same reason, led by the flag that made it wrong (each flag is applied in turn, so the first one
+that breaks a rule is named); nothing is planned for it. The other schedules of the table are validated the same
+way: one that the rules refuse for this layout is listed as not planned, with the reason.
 """
 
 import json
 
 from dsv3_plugin.cli._lora import add_lora_flags, lora_flags, run_lora_plan
-from dsv3_plugin.config import ConfigError, DSv3Config, load_config, read_ds_json
-from dsv3_plugin.deepspeed.validate import check_layout, validate_ds_config
+from dsv3_plugin.config import ConfigError, DSv3Config, read_ds_json
+from dsv3_plugin.deepspeed.run_config import validate_ds_config
+from dsv3_plugin.deepspeed.validate import check_layout
 from dsv3_plugin.schedule_traits import check_chunks
 from dsv3_plugin.training.memory_plan import SCHEDULES, GiB, format_table, plan, plan_ranks, rank_param_count
 from dsv3_plugin.training.rank_local import RankLayout, build_rank_local
@@ -64,7 +65,7 @@ def _validated(ds: dict | None, block: dict, over: dict, world: int | None) -> D
     DeepSpeed JSON when there is one (`ds`), else the block's own rules."""
     b = _with(block, over)
     if ds is None:
-        cfg = load_config({"dsv3": b})
+        cfg = DSv3Config.from_block(b)
         check_layout(cfg, target="train", world_size=world)
         return cfg
     return validate_ds_config({**ds, "dsv3": b}, target="train", world_size=world).cfg

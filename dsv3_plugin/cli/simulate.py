@@ -12,7 +12,7 @@ import math
 import sys
 
 from dsv3_plugin.cli._lora import add_lora_flags, lora_flags
-from dsv3_plugin.config import ConfigError, load_config, lora_targets
+from dsv3_plugin.config import ConfigError, DSv3Config, lora_targets
 from dsv3_plugin.parallel.pipeline.comm_model import (
     DEFAULT_MFU,
     IB_GBPS,
@@ -126,10 +126,10 @@ def _components(args) -> tuple[ChunkComponents | None, dict | None, str | None]:
         for text, val, key in lora_flags(args):  # into dsv3.lora, judged by its checks
             block.setdefault("lora", {})[key] = val
             try:
-                cfg = load_config(block)
+                cfg = DSv3Config.from_block(block)
             except ConfigError as e:
                 return None, None, f"{text}: {e}"
-        cfg = load_config(block)
+        cfg = DSv3Config.from_block(block)
         comp, details = paper_setup(hw, LAYERS_PER_CHUNK if args.layers is None else args.layers, cfg=cfg)
         details["break_even_mfu"] = break_even_mfu(hw, comp.layers, cfg=cfg)
         details["break_even_mfu_a2a_only"] = break_even_mfu(hw, comp.layers, cfg=cfg, with_pp=False)

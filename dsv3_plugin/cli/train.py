@@ -11,7 +11,7 @@ sets `dsv3.train.data.tokenizer`. `--resume` with data other than the checkpoint
 seq_len, data seed or batch layout) is refused (exit 2, nothing run): a checkpoint's data position is a step of
 its own data.
 
-No --config: the built-in DeepSpeed JSON (`tiny` preset; equal to examples/deepspeed/ds_config.json).
+No --config: the built-in DeepSpeed JSON (`tiny` preset; examples/deepspeed/ds_config.json is a copy of it).
 Self-spawns N gloo/NCCL ranks with --nproc (default 2) unless launched by torchrun / the deepspeed launcher,
 in which case RANK / WORLD_SIZE / MASTER_* come from the environment (the deepspeed launcher's `--local_rank=N`
 is accepted wherever it lands, see `dsv3_plugin.cli.main`).
@@ -25,12 +25,13 @@ message naming the wait and the limit, no traceback).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
 
 from dsv3_plugin.config import ConfigError
-from dsv3_plugin.deepspeed.train import _prepare_run, train
+from dsv3_plugin.deepspeed.train import TrainRequest, prepare_run, train
 from dsv3_plugin.errors import PeerError, Preempted
 from dsv3_plugin.parallel.distributed import (
     _is_input_error,
@@ -110,93 +111,71 @@ def register(sub):
     p.set_defaults(func=run)
 
 
-def _worker(
-    config,
-    steps,
-    out,
-    resume,
-    init_from,
-    progress,
-    echo,
-    overwrite,
-    allow_non_finite=False,
-    data=None,
-    valid_data=None,
-    tokenizer=None,
-    exit_after_minutes=None,
-):
-    train(
-        config,
-        steps=steps,
-        out=out,
-        resume=resume,
-        init_from=init_from,
-        progress=progress,
-        echo=echo,
+def _request(args) -> TrainRequest:
+    """The command line as `dsv3_plugin.deepspeed.train`'s options (the one place they are named)."""
+    return TrainRequest(
+        config=args.config,
+        steps=args.steps,
+        out=args.out,
+        resume=args.resume,
+        init_from=args.init_from,
+        progress=not args.no_progress,
+        echo=args.json,
         summary=True,
-        overwrite=overwrite,
-        allow_non_finite=allow_non_finite,
-        data=data,
-        valid_data=valid_data,
-        tokenizer=tokenizer,
-        exit_after_minutes=exit_after_minutes,
+        overwrite=args.overwrite,
+        allow_non_finite=args.allow_non_finite,
+        data=args.data,
+        valid_data=args.valid_data,
+        tokenizer=args.tokenizer,
+        exit_after_minutes=args.exit_after_minutes,
     )
 
 
-def _precheck(args):
-    """What can be refused before any rank starts (fast; the ranks check again under the run-dir lock)."""
+def _worker(request: TrainRequest) -> None:
+    train(request)  # (the history stays on the rank: nothing to send back)
+
+
+def _precheck(request: TrainRequest, nproc: int) -> TrainRequest:
+    """What can be refused before any rank starts (the ranks check the run directory again under its lock).
+    Returns the request with its `RunConfig`: parsed and validated here, once, for the ranks to take as it is."""
     # the world this run will have: the same rules as `dsv3 check-config FILE --nproc N`; the data opened and checked
-    flags = {"data": args.data, "valid": args.valid_data, "tokenizer": args.tokenizer}
-    _, cfg, _, data = _prepare_run(
-        args.config, args.steps, args.init_from, args.nproc or 2, flags, exit_after_minutes=args.exit_after_minutes
+    run, _, data = prepare_run(request, nproc)
+    out, resume = request.out, request.resume
+    if out:
+        rd.check_out_path(out)
+        rd.probe_lock(out)
+    if resume:  # (checksums: rank 0 reads the whole checkpoint for them once, under the run's lock)
+        ct.resume_source(resume, run.cfg, nproc, data_fingerprint(data), verify=False)
+    same_dir = bool(resume and out) and (
+        os.path.realpath(ct.checkpoint_dir(resume)) == os.path.realpath(os.path.join(out, "ckpt"))
     )
-    if args.out:
-        rd.check_out_path(args.out)
-        rd.probe_lock(args.out)
-    if args.resume:  # (checksums: rank 0 reads the whole checkpoint for them once, under the run's lock)
-        ct.resume_source(args.resume, cfg, args.nproc or 2, data_fingerprint(data), verify=False)
-    same_dir = bool(args.resume and args.out) and (
-        os.path.realpath(ct.checkpoint_dir(args.resume)) == os.path.realpath(os.path.join(args.out, "ckpt"))
-    )
-    metrics = os.path.join(args.out, "metrics.jsonl") if same_dir else None
+    metrics = os.path.join(out, "metrics.jsonl") if same_dir else None
     if metrics and os.path.isfile(metrics):
         metrics_file.read_jsonl(metrics)  # a bad line (not a torn last one) is refused before any rank starts
-    prev = rd.previous_run(args.out) if args.out and not same_dir else None
-    if prev and not args.overwrite:
+    prev = rd.previous_run(out) if out and not same_dir else None
+    if prev and not request.overwrite:
         raise ConfigError(
-            f"--out {args.out}: holds a previous run ({prev}); continue it with --resume "
-            f"{args.out}, replace it with --overwrite, or pick another --out"
+            f"--out {out}: holds a previous run ({prev}); continue it with --resume "
+            f"{out}, replace it with --overwrite, or pick another --out"
         )
+    return dataclasses.replace(request, config=run)
 
 
 def run(args) -> int:
-    wargs = (
-        args.config,
-        args.steps,
-        args.out,
-        args.resume,
-        args.init_from,
-        not args.no_progress,
-        args.json,
-        args.overwrite,
-        args.allow_non_finite,
-        args.data,
-        args.valid_data,
-        args.tokenizer,
-        args.exit_after_minutes,
-    )
+    request = _request(args)
     if launched_externally():
-        return _run_launched(wargs)
+        return _run_launched(request)
     if args.nproc is not None and args.nproc < 1:
         print(f"error: --nproc: must be >= 1 (got {args.nproc})", file=sys.stderr)
         return 2
-    _precheck(args)  # bad input -> ConfigError/CheckpointError -> exit 2 (dsv3_plugin.cli.main)
+    nproc = args.nproc or 2
+    request = _precheck(request, nproc)  # bad input -> ConfigError/CheckpointError -> exit 2 (dsv3_plugin.cli.main)
     try:
         # the launcher outlives SIGTERM / SIGINT / SIGUSR1 and passes it on: the ranks save and stop together
         spawn(
             _worker,
-            args.nproc or 2,
-            *wargs,
+            nproc,
+            request,
             timeout_s=24 * 3600.0,
             forward_signals=SIGNALS,
             repeat_window_s=REPEAT_WINDOW_S,
@@ -210,7 +189,7 @@ def run(args) -> int:
     return 0
 
 
-def _run_launched(wargs) -> int:
+def _run_launched(request: TrainRequest) -> int:
     """One rank of a torchrun / deepspeed-launcher job. Every rank may hit the same bad input; the first to fail
     reports it (one `error:` line, or one traceback for a bug) and the others exit without a word — the
     launcher stops the job on the first non-zero exit."""
@@ -218,7 +197,7 @@ def _run_launched(wargs) -> int:
 
     try:
         init_distributed()
-        _worker(*wargs)
+        train(request)  # this rank is its own process: it reads and validates the config once
         return 0
     except Preempted as e:  # every rank saved and stopped at the same step; rank 0 says so, all exit alike
         if int(os.environ.get("RANK", "0")) == 0:

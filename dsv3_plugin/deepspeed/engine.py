@@ -20,13 +20,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dsv3_plugin.checkpoint.init_from import with_model_shape
-from dsv3_plugin.config import ConfigError, DSv3Config, read_ds_json
+from dsv3_plugin.config import ConfigError, DSv3Config
 from dsv3_plugin.deepspeed.backend import import_deepspeed, quiet_deepspeed_logs  # noqa: F401  (re-exported)
 from dsv3_plugin.deepspeed.config_keys import DEFAULT_GRADIENT_CLIPPING, SUPPORTED_ZERO_STAGES, adamw_hyperparameters  # noqa: F401  (re-exported)
 from dsv3_plugin.deepspeed.moe_layer import stacking_order
+from dsv3_plugin.deepspeed.run_config import RunConfig
 from dsv3_plugin.deepspeed.save_errors import deferred_write_errors
-from dsv3_plugin.deepspeed.validate import validate_ds_config
 from dsv3_plugin.errors import CheckpointError
 from dsv3_plugin.model.kernels import GRAD_DESTINATION
 from dsv3_plugin.model.moe.balancing import update_expert_bias
@@ -52,13 +51,17 @@ __all__ = [
 def split_ds_config(config: str | os.PathLike | dict) -> tuple[dict, DSv3Config]:
     """DeepSpeed JSON (path or dict) -> (DeepSpeed's part without "dsv3", validated `DSv3Config`).
 
-    The engine's view of `dsv3_plugin.deepspeed.validate.validate_ds_config` (the one validation `dsv3 check-config` and
+    The engine's view (`RunConfig.load` with target "engine", the one validation `dsv3 check-config` and
     `dsv3 train` use): with torch.distributed initialised the world-size rules are checked too. Errors are
     `ConfigError`s whose message starts with the offending key.
     """
+    run = _engine_run_config(config)
+    return run.ds, run.cfg
+
+
+def _engine_run_config(config: str | os.PathLike | dict, shape: DSv3Config | None = None) -> RunConfig:
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
-    checked = validate_ds_config(config, target="engine", world_size=world)
-    return checked.ds, checked.cfg
+    return RunConfig.load(config, target="engine", world_size=world, model_shape=shape)
 
 
 def client_optimizer(params, ds_config: dict, cfg: DSv3Config, optimizer=None):
@@ -272,7 +275,7 @@ class _DSv3Hooks:
 
 def initialize(
     model: torch.nn.Module,
-    config: str | os.PathLike | dict,
+    config: RunConfig | str | os.PathLike | dict,
     *,
     model_parameters=None,
     optimizer=None,
@@ -286,7 +289,8 @@ def initialize(
     Args:
         model: a `DSv3Model` (from `build_model` / `load_pretrained`); its `cfg` gives the model shape (`model`,
             `moe`, `mtp` keys the JSON leaves out).
-        config: a DeepSpeed JSON (path or dict) with a `"dsv3"` block (validated by `validate_ds_config`): the
+        config: a `RunConfig` (validated where the process started, used as it is), or a DeepSpeed JSON (path or
+            dict) with a `"dsv3"` block, read and validated here once (`RunConfig.load`, target "engine"): the
             training knobs; shape keys it sets must equal the model's.
         model_parameters, optimizer, lr_scheduler, training_data, **kwargs: as `deepspeed.initialize`; the JSON's
             AdamW becomes the BF16-moment client optimizer under `memory.bf16_moments`.
@@ -301,11 +305,12 @@ def initialize(
     Raises:
         ConfigError: the JSON or the model does not fit (named by key).
     """
-    if isinstance(getattr(model, "cfg", None), DSv3Config):
+    if not isinstance(config, RunConfig):
         # The model's shape (e.g. `load_pretrained`'s, from the checkpoint's config.json) fills the block: the JSON
         # gives the training knobs and need not repeat the shape; shape keys it does give must agree (checked next).
-        config = with_model_shape(read_ds_json(config), model.cfg, keep_user_model_keys=True)
-    ds_config, cfg = split_ds_config(config)
+        shape = model.cfg if isinstance(getattr(model, "cfg", None), DSv3Config) else None
+        config = _engine_run_config(config, shape)
+    ds_config, cfg = config.ds, config.cfg
     _check_model_matches(model, cfg)
     if optimizer is None and "optimizer" not in ds_config:
         raise ConfigError(

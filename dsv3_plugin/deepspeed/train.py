@@ -7,29 +7,28 @@ and the two `training.loop.TrainEngine`s the framework-neutral loop drives.
 - `PipelinedStepEngine` (pp > 1): one pipeline step of `PipelinedEngine` over the JSON's gas micro-batches, then
   the bias update over the ranks that saw the tokens.
 
-`train(...)` runs in-process on each rank (self-spawned, torchrun, or the deepspeed launcher all call it the
-same way after `init_distributed()`); `--steps` is the step to reach, not a count to add.
+`train(TrainRequest)` runs in-process on each rank (self-spawned, torchrun, or the deepspeed launcher all call it
+the same way after `init_distributed()`); its `RunConfig` is validated once where the process started.
 """
 
 from __future__ import annotations
 
-import copy
 import os
 import sys
 import warnings
+from dataclasses import dataclass
 
 import torch
 
-from dsv3_plugin.checkpoint.init_from import build_train_model, init_from_config
-from dsv3_plugin.config import ConfigError, read_ds_json
+from dsv3_plugin.checkpoint.init_from import build_train_model
+from dsv3_plugin.config import ConfigError
 from dsv3_plugin.data.packed import open_data
 from dsv3_plugin.data.synthetic import MarkovData
 from dsv3_plugin.data.tokenizer import has_tokenizer
-from dsv3_plugin.deepspeed.config_keys import resolve_batch
 from dsv3_plugin.deepspeed.engine import initialize, mixed_precision_dtype, quiet_deepspeed_logs
 from dsv3_plugin.deepspeed.moe_layer import prepare_model  # experts sharded over parallel.ep (DeepSpeed MoE groups)
 from dsv3_plugin.deepspeed.pipeline import PipelinedEngine
-from dsv3_plugin.deepspeed.validate import validate_ds_config
+from dsv3_plugin.deepspeed.run_config import RunConfig, RunOverrides
 from dsv3_plugin.model.packing import lm_ce_sum
 from dsv3_plugin.parallel.distributed import init_distributed, peer_failures, set_peer_timeout
 from dsv3_plugin.training import loop
@@ -37,36 +36,63 @@ from dsv3_plugin.training.memory_estimate import host_memory_bytes
 from dsv3_plugin.training.pipelined import as_batch, concat_batches
 from dsv3_plugin.training.run_dir import RunDir
 from dsv3_plugin.training.run_report import maxvio_of, rss_bytes
-from dsv3_plugin.training.run_rules import data_line, with_data_flags
+from dsv3_plugin.training.run_rules import data_line
 from dsv3_plugin.training.telemetry import RoutingTelemetry
 
-__all__ = ["DEFAULT_DS_CONFIG", "train", "resolve_ds_config", "ZeroStepEngine", "PipelinedStepEngine"]
-
-# What `dsv3 train` runs with no --config (kept equal to examples/deepspeed/ds_config.json by a test).
-DEFAULT_DS_CONFIG: dict = {
-    "train_micro_batch_size_per_gpu": 4,
-    "gradient_accumulation_steps": 1,
-    "gradient_clipping": 1.0,
-    "steps_per_print": 1000000,
-    "zero_optimization": {"stage": 1},
-    "optimizer": {
-        "type": "AdamW",
-        "params": {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "torch_adam": True},
-    },
-    "scheduler": {
-        "type": "WarmupLR",
-        "params": {"warmup_min_lr": 3e-4, "warmup_max_lr": 3e-3, "warmup_num_steps": 10, "warmup_type": "linear"},
-    },
-    "dsv3": {"preset": "tiny", "moe": {"bias_update_speed": 0.01}, "train": {"seq_len": 64, "steps": 60, "seed": 1234}},
-}
+__all__ = ["TrainRequest", "train", "prepare_run", "ZeroStepEngine", "PipelinedStepEngine"]
 
 
-def resolve_ds_config(config: str | os.PathLike | dict | None) -> dict:
-    """The DeepSpeed JSON as a dict (the built-in default when None), read by the one reader `config.read_ds_json`
-    (ConfigError naming the file when it is not UTF-8 JSON with a "dsv3" block)."""
-    if config is None:
-        return copy.deepcopy(DEFAULT_DS_CONFIG)
-    return read_ds_json(config)
+@dataclass(kw_only=True)
+class TrainRequest(RunOverrides):
+    """`dsv3 train`'s options, built once by the command line (`cli/train.py`) and handed to `train`.
+
+    The `RunOverrides` fields (data, valid_data, tokenizer, init_from, exit_after_minutes) go into the config;
+    `config` is a `RunConfig` (validated where the process started: the launcher hands its own to the ranks it
+    spawns) or what `RunConfig.load` reads (a path, a dict, None for the built-in JSON), read once on this rank.
+    """
+
+    config: RunConfig | str | os.PathLike | dict | None = None
+    steps: int | None = None  # the step index to reach (default dsv3.train.steps), not a count to add
+    out: str | None = None  # the run directory (metrics.jsonl, ckpt/, train.png, routing.png); locked for the run
+    resume: str | None = None  # a run directory (or its ckpt/) to continue
+    progress: bool = True  # tqdm bar on stderr (rank 0)
+    echo: bool = False  # the JSON lines and a JSON summary also on stdout
+    summary: bool = False  # a short human summary (stdout, or stderr with echo)
+    save: bool = True  # write checkpoints
+    overwrite: bool = False  # start over in an `out` that holds a previous run (deletes its files)
+    allow_non_finite: bool = False  # --init-from: load NaN/Inf weights and scales instead of refusing them
+
+
+def prepare_run(request: TrainRequest, world_size: int | None, open_files: bool = True):
+    """Everything a rank needs before it builds a model, checked for `world_size` ranks: the `RunConfig` (as
+    `dsv3 check-config --nproc N` validates it, with this host's memory; taken as it is when `request.config` is
+    one already), the step to reach, and, with `dsv3.train.data` an object and `open_files`, the prepared data
+    opened and checked for this world's batch layout (`dsv3_plugin.data.packed.open_data`: tokenizer vocabulary,
+    files, token ids, rows per rank). Returns (run, total steps, PackedData or None for synthetic data)."""
+    run = request.config
+    if isinstance(run, RunConfig):
+        if world_size is not None and run.world_size != world_size:
+            raise ConfigError(f"--nproc: the config was validated for {run.world_size} rank(s), not {world_size}")
+    else:
+        local = os.environ.get("LOCAL_WORLD_SIZE")
+        ranks_on_host = int(local) if local and local.isdigit() and int(local) > 0 else (world_size or 1)
+        run = RunConfig.load(
+            run,
+            overrides=request,
+            target="train",
+            world_size=world_size,
+            ranks_on_host=ranks_on_host,
+            host_memory=host_memory_bytes(),
+        )
+    cfg = run.cfg
+    total = request.steps if request.steps is not None else cfg.train.steps
+    if total <= 0:
+        raise ConfigError(f"dsv3.train.steps: must be > 0 (got {total})")
+    data = None
+    if open_files and cfg.train.data != "synthetic":
+        dp = max(1, (world_size or 1) // cfg.parallel.pp)
+        data = open_data(cfg, request.init_from, micro_batch=run.micro_batch, gas=run.gas, dp=dp)
+    return run, total, data
 
 
 def _grad_norm(engine) -> float | None:
@@ -81,90 +107,14 @@ def _f(x) -> float:
     return 0.0 if x is None else float(x.detach())
 
 
-def _prepare(ds_config, steps, init_from, world_size: int | None = None):
-    """Validate everything a rank would, before any process starts (bad input -> ConfigError, exit 2): the one
-    validation (`dsv3_plugin.deepspeed.validate.validate_ds_config`, as `dsv3 check-config --nproc N` runs it) for
-    `world_size` ranks (default: the initialised process group's) and this host's memory. Returns (the normalised
-    DeepSpeed JSON, the `DSv3Config`, the step to reach); the data is not opened (see `_prepare_run`)."""
-    ds, cfg, total, _ = _prepare_run(ds_config, steps, init_from, world_size, open_files=False)
-    return ds, cfg, total
-
-
-def _prepare_run(
-    ds_config,
-    steps,
-    init_from,
-    world_size: int | None = None,
-    data_flags: dict | None = None,
-    open_files=True,
-    exit_after_minutes: float | None = None,
-):
-    """`_prepare` and the data: with `dsv3.train.data` an object (or --data flags, `data_flags` = the keyword
-    arguments of `training.run_rules.with_data_flags`) and `open_files`, the prepared data opened and checked for
-    this world's batch layout (`dsv3_plugin.data.packed.open_data`: tokenizer vocabulary, files, token ids, rows
-    per rank). `exit_after_minutes` (--exit-after-minutes) sets `dsv3.train.exit_after_minutes`, validated with
-    the rest. Returns (ds, cfg, total, PackedData or None for synthetic data)."""
-    ds = resolve_ds_config(ds_config)
-    if data_flags:
-        ds = with_data_flags(ds, **data_flags)
-    if exit_after_minutes is not None and isinstance(ds["dsv3"].setdefault("train", {}), dict):
-        ds["dsv3"]["train"]["exit_after_minutes"] = exit_after_minutes
-    if init_from:
-        ds = init_from_config(ds, init_from)
-    if world_size is None and torch.distributed.is_initialized():
-        world_size = torch.distributed.get_world_size()
-    local = os.environ.get("LOCAL_WORLD_SIZE")
-    ranks_on_host = int(local) if local and local.isdigit() and int(local) > 0 else (world_size or 1)
-    checked = validate_ds_config(
-        ds, target="train", world_size=world_size, ranks_on_host=ranks_on_host, host_memory=host_memory_bytes()
-    )
-    cfg = checked.cfg
-    total = steps if steps is not None else cfg.train.steps
-    if total <= 0:
-        raise ConfigError(f"dsv3.train.steps: must be > 0 (got {total})")
-    data = None
-    if open_files and cfg.train.data != "synthetic":
-        dp = max(1, (world_size or 1) // cfg.parallel.pp)
-        full = checked.full()
-        gas = resolve_batch(full, dp)  # (already resolved for this world by the validation: the same values)
-        data = open_data(cfg, init_from, micro_batch=full["train_micro_batch_size_per_gpu"], gas=gas, dp=dp)
-    return checked.full(), cfg, total, data
-
-
-def train(
-    ds_config: str | os.PathLike | dict | None = None,
-    *,
-    steps: int | None = None,
-    out: str | None = None,
-    resume: str | None = None,
-    init_from: str | None = None,
-    progress: bool = True,
-    echo: bool = False,
-    summary: bool = False,
-    save: bool = True,
-    overwrite: bool = False,
-    allow_non_finite: bool = False,
-    data: list[str] | None = None,
-    valid_data: list[str] | None = None,
-    tokenizer: str | None = None,
-    exit_after_minutes: float | None = None,
-) -> dict:
+def train(request: TrainRequest | RunConfig | str | os.PathLike | dict | None = None, **options) -> dict:
     """Train on this rank (call after, or let it call, `init_distributed()`).
 
     Args:
-        ds_config: the DeepSpeed JSON (path or dict) with a "dsv3" block; None: `DEFAULT_DS_CONFIG`.
-        steps: the step index to reach (default `dsv3.train.steps`); with `resume` training continues from the
-            checkpoint's step.
-        out: the run directory OUT: OUT/metrics.jsonl (one JSON line per logged step, rank 0), OUT/ckpt (the
-            DeepSpeed checkpoints), OUT/train.png and OUT/routing.png at the end. Locked for the call; a fresh run
-            into an OUT holding a previous run is refused unless `overwrite` (which deletes that run's files).
-        resume: a run directory (or its ckpt/) to continue; init_from: a released-format checkpoint directory
-            (model shape from its config.json, training knobs from the "dsv3" block).
-        progress: tqdm bar on stderr (rank 0); echo: the JSON lines and a JSON summary also on stdout; summary: a
-            short human summary (stdout, or stderr with `echo`); save: write checkpoints.
-        allow_non_finite: load a checkpoint holding NaN/Inf (refused otherwise).
-        data, valid_data, tokenizer: `dsv3 train --data / --valid-data / --tokenizer` (see `with_data_flags`).
-        exit_after_minutes: sets `dsv3.train.exit_after_minutes` (save and stop before this wall-clock budget).
+        request: a `TrainRequest` (what `dsv3 train` builds); or its `config` (a `RunConfig`, a DeepSpeed JSON path
+            or dict, None for the built-in JSON) with the other `TrainRequest` fields as keyword `options`, e.g.
+            `train("ds.json", steps=10, out="runs/x")`. The config is read and validated once here unless it is
+            a `RunConfig` already (then it must have been validated for this world size).
 
     Returns:
         {"history": per-step metric dicts, "summary", "router_bias": {buffer name: list}, "param_checksum":
@@ -176,29 +126,33 @@ def train(
         Preempted: SIGTERM / SIGINT / SIGUSR1 on any rank, or the wall-clock budget: every rank stopped at the
             same step boundary after saving it (`dsv3_plugin.training.preemption`); `exit_code` is the status.
     """
+    if not isinstance(request, TrainRequest):
+        request = TrainRequest(config=request, **options)
+    elif options:
+        raise TypeError(f"train: options {sorted(options)} given with a TrainRequest (set them on it)")
+    r = request
     rank, world = init_distributed()
-    flags = {"data": data, "valid": valid_data, "tokenizer": tokenizer}
-    ds, cfg, total, data = _prepare_run(
-        ds_config, steps, init_from, world, flags, exit_after_minutes=exit_after_minutes
-    )
-    first_line, note = data_line(data, init_from)
-    if rank == 0 and (progress or echo or summary):  # what the run trains on comes first, before any bar or line
+    run, total, data = prepare_run(r, world)
+    cfg = run.cfg
+    first_line, note = data_line(data, r.init_from)
+    if rank == 0 and (r.progress or r.echo or r.summary):  # what the run trains on comes first, before any bar or line
         print(first_line, file=sys.stderr, flush=True)
     # Every wait on a peer is bounded by parallel.p2p_timeout_s: the world group (and any group already made) from
     # here, the groups made later by expert parallelism, the pipeline and deepspeed.initialize when they are made.
     set_peer_timeout(cfg.parallel.p2p_timeout_s)
     with peer_failures("dsv3 train (start-up, resume or end of the run)", cfg.parallel.p2p_timeout_s):
         fingerprint = loop.data_fingerprint(data)
+        init_from = r.init_from
         tok_dir = (
             data.tokenizer_dir if data is not None else (init_from if init_from and has_tokenizer(init_from) else None)
         )
-        run = RunDir(out, resume, cfg, rank, world, overwrite, save, data=fingerprint, tokenizer=tok_dir)
+        rundir = RunDir(r.out, r.resume, cfg, rank, world, r.overwrite, r.save, data=fingerprint, tokenizer=tok_dir)
         try:
             _setup_process(cfg)
             rss0 = rss_bytes()  # the runtime's share of peak_rss_bytes (Python, torch, DeepSpeed, process groups)
-            dtype = mixed_precision_dtype(ds) or torch.float32
-            model = build_train_model(cfg, init_from, allow_non_finite, rank, world, dtype)
-            engine = PipelinedStepEngine(model, ds, cfg) if cfg.parallel.pp > 1 else ZeroStepEngine(model, ds, cfg)
+            dtype = mixed_precision_dtype(run.ds) or torch.float32
+            model = build_train_model(cfg, init_from, r.allow_non_finite, rank, world, dtype)
+            engine = PipelinedStepEngine(model, run) if cfg.parallel.pp > 1 else ZeroStepEngine(model, run)
             if data is None:
                 data = MarkovData(cfg.model.vocab_size, cfg.train.seq_len, seed=cfg.train.seed)
             elif (data.micro_batch, data.gas, data.dp) != (engine.micro_batch, engine.gas, engine.dp):
@@ -210,19 +164,19 @@ def train(
             return loop.run(
                 engine,
                 data,
-                run,
+                rundir,
                 cfg,
                 total,
                 world=world,
-                progress=progress,
-                echo=echo,
-                summary=summary,
+                progress=r.progress,
+                echo=r.echo,
+                summary=r.summary,
                 checkpoint_bytes_read=getattr(model, "checkpoint_bytes_read", 0),
                 rss_before_model=rss0,
                 data_note=note,
             )
         finally:
-            run.close()
+            rundir.close()
 
 
 class ZeroStepEngine:
@@ -230,9 +184,9 @@ class ZeroStepEngine:
     sharded over parallel.ep (DeepSpeed MoE groups), the BF16-moment AdamW under memory.bf16_moments, routing
     telemetry."""
 
-    def __init__(self, model, ds: dict, cfg):
-        prepare_model(model, cfg)
-        self.engine, _, _, _ = initialize(model, ds)
+    def __init__(self, model, run: RunConfig):
+        prepare_model(model, run.cfg)
+        self.engine, _, _, _ = initialize(model, run)
         self.module = model
         self.telemetry = RoutingTelemetry(model)
         self.dp_rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
@@ -323,8 +277,9 @@ class PipelinedStepEngine:
 
     telemetry = None  # routing telemetry needs every MoE layer on the rank; a pipeline rank holds its stages'
 
-    def __init__(self, model, ds: dict, cfg):
-        self.pe = PipelinedEngine(model, ds, cfg)
+    def __init__(self, model, run: RunConfig):
+        cfg = run.cfg
+        self.pe = PipelinedEngine(model, run.ds, cfg)
         self.cfg = cfg
         self.module = self.pe.module
         self.dp_rank, self.dp = self.pe.g.dp_rank, self.pe.g.dp

@@ -1,43 +1,22 @@
-"""The one validation of a DeepSpeed JSON with a `"dsv3"` block.
-
-`validate_ds_config` is called by `dsv3 check-config`, by `dsv3 train` (before it spawns any rank, and again
-inside each rank once the world size is known), by `dsv3_plugin.deepspeed.initialize` (the engine) and by
-`dsv3 memory-plan --config` for the layout it plans. A config it accepts is one those accept; every refusal is a
-`ConfigError` whose message starts with the key that is wrong (`dsv3.moe.top_k: ...`, `zero_optimization.stage:
-...`) or, for a file that cannot be read, the file. `check_layout` is its part that needs only the "dsv3" block
-(what `dsv3 memory-plan --preset` runs, having no DeepSpeed keys).
-What it checks, in order: docs/deepspeed.md ("validate.py").
+"""The rules of the one validation of a DeepSpeed JSON with a `"dsv3"` block, which
+`run_config.validate_ds_config` applies in order after the schema and the DeepSpeed keys: what the DeepSpeed path
+does not support (`deepspeed_path_rules`), the layout (`check_layout`: an MoE layer, `dsv3 train`'s own rules,
+the world-size rules; what `dsv3 memory-plan --preset` runs, having no DeepSpeed keys), the pipeline's
+micro-batches (`pipeline_microbatch_rule`) and the host memory (`check_memory`). Every refusal is a `ConfigError`
+whose message starts with the key that is wrong. What is checked, in order: docs/deepspeed.md ("validate.py").
 """
 
 from __future__ import annotations
 
-import copy
-import os
-from dataclasses import dataclass
 from typing import Literal
 
-from dsv3_plugin.config import ConfigError, DSv3Config, check_numbers, load_config, read_ds_json, value_with_type
-from dsv3_plugin.deepspeed.config_keys import adamw_hyperparameters, check_deepspeed_keys, micro_batch, resolve_batch
+from dsv3_plugin.config import ConfigError, DSv3Config, value_with_type
+from dsv3_plugin.deepspeed.config_keys import adamw_hyperparameters, micro_batch
 from dsv3_plugin.schedule_traits import check_chunks
 from dsv3_plugin.training.memory_estimate import MemoryEstimate, check_budget
 from dsv3_plugin.training.run_rules import train_rules, world_rules
 
-__all__ = ["validate_ds_config", "CheckedConfig", "pipeline_microbatch_rule", "check_memory", "check_layout"]
-
-
-@dataclass(frozen=True)
-class CheckedConfig:
-    """What `validate_ds_config` returns: the config split and normalised."""
-
-    ds: dict  # DeepSpeed's part, no "dsv3"; zero stage, clipping (and batch keys) explicit
-    cfg: DSv3Config  # the validated "dsv3" block
-    block: dict  # the "dsv3" block as given (re-attach it to hand the JSON on)
-    world_size: int | None  # the world the rules were checked for (None: world rules not checked)
-    memory: MemoryEstimate | None  # the host-memory estimate (None: not checked)
-
-    def full(self) -> dict:
-        """The normalised DeepSpeed JSON with its "dsv3" block (what the engine and the pipeline read)."""
-        return {**copy.deepcopy(self.ds), "dsv3": copy.deepcopy(self.block)}
+__all__ = ["deepspeed_path_rules", "pipeline_microbatch_rule", "check_memory", "check_layout"]
 
 
 def pipeline_microbatch_rule(cfg: DSv3Config, gas: int) -> None:
@@ -61,7 +40,9 @@ def pipeline_microbatch_rule(cfg: DSv3Config, gas: int) -> None:
         )
 
 
-def _deepspeed_path_rules(cfg: DSv3Config, ds: dict) -> None:
+def deepspeed_path_rules(cfg: DSv3Config, ds: dict) -> None:
+    """What the DeepSpeed path of this plugin does not support, named by key (EP rank layout, BF16 moments' AdamW
+    section, BF16_Optimizer under a pipeline)."""
     topo = ds.get("use_data_before_expert_parallelism", False)
     if not isinstance(topo, bool):
         raise ConfigError(f"use_data_before_expert_parallelism: must be true or false (got {value_with_type(topo)})")
@@ -120,36 +101,3 @@ def check_memory(cfg: DSv3Config, ds: dict, world: int, ranks_on_host: int, budg
     mbs = micro_batch(ds, max(1, world // cfg.parallel.pp))
     lp = 2.0 if any((ds.get(sec) or {}).get("enabled") is True for sec in ("bf16", "fp16")) else 4.0
     return check_budget(cfg, mbs, lp, world, ranks_on_host, budget, batch_key="train_micro_batch_size_per_gpu")
-
-
-def validate_ds_config(
-    config: str | os.PathLike | dict,
-    *,
-    target: Literal["train", "engine"] = "train",
-    world_size: int | None = None,
-    ranks_on_host: int | None = None,
-    host_memory: int | None = None,
-) -> CheckedConfig:
-    """Validate a DeepSpeed JSON (path or dict) with a "dsv3" block; see the module docstring for the order.
-
-    target: "train" adds what `dsv3 train` needs on this machine; "engine" is `deepspeed.initialize`'s view.
-    world_size: total ranks (None: the world-size rules are skipped).
-    ranks_on_host, host_memory: ranks sharing this host and its memory in bytes (None: no memory check).
-    Returns a `CheckedConfig`; raises `ConfigError` naming the key (or the file) otherwise.
-    """
-    if target not in ("train", "engine"):
-        raise ValueError(f"validate_ds_config: target must be 'train' or 'engine' (got {target!r})")
-    raw = read_ds_json(config)
-    check_numbers(raw, prefix=())
-    block = raw.pop("dsv3")
-    cfg = load_config({"dsv3": block})
-    ds = check_deepspeed_keys(raw, train=target == "train")
-    _deepspeed_path_rules(cfg, ds)
-    dp = check_layout(cfg, target=target, world_size=world_size)
-    gas = resolve_batch(ds, dp)
-    if gas is not None:
-        pipeline_microbatch_rule(cfg, gas)
-    memory = None
-    if host_memory is not None:
-        memory = check_memory(cfg, ds, world_size or 1, ranks_on_host or world_size or 1, host_memory)
-    return CheckedConfig(ds=ds, cfg=cfg, block=block, world_size=world_size, memory=memory)

@@ -49,12 +49,9 @@ class DSv3TransformerConfig(MLATransformerConfig):
     dsv3_config: Any | None = None
 
 
-def to_transformer_config(
-    cfg: DSv3Config | dict | str, tokens_seen: float = 0.0, **overrides: Any
-) -> DSv3TransformerConfig:
+def to_transformer_config(cfg: DSv3Config, tokens_seen: float = 0.0, **overrides: Any) -> DSv3TransformerConfig:
     """Megatron config for `cfg`. `overrides` are Megatron field names (parallel sizes, dtypes, recompute...)
     applied last; a model-shape override that contradicts `cfg` is a ConfigError naming the key."""
-    cfg = load_config(cfg)
     m, e = cfg.model, cfg.moe
     L, k = m.num_hidden_layers, m.first_k_dense_replace
     rs = m.rope_scaling
@@ -151,7 +148,7 @@ def dsv3_config_of(config) -> DSv3Config:
             "dsv3_plugin.megatron.to_transformer_config(cfg) (or pass --dsv3-config to "
             "pretrain_gpt.py with patches/pretrain_gpt.diff applied)"
         )
-    return load_config(cfg)
+    return cfg
 
 
 def apply_schedules(config, tokens_seen: float) -> tuple[float, float]:
@@ -191,7 +188,7 @@ def run_config(args) -> DSv3Config:
             "megatron args: neither --dsv3-config nor a block derived from the flags (parse them with "
             "dsv3_plugin.megatron.pretrain_gpt.parse_megatron_args)"
         )
-    return load_config(src)
+    return load_config(src) if isinstance(src, str) else DSv3Config.from_block(src)
 
 
 def config_source(args) -> str:

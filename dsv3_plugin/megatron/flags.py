@@ -14,7 +14,7 @@ from typing import Any
 
 from dsv3_plugin.checkpoint.hf import model_config, pretrained_config
 from dsv3_plugin.checkpoint.integrity import load_json
-from dsv3_plugin.config import ConfigError, DSv3Config, load_config
+from dsv3_plugin.config import ConfigError, DSv3Config
 from dsv3_plugin.megatron.finetune import init_source_kind
 from dsv3_plugin.megatron.gpt import OUR_SPEC
 
@@ -531,7 +531,7 @@ def flags_config(block: dict, parser) -> DSv3Config:
         ConfigError: `--flag (dsv3.key): why`.
     """
     try:
-        return load_config(block)
+        return DSv3Config.from_block(block)
     except ConfigError as e:
         msg = str(e)
         for key in sorted(_KEY_FLAGS, key=len, reverse=True):

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from dsv3_plugin.config import DSv3Config, load_config
+from dsv3_plugin.config import DSv3Config
 from dsv3_plugin.model.init import draw_base_seed, init_parameter_
 from dsv3_plugin.model.mla import MLA
 from dsv3_plugin.model.moe.layer import DeepSeekMoE, DenseMLP, GroupedExperts
@@ -77,19 +77,20 @@ class DSv3Model(nn.Module):
     points build it: that applies the `fp8` and `memory.recompute` sections of `cfg`, which this class only
     stores."""
 
-    def __init__(self, cfg: DSv3Config | dict | str):
+    def __init__(self, cfg: DSv3Config):
         """Build the embedding, the decoder layers (dense for the first `model.first_k_dense_replace`, DeepSeekMoE
         after), the final norm and output head (tied to the embedding when `model.tie_word_embeddings`), the
         `mtp.depth` MTP modules and the RoPE tables, and initialise the weights (`reset_parameters`).
 
         Args:
-            cfg: a `DSv3Config`, or anything `load_config` reads (a "dsv3" dict, a DeepSpeed JSON path).
+            cfg: the validated config (`DSv3Config.from_block`, `load_config`, `DSv3Config.from_hf`).
 
         Raises:
-            ConfigError: `cfg` is not a valid config (the message names the key).
+            TypeError: `cfg` is not a `DSv3Config`.
         """
         super().__init__()
-        cfg = load_config(cfg)
+        if not isinstance(cfg, DSv3Config):
+            raise TypeError(f"DSv3Model: cfg must be a DSv3Config (got {type(cfg).__name__}; DSv3Config.from_block)")
         self.cfg = cfg
         m = cfg.model
         # The weights come from `init_seed` alone (one draw from the global generator); the submodules' own

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dsv3_plugin.config import ConfigError, DSv3Config, load_config
+from dsv3_plugin.config import ConfigError, DSv3Config
 from dsv3_plugin.model.init import init_parameter_
 from dsv3_plugin.model.moe.layer import DeepSeekMoE, GroupedExperts
 from dsv3_plugin.model.moe.router import Router
@@ -166,7 +166,7 @@ def _param_dtype(module: nn.Module, dtype: torch.dtype) -> torch.dtype:
 
 @torch.no_grad()
 def build_rank_local(
-    cfg: DSv3Config | dict | str,
+    cfg: DSv3Config,
     layout: RankLayout,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
@@ -183,7 +183,8 @@ def build_rank_local(
 
     No full-size tensor is ever allocated: the model is built on `meta`, then each owned parameter is created
     at its (local) size and filled on its own."""
-    cfg = load_config(cfg)
+    if not isinstance(cfg, DSv3Config):
+        raise TypeError(f"build_rank_local: cfg must be a DSv3Config (got {type(cfg).__name__})")
     if (layout.num_layers, layout.mtp_depth, layout.n_experts) != (
         cfg.model.num_hidden_layers,
         cfg.mtp.depth,

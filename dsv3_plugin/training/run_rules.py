@@ -2,7 +2,7 @@
 `train_rules` (every pipeline rank holds a parameter, the synthetic data's vocabulary range, the sequence within
 the position range, the FP8 backend runnable here; prepared data's own checks need its files and the tokenizer:
 `dsv3_plugin.data.packed.open_data`) and `world_rules` (pp and ep divide the world and the
-data-parallel size). `deepspeed.validate.validate_ds_config` runs them with the DeepSpeed keys' checks. Also
+data-parallel size). `deepspeed.run_config.validate_ds_config` runs them with the DeepSpeed keys' checks. Also
 `with_data_flags` (`--data` / `--valid-data` / `--tokenizer` into `dsv3.train.data`) and `data_line` (what the run
 says it trains on, first).
 """

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsv3_plugin.config import DSv3Config, FP8Config, load_config
+from dsv3_plugin.config import DSv3Config, FP8Config
 from dsv3_plugin.model.kernels import KernelLinear, base_kernel, rebase
 from dsv3_plugin.model.moe.layer import DenseMLP, GroupedExperts
 from dsv3_plugin.model.transformer import DecoderLayer, DSv3Model
@@ -33,18 +33,17 @@ from dsv3_plugin.training.recompute import apply_recompute
 __all__ = ["build_model", "apply_transforms", "convert_to_fp8"]
 
 
-def build_model(cfg: DSv3Config | dict | str) -> DSv3Model:
+def build_model(cfg: DSv3Config) -> DSv3Model:
     """`DSv3Model(cfg)` with the transforms its config asks for (`fp8.enabled`, `memory.recompute`).
 
     Args:
-        cfg: a `DSv3Config`, a "dsv3" block dict, or a preset name.
+        cfg: the validated config (`DSv3Config.from_block`, `load_config`, `DSv3Config.from_hf`).
 
     Returns:
         The model (FP32 parameters, initialised from the config's seed), transformed in place: with FP8 its
         decoder-layer Linears are `Fp8Linear` and its routed experts run `Fp8ExpertKernel`; with recompute its
         norms / MLA up-projections (or whole layers) are recomputed in backward. Parameter names are unchanged.
     """
-    cfg = load_config(cfg)
     return apply_transforms(DSv3Model(cfg), cfg)
 
 

@@ -34,7 +34,7 @@ def train(args) -> list[dict]:
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from dsv3_plugin.config import load_config
+    from dsv3_plugin.config import DSv3Config, load_config
     from dsv3_plugin.megatron.config import apply_schedules
     from dsv3_plugin.megatron.gpt import build_gpt_model, causal_inputs
     from dsv3_plugin.megatron.runtime import init_megatron, shutdown_megatron, wrap_ddp
@@ -42,7 +42,10 @@ def train(args) -> list[dict]:
     from dsv3_plugin.model.moe.balancing import maxvio
 
     rank, world = init_megatron(ep=args.ep, seed=args.seed)
-    cfg = load_config(args.config if args.config.endswith(".json") else {"preset": args.config})
+    if args.config.endswith(".json"):
+        cfg = load_config(args.config)
+    else:
+        cfg = DSv3Config.from_block({"preset": args.config})
     model = build_gpt_model(cfg)
     if args.load:
         load_hf_checkpoint(model, args.load)

@@ -35,14 +35,14 @@ def main() -> int:
 
     from dsv3_plugin.checkpoint.hf import load_pretrained, native_state_to_hf
     from dsv3_plugin.checkpoint.synthetic import quantize_checkpoint
-    from dsv3_plugin.config import load_config
+    from dsv3_plugin.config import DSv3Config
     from dsv3_plugin.data.synthetic import MarkovData
     from dsv3_plugin.model.generate import greedy_generate
     from dsv3_plugin.model.moe.balancing import update_expert_bias
     from dsv3_plugin.training.transforms import build_model
 
     torch.manual_seed(args.seed)
-    cfg = load_config({"preset": "tiny", "train": {"seq_len": args.seq_len}})
+    cfg = DSv3Config.from_block({"preset": "tiny", "train": {"seq_len": args.seq_len}})
     model = build_model(cfg)
     model.reset_parameters(seed=args.seed)
     data = MarkovData(cfg.model.vocab_size, args.seq_len, seed=args.seed + 1)

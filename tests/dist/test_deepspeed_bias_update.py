@@ -44,8 +44,8 @@ def _run(recompute: bool):
     torch.manual_seed(0)
     # γ = 0.01 for the first optimizer step's tokens, 0.002 afterwards: tests the token schedule too.
     ds = _ds_config([{"until_tokens": TOKENS_PER_STEP, "value": 0.01}, {"until_tokens": None, "value": 0.002}])
-    from dsv3_plugin.config import load_config
-    model = build_model(load_config(ds))
+    from dsv3_plugin.config import DSv3Config, load_config
+    model = build_model(DSv3Config.from_block(ds["dsv3"]))
     if recompute:  # activation recompute of every decoder layer; the re-run forward must not count again
         for layer in model.layers:
             fwd = layer.forward

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from dsv3_plugin.model.moe.balancing import routers_of, update_expert_bias
-from dsv3_plugin.config import load_config
+from dsv3_plugin.config import DSv3Config, load_config
 from dsv3_plugin.parallel.distributed import init_distributed
 from dsv3_plugin.training.transforms import build_model
 from helpers import run_ranks
@@ -114,7 +114,7 @@ def _batch(rank, cfg):
 
 def _run(ckpt_dir):
     rank, world = init_distributed()
-    cfg = load_config({"preset": "tiny", "parallel": {"ep": 2}, "moe": {"bias_update_speed": 0.01},
+    cfg = DSv3Config.from_block({"preset": "tiny", "parallel": {"ep": 2}, "moe": {"bias_update_speed": 0.01},
                        "model": {"num_hidden_layers": 2}})
     sgd_err = _sgd_step_matches_reference(cfg, rank, world)
     engine, model = _engine(cfg, seed=0)
@@ -165,5 +165,5 @@ def test_zero1_ep2_dp2(tmp_path):
         assert r["mismatched"] == [] and r["n_keys"] > 10, r["mismatched"]
         assert r["continue_equal"]
     names = os.listdir(tmp_path / "ckpt" / "step4")
-    E = load_config({"preset": "tiny"}).moe.n_routed_experts
+    E = DSv3Config.from_block({"preset": "tiny"}).moe.n_routed_experts
     assert sum(n.startswith("layer_") and "_expert_" in n for n in names) == 2 * E   # one file per expert

@@ -84,12 +84,12 @@ def _one(ep, rpn, shared, M, dedup):
 def _model_level(ep, rpn):
     """Whole tiny model (MoE layers incl. the MTP block's) with expert_parallel: same loss and logits as EP=1,
     dense-parameter gradients equal after summing over the EP group."""
-    from dsv3_plugin.config import load_config
+    from dsv3_plugin.config import DSv3Config, load_config
     from dsv3_plugin.training.transforms import build_model
     from dsv3_plugin.parallel.expert_parallel import expert_parallel
     rank = dist.get_rank()
     groups = build_ep_groups(ep, rpn)
-    cfg = load_config({"preset": "tiny", "parallel": {"ep": ep}, "moe": {"ranks_per_node": rpn}})
+    cfg = DSv3Config.from_block({"preset": "tiny", "parallel": {"ep": ep}, "moe": {"ranks_per_node": rpn}})
     ref = build_model(cfg)
     ref.reset_parameters(seed=5)
     par = build_model(cfg)
@@ -122,8 +122,8 @@ def _run(layouts):
 
 
 def _check(results):
-    from dsv3_plugin.config import load_config
-    tiny = load_config({"preset": "tiny"})
+    from dsv3_plugin.config import DSv3Config, load_config
+    tiny = DSv3Config.from_block({"preset": "tiny"})
     for r, rank_res in enumerate(results):
         for key, e in rank_res:
             if key[0] == "model":

@@ -7,8 +7,9 @@ from helpers import run_ranks
 
 
 def _train_ep2():
-    from dsv3_plugin.deepspeed.train import DEFAULT_DS_CONFIG, train
-    ds = copy.deepcopy(DEFAULT_DS_CONFIG)
+    from dsv3_plugin.deepspeed.run_config import default_ds_config
+    from dsv3_plugin.deepspeed.train import train
+    ds = default_ds_config()
     ds["dsv3"]["parallel"] = {"ep": 2}
     ds["dsv3"]["train"]["seq_len"] = 32
     res = train(ds, steps=3, progress=False, echo=False, save=False)
@@ -21,8 +22,8 @@ def test_train_ep2_telemetry():
     assert any(v != 0 for b in bias0.values() for v in b)    # and the bias did move
     drop = lambda h: [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in h]  # noqa: E731 (timing)
     assert drop(hist) == drop(hist1)                         # every rank recorded the same step metrics
-    from dsv3_plugin.config import load_config
-    M = load_config({"preset": "tiny"}).moe.topk_group
+    from dsv3_plugin.config import DSv3Config, load_config
+    M = DSv3Config.from_block({"preset": "tiny"}).moe.topk_group
     for rec in hist:
         assert rec["tokens_dropped"] == 0
         assert 0 < rec["cross_node_per_token"] <= M

@@ -60,10 +60,10 @@ def run(tmp_path_factory):
 def _eval_rows(run):
     """The run's held-out micro-batches, both data-parallel ranks (what `eval_loss` averaged)."""
     from dsv3_plugin.checkpoint.init_from import init_from_config
-    from dsv3_plugin.config import load_config
+    from dsv3_plugin.config import DSv3Config, load_config
     from dsv3_plugin.data.packed import open_data
 
-    cfg = load_config(init_from_config(run["ds"], run["rel"]))
+    cfg = DSv3Config.from_block(init_from_config(run["ds"], run["rel"])["dsv3"])
     data = open_data(cfg, run["rel"], micro_batch=2, gas=2, dp=2)
     return [b for rank in range(2) for b in data.eval_batches(rank)]
 

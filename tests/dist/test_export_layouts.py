@@ -263,7 +263,7 @@ def test_fp8_export_dequantizes_to_the_bf16_export_in_the_release_layout(exporte
 def test_init_from_the_export_starts_at_the_exported_loss(exported):
     from dsv3_plugin.checkpoint.hf import load_hf_state_into
     from dsv3_plugin.data.synthetic import MarkovData
-    from dsv3_plugin.deepspeed.train import _prepare
+    from dsv3_plugin.deepspeed.train import TrainRequest, prepare_run
     from dsv3_plugin.training.transforms import build_model
 
     tmp, release, out, again = exported
@@ -271,7 +271,7 @@ def test_init_from_the_export_starts_at_the_exported_loss(exported):
     a, b = _stored(dst), _stored(out["pp1_ep2_bf16"]["bf16"])  # the API's and the CLI's export of the same run
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
     ds = _ds(AGAIN, {}, False, seed=11)
-    _, cfg, _ = _prepare(copy.deepcopy(ds), 1, dst, world_size=2)
+    cfg = prepare_run(TrainRequest(config=copy.deepcopy(ds), steps=1, init_from=dst), 2, open_files=False)[0].cfg
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg)
     load_hf_state_into(model, dst)

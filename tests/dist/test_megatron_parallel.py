@@ -19,8 +19,8 @@ pytestmark = pytest.mark.dist
 
 
 def _tiny():
-    from dsv3_plugin.config import load_config
-    return load_config({"preset": "tiny"})
+    from dsv3_plugin.config import DSv3Config, load_config
+    return DSv3Config.from_block({"preset": "tiny"})
 
 
 TINY = _tiny()
@@ -113,10 +113,10 @@ def _worker(ckpt, conv1, conv2):
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     from dsv3_plugin.checkpoint.convert import convert
-    from dsv3_plugin.config import load_config
+    from dsv3_plugin.config import DSv3Config, load_config
     root = tmp_path_factory.mktemp("mega_parallel")
     ckpt = root / "hf"
-    make_tiny_hf_checkpoint(ckpt, load_config({"preset": "tiny"}), seed=11, bias_scale=0.05)
+    make_tiny_hf_checkpoint(ckpt, DSv3Config.from_block({"preset": "tiny"}), seed=11, bias_scale=0.05)
     for ep in (1, 2):
         convert(str(ckpt), str(root / f"mega_ep{ep}"), "megatron", ep=ep, dtype="fp32", progress=False)
     return run_ranks(_worker, 2, str(ckpt), str(root / "mega_ep1"), str(root / "mega_ep2"))

@@ -60,7 +60,7 @@ def _async_vs_sync(groups):
 
 def _pipeline_case(schedule, fp8_dispatch, dedup, lockstep, pg):
     """One step with the overlap hook and one F-then-B, same stages, inputs and criterion."""
-    from dsv3_plugin.config import load_config
+    from dsv3_plugin.config import DSv3Config, load_config
     from dsv3_plugin.parallel.dispatch import FP8Codec
     from dsv3_plugin.parallel.expert_parallel import expert_parallel
     from dsv3_plugin.parallel.groups import build_ep_groups
@@ -68,7 +68,7 @@ def _pipeline_case(schedule, fp8_dispatch, dedup, lockstep, pg):
     from dsv3_plugin.parallel.pipeline import PipelineRuntime
     from dsv3_plugin.parallel.pipeline.stages import DSv3PipelineLoss, build_stages, n_stages_of, stage_ids_for_rank
     from dsv3_plugin.training.transforms import build_model
-    cfg = load_config({**BASE, "parallel": {"pp": PP, "ep": EP, "schedule": schedule}})
+    cfg = DSv3Config.from_block({**BASE, "parallel": {"pp": PP, "ep": EP, "schedule": schedule}})
     torch.manual_seed(0)
     model = build_model(cfg)
     stages = build_stages(model, n_stages_of(schedule, PP), stage_ids_for_rank(schedule, PP, pg.pp_rank))

@@ -129,7 +129,8 @@ def _reference(model, batches, gamma, short=0):
 
 
 def _pipelined(schedule, split):
-    from dsv3_plugin.config import load_config
+    from dsv3_plugin.config import DSv3Config, load_config
+    from dsv3_plugin.deepspeed.run_config import RunConfig
     from dsv3_plugin.deepspeed.train import PipelinedStepEngine
     from dsv3_plugin.parallel.distributed import init_distributed
     from dsv3_plugin.training.transforms import build_model
@@ -137,13 +138,13 @@ def _pipelined(schedule, split):
     init_distributed()
     ds = copy.deepcopy(DS)
     ds["dsv3"]["parallel"] = {"pp": 2, "schedule": schedule, "split_weight_grads": split}
-    cfg = load_config(ds)
+    cfg = DSv3Config.from_block(ds["dsv3"])
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg)
     ref_model = copy.deepcopy(model)
     names = {id(p): n for n, p in model.named_parameters()}
     bufs = {id(b): n for n, b in model.named_buffers()}
-    eng = PipelinedStepEngine(model, ds, cfg)
+    eng = PipelinedStepEngine(model, RunConfig(ds=ds, cfg=cfg))
     pe = eng.pe
     batches = _batches(7)
     out = {"problems": []}
@@ -182,7 +183,8 @@ def _pipelined(schedule, split):
 def _zero():
     import torch.distributed as dist
 
-    from dsv3_plugin.config import load_config
+    from dsv3_plugin.config import DSv3Config, load_config
+    from dsv3_plugin.deepspeed.run_config import RunConfig
     from dsv3_plugin.deepspeed.train import ZeroStepEngine
     from dsv3_plugin.parallel.distributed import init_distributed
     from dsv3_plugin.training.transforms import build_model
@@ -191,11 +193,12 @@ def _zero():
     rank = dist.get_rank()
     ds = copy.deepcopy(DS)
     ds["dsv3"]["parallel"] = {"ep": 2}  # the experts split over both ranks: packed / padded tokens dispatched
-    cfg = load_config(ds)
+    cfg = DSv3Config.from_block(ds["dsv3"])
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg)
     ref_model = copy.deepcopy(model)
-    eng = ZeroStepEngine(model, ds, cfg)
+    run = RunConfig.load(ds, target="engine", world_size=dist.get_world_size(), model_shape=model.cfg)
+    eng = ZeroStepEngine(model, run)
     per_rank = [_batches(20 + r) for r in range(2)]
     before = _state(eng.module, eng.engine)
     ev = eng.eval_loss(per_rank[rank])
@@ -240,10 +243,10 @@ def _check_terms(result, terms, where, cfg=None):
 @pytest.mark.dist
 @pytest.mark.parametrize("which", range(len(SCHEDULES)))
 def test_pipelined_engine_on_packed_batches_equals_single_process(runs, which):
-    from dsv3_plugin.config import load_config
+    from dsv3_plugin.config import DSv3Config, load_config
 
     schedule, split = SCHEDULES[which]
-    cfg = load_config({**DSV3})
+    cfg = DSv3Config.from_block({**DSV3})
     tokens = GAS * MBS * SEQ
     problems = []
     for r, per in enumerate(runs):
@@ -284,9 +287,9 @@ def test_zero_engine_on_packed_batches_and_eval_loss(runs):
     """pp = 1, dp = 2, ep = 2: each rank's experts compute the other rank's tokens too, and the combine sums the k
     expert outputs of a token in another order than one process does (`model_bound`, forward only); the routing
     decisions, hence the integer loads and the bias update, are the same."""
-    from dsv3_plugin.config import load_config
+    from dsv3_plugin.config import DSv3Config, load_config
 
-    cfg = load_config({**DSV3, "parallel": {"ep": 2}})
+    cfg = DSv3Config.from_block({**DSV3, "parallel": {"ep": 2}})
     z0, z1 = runs[0][1], runs[1][1]
     ref = z0["ref"]
     for r, z in enumerate((z0, z1)):

@@ -21,10 +21,11 @@ def _timeouts() -> list[float]:
 
 
 def _train_twice():
-    from dsv3_plugin.deepspeed.train import DEFAULT_DS_CONFIG, train
+    from dsv3_plugin.deepspeed.run_config import default_ds_config
+    from dsv3_plugin.deepspeed.train import train
     seen = []
     for timeout_s in (7.0, 11.0):
-        ds = copy.deepcopy(DEFAULT_DS_CONFIG)
+        ds = default_ds_config()
         ds["dsv3"]["parallel"] = {"ep": 2, "p2p_timeout_s": timeout_s}
         ds["dsv3"]["train"]["seq_len"] = 16
         train(ds, steps=1, progress=False, save=False)

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dsv3_plugin.config import load_config
+from dsv3_plugin.config import DSv3Config, load_config
 from dsv3_plugin.parallel.distributed import init_distributed
 from dsv3_plugin.training.transforms import build_model
 from dsv3_plugin.parallel.pipeline import DualPipe, DualPipeV, OneFOneB, PipelineError, ZeroBubble1P, split_weight_grads
@@ -97,7 +97,7 @@ C_DS = 4
 
 def _model():
     torch.manual_seed(0)
-    m = build_model(load_config({"preset": "tiny", "model": {"num_hidden_layers": 4}}))
+    m = build_model(DSv3Config.from_block({"preset": "tiny", "model": {"num_hidden_layers": 4}}))
     m.train()
     return m
 

@@ -77,7 +77,7 @@ def _ref_ds(fp8: bool, bf16_moments: bool, first_k_dense_replace: int | None) ->
 def _reference(configs):
     """Single process (world 1): the engine `dsv3 train` uses at pp = 1, fed the data-parallel ranks'
     micro-batches in order (rank 0's 4, then rank 1's)."""
-    from dsv3_plugin.config import load_config
+    from dsv3_plugin.config import DSv3Config, load_config
     from dsv3_plugin.deepspeed import initialize
     from dsv3_plugin.deepspeed.train import _setup_process
     from dsv3_plugin.parallel.distributed import init_distributed
@@ -86,7 +86,7 @@ def _reference(configs):
     init_distributed()
     out = []
     for ds in configs:
-        cfg = load_config({"dsv3": ds["dsv3"]})
+        cfg = DSv3Config.from_block(ds["dsv3"])
         _setup_process(cfg)                      # the weights' seed, as dsv3 train
         engine, *_ = initialize(build_model(cfg), copy.deepcopy(ds))
         data = MarkovData(cfg.model.vocab_size, cfg.train.seq_len, seed=cfg.train.seed)
@@ -238,7 +238,7 @@ def _curve_check(schedule, got, ref, cfg, fp8: bool):
 def test_pp2_dp2_ep2_curve_biases_resume(schedule, references, runs):
     import os
 
-    from dsv3_plugin.config import load_config
+    from dsv3_plugin.config import DSv3Config, load_config
     c = CASES[schedule]
     ds = _config(schedule)
     tmp, full, second = runs
@@ -249,7 +249,7 @@ def test_pp2_dp2_ep2_curve_biases_resume(schedule, references, runs):
     assert all(drop(f["history"]) == drop(full[0]["history"]) for f in full)   # one set of metrics per step
 
     # 1. the loss curve of the single process on the same global batch
-    cfg = load_config({"dsv3": ds["dsv3"]})
+    cfg = DSv3Config.from_block(ds["dsv3"])
     for fp8, hist in [(c["fp8"], full[0]["history"])]:
         ref = references[_ref_key(c)]
         assert len(hist) == len(ref) == STEPS
@@ -304,13 +304,13 @@ def test_pp2_dp2_dualpipev_fp8_off_curve(references, runs, run):
     the single process."""
     import os
 
-    from dsv3_plugin.config import load_config
+    from dsv3_plugin.config import DSv3Config, load_config
     sched, c = EXTRA
     _, full, _ = runs
     assert all(f[run]["history"][-1]["loss"] == full[0][run]["history"][-1]["loss"] for f in full)
     hist = full[0][run]["history"]
     ref = references[_ref_key(c)]
-    cfg = load_config({"dsv3": _ds(sched, c["fp8"], c["recompute"])["dsv3"]})
+    cfg = DSv3Config.from_block(_ds(sched, c["fp8"], c["recompute"])["dsv3"])
     worst = _curve_check(f"{sched} {run} fp8=False", hist, ref, cfg, fp8=False)
     if os.environ.get("TOL_REPORT"):
         print(f"[tol] {sched} {run} fp8=False: worst |diff| {worst[0]:.3g} at step {worst[2]} (bound "

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from dsv3_plugin.config import load_config
+from dsv3_plugin.config import DSv3Config, load_config
 from dsv3_plugin.parallel.distributed import init_distributed
 from dsv3_plugin.training.transforms import build_model
 from dsv3_plugin.parallel.pipeline.stages import DSv3PipelineLoss, build_stages
@@ -116,7 +116,7 @@ def _worker():
     from dsv3_plugin.megatron.schedules import forward_backward_dualpipev
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=2)
-    cfg = load_config(CFG)
+    cfg = DSv3Config.from_block(CFG)
     torch.manual_seed(0)
     model = build_model(cfg)
     model.train()

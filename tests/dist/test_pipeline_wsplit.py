@@ -24,11 +24,11 @@ def _one_step(ds):
     """One PipelinedEngine.train_step (what `dsv3 train` runs per optimizer step) from the seed's weights:
     losses, the gradients it produced (before ZeRO's reduction), the parameters after the step, W jobs run."""
     init_distributed()
-    from dsv3_plugin.config import load_config
+    from dsv3_plugin.config import DSv3Config, load_config
     from dsv3_plugin.deepspeed.pipeline import PipelinedEngine
     from dsv3_plugin.data.synthetic import MarkovData
     from dsv3_plugin.training.transforms import build_model
-    cfg = load_config(ds)
+    cfg = DSv3Config.from_block(ds["dsv3"])
     torch.manual_seed(cfg.train.seed)
     pe = PipelinedEngine(build_model(cfg), ds, cfg)
     grads = {}
@@ -93,8 +93,8 @@ def test_dualpipev_pp2_split_on_off_same_losses_and_gradients(runs, precision):
     on = _step_config(precision, True)
     dt = torch.bfloat16 if precision == "bf16" else torch.float32
     got, ref = runs[0][(precision, True)], runs[0][(precision, False)]
-    from dsv3_plugin.config import load_config
-    cfg = load_config({"dsv3": {**on["dsv3"]}})
+    from dsv3_plugin.config import DSv3Config, load_config
+    cfg = DSv3Config.from_block({**on["dsv3"]})
     tokens = GAS * MBS * SEQ
     problems = []
     for r, (a, b) in enumerate(zip(got, ref)):

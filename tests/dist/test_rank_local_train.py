@@ -19,7 +19,7 @@ import sys
 import pytest
 
 from dsv3_plugin.checkpoint.reader import CheckpointReader
-from dsv3_plugin.config import load_config
+from dsv3_plugin.config import DSv3Config, load_config
 from dsv3_plugin.training.rank_local import RankLayout, build_rank_local
 from helpers import CK_CFG, released_owned, write_rank_local_checkpoint
 
@@ -58,7 +58,7 @@ def test_init_from_reads_only_each_ranks_tensors(tmp_path, parallel, gas):
     ranks = summary["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1, 2, 3]
 
-    run_cfg = load_config({**CK_CFG, "parallel": parallel})
+    run_cfg = DSv3Config.from_block({**CK_CFG, "parallel": parallel})
     L = run_cfg.model.num_hidden_layers
     with CheckpointReader(ck) as r:
         headers = r.bytes_read

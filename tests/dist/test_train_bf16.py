@@ -61,7 +61,7 @@ def _live(name: str) -> dict:
     from dsv3_plugin.deepspeed import initialize
     from dsv3_plugin.deepspeed.moe_layer import prepare_model
     from dsv3_plugin.deepspeed.pipeline import PipelinedEngine
-    from dsv3_plugin.deepspeed.validate import validate_ds_config
+    from dsv3_plugin.deepspeed.run_config import validate_ds_config
     from dsv3_plugin.model.moe.router import Router
     from dsv3_plugin.precision.fp8 import Fp8Linear
     from dsv3_plugin.training.transforms import build_model

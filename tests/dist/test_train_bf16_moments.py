@@ -22,10 +22,10 @@ def _fp32(ds):
 def _live_state(ds, pp=1):
     """The optimizer DeepSpeed runs, inspected after one optimizer step: (wrapper, inner optimizer, per-state
     dtypes, moment elements on this rank, parameters of the model)."""
-    from dsv3_plugin.config import load_config
+    from dsv3_plugin.config import DSv3Config, load_config
     from dsv3_plugin.training.transforms import build_model
     torch.manual_seed(0)
-    model = build_model(load_config(ds))
+    model = build_model(DSv3Config.from_block(ds["dsv3"]))
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if pp == 1:
         from dsv3_plugin.deepspeed import initialize
@@ -38,7 +38,7 @@ def _live_state(ds, pp=1):
         engine.dsv3.remove()
     else:
         from dsv3_plugin.deepspeed.pipeline import PipelinedEngine
-        from dsv3_plugin.deepspeed.validate import validate_ds_config
+        from dsv3_plugin.deepspeed.run_config import validate_ds_config
         checked = validate_ds_config(copy.deepcopy(ds), target="train", world_size=2)
         pe = PipelinedEngine(model, checked.ds, checked.cfg)
         ids = torch.randint(0, 256, (2 * pe.gas, 16))

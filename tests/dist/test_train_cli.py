@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dsv3_plugin.cli import main
-from dsv3_plugin.config import load_config
+from dsv3_plugin.config import DSv3Config, load_config
 from tolerance import model_bound
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -34,9 +34,10 @@ def _env():
 
 
 def test_example_config_is_the_default():
-    from dsv3_plugin.deepspeed.train import DEFAULT_DS_CONFIG
-    with open(os.path.join(ROOT, "examples", "deepspeed", "ds_config.json")) as f:
-        assert json.load(f) == DEFAULT_DS_CONFIG
+    from dsv3_plugin.deepspeed.run_config import DEFAULT_DS_CONFIG_PATH
+    with open(os.path.join(ROOT, "examples", "deepspeed", "ds_config.json"), "rb") as f, \
+            open(DEFAULT_DS_CONFIG_PATH, "rb") as g:
+        assert f.read() == g.read()  # the user-facing copy of the packaged default
     assert main(["check-config", os.path.join(ROOT, "examples", "deepspeed", "ds_config.json")]) == 0
 
 
@@ -84,7 +85,7 @@ def _reference_first_lm_loss(ck, seq_len, seed, mbs):
 def test_train_cli_spawned_then_resumed_under_torchrun(tmp_path):
     from helpers import make_tiny_hf_checkpoint
     ck = str(tmp_path / "hf")
-    make_tiny_hf_checkpoint(ck, load_config({"preset": "tiny"}), seed=1)
+    make_tiny_hf_checkpoint(ck, DSv3Config.from_block({"preset": "tiny"}), seed=1)
     cfg = _write(tmp_path / "c.json", _ds(moe={"bias_update_speed": 0.01}))
     out = str(tmp_path / "run")
 
@@ -107,7 +108,7 @@ def test_train_cli_spawned_then_resumed_under_torchrun(tmp_path):
     # (both run the loaded model's forward on the same micro-batches; the engine's forward may order its
     # reductions differently, so: what float32 allows through a forward, on the 2 x 2 x 16 tokens)
     ref = _reference_first_lm_loss(ck, 16, 5, 2)
-    bound = float(model_bound(torch.tensor(ref), load_config({"preset": "tiny"}), 2 * 2 * 16, passes=1))
+    bound = float(model_bound(torch.tensor(ref), DSv3Config.from_block({"preset": "tiny"}), 2 * 2 * 16, passes=1))
     assert abs(rows[0]["lm_loss"] - ref) <= bound, (rows[0]["lm_loss"], ref, bound)
     assert rows[0]["gamma"] == 0.01 and rows[-1]["tokens_seen"] == 3 * 2 * 2 * 16
 
@@ -128,13 +129,28 @@ def test_train_cli_spawned_then_resumed_under_torchrun(tmp_path):
 
 def test_terminal_output_is_a_bar_and_a_short_summary(tmp_path):
     """Without --json: stdout is a short human summary (no JSON), stderr the bar; the JSON lines are all in
-    metrics.jsonl, and the summary's MaxVio_global figures are those of the loads in it; routing.png is written."""
+    metrics.jsonl, and the summary's MaxVio_global figures are those of the loads in it; routing.png is written.
+    The config is read once: the launcher opens the file and validates it, the ranks get its RunConfig (counted by
+    tests/call_counter/sitecustomize.py in every process)."""
     from dsv3_plugin.training.run_report import window_maxvio
     cfg = _write(tmp_path / "c.json", _ds(moe={"bias_update_speed": 0.01}))
     out = str(tmp_path / "run")
+    counts = tmp_path / "counts"
+    counts.mkdir()
+    env = _env()
+    env.update(PYTHONPATH=os.path.join(ROOT, "tests", "call_counter") + os.pathsep + env["PYTHONPATH"],
+               DSV3_COUNT_DIR=str(counts), DSV3_COUNT_FILE=cfg)
     p = subprocess.run([sys.executable, "-m", "dsv3_plugin", "train", "--config", cfg, "--nproc", "2", "--steps",
-                        "12", "--out", out], capture_output=True, text=True, env=_env(), timeout=600)
+                        "12", "--out", out], capture_output=True, text=True, env=env, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
+    logs = [f.read_text().split() for f in counts.iterdir()]
+    launcher = [x for x in logs if "start" in x and "validate_ds_config" in x]
+    ranks = [x for x in logs if "init_distributed" in x]
+    assert len(launcher) == 1 and len(ranks) == 2, logs
+    assert [launcher[0].count(f) for f in ("open", "read_ds_json", "validate_ds_config")] == [1, 1, 1]
+    assert sum(x.count("open") for x in logs) == 1  # the file: opened once, by the launcher
+    for x in ranks:  # each rank took the launcher's RunConfig: no reading, no validating
+        assert [x.count(f) for f in ("read_ds_json", "validate_ds_config", "load_config", "from_block")] == [0] * 4
     shown = p.stdout.splitlines()
     assert 3 <= len(shown) <= 10 and not any(x.lstrip().startswith("{") for x in shown), p.stdout
     assert len(p.stdout.splitlines()) + len(p.stderr.splitlines()) <= 40, p.stdout + p.stderr

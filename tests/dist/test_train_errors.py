@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from dsv3_plugin.deepspeed.train import DEFAULT_DS_CONFIG
+from dsv3_plugin.deepspeed.run_config import default_ds_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -21,7 +21,7 @@ def _env():
 
 
 def _config(tmp_path, **dsv3):
-    d = copy.deepcopy(DEFAULT_DS_CONFIG)
+    d = default_ds_config()
     d["dsv3"]["train"]["seq_len"] = 16
     d["dsv3"].update(dsv3)
     path = tmp_path / "c.json"

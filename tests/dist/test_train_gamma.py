@@ -11,10 +11,11 @@ STEPS = 60
 
 
 def _runs():
-    from dsv3_plugin.deepspeed.train import DEFAULT_DS_CONFIG, train
+    from dsv3_plugin.deepspeed.run_config import default_ds_config
+    from dsv3_plugin.deepspeed.train import train
     out = {}
     for gamma in (0.01, 0.0):
-        ds = copy.deepcopy(DEFAULT_DS_CONFIG)
+        ds = default_ds_config()
         ds["dsv3"]["moe"]["bias_update_speed"] = gamma
         ds["dsv3"]["train"]["seq_len"] = 32
         out[gamma] = train(ds, steps=STEPS, progress=False, echo=False, save=False)["history"]

@@ -29,11 +29,11 @@ def _rng_roundtrip(ckdir):
     """Each rank's RNG state comes back from the checkpoint (DeepSpeed saves client_state on rank 0 only)."""
     import torch.distributed as dist
 
-    from dsv3_plugin.config import load_config
+    from dsv3_plugin.config import DSv3Config, load_config
     from dsv3_plugin.deepspeed import initialize
     from dsv3_plugin.training.transforms import build_model
     rank = dist.get_rank()
-    engine, *_ = initialize(build_model(load_config(DS)), copy.deepcopy(DS))
+    engine, *_ = initialize(build_model(DSv3Config.from_block(DS["dsv3"])), copy.deepcopy(DS))
     torch.manual_seed(100 + rank)
     engine.save_checkpoint(ckdir, tag="rng")
     expected = torch.rand(4).tolist()

@@ -170,11 +170,12 @@ def test_resume_refuses_a_checkpoint_of_another_config(runs, tmp_path):
     )
     # training knobs may change: a different γ resumes (pre-check passes; the run itself is not started here)
     from dsv3_plugin.training.checkpoint_tags import resume_source
-    from dsv3_plugin.deepspeed.train import _prepare
+    from dsv3_plugin.deepspeed.train import TrainRequest, prepare_run
 
     knob = copy.deepcopy(DS)
     knob["dsv3"]["moe"]["bias_update_speed"] = 0.001
-    assert resume_source(f"{tmp}/half", _prepare(knob, 10, None)[1])[1] == "step5"
+    knob_cfg = prepare_run(TrainRequest(config=knob, steps=10), None, open_files=False)[0].cfg
+    assert resume_source(f"{tmp}/half", knob_cfg)[1] == "step5"
 
 
 def test_resume_refuses_another_number_of_ranks(runs, tmp_path):

@@ -30,7 +30,7 @@ def _train(chunked: bool, ds: dict) -> dict:
 
     from dsv3_plugin.deepspeed import initialize
     from dsv3_plugin.deepspeed.moe_layer import prepare_model
-    from dsv3_plugin.deepspeed.validate import validate_ds_config
+    from dsv3_plugin.deepspeed.run_config import validate_ds_config
     from dsv3_plugin.training.transforms import build_model
     from dsv3_plugin_patches import deepspeed_zero1_chunked_step as patch
 
@@ -115,7 +115,7 @@ def test_chunked_step_not_applied_says_why():
 
 def _pipelined(chunked: bool) -> dict:
     """3 steps of `dsv3 train`'s pipelined engine (pp = 2, DualPipeV, torch AdamW, clipping 1.0) on MarkovData."""
-    from dsv3_plugin.config import load_config
+    from dsv3_plugin.config import DSv3Config, load_config
     from dsv3_plugin.data.synthetic import MarkovData
     from dsv3_plugin.deepspeed.pipeline import PipelinedEngine
     from dsv3_plugin.training.transforms import build_model
@@ -127,7 +127,7 @@ def _pipelined(chunked: bool) -> dict:
     ds["dsv3"]["model"] = {"num_hidden_layers": 4}
     ds["dsv3"]["parallel"] = {"pp": 2, "schedule": "dualpipev"}
     ds["dsv3"]["memory"] = {"chunked_step": chunked}
-    cfg = load_config(ds)
+    cfg = DSv3Config.from_block(ds["dsv3"])
     torch.manual_seed(cfg.train.seed)
     err = io.StringIO()
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):

@@ -36,7 +36,7 @@ def _train(flat: bool, ds: dict, norm: str = "fp64", inf_step: int | None = None
 
     from dsv3_plugin.deepspeed import initialize
     from dsv3_plugin.deepspeed.moe_layer import prepare_model
-    from dsv3_plugin.deepspeed.validate import validate_ds_config
+    from dsv3_plugin.deepspeed.run_config import validate_ds_config
     from dsv3_plugin.training.transforms import build_model
 
     ds = copy.deepcopy(ds)

@@ -71,7 +71,7 @@ def _worker(split: bool = False, fp8: bool = False):
     from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
     from tolerance import check_within, model_bound
 
-    from dsv3_plugin.config import load_config
+    from dsv3_plugin.config import DSv3Config
     from dsv3_plugin.megatron.dualpipev import (
         DualPipeVLayout,
         embedding_ranks,
@@ -85,7 +85,7 @@ def _worker(split: bool = False, fp8: bool = False):
     from dsv3_plugin_patches.megatron_cpu import _CudaLiteralsOnCPU
 
     block = {**DSV3, "parallel": {"pp": P, "schedule": "dualpipev", "split_weight_grads": True}} if split else DSV3
-    cfg = load_config(block)
+    cfg = DSv3Config.from_block(block)
     from dsv3_plugin.config import FP8Config
     from dsv3_plugin.megatron.fp8 import convert_chunk_to_fp8
 
@@ -97,7 +97,7 @@ def _worker(split: bool = False, fp8: bool = False):
         # -- reference: the whole model, no pipeline, micro-batch by micro-batch
         _mp_init(1)
         torch.manual_seed(0)
-        ref = build_gpt_model(DSV3)
+        ref = build_gpt_model(DSv3Config.from_block(DSV3))
         if fp8:
             convert_chunk_to_fp8(ref, FP8_CFG)
         MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1) / C)
@@ -119,7 +119,7 @@ def _worker(split: bool = False, fp8: bool = False):
         for vp in range(2):
             pre, post = stage_ends(r, vp, P)
             m = build_gpt_model(
-                block,
+                cfg,
                 pre_process=pre,
                 post_process=post,
                 vp_stage=vp,
@@ -271,7 +271,7 @@ def _worker_dualpipe():
     from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
     from tolerance import check_within, model_bound
 
-    from dsv3_plugin.config import load_config
+    from dsv3_plugin.config import DSv3Config
     from dsv3_plugin.megatron.dualpipev import (
         DualPipeVLayout,
         embedding_ranks,
@@ -285,7 +285,7 @@ def _worker_dualpipe():
     from dsv3_plugin_patches import megatron_cpu, megatron_dualpipe
     from dsv3_plugin_patches.megatron_cpu import _CudaLiteralsOnCPU
 
-    cfg = load_config(DSV3)
+    cfg = DSv3Config.from_block(DSV3)
     data = _data()
     megatron_cpu.apply()
     rep = {}
@@ -302,7 +302,7 @@ def _worker_dualpipe():
     with _CudaLiteralsOnCPU(), megatron_dualpipe.dualpipe_schedule("dualpipe"):
         _mp_init(1)
         torch.manual_seed(0)
-        ref = build_gpt_model(DSV3)
+        ref = build_gpt_model(cfg)
         MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1) / C)
         MTPLossAutoScaler.set_loss_scale(torch.ones(1) / C)
         ref_sums = []
@@ -322,7 +322,7 @@ def _worker_dualpipe():
         for vp in range(2):
             pre, post = stage_ends(r, vp, P, schedule="dualpipe")
             m = build_gpt_model(
-                DSV3,
+                cfg,
                 pre_process=pre,
                 post_process=post,
                 vp_stage=vp,

@@ -411,10 +411,10 @@ def test_weight_source_errors(data, tmp_path):
 def test_tokenizer_larger_than_the_model_is_refused():
     from types import SimpleNamespace
 
-    from dsv3_plugin.config import ConfigError, load_config
+    from dsv3_plugin.config import ConfigError, DSv3Config
     from dsv3_plugin.megatron.finetune import model_vocab_size
 
-    cfg = load_config({"preset": "tiny", "model": {"vocab_size": 1088}})
+    cfg = DSv3Config.from_block({"preset": "tiny", "model": {"vocab_size": 1088}})
     a = SimpleNamespace(dsv3_init_from="REL", tokenizer_type="HuggingFaceTokenizer", tokenizer_model="TOK")
     assert model_vocab_size(a, cfg, 1024, "ds.json") == 1088  # smaller tokenizer: the release's rows
     with pytest.raises(ConfigError, match=r"^--tokenizer-model TOK: .* 1100 entries but --dsv3-init-from REL has 1088"):

@@ -54,7 +54,7 @@ FP8_BLOCK = {"enabled": True, "dispatch": True}
 def _chunk_worker():
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    from dsv3_plugin.config import load_config
+    from dsv3_plugin.config import DSv3Config
     from dsv3_plugin.megatron.fp8 import MegatronLinearSeam, convert_chunk_to_fp8, fp8_summary
     from dsv3_plugin.megatron.gpt import build_gpt_model, causal_inputs
     from dsv3_plugin.megatron.runtime import init_megatron, shutdown_megatron
@@ -65,7 +65,7 @@ def _chunk_worker():
     from dsv3_plugin.precision.fp8.quant import fp8_dispatch_qdq
 
     init_megatron()
-    cfg = load_config({"preset": "tiny", "fp8": FP8_BLOCK})  # 3 layers (1 dense, 2 MoE) + MTP depth 1
+    cfg = DSv3Config.from_block({"preset": "tiny", "fp8": FP8_BLOCK})  # 3 layers (1 dense, 2 MoE) + MTP depth 1
     model = build_gpt_model(cfg)
     before = {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
     params_before = {n: p for n, p in model.named_parameters()}
@@ -185,7 +185,7 @@ def _ep_worker():
     payload (`fp8.dispatch`). The expert inputs already carry its numerics (pow2 1x128 quantize-dequantize in the
     FP8 expert kernel), and re-quantizing with power-of-2 scales is exact: the losses equal those of the same chunk
     sending the rows as they are, bit for bit, while the bytes that cross ranks shrink."""
-    from dsv3_plugin.config import load_config
+    from dsv3_plugin.config import DSv3Config
     from dsv3_plugin.megatron.fp8 import convert_chunk_to_fp8
     from dsv3_plugin.megatron.gpt import build_gpt_model, causal_inputs
     from dsv3_plugin.megatron.runtime import init_megatron, shutdown_megatron
@@ -193,7 +193,7 @@ def _ep_worker():
     from dsv3_plugin.parallel.expert_parallel import ExpertParallelMoE
 
     init_megatron(ep=2)
-    cfg = load_config({"preset": "tiny", "fp8": FP8_BLOCK})
+    cfg = DSv3Config.from_block({"preset": "tiny", "fp8": FP8_BLOCK})
     model = build_gpt_model(cfg)
     convert_chunk_to_fp8(model, cfg.fp8)
     moes = [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
@@ -240,17 +240,17 @@ def _train_worker(block: dict, fp8: bool, steps: int = STEPS, lr: float = LR, mb
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from dsv3_plugin.config import load_config
+    from dsv3_plugin.config import DSv3Config
     from dsv3_plugin.megatron.fp8 import convert_chunk_to_fp8
     from dsv3_plugin.megatron.gpt import build_gpt_model, causal_inputs
     from dsv3_plugin.megatron.runtime import init_megatron, shutdown_megatron, wrap_ddp
 
     init_megatron(seed=1234)
-    cfg = load_config(block)
+    cfg = DSv3Config.from_block(block)
     torch.manual_seed(1234)
     model = build_gpt_model(cfg)  # the same initial weights on both runs (same seeds)
     if fp8:
-        convert_chunk_to_fp8(model, load_config({**block, "fp8": FP8_BLOCK}).fp8)
+        convert_chunk_to_fp8(model, DSv3Config.from_block({**block, "fp8": FP8_BLOCK}).fp8)
     ddp = wrap_ddp(model)
     opt = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.0, clip_grad=1.0, use_distributed_optimizer=False),
@@ -592,7 +592,7 @@ def test_fp8_loss_curve_equals_the_deepspeed_paths(entry, tmp_path):
     same batches (Megatron's), the same optimizer, 4 iterations."""
     from tolerance import assert_within, model_bound
 
-    from dsv3_plugin.config import load_config
+    from dsv3_plugin.config import DSv3Config
 
     rec, rows = entry["rec"], entry["rows"]
     assert [r["iteration"] for r in rows] == list(range(1, A_ITERS + 1))
@@ -600,7 +600,7 @@ def test_fp8_loss_curve_equals_the_deepspeed_paths(entry, tmp_path):
     assert all(bool((m == 1).all()) for _, _, m in rec["batches"])  # every token in the loss on both sides
     torch.save({"batches": rec["batches"]}, tmp_path / "batches.pt")
     (ds,) = run_ranks(_ds_fp8_curve, 1, entry["rel"], str(tmp_path / "batches.pt"), timeout_s=600)
-    cfg = load_config(_entry_block())
+    cfg = DSv3Config.from_block(_entry_block())
     tokens = A_MBS * A_SEQ
     step_sum = 0.0  # sum over the steps taken so far of max |Adam update| / lr
     for i, (row, d) in enumerate(zip(rows, ds), start=1):

@@ -230,17 +230,17 @@ def _parse(args_list, world_size, on_cpu=True):
 def test_the_flags_a_block_sets_derive_the_same_block(preset, monkeypatch):
     """`dsv3_arg_values` (block -> flags) read back by `block_from_args` (flags -> block) gives the model it came
     from: one table, both directions."""
-    from dsv3_plugin.config import load_config
+    from dsv3_plugin.config import DSv3Config
     from dsv3_plugin.megatron.flags import block_from_args, dsv3_arg_values
 
-    cfg = load_config({"preset": preset})
+    cfg = DSv3Config.from_block({"preset": preset})
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cfg.moe.ranks_per_node))  # a node: the ranks started per host
     ns = argparse.Namespace(seq_length=cfg.model.max_position_embeddings, expert_model_parallel_size=1)
     ns.pipeline_model_parallel_size = 1
     for dest, _, value in dsv3_arg_values(cfg):
         setattr(ns, dest, value)
     block, _ = block_from_args(ns, argparse.ArgumentParser(), cfg.model.vocab_size)
-    back = load_config(block)
+    back = DSv3Config.from_block(block)
     _same_keys(back.model, cfg.model, "model")
     _same_keys(back.moe, cfg.moe, "moe")
     assert back.mtp.depth == cfg.mtp.depth and back.mtp.loss_weight == cfg.mtp.lam(0.0)
@@ -266,11 +266,11 @@ def test_megatron_lms_deepseek_v3_flags_describe_deepseek_v3(data):
     """The script at full size (as on its GPU cluster: on_cpu=False, 64 ranks) derives DeepSeek-V3's architecture:
     every model and MoE key equals the `v3-671b` preset's, except what the script itself sets otherwise
     (4096 positions, init std 0.02, λ = 0.1) and the vocabulary (this tokenizer's, padded as Megatron pads)."""
-    from dsv3_plugin.config import load_config
+    from dsv3_plugin.config import DSv3Config
 
     args, notes = _parse(argv(SCRIPT, data["paths"]), world_size=64, on_cpu=False)
     assert args.dsv3_config is None
-    got, want = load_config(args.dsv3_block), load_config({"preset": "v3-671b"})
+    got, want = DSv3Config.from_block(args.dsv3_block), DSv3Config.from_block({"preset": "v3-671b"})
     gm, wm = got.model.model_dump(), want.model.model_dump()
     assert gm.pop("vocab_size") == 3232 and gm.pop("max_position_embeddings") == 4096
     assert gm.pop("initializer_range") == 0.02
@@ -390,7 +390,7 @@ def test_force_load_balancing_routes_on_random_logits_with_a_straight_through_gr
 
     from megatron.core import tensor_parallel
 
-    from dsv3_plugin.config import load_config
+    from dsv3_plugin.config import DSv3Config
     from dsv3_plugin.megatron.moe import MegatronRouter
 
     class Tracker:  # the expert-parallel RNG stream, as Megatron's tracker forks it
@@ -398,7 +398,7 @@ def test_force_load_balancing_routes_on_random_logits_with_a_straight_through_gr
             return contextlib.nullcontext()
 
     monkeypatch.setattr(tensor_parallel, "get_cuda_rng_tracker", lambda: Tracker())
-    cfg = load_config({"preset": "tiny"}).moe
+    cfg = DSv3Config.from_block({"preset": "tiny"}).moe
     routers = []
     for seed in (1, 2):
         torch.manual_seed(seed)
@@ -429,12 +429,12 @@ def test_every_megatron_moe_flag_has_a_rule():
     the block (`dsv3_arg_values`), mapped to what runs instead, or refused (`MEGATRON_MOE_FLAGS`)."""
     from megatron.training import arguments as margs
 
-    from dsv3_plugin.config import load_config
+    from dsv3_plugin.config import DSv3Config
     from dsv3_plugin.megatron.flags import MEGATRON_MOE_FLAGS, dsv3_arg_values
 
     parser = margs.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
     moe = {a.dest for a in parser._actions if a.dest.startswith("moe_")}
-    table = {dest for dest, _, _ in dsv3_arg_values(load_config({"preset": "tiny"}))}
+    table = {dest for dest, _, _ in dsv3_arg_values(DSv3Config.from_block({"preset": "tiny"}))}
     assert sorted(moe - table - set(MEGATRON_MOE_FLAGS)) == []
     # and docs/megatron.md's table lists each of them
     doc = open(os.path.join(ROOT, "docs", "megatron.md")).read()

@@ -169,9 +169,11 @@ def test_the_w_split_with_dualpipe_and_where_it_is_refused(tmp_path):
     # flag/block contradiction check catch the usual ways there, so the schedule choice is called directly)
     from types import SimpleNamespace
 
-    from dsv3_plugin.config import load_config
+    from dsv3_plugin.config import DSv3Config
     from dsv3_plugin.megatron.schedule_args import resolve_pipeline_schedule
 
     ns = SimpleNamespace(pipeline_model_parallel_size=1, dsv3_pipeline_schedule=None)
     with pytest.raises(ConfigError, match=r"ds\.json dsv3\.parallel\.split_weight_grads = true: with Megatron"):
-        resolve_pipeline_schedule(ns, None, set(), load_config({"preset": "tiny", "parallel": split}), "ds.json")
+        resolve_pipeline_schedule(
+            ns, None, set(), DSv3Config.from_block({"preset": "tiny", "parallel": split}), "ds.json"
+        )

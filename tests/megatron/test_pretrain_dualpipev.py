@@ -149,10 +149,10 @@ def test_the_v_layout_is_what_runs(runs):
 def test_losses_equal_the_pp1_run(runs):
     from tolerance import assert_within, model_bound
 
-    from dsv3_plugin.config import load_config
+    from dsv3_plugin.config import DSv3Config
 
     ref = {r["iteration"]: r for r in runs["pp1"]["metrics"]}
-    cfg = load_config({**DSV3, "model": {**DSV3["model"], "vocab_size": _padded_vocab(runs["pp1"]["log"])}})
+    cfg = DSv3Config.from_block({**DSV3, "model": {**DSV3["model"], "vocab_size": _padded_vocab(runs["pp1"]["log"])}})
     for k in ("dualpipev", "1f1b", "dualpipe"):
         first, *rest = runs[k]["metrics"]
         r0 = ref[first["iteration"]]
@@ -193,12 +193,12 @@ def test_a_checkpoint_saved_by_the_v_resumes_at_pp1(runs, v_to_pp1):
     stored twice): loaded at PP = 1 its iteration-10 weights train iteration 11 like the PP = 1 run's own."""
     from tolerance import assert_within, model_bound
 
-    from dsv3_plugin.config import load_config
+    from dsv3_plugin.config import DSv3Config
 
     assert [r["iteration"] for r in v_to_pp1["metrics"]] == [11]
     assert "at iteration 10" in v_to_pp1["log"]
     got, want = v_to_pp1["metrics"][0], runs["pp1"]["metrics"][10]
-    cfg = load_config({**DSV3, "model": {**DSV3["model"], "vocab_size": _padded_vocab(runs["pp1"]["log"])}})
+    cfg = DSv3Config.from_block({**DSV3, "model": {**DSV3["model"], "vocab_size": _padded_vocab(runs["pp1"]["log"])}})
     for key in ("lm_loss", "mtp_1_loss"):
         # weights of iteration 10 in the V vs at PP = 1: the reorderings of iterations 6..10 (as above), + this forward
         assert_within(

@@ -72,9 +72,9 @@ def test_ten_iterations_and_the_loss_falls(runs):
 
 
 def test_router_bias_stepped_by_finalize_model_grads(runs):
-    from dsv3_plugin.config import load_config
+    from dsv3_plugin.config import DSv3Config
 
-    cfg = load_config({"preset": "tiny"})
+    cfg = DSv3Config.from_block({"preset": "tiny"})
     gamma, E = cfg.moe.bias_update_speed, cfg.moe.n_routed_experts
     s = runs["straight"]
     R = s[0]["routers"]

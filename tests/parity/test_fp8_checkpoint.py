@@ -16,7 +16,7 @@ from tolerance import LOGITS_FP32_ABS, assert_within
 from dsv3_plugin import load_pretrained
 from dsv3_plugin.checkpoint.reader import CheckpointReader
 from dsv3_plugin.checkpoint.synthetic import quantize_checkpoint
-from dsv3_plugin.config import load_config
+from dsv3_plugin.config import DSv3Config
 
 CASES = {
     "tiny_block128": ({}, (128, 128)),  # hidden 64: one ragged block
@@ -43,7 +43,7 @@ def _fp8_and_reference(tmp_path, cfg, block):
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_fp8_logits_match_transformers_on_dequantized_weights(tmp_path, name):
     over, block = CASES[name]
-    cfg = load_config({"preset": "tiny", **over})
+    cfg = DSv3Config.from_block({"preset": "tiny", **over})
     fp8, deq, hf = _fp8_and_reference(tmp_path, cfg, block)
     ours = load_pretrained(fp8).eval()
     # the weights really were FP8 (quantization changed them) and were loaded dequantized

@@ -6,7 +6,7 @@ from helpers import make_tiny_hf_checkpoint
 from tolerance import LOGITS_FP32_ABS, assert_within
 
 from dsv3_plugin import load_pretrained
-from dsv3_plugin.config import load_config
+from dsv3_plugin.config import DSv3Config
 
 CASES = {
     "tiny": {},
@@ -23,7 +23,7 @@ CASES = {
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_logits_match_transformers(tmp_path, name):
-    cfg = load_config({"preset": "tiny", **CASES[name]})
+    cfg = DSv3Config.from_block({"preset": "tiny", **CASES[name]})
     hf = make_tiny_hf_checkpoint(tmp_path, cfg, seed=3, bias_scale=0.1, shard_bytes=40_000 if name == "tiny" else None)
     ours = load_pretrained(tmp_path).eval()
     assert torch.count_nonzero(ours.layers[-1].mlp.gate.e_score_correction_bias) > 0
@@ -37,6 +37,6 @@ def test_logits_match_transformers(tmp_path, name):
 
 
 def test_sharded_checkpoint_really_sharded(tmp_path):
-    cfg = load_config({"preset": "tiny"})
+    cfg = DSv3Config.from_block({"preset": "tiny"})
     make_tiny_hf_checkpoint(tmp_path, cfg, shard_bytes=40_000)
     assert len(list(tmp_path.glob("model-*.safetensors"))) > 2

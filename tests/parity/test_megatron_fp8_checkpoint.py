@@ -57,7 +57,7 @@ def _make(cfg):
 
 
 def _worker(root, names):
-    from dsv3_plugin.config import load_config
+    from dsv3_plugin.config import DSv3Config
     from dsv3_plugin.megatron.gpt import build_gpt_model, forward_logits
     from dsv3_plugin.megatron.runtime import init_megatron, shutdown_megatron
     from dsv3_plugin.megatron.spec import MCORE_VERSION, mtp_inner_layer_name
@@ -66,7 +66,7 @@ def _worker(root, names):
     init_megatron()
     out = {"version": MCORE_VERSION}
     for name in names:
-        cfg = load_config({"preset": "tiny", **CASES[name][0]})
+        cfg = DSv3Config.from_block({"preset": "tiny", **CASES[name][0]})
         model = build_gpt_model(cfg).eval()
         load_hf_checkpoint(model, os.path.join(root, name, "fp8"))
         ids = torch.randint(0, cfg.model.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -93,12 +93,12 @@ def _worker(root, names):
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     from dsv3_plugin.checkpoint.synthetic import write_released_checkpoint
-    from dsv3_plugin.config import load_config
+    from dsv3_plugin.config import DSv3Config
 
     root = tmp_path_factory.mktemp("mega_fp8")
     refs = {}
     for name, (over, block, shard) in CASES.items():
-        cfg = load_config({"preset": "tiny", **over})
+        cfg = DSv3Config.from_block({"preset": "tiny", **over})
         d = os.path.join(root, name)
         make = _make(cfg)
         write_released_checkpoint(

@@ -30,7 +30,7 @@ def _worker(root):
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     from dsv3_plugin import load_pretrained
-    from dsv3_plugin.config import load_config
+    from dsv3_plugin.config import DSv3Config
     from dsv3_plugin.megatron.gpt import build_gpt_model, forward_logits, select_builder
     from dsv3_plugin.megatron.runtime import init_megatron, shutdown_megatron
     from dsv3_plugin.megatron.weights import load_hf_checkpoint
@@ -39,7 +39,7 @@ def _worker(root):
     out = {}
     for name, over in CASES.items():
         d = os.path.join(root, name)
-        cfg = load_config({"preset": "tiny", **over})
+        cfg = DSv3Config.from_block({"preset": "tiny", **over})
         hf = make_tiny_hf_checkpoint(d, cfg, seed=3, bias_scale=0.1, shard_bytes=40_000 if name == "tiny" else None)
         model = build_gpt_model(cfg).eval()
         load_hf_checkpoint(model, d)
@@ -83,7 +83,7 @@ def _worker(root):
     # gradients unchanged.
     from dsv3_plugin.megatron.gpt import causal_inputs
 
-    cfg = load_config({"preset": "tiny"})
+    cfg = DSv3Config.from_block({"preset": "tiny"})
     ids = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(2))
     pos, mask = causal_inputs(ids)
     runs = []
@@ -139,7 +139,7 @@ def _worker(root):
     from dsv3_plugin.errors import CheckpointError
 
     errors = {}
-    dense_model = build_gpt_model(load_config({"preset": "tiny", **CASES["dense_only_no_mtp"]}))
+    dense_model = build_gpt_model(DSv3Config.from_block({"preset": "tiny", **CASES["dense_only_no_mtp"]}))
     try:
         load_hf_checkpoint(dense_model, os.path.join(root, "tiny"))
     except CheckpointError as e:
@@ -191,9 +191,9 @@ def test_activation_recompute_counts_loads_once(results):
     assert r["counts"] == [0.0, 0.0, 0.0]
     # Reordered: the recomputed layers' backward runs inside each checkpoint's own backward, so gradient
     # contributions meet in another order; forward and backward through the whole model (passes=2).
-    from dsv3_plugin.config import load_config
+    from dsv3_plugin.config import DSv3Config
 
-    cfg = load_config({"preset": "tiny"})
+    cfg = DSv3Config.from_block({"preset": "tiny"})
     for n, (got, ref) in r["grads"].items():
         assert_within(got, ref, model_bound(ref, cfg, r["tokens_total"]), f"{n}.grad, full recompute vs none")
 

@@ -6,11 +6,11 @@ from helpers import make_tiny_hf_checkpoint, mtp_reference_logits, read_stored_t
 from tolerance import LOGITS_FP32_ABS, assert_within, model_bound
 
 from dsv3_plugin import load_pretrained
-from dsv3_plugin.config import load_config
+from dsv3_plugin.config import DSv3Config
 
 
 def test_mtp_logits_match_formula(tmp_path):
-    cfg = load_config({"preset": "tiny"})
+    cfg = DSv3Config.from_block({"preset": "tiny"})
     hf = make_tiny_hf_checkpoint(tmp_path, cfg, seed=5, bias_scale=0.1)
     ours = load_pretrained(tmp_path).eval()
     T = 20

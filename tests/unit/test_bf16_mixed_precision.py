@@ -4,10 +4,10 @@
 import pytest
 import torch
 
-from dsv3_plugin.config import ConfigError
+from dsv3_plugin.config import ConfigError, DSv3Config
 from dsv3_plugin.deepspeed import split_ds_config
 from dsv3_plugin.deepspeed.engine import check_fp32_router_state, mixed_precision_dtype, prepare_mixed_precision
-from dsv3_plugin.deepspeed.validate import validate_ds_config
+from dsv3_plugin.deepspeed.run_config import validate_ds_config
 from dsv3_plugin.training.transforms import build_model
 
 
@@ -31,11 +31,11 @@ def test_mixed_precision_dtype_follows_the_enabled_section():
 def test_prepare_lets_router_weights_follow_the_model_dtype_and_keeps_the_bias_fp32():
     """Without bf16 nothing changes (the router weight stays FP32 under .to(bf16), as before); with it the weight
     becomes a BF16 compute copy (one dtype for ZeRO's flat buffers) while bias and counts stay FP32."""
-    model = build_model({"preset": "tiny"})
+    model = build_model(DSv3Config.from_block({"preset": "tiny"}))
     prepare_mixed_precision(model, _ds())
     model.to(torch.bfloat16)
     assert {m.gate.weight.dtype for m in model.moe_layers()} == {torch.float32}
-    model = build_model({"preset": "tiny"})
+    model = build_model(DSv3Config.from_block({"preset": "tiny"}))
     prepare_mixed_precision(model, _ds(bf16={"enabled": True}))
     model.to(torch.bfloat16)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
@@ -54,7 +54,7 @@ def test_a_cast_of_the_model_keeps_the_router_state_exact():
     """A loaded bias (released checkpoints carry non-zero FP32 biases) must survive the engine's BF16 cast
     bit for bit, not come back as a BF16-rounded FP32 (1.001 -> 1.0); the same for the kept FP32 weight."""
     for bf16_section in (False, True):
-        model = build_model({"preset": "tiny"})
+        model = build_model(DSv3Config.from_block({"preset": "tiny"}))
         g = torch.Generator().manual_seed(0)
         for moe in model.moe_layers():
             moe.gate.e_score_correction_bias.copy_(
@@ -74,7 +74,7 @@ def test_a_cast_of_the_model_keeps_the_router_state_exact():
 
 
 def test_gating_math_stays_fp32_with_a_bf16_router_weight():
-    model = build_model({"preset": "tiny"})
+    model = build_model(DSv3Config.from_block({"preset": "tiny"}))
     prepare_mixed_precision(model, _ds(bf16={"enabled": True}))
     model.to(torch.bfloat16)
     gate = model.moe_layers()[0].gate
@@ -108,10 +108,10 @@ def test_fp32_gradient_accumulation_is_refused_with_pipeline_parallelism():
 def test_memory_bound_counts_bf16_weights_gradients_and_activations_at_2_bytes():
     """The host-memory check is a lower bound: under bf16 the module's weights, gradients and activations are
     2-byte; the FP32 master and moments (optimizer term) and the FP32 build are unchanged."""
-    from dsv3_plugin.config import load_config
+    from dsv3_plugin.config import DSv3Config
     from dsv3_plugin.deepspeed.validate import check_memory
 
-    cfg = load_config({"dsv3": {"preset": "tiny"}})
+    cfg = DSv3Config.from_block({"preset": "tiny"})
     fp32 = check_memory(cfg, _ds(), 1, 1, 2**62).parts
     bf16 = check_memory(cfg, _ds(bf16={"enabled": True}), 1, 1, 2**62).parts
     assert bf16["weights"] * 2 == fp32["weights"] and bf16["gradients"] * 2 == fp32["gradients"]

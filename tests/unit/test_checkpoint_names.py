@@ -17,7 +17,7 @@ from dsv3_plugin.checkpoint.names import (
     released_shapes,
     released_to_native,
 )
-from dsv3_plugin.config import load_config
+from dsv3_plugin.config import DSv3Config
 from dsv3_plugin.errors import CheckpointError
 from dsv3_plugin.model import DSv3Model
 
@@ -35,7 +35,7 @@ CASES = {
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_released_native_round_trip_covers_the_model(name):
-    cfg = load_config({"preset": "tiny", **CASES[name]})
+    cfg = DSv3Config.from_block({"preset": "tiny", **CASES[name]})
     hf = cfg.to_hf()
     L = cfg.model.num_hidden_layers
     req, opt = released_names(hf)
@@ -68,7 +68,7 @@ def test_released_native_round_trip_covers_the_model(name):
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_released_file_round_trip(name):
     """released -> converted-file name (+ fused part) -> back to the same row and index."""
-    hf = load_config({"preset": "tiny", **CASES[name]}).to_hf()
+    hf = DSv3Config.from_block({"preset": "tiny", **CASES[name]}).to_hf()
     L = hf["num_hidden_layers"]
     seen = {}
     for n in released_shapes(hf):
@@ -136,7 +136,7 @@ def test_tied_embeddings_checkpoint_loads(tmp_path):
     from dsv3_plugin import load_pretrained
     from dsv3_plugin.checkpoint.synthetic import write_released_checkpoint
 
-    cfg = load_config({"preset": "tiny", "model": {"tie_word_embeddings": True}})
+    cfg = DSv3Config.from_block({"preset": "tiny", "model": {"tie_word_embeddings": True}})
     L = cfg.model.num_hidden_layers
 
     def make(name, shape):  # the MTP copies of the embedding/head get the main tensor's values

@@ -15,12 +15,12 @@ from dsv3_plugin.checkpoint.reader import (
     read_safetensors_header,
 )
 from dsv3_plugin.checkpoint.synthetic import quantize_fp8_blockwise, write_released_checkpoint
-from dsv3_plugin.config import load_config
+from dsv3_plugin.config import DSv3Config
 from dsv3_plugin.errors import CheckpointError
 
 
 def tiny_hf_cfg(**over):
-    cfg = load_config({"preset": "tiny"}).to_hf()
+    cfg = DSv3Config.from_block({"preset": "tiny"}).to_hf()
     cfg.update(over)
     return cfg
 

@@ -71,7 +71,7 @@ INVALID = [
 @pytest.mark.parametrize("block,key", INVALID, ids=[k for _, k in INVALID])
 def test_invalid_config_names_the_key(block, key):
     with pytest.raises(ConfigError) as e:
-        load_config({"dsv3": block})
+        DSv3Config.from_block(block)
     msg = str(e.value)
     assert msg.startswith(key + ":"), msg
     assert isinstance(e.value, ValueError)
@@ -83,11 +83,11 @@ def test_at_least_30_invalid_cases():
 
 def test_example_message_format():
     with pytest.raises(ConfigError, match=r"^dsv3\.moe\.top_k: must be <= n_routed_experts \(got 17 > 16\)$"):
-        load_config({"moe": {"top_k": 17}})
+        DSv3Config.from_block({"moe": {"top_k": 17}})
 
 
 def test_v3_preset_matches_released_config():
-    c = load_config({"preset": "v3-671b"})
+    c = DSv3Config.from_block({"preset": "v3-671b"})
     hf = c.to_hf()
     released = {
         "vocab_size": 129280,
@@ -129,7 +129,7 @@ def test_v3_preset_matches_released_config():
 
 
 def test_from_hf_round_trip_and_missing_aux_alpha():
-    c = load_config({"preset": "v3-671b"})
+    c = DSv3Config.from_block({"preset": "v3-671b"})
     hf = c.to_hf()
     hf.pop("aux_loss_alpha")
     hf.pop("seq_aux")

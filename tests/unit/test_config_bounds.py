@@ -11,7 +11,7 @@ import json
 import pytest
 
 from dsv3_plugin.cli import main
-from dsv3_plugin.config import PRESETS, ConfigError, DSv3Config, load_config
+from dsv3_plugin.config import PRESETS, ConfigError, DSv3Config
 
 # deepseek-ai/DeepSeek-V3's config.json as released (its model-shaping keys; shared/reference deepseek_v3_facts §1.8)
 V3_RELEASED = {
@@ -92,10 +92,11 @@ def _released_loads() -> None:
     for name, change in RELATIVES.items():
         assert DSv3Config.from_hf({**V3_RELEASED, **change}).model.hidden_size > 0, name
     for preset in PRESETS:
-        assert load_config({"preset": preset}).preset == preset
+        assert DSv3Config.from_block({"preset": preset}).preset == preset
     # and what `to_hf` writes comes back
     assert (
-        DSv3Config.from_hf(load_config({"preset": "v3-671b"}).to_hf()).model == load_config({"preset": "v3-671b"}).model
+        DSv3Config.from_hf(DSv3Config.from_block({"preset": "v3-671b"}).to_hf()).model
+        == DSv3Config.from_block({"preset": "v3-671b"}).model
     )
 
 
@@ -157,20 +158,22 @@ def _block(key: str, value) -> dict:
 @pytest.mark.parametrize("key,value", BAD_DSV3, ids=[f"{k}={v!r}" for k, v in BAD_DSV3])
 def test_a_value_out_of_range_is_refused_naming_its_key(key, value):
     with pytest.raises(ConfigError, match="^dsv3." + key.replace(".", r"\.") + ": must be "):
-        load_config(_block(key, value))
+        DSv3Config.from_block(_block(key, value))
 
 
 def test_schedules_and_yarn_ramp_and_data_weights_are_bounded_too():
     with pytest.raises(ConfigError, match=r"^dsv3\.moe\.bias_update_schedule\.1\.value: must be <= 1, the bound of γ"):
-        load_config({"moe": {"bias_update_schedule": [{"until_tokens": 10, "value": 0.001}, {"value": 3.0}]}})
+        DSv3Config.from_block({"moe": {"bias_update_schedule": [{"until_tokens": 10, "value": 0.001}, {"value": 3.0}]}})
     with pytest.raises(ConfigError, match=r"^dsv3\.mtp\.loss_weight_schedule\.0\.value: must be <= 10, the bound of λ"):
-        load_config({"mtp": {"loss_weight_schedule": [{"value": 1e30}]}})
+        DSv3Config.from_block({"mtp": {"loss_weight_schedule": [{"value": 1e30}]}})
     with pytest.raises(ConfigError, match=r"^dsv3\.mtp\.loss_weight_schedule\.0\.until_tokens: must be <= 1e\+18"):
-        load_config({"mtp": {"loss_weight_schedule": [{"until_tokens": 1e300, "value": 0.3}, {"value": 0.1}]}})
+        DSv3Config.from_block(
+            {"mtp": {"loss_weight_schedule": [{"until_tokens": 1e300, "value": 0.3}, {"value": 0.1}]}}
+        )
     with pytest.raises(ConfigError, match=r"^dsv3\.model\.rope_scaling\.beta_slow: must be <= beta_fast \(got 64 > 32"):
-        load_config({"model": {"rope_scaling": {"beta_slow": 64}}})
+        DSv3Config.from_block({"model": {"rope_scaling": {"beta_slow": 64}}})
     with pytest.raises(ConfigError, match=r"^dsv3\.train\.data\.train\.1: the weight must be > 0 and <= 1e18"):
-        load_config({"train": {"data": {"train": [[1.0, "a"], [1e300, "b"]]}}})
+        DSv3Config.from_block({"train": {"data": {"train": [[1.0, "a"], [1e300, "b"]]}}})
 
 
 # (config.json key, a value DSv3Config.from_hf accepted before): refused naming the key as config.json spells it

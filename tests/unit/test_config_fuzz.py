@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from dsv3_plugin.cli import main
-from dsv3_plugin.config import ConfigError, load_config
-from dsv3_plugin.deepspeed.train import DEFAULT_DS_CONFIG, _prepare
+from dsv3_plugin.config import ConfigError, DSv3Config
+from dsv3_plugin.deepspeed.run_config import default_ds_config
+from dsv3_plugin.deepspeed.train import TrainRequest, prepare_run
 
 SEED = int(os.environ.get("DSV3_FUZZ_SEED", "20261201"))
 N_MUTATIONS = 240
@@ -28,20 +29,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _bases():
     """(DeepSpeed JSON, world size) pairs that are valid; the second has its "dsv3" block fully spelt out."""
-    plain = copy.deepcopy(DEFAULT_DS_CONFIG)
-    full = copy.deepcopy(DEFAULT_DS_CONFIG)
-    full["dsv3"] = load_config(full).to_dict()
+    plain = default_ds_config()
+    full = default_ds_config()
+    full["dsv3"] = DSv3Config.from_block(full["dsv3"]).to_dict()
     full["dsv3"]["preset"] = None
-    pipe = copy.deepcopy(DEFAULT_DS_CONFIG)
+    pipe = default_ds_config()
     pipe.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=4)
     pipe["dsv3"].update(model={"num_hidden_layers": 4}, parallel={"pp": 2, "schedule": "dualpipev"})
-    ep = copy.deepcopy(DEFAULT_DS_CONFIG)
+    ep = default_ds_config()
     ep["dsv3"].update(
         parallel={"ep": 2},
         moe={"ranks_per_node": 1, "n_group": 4, "topk_group": 2},
         fp8={"enabled": True, "backend": "emulate"},
     )
-    tbs = copy.deepcopy(DEFAULT_DS_CONFIG)
+    tbs = default_ds_config()
     del tbs["train_micro_batch_size_per_gpu"]
     tbs["train_batch_size"] = 8
     return [(plain, 2), (full, 1), (pipe, 2), (ep, 2), (tbs, 4)]
@@ -221,7 +222,8 @@ def _builds(path: str, world: int) -> None:
     """An accepted config: the model builds (meta device: shapes only) and dsv3 train's pre-spawn check passes."""
     from dsv3_plugin.training.transforms import build_model
 
-    ds, cfg, total = _prepare(path, None, None, world_size=world)
+    run, total, _ = prepare_run(TrainRequest(config=path), world, open_files=False)
+    cfg = run.cfg
     assert total >= 1
     with torch.device("meta"):
         model = build_model(cfg)
@@ -260,7 +262,7 @@ def test_fuzzed_configs_exit_0_or_2_and_accepted_ones_build(tmp_path, capsys):
 def test_fuzzed_configs_through_the_cli_process(tmp_path):
     """A few of the same mutations, and two hostile files (UTF-16, 10 000-deep nesting), through the real
     console entry point (a fresh process, no pytest)."""
-    text = json.dumps(DEFAULT_DS_CONFIG)
+    text = json.dumps(default_ds_config())
     cases = [(t.encode(), w, what) for t, w, what in _cases()[:N_SUBPROCESS]]
     cases += [(text.encode("utf-16"), 2, "UTF-16 file"), (("[" * 10000 + "]" * 10000).encode(), 2, "10000-deep")]
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}

@@ -7,9 +7,9 @@ import json
 import pytest
 
 from dsv3_plugin.cli import main
-from dsv3_plugin.config import ConfigError, DSv3Config, load_config
+from dsv3_plugin.config import ConfigError, DSv3Config
 
-BASE = load_config({"preset": "tiny"}).to_hf()
+BASE = DSv3Config.from_block({"preset": "tiny"}).to_hf()
 CASES = {
     "gelu": ({"hidden_act": "gelu"}, r"hidden_act: \"gelu\" is not implemented"),
     "softmax": ({"scoring_func": "softmax"}, r"scoring_func: \"softmax\" is not implemented"),

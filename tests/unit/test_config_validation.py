@@ -8,7 +8,7 @@ import re
 import pytest
 
 from dsv3_plugin.cli import main
-from dsv3_plugin.config import ConfigError, load_config
+from dsv3_plugin.config import ConfigError, DSv3Config, load_config
 
 DS = {
     "train_micro_batch_size_per_gpu": 2,
@@ -46,16 +46,16 @@ STRICT = [
 @pytest.mark.parametrize("block, msg", STRICT, ids=[m.split(":")[0] for _, m in STRICT])
 def test_strict_types_name_the_key(block, msg):
     with pytest.raises(ConfigError) as e:
-        load_config({"dsv3": block})
+        DSv3Config.from_block(block)
     assert str(e.value).startswith(msg), str(e.value)
 
 
 def test_ints_are_accepted_where_floats_are_expected_but_not_strings():
-    c = load_config({"moe": {"route_scale": 3, "bias_update_speed": 0}, "model": {"rope_theta": 50000}})
+    c = DSv3Config.from_block({"moe": {"route_scale": 3, "bias_update_speed": 0}, "model": {"rope_theta": 50000}})
     assert c.moe.route_scale == 3.0 and isinstance(c.moe.route_scale, float)
     for bad in ("3", True, "3.0"):
         with pytest.raises(ConfigError, match=r"^dsv3\.moe\.route_scale: must be a number"):
-            load_config({"moe": {"route_scale": bad}})
+            DSv3Config.from_block({"moe": {"route_scale": bad}})
 
 
 @pytest.mark.parametrize(
@@ -137,7 +137,7 @@ def test_utf8_bom_is_accepted(tmp_path, capsys):
 def test_from_hf_config_json_errors_name_the_file(tmp_path):
     from dsv3_plugin.config import DSv3Config
 
-    hf = load_config({"preset": "tiny"}).to_hf()
+    hf = DSv3Config.from_block({"preset": "tiny"}).to_hf()
     del hf["kv_lora_rank"]
     p = tmp_path / "config.json"
     p.write_text(json.dumps(hf))
@@ -218,7 +218,7 @@ def test_engine_refuses_what_deepspeed_would(capsys):
     from dsv3_plugin.training.transforms import build_model
 
     with torch.device("meta"):
-        model = build_model(load_config({"preset": "tiny"}))
+        model = build_model(DSv3Config.from_block({"preset": "tiny"}))
     with pytest.raises(ConfigError, match=r"^train_micro_batch_size_per_gpu: required"):
         initialize(model, {"dsv3": {"preset": "tiny"}})
     with pytest.raises(ConfigError, match=r"^optimizer: required"):
@@ -227,7 +227,7 @@ def test_engine_refuses_what_deepspeed_would(capsys):
 
 # ---- world-size rules (--nproc) and the batch triple ----------------------------------------------------------
 def test_world_size_rules(tmp_path, capsys):
-    from dsv3_plugin.deepspeed.validate import validate_ds_config
+    from dsv3_plugin.deepspeed.run_config import validate_ds_config
 
     p = tmp_path / "c.json"
     p.write_text(json.dumps({**_ds(), "dsv3": {"preset": "tiny", "parallel": {"ep": 4}}}))
@@ -263,7 +263,7 @@ def test_world_size_rules(tmp_path, capsys):
 
 def test_low_level_guards_say_the_same(tmp_path):
     """The in-rank guards that remain (group builders) raise the validation's message word for word."""
-    from dsv3_plugin.deepspeed.validate import validate_ds_config
+    from dsv3_plugin.deepspeed.run_config import validate_ds_config
     from dsv3_plugin.parallel.groups import ep_layout
 
     with pytest.raises(ConfigError) as low:
@@ -323,7 +323,7 @@ def test_memory_estimate_is_a_lower_bound_of_the_model_size():
         {"preset": "tiny", "model": {"tie_word_embeddings": True}},
         {"preset": "tiny", "mtp": {"depth": 2}, "model": {"q_lora_rank": None}},
     ]:
-        cfg = load_config(over)
+        cfg = DSv3Config.from_block(over)
         with torch.device("meta"):
             n = sum(p.numel() for p in build_model(cfg).parameters())
         est = estimate_train_memory(cfg)
@@ -336,7 +336,7 @@ def test_pp_with_ep_accepts_a_pipeline_rank_without_moe_layer():
     norm per group over the pipeline (once a gloo size mismatch in the first step, so this was refused); the
     pipeline engine now sums one norm per stage (patches/deepspeed_zero_pipeline_norm.py; trained against the
     single process in tests/dist/test_pipeline_ep_train.py, 1F1B with a dense-only stage 0)."""
-    from dsv3_plugin.deepspeed.validate import validate_ds_config
+    from dsv3_plugin.deepspeed.run_config import validate_ds_config
 
     def ds(schedule, gas):
         return {
@@ -368,7 +368,7 @@ def test_pp_with_ep_accepts_a_pipeline_rank_without_moe_layer():
     ],
 )
 def test_split_weight_grads_default_follows_the_schedule(parallel, on):
-    assert load_config({"preset": "tiny", "parallel": parallel}).parallel.split_w() is on
+    assert DSv3Config.from_block({"preset": "tiny", "parallel": parallel}).parallel.split_w() is on
 
 
 def test_split_weight_grads_true_needs_the_plugins_two_chunk_schedules_on_the_megatron_path():
@@ -379,7 +379,9 @@ def test_split_weight_grads_true_needs_the_plugins_two_chunk_schedules_on_the_me
     args = argparse.Namespace(dsv3_pipeline_schedule=None, pipeline_model_parallel_size=2)
     # DualPipeV / DualPipe run W ops: the split is taken
     for schedule in ("dualpipev", "dualpipe"):
-        cfg = load_config({"preset": "tiny", "parallel": {"pp": 2, "schedule": schedule, "split_weight_grads": True}})
+        cfg = DSv3Config.from_block(
+            {"preset": "tiny", "parallel": {"pp": 2, "schedule": schedule, "split_weight_grads": True}}
+        )
         assert resolve_pipeline_schedule(args, argparse.ArgumentParser(), set(), cfg, "the JSON's") == schedule
     # no pipeline in this run (the block's own checks refuse a schedule without W ops): refused, not ignored
     args = argparse.Namespace(dsv3_pipeline_schedule=None, pipeline_model_parallel_size=1)
@@ -404,7 +406,7 @@ def test_split_weight_grads_true_needs_the_plugins_two_chunk_schedules_on_the_me
     ],
 )
 def test_overlap_ep_comm_default_follows_ep_and_the_schedule(parallel, on):
-    assert load_config({"preset": "tiny", "parallel": parallel}).parallel.overlap_ep() is on
+    assert DSv3Config.from_block({"preset": "tiny", "parallel": parallel}).parallel.overlap_ep() is on
 
 
 _NEEDS = {
@@ -427,5 +429,5 @@ def test_schedule_switch_true_where_it_cannot_apply_is_refused(key, parallel, wh
     """`split_weight_grads` / `overlap_ep_comm`: true where the layout has nothing to split or overlap is refused,
     naming the key; false is fine."""
     with pytest.raises(ConfigError, match=rf"^dsv3\.parallel\.{key}: true needs {re.escape(_NEEDS[key])} .*" + why):
-        load_config({"preset": "tiny", "parallel": {**parallel, key: True}})
-    load_config({"preset": "tiny", "parallel": {**parallel, key: False}})
+        DSv3Config.from_block({"preset": "tiny", "parallel": {**parallel, key: True}})
+    DSv3Config.from_block({"preset": "tiny", "parallel": {**parallel, key: False}})

@@ -3,7 +3,7 @@ from a different "dsv3" block is refused (before DeepSpeed is imported)."""
 
 import pytest
 
-from dsv3_plugin.config import ConfigError, load_config
+from dsv3_plugin.config import ConfigError, DSv3Config
 from dsv3_plugin.deepspeed import DEFAULT_GRADIENT_CLIPPING, initialize, split_ds_config
 from dsv3_plugin.training.transforms import build_model
 
@@ -41,7 +41,7 @@ def test_split_rejects(bad, needle):
 
 
 def test_model_must_match_the_block():
-    model = build_model(load_config({"preset": "tiny"}))
+    model = build_model(DSv3Config.from_block({"preset": "tiny"}))
     with pytest.raises(ConfigError, match=r"^dsv3\.moe\.seq_aux_alpha: the model was built with"):
         initialize(
             model, {"train_micro_batch_size_per_gpu": 1, "dsv3": {"preset": "tiny", "moe": {"seq_aux_alpha": 0.0}}}

@@ -89,11 +89,11 @@ def test_shape_mismatch_is_an_error():
 def test_fp8_dispatch_codec_from_config():
     """`fp8.dispatch = true` selects the FP8 payload codec: FP8-rounded activations reach the experts and the
     gradient flows straight through; a build without the FP8 quantizer refuses the key by name."""
-    from dsv3_plugin.config import ConfigError, load_config
+    from dsv3_plugin.config import ConfigError, DSv3Config
     from dsv3_plugin.parallel.dispatch import FP8Codec, codec_from_config
 
-    cfg = load_config({"preset": "tiny", "fp8": {"enabled": True, "dispatch": True}})
-    assert codec_from_config(load_config({"preset": "tiny"})) is None
+    cfg = DSv3Config.from_block({"preset": "tiny", "fp8": {"enabled": True, "dispatch": True}})
+    assert codec_from_config(DSv3Config.from_block({"preset": "tiny"})) is None
     try:
         from dsv3_plugin.precision.fp8 import quant as fp8
 

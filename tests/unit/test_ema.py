@@ -104,11 +104,11 @@ def test_errors():
 
 
 def test_from_config_shards_by_rank():
-    from dsv3_plugin.config import load_config
+    from dsv3_plugin.config import DSv3Config
 
     m, _ = _model_and_data()
-    assert EMA.from_config(m, load_config({"preset": "tiny"})) is None
-    cfg = load_config({"preset": "tiny", "memory": {"ema": True, "ema_decay": 0.99}})
+    assert EMA.from_config(m, DSv3Config.from_block({"preset": "tiny"})) is None
+    cfg = DSv3Config.from_block({"preset": "tiny", "memory": {"ema": True, "ema_decay": 0.99}})
     shards = [EMA.from_config(m, cfg, r, 3) for r in range(3)]
     names = [set(s.shadow) for s in shards]
     assert set().union(*names) == {n for n, _ in m.named_parameters()}

@@ -19,7 +19,7 @@ from dsv3_plugin.checkpoint.names import is_runtime_state
 from dsv3_plugin.checkpoint.synthetic import quantize_fp8_blockwise
 from dsv3_plugin.checkpoint.tiny_release import TINY_RELEASE
 from dsv3_plugin.cli import main as cli_main
-from dsv3_plugin.config import load_config
+from dsv3_plugin.config import DSv3Config
 from dsv3_plugin.data.tokenizer import train_tiny_tokenizer
 from dsv3_plugin.errors import DataError
 from dsv3_plugin.model.transformer import DSv3Model
@@ -28,7 +28,7 @@ from dsv3_plugin.model.transformer import DSv3Model
 def _fake_run(root, block=TINY_RELEASE, seed=0, tags=("step3",)) -> dict:
     """A run directory as `dsv3 train` (pp = ep = 1) leaves it, without run.json (the legacy rule: trust `latest`).
     Returns the native state of the last tag (random weights; router biases non-zero)."""
-    cfg = load_config(block)
+    cfg = DSv3Config.from_block(block)
     torch.manual_seed(seed)
     model = DSv3Model(cfg)
     with torch.no_grad():
@@ -77,7 +77,7 @@ def _released_state(state: dict, cfg) -> dict:
 
 def test_bf16_export_is_the_runs_weights_rounded(run, tok, tmp_path):
     root, state = run
-    cfg = load_config(TINY_RELEASE)
+    cfg = DSv3Config.from_block(TINY_RELEASE)
     out = ex.export(root, tmp_path / "x", "hf-bf16", tokenizer=tok, progress=False, shard_bytes=200_000)
     assert out["files"] > 1 and out["tag"] == "step3" and out["tokenizer"] == tok and not out["notes"]
     got, want = _stored(tmp_path / "x"), _released_state(state, cfg)
@@ -100,7 +100,7 @@ def test_bf16_export_is_the_runs_weights_rounded(run, tok, tmp_path):
 
 def test_fp8_export_is_deepseeks_block_quantization(run, tmp_path):
     root, state = run
-    cfg = load_config(TINY_RELEASE)
+    cfg = DSv3Config.from_block(TINY_RELEASE)
     ex.export(root, tmp_path / "x", "hf", progress=False)
     got, want = _stored(tmp_path / "x"), _released_state(state, cfg)
     hf = json.load(open(tmp_path / "x" / "config.json"))
@@ -125,7 +125,7 @@ def test_fp8_export_is_deepseeks_block_quantization(run, tmp_path):
 def test_mtp_copies_are_not_shared_storage(tmp_path):
     from safetensors.torch import save_file
 
-    cfg = load_config({"preset": "tiny"})
+    cfg = DSv3Config.from_block({"preset": "tiny"})
     state = DSv3Model(cfg).state_dict()
     out = native_state_to_hf(state, cfg)
     L = cfg.model.num_hidden_layers
@@ -270,7 +270,7 @@ def test_megatron_layout_source(tmp_path):
     got = _stored(tmp_path / "x")
     assert got.keys() == ref.keys() and all(torch.equal(got[n], ref[n]) for n in ref)
     got8 = _stored(ex.export(tmp_path / "meg", tmp_path / "x8", "hf", progress=False)["dst"])
-    L = load_config(TINY_RELEASE).model.num_hidden_layers
+    L = DSv3Config.from_block(TINY_RELEASE).model.num_hidden_layers
     for n, w in ref.items():
         if ex.is_quantized_in_release(n, L):
             q, s = quantize_fp8_blockwise(w)
@@ -294,7 +294,7 @@ def test_megatron_lm_torch_dist_source(tmp_path, capsys):
     present, stacked experts split, --config required; a .metadata naming any other global is refused unread."""
     from dsv3_plugin.checkpoint.names import parse_native
 
-    cfg = load_config(TINY_RELEASE)
+    cfg = DSv3Config.from_block(TINY_RELEASE)
     torch.manual_seed(1)
     state = {k: v for k, v in DSv3Model(cfg).state_dict().items() if not is_runtime_state(k)}
     mstate = {}
@@ -340,7 +340,7 @@ def test_megatron_lm_torch_dist_source(tmp_path, capsys):
 def test_megatron_lm_source_reads_regular_files_inside_only(tmp_path, capsys):
     """A FIFO in place of the tracker, `.metadata` or a `.distcp` data file of a Megatron-LM checkpoint is refused
     naming it (it hung the export before), as is a data file linked out of the iteration directory."""
-    cfg = load_config(TINY_RELEASE)
+    cfg = DSv3Config.from_block(TINY_RELEASE)
     state = {k: v for k, v in DSv3Model(cfg).state_dict().items() if not is_runtime_state(k)}
     from dsv3_plugin.checkpoint.names import parse_native
 

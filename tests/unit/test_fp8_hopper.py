@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from benchmarks.fp8_accum import measure_cell, operands
-from dsv3_plugin.config import ConfigError, FP8Config, load_config
+from dsv3_plugin.config import ConfigError, DSv3Config, FP8Config
 from dsv3_plugin.model.kernels import base_kernel
 from dsv3_plugin.precision.fp8.hopper import (
     HopperEmulatedBackend,
@@ -146,7 +146,7 @@ def test_model_routes_linears_and_experts_through_the_selected_backend(monkeypat
     monkeypatch.setattr(HopperEmulatedBackend, "gemm", spy)
     from dsv3_plugin.training.transforms import build_model
 
-    cfg = load_config(
+    cfg = DSv3Config.from_block(
         {
             "preset": "tiny",
             "model": {"num_hidden_layers": 2},
@@ -178,7 +178,7 @@ def test_model_routes_linears_and_experts_through_the_selected_backend(monkeypat
 )
 def test_bad_promote_every_is_a_config_error(ovr, key):
     with pytest.raises(ConfigError, match=f"^dsv3.{key}"):
-        load_config({"preset": "tiny", "fp8": {"enabled": True, **ovr}})
+        DSv3Config.from_block({"preset": "tiny", "fp8": {"enabled": True, **ovr}})
 
 
 def test_valid_promote_every(mm):
@@ -189,7 +189,7 @@ def test_valid_promote_every(mm):
         {"promote_every": 64},
         {},
     ):
-        c = load_config({"preset": "tiny", "fp8": {"enabled": True, "backend": "hopper-emulated", **ovr}})
+        c = DSv3Config.from_block({"preset": "tiny", "fp8": {"enabled": True, "backend": "hopper-emulated", **ovr}})
         be, why = select_backend(c.fp8)
         assert be.name == "hopper-emulated" and be.promote_every == c.fp8.promote_every
     with pytest.raises(ValueError, match="must divide 128"):
@@ -219,9 +219,9 @@ def test_package_imports_and_trains_without_mmaemu():
     code = (
         "import sys; sys.modules['mmaemu'] = None\n"
         "import torch, dsv3_plugin, dsv3_plugin.precision.fp8.hopper, dsv3_plugin.cli\n"
-        "from dsv3_plugin.config import load_config\n"
+        "from dsv3_plugin.config import DSv3Config, load_config\n"
         "from dsv3_plugin.training.transforms import build_model\n"
-        "m = build_model(load_config({'preset': 'tiny', 'fp8': {'enabled': True}}))\n"
+        "m = build_model(DSv3Config.from_block({'preset': 'tiny', 'fp8': {'enabled': True}}))\n"
         "ids = torch.randint(0, 256, (1, 8))\n"
         "m(ids, ids).loss.backward()\n"
         "assert m.fp8_report.backend == 'emulate'\n"

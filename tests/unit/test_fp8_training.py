@@ -5,7 +5,7 @@ import statistics
 
 import torch
 
-from dsv3_plugin.config import load_config
+from dsv3_plugin.config import DSv3Config
 from dsv3_plugin.precision.fp8.linear import Fp8Linear
 from dsv3_plugin.training.transforms import build_model
 
@@ -19,9 +19,9 @@ OVR = {
 
 
 def test_convert_scope_names_and_grads():
-    cfg = load_config({"preset": "tiny", "fp8": {"enabled": True}})
+    cfg = DSv3Config.from_block({"preset": "tiny", "fp8": {"enabled": True}})
     m = build_model(cfg)
-    ref = build_model(load_config({"preset": "tiny"}))
+    ref = build_model(DSv3Config.from_block({"preset": "tiny"}))
     assert list(m.state_dict()) == list(ref.state_dict())  # checkpoints load unchanged
     rep = m.fp8_report
     assert rep.backend == "emulate" and rep.recipe == "blockwise"
@@ -61,7 +61,7 @@ def _batches(steps, B=2, T=32, V=64, seed=0):
 
 def _train(fp8: bool, batches, steps=200):
     """Plain single-process AdamW (paper §4.2 β, wd), 10-step warmup then cosine to 10% of the peak LR."""
-    cfg = load_config({**OVR, "fp8": {"enabled": fp8}})
+    cfg = DSv3Config.from_block({**OVR, "fp8": {"enabled": fp8}})
     m = build_model(cfg)
     m.reset_parameters(seed=0)
     opt = torch.optim.AdamW(m.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
@@ -96,7 +96,7 @@ def test_fp8_dispatch_flag_changes_expert_numerics():
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     losses = []
     for dispatch in (False, True):
-        m = build_model(load_config({"preset": "tiny", "fp8": {"enabled": True, "dispatch": dispatch}}))
+        m = build_model(DSv3Config.from_block({"preset": "tiny", "fp8": {"enabled": True, "dispatch": dispatch}}))
         m.reset_parameters(seed=0)
         assert m.fp8_report.dispatch is dispatch
         out = m(ids, torch.roll(ids, -1, 1))

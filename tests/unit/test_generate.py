@@ -12,14 +12,14 @@ from dsv3_plugin import load_pretrained
 from dsv3_plugin.checkpoint.reader import CheckpointReader
 from dsv3_plugin.checkpoint.synthetic import quantize_checkpoint
 from dsv3_plugin.cli import main as cli_main
-from dsv3_plugin.config import load_config
+from dsv3_plugin.config import DSv3Config
 from dsv3_plugin.model.generate import greedy_generate, mtp_draft
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     d = tmp_path_factory.mktemp("gen")
-    make_tiny_hf_checkpoint(d, load_config({"preset": "tiny"}), seed=2)
+    make_tiny_hf_checkpoint(d, DSv3Config.from_block({"preset": "tiny"}), seed=2)
     return d, load_pretrained(d).eval()
 
 

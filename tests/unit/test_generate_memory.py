@@ -12,7 +12,7 @@ import dsv3_plugin.cli.generate as gen_cli
 from dsv3_plugin.checkpoint.hf import pretrained_config
 from dsv3_plugin.checkpoint.tiny_release import write_tiny_release
 from dsv3_plugin.cli import main
-from dsv3_plugin.config import ConfigError, load_config
+from dsv3_plugin.config import ConfigError, DSv3Config
 from dsv3_plugin.training.memory_estimate import available_memory_bytes, format_bytes, load_bytes, model_param_count
 from dsv3_plugin.training.transforms import build_model
 
@@ -22,7 +22,7 @@ ARGS = ["--prompt-ids", "1,2,3", "--max-new-tokens", "2"]
 def test_a_checkpoint_larger_than_this_machine_is_refused_from_config_json_alone(tmp_path, capsys):
     """V3's config.json with no weights beside it: 2.5 TiB to build in FP32 is more than this machine has, and that
     is what the one line says (not that the shards are missing: nothing but config.json is read)."""
-    v3 = load_config({"preset": "v3-671b"})
+    v3 = DSv3Config.from_block({"preset": "v3-671b"})
     need = 4 * model_param_count(v3)
     assert need > available_memory_bytes()  # the premise: no test machine holds V3 in FP32
     (tmp_path / "config.json").write_text(json.dumps(v3.to_hf()))
@@ -52,7 +52,7 @@ def test_the_check_is_at_the_boundary_of_what_the_load_takes(tmp_path, capsys, m
 @pytest.mark.parametrize("preset", ["tiny", "small"])
 def test_the_bound_is_the_fp32_model_that_load_builds(preset):
     """The host bytes are exactly the FP32 parameters `build_model` allocates (what `load_pretrained` builds first)."""
-    cfg = load_config({"preset": preset})
+    cfg = DSv3Config.from_block({"preset": preset})
     model = build_model(cfg)
     built = sum(p.numel() * p.element_size() for p in model.parameters())
     assert load_bytes(cfg, 2, on_host=True) == {"params": built // 4, "host": built, "device": 0}
@@ -61,7 +61,7 @@ def test_the_bound_is_the_fp32_model_that_load_builds(preset):
 
 def test_the_accelerator_is_checked_for_the_cast_model(monkeypatch):
     """On a CUDA device the model in the compute dtype must fit the device's free memory (--device named)."""
-    cfg = load_config({"preset": "tiny"})
+    cfg = DSv3Config.from_block({"preset": "tiny"})
     dev_need = load_bytes(cfg, 2, on_host=False)["device"]
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (dev_need - 1, 2 * dev_need))
     with pytest.raises(ConfigError, match=r"^--device cuda: the model needs at least .* but only .* of it is free"):

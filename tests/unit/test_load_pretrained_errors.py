@@ -8,14 +8,14 @@ from helpers import make_tiny_hf_checkpoint
 from safetensors.torch import load_file, save_file
 
 from dsv3_plugin import load_pretrained
-from dsv3_plugin.config import load_config
+from dsv3_plugin.config import DSv3Config
 from dsv3_plugin.errors import CheckpointError
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     d = tmp_path_factory.mktemp("ckpt")
-    make_tiny_hf_checkpoint(d, load_config({"preset": "tiny"}), seed=1)
+    make_tiny_hf_checkpoint(d, DSv3Config.from_block({"preset": "tiny"}), seed=1)
     return d
 
 

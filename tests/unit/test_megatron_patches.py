@@ -155,17 +155,17 @@ def _sdpa_bound(q, k, v, scores_BHST, scale=0.3):
 
 
 def test_config_bridge_and_contradiction_errors():
-    from dsv3_plugin.config import ConfigError, load_config
+    from dsv3_plugin.config import ConfigError, DSv3Config
     from dsv3_plugin.megatron.config import to_transformer_config
 
-    cfg = load_config({"preset": "tiny"})
+    cfg = DSv3Config.from_block({"preset": "tiny"})
     tc = to_transformer_config(cfg)
     assert (tc.num_layers, tc.hidden_size, tc.q_lora_rank, tc.qk_head_dim, tc.qk_pos_emb_head_dim) == (3, 64, 32, 16, 8)
     assert tc.moe_layer_freq == [0, 1, 1] and tc.moe_router_enable_expert_bias
     assert tc.moe_router_score_function == "sigmoid" and tc.moe_router_topk_scaling_factor == 2.5
     assert (tc.rope_type, tc.rotary_scaling_factor, tc.mscale_all_dim) == ("yarn", 4, 1.0)
     assert tc.mtp_num_layers == 1 and tc.dsv3_config is cfg
-    plain = to_transformer_config(load_config({"preset": "tiny", "model": {"rope_scaling": None}}))
+    plain = to_transformer_config(DSv3Config.from_block({"preset": "tiny", "model": {"rope_scaling": None}}))
     assert (plain.rope_type, plain.rotary_scaling_factor, plain.mscale_all_dim) == ("rope", 1.0, 0.0)
     with pytest.raises(ConfigError, match=r"^megatron\.num_layers"):
         to_transformer_config(cfg, num_layers=4)
@@ -233,11 +233,11 @@ def test_megatron_lm_integration_refuses_untested_version(monkeypatch):
 def test_schedules_follow_tokens_seen():
     import argparse
 
-    from dsv3_plugin.config import load_config
+    from dsv3_plugin.config import DSv3Config
     from dsv3_plugin.megatron.config import apply_schedules, follow_schedules, to_transformer_config
     from dsv3_plugin.megatron.gpt import _megatron_lm_tokens_seen
 
-    cfg = load_config(
+    cfg = DSv3Config.from_block(
         {
             "preset": "tiny",
             "moe": {
@@ -278,11 +278,11 @@ def test_ffn_adapter_through_the_018_builder_protocol():
     `mlp(hidden [s, b, h], padding_mask=...) -> (out, None)`."""
     import megatron.core.tensor_parallel.random as mrandom
 
-    from dsv3_plugin.config import load_config
+    from dsv3_plugin.config import DSv3Config
     from dsv3_plugin.megatron.config import to_transformer_config
     from dsv3_plugin.megatron.spec import _build_ffn
 
-    cfg = load_config({"preset": "tiny"})
+    cfg = DSv3Config.from_block({"preset": "tiny"})
     tc = to_transformer_config(cfg)
     with megatron_cpu.cpu_shims():
         tracker = mrandom._CUDA_RNG_STATE_TRACKER

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dsv3_plugin.cli import main
-from dsv3_plugin.config import ConfigError, load_config
+from dsv3_plugin.config import ConfigError, DSv3Config
 from dsv3_plugin.training.memory_plan import (
     COMPONENTS,
     inflight_peak,
@@ -45,7 +45,7 @@ def test_activation_plan_matches_measured_saved_bytes(preset, fp8):
     """Bytes kept for backward by one micro-batch (forward + loss; storages deduplicated, sized after the forward)
     within 10% of the plan, for every recompute mode. The model runs in FP32 here (act_bytes = 4); CPU SDPA
     pads v to d_qk (pad_v)."""
-    cfg = load_config({"preset": preset, "fp8": {"enabled": fp8}})
+    cfg = DSv3Config.from_block({"preset": preset, "fp8": {"enabled": fp8}})
     got = _measure(cfg)
     for mode, meas in got.items():
         est = sum(microbatch_activation(cfg, B, T, mode, fp8, act_bytes=4, pad_v=True).values())
@@ -57,14 +57,14 @@ def test_activation_plan_matches_measured_saved_bytes(preset, fp8):
 @pytest.mark.parametrize("fp8", [False, True])
 def test_activation_plan_matches_in_bf16(fp8):
     """BF16 activations (the paper's setup): FP32 norm math, FP32 router and log-softmax show up as such."""
-    cfg = load_config({"preset": "small", "fp8": {"enabled": fp8}})
+    cfg = DSv3Config.from_block({"preset": "small", "fp8": {"enabled": fp8}})
     for mode, meas in _measure(cfg, torch.bfloat16).items():
         est = sum(microbatch_activation(cfg, B, T, mode, fp8, act_bytes=2, pad_v=True).values())
         assert abs(est / meas - 1) < 0.10, (fp8, mode, est, meas)
 
 
 def test_param_counts_match_model():
-    cfg = load_config({"preset": "tiny"})
+    cfg = DSv3Config.from_block({"preset": "tiny"})
     m = build_model(cfg)
     pc = param_counts(cfg)
     attn = sum(p.numel() for p in m.layers[0].self_attn.parameters()) + 2 * cfg.model.hidden_size
@@ -92,7 +92,7 @@ def test_inflight_counts_from_the_op_lists(pp):
 
 
 def test_v3_plan_per_rank_and_schedule_relations():
-    cfg = load_config({"preset": "v3-671b"})
+    cfg = DSv3Config.from_block({"preset": "v3-671b"})
     rows = {r.schedule: r for r in plan(cfg, pp=16, ep=64, dp=128, micro_batch_tokens=4096)}
     # DualPipe keeps two stages per rank (about 2x parameters); DualPipeV one model copy over 2*PP chunks
     assert rows["dualpipe"].params_GiB > 1.4 * rows["1f1b"].params_GiB
@@ -135,7 +135,7 @@ def test_paper_setup_fits_80_gib_with_the_paper_techniques():
     """PP16 DualPipe, EP64, ZeRO-1 over DP 128, micro-batch 1 x 4096, recompute of norms and MLA up-projections,
     FP8 caching, BF16 moments, EMA on the host: every rank's plan is below 80 GiB
     (docs/results.md states the margin)."""
-    cfg = load_config({"preset": "v3-671b", "memory": {"ema": True}})
+    cfg = DSv3Config.from_block({"preset": "v3-671b", "memory": {"ema": True}})
     ranks = plan_ranks(
         cfg, "dualpipe", 16, 64, 128, micro_batch=(1, 4096), recompute="norm_and_mla_up", fp8=True, bf16_moments=True
     )

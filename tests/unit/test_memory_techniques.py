@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from tolerance import assert_within, gamma, reorder_bound
 
-from dsv3_plugin.config import load_config
+from dsv3_plugin.config import DSv3Config
 from dsv3_plugin.model.moe.layer import GroupedExperts, GroupedSwiGLUKernel, combine_rows, swiglu_rows
 from dsv3_plugin.model.moe.router import fp32_linear
 from dsv3_plugin.precision.fp8.experts import Fp8ExpertKernel, Fp8SwiGLUAct
@@ -27,7 +27,7 @@ def _saved(fn, params=()):
 def test_recompute_bit_identical_with_fp8():
     """FP8 on: recompute (norms and MLA up-projections freed and recomputed, full layers) gives the very losses
     and gradients of no recompute, and keeps less."""
-    cfg = load_config({"preset": "tiny", "fp8": {"enabled": True}})
+    cfg = DSv3Config.from_block({"preset": "tiny", "fp8": {"enabled": True}})
     m = build_model(cfg)
     m.reset_parameters(seed=0)
     g = torch.Generator().manual_seed(0)
@@ -234,7 +234,7 @@ def test_expert_parallel_path_sends_the_routing_weight_with_the_rows(dedup):
     from dsv3_plugin.parallel.expert_parallel import ExpertParallelMoE
     from dsv3_plugin.parallel.groups import single_process_groups
 
-    cfg = load_config({"preset": "tiny"})
+    cfg = DSv3Config.from_block({"preset": "tiny"})
     torch.manual_seed(0)
     moe = DeepSeekMoE(cfg.model.hidden_size, cfg.moe)
     ep = ExpertParallelMoE.from_dense(moe, single_process_groups(), dedup=dedup)

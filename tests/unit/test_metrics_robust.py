@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from dsv3_plugin.config import ConfigError, load_config
+from dsv3_plugin.config import ConfigError, DSv3Config
 from dsv3_plugin.training import metrics_file as mf
 from dsv3_plugin.training import run_dir as rd
 from dsv3_plugin.training.telemetry import read_metrics
@@ -81,7 +81,7 @@ def test_the_writer_writes_what_the_reader_reads(tmp_path):
 
 def test_resume_reads_the_run_directory_strictly(tmp_path):
     """--resume into the same OUT reads its metrics.jsonl before any step: a bad line is one ConfigError."""
-    cfg = load_config({"preset": "tiny"})
+    cfg = DSv3Config.from_block({"preset": "tiny"})
     out = str(tmp_path / "run")
     r = rd.RunDir(out, None, cfg, rank=0, world=1, overwrite=False, save=True)
 

@@ -1,12 +1,12 @@
 import torch
 
-from dsv3_plugin.config import load_config
+from dsv3_plugin.config import DSv3Config
 from dsv3_plugin.model.moe.balancing import update_expert_bias
 from dsv3_plugin.training.transforms import build_model
 
 
 def test_shapes_and_backward():
-    cfg = load_config({"preset": "tiny", "mtp": {"depth": 2}})
+    cfg = DSv3Config.from_block({"preset": "tiny", "mtp": {"depth": 2}})
     m = build_model(cfg).train()
     ids = torch.randint(0, 256, (2, 10))
     out = m(ids, labels=torch.roll(ids, -1, 1))
@@ -24,7 +24,7 @@ def test_shapes_and_backward():
 
 
 def test_bias_update_changes_routing_counts_reset():
-    m = build_model({"preset": "tiny"}).train()
+    m = build_model(DSv3Config.from_block({"preset": "tiny"})).train()
     ids = torch.randint(0, 256, (4, 16))
     m(ids)
     stats = update_expert_bias(m, gamma=0.01)
@@ -35,6 +35,6 @@ def test_bias_update_changes_routing_counts_reset():
 
 
 def test_eval_does_not_count():
-    m = build_model({"preset": "tiny"}).eval()
+    m = build_model(DSv3Config.from_block({"preset": "tiny"})).eval()
     m(torch.randint(0, 256, (1, 8)))
     assert all(moe.gate.tokens_per_expert.sum() == 0 for moe in m.moe_layers())

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from dsv3_plugin.config import ConfigError, load_config
+from dsv3_plugin.config import ConfigError, DSv3Config
 from dsv3_plugin.data.batch import IGNORE_INDEX, document_ids
 from dsv3_plugin.data.indexed import IndexedDocs, open_source
 from dsv3_plugin.data.packed import PackedData, RowTable, apportion, data_change, open_data
@@ -292,7 +292,9 @@ def test_bad_files_one_line_errors(tmp_path, pydoc_ids):
 
 
 def _cfg(data, vocab=1088, seq_len=32):
-    return load_config({"preset": "tiny", "model": {"vocab_size": vocab}, "train": {"seq_len": seq_len, "data": data}})
+    return DSv3Config.from_block(
+        {"preset": "tiny", "model": {"vocab_size": vocab}, "train": {"seq_len": seq_len, "data": data}}
+    )
 
 
 def test_open_data_checks(tmp_path, tok_dir, pydoc_prefix):

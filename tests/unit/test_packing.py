@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dsv3_plugin.config import load_config
+from dsv3_plugin.config import DSv3Config
 from dsv3_plugin.data.batch import IGNORE_INDEX
 from dsv3_plugin.data.batch import document_ids as data_document_ids
 from dsv3_plugin.model.moe.router import Router
@@ -36,7 +36,7 @@ def _cfg(**over):
     base = {"preset": "tiny", "mtp": {"depth": 2}}
     for k, v in over.items():
         base[k] = {**base.get(k, {}), **v}
-    return load_config(base)
+    return DSv3Config.from_block(base)
 
 
 def _docs(seed=0):

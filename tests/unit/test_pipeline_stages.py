@@ -6,13 +6,13 @@ import pytest
 import torch
 from tolerance import assert_within, model_bound
 
-from dsv3_plugin.config import load_config
+from dsv3_plugin.config import DSv3Config
 from dsv3_plugin.parallel.pipeline.stages import DSv3PipelineLoss, build_stages, split_layers, stage_ids_for_rank
 from dsv3_plugin.training.transforms import build_model
 
 
 def tiny(layers=4):
-    return load_config({"preset": "tiny", "model": {"num_hidden_layers": layers}})
+    return DSv3Config.from_block({"preset": "tiny", "model": {"num_hidden_layers": layers}})
 
 
 def test_split_layers_and_rank_layout():

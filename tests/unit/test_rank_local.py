@@ -9,7 +9,7 @@ from helpers import write_rank_local_checkpoint as write_checkpoint
 from dsv3_plugin.checkpoint.hf import load_pretrained
 from dsv3_plugin.checkpoint.names import is_runtime_state, native_to_released, released_names
 from dsv3_plugin.checkpoint.reader import CheckpointReader
-from dsv3_plugin.config import ConfigError, load_config
+from dsv3_plugin.config import ConfigError, DSv3Config
 from dsv3_plugin.parallel.pipeline.stages import min_layers, model_stage_layers
 from dsv3_plugin.training.memory_plan import rank_param_count
 from dsv3_plugin.training.rank_local import RankLayout, build_rank_local, param_bytes
@@ -33,7 +33,7 @@ def test_deepseek_v3_layers_divide_unevenly_over_16_stages():
     assert [len(r) for r in model_stage_layers(61, 1, 8)] == [8] * 7 + [5]
     # DualPipeV's 32 stages: the last one holds only the head and MTP
     assert [len(r) for r in model_stage_layers(61, 1, 32)] == [2] * 30 + [1, 0]
-    lay = RankLayout.of(load_config({"preset": "v3-671b"}), 15, 0)
+    lay = RankLayout.of(DSv3Config.from_block({"preset": "v3-671b"}), 15, 0)
     assert lay.stage_ids == [15, 0] and lay.layer_ids == [0, 1, 2, 3, 60] and lay.first and lay.last
 
 
@@ -53,7 +53,7 @@ def test_min_layers_follows_the_model_split(mtp):
 def test_rank_local_build_holds_the_full_models_values(sched, pp, ep, fp8):
     """Same seed -> every owned tensor equals the full model's (its EP slice for routed experts; torch.equal: the
     same draws), everything else stays on meta, and the ranks together own every parameter."""
-    cfg = load_config(
+    cfg = DSv3Config.from_block(
         {
             "preset": "tiny",
             "model": {"num_hidden_layers": 4},
@@ -84,7 +84,7 @@ def test_rank_local_build_holds_the_full_models_values(sched, pp, ep, fp8):
 
 
 def test_rank_local_build_in_bf16_keeps_the_router_fp32():
-    cfg = load_config(
+    cfg = DSv3Config.from_block(
         {"preset": "tiny", "model": {"num_hidden_layers": 6}, "parallel": {"pp": 2, "ep": 2, "schedule": "1f1b"}}
     )
     lay = RankLayout.of(cfg, 1, 1)
@@ -99,13 +99,13 @@ def test_rank_local_build_in_bf16_keeps_the_router_fp32():
 
 
 def test_layout_refuses_impossible_ranks():
-    cfg = load_config({"preset": "tiny"})
+    cfg = DSv3Config.from_block({"preset": "tiny"})
     with pytest.raises(ConfigError, match=r"^dsv3.parallel.ep"):
         RankLayout.of(cfg, 0, 0, ep=3)
     with pytest.raises(ConfigError, match=r"^dsv3.parallel.pp"):
         RankLayout.of(cfg, 2, 0, pp=2)
     with pytest.raises(ConfigError, match=r"^dsv3.parallel.ep"):
-        RankLayout.for_rank(load_config({"preset": "tiny", "parallel": {"pp": 2, "ep": 4}}), 0, 4)
+        RankLayout.for_rank(DSv3Config.from_block({"preset": "tiny", "parallel": {"pp": 2, "ep": 4}}), 0, 4)
 
 
 # --- rank-local load ----------------------------------------------------------------------------------
@@ -118,7 +118,7 @@ def test_rank_local_load_reads_only_owned_tensors(tmp_path, sched, pp, ep):
         header_bytes = r.bytes_read
         stored = {n: r.input_bytes(n) for n in r.names()}
     assert set(stored) == released_names(cfg.to_hf())[0] | released_names(cfg.to_hf())[1]
-    c = load_config({**CK_CFG, "parallel": {"pp": pp, "ep": ep, "schedule": sched}})
+    c = DSv3Config.from_block({**CK_CFG, "parallel": {"pp": pp, "ep": ep, "schedule": sched}})
     for pr in range(pp):
         for er in range(ep):
             lay = RankLayout.of(c, pr, er)
@@ -141,7 +141,7 @@ def test_v3_671b_dualpipe_rank_matches_the_plan_and_the_released_names(pp_rank):
     """Pipeline rank 0 / 15 with EP rank 0 of the paper's layout (PP16 DualPipe, EP64), on meta: parameter bytes
     in BF16 = the memory plan's figure for that rank (within 1%: the plan counts the fp32 router at 2 bytes),
     and its parameters map one-to-one onto the released tensors that rank owns."""
-    cfg = load_config({"preset": "v3-671b"})
+    cfg = DSv3Config.from_block({"preset": "v3-671b"})
     assert (cfg.parallel.pp, cfg.parallel.ep, cfg.parallel.schedule) == (16, 64, "dualpipe")
     lay = RankLayout.of(cfg, pp_rank, 0)
     m = build_rank_local(cfg, lay, dtype=torch.bfloat16, materialize=False)

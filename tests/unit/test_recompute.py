@@ -5,14 +5,14 @@ import copy
 import pytest
 import torch
 
-from dsv3_plugin.config import ConfigError, load_config
+from dsv3_plugin.config import ConfigError, DSv3Config
 from dsv3_plugin.training.recompute import MODES, apply_recompute, remove_recompute, saved_activation_bytes
 from dsv3_plugin.training.transforms import build_model
 
 
 @pytest.fixture(scope="module")
 def base():
-    cfg = load_config({"preset": "tiny"})
+    cfg = DSv3Config.from_block({"preset": "tiny"})
     m = build_model(cfg)
     m.reset_parameters(seed=0)
     g = torch.Generator().manual_seed(0)
@@ -55,7 +55,7 @@ def test_recompute_bit_identical_and_saves_memory(base):
 
 def test_recompute_through_config_and_removal(base):
     cfg, m, ids, lab = base
-    cfg2 = load_config({"preset": "tiny", "memory": {"recompute": "norm_and_mla_up"}})
+    cfg2 = DSv3Config.from_block({"preset": "tiny", "memory": {"recompute": "norm_and_mla_up"}})
     m2 = build_model(cfg2)
     m2.load_state_dict(m.state_dict())
     assert type(m2.layers[0].input_layernorm).__name__ == "RecomputedRMSNorm"
@@ -68,7 +68,7 @@ def test_recompute_through_config_and_removal(base):
 
 
 def test_recompute_with_fp8_is_bit_identical():
-    cfg = load_config({"preset": "tiny", "fp8": {"enabled": True}, "mtp": {"depth": 0}})
+    cfg = DSv3Config.from_block({"preset": "tiny", "fp8": {"enabled": True}, "mtp": {"depth": 0}})
     m = build_model(cfg)
     m.reset_parameters(seed=0)
     ids = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))

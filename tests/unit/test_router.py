@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from tolerance import assert_within, reorder_bound
 
-from dsv3_plugin.config import load_config
+from dsv3_plugin.config import DSv3Config
 from dsv3_plugin.model.moe.balancing import maxvio, seq_balance_loss, update_expert_bias
 from dsv3_plugin.model.moe.router import Router, group_limited_topk, skip_counting
 from dsv3_plugin.model.mtp import mtp_depth_loss
@@ -12,7 +12,7 @@ from dsv3_plugin.training.transforms import build_model
 
 
 def _router(**moe):
-    cfg = load_config({"preset": "tiny", "moe": moe})
+    cfg = DSv3Config.from_block({"preset": "tiny", "moe": moe})
     r = Router(8, cfg.moe)
     torch.nn.init.normal_(r.weight, std=1.0)
     return r, cfg.moe
@@ -44,7 +44,7 @@ def test_bias_only_selects_gates_use_unbiased_scores():
 
 
 def test_bias_and_router_stay_fp32_under_bf16_model():
-    model = build_model({"preset": "tiny"}).to(torch.bfloat16)
+    model = build_model(DSv3Config.from_block({"preset": "tiny"})).to(torch.bfloat16)
     for moe in model.moe_layers():
         assert moe.gate.e_score_correction_bias.dtype == torch.float32
         assert moe.gate.weight.dtype == torch.float32
@@ -122,7 +122,7 @@ def test_seq_balance_loss_matches_eqs_17_to_20():
 
 
 def test_seq_balance_loss_ignores_bias_and_groups():
-    cfg = load_config({"preset": "tiny", "moe": {"seq_aux_alpha": 0.1}})
+    cfg = DSv3Config.from_block({"preset": "tiny", "moe": {"seq_aux_alpha": 0.1}})
     model = build_model(cfg).train()
     ids = torch.randint(0, 256, (2, 16))
     model(ids)
@@ -163,7 +163,7 @@ def test_counts_only_in_training_and_not_under_skip_counting():
 
 
 def test_gamma_schedule_by_tokens():
-    cfg = load_config({"preset": "v3-671b"})
+    cfg = DSv3Config.from_block({"preset": "v3-671b"})
     assert cfg.moe.gamma(1e12) == 0.001 and cfg.moe.gamma(14.4e12) == 0.0
     assert cfg.mtp.lam(5e12) == 0.3 and cfg.mtp.lam(11e12) == 0.1
 
@@ -176,7 +176,7 @@ def test_mtp_loss_divides_by_full_T_and_lambda():
     labels = torch.randint(0, V, (B, T - k), generator=g)
     ce_sum = F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), reduction="sum")
     assert torch.equal(mtp_depth_loss(logits, labels, T), ce_sum / (B * T))  # same CE kernel, same divisor
-    cfg = load_config({"preset": "tiny", "mtp": {"loss_weight": 0.25}, "moe": {"seq_aux_alpha": 0.0}})
+    cfg = DSv3Config.from_block({"preset": "tiny", "mtp": {"loss_weight": 0.25}, "moe": {"seq_aux_alpha": 0.0}})
     model = build_model(cfg).train()
     ids = torch.randint(0, 256, (2, 12), generator=g)
     out = model(ids, labels=torch.roll(ids, -1, 1))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv3_plugin.config import ConfigError, load_config
+from dsv3_plugin.config import ConfigError, DSv3Config
 from dsv3_plugin.errors import CheckpointError
 from dsv3_plugin.training import checkpoint_tags as ct
 from dsv3_plugin.training import metrics_file as mf
@@ -75,7 +75,7 @@ def _fake_tag(
 
 @pytest.fixture
 def run(tmp_path):
-    cfg = load_config({"preset": "tiny"})
+    cfg = DSv3Config.from_block({"preset": "tiny"})
     out = str(tmp_path / "run")
     os.makedirs(out)
     rr.write_run_record(out, cfg, 2)
@@ -148,9 +148,9 @@ def test_legacy_checkpoint_without_run_record_trusts_latest(tmp_path):
 
 
 def test_identity_names_the_key_that_differs():
-    a = load_config({"preset": "tiny"})
-    b = load_config({"preset": "tiny", "model": {"hidden_size": 128}})
-    c = load_config(
+    a = DSv3Config.from_block({"preset": "tiny"})
+    b = DSv3Config.from_block({"preset": "tiny", "model": {"hidden_size": 128}})
+    c = DSv3Config.from_block(
         {"preset": "tiny", "moe": {"bias_update_speed": 0.5}, "train": {"steps": 7}, "parallel": {"p2p_timeout_s": 5.0}}
     )
     ia = rr.config_identity(a)
@@ -224,7 +224,7 @@ def test_local_rank_before_subcommand_parses(monkeypatch, capsys):
 def test_resume_refuses_another_world_size(tmp_path):
     """ZeRO-1 partitions the optimizer state per rank and each rank has its own RNG state: a checkpoint resumes
     only on as many ranks as saved it (DeepSpeed would raise ZeRORuntimeException inside the ranks)."""
-    cfg = load_config({"preset": "tiny"})
+    cfg = DSv3Config.from_block({"preset": "tiny"})
     out = str(tmp_path / "run")
     os.makedirs(out)
     rr.write_run_record(out, cfg, 2)

@@ -16,7 +16,7 @@ import zlib
 import pytest
 import torch
 
-from dsv3_plugin.config import ConfigError, load_config
+from dsv3_plugin.config import ConfigError, DSv3Config
 from dsv3_plugin.errors import CheckpointError
 from dsv3_plugin.training import checkpoint_tags as ct
 from dsv3_plugin.training import run_dir as rd
@@ -28,7 +28,7 @@ FILES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.p
 @pytest.fixture
 def run(tmp_path):
     """A fresh RunDir (one rank) over tmp/run, and a module to estimate from."""
-    cfg = load_config({"preset": "tiny", "train": {"keep_last": 2}})
+    cfg = DSv3Config.from_block({"preset": "tiny", "train": {"keep_last": 2}})
     out = str(tmp_path / "run")
     r = rd.RunDir(out, None, cfg, rank=0, world=1, overwrite=False, save=True)
     yield r, torch.nn.Linear(8, 8)
@@ -87,7 +87,7 @@ def test_keep_last_prunes_old_and_incomplete_tags(run):
 
 
 def test_keep_last_zero_keeps_every_complete_tag(tmp_path):
-    cfg = load_config({"preset": "tiny"})
+    cfg = DSv3Config.from_block({"preset": "tiny"})
     r = rd.RunDir(str(tmp_path / "o"), None, cfg, rank=0, world=1, overwrite=False, save=True)
     for s in (1, 2, 3):
         r.save(f"step{s}", s, _writer(r, f"step{s}"), torch.nn.Linear(2, 2))
@@ -178,7 +178,7 @@ def test_first_save_estimates_from_the_parameters(run, monkeypatch):
 
 
 def test_estimate_counts_each_parameter_once_over_the_ranks():
-    cfg = load_config({"preset": "tiny", "parallel": {"ep": 2}, "memory": {"ema": True}})
+    cfg = DSv3Config.from_block({"preset": "tiny", "parallel": {"ep": 2}, "memory": {"ema": True}})
     dense, expert = torch.nn.Linear(10, 10, bias=False), torch.nn.Linear(10, 10, bias=False)
     expert.weight.allreduce = False  # expert parameters: held by dp / ep ranks
     mod = torch.nn.ModuleList([dense, expert])

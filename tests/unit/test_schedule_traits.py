@@ -4,7 +4,7 @@ pipeline-rank and micro-batch counts (config validation, DeepSpeed adapter, runt
 import pytest
 import torch
 
-from dsv3_plugin.config import ConfigError, load_config
+from dsv3_plugin.config import ConfigError, DSv3Config
 from dsv3_plugin.model.transformer import DSv3Model
 from dsv3_plugin.parallel.pipeline.schedule import build_schedule
 from dsv3_plugin.parallel.pipeline.stages import build_stages, min_layers
@@ -72,7 +72,7 @@ def test_min_layers_is_the_fewest_that_leave_no_rank_empty(name, pp):
     need = min_layers(name, pp)
 
     def empty_ranks(L):
-        cfg = load_config(
+        cfg = DSv3Config.from_block(
             {"preset": "tiny", "model": {"num_hidden_layers": L, "first_k_dense_replace": 0}, "mtp": {"depth": 0}}
         )
         torch.manual_seed(0)

@@ -7,7 +7,7 @@ import torch
 from tolerance import reorder_bound
 
 from dsv3_plugin.cli import main as cli_main
-from dsv3_plugin.config import ConfigError, load_config
+from dsv3_plugin.config import ConfigError, DSv3Config
 from dsv3_plugin.model.moe.balancing import update_expert_bias
 from dsv3_plugin.parallel.expert_parallel import expert_parallel
 from dsv3_plugin.parallel.groups import single_process_groups
@@ -16,7 +16,7 @@ from dsv3_plugin.training.transforms import build_model
 
 
 def _model():
-    cfg = load_config({"preset": "tiny", "mtp": {"depth": 0}, "model": {"num_hidden_layers": 2}})
+    cfg = DSv3Config.from_block({"preset": "tiny", "mtp": {"depth": 0}, "model": {"num_hidden_layers": 2}})
     m = build_model(cfg)
     m.reset_parameters(seed=0)
     return expert_parallel(m, single_process_groups()).train(), cfg

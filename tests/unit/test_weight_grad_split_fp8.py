@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 import torch
 
-from dsv3_plugin.config import load_config
+from dsv3_plugin.config import DSv3Config
 from dsv3_plugin.parallel.expert_parallel import expert_parallel
 from dsv3_plugin.parallel.groups import build_ep_groups
 from dsv3_plugin.parallel.pipeline.weight_grad import WeightGradQueue, split_weight_grads
@@ -78,7 +78,7 @@ class LinearOperands:
 
 
 def _tiny(**over):
-    return load_config({"preset": "tiny", **over})
+    return DSv3Config.from_block({"preset": "tiny", **over})
 
 
 def _data(cfg, B=2, T=12, seed=1):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from dsv3_plugin.config import DSv3Config, load_config
+from dsv3_plugin.config import DSv3Config
 from dsv3_plugin.parallel.pipeline.fb_overlap import ChunkComponents, two_lane_pair
 from dsv3_plugin.parallel.pipeline.trainable_gemms import adapter_flops
 
@@ -180,7 +180,7 @@ def paper_setup(
 ) -> tuple[ChunkComponents, dict]:
     """Component times (ms) of one chunk of `layers` MoE layers in the report's setup, and how they were derived."""
     hw = hw or Hardware()
-    cfg = cfg or load_config({"preset": "v3-671b"})
+    cfg = cfg or DSv3Config.from_block({"preset": "v3-671b"})
     gpus_per_node = cfg.moe.ranks_per_node  # §3.1: 8 GPUs per node
     ep = cfg.parallel.ep  # §3.2: EP64 spanning 8 nodes
     fl = layer_flops(cfg, tokens)
@@ -256,7 +256,7 @@ def break_even_mfu(
     as MFU grows, communication does not), by bisection to 1e-4; None when nothing is exposed even at MFU 1.
     `with_pp=False` leaves the PP sends out (all-to-all only)."""
     hw = hw or Hardware()
-    cfg = cfg or load_config({"preset": "v3-671b"})
+    cfg = cfg or DSv3Config.from_block({"preset": "v3-671b"})
 
     def exposed(mfu: float) -> float:
         comp, _ = paper_setup(replace(hw, mfu=mfu), layers, tokens, cfg)

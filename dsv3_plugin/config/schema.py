@@ -1,16 +1,13 @@
-"""The typed `"dsv3"` configuration block: presets, validation and the HF `config.json` bridge.
+"""The typed `"dsv3"` block: pydantic sections, `DSv3Config` (with the HF `config.json` bridge) and the
+cross-field checks pydantic cannot express.
 
-One config flows one way: DeepSpeed JSON -> its `"dsv3"` block -> `DSv3Config` -> each module takes the
-sub-config it needs (`ModelConfig`, `MoEConfig`, `MTPConfig`, ...). Megatron's `TransformerConfig` is
-derived from it by the Megatron adapter; a released `config.json` enters through `DSv3Config.from_hf`.
-
-Every error is a `ConfigError` (a `ValueError`) whose message starts with the dotted path of the key,
-e.g. ``dsv3.moe.top_k: must be <= n_routed_experts (got 9 > 8)``.
+One config flows one way: a DeepSpeed JSON's `"dsv3"` block -> `DSv3Config.from_block` -> each module takes the
+sub-config it needs (`ModelConfig`, `MoEConfig`, ...). Every error is a `ConfigError` (a `ValueError`) whose
+message starts with the dotted path of the key, e.g. ``dsv3.moe.top_k: must be <= n_routed_experts (got 9 > 8)``.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import os
@@ -18,6 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
 
+from dsv3_plugin.config.presets import PRESETS, deep_merge
 from dsv3_plugin.errors import ConfigError
 from dsv3_plugin.json_input import check_tree, read_json
 from dsv3_plugin.schedule_traits import check_chunks, schedule_traits
@@ -38,13 +36,12 @@ __all__ = [
     "DataConfig",
     "TrainConfig",
     "DSv3Config",
-    "PRESETS",
-    "load_config",
-    "read_ds_json",
     "schedule_value",
-    "reference_table",
+    "check_numbers",
+    "json_type",
+    "value_with_type",
+    "short_json",
 ]
-
 
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a timeout beyond a week is a typo (and 1e300 s overflows timedelta)
 
@@ -436,9 +433,10 @@ def _refuse_unimplemented(hf: dict, rope: dict | None, where: str) -> None:
 class DSv3Config(_Strict):
     """The `"dsv3"` block: one typed, validated config for the model and every training technique.
 
-    Build it with `load_config` (a DeepSpeed JSON, a dict, a preset) or `DSv3Config.from_hf` (a released
-    config.json); the sections below are pydantic models with strict types, and unknown keys are errors
-    (`ConfigError` naming the key). `reference_table()` renders every key with its type, default and meaning.
+    Build it with `DSv3Config.from_block` (a `"dsv3"` dict), `load_config` (a DeepSpeed JSON file) or
+    `DSv3Config.from_hf` (a released config.json); the sections below are pydantic models with strict types,
+    and unknown keys are errors (`ConfigError` naming the key). `reference_table()` renders every key with its
+    type, default and meaning.
 
     Attributes:
         preset: the preset the block was merged over (`tiny`, `small`, `v3-671b`), or None.
@@ -476,6 +474,50 @@ class DSv3Config(_Strict):
     def to_dict(self) -> dict:
         return self.model_dump(mode="json")
 
+    @classmethod
+    def from_block(cls, block: dict) -> DSv3Config:
+        """Validate a bare `"dsv3"` block (a dict as the JSON holds it).
+
+        A `"preset"` key names the base (`tiny`, `small`, `v3-671b`; default `tiny`; null: no base, every required
+        key given); the other keys deep-merge over it. `moe.max_nodes_per_token` (the paper's M) is accepted as
+        another name of `moe.topk_group`.
+
+        Args:
+            block: the `"dsv3"` block (not the whole DeepSpeed JSON).
+
+        Returns:
+            The validated config.
+
+        Raises:
+            ConfigError: not an object, unknown key, wrong type, value out of range, unknown preset, or
+                contradicting settings; the message starts with the key (e.g. `dsv3.moe.top_k: ...`).
+        """
+        if not isinstance(block, dict):
+            raise ConfigError(f"dsv3: must be an object (got {value_with_type(block)})")
+        check_numbers(block)
+        moe = block.get("moe")
+        if isinstance(moe, dict) and "max_nodes_per_token" in moe:
+            # The paper's M (max nodes per token) is the router's topk_group when groups are nodes.
+            m = moe["max_nodes_per_token"]
+            if not isinstance(m, int) or isinstance(m, bool):
+                raise ConfigError(f"dsv3.moe.max_nodes_per_token: must be an integer (got {value_with_type(m)})")
+            if "topk_group" in moe and moe["topk_group"] != m:
+                raise ConfigError(
+                    "dsv3.moe.max_nodes_per_token: conflicts with moe.topk_group (same setting, "
+                    f"got {short_json(m)} vs {short_json(moe['topk_group'])})"
+                )
+            moe = dict(moe)
+            moe["topk_group"] = moe.pop("max_nodes_per_token")
+            block = {**block, "moe": moe}
+        preset = block.get("preset", "tiny")
+        if preset is None:
+            base = {}
+        elif not isinstance(preset, str) or preset not in PRESETS:
+            raise ConfigError(f"dsv3.preset: unknown preset {short_json(preset)} (choose from {', '.join(PRESETS)})")
+        else:
+            base = PRESETS[preset]
+        return _validate(deep_merge({**base, "preset": preset}, block))
+
     # --- HF config.json bridge --------------------------------------------------------------------
     @classmethod
     def from_hf(cls, hf: dict | str | os.PathLike, **overrides: Any) -> DSv3Config:
@@ -507,7 +549,7 @@ class DSv3Config(_Strict):
         except ConfigError as e:
             msg = _with_hf_key(str(e), hf)
             raise ConfigError(msg if where == "config.json" else f"{where}: {msg}") from None
-        return _validate(_deep_merge(d, overrides)) if overrides else cfg
+        return _validate(deep_merge(d, overrides)) if overrides else cfg
 
     @staticmethod
     def _hf_to_block(hf: dict, where: str) -> dict:
@@ -612,136 +654,6 @@ class DSv3Config(_Strict):
             "seq_aux": e.seq_aux_alpha > 0,
             "torch_dtype": "bfloat16",
         }
-
-
-# ------------------------------------------------------------------------------------------------
-# Presets: data, not flags. `v3-671b` matches the released config.json (and paper §4.2 for training).
-_V3 = {
-    "model": {
-        "vocab_size": 129280,
-        "hidden_size": 7168,
-        "intermediate_size": 18432,
-        "num_hidden_layers": 61,
-        "num_attention_heads": 128,
-        "q_lora_rank": 1536,
-        "kv_lora_rank": 512,
-        "qk_nope_head_dim": 128,
-        "qk_rope_head_dim": 64,
-        "v_head_dim": 128,
-        "first_k_dense_replace": 3,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "rope_scaling": {
-            "type": "yarn",
-            "factor": 40,
-            "original_max_position_embeddings": 4096,
-            "beta_fast": 32,
-            "beta_slow": 1,
-            "mscale": 1.0,
-            "mscale_all_dim": 1.0,
-        },
-        "max_position_embeddings": 163840,
-        "initializer_range": 0.006,
-    },
-    "moe": {
-        "n_routed_experts": 256,
-        "n_shared_experts": 1,
-        "intermediate_size": 2048,
-        "top_k": 8,
-        "n_group": 8,
-        "topk_group": 4,
-        "route_scale": 2.5,
-        "bias_update_speed": 0.001,
-        "bias_update_schedule": [{"until_tokens": 14.3e12, "value": 0.001}, {"until_tokens": None, "value": 0.0}],
-        "seq_aux_alpha": 0.0001,
-        "ranks_per_node": 8,
-    },
-    "mtp": {
-        "depth": 1,
-        "loss_weight": 0.3,
-        "loss_weight_schedule": [{"until_tokens": 10e12, "value": 0.3}, {"until_tokens": None, "value": 0.1}],
-    },
-    "parallel": {"ep": 64, "pp": 16, "schedule": "dualpipe"},
-    "train": {"seq_len": 4096},
-}
-
-# A CPU-sized model with every feature on: q_lora, yarn, 1 dense + 2 MoE layers, 4 groups, MTP.
-# top_k / topk_group = 2, as in V3 (8/4): the group score is then the top-2 sum everywhere (see router.py).
-# hidden 64 (not a multiple of 128) on purpose: ragged FP8 blocks and no 128-alignment assumptions.
-_TINY = {
-    "model": {
-        "vocab_size": 256,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 3,
-        "num_attention_heads": 4,
-        "q_lora_rank": 32,
-        "kv_lora_rank": 32,
-        "qk_nope_head_dim": 16,
-        "qk_rope_head_dim": 8,
-        "v_head_dim": 16,
-        "first_k_dense_replace": 1,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "rope_scaling": {
-            "type": "yarn",
-            "factor": 4,
-            "original_max_position_embeddings": 64,
-            "beta_fast": 32,
-            "beta_slow": 1,
-            "mscale": 1.0,
-            "mscale_all_dim": 1.0,
-        },
-        "max_position_embeddings": 256,
-        "initializer_range": 0.02,
-    },
-    "moe": {
-        "n_routed_experts": 16,
-        "n_shared_experts": 1,
-        "intermediate_size": 32,
-        "top_k": 4,
-        "n_group": 4,
-        "topk_group": 2,
-        "route_scale": 2.5,
-        "bias_update_speed": 0.001,
-        "seq_aux_alpha": 0.0001,
-    },
-    "mtp": {"depth": 1, "loss_weight": 0.3},
-    "train": {"seq_len": 64, "steps": 60},
-}
-
-PRESETS: dict[str, dict] = {"tiny": _TINY, "v3-671b": _V3}
-
-
-def _deep_merge(base: dict, over: dict) -> dict:
-    out = copy.deepcopy(base)
-    for k, v in over.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = _deep_merge(out[k], v)
-        else:
-            out[k] = copy.deepcopy(v)
-    return out
-
-
-# The same family a few times larger (benches, MoE at the issue's bench shape).
-PRESETS["small"] = _deep_merge(
-    _TINY,
-    {
-        "model": {
-            "vocab_size": 1024,
-            "hidden_size": 256,
-            "intermediate_size": 512,
-            "num_hidden_layers": 4,
-            "num_attention_heads": 8,
-            "q_lora_rank": 96,
-            "kv_lora_rank": 64,
-            "qk_nope_head_dim": 32,
-            "qk_rope_head_dim": 16,
-            "v_head_dim": 32,
-        },
-        "moe": {"n_routed_experts": 64, "intermediate_size": 128, "top_k": 8, "n_group": 8, "topk_group": 4},
-    },
-)
 
 
 # `"dsv3"` key -> the released config.json key `from_hf` reads it from (the rest keep their names)
@@ -1056,161 +968,3 @@ def _check_data(d: DataConfig) -> None:
             _fail(f"train.data.valid.{i}", "must be a non-empty path")
     if d.eval_every and not d.valid:
         _fail("train.data.eval_every", f"evaluation every {d.eval_every} steps needs train.data.valid sources")
-
-
-def read_ds_json(src: str | os.PathLike | dict) -> dict:
-    """The one reader of a DeepSpeed JSON with a "dsv3" block (`dsv3 check-config`, `dsv3 train`, the engine and
-    `load_config` all use it).
-
-    Args:
-        src: a file path, read by `dsv3_plugin.json_input.read_json`; or an already parsed dict, which gets the
-            checks that apply to parsed JSON (a "dsv3" block, nesting depth, finite numbers).
-
-    Returns:
-        The whole DeepSpeed config (not only the block), as a copy the caller may change.
-
-    Raises:
-        ConfigError: the file is not found, not UTF-8, not JSON, nested too deep, holds NaN/inf or duplicate
-            keys, is not a JSON object, or has no "dsv3" block; `src` is neither a path nor a dict. The message
-            names the file.
-    """
-    if isinstance(src, dict):
-        if "dsv3" not in src:
-            raise ConfigError('dsv3: the DeepSpeed config has no "dsv3" block')
-        check_numbers(src, prefix=())  # iterative: a hostile depth is refused before deepcopy recurses
-        return copy.deepcopy(src)
-    if not isinstance(src, (str, os.PathLike)):
-        raise ConfigError(f"dsv3: a DeepSpeed config must be a path or a dict (got {type(src).__name__})")
-    where = os.fspath(src)
-    raw = read_json(where, ConfigError)
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: must hold a JSON object (got {value_with_type(raw)})")
-    if "dsv3" not in raw:
-        raise ConfigError(f'{where}: has no "dsv3" block')
-    return raw
-
-
-def load_config(src: str | os.PathLike | dict | DSv3Config) -> DSv3Config:
-    """Read the `"dsv3"` block of a DeepSpeed JSON (path or dict) or a bare `"dsv3"` dict.
-
-    A `"preset"` key names the base (`tiny`, `small`, `v3-671b`; default `tiny`; null: no base, every required
-    key given); the other keys deep-merge over it. `moe.max_nodes_per_token` (the paper's M) is accepted as
-    another name of `moe.topk_group`.
-
-    Args:
-        src: a path to a DeepSpeed JSON with a "dsv3" block (read by `read_ds_json`), a dict holding a "dsv3"
-            block or being one, or a `DSv3Config` (returned as is).
-
-    Returns:
-        The validated `DSv3Config`.
-
-    Raises:
-        ConfigError: unreadable file, unknown key, wrong type, value out of range, unknown preset, or
-            contradicting settings; the message starts with the key (e.g. `dsv3.moe.top_k: ...`) or the file.
-    """
-    if isinstance(src, DSv3Config):
-        return src
-    if not isinstance(src, dict):
-        src = read_ds_json(src)
-    block = src.get("dsv3", src) if "dsv3" in src else src
-    if not isinstance(block, dict):
-        raise ConfigError(f"dsv3: must be an object (got {value_with_type(block)})")
-    check_numbers(block)
-    moe = block.get("moe")
-    if isinstance(moe, dict) and "max_nodes_per_token" in moe:
-        # The paper's M (max nodes per token) is the router's topk_group when groups are nodes.
-        m = moe["max_nodes_per_token"]
-        if not isinstance(m, int) or isinstance(m, bool):
-            raise ConfigError(f"dsv3.moe.max_nodes_per_token: must be an integer (got {value_with_type(m)})")
-        if "topk_group" in moe and moe["topk_group"] != m:
-            raise ConfigError(
-                "dsv3.moe.max_nodes_per_token: conflicts with moe.topk_group (same setting, "
-                f"got {short_json(m)} vs {short_json(moe['topk_group'])})"
-            )
-        moe = dict(moe)
-        moe["topk_group"] = moe.pop("max_nodes_per_token")
-        block = {**block, "moe": moe}
-    preset = block.get("preset", "tiny")
-    if preset is None:
-        base = {}
-    elif not isinstance(preset, str) or preset not in PRESETS:
-        raise ConfigError(f"dsv3.preset: unknown preset {short_json(preset)} (choose from {', '.join(PRESETS)})")
-    else:
-        base = PRESETS[preset]
-    return _validate(_deep_merge({**base, "preset": preset}, block))
-
-
-def _type_words(annotation: Any) -> str:
-    """A field's type as the reference table writes it (`one of ...`, `optional X`), `|` escaped for markdown."""
-    ann = str(annotation).replace("typing.", "").replace("dsv3_plugin.config.", "")
-    if ann.startswith("<class"):
-        ann = annotation.__name__
-    if "Tag(tag=" in ann:  # the tagged union of train.data
-        ann = "'synthetic' or object"
-    if ann.startswith(("Literal[", "Optional[")):
-        ann = ann.replace("Literal[", "one of ").replace("Optional[", "optional ")[:-1]
-    if ann.endswith(" | None"):  # `X | None` reads as the table's "optional X"
-        ann = "optional " + ann[: -len(" | None")]
-    return ann.replace("|", "\\|")
-
-
-def _range_words(f: Any) -> str:
-    """A numeric field's bounds as an interval (`(0, 1000]`, `[1, 1024]`, `>= 0`), '' for other fields."""
-    lo = hi = None
-    for x in f.metadata:
-        for attr, bracket in (("gt", "("), ("ge", "[")):
-            if getattr(x, attr, None) is not None:
-                lo = (bracket, getattr(x, attr))
-        for attr, bracket in (("lt", ")"), ("le", "]")):
-            if getattr(x, attr, None) is not None:
-                hi = (bracket, getattr(x, attr))
-
-    def num(v: float) -> str:
-        return str(v) if isinstance(v, int) else f"{v:.10g}"
-
-    if lo is None and hi is None:
-        return ""
-    if hi is None:
-        return f"{'>' if lo[0] == '(' else '>='} {num(lo[1])}"
-    if lo is None:
-        return f"{'<' if hi[0] == ')' else '<='} {num(hi[1])}"
-    return f"{lo[0]}{num(lo[1])}, {num(hi[1])}{hi[0]}"
-
-
-def reference_table() -> str:
-    """Markdown table of every `"dsv3"` key (type, allowed range, tiny default, meaning), generated from the
-    schema (cross-field rules, e.g. `moe.top_k <= moe.n_routed_experts`, are not in the range column)."""
-    tiny = load_config({"preset": "tiny"}).to_dict()
-    rows = [
-        "| key | type | range | tiny | meaning |",
-        "|---|---|---|---|---|",
-        "| `preset` | str |  | `tiny` | base preset: " + ", ".join(f"`{p}`" for p in PRESETS) + " |",
-    ]
-    sections = {
-        "model": ModelConfig,
-        "moe": MoEConfig,
-        "mtp": MTPConfig,
-        "parallel": ParallelConfig,
-        "fp8": FP8Config,
-        "memory": MemoryConfig,
-        "train": TrainConfig,
-    }
-    for sec, cls in sections.items():
-        for name, f in cls.model_fields.items():
-            val = json.dumps(tiny[sec][name])
-            kind, bounds = _type_words(f.annotation), _range_words(f)
-            rows.append(f"| `{sec}.{name}` | {kind} | {bounds} | `{val}` | {f.description or ''} |")
-            if (sec, name) == ("model", "rope_scaling"):  # its keys' ranges (a nested object)
-                for sub, g in RopeScaling.model_fields.items():
-                    val = json.dumps(tiny[sec][name][sub])
-                    rows.append(
-                        f"| `{sec}.{name}.{sub}` | {_type_words(g.annotation)} | {_range_words(g)} | `{val}` | "
-                        f"{g.description or ''} |"
-                    )
-    for name, f in DataConfig.model_fields.items():  # the object form of train.data (not set in the tiny preset)
-        default = "required" if f.is_required() else json.dumps(f.get_default(call_default_factory=True))
-        rows.append(
-            f"| `train.data.{name}` | {_type_words(f.annotation)} | {_range_words(f)} | ({default}) | "
-            f"{f.description or ''} |"
-        )
-    return "\n".join(rows)
