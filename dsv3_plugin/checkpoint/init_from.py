@@ -51,8 +51,8 @@ def build_train_model(
 
 def with_model_shape(ds: dict, shape: DSv3Config, keep_user_model_keys: bool = False) -> dict:
     """The DeepSpeed JSON `ds` with its "dsv3" block's model shape taken from `shape` (a released config.json's,
-    or a built model's `cfg`) and the training knobs (γ, λ, α schedules, parallel, fp8, memory, train.*) from the
-    block: the JSON need not repeat a checkpoint's shape.
+    or a built model's `cfg`) and the training knobs (γ, λ, α schedules, parallel, fp8, memory, train.*, lora) from
+    the block: the JSON need not repeat a checkpoint's shape.
 
     Args:
         ds: the DeepSpeed JSON as a dict, with a "dsv3" block.
@@ -73,7 +73,7 @@ def with_model_shape(ds: dict, shape: DSv3Config, keep_user_model_keys: bool = F
     for sec in ("model", "moe", "mtp") if keep_user_model_keys else ("moe", "mtp"):
         for k, v in (user.get(sec) or {}).items():
             block[sec][k] = v
-    for sec in ("parallel", "fp8", "memory", "train"):
+    for sec in ("parallel", "fp8", "memory", "train", "lora"):
         block[sec] = asked.to_dict()[sec]
     out = dict(ds)
     out["dsv3"] = block

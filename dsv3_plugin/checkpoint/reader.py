@@ -545,6 +545,27 @@ class CheckpointReader:
             return out
         return t
 
+    def get_fp8(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """One FP8 weight as stored, not dequantized: (E4M3 [O, I], fp32 `weight_scale_inv`
+        [ceil(O/b0), ceil(I/b1)]). The scales are checked as `get` checks them (and NaN codes refused) unless
+        `allow_non_finite`; a weight stored otherwise (BF16, E5M2) is a CheckpointError naming it."""
+        if name not in self:
+            raise CheckpointError(f"{name}: missing from checkpoint {self.path}")
+        info = self.stored[name]
+        if name not in self.scale_of or info.dtype != "F8_E4M3":
+            raise CheckpointError(
+                f"{name} in {info.file}: stored as {info.dtype}, not FP8 E4M3 with a weight_scale_inv"
+            )
+        sname = self.scale_of[name]
+        q, s = self.raw(name), self.raw(sname).to(torch.float32)
+        if not self.allow_non_finite:
+            check_scale(s, q.dtype, torch.float32, f"{sname} in {self.stored[sname].file}")
+            if n := fp8_special_codes(q):
+                raise CheckpointError(
+                    f"{name} in {info.file}: {n} NaN codes among {q.numel()} FP8 values; {ALLOW_HINT}"
+                )
+        return q, s
+
     def iter_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Stream (name, tensor) file by file."""
         for _, names in self.names_by_file().items():

@@ -32,6 +32,7 @@ from dsv3_plugin.model.moe.balancing import update_expert_bias
 from dsv3_plugin.model.moe.router import Router
 from dsv3_plugin.parallel.distributed import new_groups_bounded
 from dsv3_plugin.precision.bf16_adamw import AdamWBF16Moments
+from dsv3_plugin.training.lora import bias_update_speed, check_lora_checkpoint, lora_checkpoint_state
 from dsv3_plugin.training.rng_state import gather_rng_states, restore_rng_state
 
 __all__ = [
@@ -133,6 +134,15 @@ def _check_model_matches(model: torch.nn.Module, cfg: DSv3Config) -> None:
     if not isinstance(mcfg, DSv3Config):
         return
     built, asked = mcfg.to_dict(), cfg.to_dict()
+    if (cfg.lora is None) != (getattr(model, "lora_report", None) is None):
+        raise ConfigError(
+            "dsv3.lora: "
+            + (
+                "the config asks for LoRA but the model has no adapters (build it with the same block)"
+                if cfg.lora
+                else "the model carries LoRA adapters but the config has no lora section (give the same block)"
+            )
+        )
     for section in ("model", "moe", "mtp"):
         for key in asked[section]:
             if built[section].get(key) != asked[section][key]:
@@ -181,7 +191,7 @@ class _DSv3Hooks:
 
     @property
     def gamma(self) -> float:
-        return self.cfg.moe.gamma(float(self.state.tokens_seen))
+        return bias_update_speed(self.cfg, float(self.state.tokens_seen))  # 0 under LoRA with a frozen bias
 
     @property
     def lam(self) -> float:
@@ -233,6 +243,9 @@ class _DSv3Hooks:
             **gather_rng_states(),
             "config": self.cfg.to_dict(),
         }
+        if self.cfg.lora is not None:  # adapters + their optimizer state; the base only by its fingerprint
+            cs["dsv3"]["lora"] = lora_checkpoint_state(self.model)
+            kwargs.setdefault("exclude_frozen_parameters", True)
         with deferred_write_errors(self.engine):
             return self._orig_save(save_dir, tag=tag, client_state=cs, save_latest=save_latest, **kwargs)
 
@@ -242,6 +255,8 @@ class _DSv3Hooks:
             raise CheckpointError(f"{load_dir}: no DeepSpeed checkpoint (no 'latest' file; pass a tag)")
         from deepspeed.runtime.zero.utils import ZeRORuntimeException
 
+        if self.cfg.lora is not None:
+            kwargs.setdefault("load_module_strict", False)  # the frozen parameters are not in a LoRA checkpoint
         try:
             path, client_state = self._orig_load(load_dir, tag=tag, **kwargs)
         except ZeRORuntimeException as e:  # e.g. saved by another data-parallel size: the checkpoint does not fit
@@ -254,6 +269,8 @@ class _DSv3Hooks:
             return path, client_state
         if st is None:
             raise CheckpointError(f"{path}: client_state has no 'dsv3' entry (not saved by dsv3_plugin.deepspeed)")
+        if self.cfg.lora is not None:
+            check_lora_checkpoint(self.model, st.get("lora"), path)
         restore_rng_state(st, path)
         self.state.tokens_seen = int(st["tokens_seen"])
         self.state.optimizer_steps = int(st["optimizer_steps"])

@@ -161,6 +161,16 @@ def _to_deepspeed_experts(layer: ExpertParallelMoE, timeout_s: float | None = No
     layer.experts = new
 
 
+def _check_frozen_experts(experts: nn.Module) -> None:
+    """Under LoRA the routed experts stay our `GroupedExperts` slab (frozen, FP8 or not): they need no DeepSpeed MoE
+    module unless they train. Adapters on them would need the expert-data-parallel reduction: refused."""
+    if any(p.requires_grad for p in experts.parameters()):
+        raise ConfigError(
+            "dsv3.lora.experts: adapters on the routed experts with parallel.ep > 1 are not supported on the "
+            "DeepSpeed path (their gradients need the expert-data-parallel reduction); set lora.experts false or ep 1"
+        )
+
+
 def prepare_model(model: nn.Module, cfg: DSv3Config, dp_group=None) -> nn.Module:
     """Shard the routed experts of every MoE layer over `parallel.ep` (EP groups as DeepSpeed lays them out),
     with dispatch from `moe.dedup_dispatch` / `moe.ranks_per_node` / `fp8.dispatch`, and expose them to
@@ -168,7 +178,9 @@ def prepare_model(model: nn.Module, cfg: DSv3Config, dp_group=None) -> nn.Module
     loaded (each rank keeps its slice). At EP = 1 the layers stay plain (dense reduction is then exact).
     Every process group made for this (ours and DeepSpeed's EP / EDP groups) waits at most
     `parallel.p2p_timeout_s`. With `parallel.pp` > 1 (the pipelined engine; `dp_group`: its data-parallel
-    group) EP is carved from each pipeline stage's data-parallel group (`parallel.groups`)."""
+    group) EP is carved from each pipeline stage's data-parallel group (`parallel.groups`). Under `dsv3.lora` the
+    frozen experts stay as they are (no DeepSpeed MoE module: nothing to reduce); expert adapters at ep > 1 are
+    refused."""
     ep = cfg.parallel.ep
     pp = cfg.parallel.pp if dist.is_initialized() else 1
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -180,6 +192,9 @@ def prepare_model(model: nn.Module, cfg: DSv3Config, dp_group=None) -> nn.Module
         cls = deepspeed_experts_class()
         for m in model.modules():
             if isinstance(m, ExpertParallelMoE) and not isinstance(m.experts, cls):
+                if cfg.lora is not None:  # a frozen base (LoRA): nothing of the experts is reduced
+                    _check_frozen_experts(m.experts)
+                    continue
                 _to_deepspeed_experts(m, cfg.parallel.p2p_timeout_s)
     return model
 

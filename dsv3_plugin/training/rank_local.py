@@ -11,6 +11,7 @@ Design notes: docs/design_notes.md#training-rank-local
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -174,12 +175,15 @@ def build_rank_local(
     materialize: bool = True,
     init: bool = True,
     transforms: bool = True,
+    prepare: Callable[[DSv3Model], object] | None = None,
 ) -> DSv3Model:
     """The `DSv3Model` of `layout`'s rank: owned parameters on `device` in `dtype` (the router fp32), initialised
     as the full model built after the same seed would be (`init`; False leaves them uninitialised, for a
     checkpoint to fill), everything else on `meta`. `materialize=False` keeps the owned parameters on `meta`
     too (shapes and bytes only: e.g. a 671B rank). `transforms`: the config's FP8 / recompute transforms
-    (`training.transforms.apply_transforms`), as `build_model` applies them.
+    (`training.transforms.apply_transforms`), as `build_model` applies them. `prepare`: called with the model while
+    it is still all on `meta` (after the expert slabs), e.g. to put the frozen base on FP8 storage before any
+    high-precision copy of it exists (`precision.fp8.frozen.freeze_fp8`); its buffers are then materialized.
 
     No full-size tensor is ever allocated: the model is built on `meta`, then each owned parameter is created
     at its (local) size and filled on its own."""
@@ -207,6 +211,8 @@ def build_rank_local(
                 new = GroupedExperts(len(er), old.gate_proj.shape[2], old.gate_proj.shape[1], kernel=old.kernel)
             new.expert_range = er
             mod.experts = new
+    if prepare is not None:
+        prepare(model)
     # 2. materialize owned parameters (at their local size, in their dtype) and buffers
     std = cfg.model.initializer_range
     seen: set[int] = set()

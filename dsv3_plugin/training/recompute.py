@@ -52,6 +52,23 @@ class RecomputedRMSNorm(RMSNorm):
         return _ckpt(super().forward, x)
 
 
+def _rng_state(device: torch.device) -> tuple:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), device, cuda
+
+
+@contextlib.contextmanager
+def _rng_restored(state):
+    """Run with the generators as they were at `_rng_state` (as torch.utils.checkpoint's preserve_rng_state), then
+    put them back: a recompute draws the random numbers its forward drew, and nothing else sees it."""
+    cpu, device, cuda = state
+    with torch.random.fork_rng(devices=[device] if cuda is not None else [], device_type=device.type):
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)
+        yield
+
+
 class _QKVRecompute(torch.autograd.Function):
     """q, k, v = fn(c_Q, [c_KV | k^R]) computed without a graph; only the two latents are saved. The outputs'
     storages are freed by `_QKVHolder.discard` after the attention kernel has saved them and refilled by
@@ -63,6 +80,7 @@ class _QKVRecompute(torch.autograd.Function):
         ctx.holder = holder
         ctx.save_for_backward(*latents)  # what the saved-tensor hooks (and the memory plan) see
         holder.latents = latents
+        holder.rng = _rng_state(latents[0].device)  # the recompute draws what the forward drew (LoRA's dropout)
         with torch.no_grad():
             return holder.fn(*latents)
 
@@ -83,7 +101,7 @@ class _QKVHolder:
     # Holds the outputs' storages, not the outputs (an output references this Function's node, which references
     # the holder: a cycle autograd cannot collect); the latents are inputs and reference only upstream nodes.
     def __init__(self, fn):
-        self.fn, self.latents, self.recomputed, self.storages = fn, (), None, []
+        self.fn, self.latents, self.recomputed, self.storages, self.rng = fn, (), None, [], None
 
     def discard(self, outs) -> None:
         """Free every distinct storage behind `outs` (v may be a view of the kv up-projection's output)."""
@@ -98,7 +116,7 @@ class _QKVHolder:
         if self.recomputed is not None:
             return
         latents = [t.detach().requires_grad_(t.requires_grad) for t in self.latents]
-        with torch.enable_grad(), skip_counting():
+        with _rng_restored(self.rng), torch.enable_grad(), skip_counting():
             outs = self.fn(*latents)
         for st, n, i in self.storages:
             # the same ops on the same inputs: the same layout, so the bytes go back where they were

@@ -1,19 +1,14 @@
-"""Model transforms, applied in one place and in one order: FP8 → recompute → expert parallelism → W-split.
+"""Model transforms, applied in one place and in one order: FP8 → LoRA → recompute → expert parallelism → W-split.
 
-`DSv3Model(cfg)` builds the plain BF16/FP32 model (report §2); everything that changes *how* it computes, not
-*what*, is applied here, after construction, by swapping kernels or modules in place (parameter names and
-state_dict keys never change, so checkpoints load before or after):
-
-  1. FP8 (report §3.3): decoder-layer Linear GEMMs become `Fp8Linear`, routed experts get `Fp8ExpertKernel`,
-     dense / shared-expert SwiGLUs cache their inputs in FP8 (`Fp8SwiGLUAct`);
-  2. recompute (report §3.2.3): RMSNorm and MLA up-projections recomputed in backward (`training.recompute`);
-  3. expert parallelism (report §3.2.2): each MoE layer replaced by its EP shard (`parallel.expert_parallel`),
-     done by the caller that owns the process groups (`deepspeed.moe_layer.prepare_model`, Megatron's spec);
-  4. weight-gradient split (report §3.2.1, DualPipe's W ops): every kernel seam wrapped in
-     `DeferredWeightGrads` (`parallel.pipeline.weight_grad.split_weight_grads`).
-
-The order matters where two transforms touch one module: FP8 replaces the innermost kernel and W-split wraps
-whatever kernel is there, so FP8 under the W split keeps both (see `model.kernels`).
+`DSv3Model(cfg)` builds the plain model (report §2); what changes *how* it computes is applied here, in place:
+  1. FP8 (report §3.3): decoder-layer Linears `Fp8Linear`, routed experts `Fp8ExpertKernel`, SwiGLUs
+     `Fp8SwiGLUAct`; with `dsv3.lora` the frozen base is stored in FP8 instead (`precision.fp8.frozen`);
+  2. LoRA (`dsv3.lora`, `training.lora`): everything frozen, adapters attached through the kernel seams;
+  3. recompute (report §3.2.3): RMSNorm and MLA up-projections recomputed in backward (`training.recompute`);
+  4. expert parallelism (report §3.2.2): done by the caller owning the process groups (`parallel.expert_parallel`);
+  5. weight-gradient split (report §3.2.1): every kernel seam wrapped in `DeferredWeightGrads` (frozen GEMMs have
+     no W; LoRA's adapters do). State_dict keys of the base never change, so checkpoints load before or after.
+FP8 replaces the innermost kernel, LoRA wraps it and the W split wraps whatever is there (see `model.kernels`).
 """
 
 from __future__ import annotations
@@ -27,7 +22,9 @@ from dsv3_plugin.model.moe.layer import DenseMLP, GroupedExperts
 from dsv3_plugin.model.transformer import DecoderLayer, DSv3Model
 from dsv3_plugin.parallel.pipeline.weight_grad import split_weight_grads
 from dsv3_plugin.precision.fp8.experts import Fp8ExpertKernel, Fp8SwiGLUAct
+from dsv3_plugin.precision.fp8.frozen import freeze_fp8
 from dsv3_plugin.precision.fp8.linear import AutoBackend, Fp8Linear, Fp8LinearKernel, Fp8Recipe, Fp8Report
+from dsv3_plugin.training.lora import apply_lora, lora_model_config
 from dsv3_plugin.training.recompute import apply_recompute
 
 __all__ = ["build_model", "apply_transforms", "convert_to_fp8"]
@@ -43,19 +40,27 @@ def build_model(cfg: DSv3Config) -> DSv3Model:
         The model (FP32 parameters, initialised from the config's seed), transformed in place: with FP8 its
         decoder-layer Linears are `Fp8Linear` and its routed experts run `Fp8ExpertKernel`; with recompute its
         norms / MLA up-projections (or whole layers) are recomputed in backward. Parameter names are unchanged.
+        With `lora`: the frozen base (FP8 storage with `fp8.enabled`) with adapters, built from
+        `lora_model_config(cfg)` (no MTP modules under `lora.mtp` "off").
     """
+    cfg = lora_model_config(cfg)  # lora.mtp "off": no MTP modules
     return apply_transforms(DSv3Model(cfg), cfg)
 
 
 def apply_transforms(
     model: nn.Module, cfg: DSv3Config, *, split_w: bool = False, device: torch.device | str | None = None
 ) -> nn.Module:
-    """Apply, in place and in order, FP8 (`cfg.fp8.enabled`), recompute (`cfg.memory.recompute`) and, with
+    """Apply, in place and in order, FP8 (`cfg.fp8.enabled`; with `cfg.lora` the frozen FP8 base), LoRA
+    (`cfg.lora`), recompute (`cfg.memory.recompute`) and, with
     `split_w`, the weight-gradient split. Expert parallelism needs process groups and is applied by the
     framework adapter between recompute and the W split (see the module docstring). `device`: where the GEMMs
     will run (default: the first parameter's; a rank-local model's first parameter may be on `meta`)."""
-    if cfg.fp8.enabled:
+    if cfg.fp8.enabled and cfg.lora is not None:
+        freeze_fp8(model, cfg.fp8, device)  # the frozen base stored in FP8, computed in FP8
+    elif cfg.fp8.enabled:
         convert_to_fp8(model, cfg.fp8, device)
+    if cfg.lora is not None:
+        apply_lora(model, cfg)
     if cfg.memory.recompute != "none":
         apply_recompute(model, cfg.memory.recompute)
     if split_w:

@@ -13,7 +13,7 @@ from dsv3_plugin.checkpoint.lora_merge import write_merged_release
 from dsv3_plugin.checkpoint.lora_names import adapter_sites, lora_scale
 from dsv3_plugin.checkpoint.peft_adapter import write_peft_adapter
 from dsv3_plugin.checkpoint.tiny_release import TINY_RELEASE, write_tiny_release
-from dsv3_plugin.config import load_config
+from dsv3_plugin.config import DSv3Config
 
 pytestmark = pytest.mark.filterwarnings("ignore:The following (rank|alpha)_pattern keys did not match:RuntimeWarning")
 
@@ -34,7 +34,7 @@ LORAS = {
 def test_peft_logits_equal_merged_logits(tmp_path, fp8, case):
     from peft import PeftModel
 
-    cfg = load_config({**TINY_RELEASE, "lora": LORAS[case]})
+    cfg = DSv3Config.from_block({**TINY_RELEASE, "lora": LORAS[case]})
     base = write_tiny_release(tmp_path / "base", fp8=fp8, seed=2)
     ad = lora_adapters(cfg, cfg.lora, seed=3, scale=0.3)
     peft_base = base
@@ -77,7 +77,7 @@ def _fp8(stored: dict, n: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_fp8_merge_within_bound_and_unchanged_blocks_bit_exact(tmp_path):
-    cfg = load_config({**WIDE, "lora": LORAS["all_experts"]})
+    cfg = DSv3Config.from_block({**WIDE, "lora": LORAS["all_experts"]})
     base = write_tiny_release(tmp_path / "base", fp8=True, seed=4, block=WIDE)
     ad = lora_adapters(cfg, cfg.lora, seed=5, scale=0.1)
     ad["layers.0.mlp.gate_proj.lora_B"][:128] = 0  # block row 0 of the dense gate: no change

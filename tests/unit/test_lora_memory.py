@@ -5,7 +5,7 @@ scales, the frozen BF16 parts, ZeRO-1's partition of the adapters' optimizer sta
 import json
 
 from dsv3_plugin.cli import main
-from dsv3_plugin.config import load_config
+from dsv3_plugin.config import DSv3Config
 from dsv3_plugin.parallel.pipeline.trainable_gemms import adapter_params
 from dsv3_plugin.training.lora_memory import fp8_matrix_bytes, lora_layer_delta, lora_rank_memory
 from dsv3_plugin.training.memory_estimate import estimate_train_memory, model_param_count
@@ -20,7 +20,7 @@ ATTN, DENSE, EXPERT = 616 * R, 576 * R, 288 * R  # 2464, 2304, 1152 adapter para
 
 
 def _cfg(**lora):
-    return load_config({"preset": "tiny", "lora": {"rank": R, **lora}})
+    return DSv3Config.from_block({"preset": "tiny", "lora": {"rank": R, **lora}})
 
 
 def test_adapter_counts_by_formula():
@@ -100,7 +100,7 @@ def test_cli_plans_lora_and_refuses_bad_flags(capsys):
 def test_v3_lora_fits_two_nodes_only_with_full_recompute():
     """docs/finetune.md §9: DeepSeek-V3 LoRA r = 16 on 2 × 8 GPUs (pp 2, EP 8, DualPipeV) plans under 72 GiB a
     rank with full recompute, over it with less."""
-    cfg = load_config({"preset": "v3-671b", "lora": {"rank": 16}})
+    cfg = DSv3Config.from_block({"preset": "v3-671b", "lora": {"rank": 16}})
 
     def worst(rec):
         ranks = [lora_rank_memory(cfg, "dualpipev", 2, r, 8, 8, micro_batch_tokens=4096, recompute=rec) for r in (0, 1)]
@@ -112,8 +112,8 @@ def test_v3_lora_fits_two_nodes_only_with_full_recompute():
 def test_host_estimate_with_lora_counts_no_base_gradient_or_optimizer():
     """`dsv3 train`'s lower bound (training.memory_estimate): a frozen base has no gradient and no optimizer state,
     and takes at least its FP8 bytes; the full-training estimate would refuse runs LoRA fits."""
-    full = estimate_train_memory(load_config({"preset": "tiny"}))
+    full = estimate_train_memory(DSv3Config.from_block({"preset": "tiny"}))
     lora = estimate_train_memory(_cfg())
-    P = model_param_count(load_config({"preset": "tiny", "mtp": {"depth": 0}}))  # lora.mtp off: no MTP layer
+    P = model_param_count(DSv3Config.from_block({"preset": "tiny", "mtp": {"depth": 0}}))  # lora.mtp off: no MTP layer
     assert lora.parts["gradients"] == lora.parts["optimizer"] == 0 and lora.parts["weights"] == P
     assert lora.per_rank_bytes == P + 4 * 64 * 256 < full.per_rank_bytes  # + the logits of one 64-token row

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from dsv3_plugin.config import load_config
+from dsv3_plugin.config import DSv3Config
 from dsv3_plugin.parallel.pipeline.weight_grad import WeightGradQueue, split_weight_grads
 from dsv3_plugin.training.transforms import build_model
 
@@ -37,7 +37,7 @@ def _adapt(model: nn.Module, r: int = 2) -> list:
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_frozen_kernels_queue_no_w_only_adapters_do(fp8):
-    cfg = load_config({"preset": "tiny", "fp8": {"enabled": fp8}})
+    cfg = DSv3Config.from_block({"preset": "tiny", "fp8": {"enabled": fp8}})
     torch.manual_seed(0)
     model = build_model(cfg)
     model.train()
@@ -61,7 +61,7 @@ def test_frozen_kernels_queue_no_w_only_adapters_do(fp8):
 
 
 def test_all_frozen_gemms_leave_the_w_job_empty():
-    cfg = load_config({"preset": "tiny", "mtp": {"depth": 0}})
+    cfg = DSv3Config.from_block({"preset": "tiny", "mtp": {"depth": 0}})
     model = build_model(cfg)
     model.train()
     split_weight_grads(model)

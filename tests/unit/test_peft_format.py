@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from dsv3_plugin.checkpoint.lora_names import adapter_sites, config_targets
 from dsv3_plugin.checkpoint.peft_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_peft_adapter, write_peft_adapter
 from dsv3_plugin.checkpoint.tiny_release import TINY_RELEASE, write_tiny_release
-from dsv3_plugin.config import load_config
+from dsv3_plugin.config import DSv3Config
 from dsv3_plugin.errors import CheckpointError
 
 # peft 0.21.2 checks rank_pattern / alpha_pattern keys against targeted *modules* only, so it calls the fused experts'
@@ -32,7 +32,7 @@ CASES = {
 
 
 def _cfg(lora: dict):
-    return load_config({**TINY_RELEASE, "lora": lora})
+    return DSv3Config.from_block({**TINY_RELEASE, "lora": lora})
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ FLOPs, 2·T·r·(d_in + d_out) per adapted matrix (`comm_model.layer_flops`), an
 import json
 
 from dsv3_plugin.cli import main
-from dsv3_plugin.config import load_config
+from dsv3_plugin.config import DSv3Config
 from dsv3_plugin.parallel.pipeline.comm_model import Hardware, layer_flops, paper_setup
 from dsv3_plugin.parallel.pipeline.schedule import build_schedule
 from dsv3_plugin.parallel.pipeline.simulate import Durations, simulate
@@ -18,7 +18,7 @@ EXPERT_SUM = 3 * (7168 + 2048)
 
 
 def _v3(**lora):
-    return load_config({"preset": "v3-671b", "lora": {"rank": R, **lora}})
+    return DSv3Config.from_block({"preset": "v3-671b", "lora": {"rank": R, **lora}})
 
 
 def test_w_flops_are_the_adapters_weight_gradients():
@@ -27,7 +27,7 @@ def test_w_flops_are_the_adapters_weight_gradients():
     assert fl["mlp_w"] == {"fp8": 0.0, "bf16": 2.0 * T * R * EXPERT_SUM}  # the shared expert only
     ex = layer_flops(_v3(experts=True), T)
     assert ex["mlp_w"]["bf16"] == 2.0 * T * R * EXPERT_SUM * (1 + 8)  # + top-8 routed rows per token
-    full = layer_flops(load_config({"preset": "v3-671b"}), T)
+    full = layer_flops(DSv3Config.from_block({"preset": "v3-671b"}), T)
     # forward and input gradient keep the frozen GEMMs and add one adapter pass each
     assert fl["attention"]["fp8"] == full["attention"]["fp8"]
     assert fl["mlp_b"] == {"fp8": full["mlp_b"]["fp8"], "bf16": fl["mlp_w"]["bf16"]}
