@@ -301,7 +301,7 @@ def test_config_refuses_targets_naming_no_module():
 
 def test_frozen_fp8_needs_the_blockwise_recipe():
     with pytest.raises(ConfigError, match="blockwise"):
-        freeze_fp8(DSv3Model({"preset": "tiny"}), FP8Config(enabled=True, recipe="tensorwise"))
+        freeze_fp8(DSv3Model(DSv3Config.from_block({"preset": "tiny"})), FP8Config(enabled=True, recipe="tensorwise"))
 
 
 # ------------------------------------------------------------------------------------------------ loading
