@@ -73,8 +73,10 @@ def with_model_shape(ds: dict, shape: DSv3Config, keep_user_model_keys: bool = F
     for sec in ("model", "moe", "mtp") if keep_user_model_keys else ("moe", "mtp"):
         for k, v in (user.get(sec) or {}).items():
             block[sec][k] = v
-    for sec in ("parallel", "fp8", "memory", "train", "lora"):
+    for sec in ("parallel", "fp8", "memory", "train"):
         block[sec] = asked.to_dict()[sec]
+    if asked.lora is not None:
+        block["lora"] = asked.to_dict()["lora"]
     out = dict(ds)
     out["dsv3"] = block
     return out
