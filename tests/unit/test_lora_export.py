@@ -209,6 +209,9 @@ def test_bad_inputs_exit_2_with_one_line_and_write_nothing(setup, tmp_path, caps
     _one_line_exit_2(capsys, "export", str(full), dst, "--to", "peft", "--no-progress", match="has no LoRA adapters")
     _one_line_exit_2(capsys, "export", str(full), dst, "--to", "hf", "--base", base, "--no-progress",
                      match="--base: only for a LoRA run")  # fmt: skip
+    lay = str(tmp_path / "lay")  # a Megatron-layout directory: full weights, no adapters
+    assert cli_main(["convert", base, lay, "--to", "megatron", "--no-progress"]) == 0
+    _one_line_exit_2(capsys, "export", lay, dst, "--to", "peft", "--no-progress", match="holds the full model")
     assert not os.path.exists(dst)
     # generate: an adapter trained on another base, a PEFT dir naming unknown targets, a non-adapter dir
     ids = ["--prompt-ids", "1,2", "--max-new-tokens", "1"]
