@@ -38,7 +38,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:The following (rank|alpha)_patte
 def _write_run(root: str, base: str, lora: dict, seed: int = 0, fp8: bool = False) -> dict:
     """A LoRA run directory as `dsv3 train` leaves it (pp = ep = 1, tag step3): the frozen base loaded from `base`
     (`load_frozen_base`, which records its path and fingerprint), adapters set to N(0, 0.1^2) (B nonzero, as after
-    training). Returns the adapters {native name: tensor}."""
+    training; with `lora.bias_update` the routing biases moved too). Returns the adapters {native name: tensor}."""
     torch.manual_seed(seed)
     block = {"lora": lora, **({"fp8": {"enabled": True}} if fp8 else {})}
     model = load_frozen_base(base, **block)
@@ -47,6 +47,10 @@ def _write_run(root: str, base: str, lora: dict, seed: int = 0, fp8: bool = Fals
         for p in model.parameters():
             if p.requires_grad:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+        if lora.get("bias_update"):  # a routing bias moved by training
+            for n, b in model.named_buffers():
+                if n.endswith("e_score_correction_bias"):
+                    b.add_(torch.randn(b.shape, generator=g) * 1e-3)
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
     module = {n: t.clone() for n, t in model.state_dict().items() if n in trainable or n.endswith("_bias")}
     cfg = pretrained_config(base, **block)  # the run's config: the release's shape + the dsv3 block
@@ -152,6 +156,19 @@ def test_merged_fp8_export_keeps_what_the_adapters_leave_alone(tmp_path, capsys)
             adapted = "q_b_proj" in n and int(n.split(".")[2]) < L
             assert same != adapted, n  # FP8 bytes and scales as released, except the adapted ones
     assert json.loads((tmp_path / "m8" / "config.json").read_text())["quantization_config"]["fmt"] == "e4m3"
+
+
+def test_a_trained_routing_bias_is_merged_and_refused_as_peft(setup, tmp_path, capsys):
+    base, run = setup["base"], str(tmp_path / "run_b")
+    _write_run(run, base, {**LORA, "bias_update": True})
+    sd = torch.load(os.path.join(run, "ckpt", "step3", "mp_rank_00_model_states.pt"), weights_only=True)
+    trained = {n: t for n, t in sd["module"].items() if n.endswith("e_score_correction_bias")}
+    _one_line_exit_2(capsys, "export", run, str(tmp_path / "p"), "--to", "peft", "--no-progress",
+                     match="lora.bias_update true")  # fmt: skip
+    assert not os.path.exists(tmp_path / "p")
+    assert _cli(capsys, "export", run, str(tmp_path / "m"), "--to", "hf-bf16", "--no-progress")[0] == 0
+    got = _merged_tensors(tmp_path / "m")
+    assert trained and all(torch.equal(got["model." + n], t) for n, t in trained.items())  # FP32, as trained
 
 
 def _gen(capsys, *args) -> list[int]:
