@@ -337,7 +337,7 @@ def export(
     Returns:
         {"to", "src", "dst", "source" ("run" | "megatron-lm" | "megatron-layout"), "tag", "tensors", "files",
         "output_bytes", "input_bytes", "tokenizer" (the directory copied, or None), "tokenizer_files",
-        "notes" (lines for the user)}.
+        "base" (a LoRA run's base directory, else None), "notes" (lines for the user)}.
 
     Raises:
         CheckpointError: `src` is neither kind, incomplete, or holds a tensor that is missing, unexpected,
@@ -381,5 +381,6 @@ def export(
         "input_bytes": source.input_bytes,
         "tokenizer": tok_dir,
         "tokenizer_files": copied,
+        "base": source.base,
         "notes": notes,
     }

@@ -127,6 +127,8 @@ class RunSource(Source):
         if lora is None and base is not None:
             raise ConfigError(f"--base: only for a LoRA run; {path} trained the whole model (its config has no lora)")
         base_dir = None if lora is None else lora_base(lora, base, run.path)
+        if base_dir is not None:
+            notes.append(f"LoRA run: its adapters on the base {base_dir} (fingerprint {lora.base_fingerprint})")
         nbytes = run_input_bytes(run, cfg, is_bf16_masters(sd0))
         return cls(path, run, cfg, cfg.to_hf(), sd0, nbytes, notes, lora, base_dir)
 

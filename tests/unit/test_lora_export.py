@@ -94,7 +94,8 @@ def test_peft_export_loads_in_peft_with_our_adapted_logits(setup, tmp_path, caps
     dst = tmp_path / "peft"
     rc, out, err = _cli(capsys, "export", setup["run"], str(dst), "--to", "peft", "--no-progress")
     assert rc == 0, err
-    assert json.loads(out)["to"] == "peft"
+    summary = json.loads(out)
+    assert summary["to"] == "peft" and summary["base"] == setup["base"] and "LoRA run" in err  # the recorded base
     conf = json.loads((dst / "adapter_config.json").read_text())
     assert conf["base_model_name_or_path"] == setup["base"]  # the base the run recorded
     ref = _logits(load_adapted(setup["base"], dst), IDS)
