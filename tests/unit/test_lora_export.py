@@ -240,7 +240,13 @@ def test_bad_inputs_exit_2_with_one_line_and_write_nothing(setup, tmp_path, caps
     peft_dir = tmp_path / "peft"
     assert _cli(capsys, "export", run, str(peft_dir), "--to", "peft", "--no-progress")[0] == 0
     conf = json.loads((peft_dir / "adapter_config.json").read_text())
+    clean = peft_dir.parent / "peft_clean"
+    shutil.copytree(peft_dir, clean)
     conf["target_modules"] = [*conf["target_modules"], "w_unknown"]
     (peft_dir / "adapter_config.json").write_text(json.dumps(conf))
     _one_line_exit_2(capsys, "generate", "--model", base, "--adapter", str(peft_dir), *ids, match="w_unknown")
     _one_line_exit_2(capsys, "generate", "--model", base, "--adapter", base, *ids, match="neither a PEFT adapter")
+    # a PEFT dir for a base of another shape (the dense MLP's intermediate size): refused by tensor shape
+    wide = write_tiny_release(tmp_path / "wide", fp8=False, block={"preset": "tiny", "model": {"vocab_size": 1088,
+                              "intermediate_size": 192}})  # fmt: skip
+    _one_line_exit_2(capsys, "generate", "--model", wide, "--adapter", str(clean), *ids, match="the base model needs")
