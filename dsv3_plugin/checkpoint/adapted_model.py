@@ -63,8 +63,10 @@ def read_adapters(
 
 
 def _shape(cfg: DSv3Config) -> dict:
-    """The model's shape (its released config.json's fields), what adapters must agree on."""
-    return {k: v for k, v in cfg.to_hf().items() if k not in ("torch_dtype", "quantization_config")}
+    """The model's shape (its released config.json's fields), what adapters must agree on; the MTP depth left out
+    (adapters sit on the decoder layers; a LoRA run under `lora.mtp` "off" may record depth 0)."""
+    skip = ("torch_dtype", "quantization_config", "num_nextn_predict_layers")
+    return {k: v for k, v in cfg.to_hf().items() if k not in skip}
 
 
 @torch.no_grad()
