@@ -149,8 +149,6 @@ def parse_megatron_args(
     notes += fp8_notes
     cfg = cfg.model_copy(update={"fp8": fp8})  # what the plugin's layers run (enabled or not), already validated
     notes += resolve_lora_args(args, cfg, where)
-    if args.dsv3_lora is not None:  # LoRA's settings join the run's one config; lora.mtp "off": no MTP modules
-        cfg = lora_model_config(cfg.model_copy(update={"lora": LoRAConfig(**args.dsv3_lora)}))
     schedule = resolve_pipeline_schedule(args, parser, explicit, cfg, where)
     notes += default_eval_interval(args, explicit)
     # Megatron-LM's default tokenizer, handed over only when --tokenizer-type is absent (Megatron warns about every
@@ -162,6 +160,9 @@ def parse_megatron_args(
     notes += apply_pipeline_schedule(args, schedule, cfg)
     notes += check_weight_sources(args, cfg, where, None if args.dsv3_config else flag_names_of_keys(parser))
     check_sft_args(args)
+    if args.dsv3_lora is not None:  # LoRA's settings join the run's one config; lora.mtp "off": no MTP modules
+        # (last: lora_model_config's copy marks every key as given, which the flag reconciliation above would read)
+        cfg = lora_model_config(cfg.model_copy(update={"lora": LoRAConfig(**args.dsv3_lora)}))
     set_run_config(args, cfg)
     if set_globals:
         set_megatron_globals(args)

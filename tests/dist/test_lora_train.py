@@ -98,8 +98,15 @@ def release(tmp_path_factory):
     return write_tiny_release(tmp_path_factory.mktemp("lora_release") / "ckpt", fp8=True)
 
 
-def test_lora_trains_the_adapters_only_and_checkpoints_them(release, tmp_path):
-    ranks = run_ranks(_rank, 2, str(release), str(tmp_path / "ck"))
+@pytest.fixture(scope="module")
+def trained(release, tmp_path_factory):
+    """The 2-rank run, once for the module: (per-rank results, its checkpoint directory)."""
+    ck = tmp_path_factory.mktemp("lora_run") / "ck"
+    return run_ranks(_rank, 2, str(release), str(ck)), ck
+
+
+def test_lora_trains_the_adapters_only_and_checkpoints_them(trained):
+    ranks, _ = trained
     r = ranks[0]
     assert all(x["local_experts"] == 8 and x["same_on_ranks"] and x["resumed"] for x in ranks)  # 16 experts / ep 2
     assert r["steps"] == 3
@@ -112,3 +119,19 @@ def test_lora_trains_the_adapters_only_and_checkpoints_them(release, tmp_path):
     assert any(f.endswith("optim_states.pt") for f in r["files"])  # the adapters' optimizer state
     assert r["resumed"]
     assert r["err"] is not None and "adapters trained on base sha256:" in r["err"]
+
+
+def test_the_lora_checkpoint_exports_as_peft_and_merged(release, trained, tmp_path):
+    """The engine's own LoRA checkpoint (adapters, ZeRO state, the base's path and fingerprint) through `dsv3
+    export`: the base found from the record, the adapters as a PEFT dir that reads back, and merged into FP8."""
+    from dsv3_plugin.checkpoint.export import export
+    from dsv3_plugin.checkpoint.hf import pretrained_config
+    from dsv3_plugin.checkpoint.peft_adapter import read_peft_adapter
+
+    ranks, ck = trained
+    out = export(ck, tmp_path / "peft", "peft", progress=False)
+    back, lora = read_peft_adapter(tmp_path / "peft", pretrained_config(str(release), **DS["dsv3"]))
+    assert set(back) == set(ranks[0]["adapters"]) and out["tensors"] == len(back)
+    assert lora.rank == LORA["rank"] and lora.alpha == LORA["alpha"]
+    merged = export(ck, tmp_path / "m", "hf", progress=False)
+    assert merged["tensors"] > len(back)
