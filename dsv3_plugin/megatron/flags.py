@@ -317,8 +317,14 @@ _DEEPSPEED_ONLY_MEMORY = {
 
 
 def refuse_deepspeed_only_keys(cfg: DSv3Config, where: str) -> None:
-    """ConfigError naming the first `memory` key of the block (`where`: the --dsv3-config file) set to anything but
-    its default: those keys configure `dsv3 train` only (`_DEEPSPEED_ONLY_MEMORY` says what Megatron has instead)."""
+    """ConfigError naming a `lora` block, or the first `memory` key of the block (`where`: the --dsv3-config file) set
+    to anything but its default: those keys configure `dsv3 train` only (`_DEEPSPEED_ONLY_MEMORY` says what Megatron
+    has instead)."""
+    if cfg.lora is not None:  # (never accepted and ignored: the Megatron path would train the whole model)
+        raise ConfigError(
+            f"dsv3.lora in {where}: LoRA from a --dsv3-config block is trained by `dsv3 train` (the DeepSpeed path); "
+            "the Megatron path does not read it"
+        )
     default = type(cfg.memory)()
     for key, why in _DEEPSPEED_ONLY_MEMORY.items():
         got = getattr(cfg.memory, key)
