@@ -6,7 +6,10 @@ refuses."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -24,7 +27,6 @@ DS = {
 
 def _rank(release: str, ckdir: str) -> dict:
     import torch
-
     import torch.distributed as dist
 
     import dsv3_plugin.deepspeed as dsv3_ds
@@ -112,3 +114,100 @@ def test_lora_trains_the_adapters_only_and_checkpoints_them(release, tmp_path):
     assert any(f.endswith("optim_states.pt") for f in r["files"])  # the adapters' optimizer state
     assert r["resumed"]
     assert r["err"] is not None and "adapters trained on base sha256:" in r["err"]
+
+
+# ---- through `dsv3 train` (self-spawned --nproc 2): real text, held-out loss, resume, another base -----------------
+
+
+def _cli(*args) -> subprocess.CompletedProcess:
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "dsv3_plugin", "train", "--nproc", "2", "--json", "--no-progress", *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def _metrics(out) -> list[dict]:
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f) if "step" in r]
+
+
+def _base_eval_loss(ds: dict, release: str) -> float:
+    """The released base's held-out LM loss (adapters at B = 0: the frozen base as the run computes it), on both
+    data-parallel ranks' eval rows: what the run's eval_loss would be before its first step."""
+    import torch
+
+    from dsv3_plugin.checkpoint.frozen_base import load_frozen_base
+    from dsv3_plugin.data.packed import open_data
+    from dsv3_plugin.deepspeed.run_config import RunConfig, RunOverrides
+    from dsv3_plugin.model.packing import lm_ce_sum
+
+    run = RunConfig.load(ds, overrides=RunOverrides(init_from=release), world_size=2)
+    cfg = run.cfg
+    d = cfg.to_dict()
+    model = load_frozen_base(release, **{s: d[s] for s in ("moe", "mtp", "parallel", "fp8", "train", "lora")}).eval()
+    data = open_data(cfg, release, micro_batch=run.micro_batch, gas=run.gas, dp=2)
+    ce, n = 0.0, 0
+    with torch.no_grad():
+        for b in (b for rank in range(2) for b in data.eval_batches(rank)):
+            o = model(b.input_ids, position_ids=b.position_ids, token_mask=b.token_mask)
+            ce, n = ce + float(lm_ce_sum(o.logits, b.labels)), n + b.loss_tokens
+    return ce / n
+
+
+def test_dsv3_train_lora_lowers_eval_loss_resumes_bit_exactly_and_refuses_another_base(release, tmp_path):
+    from helpers import zero1_ds
+
+    from dsv3_plugin.checkpoint.run_checkpoint import _load_pt, find_run_checkpoint
+    from dsv3_plugin.checkpoint.tiny_release import write_tiny_release
+    from dsv3_plugin.data.prepare import prepare
+    from dsv3_plugin.data.tokenizer import pydoc_texts
+
+    texts = pydoc_texts()
+    for name, docs in (("train", texts[4:40]), ("valid", texts[:4])):
+        with open(tmp_path / f"{name}.jsonl", "w") as f:
+            f.writelines(json.dumps({"text": t}) + "\n" for t in docs)
+        prepare([str(tmp_path / f"{name}.jsonl")], release, str(tmp_path / name), progress=False)
+    data = {"train": [str(tmp_path / "train")], "valid": [str(tmp_path / "valid")], "packing": False,
+            "eval_batches": 1, "eval_every": 2}  # fmt: skip
+    block = {"train": {"seq_len": 64, "seed": 3, "data": data, "save_every": 2}, "fp8": {"enabled": True},
+             "lora": {"rank": 8, "alpha": 16.0}}  # fmt: skip
+    ds = zero1_ds(block, 1)
+    ds["optimizer"]["params"]["weight_decay"] = 0.0
+    cfg_path = tmp_path / "ds.json"
+    cfg_path.write_text(json.dumps(ds))
+    common = ["--config", str(cfg_path), "--init-from", release]
+
+    full = _cli(*common, "--steps", "4", "--out", str(tmp_path / "full"))
+    assert full.returncode == 0, full.stderr[-3000:]
+    half = _cli(*common, "--steps", "2", "--out", str(tmp_path / "half"))
+    assert half.returncode == 0, half.stderr[-3000:]
+    resumed = _cli(*common, "--steps", "4", "--resume", str(tmp_path / "half"), "--out", str(tmp_path / "half"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+    m_full, m_half = _metrics(tmp_path / "full"), _metrics(tmp_path / "half")
+    assert [r["step"] for r in m_full] == [r["step"] for r in m_half] == [1, 2, 3, 4]
+    for a, b in zip(m_full, m_half):  # the same op sequence on the same values: equal, not close
+        assert {k: a[k] for k in ("loss", "lm_loss", "grad_norm", "lr")} == {
+            k: b[k] for k in ("loss", "lm_loss", "grad_norm", "lr")
+        }
+        assert a.get("eval_loss") == b.get("eval_loss")
+    base = _base_eval_loss(ds, release)
+    evals = [r["eval_loss"] for r in m_full if r.get("eval_loss") is not None]
+    assert len(evals) == 2 and evals[-1] < evals[0] < base, (base, evals)  # held-out text: LoRA lowers it
+
+    ck = find_run_checkpoint(str(tmp_path / "full"))
+    states = [_load_pt(os.path.join(ck.path, f)) for f in sorted(os.listdir(ck.path)) if "model_states" in f]
+    module = states[0]["module"]
+    adapters = sorted(n for n in module if n.rsplit(".", 1)[-1].endswith(("lora_A", "lora_B")))
+    assert adapters and all(n in adapters or n.endswith(("e_score_correction_bias", "tokens_per_expert"))
+                            for n in module)  # fmt: skip  # no frozen base weight in the checkpoint
+    optimized = sorted(n for group in states[0]["param_shapes"] for n in group)
+    assert optimized == adapters  # the optimizer holds the adapters and nothing else
+    lora = states[0]["dsv3"]["lora"]
+    assert lora["adapters"] == [n for n in lora["adapters"]] and sorted(lora["adapters"]) == adapters
+    assert lora["base_fingerprint"].startswith("sha256:")
+
+    other = write_tiny_release(tmp_path / "other", fp8=True, seed=1, shard_bytes=1 << 19)  # same shape, other base
+    refused = _cli("--config", str(cfg_path), "--init-from", other, "--steps", "6", "--resume",
+                   str(tmp_path / "full"), "--out", str(tmp_path / "full"))  # fmt: skip
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "adapters trained on base sha256:" in refused.stderr, refused.stderr[-3000:]
