@@ -2,9 +2,10 @@
 
 A DeepSpeed JSON (a path, a dict, or the built-in `ds_config.json`) is read once, the command line's overrides
 (`RunOverrides`: --data / --valid-data / --tokenizer, the --init-from checkpoint's shape, --exit-after-minutes)
-are written into its "dsv3" block, and `deepspeed.validate.validate_ds_config` checks the whole: the result holds
-DeepSpeed's keys and the typed `DSv3Config` side by side. It is picklable: `dsv3 train --nproc N` hands it to the
-ranks it spawns, and the engine, the model builders, the data and the loop take it (or its `cfg`) as it is.
+are written into its "dsv3" block, and `validate_ds_config` checks the whole (with `dsv3.lora`, `lora_base_rules`
+too: a release to train on, FP8 kept FP8): the result holds DeepSpeed's keys and the typed `DSv3Config` side by
+side. It is picklable: `dsv3 train --nproc N` hands it to the ranks it spawns, and the engine, the model builders,
+the data and the loop take it (or its `cfg`) as it is.
 """
 
 from __future__ import annotations

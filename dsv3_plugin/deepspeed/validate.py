@@ -66,17 +66,11 @@ def deepspeed_path_rules(cfg: DSv3Config, ds: dict) -> None:
 
 def lora_rules(cfg: DSv3Config) -> None:
     """What `dsv3.lora` needs on the DeepSpeed path, checked on the merged block (a release's shape included):
-    ZeRO-1 without a pipeline (the pipelined engine does not carry the adapters' checkpoint and frozen bias),
     frozen routed experts under expert parallelism, the blockwise recipe of the frozen FP8 base, and an MTP module
     for `lora.mtp` "frozen"."""
     lo, p = cfg.lora, cfg.parallel
     if lo is None:
         return
-    if p.pp > 1:
-        raise ConfigError(
-            f"dsv3.lora: LoRA with parallel.pp = {p.pp} is not supported on the DeepSpeed path (its pipelined "
-            "engine does not save or resume adapters); use pp = 1 (ZeRO-1, with ep for the experts)"
-        )
     if lo.experts and p.ep > 1:
         raise ConfigError(
             f"dsv3.lora.experts: adapters on the routed experts with parallel.ep = {p.ep} are not supported on the "

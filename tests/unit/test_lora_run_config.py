@@ -51,6 +51,10 @@ def test_lora_config_is_accepted_with_a_release(tmp_path, releases, capsys):
         _file(tmp_path, lora={"mtp": "frozen"}), overrides=RunOverrides(init_from=releases["fp8"]), world_size=2
     )
     assert frozen.cfg.mtp.depth == DSv3Config.from_block({"preset": "tiny"}).mtp.depth > 0
+    piped = json.loads(open(_file(tmp_path, parallel={"pp": 2, "schedule": "dualpipev"})).read())
+    piped["gradient_accumulation_steps"] = 4  # DualPipeV: >= 2·pp micro-batches a step
+    pp = RunConfig.load(piped, overrides=RunOverrides(init_from=releases["fp8"]), world_size=2)
+    assert pp.cfg.lora is not None and pp.cfg.parallel.pp == 2  # the pipelined engine trains adapters too
 
 
 REFUSED = [
@@ -60,7 +64,6 @@ REFUSED = [
     ({"fp8": None}, "fp8", 2, "error: dsv3.fp8.enabled: --init-from "),
     ({"fp8": {"recipe": "tensorwise"}}, "fp8", 2, "error: dsv3.fp8.recipe: 'tensorwise' with dsv3.lora"),
     ({"lora": {"mtp": "frozen"}, "mtp": {"depth": 0}}, "fp8", 2, "error: dsv3.lora.mtp: 'frozen' trains through"),
-    ({"parallel": {"pp": 2}}, "fp8", 2, "error: dsv3.lora: LoRA with parallel.pp = 2 is not supported"),
 ]
 
 
@@ -96,3 +99,16 @@ def test_megatron_path_refuses_a_lora_block():
     with pytest.raises(ConfigError, match=r"^dsv3.lora in ds.json: LoRA from a --dsv3-config block is trained by"):
         refuse_deepspeed_only_keys(cfg, "ds.json")
     refuse_deepspeed_only_keys(DSv3Config.from_block({"preset": "tiny"}), "ds.json")  # no lora block: accepted
+
+
+def test_initialize_refuses_a_lora_block_for_a_model_without_adapters():
+    """The Python API: `dsv3_plugin.deepspeed.initialize` with a lora block and a plain model (not built by
+    `load_frozen_base`) would train the whole model: refused before DeepSpeed is called."""
+    from dsv3_plugin.deepspeed import initialize
+    from dsv3_plugin.training.transforms import build_model
+
+    model = build_model(DSv3Config.from_block({"preset": "tiny"}))
+    ds = json.loads(json.dumps(DS))
+    ds["dsv3"] = {"lora": {"rank": 4}}
+    with pytest.raises(ConfigError, match=r"^dsv3.lora: the config asks for LoRA but the model has no adapters"):
+        initialize(model, ds)
