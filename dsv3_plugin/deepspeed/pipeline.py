@@ -124,6 +124,11 @@ class PipelinedEngine(PipelinedStages):
         ds["train_micro_batch_size_per_gpu"] = mbs * self.gas
         ds.pop("train_batch_size", None)
         ds.pop("dsv3", None)
+        if (cfg.lora is None) != (getattr(model, "lora_report", None) is None):  # (as `engine.initialize` refuses)
+            raise ConfigError(
+                "dsv3.lora: the config and the model disagree on LoRA adapters (build the model with the same block: "
+                "checkpoint.frozen_base.load_frozen_base)"
+            )
         if cfg.lora is not None:  # what a LoRA checkpoint records (`lora_checkpoint_state`), on this rank's stages
             self.module.lora_report = getattr(model, "lora_report", None)
             self.module.base_fingerprint = getattr(model, "base_fingerprint", None)
