@@ -303,7 +303,7 @@ def test_dsv3_train_lora_lowers_eval_loss_resumes_bit_exactly_and_refuses_anothe
     optimized = sorted(n for group in states[0]["param_shapes"] for n in group)
     assert optimized == adapters  # the optimizer holds the adapters and nothing else
     lora = states[0]["dsv3"]["lora"]
-    assert lora["adapters"] == [n for n in lora["adapters"]] and sorted(lora["adapters"]) == adapters
+    assert sorted(lora["adapters"]) == adapters  # the record names the adapters the file holds
     assert lora["base_fingerprint"].startswith("sha256:")
 
     other = write_tiny_release(tmp_path / "other", fp8=True, seed=1, shard_bytes=1 << 19)  # same shape, other base
