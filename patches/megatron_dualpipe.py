@@ -37,13 +37,13 @@ def _version() -> str:
 
 
 def _schedule_of(schedule) -> str:
-    from dsv3_plugin.config import ConfigError, load_config
+    from dsv3_plugin.config import ConfigError, DSv3Config, load_config
 
     if isinstance(schedule, str) and schedule in SCHEDULES:
         return schedule
     if isinstance(schedule, str) and not schedule.endswith(".json"):
         raise ConfigError(f"pipeline schedule {schedule!r}: choose from {', '.join(SCHEDULES)}")
-    cfg = load_config(schedule)
+    cfg = DSv3Config.from_block(schedule) if isinstance(schedule, dict) else load_config(schedule)
     # a block's "1f1b" is any 1F1B: Megatron's own unless the name "1f1b" is passed (as --dsv3-pipeline-schedule does)
     return cfg.parallel.schedule if cfg.parallel.schedule in ("dualpipev", "dualpipe") else "megatron"
 

@@ -1,26 +1,13 @@
-"""`dsv3 train`: DeepSpeed ZeRO-1 training of a DeepSeek-V3 model (see `dsv3_plugin.deepspeed.train`) on prepared
-data (`dsv3.train.data` an object, or --data) or on the synthetic Markov chain (the default).
-
-    dsv3 train [--config FILE] [--nproc N] [--steps N] [--out DIR] [--resume DIR] [--init-from DIR]
-               [--data PREFIX ...] [--valid-data PREFIX ...] [--tokenizer DIR]
-               [--json] [--overwrite] [--no-progress]
-
---data / --valid-data: `dsv3 prepare-data` prefixes (PREFIX.bin/.idx) or small .jsonl files; they set
-`dsv3.train.data.train` / `.valid` (see docs/configuration.md); --tokenizer (default: the --init-from directory)
-sets `dsv3.train.data.tokenizer`. `--resume` with data other than the checkpoint's (another file, packing,
-seq_len, data seed or batch layout) is refused (exit 2, nothing run): a checkpoint's data position is a step of
-its own data.
-
-No --config: the built-in DeepSpeed JSON (`tiny` preset; examples/deepspeed/ds_config.json is a copy of it).
-Self-spawns N gloo/NCCL ranks with --nproc (default 2) unless launched by torchrun / the deepspeed launcher,
-in which case RANK / WORLD_SIZE / MASTER_* come from the environment (the deepspeed launcher's `--local_rank=N`
-is accepted wherever it lands, see `dsv3_plugin.cli.main`).
-
-Output: a progress bar on stderr and a short summary on stdout; every step's JSON line goes to OUT/metrics.jsonl,
-and to stdout as well with --json (then stdout is JSON only: one object per logged step, then {"summary": ...};
-the human summary moves to stderr). Exit 2 on bad config/checkpoint/--out input with one `error:` line,
-whichever rank found it; 1 for other failures (a rank dead or silent longer than `parallel.p2p_timeout_s`: one
-message naming the wait and the limit, no traceback).
+"""`dsv3 train [--config FILE] [--nproc N] [--steps N] [--out DIR] [--resume DIR] [--init-from DIR] [--data PREFIX]
+[--valid-data PREFIX] [--tokenizer DIR] [--json] [--overwrite] [--no-progress]`: DeepSpeed ZeRO-1 training
+(`dsv3_plugin.deepspeed.train`) on prepared data (--data or a `dsv3.train.data` object) or the synthetic Markov
+chain; no --config: the built-in JSON (`tiny` preset). The options become one `TrainRequest`; its `RunConfig` is
+parsed and validated here, once, with `dsv3 check-config`'s function, and handed to the N self-spawned ranks
+(--nproc, default 2); under torchrun / the deepspeed launcher each rank parses it once. `--resume` with other data
+than the checkpoint's is refused. Output: a bar on stderr, a short summary on stdout, every step's JSON line in
+OUT/metrics.jsonl (and on stdout with --json, the summary then on stderr). Exit 2 on bad config/checkpoint/--out
+input with one `error:` line, whichever rank found it; 1 for other failures (a rank dead or silent longer than
+`parallel.p2p_timeout_s`: one message naming the wait and the limit, no traceback).
 """
 
 from __future__ import annotations

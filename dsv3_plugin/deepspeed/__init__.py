@@ -19,9 +19,11 @@ from dsv3_plugin.deepspeed.engine import (
     quiet_deepspeed_logs,
     split_ds_config,
 )
+from dsv3_plugin.deepspeed.run_config import RunConfig
 
 __all__ = [
     "initialize",
+    "RunConfig",
     "split_ds_config",
     "client_optimizer",
     "DSv3TrainState",
