@@ -3,6 +3,7 @@ tiny Megatron-LM runs; the environment, config and metrics of `dsv3 train` subpr
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -10,10 +11,12 @@ import warnings
 
 import pytest
 
-from dsv3_plugin.parallel.distributed import spawn
+from dsv3_plugin.parallel.distributed import shared_forkserver, spawn
 
 __all__ = [
     "run_ranks",
+    "RANK_PRELOAD",
+    "RankServer",
     "hf_config",
     "make_tiny_hf_checkpoint",
     "make_truncated_checkpoint",
@@ -23,6 +26,9 @@ __all__ = [
     "mtp_reference_logits",
     "MEGATRON_SPEC",
     "tiny_megatron_args",
+    "PRETRAIN_GPT_COUNTING_CONFIG_BUILDS",
+    "pretrain_gpt_counting_config_builds",
+    "config_builds",
     "subprocess_env",
     "metrics_lines",
     "metrics_rows",
@@ -36,6 +42,40 @@ def run_ranks(fn, nproc: int, *args, timeout_s: float = 300.0):
     """Run module-level `fn(*args)` on `nproc` gloo ranks; `fn` calls `init_distributed()` itself.
     Returns the list of per-rank return values (rank order)."""
     return spawn(fn, nproc, *args, timeout_s=timeout_s)
+
+
+# What the ranks of tests/dist and tests/megatron import, imported once by the forkserver they are forked from
+# (`RankServer`): ~3 s of CPU per `spawn` otherwise (torch, then these, in a new server and in every rank). A module
+# the environment lacks (megatron.training on megatron-core 0.16.1) is skipped there.
+RANK_PRELOAD = (
+    "deepspeed",
+    "dsv3_plugin.deepspeed.train",
+    "dsv3_plugin.deepspeed.pipeline",
+    "dsv3_plugin.checkpoint.hf",
+    "megatron.core",
+    "dsv3_plugin.megatron.gpt",
+    "dsv3_plugin.megatron.pretrain_gpt",
+)
+
+
+class RankServer:
+    """The forkserver this pytest process's `spawn` calls share (`shared_forkserver`), started on the first test
+    that asks for it (the `shared_rank_server` fixture) and stopped at the end of the session, or for a test marked
+    `own_forkserver` (one that checks what a `spawn` call starts and stops itself)."""
+
+    def __init__(self):
+        self._stack: contextlib.ExitStack | None = None
+
+    def up(self) -> None:
+        if self._stack is None:
+            stack = contextlib.ExitStack()
+            stack.enter_context(shared_forkserver(RANK_PRELOAD))
+            self._stack = stack
+
+    def down(self) -> None:
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            stack.close()
 
 
 def hf_config(cfg):
@@ -447,6 +487,54 @@ def tiny_megatron_args(
         args += ["--min-lr", "3e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2"]
     args += ["--mock-data", "--tokenizer-type", "NullTokenizer", "--log-interval", "1"]
     return args + ["--eval-interval", "100", "--eval-iters", "0", "--seed", str(seed)]
+
+
+# `python -c` code: `python -m dsv3_plugin.megatron.pretrain_gpt ARGS` through the function below (tests/ on PYTHONPATH)
+PRETRAIN_GPT_COUNTING_CONFIG_BUILDS = (
+    "import sys, helpers; sys.exit(helpers.pretrain_gpt_counting_config_builds(sys.argv[1:]))"
+)
+
+
+def pretrain_gpt_counting_config_builds(argv: list[str]) -> int:
+    """`dsv3_plugin.megatron.pretrain_gpt.main(argv)` (with `--nproc N`), each process printing how many run configs
+    it built (`megatron.config.CONFIG_BUILDS`) when done: `config builds: parent <n>`, `config builds: rank <r> <n>`.
+
+    Args:
+        argv: the entry point's arguments, `--nproc` included.
+
+    Returns:
+        The entry point's exit status.
+    """
+    from dsv3_plugin.megatron import config, pretrain_gpt
+
+    # `main` spawns the rank function it finds under this name when it runs; the ranks import the module afresh
+    pretrain_gpt._spawned = _spawned_counting_config_builds
+    code = pretrain_gpt.main(argv)
+    _say(f"config builds: parent {config.CONFIG_BUILDS}")
+    return code
+
+
+def _say(line: str) -> None:
+    """One write of a whole line (the ranks share the parent's stdout: a `print` may interleave with theirs)."""
+    import sys
+
+    sys.stdout.flush()
+    os.write(1, (line + "\n").encode())
+
+
+def _spawned_counting_config_builds(argv: list[str]) -> int:
+    from dsv3_plugin.megatron import config, pretrain_gpt
+
+    code = pretrain_gpt._spawned(argv)
+    _say(f"config builds: rank {os.environ['RANK']} {config.CONFIG_BUILDS}")
+    return code
+
+
+def config_builds(log: str) -> dict[str, int]:
+    """The counts `pretrain_gpt_counting_config_builds` printed: {"parent": n, "rank 0": n, ...}."""
+    import re
+
+    return {who: int(n) for who, n in re.findall(r"config builds: (parent|rank \d+) (\d+)$", log, re.M)}
 
 
 # --- `dsv3 train` as a subprocess (tests/dist) -------------------------------------------------------------

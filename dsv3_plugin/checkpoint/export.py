@@ -6,8 +6,9 @@ Written: safetensors shards + `model.safetensors.index.json`, the HF `config.jso
 of `embed_tokens` / `shared_head.head`, the router bias `e_score_correction_bias` in FP32, the tokenizer files.
 `--to hf-bf16`: every other tensor BF16. `--to hf`: FP8 E4M3 + 128x128 `weight_scale_inv` exactly where the
 release quantizes (`names.is_quantized_in_release`; `synthetic.quantize_fp8_blockwise`: scale_inv = amax / 448)
-and the release's `quantization_config`. Streaming and atomic (`convert.atomic_output_dir`); each target is one
-entry of `WRITERS`. Details: docs/design_notes.md#checkpoint-export.
+and the release's `quantization_config`. A LoRA run: its base merged, W + s·B·A (`lora_merge`), or `--to peft`
+its adapters (`peft_adapter`). Streaming and atomic (`convert.atomic_output_dir`); each target is one entry of
+`WRITERS`. Details: docs/design_notes.md#checkpoint-export, docs/checkpoints.md#lora-adapters.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ import torch
 
 from dsv3_plugin.checkpoint.convert import atomic_output_dir
 from dsv3_plugin.checkpoint.integrity import check_finite
-from dsv3_plugin.checkpoint.names import is_quantized_in_release, released_names, released_shapes
-from dsv3_plugin.checkpoint.reader import INDEX_NAME, SCALE_SUFFIX
+from dsv3_plugin.checkpoint.lora_merge import merged_bytes, write_merged_files
+from dsv3_plugin.checkpoint.names import is_quantized_in_release, native_to_released, released_names, released_shapes
+from dsv3_plugin.checkpoint.peft_adapter import peft_adapter_bytes, write_peft_files
+from dsv3_plugin.checkpoint.reader import INDEX_NAME, SCALE_SUFFIX, CheckpointReader
 from dsv3_plugin.checkpoint.run_checkpoint import RunCheckpoint, find_run_checkpoint
 from dsv3_plugin.checkpoint.sources import NOT_A_SOURCE, Source, Tensors, open_source
 from dsv3_plugin.checkpoint.synthetic import quantize_fp8_blockwise
@@ -37,6 +40,7 @@ from dsv3_plugin.safe_files import copy_regular
 __all__ = [
     "export",
     "ReleasedFormat",
+    "PeftFormat",
     "WRITERS",
     "EXPORT_TARGETS",
     "QUANTIZATION_CONFIG",
@@ -168,9 +172,23 @@ class ReleasedFormat:
 
     fp8: bool
 
-    def expected_bytes(self, hf: dict) -> int:
+    @property
+    def merge_target(self) -> str:
+        return "hf" if self.fp8 else "hf-bf16"
+
+    def check(self, source: Source) -> None:
+        """Nothing to refuse before writing: every source kind has released tensors (or adapters + a base)."""
+
+    def expected_bytes(self, source: Source) -> int:
         """About what `write` writes: every released tensor in its output dtype (FP8 + fp32 block scales where the
         release quantizes, when `fp8`), a header entry and an index line per tensor, and the config."""
+        hf = source.hf
+        if source.lora is not None:
+            with CheckpointReader(source.base) as reader:
+                lo = source.lora
+                return merged_bytes(reader, lo.adapters, source.cfg, lo.lora, self.merge_target) + 512 * len(
+                    reader.stored
+                )
         L, b = hf["num_hidden_layers"], QUANTIZATION_CONFIG["weight_block_size"]
         n = 0
         shapes = released_shapes(hf)
@@ -184,15 +202,52 @@ class ReleasedFormat:
 
     def write(self, source: Source, out: str, shard_bytes: int, on_read: Callable[[int], None]) -> dict:
         """Write `source`'s tensors (shards + index, at most `shard_bytes` of tensor data each) and config.json into
-        the directory `out`. Returns {"tensors", "files", "output_bytes"}."""
+        the directory `out`; a LoRA run's base merged with its adapters, W + s·B·A (`lora_merge`: with `fp8` the
+        base's FP8 blocks the adapters leave unchanged keep their bytes). Returns {"tensors", "files",
+        "output_bytes"}."""
+        if source.lora is not None:
+            lo = source.lora
+            with CheckpointReader(source.base) as reader:
+                L = source.cfg.model.num_hidden_layers
+                bias = {native_to_released(n, L): t for n, t in lo.router_bias.items()}  # trained: replaces the base's
+                out_sum = write_merged_files(
+                    reader, out, lo.adapters, source.cfg, lo.lora, self.merge_target, bias, shard_bytes
+                )
+            on_read(source.input_bytes)
+            return out_sum
         hf = source.hf
         summary = _write_released(source.tensors(on_read), hf, out, self.fp8, shard_bytes, source.duplicates)
         _write_json(os.path.join(out, "config.json"), _out_config(hf, self.fp8))
         return summary
 
 
-# --to TARGET -> its writer (anything with `expected_bytes(hf)` and `write(source, out, shard_bytes, on_read)`)
-WRITERS = {"hf-bf16": ReleasedFormat(fp8=False), "hf": ReleasedFormat(fp8=True)}
+class PeftFormat:
+    """A PEFT LoRA adapter directory (`peft_adapter`: `adapter_config.json` + `adapter_model.safetensors`) of a
+    LoRA run's adapters, for `peft.PeftModel.from_pretrained` on transformers' model of the run's base."""
+
+    def check(self, source: Source) -> None:
+        if source.lora is None:
+            raise CheckpointError(f"--to peft: {source.path} has no LoRA adapters: {source.no_adapters_reason()}")
+        if source.lora.lora.bias_update:
+            raise CheckpointError(
+                f"--to peft: {source.path} trained the routing bias (lora.bias_update true), which a PEFT adapter "
+                "cannot carry; export it merged (--to hf-bf16 or hf)"
+            )
+
+    def expected_bytes(self, source: Source) -> int:
+        return peft_adapter_bytes(source.lora.adapters) + 65536
+
+    def write(self, source: Source, out: str, shard_bytes: int, on_read: Callable[[int], None]) -> dict:
+        """`adapter_config.json` (base_model_name_or_path: the run's base directory) and the adapters into `out`."""
+        lo = source.lora
+        summary = write_peft_files(out, lo.adapters, source.cfg, lo.lora, source.base)
+        on_read(source.input_bytes)
+        return summary
+
+
+# --to TARGET -> its writer (anything with `check(source)`, `expected_bytes(source)` and
+# `write(source, out, shard_bytes, on_read)`)
+WRITERS = {"hf-bf16": ReleasedFormat(fp8=False), "hf": ReleasedFormat(fp8=True), "peft": PeftFormat()}
 EXPORT_TARGETS = tuple(WRITERS)
 
 
@@ -255,6 +310,7 @@ def export(
     progress: bool = True,
     shard_bytes: int = _SHARD_BYTES,
     config: str | os.PathLike | None = None,
+    base: str | os.PathLike | None = None,
 ) -> dict:
     """Export a source (a `dsv3 train` run: any pp x ep x dp layout, FP32 / BF16 / FP8 training; a Megatron-LM
     training checkpoint of the plugin's `pretrain_gpt` (torch_dist); a Megatron-layout directory) to DeepSeek-V3's
@@ -265,7 +321,9 @@ def export(
             directory (`--out` of dsv3 train), its `ckpt/` or one tag's directory; a Megatron-LM `--save`
             directory (or one `iter_NNNNNNN`); or a Megatron-layout directory.
         dst: the output directory (must not exist).
-        to: "hf-bf16" (BF16 weights) or "hf" (FP8 E4M3 + 128x128 weight_scale_inv where the release has them).
+        to: "hf-bf16" (BF16 weights), "hf" (FP8 E4M3 + 128x128 weight_scale_inv where the release has them) or
+            "peft" (a LoRA run's adapters as a PEFT adapter directory). A LoRA run's hf-bf16 / hf is its base
+            merged with the adapters.
         tag: the run's checkpoint tag (default: `latest` when complete, else the newest complete one); for a
             Megatron-LM checkpoint the iteration (default: the tracker file's). Only with a path.
         tokenizer: a tokenizer directory to ship (default: RUN/tokenizer/, or the Megatron dir's own files).
@@ -273,26 +331,33 @@ def export(
         shard_bytes: largest output shard (bytes of tensor data).
         config: for a Megatron-LM checkpoint only (required there): the `--dsv3-config` JSON of its run, or a
             released config.json. Only with a path.
+        base: for a LoRA run only: its released base (default: the directory the run recorded); its fingerprint
+            must be the run's. Only with a path.
 
     Returns:
         {"to", "src", "dst", "source" ("run" | "megatron-lm" | "megatron-layout"), "tag", "tensors", "files",
         "output_bytes", "input_bytes", "tokenizer" (the directory copied, or None), "tokenizer_files",
-        "notes" (lines for the user)}.
+        "base" (a LoRA run's base directory, else None), "notes" (lines for the user)}.
 
     Raises:
         CheckpointError: `src` is neither kind, incomplete, or holds a tensor that is missing, unexpected,
-            mis-shaped or non-finite (the message names it and its file); `dst` exists.
+            mis-shaped or non-finite (the message names it and its file); `dst` exists; `--to peft` from a source
+            without adapters; a LoRA run's base missing or not the one it was trained on.
         DataError: the tokenizer cannot be loaded or does not fit the model's vocabulary.
     """
     writer = WRITERS.get(to)
     if writer is None:
-        raise ConfigError(f"--to {to!r}: choose {', '.join(EXPORT_TARGETS[:-1])} or {EXPORT_TARGETS[-1]}")
+        full = [t for t, w in WRITERS.items() if isinstance(w, ReleasedFormat)]
+        raise ConfigError(f"--to {to!r}: choose {' or '.join(full)}, or peft for a LoRA run's adapters")
     if isinstance(src, Source):
-        if tag is not None or config is not None:
-            raise ConfigError("--tag / --config: given to open_source with the path, not to export with a source")
+        if tag is not None or config is not None or base is not None:
+            raise ConfigError(
+                "--tag / --config / --base: given to open_source with the path, not to export with a source"
+            )
         source = src
     else:
-        source = open_source(src, tag=tag, config=config)
+        source = open_source(src, tag=tag, config=config, base=base)
+    writer.check(source)
     dst = os.path.abspath(os.fspath(dst))
     notes = list(source.notes)
     tok_dir = _tokenizer_source(
@@ -302,7 +367,7 @@ def export(
         notes.append(
             f"no tokenizer exported: the source has none ({source.no_tokenizer_reason()}); add one with --tokenizer DIR"
         )
-    with atomic_output_dir(dst, writer.expected_bytes(source.hf) + _tokenizer_bytes(tok_dir)) as tmp:
+    with atomic_output_dir(dst, writer.expected_bytes(source) + _tokenizer_bytes(tok_dir)) as tmp:
         with _progress(source.input_bytes, progress) as bar:
             summary = writer.write(source, tmp, shard_bytes, bar.update)
         copied = _copy_tokenizer(tok_dir, tmp) if tok_dir else []
@@ -316,5 +381,6 @@ def export(
         "input_bytes": source.input_bytes,
         "tokenizer": tok_dir,
         "tokenizer_files": copied,
+        "base": source.base,
         "notes": notes,
     }

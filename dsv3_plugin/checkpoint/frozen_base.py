@@ -122,7 +122,7 @@ def load_frozen_base(
         **config_overrides: "dsv3" sections over config.json's (must include `lora`).
 
     Returns:
-        The model, with `base_fingerprint` and `checkpoint_bytes_read` set.
+        The model, with `base_fingerprint`, `base_path` and `checkpoint_bytes_read` set.
 
     Raises:
         CheckpointError: a tensor is missing, unexpected or mis-shaped for the config, an FP8 weight's block size
@@ -178,5 +178,6 @@ def load_frozen_base(
         bytes_read = reader.bytes_read
     apply_transforms(model, run, device=device)  # frozen FP8 storage kept as loaded; LoRA; recompute
     model.base_fingerprint = base_fingerprint(path)
+    model.base_path = os.path.abspath(os.fspath(path))  # recorded with the adapters (export finds the base)
     model.checkpoint_bytes_read = bytes_read
     return model

@@ -28,7 +28,15 @@ from dsv3_plugin.data.tokenizer import TOKENIZER_FILES
 from dsv3_plugin.errors import CheckpointError
 from dsv3_plugin.safe_files import copy_regular
 
-__all__ = ["MERGE_TARGETS", "lora_delta", "requantize_fp8", "iter_merged_tensors", "write_merged_release"]
+__all__ = [
+    "MERGE_TARGETS",
+    "lora_delta",
+    "requantize_fp8",
+    "iter_merged_tensors",
+    "write_merged_release",
+    "write_merged_files",
+    "merged_bytes",
+]
 
 MERGE_TARGETS = ("hf", "hf-bf16", "hf-fp32")
 _QUANT = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8"}  # + weight_block_size
@@ -198,38 +206,68 @@ def write_merged_release(
     with CheckpointReader(base) as reader:
         deltas = _delta_map(adapters, cfg, lora)
         _check(reader, deltas, replace, to)
-        specs = _plan(reader, deltas, replace, to)
-        shards: list[list] = [[]]
-        size = 0
-        for sp in specs:
-            nb = torch.Size(sp[2]).numel() * sp[1].itemsize
-            if shards[-1] and size + nb > shard_bytes and not sp[0].endswith(SCALE_SUFFIX):
-                shards.append([])
-                size = 0
-            shards[-1].append(sp)
-            size += nb
-        total = sum(torch.Size(sp[2]).numel() * sp[1].itemsize for sp in specs)
-        it = iter_merged_tensors(reader, adapters, cfg, lora, to, replace)
-        conf = {k: v for k, v in reader.config.items() if k != "quantization_config"}
-        conf["torch_dtype"] = "float32" if to == "hf-fp32" else "bfloat16"
-        if to == "hf":
-            conf["quantization_config"] = {**_QUANT, "weight_block_size": list(reader.block)}
+        total = sum(torch.Size(sp[2]).numel() * sp[1].itemsize for sp in _plan(reader, deltas, replace, to))
         with atomic_output_dir(os.fspath(dst), total + (1 << 20)) as tmp:
-            weight_map = {}
-            for k, items in enumerate(shards):
-                fn = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-                with StreamingSafetensorsWriter(os.path.join(tmp, fn), items) as w:
-                    for name, _, _ in items:
-                        got, t = next(it)
-                        if got != name:  # the plan and the stream are made by the same rules
-                            raise CheckpointError(f"{got}: produced out of plan (expected {name})")
-                        w.write(name, t)
-                        weight_map[name] = fn
-            with open(os.path.join(tmp, INDEX_NAME), "w") as f:
-                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-            with open(os.path.join(tmp, "config.json"), "w") as f:
-                json.dump(conf, f, indent=2)
+            summary = write_merged_files(reader, tmp, adapters, cfg, lora, to, replace, shard_bytes)
             for fn in TOKENIZER_FILES:
                 if os.path.lexists(os.path.join(reader.path, fn)):
                     copy_regular(os.path.join(reader.path, fn), os.path.join(tmp, fn), CheckpointError, reader.path)
+    return summary
+
+
+def merged_bytes(reader: CheckpointReader, adapters, cfg: DSv3Config, lora: LoRAConfig, to: str = "hf") -> int:
+    """Bytes of tensor data `write_merged_files` writes (from the headers alone)."""
+    deltas = _delta_map(adapters, cfg, lora)
+    return sum(torch.Size(sp[2]).numel() * sp[1].itemsize for sp in _plan(reader, deltas, {}, to))
+
+
+def write_merged_files(
+    reader: CheckpointReader,
+    out: str,
+    adapters: Mapping[str, torch.Tensor],
+    cfg: DSv3Config,
+    lora: LoRAConfig,
+    to: str = "hf",
+    replace: Mapping[str, torch.Tensor] | None = None,
+    shard_bytes: int = 5 * 2**30,
+) -> dict:
+    """The merged shards, index and config.json written into the existing directory `out` (the non-atomic part of
+    `write_merged_release`, without the tokenizer; `reader` the open base; other Args as there).
+
+    Returns:
+        {"tensors": N, "files": shards, "output_bytes": bytes of tensor data}.
+    """
+    replace = dict(replace or {})
+    deltas = _delta_map(adapters, cfg, lora)
+    _check(reader, deltas, replace, to)
+    specs = _plan(reader, deltas, replace, to)
+    shards: list[list] = [[]]
+    size = 0
+    for sp in specs:
+        nb = torch.Size(sp[2]).numel() * sp[1].itemsize
+        if shards[-1] and size + nb > shard_bytes and not sp[0].endswith(SCALE_SUFFIX):
+            shards.append([])
+            size = 0
+        shards[-1].append(sp)
+        size += nb
+    total = sum(torch.Size(sp[2]).numel() * sp[1].itemsize for sp in specs)
+    it = iter_merged_tensors(reader, adapters, cfg, lora, to, replace)
+    conf = {k: v for k, v in reader.config.items() if k != "quantization_config"}
+    conf["torch_dtype"] = "float32" if to == "hf-fp32" else "bfloat16"
+    if to == "hf":
+        conf["quantization_config"] = {**_QUANT, "weight_block_size": list(reader.block)}
+    weight_map = {}
+    for k, items in enumerate(shards):
+        fn = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        with StreamingSafetensorsWriter(os.path.join(out, fn), items) as w:
+            for name, _, _ in items:
+                got, t = next(it)
+                if got != name:  # the plan and the stream are made by the same rules
+                    raise CheckpointError(f"{got}: produced out of plan (expected {name})")
+                w.write(name, t)
+                weight_map[name] = fn
+    with open(os.path.join(out, INDEX_NAME), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(conf, f, indent=2)
     return {"tensors": len(weight_map), "files": len(shards), "output_bytes": total}

@@ -36,7 +36,15 @@ from dsv3_plugin.config import LORA_TARGETS, DSv3Config, LoRAConfig
 from dsv3_plugin.errors import CheckpointError
 from dsv3_plugin.safe_files import opened_path
 
-__all__ = ["write_peft_adapter", "read_peft_adapter", "peft_config_dict", "ADAPTER_CONFIG", "ADAPTER_WEIGHTS"]
+__all__ = [
+    "write_peft_adapter",
+    "write_peft_files",
+    "peft_adapter_bytes",
+    "read_peft_adapter",
+    "peft_config_dict",
+    "ADAPTER_CONFIG",
+    "ADAPTER_WEIGHTS",
+]
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -199,6 +207,21 @@ def write_peft_adapter(
         CheckpointError: bad adapters (`adapter_sites`), or what peft cannot express: MTP-layer adapters, a target
             adapted on some layers only, `lora.dropout` > 0 with MLP/expert adapters, `lora.bias_update`.
     """
+    with atomic_output_dir(os.fspath(dst), peft_adapter_bytes(adapters) + (1 << 16)) as tmp:
+        write_peft_files(tmp, adapters, cfg, lora, base_model_name_or_path)
+    return os.fspath(dst)
+
+
+def peft_adapter_bytes(adapters: Mapping[str, torch.Tensor]) -> int:
+    """Bytes of tensor data `write_peft_files` writes for `adapters` (peft's layout holds the same elements)."""
+    return sum(t.numel() * t.element_size() for t in adapters.values())
+
+
+def write_peft_files(
+    out: str, adapters: Mapping[str, torch.Tensor], cfg: DSv3Config, lora: LoRAConfig, base_model_name_or_path: str
+) -> dict:
+    """`adapter_config.json` and `adapter_model.safetensors` written into the existing directory `out` (the
+    non-atomic part of `write_peft_adapter`; same Args and Raises). Returns {"tensors", "files", "output_bytes"}."""
     if lora.bias_update:
         raise CheckpointError(
             "lora.bias_update = true: the run changed the router bias, which a PEFT adapter cannot carry; "
@@ -207,16 +230,14 @@ def write_peft_adapter(
     sites = adapter_sites(adapters, cfg, lora)
     tensors, modules, params, ranks, alphas = _plan(sites, adapters, cfg, lora)
     conf = peft_config_dict(lora, modules, params, ranks, alphas, base_model_name_or_path)
-    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    with atomic_output_dir(os.fspath(dst), nbytes + (1 << 16)) as tmp:
-        with open(os.path.join(tmp, ADAPTER_CONFIG), "w") as f:
-            f.write(json.dumps(conf, indent=2, sort_keys=True) + "\n")
-        specs = [(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()]
-        meta = {"format": "pt", _META: lora.model_dump_json()}
-        with StreamingSafetensorsWriter(os.path.join(tmp, ADAPTER_WEIGHTS), specs, meta) as w:
-            for k, t in tensors.items():
-                w.write(k, t)
-    return os.fspath(dst)
+    with open(os.path.join(out, ADAPTER_CONFIG), "w") as f:
+        f.write(json.dumps(conf, indent=2, sort_keys=True) + "\n")
+    specs = [(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()]
+    meta = {"format": "pt", _META: lora.model_dump_json()}
+    with StreamingSafetensorsWriter(os.path.join(out, ADAPTER_WEIGHTS), specs, meta) as w:
+        for k, t in tensors.items():
+            w.write(k, t)
+    return {"tensors": len(tensors), "files": 1, "output_bytes": w.total_bytes}
 
 
 # ----------------------------------------------------------------------------------------------------------------

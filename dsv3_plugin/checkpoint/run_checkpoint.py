@@ -18,12 +18,13 @@ from dataclasses import dataclass
 import torch
 
 from dsv3_plugin.checkpoint.names import is_runtime_state, native_to_released, parse_native
-from dsv3_plugin.config import ConfigError, DSv3Config
+from dsv3_plugin.config import ConfigError, DSv3Config, LoRAConfig
 from dsv3_plugin.errors import CheckpointError
 from dsv3_plugin.parallel.pipeline.stages import model_stage_layers, n_stages_of, stage_ids_for_rank
 from dsv3_plugin.safe_files import opened_path
 from dsv3_plugin.training import checkpoint_tags as ct
 from dsv3_plugin.training import run_record
+from dsv3_plugin.training.lora import is_adapter
 
 __all__ = [
     "RunCheckpoint",
@@ -32,6 +33,8 @@ __all__ = [
     "run_tensors",
     "run_input_bytes",
     "is_bf16_masters",
+    "RunLoRA",
+    "run_lora",
 ]
 
 _EXPERT_FILE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
@@ -343,3 +346,79 @@ def is_bf16_masters(sd0: dict) -> bool:
     ZeRO-1's FP32 masters."""
     params = _params_of(sd0)
     return any(t.dtype != torch.float32 for n, t in (sd0.get("module") or {}).items() if n in params)
+
+
+@dataclass(frozen=True)
+class RunLoRA:
+    """What a LoRA run's checkpoint holds instead of the model: its adapters (native names, `lora_names`: [r, in] /
+    [out, r], routed experts stacked [E, r, in] / [E, out, r]; FP32), their `LoRAConfig`, the base's fingerprint and
+    directory as the run recorded them (`training.lora.lora_checkpoint_state`; None when not recorded), and the
+    trained routing biases {native name: FP32 tensor} (`lora.bias_update` only, else empty)."""
+
+    adapters: dict[str, torch.Tensor]
+    lora: LoRAConfig
+    base_fingerprint: str | None
+    base_path: str | None
+    router_bias: dict[str, torch.Tensor]
+
+
+def _adapter_native(names: _Names, name: str, mp_rank: int, where: str) -> str:
+    """A stored adapter name -> its `DSv3Model` name (pipeline chunk prefix dropped, stage layer made global)."""
+    if names.pp > 1:
+        m = _STAGE.match(name)
+        if not m:
+            raise CheckpointError(f"{name} in {where}: not a pipeline stage's tensor (pp = {names.pp})")
+        chunk, name = int(m.group(1)), m.group(2)
+        stage = stage_ids_for_rank(names.cfg.parallel.schedule, names.pp, mp_rank)[chunk]
+        m = _LAYER.match(name)
+        if m:
+            name = f"layers.{names.ranges[stage][int(m.group(1))]}.{m.group(2)}"
+    if ".deepspeed_experts." in name:
+        raise CheckpointError(
+            f"{name} in {where}: routed-expert adapters of an expert-parallel run (parallel.ep > 1) are not read by "
+            "export; train with lora.experts false or ep = 1"
+        )
+    return name
+
+
+def run_lora(run: RunCheckpoint, cfg: DSv3Config, sd0: dict) -> RunLoRA | None:
+    """The LoRA state of a run's checkpoint (None when the run has no `dsv3.lora`): the adapters from the module
+    states of every pipeline rank (ZeRO's FP32 masters when the module holds BF16 copies), checked against the
+    run's record of their names.
+
+    Raises:
+        CheckpointError: no LoRA record in the checkpoint, or adapters missing from / not in the record.
+    """
+    if cfg.lora is None:
+        return None
+    names = _Names(cfg)
+    model_files, _ = _model_files(run, cfg.parallel.pp)
+    masters = is_bf16_masters(sd0)
+    adapters: dict[str, torch.Tensor] = {}
+    bias: dict[str, torch.Tensor] = {}
+    rec0 = None
+    for p, f in enumerate(model_files):
+        sd = sd0 if p == 0 else _load_pt(f)
+        module, rec = sd.get("module"), (sd.get("dsv3") or {}).get("lora")
+        if not isinstance(module, dict):
+            raise CheckpointError(f"{f}: no 'module' state dict (not a DeepSpeed model-states file)")
+        if not isinstance(rec, dict) or not isinstance(rec.get("adapters"), list):
+            raise CheckpointError(f"{f}: no LoRA record in the checkpoint (not saved by a dsv3.lora run)")
+        rec0 = rec0 or rec
+        stored = dict(_zero_masters(run, p, names, cfg, _params_of(sd))) if masters else module
+        here = [n for n in stored if is_adapter(n)]
+        if set(here) != set(rec["adapters"]):  # each rank records its own adapters
+            missing, extra = sorted(set(rec["adapters"]) - set(here)), sorted(set(here) - set(rec["adapters"]))
+            raise CheckpointError(
+                f"{f}: adapters differ from its LoRA record (missing {missing[:3]}, extra {extra[:3]})"
+            )
+        for n in here:
+            adapters.setdefault(_adapter_native(names, n, p, f), stored[n].detach().float().clone())
+        if cfg.lora.bias_update:
+            for n, t in module.items():
+                if n.endswith("e_score_correction_bias"):
+                    native, _ = names.native(n, p, f)
+                    bias.setdefault(native, t.float().clone())
+    rec = rec0
+    fp, bp = rec.get("base_fingerprint"), rec.get("base_path")
+    return RunLoRA(adapters, cfg.lora, fp if isinstance(fp, str) else None, bp if isinstance(bp, str) else None, bias)

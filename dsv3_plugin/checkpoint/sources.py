@@ -1,7 +1,8 @@
 """What `dsv3 export` reads: a checkpoint opened as one of three source kinds, each giving its model config, the
 tokenizer it ships, the bytes it will read, and its tensors under DeepSeek-V3's released names.
 
-- `RunSource`: a `dsv3 train` run (DeepSpeed, any pp x ep x dp layout; `run_checkpoint`).
+- `RunSource`: a `dsv3 train` run (DeepSpeed, any pp x ep x dp layout; `run_checkpoint`); of a LoRA run, its
+  adapters and the released base they were trained on (`lora`, `base`: fingerprint checked).
 - `MegatronLMSource`: a Megatron-LM torch_dist checkpoint of the plugin's `pretrain_gpt` (`megatron_dist`), with
   the config it was trained with given separately (it records none).
 - `LayoutSource`: a Megatron-layout directory (`layout.json`, `dsv3 convert --to megatron`).
@@ -20,16 +21,19 @@ from typing import ClassVar
 import torch
 
 from dsv3_plugin.checkpoint.convert import LAYOUT_NAME, _check_megatron_files, read_layout
+from dsv3_plugin.checkpoint.frozen_base import base_fingerprint
 from dsv3_plugin.checkpoint.hf import model_config
 from dsv3_plugin.checkpoint.integrity import load_json
 from dsv3_plugin.checkpoint.megatron_dist import MegatronDistReader, megatron_iteration_dir
 from dsv3_plugin.checkpoint.names import parse_released, released_shapes
 from dsv3_plugin.checkpoint.run_checkpoint import (
     RunCheckpoint,
+    RunLoRA,
     find_run_checkpoint,
     is_bf16_masters,
     run_config,
     run_input_bytes,
+    run_lora,
     run_tensors,
 )
 from dsv3_plugin.config import ConfigError, DSv3Config, load_config
@@ -37,7 +41,16 @@ from dsv3_plugin.errors import CheckpointError
 from dsv3_plugin.safe_files import opened_path
 from dsv3_plugin.training.run_dir import TOKENIZER_DIR
 
-__all__ = ["Source", "Tensors", "RunSource", "MegatronLMSource", "LayoutSource", "open_source", "NOT_A_SOURCE"]
+__all__ = [
+    "Source",
+    "Tensors",
+    "RunSource",
+    "MegatronLMSource",
+    "LayoutSource",
+    "open_source",
+    "lora_base",
+    "NOT_A_SOURCE",
+]
 
 NOT_A_SOURCE = (
     "neither a dsv3 train run directory (no ckpt/ with a 'latest' file or step<N> tags) nor a Megatron checkpoint "
@@ -54,7 +67,11 @@ class Source(ABC):
     kind: "run" | "megatron-lm" | "megatron-layout"; path: the directory opened (absolute); tag: the checkpoint tag
     or iteration directory read (None for a layout); cfg: its `DSv3Config`; hf: its HF config.json dict;
     input_bytes: bytes `tensors` reads; duplicates: whether a tensor may come twice (pipeline ranks' copies, the
-    first kept); notes: lines for the user."""
+    first kept); notes: lines for the user; lora: a LoRA run's adapters (`run_checkpoint.RunLoRA`), else None;
+    base: the released directory those adapters sit on (fingerprint checked), else None."""
+
+    lora: RunLoRA | None = None
+    base: str | None = None
 
     kind: ClassVar[str]
     path: str
@@ -74,6 +91,10 @@ class Source(ABC):
         """Why nothing is shipped when `default_tokenizer` holds no tokenizer (for the user's note)."""
         return "it has no tokenizer files"
 
+    def no_adapters_reason(self) -> str:
+        """Why `lora` is None (for a refusal of `--to peft`)."""
+        return "it is not a LoRA run (its config has no dsv3.lora section)"
+
     @abstractmethod
     def tensors(self, on_read: Callable[[int], None]) -> Tensors:
         """Every tensor of the model under its released name, the MTP copies of the embedding / head optional;
@@ -92,15 +113,24 @@ class RunSource(Source):
     sd0: dict = field(repr=False)  # rank 0's model-states dict (memory-mapped), read once for the config
     input_bytes: int
     notes: list[str]
+    lora: RunLoRA | None = None
+    base: str | None = None
 
     @classmethod
-    def open(cls, path: str, tag: str | None) -> RunSource:
+    def open(cls, path: str, tag: str | None, base: str | None = None) -> RunSource:
         run = find_run_checkpoint(path, tag)
         if run is None:
             raise CheckpointError(f"{path}: {NOT_A_SOURCE}")
         notes = [run.note.replace("dsv3 train: ", "").replace("resuming from", "exporting")] if run.note else []
         cfg, sd0 = run_config(run)
-        return cls(path, run, cfg, cfg.to_hf(), sd0, run_input_bytes(run, cfg, is_bf16_masters(sd0)), notes)
+        lora = run_lora(run, cfg, sd0)
+        if lora is None and base is not None:
+            raise ConfigError(f"--base: only for a LoRA run; {path} trained the whole model (its config has no lora)")
+        base_dir = None if lora is None else lora_base(lora, base, run.path)
+        if base_dir is not None:
+            notes.append(f"LoRA run: its adapters on the base {base_dir} (fingerprint {lora.base_fingerprint})")
+        nbytes = run_input_bytes(run, cfg, is_bf16_masters(sd0))
+        return cls(path, run, cfg, cfg.to_hf(), sd0, nbytes, notes, lora, base_dir)
 
     @property
     def tag(self) -> str:
@@ -112,14 +142,44 @@ class RunSource(Source):
 
     @property
     def default_tokenizer(self) -> str | None:
-        return os.path.join(self.run.root, TOKENIZER_DIR) if self.run.root else None
+        d = os.path.join(self.run.root, TOKENIZER_DIR) if self.run.root else None
+        if self.base is not None and (d is None or not os.path.isdir(d)):
+            return self.base  # a LoRA run without RUN/tokenizer/: its base's tokenizer
+        return d
 
     def no_tokenizer_reason(self) -> str:
         d = self.default_tokenizer
         return f"{d} does not exist" if d else "it has no tokenizer files"
 
     def tensors(self, on_read: Callable[[int], None]) -> Tensors:
+        if self.lora is not None:  # the checkpoint holds adapters, not the model: the writers merge with `base`
+            raise CheckpointError(f"{self.path}: a LoRA run's checkpoint holds adapters only (merged with its base)")
         return run_tensors(self.run, self.cfg, self.sd0, on_read)
+
+
+def lora_base(lora: RunLoRA, base: str | os.PathLike | None, where: str, flag: str = "--base") -> str:
+    """The released directory a LoRA run's adapters sit on: `base` (--base) or the one the run recorded, checked to
+    have the fingerprint the run recorded. `flag`: how the user gave `base` (for the messages).
+
+    Raises:
+        CheckpointError: no base given or recorded, not a directory, the run recorded no fingerprint (its base was
+            not loaded from a release), or the fingerprints differ.
+    """
+    flag = flag if base is not None else "the run's recorded base"
+    path = os.path.abspath(os.fspath(base)) if base is not None else lora.base_path
+    if path is None:
+        raise CheckpointError(f"{where}: the LoRA run records no base directory; pass --base DIR (its released base)")
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{flag} {path}: no such directory; pass --base DIR (the LoRA run's released base)")
+    if lora.base_fingerprint is None:
+        raise CheckpointError(f"{where}: the LoRA run's base was not loaded from a release (no fingerprint recorded)")
+    have = base_fingerprint(path)
+    if have != lora.base_fingerprint:
+        raise CheckpointError(
+            f"{flag} {path}: fingerprint {have}, but the adapters in {where} were trained on base "
+            f"{lora.base_fingerprint}"
+        )
+    return path
 
 
 @dataclass(eq=False)  # a source is an open checkpoint: compared by identity
@@ -153,6 +213,9 @@ class LayoutSource(Source):
     @property
     def default_tokenizer(self) -> str:
         return self.path
+
+    def no_adapters_reason(self) -> str:
+        return "a Megatron-layout directory holds the full model, no LoRA adapters"
 
     def tensors(self, on_read: Callable[[int], None]) -> Tensors:
         """The split that `convert._to_hf_from_megatron` inverts (fused gate|up row blocks; one file per (stage, EP
@@ -198,6 +261,12 @@ class MegatronLMSource(Source):
         cfg, hf = _config_file(config)
         reader = MegatronDistReader(iteration_dir)
         return cls(path, os.path.basename(iteration_dir), reader, cfg, hf, _megatron_lm_input_bytes(reader, hf))
+
+    def no_adapters_reason(self) -> str:
+        return (
+            "reading LoRA adapters from a Megatron-LM checkpoint is not supported (export reads its full model "
+            "weights only)"
+        )
 
     def _groups(self) -> dict[str, list[tuple[str, int | None]]]:
         """{stored Megatron name: [(released name, expert row or None)]}: each released tensor's Megatron name
@@ -248,7 +317,10 @@ def _config_file(path: str) -> tuple[DSv3Config, dict]:
 
 
 def open_source(
-    src: str | os.PathLike, tag: str | None = None, config: str | os.PathLike | None = None
+    src: str | os.PathLike,
+    tag: str | None = None,
+    config: str | os.PathLike | None = None,
+    base: str | os.PathLike | None = None,
 ) -> RunSource | MegatronLMSource | LayoutSource:
     """Open `src` as the source kind it is: a Megatron-layout directory (`layout.json`), a Megatron-LM checkpoint
     (a tracker file or `iter_NNNNNNN`), else a `dsv3 train` run.
@@ -260,13 +332,16 @@ def open_source(
             Megatron-LM checkpoint the iteration (default: the tracker file's). Refused for a layout.
         config: for a Megatron-LM checkpoint only (required there): the `--dsv3-config` JSON of its run, or a
             released config.json.
+        base: for a LoRA run only: its released base directory (default: the one the run recorded); its
+            fingerprint must be the run's.
 
     Returns:
         The opened source; its files are checked as far as they can be without reading the tensors.
 
     Raises:
-        CheckpointError: `src` is no directory, neither kind, or incomplete. ConfigError: `tag` / `config` where
-            they do not apply, or `config` missing for a Megatron-LM checkpoint.
+        CheckpointError: `src` is no directory, neither kind, or incomplete; a LoRA run's base is missing or is
+            not the one it was trained on. ConfigError: `tag` / `config` / `base` where they do not apply, or
+            `config` missing for a Megatron-LM checkpoint.
     """
     src = os.path.abspath(os.fspath(src))
     if not os.path.isdir(src):
@@ -275,8 +350,10 @@ def open_source(
     mlm_dir = None if is_layout else megatron_iteration_dir(src, tag)
     if config is not None and mlm_dir is None:
         raise ConfigError("--config: only for a Megatron-LM checkpoint (runs and Megatron-layout dirs carry theirs)")
+    if base is not None and (is_layout or mlm_dir is not None):
+        raise ConfigError("--base: only for a LoRA dsv3 train run (a Megatron checkpoint carries no base reference)")
     if is_layout:
         return LayoutSource.open(src, tag)
     if mlm_dir is not None:
         return MegatronLMSource.open(src, mlm_dir, None if config is None else os.fspath(config))
-    return RunSource.open(src, tag)
+    return RunSource.open(src, tag, None if base is None else os.fspath(base))

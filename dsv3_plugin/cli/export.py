@@ -1,5 +1,6 @@
-"""`dsv3 export SRC DST --to hf-bf16|hf [--tag TAG] [--tokenizer DIR] [--config FILE] [--no-progress]`: a
-`dsv3 train` run (or a Megatron-LM / Megatron-layout checkpoint) to the released format (`checkpoint.export`)."""
+"""`dsv3 export SRC DST --to hf-bf16|hf|peft [--tag TAG] [--tokenizer DIR] [--config FILE] [--base DIR]
+[--no-progress]`: a `dsv3 train` run (or a Megatron-LM / Megatron-layout checkpoint) to the released format, or a
+LoRA run's adapters merged into its base or as a PEFT adapter directory (`checkpoint.export`)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ def register(sub) -> None:
         "--to",
         required=True,
         choices=list(EXPORT_TARGETS),
-        help="hf-bf16: BF16 weights; hf: FP8 E4M3 + 128x128 weight_scale_inv where the release has them",
+        help="hf-bf16: BF16 weights; hf: FP8 E4M3 + 128x128 weight_scale_inv where the release has them (a LoRA "
+        "run: its base merged with the adapters); peft: a LoRA run's adapters as a PEFT adapter directory",
     )
     p.add_argument(
         "--tag",
@@ -41,6 +43,12 @@ def register(sub) -> None:
         metavar="FILE",
         help="Megatron-LM checkpoint only (required there): the --dsv3-config JSON it was trained with, or the "
         "released config.json it started from",
+    )
+    p.add_argument(
+        "--base",
+        metavar="DIR",
+        help="LoRA run only: its released base directory (default: the --init-from directory the run recorded); "
+        "refused unless its fingerprint is the one the adapters were trained on",
     )
     p.add_argument("--tokenizer", metavar="DIR", help="tokenizer directory to ship (default: RUN/tokenizer/)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -56,6 +64,7 @@ def run(args) -> int:
         tokenizer=args.tokenizer,
         progress=not args.no_progress,
         config=args.config,
+        base=args.base,
     )
     for note in out["notes"]:
         print(f"dsv3 export: {note}", file=sys.stderr)

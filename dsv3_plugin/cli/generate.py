@@ -1,5 +1,6 @@
-"""`dsv3 generate --model DIR (--prompt TEXT [--chat] | --prompt-ids IDS)`: decoding from a released-format
-checkpoint, text in and text out (streamed as it is produced) or token ids in and out.
+"""`dsv3 generate --model DIR [--adapter DIR] (--prompt TEXT [--chat] | --prompt-ids IDS)`: decoding from a
+released-format checkpoint (with LoRA adapters applied unmerged: `checkpoint.adapted_model`), text in and text
+out (streamed as it is produced) or token ids in and out.
 
 Text goes through the checkpoint directory's own tokenizer (`data.tokenizer.load_tokenizer`); `--chat` applies
 that tokenizer's `chat_template` (never a re-implementation) to one user turn with the generation prompt.
@@ -7,18 +8,18 @@ Decoding is `model.generate.generate`: greedy (optionally MTP-speculative) or sa
 Streaming decodes incrementally (`TextStream`), the windowed scheme detokenizers of serving engines use: only
 the new text is printed, and text ending in an incomplete UTF-8 character is held back until it completes.
 
-Public API: `register`, `run`, `TextStream`.
-
-Design notes: docs/design_notes.md#cli-generate
+Public API: `register`, `run`, `TextStream`. Design notes: docs/design_notes.md#cli-generate
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import secrets
 import sys
 
+from dsv3_plugin.checkpoint.adapted_model import load_adapted
 from dsv3_plugin.checkpoint.hf import load_pretrained, model_config, pretrained_config
 from dsv3_plugin.checkpoint.integrity import load_json
 from dsv3_plugin.config import ConfigError, DSv3Config
@@ -82,6 +83,12 @@ def register(sub) -> None:
         "one token per forward, without MTP speculation. See docs/finetune.md and docs/checkpoints.md.",
     )
     p.add_argument("--model", required=True, help="released-format checkpoint directory (FP8, BF16 or FP32)")
+    p.add_argument(
+        "--adapter",
+        metavar="DIR",
+        help="LoRA adapters applied to --model without merging: a PEFT adapter directory (dsv3 export --to peft, or "
+        "peft's save_pretrained) or a dsv3 train LoRA run directory (refused unless trained on --model)",
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text, tokenized with the tokenizer files in --model")
     src.add_argument("--prompt-ids", help="comma-separated token ids (no tokenizer used)")
@@ -231,12 +238,8 @@ def run(args) -> int:
         prompt = _prompt_from_text(args, tokenizer)
     _check_length(args, len(prompt), cfg.model.max_position_embeddings)
 
-    model = load_pretrained(
-        args.model,
-        dtype=dtype,
-        device=device,
-        allow_non_finite=args.allow_non_finite,
-    )
+    load = load_pretrained if args.adapter is None else functools.partial(load_adapted, adapter=args.adapter)
+    model = load(args.model, dtype=dtype, device=device, allow_non_finite=args.allow_non_finite)
     sampling = args.temperature > 0
     seed = (args.seed if args.seed is not None else secrets.randbits(63)) if sampling else None
     top_p = 1.0 if args.top_p is None else args.top_p

@@ -1,27 +1,20 @@
-"""`DSv3Config` -> Megatron-Core `MLATransformerConfig` (one way only: the DSv3 config is the source of truth).
+"""`DSv3Config` -> Megatron-Core `MLATransformerConfig` (one way only: the DSv3 config is the source of truth), and
+the one `DSv3Config` of a Megatron-LM run.
 
-The returned config is a `DSv3TransformerConfig`, i.e. Megatron's `MLATransformerConfig` plus one dataclass
-field, `dsv3_config`, holding the `DSv3Config` it was derived from. The plugin's MLP adapter reads the MoE
-settings from there, so Megatron's copies of the MoE fields (`num_moe_experts`, `moe_router_*`, ...) only
-drive Megatron's own machinery: `finalize_model_grads` updates our router's bias at
-`moe_router_bias_update_rate` when `moe_router_enable_expert_bias` is on, and the MTP block reads
-`mtp_num_layers` / `mtp_loss_scaling_factor`.
+`to_transformer_config(cfg)` returns a `DSv3TransformerConfig`: Megatron's `MLATransformerConfig` plus the field
+`dsv3_config`, the `DSv3Config` it came from (our MLP adapter reads the MoE settings there). Field map:
+docs/facts.md §4. A run's config is built once per process (`read_config_file` / `config_from_block`, by
+`pretrain_gpt.parse_megatron_args`) and handed out by `run_config(args)`, as Megatron's own `get_args()`.
 
-Field map (docs/facts.md §4): q_lora_rank, kv_lora_rank, qk_nope_head_dim -> qk_head_dim,
-qk_rope_head_dim -> qk_pos_emb_head_dim, v_head_dim, rope_scaling (YaRN) -> rotary_scaling_factor,
-original_max_position_embeddings, beta_fast/slow, mscale, mscale_all_dim; first_k_dense_replace ->
-moe_layer_freq = [0]*k + [1]*(L-k); route_scale -> moe_router_topk_scaling_factor; n_group/topk_group ->
-moe_router_num_groups/group_topk; γ -> moe_router_bias_update_rate; α -> moe_aux_loss_coeff with
-seq_aux_loss; MTP depth/λ -> mtp_num_layers / mtp_loss_scaling_factor.
-
-NOTE: Megatron's MTP loss divides each depth's summed CE by the number of unmasked tokens (T−k per sequence);
-ours (paper eq. 24) divides by T. With λ passed unchanged the MTP gradient is T/(T−k) larger in Megatron's
-training loop; the logits are identical.
+NOTE: Megatron's MTP loss divides each depth's summed CE by the unmasked tokens (T−k per sequence), ours (paper
+eq. 24) by T: with λ unchanged the MTP gradient is T/(T−k) larger in Megatron's loop; the logits are identical.
+Design notes (the field map, how Megatron's copies of the MoE fields are used): docs/design_notes.md#megatron-config
 """
 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 import torch
@@ -29,6 +22,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from dsv3_plugin.config import ConfigError, DSv3Config, load_config
+from dsv3_plugin.training.lora import bias_update_speed
 
 __all__ = [
     "DSv3TransformerConfig",
@@ -37,6 +31,9 @@ __all__ = [
     "apply_schedules",
     "set_bias_update_rate",
     "follow_schedules",
+    "read_config_file",
+    "config_from_block",
+    "set_run_config",
     "run_config",
     "config_source",
 ]
@@ -49,9 +46,19 @@ class DSv3TransformerConfig(MLATransformerConfig):
     dsv3_config: Any | None = None
 
 
+def _require_config(cfg: Any, what: str) -> DSv3Config:
+    if not isinstance(cfg, DSv3Config):
+        raise TypeError(
+            f"{what}: takes a DSv3Config (got {type(cfg).__name__}); build it once with "
+            "dsv3_plugin.config.load_config(path) and pass the object"
+        )
+    return cfg
+
+
 def to_transformer_config(cfg: DSv3Config, tokens_seen: float = 0.0, **overrides: Any) -> DSv3TransformerConfig:
     """Megatron config for `cfg`. `overrides` are Megatron field names (parallel sizes, dtypes, recompute...)
     applied last; a model-shape override that contradicts `cfg` is a ConfigError naming the key."""
+    _require_config(cfg, "to_transformer_config")
     m, e = cfg.model, cfg.moe
     L, k = m.num_hidden_layers, m.first_k_dense_replace
     rs = m.rope_scaling
@@ -148,7 +155,7 @@ def dsv3_config_of(config) -> DSv3Config:
             "dsv3_plugin.megatron.to_transformer_config(cfg) (or pass --dsv3-config to "
             "pretrain_gpt.py with patches/pretrain_gpt.diff applied)"
         )
-    return cfg
+    return _require_config(cfg, "megatron config: dsv3_config")
 
 
 def apply_schedules(config, tokens_seen: float) -> tuple[float, float]:
@@ -156,7 +163,7 @@ def apply_schedules(config, tokens_seen: float) -> tuple[float, float]:
     tokens; λ = 0.3 for the first 10T tokens then 0.1): Megatron reads `moe_router_bias_update_rate` at every
     `finalize_model_grads` and `mtp_loss_scaling_factor` at every forward. Returns (γ, λ)."""
     cfg = dsv3_config_of(config)
-    gamma, lam = cfg.moe.gamma(tokens_seen), cfg.mtp.lam(tokens_seen)
+    gamma, lam = bias_update_speed(cfg, tokens_seen), cfg.mtp.lam(tokens_seen)  # γ 0 under LoRA without bias_update
     config.moe_router_bias_update_rate = gamma
     if config.mtp_num_layers:
         config.mtp_loss_scaling_factor = lam
@@ -179,16 +186,61 @@ def follow_schedules(model, tokens_seen_fn) -> None:
     model.register_forward_pre_hook(hook)
 
 
+# How many DSv3Configs this process has built for a run (a file read, or a block derived from the flags validated):
+# one per process (`run_config` hands the same object to every model chunk, the FP8 install, the schedules).
+CONFIG_BUILDS = 0
+# The run's config, with the `args` it belongs to. Not an attribute of `args`: Megatron pickles `args` into every
+# checkpoint, and `--load` / `dsv3 export` read those without unpickling the plugin's classes.
+_RUN: tuple[weakref.ref, DSv3Config] | None = None
+
+
+def _block_config(block: dict) -> DSv3Config:
+    """The one place the Megatron path validates a bare "dsv3" block."""
+    return DSv3Config.from_block(block)
+
+
+def read_config_file(path: str) -> DSv3Config:
+    """The `DSv3Config` of `--dsv3-config`'s file (its "dsv3" block): read and validated here, once per process.
+
+    Raises:
+        ConfigError: unreadable file, bad block (the message names the file or the key)."""
+    global CONFIG_BUILDS
+    CONFIG_BUILDS += 1
+    return load_config(path)
+
+
+def config_from_block(block: dict) -> DSv3Config:
+    """The `DSv3Config` of a "dsv3" block derived from Megatron's flags (`flags.block_from_args`), validated once.
+
+    Raises:
+        ConfigError: the block's first bad key (`dsv3.sec.key: why`)."""
+    global CONFIG_BUILDS
+    CONFIG_BUILDS += 1
+    return _block_config(block)
+
+
+def set_run_config(args, cfg: DSv3Config) -> None:
+    """Make `cfg` the config `run_config(args)` returns (the entry point, once its flags are resolved)."""
+    global _RUN
+    _RUN = (weakref.ref(args), _require_config(cfg, "set_run_config"))
+
+
 def run_config(args) -> DSv3Config:
-    """The `DSv3Config` of a Megatron-LM run: `--dsv3-config`'s block, or the one derived from Megatron's own flags
-    (`flags.block_from_args`, kept on `args.dsv3_block` as plain values)."""
-    src = getattr(args, "dsv3_config", None) or getattr(args, "dsv3_block", None)
-    if src is None:
+    """The `DSv3Config` of the Megatron-LM run `args` belongs to: the one `pretrain_gpt.parse_megatron_args` built
+    (`--dsv3-config`'s block, or the one derived from Megatron's own flags). Under Megatron-LM's own
+    `pretrain_gpt.py` (patches/pretrain_gpt.diff: only `--dsv3-config` is added to its flags) the first call reads
+    the file and later calls return the same object."""
+    if _RUN is not None and _RUN[0]() is args:
+        return _RUN[1]
+    path = getattr(args, "dsv3_config", None)
+    if not path:
         raise ConfigError(
             "megatron args: neither --dsv3-config nor a block derived from the flags (parse them with "
             "dsv3_plugin.megatron.pretrain_gpt.parse_megatron_args)"
         )
-    return load_config(src) if isinstance(src, str) else DSv3Config.from_block(src)
+    cfg = read_config_file(path)
+    set_run_config(args, cfg)
+    return cfg
 
 
 def config_source(args) -> str:

@@ -130,7 +130,8 @@ def check_weight_sources(args, cfg: DSv3Config, where: str, key_flags: dict | No
             f"--dsv3-init-from {init} and --pretrained-checkpoint {pretrained}: both give the starting weights; "
             "pass one"
         )
-    if init and load and os.path.abspath(load) != os.path.abspath(getattr(args, "save", None) or ""):
+    lora = getattr(args, "dsv3_lora", None) is not None  # LoRA: the base from --dsv3-init-from, adapters from --load
+    if init and load and not lora and os.path.abspath(load) != os.path.abspath(getattr(args, "save", None) or ""):
         raise ConfigError(
             f"--dsv3-init-from {init} and --load {load}: both give the starting weights; pass one (or make --load "
             "the --save directory: the first start reads --dsv3-init-from, a restart resumes from --save)"
@@ -155,7 +156,9 @@ def check_weight_sources(args, cfg: DSv3Config, where: str, key_flags: dict | No
                 f"nor `dsv3 convert --to megatron` output ({LAYOUT_NAME})"
             )
         _check_same_model(init, kind, cfg, where, key_flags)
-        if resumes:
+        if resumes and lora:
+            notes.append(f"--dsv3-init-from {init}: the frozen base ({kind}); the adapters resume from --load {load}")
+        elif resumes:
             notes.append(f"--dsv3-init-from {init}: not read, the run resumes from the checkpoint in --load {load}")
         else:
             notes.append(f"initial weights: --dsv3-init-from {init} ({kind}; each rank reads its own part)")
@@ -223,9 +226,11 @@ def default_eval_interval(args, explicit: set[str]) -> list[str]:
 
 def load_initial_weights(model, args) -> bool:
     """Fill this rank's `model` (a GPTModel chunk just built) from `--dsv3-init-from`, unless the run resumes from
-    a Megatron checkpoint in `--load`. Returns whether weights were loaded."""
+    a Megatron checkpoint in `--load` (under LoRA the base always comes from `--dsv3-init-from`: `--load` holds the
+    adapters). Returns whether weights were loaded."""
     init = getattr(args, "dsv3_init_from", None)
-    if not init or has_megatron_checkpoint(getattr(args, "load", None), getattr(args, "ckpt_step", None)):
+    resumes = has_megatron_checkpoint(getattr(args, "load", None), getattr(args, "ckpt_step", None))
+    if not init or (resumes and getattr(args, "dsv3_lora", None) is None):
         return False
     if init_source_kind(init) == "megatron-layout":
         load_megatron_checkpoint(model, init)

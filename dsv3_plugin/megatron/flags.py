@@ -15,6 +15,7 @@ from typing import Any
 from dsv3_plugin.checkpoint.hf import model_config, pretrained_config
 from dsv3_plugin.checkpoint.integrity import load_json
 from dsv3_plugin.config import ConfigError, DSv3Config
+from dsv3_plugin.megatron.config import config_from_block
 from dsv3_plugin.megatron.finetune import init_source_kind
 from dsv3_plugin.megatron.gpt import OUR_SPEC
 
@@ -317,14 +318,8 @@ _DEEPSPEED_ONLY_MEMORY = {
 
 
 def refuse_deepspeed_only_keys(cfg: DSv3Config, where: str) -> None:
-    """ConfigError naming a `lora` block, or the first `memory` key of the block (`where`: the --dsv3-config file) set
-    to anything but its default: those keys configure `dsv3 train` only (`_DEEPSPEED_ONLY_MEMORY` says what Megatron
-    has instead)."""
-    if cfg.lora is not None:  # (never accepted and ignored: the Megatron path would train the whole model)
-        raise ConfigError(
-            f"dsv3.lora in {where}: LoRA from a --dsv3-config block is trained by `dsv3 train` (the DeepSpeed path); "
-            "the Megatron path does not read it"
-        )
+    """ConfigError naming the first `memory` key of the block (`where`: the --dsv3-config file) set to anything but
+    its default: those keys configure `dsv3 train` only (`_DEEPSPEED_ONLY_MEMORY` says what Megatron has instead)."""
     default = type(cfg.memory)()
     for key, why in _DEEPSPEED_ONLY_MEMORY.items():
         got = getattr(cfg.memory, key)
@@ -531,13 +526,14 @@ def flag_names_of_keys(parser) -> dict[str, str]:
 
 
 def flags_config(block: dict, parser) -> DSv3Config:
-    """`load_config` of a derived block; a value out of range is reported under the flag it came from.
+    """The `DSv3Config` of a derived block (`config.config_from_block`: validated once); a value out of range is
+    reported under the flag it came from.
 
     Raises:
         ConfigError: `--flag (dsv3.key): why`.
     """
     try:
-        return DSv3Config.from_block(block)
+        return config_from_block(block)
     except ConfigError as e:
         msg = str(e)
         for key in sorted(_KEY_FLAGS, key=len, reverse=True):

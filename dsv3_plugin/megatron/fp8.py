@@ -3,7 +3,7 @@ every 128) in a `pretrain_gpt` run, experts included.
 
 Two steps, both called by `pretrain_gpt`: `resolve_fp8_args(args, ...)` reconciles Megatron's `--fp8-format` /
 `--fp8-recipe` with the dsv3 block's `fp8` section into one `FP8Config` before any rank builds the model (recipes
-the plugin's layers cannot run are refused naming the flag); `install_fp8(chunk, args)` applies the one conversion
+the plugin's layers cannot run are refused naming the flag); `install_fp8(chunk, args, fp8)` applies the one conversion
 of `dsv3 train` (`training.transforms.convert_to_fp8`) to every model chunk after its weights are built or loaded:
 MLA projections, dense and shared MLPs and routed experts go to FP8; embedding, head, MTP's `eh_proj`, routers and
 norms stay in high precision. Megatron's parallel linears get the kernel seam of `model.kernels` through their own
@@ -51,10 +51,12 @@ def _block_sets_fp8(cfg: DSv3Config) -> bool:
     return "fp8" in cfg.model_fields_set and "enabled" in cfg.fp8.model_fields_set
 
 
-def resolve_fp8_args(args, parser, explicit: set[str], cfg: DSv3Config, where: str, on_cpu: bool) -> list[str]:
+def resolve_fp8_args(
+    args, parser, explicit: set[str], cfg: DSv3Config, where: str, on_cpu: bool
+) -> tuple[list[str], FP8Config]:
     """Reconcile Megatron's FP8 flags with the dsv3 block's `fp8`; set `args.dsv3_fp8` (the `FP8Config` the plugin's
-    layers run, or None) and `args.dsv3_fp8_te` (the TE layers run Megatron's own TE FP8). Call after
-    `adapt_to_cpu` (which settles `--transformer-impl`) and before Megatron's `validate_args`.
+    layers run as plain values, or None) and `args.dsv3_fp8_te` (the TE layers run Megatron's own TE FP8). Call
+    after `adapt_to_cpu` (which settles `--transformer-impl`) and before Megatron's `validate_args`.
 
     Args:
         args: Megatron-LM's parsed arguments.
@@ -65,7 +67,8 @@ def resolve_fp8_args(args, parser, explicit: set[str], cfg: DSv3Config, where: s
         on_cpu: no CUDA on this machine.
 
     Returns:
-        Notes to print (a mapped recipe); empty when nothing was mapped.
+        (notes to print (a mapped recipe; empty when nothing was mapped), the `FP8Config` the plugin's layers run:
+        `enabled` False when FP8 is off).
 
     Raises:
         ConfigError: a contradiction between the flags and the block (naming both), a recipe or format the
@@ -77,7 +80,7 @@ def resolve_fp8_args(args, parser, explicit: set[str], cfg: DSv3Config, where: s
     recipe_explicit = "fp8_recipe" in explicit
     block_on = cfg.fp8.enabled
     if fmt is None and not block_on:
-        return []  # FP8 off on both sides (a lone --fp8-recipe does nothing in Megatron either)
+        return [], cfg.fp8  # FP8 off on both sides (a lone --fp8-recipe does nothing in Megatron either)
     notes = []
     fp8 = cfg.fp8
     if fmt is not None:
@@ -137,7 +140,7 @@ def resolve_fp8_args(args, parser, explicit: set[str], cfg: DSv3Config, where: s
         args.fp8, args.fp8_recipe, args.dsv3_fp8_te = "e4m3", fp8.recipe, True
     # plain values: Megatron saves `args` in its checkpoints, and --load reads them without unpickling classes
     args.dsv3_fp8 = fp8.model_dump()
-    return notes
+    return notes, fp8
 
 
 class MegatronLinearSeam(UsesKernel):
@@ -314,21 +317,20 @@ def _te_scales(recipe: str) -> str:
     )
 
 
-def install_fp8(model, args) -> Fp8Report | None:
+def install_fp8(model, args, fp8: FP8Config) -> Fp8Report | None:
     """Put a freshly built (and `--dsv3-init-from`-loaded) model chunk on the FP8 path `resolve_fp8_args` chose;
     nothing when it chose none. Rank 0 prints what runs for its first chunk.
 
     Args:
         model: the chunk `model_provider` built.
         args: Megatron's arguments (after `resolve_fp8_args`).
+        fp8: the FP8 settings `resolve_fp8_args` returned (the run's `DSv3Config.fp8`); `enabled` False: none.
 
     Returns:
         The `Fp8Report`, or None without FP8.
     """
-    fp8 = getattr(args, "dsv3_fp8", None)
-    if fp8 is None:
+    if not fp8.enabled:
         return None
-    fp8 = FP8Config(**fp8)
     rep, te_names = convert_chunk_to_fp8(model, fp8)
     te = getattr(args, "dsv3_fp8_te", False)
     if te and not te_names:

@@ -44,7 +44,7 @@ __all__ = [
 
 
 def build_gpt_model(
-    cfg: DSv3Config | dict | str | DSv3TransformerConfig,
+    cfg: DSv3Config | DSv3TransformerConfig,
     pre_process: bool = True,
     post_process: bool = True,
     use_te: bool | None = None,
@@ -54,7 +54,8 @@ def build_gpt_model(
     vocab_size: int | None = None,
     **overrides: Any,
 ):
-    """A `GPTModel` with MLA + our FFNs (+ Megatron's MTP block around our layer) for `cfg`.
+    """A `GPTModel` with MLA + our FFNs (+ Megatron's MTP block around our layer) for `cfg` (a `DSv3Config`, or the
+    Megatron config `to_transformer_config` made of one; `overrides` go to `to_transformer_config`).
 
     `layer_spec`: the decoder layer (or block) spec, default ours (`get_layer_spec(use_te)`); the MTP layers use
     the same layer. `vocab_size`: the embedding/output rows, default the config's; Megatron-LM passes its padded
@@ -171,8 +172,9 @@ def dualpipev_layout(args, cfg: DSv3Config) -> DualPipeVLayout:
 
 
 def transformer_config_from_args(args, base_config=None) -> DSv3TransformerConfig:
-    """Megatron-LM `args` (+ the config it built from them) -> our config for `args.dsv3_config`; with DualPipeV
-    the config carries the V layout (the first/last-stage layer counts are folded into it)."""
+    """Megatron-LM `args` (+ the config it built from them) -> our config for the run's `DSv3Config`
+    (`config.run_config`); with DualPipeV the config carries the V layout (the first/last-stage layer counts are
+    folded into it)."""
     cfg = run_config(args)
     for key, want in _ARG_CHECKS.items():
         got = getattr(args, key, None)

@@ -3,18 +3,13 @@
     torchrun --nproc-per-node 8 -m dsv3_plugin.megatron.pretrain_gpt <your Megatron-LM flags> --dsv3-config ds.json
     python -m dsv3_plugin.megatron.pretrain_gpt --nproc 2 <flags> --dsv3-config ds.json     # self-spawned ranks
 
-Built on megatron-core's own `megatron.training.pretrain` (in the wheel from 0.19 on; with 0.16 apply
-`patches/pretrain_gpt.diff` to Megatron-LM's `pretrain_gpt.py` instead). It adds `--dsv3-config` (optional: the
-model and the MoE/MTP settings, Megatron's model flags filled from it or checked against it; without it the block
-is derived from Megatron's own model flags, `flags.py`), `--spec` defaulting to ours, `--dsv3-metrics`, `--nproc`
-and `--dsv3-pipeline-schedule {dualpipev,dualpipe,1f1b}`. Without CUDA it runs on CPU/gloo with the shims of
-`patches/`. Entry points: `main`, `parse_megatron_args`.
-
-Fine-tuning (`finetune.py`, `sft_data.py`): `--dsv3-init-from DIR` starts from a released (or converted)
-checkpoint; `--load`/`--pretrained-checkpoint` without a Megatron checkpoint are refused; `--sft` trains on data
-prepared by `dsv3 prepare-data --chat` with its loss mask; a missing `--eval-interval` gets Megatron-LM's 1000.
-
-Design notes (every flag, the CPU path): docs/design_notes.md#megatron-pretrain-gpt
+Built on megatron-core's `megatron.training.pretrain` (>= 0.19; with 0.16 apply `patches/pretrain_gpt.diff` to
+Megatron-LM's `pretrain_gpt.py`). Adds `--dsv3-config` (without it the block is derived from Megatron's model flags,
+`flags.py`; either way `parse_megatron_args` builds the run's `DSv3Config` once per process, `config.run_config`),
+`--spec` (ours by default), `--dsv3-metrics`, `--nproc`, `--dsv3-pipeline-schedule {dualpipev,dualpipe,1f1b}` and
+fine-tuning (`--dsv3-init-from`, `--sft`: `finetune.py`, `sft_data.py`). Entry points: `main`, `parse_megatron_args`.
+LoRA (`lora.py`): `--dsv3-lora-rank R` with `--dsv3-init-from` trains adapters on the frozen (FP8) base.
+Design notes (every flag, fine-tuning, the CPU path): docs/design_notes.md#megatron-pretrain-gpt
 """
 
 from __future__ import annotations
@@ -27,9 +22,9 @@ from functools import partial
 
 import torch
 
-from dsv3_plugin.config import ConfigError, load_config
+from dsv3_plugin.config import ConfigError, LoRAConfig
 from dsv3_plugin.errors import CheckpointError, DataError
-from dsv3_plugin.megatron.config import config_source, run_config
+from dsv3_plugin.megatron.config import config_source, read_config_file, run_config, set_run_config
 from dsv3_plugin.megatron.dualpipev import embedding_ranks, stage_ends
 from dsv3_plugin.megatron.finetune import (
     add_finetune_args,
@@ -52,11 +47,13 @@ from dsv3_plugin.megatron.flags import (
 )
 from dsv3_plugin.megatron.fp8 import install_fp8, resolve_fp8_args
 from dsv3_plugin.megatron.gpt import add_dsv3_args, dualpipev_selected, gpt_builder
+from dsv3_plugin.megatron.lora import add_lora_args, attach_lora, freeze_lora_base, resolve_lora_args
 from dsv3_plugin.megatron.metrics import MetricsRecorder
 from dsv3_plugin.megatron.schedule_args import PIPELINE_SCHEDULES, apply_pipeline_schedule, resolve_pipeline_schedule
 from dsv3_plugin.megatron.sft_data import MaskedGPTDataset, check_sft_args, check_split_documents
 from dsv3_plugin.megatron.spec import mcore_version_tuple
 from dsv3_plugin.parallel.distributed import spawn
+from dsv3_plugin.training.lora import lora_model_config
 from dsv3_plugin.training.preemption import REPEAT_WINDOW_S
 
 __all__ = [
@@ -101,7 +98,7 @@ def parse_megatron_args(
     captured = {}
 
     def provider(parser):
-        parser = add_finetune_args(add_dsv3_args(parser))
+        parser = add_lora_args(add_finetune_args(add_dsv3_args(parser)))
         parser.add_argument(
             "--dsv3-metrics",
             type=str,
@@ -135,8 +132,9 @@ def parse_megatron_args(
                 os.environ["WORLD_SIZE"] = saved_ws
     parser = captured["parser"]
     explicit = explicit_dests(parser, argv)
+    # the run's DSv3Config, built once here (`config.run_config` hands it out after)
     if args.dsv3_config:
-        cfg, where, notes = load_config(args.dsv3_config), args.dsv3_config, []
+        cfg, where, notes = read_config_file(args.dsv3_config), args.dsv3_config, []
         args.dsv3_block = None
     else:  # Megatron-LM's own DeepSeek-V3 flags describe the model
         args.dsv3_block, notes = block_from_args(args, parser, derived_vocab_size(args))
@@ -147,7 +145,10 @@ def parse_megatron_args(
     if on_cpu:
         notes += adapt_to_cpu(args, parser, explicit)
     notes += attention_notes(args)
-    notes += resolve_fp8_args(args, parser, explicit, cfg, where, on_cpu)
+    fp8_notes, fp8 = resolve_fp8_args(args, parser, explicit, cfg, where, on_cpu)
+    notes += fp8_notes
+    cfg = cfg.model_copy(update={"fp8": fp8})  # what the plugin's layers run (enabled or not), already validated
+    notes += resolve_lora_args(args, cfg, where)
     schedule = resolve_pipeline_schedule(args, parser, explicit, cfg, where)
     notes += default_eval_interval(args, explicit)
     # Megatron-LM's default tokenizer, handed over only when --tokenizer-type is absent (Megatron warns about every
@@ -159,6 +160,10 @@ def parse_megatron_args(
     notes += apply_pipeline_schedule(args, schedule, cfg)
     notes += check_weight_sources(args, cfg, where, None if args.dsv3_config else flag_names_of_keys(parser))
     check_sft_args(args)
+    if args.dsv3_lora is not None:  # LoRA's settings join the run's one config; lora.mtp "off": no MTP modules
+        # (last: lora_model_config's copy marks every key as given, which the flag reconciliation above would read)
+        cfg = lora_model_config(cfg.model_copy(update={"lora": LoRAConfig(**args.dsv3_lora)}))
+    set_run_config(args, cfg)
     if set_globals:
         set_megatron_globals(args)
     return args, notes
@@ -193,8 +198,10 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
 
     args = get_args()
     model = gpt_builder(args, pre_process, post_process, vp_stage=vp_stage, pg_collection=pg_collection)
+    freeze_lora_base(model, args)  # LoRA: the base frozen (FP8: empty frozen storage the release's bytes fill)
     load_initial_weights(model, args)  # --dsv3-init-from: this chunk's own tensors, before DDP and the optimizer
-    install_fp8(model, args)  # after the weights: FP8 kernels read the chunk's own parameters
+    if attach_lora(model, args) is None:  # LoRA: adapters on the loaded base, all DDP and the optimizer see
+        install_fp8(model, args, run_config(args).fp8)  # after the weights: FP8 kernels read the chunk's own parameters
     return model
 
 

@@ -24,6 +24,8 @@ from dsv3_plugin.checkpoint.names import Key, parse_file, parse_released
 from dsv3_plugin.checkpoint.reader import CheckpointReader
 from dsv3_plugin.errors import CheckpointError
 from dsv3_plugin.megatron.spec import mtp_inner_layer_name
+from dsv3_plugin.precision.fp8.frozen import SCALE_SUFFIX
+from dsv3_plugin.precision.fp8.quant import FP8_DTYPE, TILE, quantize_blockwise
 
 __all__ = ["hf_to_megatron_name", "load_hf_checkpoint", "load_megatron_checkpoint", "megatron_layout_to_ours"]
 
@@ -108,6 +110,10 @@ def _assign(model, items: Iterable[tuple[str, _Target, tuple, Callable[[], torch
     """Fill `model` from `items` = (source, target, stored shape, read): every target is checked against the model
     (name, shape, duplicates, completeness) before the first `read()`."""
     state = model.state_dict(keep_vars=True)
+    # a frozen FP8 base (LoRA, `megatron/lora.py`): its E4M3 weights are non-persistent buffers, filled here with
+    # their `weight_scale_inv` from the release's bytes as stored
+    fp8 = {n: b for n, b in model.named_buffers() if b.dtype == FP8_DTYPE}
+    state.update(fp8)
     wanted = {k for k in state if not k.endswith("_extra_state")}
     plan = []
     filled_rows: dict[str, set] = {}
@@ -157,6 +163,9 @@ def _assign(model, items: Iterable[tuple[str, _Target, tuple, Callable[[], torch
         )
     shared_checks = []
     for src, tgt, read in plan:
+        if tgt.name in fp8:
+            _assign_fp8(src, tgt, read, state[tgt.name], dict(model.named_buffers())[tgt.name + SCALE_SUFFIX])
+            continue
         t = read()
         if tgt.nparts > 1:
             t = t.chunk(tgt.nparts, dim=0)[tgt.part]
@@ -172,6 +181,35 @@ def _assign(model, items: Iterable[tuple[str, _Target, tuple, Callable[[], torch
                 f"{src}: differs from {name}; Megatron's MTP shares the main "
                 "embedding/output layer and cannot hold a separate copy"
             )
+
+
+@torch.no_grad()
+def _assign_fp8(src: str, tgt: _Target, read, q_dst: torch.Tensor, s_dst: torch.Tensor) -> None:
+    """Fill a frozen FP8 weight (q [(E,) O, K] E4M3, s its 128x128 block scales): an FP8 release's bytes as stored
+    (`read(raw=True)` -> (q, s)), a high-precision one quantized once in 128x128 blocks."""
+    if tgt.nparts > 1:
+        raise CheckpointError(
+            f"{src}: a fused tensor cannot fill the frozen FP8 {tgt.name} (load a released directory)"
+        )
+    t = read(raw=True)
+    q, s = t if isinstance(t, tuple) else quantize_blockwise(t.float(), TILE)
+    if tgt.index is not None:
+        q_dst, s_dst = q_dst[tgt.index], s_dst[tgt.index]
+    if q.shape != q_dst.shape or s.shape != s_dst.shape:
+        raise CheckpointError(
+            f"{src}: FP8 weight {list(q.shape)} with scales {list(s.shape)} does not fit the frozen {tgt.name} "
+            f"{list(q_dst.shape)} / {list(s_dst.shape)}"
+        )
+    q_dst.copy_(q)
+    s_dst.copy_(s)
+
+
+def _read_released(reader: CheckpointReader, name: str, raw: bool):
+    """A released tensor: FP8 dequantized to fp32 (the exact product of the formula; the parameter's dtype comes
+    after), or with `raw` an FP8 weight's stored (E4M3, weight_scale_inv) pair."""
+    if not reader.is_fp8(name):
+        return reader.get(name)
+    return reader.get_fp8(name) if raw else reader.get(name, torch.float32)
 
 
 def load_hf_checkpoint(model, path: str | os.PathLike, allow_non_finite: bool = False) -> None:
@@ -192,12 +230,11 @@ def load_hf_checkpoint(model, path: str | os.PathLike, allow_non_finite: bool = 
             for name in reader.names():
                 tgt = hf_to_megatron_name(name, L, offset, n_local, E, ep, ep_rank, inner)
                 if tgt is not None:
-                    # FP8 -> fp32: the exact product of the formula; the parameter's dtype comes after
                     yield (
                         f"{name} in {os.path.basename(reader.info(name).file)}",
                         tgt,
                         reader.shape(name),
-                        lambda n=name: reader.get(n, torch.float32 if reader.is_fp8(n) else None),
+                        lambda raw=False, n=name: _read_released(reader, n, raw),
                     )
 
         _assign(model, items(), os.fspath(path))
@@ -240,6 +277,6 @@ def load_megatron_checkpoint(
     def items():
         for name, t in sd.items():
             for tgt in megatron_layout_to_ours(name, inner):
-                yield f"{name} in {path}", tgt, tuple(t.shape), lambda t=t: t
+                yield f"{name} in {path}", tgt, tuple(t.shape), lambda raw=False, t=t: t
 
     _assign(model, items(), path)

@@ -2,8 +2,8 @@
 
 The same code runs under the launchers users already have (`torchrun`, the `deepspeed` launcher: they
 set RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT) and self-spawned on loopback
-(`--nproc N`, via `torch.multiprocessing`: forks of a forkserver that imported torch once), with gloo on CPU and
-NCCL on GPU.
+(`--nproc N`, via `torch.multiprocessing`: forks of a forkserver that imported torch and the rank's module once;
+`shared_forkserver` keeps one for many calls), with gloo on CPU and NCCL on GPU.
 
 When a rank dies (issue 27, point 2): the others fail in their next wait on it (at once when its connections
 close; within `parallel.p2p_timeout_s` otherwise) and `peer_failures` names the dead rank after a roll call through
@@ -18,6 +18,7 @@ import os
 import re
 import signal
 import socket
+import sys
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -36,6 +37,7 @@ __all__ = [
     "init_distributed",
     "default_backend",
     "spawn",
+    "shared_forkserver",
     "first_failure",
     "rank",
     "world_size",
@@ -477,11 +479,17 @@ def _worker(
     env: dict,
     parent_pid: int | None = None,
     stdio: Any = None,
+    caller_env: dict | None = None,
+    module_file: str | None = None,
 ) -> None:
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELPER_BLOCKED)  # inherited blocked from the forkserver
     if parent_pid is not None:
         _die_with_parent(parent_pid)
+    if caller_env is not None:  # a shared forkserver (`shared_forkserver`): its environment is from its own start
+        for k in set(os.environ) - set(caller_env):
+            del os.environ[k]
+        os.environ.update(caller_env)
     os.environ.update(env)
     if env.get("OMP_NUM_THREADS", "").isdigit():
         # the forkserver imported torch with the spawning process's environment: apply this rank's thread count
@@ -505,6 +513,11 @@ def _worker(
             pass
 
     try:
+        if module_file is not None and getattr(sys.modules.get(fn.__module__), "__file__", None) != module_file:
+            raise RuntimeError(  # the forkserver found another copy of it (`_rank_module`)
+                f"{fn.__module__} is {sys.modules[fn.__module__].__file__} in the ranks, {module_file} in the "
+                "spawning process: put the package on PYTHONPATH (or install it) rather than on sys.path at run time"
+            )
         out = fn(*args)
         # Pickle here: tensors would otherwise travel as shared memory of a process that is about to exit.
         import io
@@ -539,8 +552,6 @@ def _worker(
             except Exception:  # a peer already gone: nothing left to tear down cleanly
                 pass
     if exit_now:
-        import sys
-
         sys.stdout.flush(), sys.stderr.flush()
         os._exit(code)  # skip interpreter teardown: threads of a broken process group can block it
 
@@ -555,6 +566,18 @@ def _input_error(name: str, message: str) -> ValueError:
 _PRELOAD = ["torch", "torch.distributed"]
 
 
+def _rank_module(fn: Callable) -> tuple[str, ...]:
+    """The module of `fn`, for a new forkserver to import once instead of every rank: a rank imports it anyway while
+    it unpickles `fn`, before `_worker` runs, in the server's environment (the caller's), so the rank gets the same
+    module either way. Only this package's modules (the server finds them where the caller did: installed or on
+    PYTHONPATH, not on a path the caller added at run time), and only while CUDA is not initialised here: an import
+    that initialised it in the server would break the forks, and one that did not here will not there."""
+    name = getattr(fn, "__module__", None) or ""
+    if not name.startswith("dsv3_plugin.") or torch.cuda.is_initialized():
+        return ()
+    return (name,)
+
+
 class _Helpers:
     """The forkserver (Unix; elsewhere ranks start as fresh interpreters, "spawn") and the resource tracker it
     starts, each stopped by `stop` if `start` started it: nothing of a `spawn` call outlives it (issue 27: no fork
@@ -565,19 +588,20 @@ class _Helpers:
     (1.9 s of CPU); 5 calls of `spawn` with 2 ranks that join a group took 2.7-3.6 s each, against 0.5-0.9 s
     with one forkserver kept warm across the calls (the first call pays for it either way). `dsv3 train` spawns
     once per process, so only callers that spawn many times in one process (the tests) pay it; the alternative,
-    two processes per calling process left running until it exits, is what issue 27 rules out. A forkserver
-    already running when `spawn` is called (someone else's) is used and left running."""
+    two processes per calling process left running until it exits, is what issue 27 rules out unless the caller
+    asks for it (`shared_forkserver`). A forkserver already running when `spawn` is called (someone else's, or
+    `shared_forkserver`'s) is used and left running."""
 
     def __init__(self):
         self.forkserver = self.tracker = None  # the ones `start` started
 
-    def start(self):
+    def start(self, preload: tuple[str, ...] = ()):
         if "forkserver" not in mp.get_all_start_methods():
             return mp.get_context("spawn")
         from multiprocessing import forkserver, resource_tracker
 
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(_PRELOAD)
+        ctx.set_forkserver_preload([*_PRELOAD, *preload])
         fs, rt = forkserver._forkserver, resource_tracker._resource_tracker
         had = (fs._forkserver_pid, rt._pid)
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _HELPER_BLOCKED)
@@ -729,11 +753,36 @@ def spawn(
     forwarder = _Forwarder(forward_signals, repeat_window_s) if forward_signals else None
     helpers = _Helpers()
     try:
-        ctx = helpers.start()
-        return _run_ranks(ctx, fn, nproc, args, env, timeout_s, forwarder)
+        preload = _rank_module(fn)
+        ctx = helpers.start(preload)
+        shared = helpers.forkserver is None and ctx.get_start_method() == "forkserver"  # one started before
+        module_file = sys.modules[fn.__module__].__file__ if preload else None
+        return _run_ranks(
+            ctx, fn, nproc, args, env, timeout_s, forwarder, dict(os.environ) if shared else None, module_file
+        )
     finally:
         if forwarder is not None:
             forwarder.restore()
+        helpers.stop()
+
+
+@contextlib.contextmanager
+def shared_forkserver(preload: tuple[str, ...] = ()):
+    """One forkserver (and resource tracker) for every `spawn` inside the block instead of one per call, for a
+    process that spawns many times (a test session): it pays the server's start-up (importing torch and `preload`)
+    once. Each rank is still a fork of the server, never of an earlier rank, so no rank state carries over from one
+    `spawn` to the next; a rank gets the caller's environment of its `spawn` call, not the server's. A forkserver
+    already running is used and left running. Both are stopped when the block ends.
+
+    Args:
+        preload: modules the server imports besides torch, so that the ranks need not (e.g. "deepspeed"). They
+            are imported with the environment of this call; one that fails to import is skipped there.
+    """
+    helpers = _Helpers()
+    helpers.start(tuple(preload))
+    try:
+        yield
+    finally:
         helpers.stop()
 
 
@@ -747,7 +796,17 @@ def _process_gone(pid: int) -> bool:
         return True
 
 
-def _run_ranks(ctx, fn, nproc: int, args: tuple, env: dict | None, timeout_s: float, forwarder) -> list[Any]:
+def _run_ranks(
+    ctx,
+    fn,
+    nproc: int,
+    args: tuple,
+    env: dict | None,
+    timeout_s: float,
+    forwarder,
+    caller_env: dict | None = None,
+    module_file: str | None = None,
+) -> list[Any]:
     import io
     import time
     from multiprocessing.connection import wait
@@ -759,7 +818,9 @@ def _run_ranks(ctx, fn, nproc: int, args: tuple, env: dict | None, timeout_s: fl
     pipes = [ctx.Pipe(duplex=False) for _ in range(nproc)]
     procs = [
         ctx.Process(
-            target=_worker, args=(r, nproc, port, fn, args, pipes[r][1], env, os.getpid(), _Stdio()), daemon=False
+            target=_worker,
+            args=(r, nproc, port, fn, args, pipes[r][1], env, os.getpid(), _Stdio(), caller_env, module_file),
+            daemon=False,
         )
         for r in range(nproc)
     ]

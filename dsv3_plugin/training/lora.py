@@ -359,13 +359,14 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 def lora_checkpoint_state(model: nn.Module) -> dict:
     """What a LoRA checkpoint records besides the adapters and their optimizer state: the base's fingerprint
-    (`checkpoint.frozen_base.base_fingerprint`; None for a base not loaded from a release), the adapter names and
-    the scale."""
+    (`checkpoint.frozen_base.base_fingerprint`; None for a base not loaded from a release), the base's directory
+    (`base_path`, absolute; None likewise: where `dsv3 export` finds the base), the adapter names and the scale."""
     rep = getattr(model, "lora_report", None)
     if rep is None:
         raise ValueError("lora_checkpoint_state: the model has no LoRA adapters (apply_lora was not run)")
     return {
         "base_fingerprint": getattr(model, "base_fingerprint", None),
+        "base_path": getattr(model, "base_path", None),
         "adapters": adapter_names(model),
         "scale": rep.scale,
     }

@@ -58,6 +58,7 @@ def _all_reduce_until(victim: int, out_dir: str, kill_at: int = 20):
     return me
 
 
+@pytest.mark.own_forkserver  # nothing of the call is left: its forkserver and resource tracker included
 @pytest.mark.parametrize("victim", [1, 0])
 def test_spawn_names_the_killed_rank(tmp_path, victim):
     before = snapshot()
@@ -112,6 +113,7 @@ def test_lower_layers_peer_error_gets_the_dead_rank(tmp_path):
     assert "; rank 1 is gone (process " in said, said
 
 
+@pytest.mark.own_forkserver  # what the call itself starts: its forkserver and resource tracker
 def test_spawn_leaves_no_process_when_it_returns():
     before = snapshot()
     assert spawn(_all_reduce_until, 2, -1, "", timeout_s=BOUND_S) == [0, 1]

@@ -108,13 +108,14 @@ def _both(release: str, ckdir: str, ckdir_pp: str) -> tuple[dict, dict]:
 
 
 @pytest.fixture(scope="module")
-def ranks(release, tmp_path_factory):
+def trained(release, tmp_path_factory):
+    """The 2-rank run, once for the module: (per-rank (ZeRO-1, pipelined) results, the ZeRO-1 checkpoint dir)."""
     tmp = tmp_path_factory.mktemp("lora_ranks")
-    return run_ranks(_both, 2, str(release), str(tmp / "ck"), str(tmp / "ck_pp"))
+    return run_ranks(_both, 2, str(release), str(tmp / "ck"), str(tmp / "ck_pp")), tmp / "ck"
 
 
-def test_lora_trains_the_adapters_only_and_checkpoints_them(ranks):
-    ranks = [zero for zero, _ in ranks]
+def test_lora_trains_the_adapters_only_and_checkpoints_them(trained):
+    ranks = [zero for zero, _ in trained[0]]
     r = ranks[0]
     assert all(x["local_experts"] == 8 and x["same_on_ranks"] and x["resumed"] for x in ranks)  # 16 experts / ep 2
     assert r["steps"] == 3
@@ -150,7 +151,6 @@ def _pipelined(release: str, ckdir: str) -> dict:
     from dsv3_plugin.deepspeed.run_config import RunConfig
     from dsv3_plugin.deepspeed.train import PipelinedStepEngine
     from dsv3_plugin.errors import CheckpointError
-    from dsv3_plugin.training.lora import lora_model_config
     from dsv3_plugin.training.rank_local import RankLayout
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -195,12 +195,12 @@ def _pipelined(release: str, ckdir: str) -> dict:
     }
 
 
-def test_lora_on_the_pipelined_engine_equals_one_process_and_resumes(ranks):
+def test_lora_on_the_pipelined_engine_equals_one_process_and_resumes(trained):
     import torch
 
     from tests.tolerance import reorder_bound
 
-    for r in (pp for _, pp in ranks):
+    for r in (pp for _, pp in trained[0]):
         ref = torch.tensor(r["ref"], dtype=torch.float64)
         # each micro-batch's forward is the same op sequence on both sides (stages cut between layers); their
         # float64 mean is summed in another order
@@ -311,3 +311,19 @@ def test_dsv3_train_lora_lowers_eval_loss_resumes_bit_exactly_and_refuses_anothe
                    str(tmp_path / "full"), "--out", str(tmp_path / "full"))  # fmt: skip
     assert refused.returncode == 2, refused.stderr[-3000:]
     assert "adapters trained on base sha256:" in refused.stderr, refused.stderr[-3000:]
+
+
+def test_the_lora_checkpoint_exports_as_peft_and_merged(release, trained, tmp_path):
+    """The engine's own LoRA checkpoint (adapters, ZeRO state, the base's path and fingerprint) through `dsv3
+    export`: the base found from the record, the adapters as a PEFT dir that reads back, and merged into FP8."""
+    from dsv3_plugin.checkpoint.export import export
+    from dsv3_plugin.checkpoint.hf import pretrained_config
+    from dsv3_plugin.checkpoint.peft_adapter import read_peft_adapter
+
+    ranks, ck = [zero for zero, _ in trained[0]], trained[1]
+    out = export(ck, tmp_path / "peft", "peft", progress=False)
+    back, lora = read_peft_adapter(tmp_path / "peft", pretrained_config(str(release), **DS["dsv3"]))
+    assert set(back) == set(ranks[0]["adapters"]) and out["tensors"] == len(back)
+    assert lora.rank == LORA["rank"] and lora.alpha == LORA["alpha"]
+    merged = export(ck, tmp_path / "m", "hf", progress=False)
+    assert merged["tensors"] > len(back)

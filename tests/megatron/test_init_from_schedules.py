@@ -19,6 +19,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import PRETRAIN_GPT_COUNTING_CONFIG_BUILDS, config_builds
 
 pytest.importorskip("megatron.training", reason="megatron-core < 0.19: no megatron.training in the wheel")
 pytestmark = pytest.mark.dist
@@ -35,9 +36,10 @@ def _run(tmp, rel, name, nproc, extra):
     flags += ["--data-path", str(tmp / "text"), "--split", "100,0,0"]  # real text, prepared as a user prepares it
     flags += ["--tokenizer-model", str(rel), "--dsv3-init-from", str(rel)]
     flags += ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"]
-    cmd = [sys.executable, "-m", "dsv3_plugin.megatron.pretrain_gpt", "--nproc", str(nproc)]
+    # `python -m dsv3_plugin.megatron.pretrain_gpt`, each process reporting the run configs it built
+    cmd = [sys.executable, "-c", PRETRAIN_GPT_COUNTING_CONFIG_BUILDS, "--nproc", str(nproc)]
     cmd += ["--dsv3-config", str(tmp / "ds.json"), "--dsv3-metrics", str(metrics), *flags, *extra]
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.path.join(ROOT, "tests"), "OMP_NUM_THREADS": "1"}
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     return {"rows": [json.loads(line) for line in metrics.read_text().splitlines()], "log": p.stdout}
@@ -74,3 +76,13 @@ def test_first_iteration_equals_the_pp1_run(runs, schedule):
         assert got[0][key] == ref[0][key], (schedule, key, got[0][key], ref[0][key])
     log = runs[schedule]["log"]
     assert "dsv3_plugin: initial weights: --dsv3-init-from" in log and "dsv3_plugin: FP8 (" in log
+
+
+@pytest.mark.parametrize("name", ["pp1", "dualpipev", "dualpipe"])
+def test_each_process_reads_the_config_once(runs, name):
+    """`--dsv3-config` is read and its block validated once per process, as Megatron parses its arguments once: by
+    the launching process (the flags checked before any rank starts) and by each rank (`parse_megatron_args`); the
+    model chunks (two per rank here), the FP8 install, `--dsv3-init-from` and the schedule take that object."""
+    nproc = 1 if name == "pp1" else 2
+    want = {"parent": 1} | {f"rank {r}": 1 for r in range(nproc)}
+    assert config_builds(runs[name]["log"]) == want

@@ -51,3 +51,34 @@ def test_spawned_ranks_get_the_callers_thread_count_and_stdout(capfd):
             f"rank 0 says n={n}",
             f"rank 1 says n={n}",
         ]
+
+
+_CARRIED: list = []  # what an earlier rank of a shared forkserver appended here (it must not see any)
+
+
+def _rank_facts():
+    _CARRIED.append(os.getpid())
+    return os.getppid(), os.environ.get("DSV3_TEST_MARK"), list(_CARRIED)
+
+
+def test_shared_forkserver_keeps_one_server_and_nothing_of_a_rank(monkeypatch):
+    """`shared_forkserver`: every `spawn` in the block forks its ranks from the same server, each rank with the
+    caller's environment of that call and a fresh copy of the modules (nothing an earlier rank did); the block
+    leaves no process behind."""
+    import psutil
+
+    from dsv3_plugin.parallel.distributed import shared_forkserver, spawn
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with shared_forkserver(("json",)):
+        monkeypatch.setenv("DSV3_TEST_MARK", "first")
+        first = spawn(_rank_facts, 2)
+        monkeypatch.delenv("DSV3_TEST_MARK")
+        second = spawn(_rank_facts, 2)
+    servers = {parent for parent, _, _ in first + second}
+    assert len(servers) == 1 and os.getpid() not in servers
+    assert [mark for _, mark, _ in first] == ["first", "first"] and [mark for _, mark, _ in second] == [None, None]
+    assert all(len(carried) == 1 for _, _, carried in first + second)
+    psutil.wait_procs([psutil.Process(p) for p in servers if psutil.pid_exists(p)], timeout=10)
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    assert all(p.status() == psutil.STATUS_ZOMBIE for p in left), left

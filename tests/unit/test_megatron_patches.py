@@ -186,6 +186,60 @@ def test_megatron_lm_args_must_agree_with_dsv3_config(tmp_path):
         transformer_config_from_args(argparse.Namespace(dsv3_config=str(p), hidden_size=128))
 
 
+def test_megatron_lms_own_script_reads_the_config_once_for_every_chunk(tmp_path):
+    """Under Megatron-LM's own pretrain_gpt.py (patches/pretrain_gpt.diff) the builder of every model chunk asks for
+    the run's config: the first reads `--dsv3-config`, the later ones get the same object; the typed functions
+    refuse what is not a `DSv3Config`."""
+    import argparse
+    import json
+
+    from dsv3_plugin.config import load_config
+    from dsv3_plugin.megatron import config as mcfg
+    from dsv3_plugin.megatron.gpt import transformer_config_from_args
+
+    p = tmp_path / "ds.json"
+    p.write_text(json.dumps({"dsv3": {"preset": "tiny"}}))
+    args = argparse.Namespace(dsv3_config=str(p))
+    before = mcfg.CONFIG_BUILDS
+    chunks = [transformer_config_from_args(args) for _ in range(2)]
+    assert mcfg.CONFIG_BUILDS == before + 1
+    assert chunks[0].dsv3_config is chunks[1].dsv3_config is mcfg.run_config(args)
+    assert mcfg.run_config(argparse.Namespace(dsv3_config=str(p))) is not chunks[0].dsv3_config  # another run
+    with pytest.raises(TypeError, match=r"^to_transformer_config: takes a DSv3Config \(got dict\)"):
+        mcfg.to_transformer_config({"preset": "tiny"})
+    with pytest.raises(TypeError, match=r"^set_run_config: takes a DSv3Config \(got str\)"):
+        mcfg.set_run_config(args, str(p))
+    assert load_config(str(p)) == chunks[0].dsv3_config
+
+
+def test_only_megatron_config_builds_run_configs():
+    """`megatron/config.py` is the one module of dsv3_plugin/megatron that reads a config file or validates a block
+    (what `CONFIG_BUILDS` counts); the others take the `DSv3Config` it built."""
+    import ast
+    import pathlib
+
+    import dsv3_plugin.megatron
+
+    readers = {"load_config", "read_ds_json", "model_validate", "DSv3Config", "FP8Config"}
+    found = []
+    for path in sorted(pathlib.Path(dsv3_plugin.megatron.__file__).parent.glob("*.py")):
+        if path.name == "config.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                f = node.func
+                name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+                if name in readers:
+                    found.append(f"{path.name}:{node.lineno} {name}")
+            elif isinstance(node, ast.ImportFrom) and node.module == "dsv3_plugin.config":
+                found += [
+                    f"{path.name}:{node.lineno} import {a.name}"
+                    for a in node.names
+                    if a.name in readers - {"DSv3Config", "FP8Config"}
+                ]
+    assert found == []
+
+
 def test_spec_flag_selects_the_layer_spec():
     """Megatron-LM's `--spec MODULE NAME` is resolved, not just validated: ours by default (for the
     --transformer-impl given), any importable spec otherwise; a callable is called with the config."""
