@@ -92,15 +92,6 @@ def test_train_refuses_lora_without_init_from_before_any_rank(tmp_path, monkeypa
                                             "--init-from DIR\n")  # fmt: skip
 
 
-def test_megatron_path_refuses_a_lora_block():
-    from dsv3_plugin.megatron.flags import refuse_deepspeed_only_keys
-
-    cfg = DSv3Config.from_block({"preset": "tiny", "lora": {"rank": 4}})
-    with pytest.raises(ConfigError, match=r"^dsv3.lora in ds.json: LoRA from a --dsv3-config block is trained by"):
-        refuse_deepspeed_only_keys(cfg, "ds.json")
-    refuse_deepspeed_only_keys(DSv3Config.from_block({"preset": "tiny"}), "ds.json")  # no lora block: accepted
-
-
 def test_initialize_refuses_a_lora_block_for_a_model_without_adapters():
     """The Python API: `dsv3_plugin.deepspeed.initialize` with a lora block and a plain model (not built by
     `load_frozen_base`) would train the whole model: refused before DeepSpeed is called."""
