@@ -1,14 +1,13 @@
 """Training under modeled Hopper FP8 hardware: loss curves with FP32 promotion every N_C = 128 vs none, against
 the exact emulation (DeepSeek-V3 report §3.3.2).
 
-Every run trains the same small model (same weights, synthetic batches, AdamW) with all decoder-layer GEMMs in
-FP8 (Fprop, Dgrad, Wgrad; experts included) through one backend: `emulate` (exact FP8, FP32 inside each
-128-chunk), `hopper-128` (Hopper tensor-core accumulation via mmaemu, promoted every 128), `hopper-none` (no
-promotion: one chain over all of K), `fp32` (no FP8). FP8 runs use `fp8.recipe = tensorwise` by default (without
-promotion a per-128 scale cannot be applied; `--recipe blockwise` compares hopper-128 and emulate only). Wgrad
-contracts over the step's tokens (`--batch` × `--seq-len`), the longest K here. Headline: `ours` = final loss
-(mean of the last `--tail` steps) of hopper-128, `baseline` = the exact emulation's, `ratio` = ours / baseline;
-`no_promotion` carries hopper-none's figures.
+Every run trains the same small DSv3 model (same weights, batches, AdamW) with all decoder-layer GEMMs in FP8
+through one backend: `emulate` (exact FP8, FP32 per 128-chunk), `hopper-128` (mmaemu chains promoted every 128),
+`hopper-none` (one chain over K) and `fp32` (no FP8). "No promotion" needs one scale per tensor
+(`fp8.recipe = tensorwise`, the default here). Headline: `ours` = hopper-128's final loss (mean of the last `--tail`
+steps), `baseline` = the emulation's, `ratio` = ours / baseline; `no_promotion` carries hopper-none's figures.
+
+Design notes (the runs, the recipe, which GEMMs the modeled chains change): docs/design_notes.md#bench-fp8-hopper-train
 """
 
 from __future__ import annotations

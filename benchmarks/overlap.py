@@ -1,14 +1,13 @@
 """Computation-communication overlap (DeepSeek-V3 §3.2.1, Fig. 4): exposed EP all-to-all time of DualPipe's FB pairs
 with the overlap hook vs F then B, in `dsv3 train`'s pipelined step on spawned gloo ranks.
 
-pp x ep ranks each build the same model twice (same seed) into two `PipelinedEngine`s, `parallel.overlap_ep_comm`
-on and off, training on the same micro-batches in alternating order (load drift hits both alike). Per rank and op
-kind the runtime splits op time into EP all-to-all waits (`a2a_wait_s`), pipeline-peer waits (`p2p_wait_s`) and
-the rest (`compute_s`). `ours` = exposed all-to-all time per FB pair with the hook (mean over ranks), `baseline`
-F then B, `ratio` = baseline / ours (> 1: the hook hides more); `fb_pair_wall_s`: one FB op's wall time with and
-without. Each engine's first step is a warm-up. `--timeline PNG` draws one measured FB pair with the hook (on
-`--timeline-rank`, default pipeline rank pp - 1) as a computation and a communication lane; `--events JSON`
-writes its events.
+pp x ep ranks each wrap the same model in two `PipelinedEngine`s, `parallel.overlap_ep_comm` on and off, trained
+on the same micro-batches in alternating order; per op kind the runtime splits op time into all-to-all waits,
+pipeline-peer waits and compute. `ours` = exposed all-to-all time per FB pair with the hook (mean over ranks),
+`baseline` = the same F then B, `ratio` = baseline / ours; `fb_pair_wall_s` per variant. `--timeline PNG` draws
+one measured FB pair as a computation and a communication lane; `--events JSON` writes its events.
+
+Design notes (the engines, the accounting, the timeline's pair): docs/design_notes.md#bench-overlap
 """
 
 from __future__ import annotations

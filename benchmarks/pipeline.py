@@ -1,13 +1,12 @@
 """The W split in training (DeepSeek-V3 §3.2.1): per-rank idle fraction of `dsv3 train`'s pipeline step with the
 weight gradients deferred to the W ops vs computed inside B, on spawned gloo ranks.
 
-Each rank builds the same model twice (same seed) into two `PipelinedEngine`s (`dsv3 train`'s engine for pp > 1),
-`parallel.split_weight_grads` on and off, training alternately on the same micro-batches (load drift hits both
-alike); a step is `PipelinedEngine.train_step`. Idle fraction = idle / (busy + idle) over the measured steps (the
-first is a warm-up): busy = F/B/W/FB stage compute, idle = waits on a peer (`PipelineRuntime.step`; DualPipe's
-mirror gradient exchange apart as `grad_sync_s`). `ours` = mean idle fraction with the split, `baseline`
-without, `ratio` = baseline / ours (> 1: the split idles less); `w_closures` counts the deferred weight-gradient
-jobs the W ops ran (0 without the split).
+Each rank wraps the same model in two `PipelinedEngine`s, `parallel.split_weight_grads` on and off, trained on the
+same micro-batches in alternating order. A rank's idle fraction is idle / (busy + idle) over the measured steps
+(the runtime's own accounting; DualPipe's mirror gradient exchange apart as `grad_sync_s`). `ours` = mean idle
+fraction with the split, `baseline` without, `ratio` = baseline / ours; `w_closures` counts the deferred jobs.
+
+Design notes (what a step runs, the accounting): docs/design_notes.md#bench-pipeline
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ norms, routers, MTP's `eh_proj`) is read as `load_pretrained` reads it, in the m
 `fp8.enabled` a BF16 release stays BF16; an FP8 release is refused (it would need a dequantized copy).
 
 `base_fingerprint`: a cheap identity of a release (config.json and every safetensors header, not the data) that
-adapter checkpoints record so that a resume or an export can check they sit on the same base.
+adapter checkpoints record so that a resume or an export can check they sit on the same base
+(`check_resume_base`: before any rank starts).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 
 import torch
 
@@ -25,11 +27,12 @@ from dsv3_plugin.errors import CheckpointError
 from dsv3_plugin.model.transformer import DSv3Model
 from dsv3_plugin.precision.fp8.frozen import SCALE_SUFFIX, freeze_fp8
 from dsv3_plugin.precision.fp8.quant import FP8_DTYPE, TILE, quantize_blockwise
+from dsv3_plugin.safe_files import opened_path
 from dsv3_plugin.training.lora import lora_model_config
 from dsv3_plugin.training.rank_local import RankLayout, build_rank_local
 from dsv3_plugin.training.transforms import apply_transforms
 
-__all__ = ["load_frozen_base", "base_fingerprint"]
+__all__ = ["load_frozen_base", "base_fingerprint", "check_resume_base"]
 
 
 def base_fingerprint(path: str | os.PathLike) -> str:
@@ -48,6 +51,35 @@ def base_fingerprint(path: str | os.PathLike) -> str:
         for f in sorted(r.metadata):
             h.update(json.dumps([os.path.basename(f), r.metadata[f]], sort_keys=True, default=str).encode())
     return "sha256:" + h.hexdigest()
+
+
+def check_resume_base(tag_dir: str | os.PathLike, init_from: str | os.PathLike) -> None:
+    """Refuse to resume a LoRA checkpoint (`tag_dir`, one DeepSpeed tag) on another base than the one its adapters
+    were trained on: the base fingerprint its first model-states file records (`client_state["dsv3"]["lora"]`)
+    against `base_fingerprint(init_from)`. Loaded with `torch.load(weights_only=True)`.
+
+    Raises:
+        CheckpointError: no model-states file or no LoRA record, or another base (both fingerprints named).
+    """
+    tag_dir = os.fspath(tag_dir)
+    files = sorted(f for f in os.listdir(tag_dir) if f.endswith("model_states.pt")) if os.path.isdir(tag_dir) else []
+    if not files:
+        raise CheckpointError(f"{tag_dir}: no DeepSpeed model-states file")
+    path = os.path.join(tag_dir, files[0])
+    with opened_path(path, CheckpointError, tag_dir, "torch checkpoint file") as fd_path:
+        try:
+            states = torch.load(fd_path, map_location="cpu", weights_only=True, mmap=True)
+        except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as e:  # refused or torn: named
+            raise CheckpointError(f"{path}: not a readable torch checkpoint file ({str(e).splitlines()[0]})") from None
+    record = (states.get("dsv3") or {}).get("lora") if isinstance(states, dict) else None
+    if not isinstance(record, dict):
+        raise CheckpointError(f"{path}: no LoRA record in the checkpoint (not saved by a dsv3.lora run)")
+    have = base_fingerprint(init_from)
+    if record.get("base_fingerprint") != have:
+        raise CheckpointError(
+            f"{path}: adapters trained on base {record.get('base_fingerprint')}, but this run's base "
+            f"(--init-from {os.fspath(init_from)}) is {have}"
+        )
 
 
 def _load_tensor(reader: CheckpointReader, name: str, dst: torch.Tensor, sdst: torch.Tensor | None, pow2: bool) -> None:

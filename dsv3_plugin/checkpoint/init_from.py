@@ -11,6 +11,7 @@ import os
 
 import torch
 
+from dsv3_plugin.checkpoint.frozen_base import load_frozen_base
 from dsv3_plugin.checkpoint.hf import load_pretrained, pretrained_config
 from dsv3_plugin.config import ConfigError, DSv3Config
 from dsv3_plugin.errors import CheckpointError
@@ -32,9 +33,22 @@ def build_train_model(
     DeepSpeed's own cast of an FP32 build gives, since every tensor is drawn or dequantized in FP32 and rounded
     once; router weight, bias and counts FP32, see `engine.prepare_mixed_precision`). With pp > 1 or ep > 1 only
     what this rank owns (`training.rank_local`: its stages' layers, its experts; built on `meta`), and with
-    `init_from` only its tensors read."""
+    `init_from` only its tensors read. With `cfg.lora` (already `training.lora.lora_model_config`'s) the release is
+    the frozen base (`checkpoint.frozen_base.load_frozen_base`: FP8 storage under fp8.enabled) with adapters."""
     layout = RankLayout.for_rank(cfg, rank, world)
     direct = not layout.is_full or dtype != torch.float32  # the FP32 full build is the plain one
+    if cfg.lora is not None:
+        if not init_from:  # (RunConfig refuses it first; a direct caller gets the same line)
+            raise ConfigError("dsv3.lora: LoRA trains adapters on a released base: pass --init-from DIR")
+        d = cfg.to_dict()
+        return load_frozen_base(
+            init_from,
+            layout=layout,
+            dtype=dtype,
+            device="cpu",
+            allow_non_finite=allow_non_finite,
+            **{sec: d[sec] for sec in ("moe", "mtp", "parallel", "fp8", "memory", "train", "lora")},
+        )
     if init_from:
         # Shape from the released config.json, training knobs from the "dsv3" block (see init_from_config).
         d = cfg.to_dict()

@@ -8,7 +8,7 @@ runs before it spawns ranks; what is checked: `dsv3_plugin.deepspeed.validate`.
 import json
 
 from dsv3_plugin.config import ConfigError
-from dsv3_plugin.deepspeed.run_config import RunConfig
+from dsv3_plugin.deepspeed.run_config import RunConfig, RunOverrides
 from dsv3_plugin.training.memory_estimate import format_bytes, host_memory_bytes
 
 
@@ -32,6 +32,12 @@ def register(sub):
         help="train: as `dsv3 train` runs it (default); engine: as dsv3_plugin.deepspeed.initialize "
         'sees it (no dsv3 train-only rules; a client optimizer may replace the "optimizer" section)',
     )
+    p.add_argument(
+        "--init-from",
+        metavar="DIR",
+        help="the released checkpoint `dsv3 train --init-from DIR` will start from (its config.json gives the "
+        "model's shape; a dsv3.lora block needs it)",
+    )
     p.add_argument("--print", action="store_true", help="print the resolved config as JSON")
     p.set_defaults(func=run)
 
@@ -50,6 +56,7 @@ def run(args) -> int:
         world_size=args.nproc,
         ranks_on_host=args.ranks_per_host or args.nproc or 1,
         host_memory=memory if train else None,
+        overrides=RunOverrides(init_from=args.init_from) if args.init_from else None,
     )
     cfg = checked.cfg
     if args.print:

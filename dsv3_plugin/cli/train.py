@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 
+from dsv3_plugin.checkpoint.frozen_base import check_resume_base
 from dsv3_plugin.config import ConfigError
 from dsv3_plugin.deepspeed.train import TrainRequest, prepare_run, train
 from dsv3_plugin.errors import PeerError, Preempted
@@ -132,7 +133,9 @@ def _precheck(request: TrainRequest, nproc: int) -> TrainRequest:
         rd.check_out_path(out)
         rd.probe_lock(out)
     if resume:  # (checksums: rank 0 reads the whole checkpoint for them once, under the run's lock)
-        ct.resume_source(resume, run.cfg, nproc, data_fingerprint(data), verify=False)
+        ck, tag, _ = ct.resume_source(resume, run.cfg, nproc, data_fingerprint(data), verify=False)
+        if run.cfg.lora is not None:  # adapters resume only on the base they were trained on
+            check_resume_base(os.path.join(ck, tag), request.init_from)
     same_dir = bool(resume and out) and (
         os.path.realpath(ct.checkpoint_dir(resume)) == os.path.realpath(os.path.join(out, "ckpt"))
     )

@@ -29,6 +29,7 @@ from dsv3_plugin.errors import CheckpointError
 from dsv3_plugin.model.moe.balancing import reset_counts
 from dsv3_plugin.parallel.distributed import new_groups_bounded
 from dsv3_plugin.parallel.groups import PipelineGroups
+from dsv3_plugin.training.lora import check_lora_checkpoint, lora_checkpoint_state
 from dsv3_plugin.training.pipelined import PipelinedStages
 from dsv3_plugin.training.rng_state import gather_rng_states, restore_rng_state
 
@@ -123,6 +124,14 @@ class PipelinedEngine(PipelinedStages):
         ds["train_micro_batch_size_per_gpu"] = mbs * self.gas
         ds.pop("train_batch_size", None)
         ds.pop("dsv3", None)
+        if (cfg.lora is None) != (getattr(model, "lora_report", None) is None):  # (as `engine.initialize` refuses)
+            raise ConfigError(
+                "dsv3.lora: the config and the model disagree on LoRA adapters (build the model with the same block: "
+                "checkpoint.frozen_base.load_frozen_base)"
+            )
+        if cfg.lora is not None:  # what a LoRA checkpoint records (`lora_checkpoint_state`), on this rank's stages
+            self.module.lora_report = getattr(model, "lora_report", None)
+            self.module.base_fingerprint = getattr(model, "base_fingerprint", None)
         if cfg.parallel.ep > 1:  # this rank's stages' experts over the stage's EP group (collective: every rank)
             prepare_model(self.module, cfg, dp_group=self.g.dp_group)
         _mark_replicated(self.stages, self.traits, self.g)
@@ -196,24 +205,31 @@ class PipelinedEngine(PipelinedStages):
         every rank (`save_errors.deferred_write_errors`)."""
         cs = dict(client_state or {})
         cs["dsv3"] = {**gather_rng_states(), "optimizer_steps": self.optimizer_steps, "config": self.cfg.to_dict()}
+        kw = {}
+        if self.cfg.lora is not None:  # adapters + their optimizer state; the base only by its fingerprint
+            cs["dsv3"]["lora"] = lora_checkpoint_state(self.module)
+            kw["exclude_frozen_parameters"] = True
         with (
             self._peers("save_checkpoint", sorted(set(self.g.pp_ranks) | set(self.g.dp_ranks))),
             deferred_write_errors(self.engine),
         ):
-            self.engine.save_checkpoint(save_dir, tag=tag, client_state=cs, save_latest=save_latest)
+            self.engine.save_checkpoint(save_dir, tag=tag, client_state=cs, save_latest=save_latest, **kw)
 
     def load_checkpoint(self, load_dir: str, tag: str) -> dict:
         """Load what `save_checkpoint` wrote (same pp, dp, ep); restores this rank's RNG state. Returns the
         caller's client_state keys (CheckpointError when it is not a dsv3 pipelined checkpoint or the layout
         differs)."""
         with self._peers("load_checkpoint", sorted(set(self.g.pp_ranks) | set(self.g.dp_ranks))):
-            path, client = self.engine.load_checkpoint(load_dir, tag=tag)
+            # the frozen base is not in a LoRA checkpoint: its parameters stay as loaded from the release
+            path, client = self.engine.load_checkpoint(load_dir, tag=tag, load_module_strict=self.cfg.lora is None)
         if path is None:
             raise CheckpointError(f"{load_dir}: DeepSpeed could not load checkpoint tag {tag!r}")
         client = dict(client or {})
         st = client.pop("dsv3", None)
         if st is None:
             raise CheckpointError(f"{path}: client_state has no 'dsv3' entry (not saved by dsv3 train)")
+        if self.cfg.lora is not None:
+            check_lora_checkpoint(self.module, st.get("lora"), str(path))
         restore_rng_state(st, str(path))
         self.optimizer_steps = int(st.get("optimizer_steps", 0))
         reset_counts(self.module)  # counts of an interrupted step must not leak into the next update

@@ -2,9 +2,10 @@
 
 A DeepSpeed JSON (a path, a dict, or the built-in `ds_config.json`) is read once, the command line's overrides
 (`RunOverrides`: --data / --valid-data / --tokenizer, the --init-from checkpoint's shape, --exit-after-minutes)
-are written into its "dsv3" block, and `deepspeed.validate.validate_ds_config` checks the whole: the result holds
-DeepSpeed's keys and the typed `DSv3Config` side by side. It is picklable: `dsv3 train --nproc N` hands it to the
-ranks it spawns, and the engine, the model builders, the data and the loop take it (or its `cfg`) as it is.
+are written into its "dsv3" block, and `validate_ds_config` checks the whole (with `dsv3.lora`, `lora_base_rules`
+too: a release to train on, FP8 kept FP8): the result holds DeepSpeed's keys and the typed `DSv3Config` side by
+side. It is picklable: `dsv3 train --nproc N` hands it to the ranks it spawns, and the engine, the model builders,
+the data and the loop take it (or its `cfg`) as it is.
 """
 
 from __future__ import annotations
@@ -14,13 +15,28 @@ from dataclasses import dataclass
 from typing import Literal
 
 from dsv3_plugin.checkpoint.init_from import init_from_config, with_model_shape
-from dsv3_plugin.config import DSv3Config, check_ds_dict, read_ds_json
+from dsv3_plugin.checkpoint.reader import CheckpointReader
+from dsv3_plugin.config import ConfigError, DSv3Config, check_ds_dict, read_ds_json
 from dsv3_plugin.deepspeed.config_keys import check_deepspeed_keys, resolve_batch
-from dsv3_plugin.deepspeed.validate import check_layout, check_memory, deepspeed_path_rules, pipeline_microbatch_rule
+from dsv3_plugin.deepspeed.validate import (
+    check_layout,
+    check_memory,
+    deepspeed_path_rules,
+    lora_rules,
+    pipeline_microbatch_rule,
+)
+from dsv3_plugin.training.lora import lora_model_config
 from dsv3_plugin.training.memory_estimate import MemoryEstimate
 from dsv3_plugin.training.run_rules import with_data_flags
 
-__all__ = ["RunConfig", "RunOverrides", "validate_ds_config", "DEFAULT_DS_CONFIG_PATH", "default_ds_config"]
+__all__ = [
+    "RunConfig",
+    "RunOverrides",
+    "validate_ds_config",
+    "lora_base_rules",
+    "DEFAULT_DS_CONFIG_PATH",
+    "default_ds_config",
+]
 
 # What `dsv3 train` runs with no --config (package data; examples/deepspeed/ds_config.json is a copy of it).
 DEFAULT_DS_CONFIG_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_config.json")
@@ -108,9 +124,12 @@ class RunConfig:
             raw = overrides.apply(raw)
         if model_shape is not None:
             raw = with_model_shape(raw, model_shape, keep_user_model_keys=True)
-        return validate_ds_config(
+        run = validate_ds_config(
             raw, target=target, world_size=world_size, ranks_on_host=ranks_on_host, host_memory=host_memory
         )
+        if target == "train" and run.cfg.lora is not None:
+            lora_base_rules(run.cfg, overrides.init_from if overrides is not None else None)
+        return run
 
     @property
     def micro_batch(self) -> int:
@@ -121,6 +140,20 @@ class RunConfig:
     def gas(self) -> int:
         """gradient_accumulation_steps (resolved for `world_size`)."""
         return self.ds.get("gradient_accumulation_steps", 1)
+
+
+def lora_base_rules(cfg: DSv3Config, init_from: str | None) -> None:
+    """`dsv3 train` with `dsv3.lora`: the adapters train on a released base (`--init-from`), and an FP8 release
+    stays FP8 (`fp8.enabled`: the frozen base computes with its FP8 GEMMs). Reads the release's headers only."""
+    if not init_from:
+        raise ConfigError("dsv3.lora: LoRA trains adapters on a released base: pass --init-from DIR")
+    with CheckpointReader(init_from) as reader:
+        quantized = reader.is_quantized()
+    if quantized and not cfg.fp8.enabled:
+        raise ConfigError(
+            f"dsv3.fp8.enabled: --init-from {init_from} is an FP8 release; LoRA keeps its base in FP8 and computes "
+            "with FP8 GEMMs, so set fp8.enabled = true (or convert the release to BF16 first)"
+        )
 
 
 def validate_ds_config(
@@ -145,6 +178,8 @@ def validate_ds_config(
     cfg = DSv3Config.from_block(raw.pop("dsv3"))
     ds = check_deepspeed_keys(raw, train=target == "train")
     deepspeed_path_rules(cfg, ds)
+    lora_rules(cfg)
+    cfg = lora_model_config(cfg)  # lora.mtp "off": no MTP modules; the layout, memory and model are built from it
     dp = check_layout(cfg, target=target, world_size=world_size)
     gas = resolve_batch(ds, dp)
     if gas is not None:

@@ -32,6 +32,7 @@ from dsv3_plugin.deepspeed.run_config import RunConfig, RunOverrides
 from dsv3_plugin.model.packing import lm_ce_sum
 from dsv3_plugin.parallel.distributed import init_distributed, peer_failures, set_peer_timeout
 from dsv3_plugin.training import loop
+from dsv3_plugin.training.lora import bias_update_speed
 from dsv3_plugin.training.memory_estimate import host_memory_bytes
 from dsv3_plugin.training.pipelined import as_batch, concat_batches
 from dsv3_plugin.training.run_dir import RunDir
@@ -295,7 +296,7 @@ class PipelinedStepEngine:
         b = concat_batches([as_batch(mb) for mb in micro_batches])
         ids = b.input_ids
         m = pe.train_step(ids, b.labels, float(self.tokens_seen), b.position_ids, b.token_mask)
-        gamma = self.cfg.moe.gamma(float(self.tokens_seen))
+        gamma = bias_update_speed(self.cfg, float(self.tokens_seen))  # 0 under LoRA with the released bias kept
         stats = pe.update_expert_bias(gamma)
         step_tokens = ids.numel() * pe.g.dp  # every rank of a pipeline trains on the same tokens
         # (MoE layer index, MaxVio) of every local MoE layer of every pipeline rank

@@ -16,7 +16,7 @@ from dsv3_plugin.schedule_traits import check_chunks
 from dsv3_plugin.training.memory_estimate import MemoryEstimate, check_budget
 from dsv3_plugin.training.run_rules import train_rules, world_rules
 
-__all__ = ["deepspeed_path_rules", "pipeline_microbatch_rule", "check_memory", "check_layout"]
+__all__ = ["deepspeed_path_rules", "lora_rules", "pipeline_microbatch_rule", "check_memory", "check_layout"]
 
 
 def pipeline_microbatch_rule(cfg: DSv3Config, gas: int) -> None:
@@ -61,6 +61,30 @@ def deepspeed_path_rules(cfg: DSv3Config, ds: dict) -> None:
             f"data_types.grad_accum_dtype: {acc!r} with bf16 and dsv3.parallel.pp = {cfg.parallel.pp} "
             "is not supported (the pipeline runs backward outside DeepSpeed's BF16_Optimizer); drop it "
             "(ZeRO-1 then reduces BF16 gradients into its FP32 master weights)"
+        )
+
+
+def lora_rules(cfg: DSv3Config) -> None:
+    """What `dsv3.lora` needs on the DeepSpeed path, checked on the merged block (a release's shape included):
+    frozen routed experts under expert parallelism, the blockwise recipe of the frozen FP8 base, and an MTP module
+    for `lora.mtp` "frozen"."""
+    lo, p = cfg.lora, cfg.parallel
+    if lo is None:
+        return
+    if lo.experts and p.ep > 1:
+        raise ConfigError(
+            f"dsv3.lora.experts: adapters on the routed experts with parallel.ep = {p.ep} are not supported on the "
+            "DeepSpeed path (their gradients need the expert-data-parallel reduction); set lora.experts false or ep 1"
+        )
+    if cfg.fp8.enabled and cfg.fp8.recipe == "tensorwise":
+        raise ConfigError(
+            "dsv3.fp8.recipe: 'tensorwise' with dsv3.lora: the frozen FP8 base keeps the release's 128x128 "
+            "blocks and needs the 'blockwise' recipe"
+        )
+    if lo.mtp == "frozen" and cfg.mtp.depth == 0:
+        raise ConfigError(
+            "dsv3.lora.mtp: 'frozen' trains through the MTP module, but mtp.depth is 0 (the model has none); "
+            "set lora.mtp 'off'"
         )
 
 

@@ -94,8 +94,17 @@ class ExpertParallelMoE(DeepSeekMoE):
             ep.gate.tokens_per_expert.copy_(moe.gate.tokens_per_expert)
             if moe.shared_experts is not None:
                 ep.shared_experts.load_state_dict(moe.shared_experts.state_dict())
-        if getattr(moe.experts, "expert_range", None) == ep.local_experts:
-            # already this rank's slab (a rank-local build, `training.rank_local`): taken as it is
+        rows = getattr(moe.experts, "expert_range", None)
+        # frozen experts holding every expert at ep = 1 (a LoRA base: FP8 bytes and their block scales, which a copy
+        # into fresh parameters would drop): taken over as they are, as `share` takes over the router
+        frozen_all = (
+            share
+            and rows is None
+            and moe.experts.gate_proj.shape[0] == len(ep.local_experts)
+            and not any(p.requires_grad for p in moe.experts.parameters())
+        )
+        if rows == ep.local_experts or frozen_all:
+            # already this rank's slab (a rank-local build, `training.rank_local`, or all experts, frozen)
             ep.experts = moe.experts
             ep.train(moe.training)
             return ep

@@ -9,7 +9,10 @@
 4. `dsv3 export RUN DST --to hf-bf16` (and `--to hf`, FP8 as released);
 5. `dsv3 generate --model DST --prompt ...` on the exported model;
 6. supervised fine-tuning of the exported model on the chat data (`dsv3 train --init-from DST --data CHAT`: loss on
-   the assistant's tokens only), exported again and asked a question with `dsv3 generate --chat`.
+   the assistant's tokens only), exported again and asked a question with `dsv3 generate --chat`;
+7. LoRA on the same chat data over the fine-tuned model's FP8 export (a `dsv3.lora` block: the base stays frozen
+   in FP8, only adapters train), exported as a PEFT adapter (`--to peft`) and as a merged FP8 model (`--to hf`),
+   and asked the question with the adapter on the base (`dsv3 generate --model BASE --adapter PEFT --chat`).
 
     PYTHONPATH=. DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 python examples/finetune/run.py [--out runs/finetune] [--steps 60]
 
@@ -81,6 +84,7 @@ def main() -> int:
     ap.add_argument("--out", default="runs/finetune")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--sft-steps", type=int, default=20)
+    ap.add_argument("--lora-steps", type=int, default=20)
     args = ap.parse_args()
     shutil.rmtree(args.out, ignore_errors=True)
     os.makedirs(args.out)
@@ -162,6 +166,39 @@ def main() -> int:
         question = json.loads(f.readline())["messages"][0]["content"]  # a training question
     ask = ["generate", "--model", sft_model, "--prompt", question, "--chat", "--max-new-tokens", "24", "--json"]
     chat = json_lines(dsv3(*ask))[-1]
+    # LoRA on the chat data over the fine-tuned FP8 export: the base frozen in its FP8 blocks, adapters only.
+    lora_run, lora_cfg = os.path.join(args.out, "lora"), os.path.join(args.out, "ds_config_lora.json")
+    with open(os.path.join(HERE, "ds_config.json")) as f:
+        ds = json.load(f)
+    ds["optimizer"]["params"].update(lr=1e-2, weight_decay=0.0)  # adapters: a larger step, no decay (B starts at 0)
+    ds["scheduler"]["params"].update(warmup_min_lr=1e-3, warmup_max_lr=1e-2)
+    ds["dsv3"]["fp8"] = {"enabled": True}  # the frozen base computes with the release's FP8 blocks
+    ds["dsv3"]["lora"] = {"rank": 8, "alpha": 16, "bias_update": False, "mtp": "off"}
+    with open(lora_cfg, "w") as f:
+        json.dump(ds, f, indent=2)
+    r = dsv3(
+        "train",
+        "--config",
+        lora_cfg,
+        "--init-from",
+        fp8,
+        "--data",
+        os.path.join(data, "chat"),
+        "--steps",
+        str(args.lora_steps),
+        "--nproc",
+        "2",
+        "--out",
+        lora_run,
+        "--json",
+        "--no-progress",
+    )
+    lora_steps = [x for x in json_lines(r) if "step" in x and "loss" in x]
+    peft, merged = os.path.join(args.out, "export-lora-peft"), os.path.join(args.out, "export-lora-merged")
+    dsv3("export", lora_run, peft, "--to", "peft", "--no-progress")  # adapter_config.json + adapter_model.safetensors
+    dsv3("export", lora_run, merged, "--to", "hf", "--no-progress")  # W + (alpha / r) B A, back into FP8 blocks
+    ask = ["generate", "--model", fp8, "--adapter", peft, "--prompt", question, "--chat", "--max-new-tokens", "24"]
+    lora_chat = json_lines(dsv3(*ask, "--json"))[-1]
     figures = {
         "prepared": {k: {f: v[f] for f in ("documents", "tokens", "loss_tokens")} for k, v in prep.items()},
         "steps": len(steps),
@@ -177,6 +214,11 @@ def main() -> int:
         "sft_last_lm_loss": sft_steps[-1]["lm_loss"],
         "chat_question": question,
         "chat_reply": chat.get("text"),
+        "lora_first_lm_loss": lora_steps[0]["lm_loss"],
+        "lora_last_lm_loss": lora_steps[-1]["lm_loss"],
+        "lora_peft_files": sorted(os.listdir(peft)),
+        "lora_merged_scales": sum(1 for _ in _scale_names(merged)),
+        "lora_chat_reply": lora_chat.get("text"),
     }
     print(json.dumps(figures))
     return 0

@@ -2,11 +2,16 @@
 frozen FP8 storage (each rank its experts), `prepare_model` + `initialize`, a few steps on one batch (the loss
 falls), only the adapters in the optimizer, the adapters equal on both ranks, the released router bias untouched,
 and a checkpoint holding adapters + optimizer state + the base's fingerprint, which a resume on another base
-refuses."""
+refuses. In the same spawn the pipelined engine (pp = 2, DualPipeV) against one process. Then through `dsv3 train`
+(self-spawned --nproc 2): real text, held-out eval_loss, bit-exact resume, another base refused."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -24,7 +29,6 @@ DS = {
 
 def _rank(release: str, ckdir: str) -> dict:
     import torch
-
     import torch.distributed as dist
 
     import dsv3_plugin.deepspeed as dsv3_ds
@@ -98,15 +102,20 @@ def release(tmp_path_factory):
     return write_tiny_release(tmp_path_factory.mktemp("lora_release") / "ckpt", fp8=True)
 
 
+def _both(release: str, ckdir: str, ckdir_pp: str) -> tuple[dict, dict]:
+    """One spawn, both engines: ZeRO-1 at ep = 2 (`_rank`), then the pipelined engine at pp = 2 (`_pipelined`)."""
+    return _rank(release, ckdir), _pipelined(release, ckdir_pp)
+
+
 @pytest.fixture(scope="module")
 def trained(release, tmp_path_factory):
-    """The 2-rank run, once for the module: (per-rank results, its checkpoint directory)."""
-    ck = tmp_path_factory.mktemp("lora_run") / "ck"
-    return run_ranks(_rank, 2, str(release), str(ck)), ck
+    """The 2-rank run, once for the module: (per-rank (ZeRO-1, pipelined) results, the ZeRO-1 checkpoint dir)."""
+    tmp = tmp_path_factory.mktemp("lora_ranks")
+    return run_ranks(_both, 2, str(release), str(tmp / "ck"), str(tmp / "ck_pp")), tmp / "ck"
 
 
 def test_lora_trains_the_adapters_only_and_checkpoints_them(trained):
-    ranks, _ = trained
+    ranks = [zero for zero, _ in trained[0]]
     r = ranks[0]
     assert all(x["local_experts"] == 8 and x["same_on_ranks"] and x["resumed"] for x in ranks)  # 16 experts / ep 2
     assert r["steps"] == 3
@@ -121,6 +130,189 @@ def test_lora_trains_the_adapters_only_and_checkpoints_them(trained):
     assert r["err"] is not None and "adapters trained on base sha256:" in r["err"]
 
 
+PP_DSV3 = {"fp8": {"enabled": True}, "lora": {"rank": 4, "alpha": 8.0}, "parallel": {"pp": 2, "schedule": "dualpipev"}}
+PP_DS = {
+    "train_micro_batch_size_per_gpu": 1,
+    "gradient_accumulation_steps": 4,
+    "zero_optimization": {"stage": 1},
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True, "weight_decay": 0.0}},
+}
+
+
+def _pipelined(release: str, ckdir: str) -> dict:
+    """pp = 2 (DualPipeV, the W split on), dp = 1: the frozen base read per pipeline rank, two pipeline steps on one
+    batch, a checkpoint of the adapters resumed into a fresh engine, another base refused; and the one-process
+    reference: the whole frozen base's loss on the same micro-batches."""
+    import torch
+    import torch.distributed as dist
+
+    from dsv3_plugin.checkpoint.frozen_base import load_frozen_base
+    from dsv3_plugin.checkpoint.hf import pretrained_config
+    from dsv3_plugin.deepspeed.run_config import RunConfig
+    from dsv3_plugin.deepspeed.train import PipelinedStepEngine
+    from dsv3_plugin.errors import CheckpointError
+    from dsv3_plugin.training.rank_local import RankLayout
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    run = RunConfig.load({**PP_DS, "dsv3": PP_DSV3}, target="engine", world_size=world,
+                         model_shape=pretrained_config(release))  # fmt: skip
+    cfg = run.cfg
+    secs = {k: v for k, v in cfg.to_dict().items() if k in ("moe", "mtp", "parallel", "fp8", "train", "lora")}
+    ids = torch.randint(0, 1024, (4, 17), generator=torch.Generator().manual_seed(0))
+    mbs = [(ids[i : i + 1, :-1], ids[i : i + 1, 1:]) for i in range(4)]
+    one = load_frozen_base(release, **{**secs, "parallel": {}})  # the whole model in one process
+    with torch.no_grad():
+        ref = [float(one(x, labels=y).loss) for x, y in mbs]
+
+    def build():
+        return PipelinedStepEngine(load_frozen_base(release, layout=RankLayout.for_rank(cfg, rank, world), **secs), run)
+
+    eng = build()
+    bias0 = {n: b.clone() for n, b in eng.module.named_buffers() if n.endswith("e_score_correction_bias")}
+    steps = [dict(eng.train_step(mbs)) for _ in range(2)]
+    eng.save_checkpoint(ckdir, "t2", {})
+    after = {n: p.detach().clone() for n, p in eng.module.named_parameters() if p.requires_grad}
+    again = build()
+    fingerprint, again.module.base_fingerprint = again.module.base_fingerprint, "sha256:another-base"
+    try:
+        again.load_checkpoint(ckdir, "t2")
+        err = None
+    except CheckpointError as e:
+        err = str(e)
+    again.module.base_fingerprint = fingerprint
+    again.load_checkpoint(ckdir, "t2")
+    return {
+        "losses": [s["loss"] for s in steps],
+        "gamma": [s["gamma"] for s in steps],
+        "ref": ref,
+        "optimized": sum(p.numel() for g in eng.pe.engine.optimizer.bit16_groups for p in g),
+        "trainable": sum(p.numel() for p in eng.module.parameters() if p.requires_grad),
+        "bias_same": all(torch.equal(b, bias0[n]) for n, b in eng.module.named_buffers() if n in bias0),
+        "resumed": all(torch.equal(p, after[n]) for n, p in again.module.named_parameters() if p.requires_grad),
+        "w_closures": eng.pe.runtime.last_step["w_closures"],
+        "err": err,
+        "mtp_depth": cfg.mtp.depth,
+    }
+
+
+def test_lora_on_the_pipelined_engine_equals_one_process_and_resumes(trained):
+    import torch
+
+    from tests.tolerance import reorder_bound
+
+    for r in (pp for _, pp in trained[0]):
+        ref = torch.tensor(r["ref"], dtype=torch.float64)
+        # each micro-batch's forward is the same op sequence on both sides (stages cut between layers); their
+        # float64 mean is summed in another order
+        assert abs(r["losses"][0] - float(ref.mean())) <= float(reorder_bound(len(r["ref"]), ref.abs().sum(),
+                                                                               torch.float64)), r  # fmt: skip
+        assert r["losses"][1] < r["losses"][0], r  # the adapters train through the pipeline
+        assert r["mtp_depth"] == 0 and r["gamma"] == [0.0, 0.0] and r["bias_same"]  # lora.mtp off, released bias
+        assert r["optimized"] == r["trainable"] > 0  # this pipeline rank's adapters, nothing else
+        assert r["w_closures"] > 0  # DualPipeV's W split ran the adapters' weight gradients
+        assert r["resumed"]
+        assert r["err"] is not None and "adapters trained on base sha256:" in r["err"]
+
+
+# ---- through `dsv3 train` (self-spawned --nproc 2): real text, held-out loss, resume, another base -----------------
+
+
+def _cli(*args) -> subprocess.CompletedProcess:
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "dsv3_plugin", "train", "--nproc", "2", "--json", "--no-progress", *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def _metrics(out) -> list[dict]:
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f) if "step" in r]
+
+
+def _base_eval_loss(ds: dict, release: str) -> float:
+    """The released base's held-out LM loss (adapters at B = 0: the frozen base as the run computes it), on both
+    data-parallel ranks' eval rows: what the run's eval_loss would be before its first step."""
+    import torch
+
+    from dsv3_plugin.checkpoint.frozen_base import load_frozen_base
+    from dsv3_plugin.data.packed import open_data
+    from dsv3_plugin.deepspeed.run_config import RunConfig, RunOverrides
+    from dsv3_plugin.model.packing import lm_ce_sum
+
+    run = RunConfig.load(ds, overrides=RunOverrides(init_from=release), world_size=2)
+    cfg = run.cfg
+    d = cfg.to_dict()
+    model = load_frozen_base(release, **{s: d[s] for s in ("moe", "mtp", "parallel", "fp8", "train", "lora")}).eval()
+    data = open_data(cfg, release, micro_batch=run.micro_batch, gas=run.gas, dp=2)
+    ce, n = 0.0, 0
+    with torch.no_grad():
+        for b in (b for rank in range(2) for b in data.eval_batches(rank)):
+            o = model(b.input_ids, position_ids=b.position_ids, token_mask=b.token_mask)
+            ce, n = ce + float(lm_ce_sum(o.logits, b.labels)), n + b.loss_tokens
+    return ce / n
+
+
+def test_dsv3_train_lora_lowers_eval_loss_resumes_bit_exactly_and_refuses_another_base(release, tmp_path):
+    from helpers import zero1_ds
+
+    from dsv3_plugin.checkpoint.run_checkpoint import _load_pt, find_run_checkpoint
+    from dsv3_plugin.checkpoint.tiny_release import write_tiny_release
+    from dsv3_plugin.data.prepare import prepare
+    from dsv3_plugin.data.tokenizer import pydoc_texts
+
+    texts = pydoc_texts()
+    for name, docs in (("train", texts[4:40]), ("valid", texts[:4])):
+        with open(tmp_path / f"{name}.jsonl", "w") as f:
+            f.writelines(json.dumps({"text": t}) + "\n" for t in docs)
+        prepare([str(tmp_path / f"{name}.jsonl")], release, str(tmp_path / name), progress=False)
+    data = {"train": [str(tmp_path / "train")], "valid": [str(tmp_path / "valid")], "packing": False,
+            "eval_batches": 1, "eval_every": 2}  # fmt: skip
+    block = {"train": {"seq_len": 64, "seed": 3, "data": data, "save_every": 2}, "fp8": {"enabled": True},
+             "lora": {"rank": 8, "alpha": 16.0}}  # fmt: skip
+    ds = zero1_ds(block, 1)
+    ds["optimizer"]["params"]["weight_decay"] = 0.0
+    cfg_path = tmp_path / "ds.json"
+    cfg_path.write_text(json.dumps(ds))
+    common = ["--config", str(cfg_path), "--init-from", release]
+
+    full = _cli(*common, "--steps", "4", "--out", str(tmp_path / "full"))  # saves step2 and step4
+    assert full.returncode == 0, full.stderr[-3000:]
+    # the same run stopped after its step-2 save: a copy without step4, `latest` naming step2, resumed to step 4
+    half = tmp_path / "half"
+    shutil.copytree(tmp_path / "full", half)
+    shutil.rmtree(half / "ckpt" / "step4")
+    (half / "ckpt" / "latest").write_text("step2")
+    resumed = _cli(*common, "--steps", "4", "--resume", str(half), "--out", str(half))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+    m_full = _metrics(tmp_path / "full")
+    m_resumed = [json.loads(x) for x in resumed.stdout.splitlines() if x.startswith('{"step"')]
+    assert [r["step"] for r in m_full] == [1, 2, 3, 4] and [r["step"] for r in m_resumed] == [3, 4]
+    keys = ("loss", "lm_loss", "grad_norm", "lr", "eval_loss")
+    for a, b in zip(m_full[2:], m_resumed):  # the same op sequence on the same values: equal, not close
+        assert {k: a.get(k) for k in keys} == {k: b.get(k) for k in keys}
+    base = _base_eval_loss(ds, release)
+    evals = [r["eval_loss"] for r in m_full if r.get("eval_loss") is not None]
+    assert len(evals) == 2 and evals[-1] < evals[0] < base, (base, evals)  # held-out text: LoRA lowers it
+
+    ck = find_run_checkpoint(str(tmp_path / "full"))
+    states = [_load_pt(os.path.join(ck.path, f)) for f in sorted(os.listdir(ck.path)) if "model_states" in f]
+    module = states[0]["module"]
+    adapters = sorted(n for n in module if n.rsplit(".", 1)[-1].endswith(("lora_A", "lora_B")))
+    assert adapters and all(n in adapters or n.endswith(("e_score_correction_bias", "tokens_per_expert"))
+                            for n in module)  # fmt: skip  # no frozen base weight in the checkpoint
+    optimized = sorted(n for group in states[0]["param_shapes"] for n in group)
+    assert optimized == adapters  # the optimizer holds the adapters and nothing else
+    lora = states[0]["dsv3"]["lora"]
+    assert sorted(lora["adapters"]) == adapters  # the record names the adapters the file holds
+    assert lora["base_fingerprint"].startswith("sha256:")
+
+    other = write_tiny_release(tmp_path / "other", fp8=True, seed=1, shard_bytes=1 << 19)  # same shape, other base
+    refused = _cli("--config", str(cfg_path), "--init-from", other, "--steps", "6", "--resume",
+                   str(tmp_path / "full"), "--out", str(tmp_path / "full"))  # fmt: skip
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "adapters trained on base sha256:" in refused.stderr, refused.stderr[-3000:]
+
+
 def test_the_lora_checkpoint_exports_as_peft_and_merged(release, trained, tmp_path):
     """The engine's own LoRA checkpoint (adapters, ZeRO state, the base's path and fingerprint) through `dsv3
     export`: the base found from the record, the adapters as a PEFT dir that reads back, and merged into FP8."""
@@ -128,7 +320,7 @@ def test_the_lora_checkpoint_exports_as_peft_and_merged(release, trained, tmp_pa
     from dsv3_plugin.checkpoint.hf import pretrained_config
     from dsv3_plugin.checkpoint.peft_adapter import read_peft_adapter
 
-    ranks, ck = trained
+    ranks, ck = [zero for zero, _ in trained[0]], trained[1]
     out = export(ck, tmp_path / "peft", "peft", progress=False)
     back, lora = read_peft_adapter(tmp_path / "peft", pretrained_config(str(release), **DS["dsv3"]))
     assert set(back) == set(ranks[0]["adapters"]) and out["tensors"] == len(back)
