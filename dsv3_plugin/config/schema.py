@@ -1,5 +1,5 @@
-"""The typed `"dsv3"` block: pydantic sections, `DSv3Config` (with the HF `config.json` bridge) and the
-cross-field checks pydantic cannot express.
+"""The typed `"dsv3"` block: pydantic sections and `DSv3Config` (with the HF `config.json` bridge); the
+cross-field checks pydantic cannot express are in `checks.py`, the error wording in `messages.py`.
 
 One config flows one way: a DeepSpeed JSON's `"dsv3"` block -> `DSv3Config.from_block` -> each module takes the
 sub-config it needs (`ModelConfig`, `MoEConfig`, ...). Every error is a `ConfigError` (a `ValueError`) whose
@@ -8,17 +8,32 @@ message starts with the dotted path of the key, e.g. ``dsv3.moe.top_k: must be <
 
 from __future__ import annotations
 
-import json
-import math
 import os
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
 
+from dsv3_plugin.config.bounds import (
+    MAX_EXPERTS,
+    MAX_FFN,
+    MAX_HEAD_DIM,
+    MAX_HEADS,
+    MAX_LAYERS,
+    MAX_MTP_DEPTH,
+    MAX_PIPELINE,
+    MAX_POSITIONS,
+    MAX_SHARED,
+    MAX_TIMEOUT_S,
+    MAX_TOKENS,
+    MAX_VOCAB,
+    MAX_WIDTH,
+)
+from dsv3_plugin.config.checks import LORA_TARGETS, check_cross_fields
+from dsv3_plugin.config.messages import check_numbers, json_type, pydantic_message, short_json, value_with_type
 from dsv3_plugin.config.presets import PRESETS, deep_merge
 from dsv3_plugin.errors import ConfigError
-from dsv3_plugin.json_input import check_tree, read_json
-from dsv3_plugin.schedule_traits import check_chunks, schedule_traits
+from dsv3_plugin.json_input import read_json
+from dsv3_plugin.schedule_traits import schedule_traits
 
 __all__ = [
     "ConfigError",
@@ -32,7 +47,6 @@ __all__ = [
     "MemoryConfig",
     "LoRAConfig",
     "LORA_TARGETS",
-    "lora_targets",
     "DataConfig",
     "TrainConfig",
     "DSv3Config",
@@ -42,31 +56,6 @@ __all__ = [
     "value_with_type",
     "short_json",
 ]
-
-MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a timeout beyond a week is a typo (and 1e300 s overflows timedelta)
-
-# Bounds of the sizes that allocate (issue 27: a typo must not ask for petabytes, or loop building 10^30 layers,
-# before the memory estimate runs). Each is far above DeepSeek-V3's value (in brackets) and every published model's,
-# and low enough that a loop over a count (layers, experts, ranks) ends quickly and the memory estimate, which then
-# refuses what cannot fit, names the key.
-MAX_VOCAB = 2**24  # [129280] 130x V3's; torch.multinomial (sampling, synthetic data) draws from at most 2^24 ids
-MAX_WIDTH = 2**16  # [7168] hidden / LoRA ranks: one [width, width] matrix holds at most 2^32 elements
-MAX_FFN = 2**18  # [18432 dense, 2048 per expert] FFN widths: 14x V3's dense FFN
-MAX_HEAD_DIM = 2**12  # [128 / 64] per-head dims: 32x V3's; fused attention kernels stop at 256
-MAX_HEADS = 1024  # [128]
-MAX_LAYERS = 1024  # [61] 8x the deepest published LLMs (~126 layers); each layer is a module built one by one
-MAX_POSITIONS = 2**24  # [163840] positions enter RoPE as FP32, exact only up to 2^24
-MAX_EXPERTS = 2**14  # [256] routed experts (and EP ranks, groups, top-k, which are at most that many)
-MAX_SHARED = 64  # [1] shared experts, one MLP of n_shared x intermediate_size
-# [16] pipeline ranks: 2x the deepest published pipeline (64, Megatron-LM's 1T-parameter run); a step's schedule
-# (>= 2 pp micro-batches on pp ranks: O(pp^2) ops, built in O(pp^3)) takes ~2 s to build at 128 and ~20 s at 256
-MAX_PIPELINE = 128
-MAX_MTP_DEPTH = 16  # [1] each depth is one more full MoE layer and one more loss
-MAX_TOKENS = 1e18  # [14.8e12] tokens seen are counted in int64 (9.2e18)
-# NOTE: integers are bounded by 10^36, not int64: sizes beyond int64 are refused by the memory estimate
-# (`training/memory_estimate.py`), which names the key and the bytes; this bound only keeps every product of sizes in
-# that estimate within a double (10^36^4 << 1.8e308).
-MAX_INT = 10**36
 
 
 class _Strict(BaseModel):
@@ -105,7 +94,7 @@ class RopeScaling(_Strict):
     # [32, 1] turns per original context L that place the ramp between extrapolated and interpolated dimensions
     # (at the dimensions whose wavelength fits β turns in L): ln(L / (2π β)) needs β > 0, and 1024 turns (32x V3's)
     # in V3's 4K context already put the ramp's start below dimension 0. beta_slow > beta_fast would invert the
-    # ramp (`_check_cross_fields`).
+    # ramp (`checks.check_cross_fields`).
     beta_fast: float = Field(32.0, gt=0, le=1024, description="dimensions turning more often in L keep their frequency")
     beta_slow: float = Field(1.0, gt=0, le=1024, description="dimensions turning less often in L are interpolated")
     # [1.0, 1.0; V2-Lite 0.707] 0.1·m·ln(factor) + 1 scales the softmax (squared): a negative m makes it <= 0
@@ -295,19 +284,6 @@ class MemoryConfig(_Strict):
     )
 
 
-# peft's `target_modules` names for DeepseekV3 (the released checkpoint's module names); `q_proj` is the query
-# projection of models without a query bottleneck (q_lora_rank = null)
-LORA_TARGETS = (
-    "q_proj",
-    "q_a_proj",
-    "q_b_proj",
-    "kv_a_proj_with_mqa",
-    "kv_b_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-)
 LoraTarget = Literal[LORA_TARGETS]
 
 
@@ -685,286 +661,11 @@ def _with_hf_key(msg: str, hf: dict) -> str:
     return f"{hf_key} ({path}): {rest}"
 
 
-def _dsv3_key_path(loc: tuple) -> str:
-    """pydantic's error location (("moe", "top_k")) as the key the user wrote ("dsv3.moe.top_k")."""
-    if tuple(loc[:2]) == ("train", "data") and len(loc) > 2 and loc[2] in ("name", "object"):
-        loc = (*loc[:2], *loc[3:])  # drop the union member's tag (see `_data_kind`)
-    return ".".join(["dsv3", *(str(p) for p in loc)])
-
-
-def json_type(x: Any) -> str:
-    """The JSON name of a value's type (what the user wrote), for error messages."""
-    if x is None:
-        return "null"
-    if isinstance(x, bool):
-        return "boolean"
-    if isinstance(x, (int, float)):
-        return "number"
-    if isinstance(x, str):
-        return "string"
-    if isinstance(x, (list, tuple)):
-        return "array"
-    if isinstance(x, dict):
-        return "object"
-    return type(x).__name__
-
-
-def value_with_type(x: Any) -> str:
-    """`"4", a string` / `[1], an array` / `null`: the offending value and its JSON type, for messages."""
-    if x is None:
-        return "null"
-    t = json_type(x)
-    return f"{short_json(x)}, {'an' if t[0] in 'aeiou' else 'a'} {t}"
-
-
-def short_json(x: Any, limit: int = 60) -> str:
-    """A short JSON-like rendering of an offending value (long inputs are cut)."""
-    try:
-        r = json.dumps(x)
-    except (TypeError, ValueError):
-        r = repr(x)
-    return r if len(r) <= limit else r[: limit - 3] + "..."
-
-
-# pydantic error type -> our wording (the key path comes first, the offending value last)
-_TYPE_WORDS = {
-    "int_type": "must be an integer",
-    "float_type": "must be a number",
-    "bool_type": "must be true or false",
-    "string_type": "must be a string",
-    "list_type": "must be an array",
-    "dict_type": "must be an object",
-    "model_type": "must be an object",
-    "model_attributes_type": "must be an object",
-    "finite_number": "must be a finite number",
-    "int_from_float": "must be an integer",
-}
-
-
-def _pydantic_message(err: dict) -> str:
-    where, kind, value = _dsv3_key_path(err["loc"]), err["type"], err.get("input")
-    if kind == "missing":
-        return f"{where}: required key is missing"
-    if kind == "extra_forbidden":
-        return f"{where}: unknown key (got {short_json(value)})"
-    if kind in _TYPE_WORDS:
-        return f"{where}: {_TYPE_WORDS[kind]} (got {value_with_type(value)})"
-    ctx = err.get("ctx") or {}
-    for key, op in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")):
-        if kind.startswith(("greater_than", "less_than")) and key in ctx:
-            return f"{where}: must be {op} {ctx[key]:.10g} (got {short_json(value)})"
-    return f"{where}: {err['msg']} (got {short_json(value)})"
-
-
-def check_numbers(obj: Any, prefix: tuple = ("dsv3",)) -> None:
-    """No NaN/inf anywhere and no integer beyond +-10^36: `ConfigError` naming the dotted key. Runs before
-    the schema so that the first error is about the key that is wrong."""
-    check_tree(obj, ".".join(str(p) for p in prefix) or "the DeepSpeed config", ConfigError, prefix=prefix)
-    stack = [(prefix, obj)]
-    while stack:
-        path, x = stack.pop()
-        if isinstance(x, int) and not isinstance(x, bool) and not -MAX_INT <= x <= MAX_INT:
-            digits = len(str(abs(x)))
-            raise ConfigError(
-                f"{'.'.join(str(p) for p in path)}: must be within +-10^36 (got a {digits}-digit integer)"
-            )
-        if isinstance(x, dict):
-            stack.extend((path + (k,), v) for k, v in x.items())
-        elif isinstance(x, list):
-            stack.extend((path + (i,), v) for i, v in enumerate(x))
-
-
 def _validate(d: dict) -> DSv3Config:
     check_numbers(d)
     try:
         cfg = DSv3Config.model_validate(d)
     except ValidationError as e:
-        raise ConfigError(_pydantic_message(e.errors()[0])) from None
-    _check_cross_fields(cfg)
+        raise ConfigError(pydantic_message(e.errors()[0])) from None
+    check_cross_fields(cfg)
     return cfg
-
-
-def _fail(path: str, msg: str):
-    raise ConfigError(f"dsv3.{path}: {msg}")
-
-
-def _check_schedule(path: str, steps: list[ScheduleStep], hi: float, of: str) -> None:
-    """Pieces in increasing order, only the last open-ended, each value within `hi`, the bound of the key `of`
-    the schedule replaces."""
-    last = -math.inf
-    for i, s in enumerate(steps):
-        if s.value > hi:
-            _fail(f"{path}.{i}.value", f"must be <= {hi:.10g}, the bound of {of} (got {short_json(s.value)})")
-        if s.until_tokens is None:
-            if i != len(steps) - 1:
-                _fail(f"{path}.{i}.until_tokens", "only the last piece may be open-ended (null)")
-            continue
-        if s.until_tokens <= last:
-            _fail(f"{path}.{i}.until_tokens", f"must increase (got {s.until_tokens:g} after {last:g})")
-        last = s.until_tokens
-
-
-def _le(cls: type[BaseModel], name: str) -> float:
-    """The upper bound (`le`) of a numeric field, as its schema declares it."""
-    return next(x.le for x in cls.model_fields[name].metadata if getattr(x, "le", None) is not None)
-
-
-def _check_cross_fields(c: DSv3Config) -> None:
-    m, e = c.model, c.moe
-    if e.top_k > e.n_routed_experts:
-        _fail("moe.top_k", f"must be <= n_routed_experts (got {e.top_k} > {e.n_routed_experts})")
-    if e.n_routed_experts % e.n_group:
-        _fail("moe.n_group", f"must divide n_routed_experts (got {e.n_routed_experts} % {e.n_group} != 0)")
-    if e.topk_group > e.n_group:
-        _fail("moe.topk_group", f"must be <= n_group (got {e.topk_group} > {e.n_group})")
-    if e.top_k < e.topk_group:
-        _fail("moe.top_k", f"must be >= topk_group (got {e.top_k} < {e.topk_group})")
-    per_group = e.n_routed_experts // e.n_group
-    if e.n_group > 1 and per_group < 2:
-        _fail("moe.n_group", f"needs >= 2 experts per group for the top-2 group score (got {per_group})")
-    if e.n_group > 1 and e.top_k > e.topk_group * per_group:
-        _fail("moe.top_k", f"must be <= topk_group * experts per group (got {e.top_k} > {e.topk_group} * {per_group})")
-    if m.first_k_dense_replace > m.num_hidden_layers:
-        _fail(
-            "model.first_k_dense_replace",
-            f"must be <= num_hidden_layers (got {m.first_k_dense_replace} > {m.num_hidden_layers})",
-        )
-    if m.qk_rope_head_dim % 2:
-        _fail("model.qk_rope_head_dim", f"must be even for RoPE (got {m.qk_rope_head_dim})")
-    if c.memory.grad_norm == "fp32":  # the norm over the flat gradient buffer, which these setups do not use
-        for off, why in (
-            (not c.memory.flat_grads, "memory.flat_grads false"),
-            (c.parallel.ep > 1, f"parallel.ep = {c.parallel.ep} (expert parameter groups)"),
-            (c.parallel.pp > 1, f"parallel.pp = {c.parallel.pp} (pipeline engine)"),
-        ):
-            if off:
-                _fail("memory.grad_norm", f"fp32 is taken over the flat gradient buffer, which {why} does not use")
-    _check_schedule("moe.bias_update_schedule", e.bias_update_schedule, _le(MoEConfig, "bias_update_speed"), "γ")
-    _check_schedule("mtp.loss_weight_schedule", c.mtp.loss_weight_schedule, _le(MTPConfig, "loss_weight"), "λ")
-    rs = m.rope_scaling
-    if rs is not None and rs.beta_slow > rs.beta_fast:
-        # the ramp runs from beta_fast's dimension (extrapolated below it) to beta_slow's (interpolated above it);
-        # swapped, it would interpolate the high frequencies and keep the low ones: the opposite of YaRN
-        _fail("model.rope_scaling.beta_slow", f"must be <= beta_fast (got {rs.beta_slow:g} > {rs.beta_fast:g})")
-    p = c.parallel
-    if e.n_routed_experts % p.ep:
-        _fail("parallel.ep", f"must divide moe.n_routed_experts (got {e.n_routed_experts} % {p.ep} != 0)")
-    if p.ep % e.ranks_per_node:
-        _fail("moe.ranks_per_node", f"must divide parallel.ep (got {p.ep} % {e.ranks_per_node} != 0)")
-    nodes = p.ep // e.ranks_per_node
-    if nodes > 1 and e.n_group not in (1, nodes) and e.n_group % nodes:
-        _fail(
-            "moe.n_group",
-            f"must be a multiple of the EP nodes for node-limited routing (got {e.n_group} groups over {nodes} nodes)",
-        )
-    if p.pp > 1:  # (pp = 1: no pipeline, the schedule is not used)
-        check_chunks(p.schedule, p.pp, p.num_chunks, pp_key="dsv3.parallel.pp", chunks_key="dsv3.parallel.num_chunks")
-    if p.split_weight_grads and (p.pp == 1 or not schedule_traits(p.schedule).has_w):
-        why = "pp = 1 runs no pipeline schedule" if p.pp == 1 else f"schedule {p.schedule!r} has no W ops"
-        _fail(
-            "parallel.split_weight_grads",
-            f"true needs pp > 1 and a schedule with W ops (dualpipe, dualpipev); {why}: set it false or leave it null",
-        )
-    if p.overlap_ep_comm and (p.ep == 1 or p.pp == 1 or not schedule_traits(p.schedule).has_fb):
-        why = (
-            "ep = 1 has no all-to-all to overlap"
-            if p.ep == 1
-            else "pp = 1 runs no pipeline schedule"
-            if p.pp == 1
-            else f"schedule {p.schedule!r} has no FB ops"
-        )
-        _fail(
-            "parallel.overlap_ep_comm",
-            f"true needs ep > 1, pp > 1 and a schedule with FB ops (dualpipe, "
-            f"dualpipev); {why}: set it false or leave it null",
-        )
-    if isinstance(c.train.data, DataConfig):
-        _check_data(c.train.data)
-    if c.lora is not None:
-        _check_lora(c)
-    if c.fp8.dispatch and not c.fp8.enabled:
-        _fail("fp8.dispatch", "requires fp8.enabled = true")
-    if c.fp8.recipe == "tensorwise" and c.fp8.dispatch:
-        _fail("fp8.dispatch", "FP8 dispatch uses tile scales; it needs fp8.recipe = 'blockwise'")
-    nc = c.fp8.promote_every
-    if nc != 128 and c.fp8.backend != "hopper-emulated":
-        _fail(
-            "fp8.promote_every",
-            f"only fp8.backend = 'hopper-emulated' models the tensor cores' accumulation "
-            f"(the other backends promote every 128); got {nc} with backend {c.fp8.backend!r}",
-        )
-    if nc is not None and nc % 32:
-        _fail("fp8.promote_every", f"must be a multiple of 32, the K of one FP8 WGMMA (got {nc})")
-    if c.fp8.recipe == "blockwise" and (nc is None or 128 % nc):
-        _fail(
-            "fp8.promote_every",
-            f"with fp8.recipe = 'blockwise' each 128-element group has its own scale, applied "
-            f"at promotion, so N_C must divide 128 (got {nc}); None or N_C > 128 needs "
-            f"fp8.recipe = 'tensorwise'",
-        )
-
-
-def _lora_modules(c: DSv3Config) -> tuple[str, ...]:
-    """The `LORA_TARGETS` names that exist in this model (attention always; MLP names with a dense layer, a shared
-    expert, or `lora.experts` and routed experts)."""
-    m, e = c.model, c.moe
-    names = ["q_proj"] if m.q_lora_rank is None else ["q_a_proj", "q_b_proj"]
-    names += ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
-    moe_layers = m.num_hidden_layers > m.first_k_dense_replace
-    dense_mlp = m.first_k_dense_replace > 0 or (moe_layers and e.n_shared_experts > 0)
-    if dense_mlp or (c.lora is not None and c.lora.experts and moe_layers):
-        names += ["gate_proj", "up_proj", "down_proj"]
-    return tuple(names)
-
-
-def lora_targets(c: DSv3Config) -> tuple[str, ...]:
-    """The module names `dsv3.lora` adapts: `lora.targets`, or (null) every `LORA_TARGETS` name the model has.
-
-    Returns:
-        Names in `LORA_TARGETS` order; () when `c.lora` is None.
-    """
-    if c.lora is None:
-        return ()
-    have = _lora_modules(c)
-    if c.lora.targets is None:
-        return have
-    return tuple(t for t in LORA_TARGETS if t in c.lora.targets)
-
-
-def _check_lora(c: DSv3Config) -> None:
-    lo = c.lora
-    if lo.targets is not None:
-        if not lo.targets:
-            _fail("lora.targets", "must name at least one module (or be null: every attention and MLP projection)")
-        if len(set(lo.targets)) != len(lo.targets):
-            _fail("lora.targets", f"names a module twice (got {short_json(lo.targets)})")
-        have = _lora_modules(c)
-        for i, t in enumerate(lo.targets):
-            if t not in have:
-                _fail(f"lora.targets.{i}", f"{t!r} names no module of this model (it has {', '.join(have)})")
-
-
-def _check_data(d: DataConfig) -> None:
-    """The shapes pydantic cannot say: a source is a non-empty path or [weight > 0, path], not both forms mixed;
-    evaluation needs a valid set."""
-    weighted = [isinstance(x, list) for x in d.train]
-    for i, x in enumerate(d.train):
-        if isinstance(x, list):
-            ok = len(x) == 2 and isinstance(x[0], (int, float)) and isinstance(x[1], str) and x[1]
-            if not ok:
-                _fail(f"train.data.train.{i}", f"must be [weight, PREFIX] (got {short_json(x)})")
-            # a weight is a relative share, often a token count: bounded like one (MAX_TOKENS)
-            if not 0 < x[0] <= MAX_TOKENS:
-                _fail(f"train.data.train.{i}", f"the weight must be > 0 and <= 1e18 (got {short_json(x[0])})")
-        elif not x:
-            _fail(f"train.data.train.{i}", "must be a non-empty path")
-        if weighted[i] != weighted[0]:
-            _fail(
-                f"train.data.train.{i}",
-                "either every source has a weight ([[weight, PREFIX], ...]) or none has ([PREFIX, ...]); got both",
-            )
-    for i, x in enumerate(d.valid):
-        if not x:
-            _fail(f"train.data.valid.{i}", "must be a non-empty path")
-    if d.eval_every and not d.valid:
-        _fail("train.data.eval_every", f"evaluation every {d.eval_every} steps needs train.data.valid sources")

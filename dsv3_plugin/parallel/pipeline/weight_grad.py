@@ -5,8 +5,7 @@ A backward is split into I (gradients w.r.t. the stage *input*, needed by the pr
 (gradients w.r.t. the *weights*, needed only by the optimizer). The schedule runs I inside
 `WeightGradQueue.deferring()`; every GEMM that opts in then computes its input gradient at once and queues a
 closure that computes and accumulates its weight gradient; the schedule's W op runs one I's closures later,
-in FIFO order. Modules that do not opt in compute their weight gradients inside I: still correct, just no
-deferral.
+in FIFO order. Modules that do not opt in compute their weight gradients inside I (no deferral).
 
 Opting in is a kernel wrapper (`DeferredWeightGrads`, see `model/kernels.py`) around whatever kernel a module's GEMMs
 run (FP32/BF16 or FP8, Linear or routed experts), so precision and deferral compose: `split_weight_grads(module)`
