@@ -10,7 +10,7 @@ from dataclasses import asdict
 from dsv3_plugin.config import ConfigError, DSv3Config, lora_targets
 from dsv3_plugin.training.lora_memory import format_lora_table, lora_plan, lora_plan_ranks
 
-__all__ = ["add_lora_flags", "lora_flags", "run_lora_plan"]
+__all__ = ["add_lora_flags", "lora_flags", "plan_head", "run_lora_plan"]
 
 
 def add_lora_flags(p, what: str) -> None:
@@ -45,6 +45,22 @@ def lora_flags(args) -> list[tuple[str, object, str]]:
     return out
 
 
+def plan_head(args, cfg: DSv3Config) -> dict:
+    """The layout line of `dsv3 memory-plan`'s output (its JSON's top-level keys) for the validated `cfg`."""
+    pp, ep = cfg.parallel.pp, cfg.parallel.ep
+    return {
+        "preset": cfg.preset,
+        "pp": pp,
+        "ep": ep,
+        "dp": args.dp,
+        "world_size": pp * args.dp,
+        "micro_batch_tokens": args.micro_batch_tokens or cfg.train.seq_len,
+        "recompute": args.recompute or cfg.memory.recompute,
+        "fp8": cfg.fp8.enabled if args.fp8 is None else args.fp8,
+        "bf16_moments": cfg.memory.bf16_moments if args.bf16_moments is None else args.bf16_moments,
+    }
+
+
 def run_lora_plan(args, cfg: DSv3Config, schedules: list, not_planned: dict) -> int:
     """Print `dsv3 memory-plan`'s LoRA plan of the validated `cfg` (which has a lora block) for `schedules`."""
     if args.materialize:
@@ -62,15 +78,7 @@ def run_lora_plan(args, cfg: DSv3Config, schedules: list, not_planned: dict) -> 
     else:
         rows = lora_plan(cfg, pp, ep, args.dp, schedules, **kw)
     head = {
-        "preset": cfg.preset,
-        "pp": pp,
-        "ep": ep,
-        "dp": args.dp,
-        "world_size": pp * args.dp,
-        "micro_batch_tokens": args.micro_batch_tokens or cfg.train.seq_len,
-        "recompute": args.recompute or cfg.memory.recompute,
-        "fp8": cfg.fp8.enabled if args.fp8 is None else args.fp8,
-        "bf16_moments": cfg.memory.bf16_moments if args.bf16_moments is None else args.bf16_moments,
+        **plan_head(args, cfg),
         "lora_rank": lo.rank,
         "lora_experts": lo.experts,
         "lora_targets": ",".join(lora_targets(cfg)),

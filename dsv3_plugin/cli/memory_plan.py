@@ -12,7 +12,7 @@ way: one that the rules refuse for this layout is listed as not planned, with th
 
 import json
 
-from dsv3_plugin.cli._lora import add_lora_flags, lora_flags, run_lora_plan
+from dsv3_plugin.cli._lora import add_lora_flags, lora_flags, plan_head, run_lora_plan
 from dsv3_plugin.config import ConfigError, DSv3Config, read_ds_json
 from dsv3_plugin.deepspeed.run_config import validate_ds_config
 from dsv3_plugin.deepspeed.validate import check_layout
@@ -188,17 +188,7 @@ def run(args) -> int:
             args.bf16_moments,
             schedules=schedules,
         )
-    head = {
-        "preset": cfg.preset,
-        "pp": pp,
-        "ep": ep,
-        "dp": args.dp,
-        "world_size": pp * args.dp,
-        "micro_batch_tokens": args.micro_batch_tokens or cfg.train.seq_len,
-        "recompute": args.recompute or cfg.memory.recompute,
-        "fp8": cfg.fp8.enabled if args.fp8 is None else args.fp8,
-        "bf16_moments": cfg.memory.bf16_moments if args.bf16_moments is None else args.bf16_moments,
-    }
+    head = plan_head(args, cfg)
     built = _materialize(cfg, cfg.parallel.schedule, pp, ep, args.pp_rank, args.ep_rank) if args.materialize else None
     if args.json:
         out = {**head, "ranks": [asdict(r) for r in rows], "not_planned": not_planned}
