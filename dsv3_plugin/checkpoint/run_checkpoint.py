@@ -164,7 +164,8 @@ class _Names:
             self.ranges = model_stage_layers(cfg.model.num_hidden_layers, cfg.mtp.depth, n)
         self.e_local = cfg.moe.n_routed_experts // cfg.parallel.ep
 
-    def native(self, name: str, mp_rank: int, where: str) -> tuple[str, int | None]:
+    def unstaged(self, name: str, mp_rank: int, where: str) -> str:
+        """A stored name without its pipeline chunk prefix, its stage-local layer index made global."""
         if self.pp > 1:
             m = _STAGE.match(name)
             if not m:
@@ -174,6 +175,10 @@ class _Names:
             m = _LAYER.match(name)
             if m:
                 name = f"layers.{self.ranges[stage][int(m.group(1))]}.{m.group(2)}"
+        return name
+
+    def native(self, name: str, mp_rank: int, where: str) -> tuple[str, int | None]:
+        name = self.unstaged(name, mp_rank, where)
         expert = None
         m = _DS_EXPERT.match(name)
         if m:  # parallel.ep > 1: one DeepSpeed expert module per local expert (global index in expert files)
@@ -364,15 +369,7 @@ class RunLoRA:
 
 def _adapter_native(names: _Names, name: str, mp_rank: int, where: str) -> str:
     """A stored adapter name -> its `DSv3Model` name (pipeline chunk prefix dropped, stage layer made global)."""
-    if names.pp > 1:
-        m = _STAGE.match(name)
-        if not m:
-            raise CheckpointError(f"{name} in {where}: not a pipeline stage's tensor (pp = {names.pp})")
-        chunk, name = int(m.group(1)), m.group(2)
-        stage = stage_ids_for_rank(names.cfg.parallel.schedule, names.pp, mp_rank)[chunk]
-        m = _LAYER.match(name)
-        if m:
-            name = f"layers.{names.ranges[stage][int(m.group(1))]}.{m.group(2)}"
+    name = names.unstaged(name, mp_rank, where)
     if ".deepspeed_experts." in name:
         raise CheckpointError(
             f"{name} in {where}: routed-expert adapters of an expert-parallel run (parallel.ep > 1) are not read by "
