@@ -3,7 +3,8 @@
 DeepSpeed itself coerces or ignores bad values until deep inside `deepspeed.initialize`; here each is a
 `ConfigError` naming the key, before any process starts: `zero_optimization` (stage 1 only), `gradient_clipping`,
 the batch-size triple (resolved as DeepSpeed does), `optimizer`, `scheduler`, `fp16` / `bf16`, `steps_per_print`,
-then DeepSpeed's own config parser as a backstop. Key by key: docs/deepspeed.md ("config_keys.py").
+the monitor blocks (`deepspeed.monitor`), then DeepSpeed's own config parser as a backstop. Key by key:
+docs/deepspeed.md ("config_keys.py").
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import inspect
 
 from dsv3_plugin.config import ConfigError, short_json, value_with_type
 from dsv3_plugin.deepspeed.backend import import_deepspeed
+from dsv3_plugin.deepspeed.monitor import check_monitor_blocks
 
 __all__ = [
     "check_deepspeed_keys",
@@ -371,6 +373,7 @@ def check_deepspeed_keys(raw: dict, *, train: bool) -> dict:
     _check_precision(ds)
     _check_optimizer(ds, train)
     _check_scheduler(ds)
+    check_monitor_blocks(ds)  # tensorboard / wandb / csv_monitor / comet: keys, packages, misspelt blocks
     _backstop(ds)
     return ds
 

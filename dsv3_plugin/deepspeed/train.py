@@ -26,6 +26,7 @@ from dsv3_plugin.data.packed import open_data
 from dsv3_plugin.data.synthetic import MarkovData
 from dsv3_plugin.data.tokenizer import has_tokenizer
 from dsv3_plugin.deepspeed.engine import initialize, mixed_precision_dtype, quiet_deepspeed_logs
+from dsv3_plugin.deepspeed.monitor import monitor_sink
 from dsv3_plugin.deepspeed.moe_layer import prepare_model  # experts sharded over parallel.ep (DeepSpeed MoE groups)
 from dsv3_plugin.deepspeed.pipeline import PipelinedEngine
 from dsv3_plugin.deepspeed.run_config import RunConfig, RunOverrides
@@ -148,12 +149,14 @@ def train(request: TrainRequest | RunConfig | str | os.PathLike | dict | None = 
             data.tokenizer_dir if data is not None else (init_from if init_from and has_tokenizer(init_from) else None)
         )
         rundir = RunDir(r.out, r.resume, cfg, rank, world, r.overwrite, r.save, data=fingerprint, tokenizer=tok_dir)
+        sink = None
         try:
             _setup_process(cfg)
             rss0 = rss_bytes()  # the runtime's share of peak_rss_bytes (Python, torch, DeepSpeed, process groups)
             dtype = mixed_precision_dtype(run.ds) or torch.float32
             model = build_train_model(cfg, init_from, r.allow_non_finite, rank, world, dtype)
             engine = PipelinedStepEngine(model, run) if cfg.parallel.pp > 1 else ZeroStepEngine(model, run)
+            sink = monitor_sink(engine.deepspeed_engine)  # the JSON's tensorboard / wandb / csv_monitor / comet
             if data is None:
                 data = MarkovData(cfg.model.vocab_size, cfg.train.seq_len, seed=cfg.train.seed)
             elif (data.micro_batch, data.gas, data.dp) != (engine.micro_batch, engine.gas, engine.dp):
@@ -175,8 +178,11 @@ def train(request: TrainRequest | RunConfig | str | os.PathLike | dict | None = 
                 checkpoint_bytes_read=getattr(model, "checkpoint_bytes_read", 0),
                 rss_before_model=rss0,
                 data_note=note,
+                metrics_sink=sink,
             )
         finally:
+            if sink is not None:
+                sink.close()
             rundir.close()
 
 
@@ -188,6 +194,7 @@ class ZeroStepEngine:
     def __init__(self, model, run: RunConfig):
         prepare_model(model, run.cfg)
         self.engine, _, _, _ = initialize(model, run)
+        self.deepspeed_engine = self.engine  # its monitor writes the metrics (`deepspeed.monitor`)
         self.module = model
         self.telemetry = RoutingTelemetry(model)
         self.dp_rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
@@ -281,6 +288,7 @@ class PipelinedStepEngine:
     def __init__(self, model, run: RunConfig):
         cfg = run.cfg
         self.pe = PipelinedEngine(model, run.ds, cfg)
+        self.deepspeed_engine = self.pe.engine  # its monitor writes the metrics (`deepspeed.monitor`)
         self.cfg = cfg
         self.module = self.pe.module
         self.dp_rank, self.dp = self.pe.g.dp_rank, self.pe.g.dp

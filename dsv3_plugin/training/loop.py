@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import nn
@@ -140,6 +140,7 @@ def run(
     checkpoint_bytes_read: int = 0,
     rss_before_model: int = 0,
     data_note: str = "",
+    metrics_sink: Callable[[dict], None] | None = None,
 ) -> dict:
     """Train from the run directory's resume point (or step 0) to step `total` on this rank.
 
@@ -157,6 +158,8 @@ def run(
         world: number of ranks; progress: a tqdm bar on rank 0; echo: JSON lines and summary on stdout;
         summary: the short human summary; checkpoint_bytes_read, rss_before_model: memory facts for the summary.
         data_note: appended to the summary's data line (e.g. that --init-from did not change the data).
+        metrics_sink: called on rank 0 with each record written to metrics.jsonl, after it is written (the
+            framework's experiment trackers, e.g. `deepspeed.monitor.MonitorSink`); None: none.
 
     Returns:
         What `run_report.finish` returns: history, summary, router biases, parameter checksum, notes.
@@ -197,7 +200,7 @@ def run(
                 stops.note_step(step_s)
                 evaluate(rec)
                 history.append(rec)
-                saved = _after_step(rec, run_dir, cfg, total, echo, bar, save_tag)
+                saved = _after_step(rec, run_dir, cfg, total, echo, bar, save_tag, metrics_sink)
                 if rec["step"] < total:
                     _stop_if_asked(stops, rec["step"], total, saved, save_tag, run_dir, cfg)
     finally:
@@ -294,12 +297,12 @@ def _evaluator(engine: TrainEngine, data, cfg, total: int):
     return evaluate
 
 
-def _after_step(rec: dict, run_dir: RunDir, cfg, total: int, echo: bool, bar, save_tag) -> bool:
-    """Rank 0 logs the step; at `train.save_every` and at the last step `save_tag(done)` writes the checkpoint
+def _after_step(rec: dict, run_dir: RunDir, cfg, total: int, echo: bool, bar, save_tag, sink=None) -> bool:
+    """Rank 0 logs the step (metrics.jsonl, then `sink`); at `train.save_every` and at the last step `save_tag(done)` writes the checkpoint
     (every rank: ZeRO-1 state is partitioned) and the run directory records it. Returns whether it saved."""
     done = rec["step"]
     if run_dir.rank == 0:
-        _log_step(rec, done, total, cfg.train.log_every, echo, run_dir.metrics_path, bar)
+        _log_step(rec, done, total, cfg.train.log_every, echo, run_dir.metrics_path, bar, sink)
     if run_dir.ckpt and ((cfg.train.save_every and done % cfg.train.save_every == 0) or done == total):
         save_tag(done)
         return True
@@ -333,9 +336,9 @@ def _stop_if_asked(stops: StopRequests, done: int, total: int, saved: bool, save
     raise Preempted(f"dsv3 train: stopped after step {done} of {total} ({reason}); {where}", exit_status(signum))
 
 
-def _log_step(rec: dict, done: int, total: int, log_every: int, echo: bool, metrics_path, bar) -> None:
+def _log_step(rec: dict, done: int, total: int, log_every: int, echo: bool, metrics_path, bar, sink=None) -> None:
     """Rank 0: one JSON line every `dsv3.train.log_every` steps (and the last) to metrics.jsonl (flushed per line,
-    so a crash tears at most the last line) and, with `echo`, to stdout."""
+    so a crash tears at most the last line), with `echo` to stdout, and the same record to `sink`."""
     if done % log_every == 0 or done == total:
         line = metrics_line(rec)  # non-finite values as null: what read_jsonl accepts back
         if echo:
@@ -343,6 +346,8 @@ def _log_step(rec: dict, done: int, total: int, log_every: int, echo: bool, metr
         if metrics_path:
             with open(metrics_path, "a") as f:
                 f.write(line + "\n")
+        if sink is not None:
+            sink(rec)
     if bar is not None:
         bar.set_postfix(loss=f"{rec['loss']:.3f}", maxvio=f"{rec['maxvio']:.3f}", refresh=False)
         bar.update(1)
