@@ -26,8 +26,8 @@ from dsv3_plugin.data.packed import open_data
 from dsv3_plugin.data.synthetic import MarkovData
 from dsv3_plugin.data.tokenizer import has_tokenizer
 from dsv3_plugin.deepspeed.engine import initialize, mixed_precision_dtype, quiet_deepspeed_logs
-from dsv3_plugin.deepspeed.monitor import monitor_sink
 from dsv3_plugin.deepspeed.moe_layer import prepare_model  # experts sharded over parallel.ep (DeepSpeed MoE groups)
+from dsv3_plugin.deepspeed.monitor import monitor_sink
 from dsv3_plugin.deepspeed.pipeline import PipelinedEngine
 from dsv3_plugin.deepspeed.run_config import RunConfig, RunOverrides
 from dsv3_plugin.model.packing import lm_ce_sum

@@ -17,7 +17,8 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -298,8 +299,9 @@ def _evaluator(engine: TrainEngine, data, cfg, total: int):
 
 
 def _after_step(rec: dict, run_dir: RunDir, cfg, total: int, echo: bool, bar, save_tag, sink=None) -> bool:
-    """Rank 0 logs the step (metrics.jsonl, then `sink`); at `train.save_every` and at the last step `save_tag(done)` writes the checkpoint
-    (every rank: ZeRO-1 state is partitioned) and the run directory records it. Returns whether it saved."""
+    """Rank 0 logs the step (metrics.jsonl, then `sink`); at `train.save_every` and at the last step
+    `save_tag(done)` writes the checkpoint (every rank: ZeRO-1 state is partitioned) and the run directory records
+    it. Returns whether it saved."""
     done = rec["step"]
     if run_dir.rank == 0:
         _log_step(rec, done, total, cfg.train.log_every, echo, run_dir.metrics_path, bar, sink)
