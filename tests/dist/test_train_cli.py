@@ -131,15 +131,17 @@ def test_terminal_output_is_a_bar_and_a_short_summary(tmp_path):
     """Without --json: stdout is a short human summary (no JSON), stderr the bar; the JSON lines are all in
     metrics.jsonl, and the summary's MaxVio_global figures are those of the loads in it; routing.png is written.
     The config is read once: the launcher opens the file and validates it, the ranks get its RunConfig (counted by
-    tests/call_counter/sitecustomize.py in every process)."""
+    tests/call_counter/sitecustomize.py in every process).
+    The same run has DeepSpeed's monitor blocks on (TensorBoard, CSV, W&B offline): `_check_trackers`."""
     from dsv3_plugin.training.run_report import window_maxvio
-    cfg = _write(tmp_path / "c.json", _ds(moe={"bias_update_speed": 0.01}))
+    cfg = _write(tmp_path / "c.json", {**_ds(moe={"bias_update_speed": 0.01}), **_trackers(tmp_path)})
     out = str(tmp_path / "run")
     counts = tmp_path / "counts"
     counts.mkdir()
     env = _env()
     env.update(PYTHONPATH=os.path.join(ROOT, "tests", "call_counter") + os.pathsep + env["PYTHONPATH"],
-               DSV3_COUNT_DIR=str(counts), DSV3_COUNT_FILE=cfg)
+               DSV3_COUNT_DIR=str(counts), DSV3_COUNT_FILE=cfg,
+               WANDB_MODE="offline", WANDB_DIR=str(tmp_path / "wandb"), WANDB_SILENT="true")
     p = subprocess.run([sys.executable, "-m", "dsv3_plugin", "train", "--config", cfg, "--nproc", "2", "--steps",
                         "12", "--out", out], capture_output=True, text=True, env=env, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -166,3 +168,38 @@ def test_terminal_output_is_a_bar_and_a_short_summary(tmp_path):
     with open(os.path.join(out, "routing.png"), "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert main(["check-config", os.path.join(ROOT, "examples", "deepspeed", "demo.json")]) == 0
+    _check_trackers(tmp_path, rows, samples_per_step=2 * 2)  # micro-batch 2 x 2 data-parallel ranks
+
+
+def _trackers(tmp_path):
+    (tmp_path / "wandb").mkdir()
+    return {"tensorboard": {"enabled": True, "output_path": str(tmp_path / "tb"), "job_name": "j"},
+            "csv_monitor": {"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "j"},
+            "wandb": {"enabled": True, "project": "dsv3-test"}}
+
+
+def _check_trackers(tmp_path, rows, samples_per_step):
+    """Every number of every metrics.jsonl line reached TensorBoard, the CSV files and the W&B offline run once, at
+    x = step x train_batch_size (DeepSpeed's global-samples axis), named as docs/deepspeed.md's table says; `lr` is
+    DeepSpeed's own event at the same x. CSV and W&B keep the value exactly (repr / JSON); TensorBoard stores a
+    float32, so its value is the metrics value rounded to float32 (the same single rounding on both sides)."""
+    from tracker_files import csv_scalars, tensorboard_scalars, wandb_history
+
+    from dsv3_plugin.deepspeed.monitor import metric_events
+    want = {}
+    for row in rows:
+        x = row["step"] * samples_per_step
+        for name, value, at in metric_events(row, samples_per_step) + [("Train/Samples/lr", row["lr"], x)]:
+            assert at == x
+            want.setdefault(name, {})[x] = value
+    for name in ("loss", "lm_loss", "mtp_loss", "balance_loss", "maxvio", "maxvio_global", "maxvio_layers/0",
+                 "maxvio_global/layers.1.mlp", "tokens_per_s", "grad_norm", "tokens_dropped", "step", "gamma"):
+        assert want["Train/Samples/" + name] == {r["step"] * samples_per_step: (
+            r[name] if "/" not in name else r["maxvio_layers"][0] if name.startswith("maxvio_layers")
+            else r["moe_layers"]["layers.1.mlp"]["maxvio_global"]) for r in rows}, name
+    tb = tensorboard_scalars(str(tmp_path / "tb" / "j"))
+    assert tb == {k: {x: torch.tensor(v, dtype=torch.float32).item() for x, v in pts.items()}
+                  for k, pts in want.items()}
+    assert csv_scalars(str(tmp_path / "csv" / "j")) == {k.replace("/", "_"): v for k, v in want.items()}
+    wb = wandb_history(str(tmp_path / "wandb"))
+    assert {k: v for k, v in wb.items() if not k.startswith("_")} == want
