@@ -33,8 +33,16 @@ RUNS = {
 AGAIN = {"pp": 2, "ep": 1, "schedule": "1f1b"}  # the `--init-from DST` run: one pipeline, data-parallel size 1
 
 
-def _ds(parallel: dict, top: dict, fp8: bool, seed: int = 5) -> dict:
+def _monitor(name: str, tmp: str) -> dict | None:
+    """The pipelined run also writes its metrics through DeepSpeed's CSV monitor (checked below)."""
+    if name != "pp2_ep1_fp8":
+        return None
+    return {"csv_monitor": {"enabled": True, "output_path": f"{tmp}/csv", "job_name": "j"}}
+
+
+def _ds(parallel: dict, top: dict, fp8: bool, seed: int = 5, monitor: dict | None = None) -> dict:
     return {
+        **(monitor or {}),
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 2,
         "gradient_clipping": 1.0,
@@ -59,7 +67,9 @@ def _train_runs(tmp, release):
     from dsv3_plugin.deepspeed.train import train
 
     hist = {
-        name: train(_ds(*spec), steps=2, out=f"{tmp}/{name}", init_from=release, progress=False)["history"]
+        name: train(
+            _ds(*spec, monitor=_monitor(name, tmp)), steps=2, out=f"{tmp}/{name}", init_from=release, progress=False
+        )["history"]
         for name, spec in RUNS.items()
     }
     if dist.get_rank() == 0:
@@ -327,3 +337,22 @@ def test_bf16_run_exports_its_fp32_masters(exported):
             n_differs += not torch.equal(q.view(torch.uint8), q_copy.view(torch.uint8))
             n_fp8 += 1
     assert n_fp8 > 0 and n_differs > 0  # the BF16 copies would have given other FP8 bytes
+
+
+def test_pipelined_run_writes_its_metrics_through_deepspeeds_monitor(exported):
+    """pp = 2 (1F1B): rank 0 (the first stage) writes every metrics record through DeepSpeed's own monitor at
+    x = step x train_batch_size (1 x 2 micro-batches x 1 data-parallel rank), `lr` being DeepSpeed's own event; the
+    CSV keeps each value exactly (TensorBoard and W&B are read back at pp = 1: tests/dist/test_train_cli.py)."""
+    from tracker_files import csv_scalars
+
+    from dsv3_plugin.deepspeed.monitor import metric_events
+
+    tmp, _, out, _ = exported
+    rows = out["pp2_ep1_fp8"]["hist"]
+    assert [r["step"] for r in rows] == [1, 2]
+    want = {}
+    for r in rows:
+        for name, value, x in metric_events(r, 2) + [("Train/Samples/lr", r["lr"], r["step"] * 2)]:
+            want.setdefault(name.replace("/", "_"), {})[x] = value
+    assert {"Train_Samples_loss", "Train_Samples_maxvio_layers_0", "Train_Samples_grad_norm"} <= set(want)
+    assert csv_scalars(f"{tmp}/csv/j") == want
