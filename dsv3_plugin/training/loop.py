@@ -6,11 +6,10 @@ Per optimizer step the loop reads this data-parallel rank's `gas` micro-batches 
 micro-batch, rank), so the data position of a checkpoint is the next step index; the time it waits for them is
 `data_wait_s`), lets the engine run the forwards, backwards, optimizer step and router-bias update, updates the EMA
 shard, records routing telemetry, evaluates on the data's valid set (`eval_loss`, every `eval_every` steps and at
-the end), logs one JSON line (rank 0; also to the framework's `metrics_sink`, its trackers) and saves at
-`train.save_every` and at the end, with the data position and the data's fingerprint in the client state.
-Metrics are means over micro-batches and ranks, identical on every rank. `--resume` restores the engine's
-checkpoint, the telemetry totals and this rank's EMA shard and continues at the saved step: the continued run's
-losses equal an uninterrupted run's.
+the end), logs one JSON line (rank 0; and to `metrics_sink`) and saves at `train.save_every` and at the end, with
+the data position and the data's fingerprint in the client state. Metrics are means over micro-batches and ranks,
+identical on every rank. `--resume` restores the engine's checkpoint, the telemetry totals and this rank's EMA
+shard and continues at the saved step: the continued run's losses equal an uninterrupted run's.
 """
 
 from __future__ import annotations
