@@ -35,6 +35,8 @@ __all__ = [
     "write_train_config",
     "lora_adapters",
     "hf_from_pretrained",
+    "run_entry_point",
+    "dsv3_cli",
 ]
 
 
@@ -42,6 +44,83 @@ def run_ranks(fn, nproc: int, *args, timeout_s: float = 300.0):
     """Run module-level `fn(*args)` on `nproc` gloo ranks; `fn` calls `init_distributed()` itself.
     Returns the list of per-rank return values (rank order)."""
     return spawn(fn, nproc, *args, timeout_s=timeout_s)
+
+
+def run_entry_point(main, argv: list[str], env: dict | None = None, cwd: str | None = None):
+    """Run an entry point's `main(argv)` (e.g. `pretrain_gpt.main` with `--nproc 2`) in this process as its own
+    `python -m` subprocess would run: `env` as the environment, `cwd` as the directory, file descriptors 1 / 2 and
+    `sys.stdout` / `sys.stderr` captured, an exception or `SystemExit` turned into the exit status (1 and the
+    traceback on stderr, as Python's own top level does). Its ranks are forks of this process's shared forkserver
+    (`RankServer`), which imported Megatron / DeepSpeed once, instead of each launch paying the imports in a new
+    interpreter and a new forkserver.
+
+    Args:
+        main: the entry point's `main(argv) -> int`.
+        argv: its arguments (without the program name).
+        env: the environment it sees (and its ranks get); None: this process's.
+        cwd: the working directory during the call; None: this process's.
+
+    Returns:
+        A `subprocess.CompletedProcess` (args, returncode, stdout, stderr as text).
+    """
+    import io
+    import subprocess
+    import sys
+    import tempfile
+    import traceback
+
+    saved_env, saved_cwd = dict(os.environ), os.getcwd()
+    saved_streams = sys.stdout, sys.stderr
+    sys.stdout.flush(), sys.stderr.flush()
+    with tempfile.TemporaryFile() as out_f, tempfile.TemporaryFile() as err_f:
+        saved_fds = os.dup(1), os.dup(2)
+        os.dup2(out_f.fileno(), 1), os.dup2(err_f.fileno(), 2)
+        sys.stdout = io.TextIOWrapper(open(1, "wb", closefd=False), line_buffering=True)  # noqa: SIM115
+        sys.stderr = io.TextIOWrapper(open(2, "wb", closefd=False), line_buffering=True)  # noqa: SIM115
+        try:
+            if env is not None:
+                os.environ.clear()
+                os.environ.update(env)
+            if cwd is not None:
+                os.chdir(cwd)
+            try:
+                code = main(list(argv))
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+                if not isinstance(e.code, int) and e.code is not None:
+                    print(e.code, file=sys.stderr)
+            except BaseException:  # noqa: BLE001 - what an uncaught exception does to a process
+                traceback.print_exc()
+                code = 1
+        finally:
+            sys.stdout.flush(), sys.stderr.flush()
+            sys.stdout, sys.stderr = saved_streams
+            os.dup2(saved_fds[0], 1), os.dup2(saved_fds[1], 2)
+            os.close(saved_fds[0]), os.close(saved_fds[1])
+            os.chdir(saved_cwd)
+            os.environ.clear()
+            os.environ.update(saved_env)
+        out_f.seek(0), err_f.seek(0)
+        out, err = (f.read().decode(errors="replace") for f in (out_f, err_f))
+    return subprocess.CompletedProcess(list(argv), int(code or 0), out, err)
+
+
+def dsv3_cli(*args, env: dict | None = None, cwd: str | None = None):
+    """`dsv3 ARGS` (e.g. `train --nproc 2 ...`, `export ...`) run in this process by `run_entry_point`: the exit
+    status, stdout and stderr its subprocess would give, without a new interpreter and forkserver importing
+    DeepSpeed for every launch. Tests of the launch itself (signals, launchers, process counts) run subprocesses.
+
+    Args:
+        args: the command line after `dsv3`.
+        env: the environment (default: `subprocess_env()`).
+        cwd: the working directory (default: this process's).
+
+    Returns:
+        A `subprocess.CompletedProcess`.
+    """
+    from dsv3_plugin.cli import main
+
+    return run_entry_point(main, [str(a) for a in args], env=subprocess_env() if env is None else env, cwd=cwd)
 
 
 # What the ranks of tests/dist and tests/megatron import, imported once by the forkserver they are forked from

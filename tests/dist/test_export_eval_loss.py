@@ -20,7 +20,7 @@ import sys
 
 import pytest
 import torch
-from helpers import zero1_ds
+from helpers import dsv3_cli, zero1_ds
 
 EPS32 = torch.finfo(torch.float32).eps
 U_BF16 = 2.0**-8
@@ -44,15 +44,12 @@ def run(tmp_path_factory):
     ds = zero1_ds({"train": {"seq_len": 64, "seed": 3, "data": data}, "moe": {"bias_update_speed": 0.01}}, 2)
     (tmp / "ds.json").write_text(json.dumps(ds))
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "dsv3_plugin", "train", "--config", str(tmp / "ds.json"), "--init-from", rel]
+    cmd = ["train", "--config", str(tmp / "ds.json"), "--init-from", rel]
     cmd += ["--nproc", "2", "--steps", "3", "--out", str(tmp / "run"), "--json", "--no-progress"]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    p = dsv3_cli(*cmd, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     summary = [json.loads(x) for x in p.stdout.splitlines() if x.startswith('{"summary"')][-1]["summary"]
-    e = subprocess.run(
-        [sys.executable, "-m", "dsv3_plugin", "export", str(tmp / "run"), str(tmp / "bf16"), "--to", "hf-bf16"],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    e = dsv3_cli("export", str(tmp / "run"), str(tmp / "bf16"), "--to", "hf-bf16", env=env)
     assert e.returncode == 0, e.stderr[-3000:]
     return {"tmp": tmp, "rel": rel, "ds": ds, "eval_loss": summary["eval_loss"]}
 

@@ -218,9 +218,10 @@ def test_lora_on_the_pipelined_engine_equals_one_process_and_resumes(trained):
 
 
 def _cli(*args) -> subprocess.CompletedProcess:
+    from tests.helpers import dsv3_cli
+
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "dsv3_plugin", "train", "--nproc", "2", "--json", "--no-progress", *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    return dsv3_cli("train", "--nproc", "2", "--json", "--no-progress", *args, env=env)
 
 
 def _metrics(out) -> list[dict]:

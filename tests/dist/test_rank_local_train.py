@@ -21,7 +21,7 @@ import pytest
 from dsv3_plugin.checkpoint.reader import CheckpointReader
 from dsv3_plugin.config import DSv3Config, load_config
 from dsv3_plugin.training.rank_local import RankLayout, build_rank_local
-from helpers import CK_CFG, released_owned, write_rank_local_checkpoint
+from helpers import CK_CFG, dsv3_cli, released_owned, write_rank_local_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -35,9 +35,8 @@ def _init_from_run(tmp_path, ck, parallel: dict, nproc: int, gas: int) -> dict:
     path.write_text(json.dumps(ds))
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    p = subprocess.run([sys.executable, "-m", "dsv3_plugin", "train", "--config", str(path), "--nproc", str(nproc),
-                        "--steps", "1", "--out", str(tmp_path / name), "--init-from", str(ck), "--json",
-                        "--no-progress"], capture_output=True, text=True, env=env, timeout=900)
+    p = dsv3_cli("train", "--config", str(path), "--nproc", str(nproc), "--steps", "1", "--out", str(tmp_path / name),
+                 "--init-from", str(ck), "--json", "--no-progress", env=env)  # fmt: skip
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1])["summary"]
 

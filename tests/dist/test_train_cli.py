@@ -83,15 +83,14 @@ def _reference_first_lm_loss(ck, seq_len, seed, mbs):
 
 
 def test_train_cli_spawned_then_resumed_under_torchrun(tmp_path):
-    from helpers import make_tiny_hf_checkpoint
+    from helpers import dsv3_cli, make_tiny_hf_checkpoint
     ck = str(tmp_path / "hf")
     make_tiny_hf_checkpoint(ck, DSv3Config.from_block({"preset": "tiny"}), seed=1)
     cfg = _write(tmp_path / "c.json", _ds(moe={"bias_update_speed": 0.01}))
     out = str(tmp_path / "run")
 
-    p = subprocess.run([sys.executable, "-m", "dsv3_plugin", "train", "--config", cfg, "--nproc", "2", "--steps", "3",
-                        "--out", out, "--init-from", ck, "--json"], capture_output=True, text=True, env=_env(),
-                       timeout=600)
+    p = dsv3_cli("train", "--config", cfg, "--nproc", "2", "--steps", "3", "--out", out, "--init-from", ck, "--json",
+                 env=_env())
     assert p.returncode == 0, p.stderr[-3000:]
     lines = [json.loads(x) for x in p.stdout.strip().splitlines()]  # --json: stdout is JSON only
     rows, summary = lines[:-1], lines[-1]["summary"]

@@ -39,8 +39,9 @@ def _one_error(p, needle):
 
 
 def _train(*args):
-    return subprocess.run([sys.executable, "-m", "dsv3_plugin", "train", "--nproc", "2", "--steps", "1",
-                           "--no-progress", *args], capture_output=True, text=True, env=_env(), timeout=600)
+    from helpers import dsv3_cli
+
+    return dsv3_cli("train", "--nproc", "2", "--steps", "1", "--no-progress", *args, env=_env())
 
 
 @pytest.fixture(scope="module")

@@ -35,16 +35,16 @@ def test_train_init_from_refuses_nan_weight_unless_allowed(tmp_path):
     cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**9,
                                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
                                "dsv3": {"preset": "tiny", "train": {"seq_len": 16, "steps": 1}}}))
-    cmd = [sys.executable, "-m", "dsv3_plugin", "train", "--config", str(cfg), "--nproc", "1", "--init-from", ck,
-           "--no-progress", "--json"]
-    p = subprocess.run(cmd + ["--out", str(tmp_path / "a")], capture_output=True, text=True, env=_env(), timeout=600)
+    from helpers import dsv3_cli
+
+    cmd = ["train", "--config", str(cfg), "--nproc", "1", "--init-from", ck, "--no-progress", "--json"]
+    p = dsv3_cli(*cmd, "--out", str(tmp_path / "a"), env=_env())
     assert p.returncode == 2, (p.returncode, p.stderr[-3000:])
     assert re.search(re.escape(NORM) + " in " + re.escape(os.path.join(ck, fn)) + r": 1 NaN among 64 values", p.stderr), \
         p.stderr[-3000:]
     assert "--allow-non-finite" in p.stderr and not p.stdout.strip(), p.stdout[-2000:]
 
-    q = subprocess.run(cmd + ["--out", str(tmp_path / "b"), "--allow-non-finite"], capture_output=True, text=True,
-                       env=_env(), timeout=600)
+    q = dsv3_cli(*cmd, "--out", str(tmp_path / "b"), "--allow-non-finite", env=_env())
     assert q.returncode == 0, q.stderr[-3000:]
     row = json.loads(q.stdout.strip().splitlines()[0])
     assert row["step"] == 1 and row["loss"] is None  # a non-finite value is written as JSON null

@@ -131,10 +131,10 @@ def _one_error(p, needle):
     assert "Traceback" not in p.stderr + p.stdout
 
 
-def _dsv3(*args, timeout=600):
-    return subprocess.run(
-        [sys.executable, "-m", "dsv3_plugin", *args], capture_output=True, text=True, env=_env(), timeout=timeout
-    )
+def _dsv3(*args):
+    from helpers import dsv3_cli
+
+    return dsv3_cli(*args, env=_env())
 
 
 def test_resume_refuses_without_a_complete_checkpoint(runs, tmp_path):

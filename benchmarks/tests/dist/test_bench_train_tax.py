@@ -49,20 +49,25 @@ def test_train_tax_reports_every_part_of_both_runs():
         assert all(parts[k] > 0 for k in ("collectives", "bias_update", "telemetry", "save")), parts
 
 
+def _refused(*args):
+    """`python -m benchmarks ARGS` refused before it runs anything: its `main` in this process (no new interpreter)."""
+    from benchmarks.__main__ import main
+    from tests.helpers import run_entry_point
+
+    return run_entry_point(main, list(args))
+
+
 @pytest.mark.parametrize("flag", ["--fused-adamw", "--no-flat-grads", "--fp32-grad-norm", "--no-chunked-step"])
 def test_train_settings_are_refused_without_train(flag):
-    cmd = [sys.executable, "-m", "benchmarks", "model", flag]
-    p = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True)
+    p = _refused("model", flag)
     assert p.returncode == 2 and f"{flag}: only with --train" in p.stderr
 
 
 def test_train_steps_must_exceed_the_warmup():
-    cmd = [sys.executable, "-m", "benchmarks", "model", "--train", "--train-steps", "2", "--warmup", "3"]
-    p = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True)
+    p = _refused("model", "--train", "--train-steps", "2", "--warmup", "3")
     assert p.returncode == 2 and "--train-steps 2: must exceed --warmup 3" in p.stderr
 
 
 def test_fp32_grad_norm_needs_the_flat_gradients():
-    cmd = [sys.executable, "-m", "benchmarks", "model", "--train", "--fp32-grad-norm", "--no-flat-grads"]
-    p = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True)
+    p = _refused("model", "--train", "--fp32-grad-norm", "--no-flat-grads")
     assert p.returncode == 2 and "--fp32-grad-norm: the FP32 norm is taken over the flat gradients" in p.stderr
