@@ -131,6 +131,7 @@ def _global_maxvio(every: list[dict], key: str) -> list[float] | None:
     """MaxVio of each router (pipeline-stage order, then module order) from the loads every rank counted for its own
     tokens, summed over the ranks of that stage (tensor-parallel rank 0: TP peers count the same tokens)."""
     out = []
+    every = [e for e in every if e["routers"]]  # (a stage of dense layers only has none)
     for pp in sorted({e["pp"] for e in every}):
         per_rank = [e[key] for e in every if e["pp"] == pp and e["tp"] == 0]
         if any(x is None for x in per_rank):

@@ -103,7 +103,7 @@ def parse_megatron_args(
             "--dsv3-metrics",
             type=str,
             default=None,
-            help="append one JSON line per iteration (rank 0): losses, sum of |router bias|",
+            help="append one JSON line per iteration (rank 0): losses, sum of |router bias|, MaxVio per MoE layer",
         )
         parser.add_argument(
             "--dsv3-pipeline-schedule",
