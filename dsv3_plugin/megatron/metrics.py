@@ -38,7 +38,6 @@ class MetricsRecorder:
         self.trackers = trackers
         self._saved = None
         self._loads: dict[int, torch.Tensor] = {}  # id(router) -> this iteration's local loads [E]
-        self._running: dict[int, torch.Tensor] = {}  # id(router) -> local loads summed over iterations [E]
 
     def __enter__(self):
         import megatron.training.training as tr
@@ -59,9 +58,7 @@ class MetricsRecorder:
             for chunk in model if config.moe_router_enable_expert_bias else ():
                 for m in chunk.modules():
                     if hasattr(m, "expert_bias") and hasattr(m, "local_tokens_per_expert"):
-                        loads = m.local_tokens_per_expert.detach().double().clone()
-                        self._loads[id(m)] = loads
-                        self._running[id(m)] = self._running.get(id(m), 0) + loads
+                        self._loads[id(m)] = m.local_tokens_per_expert.detach().double().clone()
             return orig_reset(config, model)
 
         tr.train_step = train_step
@@ -89,7 +86,7 @@ class MetricsRecorder:
         )
         if self.path is None and not to_trackers:
             return
-        line = gather_iteration(loss_dict, model, self._loads, self._running)
+        line = gather_iteration(loss_dict, model, self._loads)
         line = {"iteration": iteration, **line}
         if self.path is not None and dist.get_rank() == 0:
             with open(self.path, "a") as f:
@@ -111,13 +108,12 @@ def _finalize_module():
 
 def tracker_scalars(line: dict) -> dict[str, float]:
     """The scalars of one recorded line that Megatron's writers do not log themselves (it logs the losses):
-    `dsv3/router-bias-abs-sum`, `dsv3/maxvio-batch`, `dsv3/maxvio-global`, `dsv3/maxvio/layer<i>` (i: MoE layer
+    `dsv3/router-bias-abs-sum`, `dsv3/maxvio-batch`, `dsv3/maxvio/layer<i>` (i: MoE layer
     index in model order), and per pipeline rank `dsv3/pp<p>/<figure>` (`_PIPELINE_SCALARS`) when one of the
     plugin's schedules ran."""
     out = {"dsv3/router-bias-abs-sum": line["router_bias_abs_sum"]}
-    for key in ("maxvio_batch", "maxvio_global"):
-        if line.get(key) is not None:
-            out[f"dsv3/{key.replace('_', '-')}"] = line[key]
+    if line.get("maxvio_batch") is not None:
+        out["dsv3/maxvio-batch"] = line["maxvio_batch"]
     for i, v in enumerate(line.get("maxvio_per_layer") or []):
         out[f"dsv3/maxvio/layer{i}"] = v
     for rec in line.get("pipeline_ranks") or []:
@@ -127,13 +123,13 @@ def tracker_scalars(line: dict) -> dict[str, float]:
     return out
 
 
-def _global_maxvio(every: list[dict], key: str) -> list[float] | None:
+def _maxvio_per_router(every: list[dict]) -> list[float] | None:
     """MaxVio of each router (pipeline-stage order, then module order) from the loads every rank counted for its own
     tokens, summed over the ranks of that stage (tensor-parallel rank 0: TP peers count the same tokens)."""
     out = []
     every = [e for e in every if e["routers"]]  # (a stage of dense layers only has none)
     for pp in sorted({e["pp"] for e in every}):
-        per_rank = [e[key] for e in every if e["pp"] == pp and e["tp"] == 0]
+        per_rank = [e["loads"] for e in every if e["pp"] == pp and e["tp"] == 0]
         if any(x is None for x in per_rank):
             return None
         for loads in zip(*per_rank):
@@ -141,7 +137,7 @@ def _global_maxvio(every: list[dict], key: str) -> list[float] | None:
     return out
 
 
-def gather_iteration(loss_dict: dict, model, loads: dict, running: dict) -> dict:
+def gather_iteration(loss_dict: dict, model, loads: dict) -> dict:
     """One iteration's line (every rank takes part; all ranks get it): see the module docstring."""
     from megatron.core import parallel_state as ps
     from megatron.core.num_microbatches_calculator import get_num_microbatches
@@ -162,7 +158,6 @@ def gather_iteration(loss_dict: dict, model, loads: dict, running: dict) -> dict
         "bias": float(sum(r.expert_bias.detach().double().abs().sum() for r in routers)),
         "routers": len(routers),
         "loads": [loads[id(r)].tolist() for r in routers] if have_loads else None,
-        "running": [running[id(r)].tolist() for r in routers] if have_loads else None,
         "mtp": [float(x) for x in mtp.detach().double()] if mtp is not None else None,
         "emb": [float(w.detach().double().sum()) for w in shared_weights(model)],
         "pipeline": take_step_figures(),
@@ -187,12 +182,10 @@ def gather_iteration(loss_dict: dict, model, loads: dict, running: dict) -> dict
             line[f"mtp_{k + 1}_loss"] = sum(col) / len(col) / get_num_microbatches()
     line["router_bias_abs_sum"] = sum(e["bias"] for e in replica0)
     line["routers"] = sum(e["routers"] for e in replica0)
-    per_layer = _global_maxvio(every, "loads") if line["routers"] else None
+    per_layer = _maxvio_per_router(every) if line["routers"] else None
     if per_layer:
         line["maxvio_per_layer"] = per_layer
         line["maxvio_batch"] = sum(per_layer) / len(per_layer)
-        running_mv = _global_maxvio(every, "running")
-        line["maxvio_global"] = sum(running_mv) / len(running_mv)
     line["word_embedding_sums"] = [x for e in replica0 for x in e["emb"]]
     copies = [c for e in replica0 if e["copies"] for c in e["copies"]]
     if copies:
