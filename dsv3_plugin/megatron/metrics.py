@@ -108,9 +108,9 @@ def _finalize_module():
 
 def tracker_scalars(line: dict) -> dict[str, float]:
     """The scalars of one recorded line that Megatron's writers do not log themselves (it logs the losses):
-    `dsv3/router-bias-abs-sum`, `dsv3/maxvio-batch`, `dsv3/maxvio/layer<i>` (i: MoE layer
-    index in model order), and per pipeline rank `dsv3/pp<p>/<figure>` (`_PIPELINE_SCALARS`) when one of the
-    plugin's schedules ran."""
+    `dsv3/router-bias-abs-sum`, `dsv3/maxvio-batch`, `dsv3/maxvio/layer<i>` (i: the i-th entry of
+    `maxvio_per_layer`: pipeline-rank order, then module order on the rank; the MTP layer's MoE counts), and per
+    pipeline rank `dsv3/pp<p>/<figure>` (`_PIPELINE_SCALARS`) when one of the plugin's schedules ran."""
     out = {"dsv3/router-bias-abs-sum": line["router_bias_abs_sum"]}
     if line.get("maxvio_batch") is not None:
         out["dsv3/maxvio-batch"] = line["maxvio_batch"]
