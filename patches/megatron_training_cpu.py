@@ -5,7 +5,8 @@ For CI and laptops only: `apply()` does nothing (returns False) when CUDA is ava
 `apply()` / `revert()` restore the exact original objects. Tested with megatron-core 0.19.2 (the first wheel that
 ships `megatron.training`); other versions are refused with a message naming the version (`force=True` overrides).
 Patched: `initialize_megatron` (allow_no_cuda), the model-parallel groups and RNG seeding Megatron skips without
-a GPU, `torch.cuda.get_rng_state` / `set_rng_state`; `cuda_literals_on_cpu()` wraps the `pretrain()` call.
+a GPU, `torch.cuda.get_rng_state` / `set_rng_state`, `torch.cuda.memory_stats` (the process's resident memory,
+for `--log-memory-to-tensorboard`); `cuda_literals_on_cpu()` wraps the `pretrain()` call.
 
 What each shim does and why: docs/design_notes.md#patches-megatron-training-cpu
 """
@@ -88,6 +89,25 @@ def _cpu_set_rng_state(new_state, device="cuda"):
     torch.set_rng_state(new_state)
 
 
+def _cpu_memory_stats(device=None) -> dict:
+    """The keys of `torch.cuda.memory_stats()` Megatron's `training_log` reads (`--log-memory-to-tensorboard`), with
+    the CPU process's figures: reserved and allocated = its resident set size (torch's CPU allocator returns freed
+    blocks to the C heap: there is no cache to tell apart), peak = the peak resident set size. NOTE: the CPU
+    allocator counts no live allocations; `allocation.all.current` is 0, not a count."""
+    import resource
+
+    import psutil
+
+    rss = psutil.Process().memory_info().rss
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    return {
+        "reserved_bytes.all.current": rss,
+        "allocated_bytes.all.current": rss,
+        "allocated_bytes.all.peak": max(peak, rss),
+        "allocation.all.current": 0,
+    }
+
+
 def apply(force: bool = False) -> bool:
     """Install the shims. Returns True if installed now or already, False when CUDA is available."""
     global _saved
@@ -112,12 +132,14 @@ def apply(force: bool = False) -> bool:
         (init, "_set_random_seed"): init._set_random_seed,
         (torch.cuda, "get_rng_state"): torch.cuda.get_rng_state,
         (torch.cuda, "set_rng_state"): torch.cuda.set_rng_state,
+        (torch.cuda, "memory_stats"): torch.cuda.memory_stats,
     }
     tr.initialize_megatron = functools.partial(_saved[(tr, "initialize_megatron")], allow_no_cuda=True)
     init._initialize_distributed = _wrap_initialize_distributed(_saved[(init, "_initialize_distributed")])
     init._set_random_seed = _wrap_set_random_seed(_saved[(init, "_set_random_seed")])
     torch.cuda.get_rng_state = _cpu_get_rng_state
     torch.cuda.set_rng_state = _cpu_set_rng_state
+    torch.cuda.memory_stats = _cpu_memory_stats
     return True
 
 

@@ -31,7 +31,7 @@ from dsv3_plugin.checkpoint.hf import model_config
 from dsv3_plugin.checkpoint.integrity import check_finite, load_json
 from dsv3_plugin.checkpoint.megatron_layout import MegatronLayout
 from dsv3_plugin.checkpoint.names import released_names, released_shapes
-from dsv3_plugin.checkpoint.reader import INDEX_NAME, CheckpointReader, read_safetensors_header
+from dsv3_plugin.checkpoint.reader import INDEX_NAME, CheckpointReader, open_safetensors, read_safetensors_header
 from dsv3_plugin.checkpoint.writer import StreamingSafetensorsWriter
 from dsv3_plugin.errors import CheckpointError, ConfigError
 from dsv3_plugin.safe_files import check_regular, copy_regular, opened_path
@@ -426,8 +426,6 @@ def _check_megatron_files(src: str, lay: dict) -> dict[str, dict]:
 
 
 def _to_hf_from_megatron(src: str, out: str, dtype: torch.dtype | None, progress: bool, allow_non_finite: bool) -> dict:
-    from safetensors import safe_open
-
     lay = read_layout(src)
     headers = _check_megatron_files(src, lay)
     nonempty = [fn for fn in lay["files"] if lay["files"][fn]["tensors"]]
@@ -452,7 +450,7 @@ def _to_hf_from_megatron(src: str, out: str, dtype: torch.dtype | None, progress
                     r0 += rows
             with (
                 opened_path(os.path.join(src, fn), CheckpointError, src, "safetensors file") as fd_path,
-                safe_open(fd_path, framework="pt", device="cpu") as f,
+                open_safetensors(fd_path, os.path.join(src, fn)) as f,
                 StreamingSafetensorsWriter(os.path.join(out, out_fn), specs, {"format": "pt"}) as w,
             ):
                 for hf, mc, r0, r1, split, dt in plan:
@@ -550,8 +548,6 @@ def load_megatron_rank(
     """State dict of pipeline stage `stage`, expert rank `ep_rank`: its experts plus (if `shared`) the
     stage's non-expert tensors, which live in the stage's ep-rank-0 file (docs/checkpoints.md). Headers are
     checked against layout.json first; NaN/Inf values raise unless `allow_non_finite`."""
-    from safetensors.torch import load_file
-
     lay = read_layout(path)
     _check_megatron_files(path, lay)
     by_rank = {(m["stage"], m["ep_rank"]): fn for fn, m in lay["files"].items()}
@@ -559,8 +555,11 @@ def load_megatron_rank(
         raise CheckpointError(f"{path}: no file for stage {stage}, ep rank {ep_rank} in {LAYOUT_NAME}")
 
     def load(fn: str) -> dict[str, torch.Tensor]:
-        with opened_path(os.path.join(path, fn), CheckpointError, path, "safetensors file") as fd_path:
-            sd = load_file(fd_path)
+        with (
+            opened_path(os.path.join(path, fn), CheckpointError, path, "safetensors file") as fd_path,
+            open_safetensors(fd_path, os.path.join(path, fn)) as f,
+        ):
+            sd = {n: f.get_tensor(n) for n in f.keys()}  # (safetensors' load_file)
         for n, t in sd.items():
             check_finite(t, f"{n} in {os.path.join(path, fn)}", allow_non_finite)
         return sd

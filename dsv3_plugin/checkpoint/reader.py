@@ -11,6 +11,7 @@ Design notes (scale grid, integrity checks, the fast exact E4M3 decode on CPU): 
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import struct
@@ -37,6 +38,7 @@ __all__ = [
     "TensorInfo",
     "SAFETENSORS_DTYPES",
     "read_safetensors_header",
+    "open_safetensors",
     "dequantize_fp8_blockwise",
     "dequantize_fp8_reference",
     "scale_grid_shape",
@@ -102,6 +104,12 @@ def read_safetensors_header(path: str, root: str | None = None) -> tuple[dict[st
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
     hdr = parse_json(raw, f"{path} (safetensors header)")
+    try:  # Python's JSON takes a lone UTF-16 surrogate escape ("\\ud800"), safetensors' own parser does not
+        json.dumps(hdr, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise CheckpointError(
+            f"{path} (safetensors header): not valid JSON (a lone surrogate escape {e.object[e.start : e.end]!r})"
+        ) from None
     if not isinstance(hdr, dict):
         raise CheckpointError(f"{path}: corrupt safetensors header (a JSON {type(hdr).__name__}, not an object)")
     meta = hdr.pop("__metadata__", None) or {}
@@ -149,6 +157,17 @@ def read_safetensors_header(path: str, root: str | None = None) -> tuple[dict[st
             f"{path}: {data_len - end} trailing bytes after the last tensor (corrupt safetensors file)"
         )
     return out, meta
+
+
+def open_safetensors(fd_path: str, path: str):
+    """safetensors' `safe_open` of a checked file (`fd_path`, from `safe_files.opened_path`), whatever its parser
+    rejects a CheckpointError naming `path` (one line, not a SafetensorError traceback)."""
+    from safetensors import safe_open
+
+    try:
+        return safe_open(fd_path, framework="pt", device="cpu")
+    except Exception as e:  # SafetensorError is not exported under a stable name
+        raise CheckpointError(f"{path}: cannot open safetensors file ({e})") from None
 
 
 def _header_bytes(path: str, root: str) -> int:
@@ -482,17 +501,12 @@ class CheckpointReader:
     def _handle(self, file: str):
         h = self._handles.pop(file, None)
         if h is None:
-            from safetensors import safe_open
-
             while len(self._handles) >= self.max_open_files:
                 self._mapped.pop(evicted := next(iter(self._handles)), None)
                 self._handles.pop(evicted)
             # the descriptor checked to be the regular file inside the directory is what gets mapped
             with opened_path(file, CheckpointError, self.path, "safetensors file") as fd_path:
-                try:
-                    h = safe_open(fd_path, framework="pt", device="cpu")
-                except Exception as e:  # SafetensorError is not exported under a stable name
-                    raise CheckpointError(f"{file}: cannot open safetensors file ({e})") from None
+                h = open_safetensors(fd_path, file)
         self._handles[file] = h  # (re)inserted last: most recently used
         return h
 

@@ -26,6 +26,7 @@ from dsv3_plugin.checkpoint.hf import model_config
 from dsv3_plugin.checkpoint.integrity import load_json
 from dsv3_plugin.checkpoint.megatron_dist import MegatronDistReader, megatron_iteration_dir
 from dsv3_plugin.checkpoint.names import parse_released, released_shapes
+from dsv3_plugin.checkpoint.reader import open_safetensors
 from dsv3_plugin.checkpoint.run_checkpoint import (
     RunCheckpoint,
     RunLoRA,
@@ -220,13 +221,11 @@ class LayoutSource(Source):
     def tensors(self, on_read: Callable[[int], None]) -> Tensors:
         """The split that `convert._to_hf_from_megatron` inverts (fused gate|up row blocks; one file per (stage, EP
         rank)), one file at a time."""
-        from safetensors import safe_open
-
         for fn, fmeta in self.layout["files"].items():
             path = os.path.join(self.path, fn)
             with (
                 opened_path(path, CheckpointError, self.path, "safetensors file") as fd_path,
-                safe_open(fd_path, framework="pt", device="cpu") as f,
+                open_safetensors(fd_path, path) as f,
             ):
                 for mc, parts in fmeta["tensors"].items():
                     r0 = 0

@@ -271,6 +271,22 @@ def explicit_dests(parser, argv: list[str]) -> set[str]:
 _EQUIVALENT = {"position_embedding_type": ("rope", "yarn", "none")}
 
 
+# YaRN's settings that change nothing at scaling factor 1 (the model without YaRN): YaRN's frequencies are RoPE's
+# (the interpolated and extrapolated ones coincide) and its mscale is 1 for factor <= 1 (Peng et al. 2023, eq. 22;
+# Megatron's `_yarn_get_mscale`), whatever --mscale / --mscale-all-dim say.
+_YARN_ONLY = ("rope_type", "mscale", "mscale_all_dim")
+_NO_YARN_NOTE = "no effect at --rotary-scaling-factor 1 (no YaRN: plain RoPE, attention scale 1/sqrt(d))"
+
+
+def _no_op_without_yarn(args, cfg: DSv3Config, dest: str) -> bool:
+    """Whether `dest`'s value changes nothing: a YaRN-only setting of a model without YaRN, at factor 1."""
+    if dest not in _YARN_ONLY or cfg.model.rope_scaling is not None:
+        return False
+    if dest == "rope_type" and getattr(args, dest) not in ("rope", "yarn"):
+        return False
+    return float(getattr(args, "rotary_scaling_factor", 1.0) or 1.0) == 1.0
+
+
 def reconcile_args(args, parser, explicit: set[str], cfg: DSv3Config, where: str) -> list[str]:
     """Fill Megatron-LM's model flags from the dsv3 block, refuse contradictions (ConfigError naming both), refuse
     flags that would do nothing with our layers. Returns notes on what was filled."""
@@ -281,7 +297,9 @@ def reconcile_args(args, parser, explicit: set[str], cfg: DSv3Config, where: str
             continue
         got = getattr(args, dest)
         if dest in explicit:
-            if not _same(_norm(dest, got, L), want) and got not in _EQUIVALENT.get(dest, ()):
+            if not _same(_norm(dest, got, L), want) and _no_op_without_yarn(args, cfg, dest):
+                notes.append(f"{flag_setting(parser, dest, got)}: {_NO_YARN_NOTE}")
+            elif not _same(_norm(dest, got, L), want) and got not in _EQUIVALENT.get(dest, ()):
                 raise ConfigError(
                     f"{flag_setting(parser, dest, got)}: contradicts {where} dsv3.{key} = {want!r}; "
                     "drop the flag or change the dsv3 block"

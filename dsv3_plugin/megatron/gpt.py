@@ -32,6 +32,7 @@ __all__ = [
     "gpt_builder",
     "selected_layer_spec",
     "transformer_config_from_args",
+    "megatron_base_config",
     "forward_logits",
     "causal_inputs",
     "add_dsv3_args",
@@ -224,21 +225,30 @@ def selected_layer_spec(args, config, use_te: bool, vp_stage: int | None = None)
     return obj
 
 
+def megatron_base_config(args):
+    """Megatron-LM's own transformer config of its flags (`core_transformer_config_from_args`), whose parallel and
+    precision fields `transformer_config_from_args` keeps."""
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    # NOTE: the dsv3 model applies RoPE unfused whatever --no-rope-fusion says (to_transformer_config sets
+    # apply_rope_fusion False; _KEEP does not take it), so Megatron's check that its fused RoPE with MLA needs YaRN
+    # (a ValueError with --rope-type rope, e.g. Megatron-LM's flags without a scaling factor) checks nothing that runs
+    base_args = copy.copy(args)
+    base_args.apply_rope_fusion = False
+    if dualpipev_selected(args):
+        # the first/last-stage layer counts shape the V (dualpipev_layout), not Megatron's per-rank split,
+        # which its config would check against the two virtual chunks
+        base_args.decoder_first_pipeline_num_layers = base_args.decoder_last_pipeline_num_layers = None
+    return core_transformer_config_from_args(base_args)
+
+
 def gpt_builder(args, pre_process, post_process, vp_stage=None, config=None, pg_collection=None):
     """Drop-in for Megatron-LM's `gpt_builders.gpt_builder` (patches/pretrain_gpt.diff) and the model builder of
     `python -m dsv3_plugin.megatron.pretrain_gpt`: the model shape from `--dsv3-config`, the layers from
     `--spec` (ours by default), the vocabulary padded as Megatron pads it (`args.padded_vocab_size`)."""
     if not isinstance(config, DSv3TransformerConfig):
         if config is None:  # Megatron-LM's own config from its flags, for the parallel/precision fields
-            from megatron.training.arguments import core_transformer_config_from_args
-
-            base_args = args
-            if dualpipev_selected(args):
-                # the first/last-stage layer counts shape the V (dualpipev_layout), not Megatron's per-rank split,
-                # which its config would check against the two virtual chunks
-                base_args = copy.copy(args)
-                base_args.decoder_first_pipeline_num_layers = base_args.decoder_last_pipeline_num_layers = None
-            config = core_transformer_config_from_args(base_args)
+            config = megatron_base_config(args)
         config = transformer_config_from_args(args, config)
     use_te = getattr(args, "transformer_impl", "local") == "transformer_engine"
     if use_te and not have_te():

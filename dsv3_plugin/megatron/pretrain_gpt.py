@@ -103,7 +103,7 @@ def parse_megatron_args(
             "--dsv3-metrics",
             type=str,
             default=None,
-            help="append one JSON line per iteration (rank 0): losses, sum of |router bias|",
+            help="append one JSON line per iteration (rank 0): losses, sum of |router bias|, MaxVio per MoE layer",
         )
         parser.add_argument(
             "--dsv3-pipeline-schedule",
@@ -153,10 +153,11 @@ def parse_megatron_args(
     notes += default_eval_interval(args, explicit)
     # Megatron-LM's default tokenizer, handed over only when --tokenizer-type is absent (Megatron warns about every
     # default it does not apply)
+    check_save_interval(args)
     try:
         margs.validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"} if args.tokenizer_type is None else {})
     except AssertionError as e:  # Megatron's own argument checks: one line, as ours
-        raise ConfigError(f"Megatron's argument check: {e}") from None
+        raise ConfigError(f"Megatron's argument check: {_assertion_text(e)}") from None
     notes += apply_pipeline_schedule(args, schedule, cfg)
     notes += check_weight_sources(args, cfg, where, None if args.dsv3_config else flag_names_of_keys(parser))
     check_sft_args(args)
@@ -167,6 +168,30 @@ def parse_megatron_args(
     if set_globals:
         set_megatron_globals(args)
     return args, notes
+
+
+def check_save_interval(args) -> None:
+    """`--save` without `--save-interval`: refused, as Megatron-LM 0.19's `validate_args` refuses it (a bare
+    assertion there). With both, `pretrain()` saves every N iterations and once more after the last one.
+
+    Raises:
+        ConfigError: naming both flags.
+    """
+    if args.save is not None and args.save_interval is None:
+        raise ConfigError(
+            f"--save {args.save}: needs --save-interval N (Megatron's pretrain() saves every N iterations and "
+            "after the last one; --save-interval larger than the run saves only at the end)"
+        )
+
+
+def _assertion_text(e: AssertionError) -> str:
+    """An assertion's message, or the asserting source line where Megatron gave none."""
+    if str(e):
+        return str(e)
+    import traceback
+
+    frames = traceback.extract_tb(e.__traceback__)
+    return f"{frames[-1].line} ({os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else "failed"
 
 
 def set_megatron_globals(args) -> list[str]:
@@ -366,7 +391,13 @@ def run(argv: list[str]) -> int:
         from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
         cfg_container = pretrain_cfg_container_from_args(args, None)
-        metrics = MetricsRecorder(args.dsv3_metrics) if args.dsv3_metrics else contextlib.nullcontext()
+        # the plugin's figures: --dsv3-metrics's JSON lines and Megatron's own TensorBoard / W&B writers
+        trackers = bool(args.tensorboard_dir or args.wandb_project)
+        metrics = (
+            MetricsRecorder(args.dsv3_metrics, trackers=trackers)
+            if args.dsv3_metrics or trackers
+            else contextlib.nullcontext()
+        )
         loop = training_cpu.cuda_literals_on_cpu() if on_cpu else contextlib.nullcontext()
         with metrics, loop:
             try:

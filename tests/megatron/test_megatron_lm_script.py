@@ -366,8 +366,14 @@ def test_megatron_lms_script_trains_with_the_plugin_added(data):
     flags = {k: v for k, v in SCRIPT.items() if k not in gpu_only_flags()} | SIZES
     metrics = tmp / "metrics.jsonl"
     cmd = [sys.executable, "-m", "dsv3_plugin.megatron.pretrain_gpt", "--nproc", "2", *argv(flags, data["paths"])]
-    cmd += ["--dsv3-metrics", str(metrics)]
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    cmd += ["--dsv3-metrics", str(metrics), "--wandb-project", "x", "--wandb-save-dir", str(tmp / "wandb")]
+    env = {
+        **os.environ,
+        "PYTHONPATH": ROOT,
+        "OMP_NUM_THREADS": "1",
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+    }
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     out = p.stdout
@@ -380,6 +386,72 @@ def test_megatron_lms_script_trains_with_the_plugin_added(data):
     ck = data["paths"]["OUT"] / "checkpoints"
     assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
     assert (ck / "iter_0000002").is_dir() and (ck / "iter_0000004").is_dir()
+    _check_trackers(data["paths"]["OUT"] / "tensorboard", tmp / "wandb", rows)
+
+
+def _check_trackers(tb_dir, wandb_dir, rows):
+    """The script's `--tensorboard-dir` (+ `--log-memory-to-tensorboard`, on CPU) and `--wandb-project` (offline):
+    Megatron's own writers hold the plugin's figures at every iteration (`--log-interval 1`, Megatron's
+    `--tensorboard-log-interval` 1) beside Megatron's own scalars, equal to the `--dsv3-metrics` record: TensorBoard
+    stores float32, so each value is the record's rounded to float32 (exactly); W&B keeps the float64 (JSON)."""
+    import glob
+
+    import numpy as np
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    moe_layers = 4  # the 3 MoE decoder layers and the MTP layer's
+    assert all(r["routers"] == moe_layers for r in rows)
+    assert all(len(r["maxvio_per_layer"]) == moe_layers and min(r["maxvio_per_layer"]) >= 0 for r in rows)
+    assert all(r["maxvio_batch"] == sum(r["maxvio_per_layer"]) / moe_layers for r in rows)
+    want = {
+        "dsv3/router-bias-abs-sum": [r["router_bias_abs_sum"] for r in rows],
+        "dsv3/maxvio-batch": [r["maxvio_batch"] for r in rows],
+        **{f"dsv3/maxvio/layer{i}": [r["maxvio_per_layer"][i] for r in rows] for i in range(moe_layers)},
+    }
+    acc = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"lm loss", "mtp_1 loss", "mem-reserved-bytes", "mem-max-allocated-bytes"} <= tags, sorted(tags)
+    assert [e.step for e in acc.Scalars("lm loss")] == [1, 2, 3, 4]
+    assert all(e.value > 0 for e in acc.Scalars("mem-reserved-bytes"))  # the CPU process's resident set
+    for tag, values in want.items():
+        events = acc.Scalars(tag)
+        assert [e.step for e in events] == [1, 2, 3, 4], tag
+        assert [e.value for e in events] == [float(np.float32(v)) for v in values], tag
+    # W&B (offline): the run's own record file, read back
+    (run,) = glob.glob(str(wandb_dir / "wandb" / "offline-run-*" / "run-*.wandb"))
+    history = _wandb_history(run)
+    assert sorted(history) == [1, 2, 3, 4] and all("lm loss" in history[i] for i in history)
+    for tag, values in want.items():
+        assert [history[i][tag] for i in (1, 2, 3, 4)] == values, tag
+
+
+def _wandb_history(path):
+    """{step: {key: value}} of the history records in an offline W&B run file: LevelDB's log format (32 KiB blocks
+    of chunks: CRC, length, type FULL=1 / FIRST / MIDDLE / LAST=4) after a 7-byte ":W&B" header, each record a
+    `wandb_internal_pb2.Record`."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    with open(path, "rb") as f:
+        data = f.read()
+    assert data[:4] == b":W&B", path
+    block, pos, buf, rows = 32768, 7, b"", {}
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a chunk header: zero padding
+            pos += block - pos % block
+            continue
+        length, kind = struct.unpack("<HB", data[pos + 4 : pos + 7])
+        buf += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST: a whole record
+            rec, buf = pb.Record.FromString(buf), b""
+            if rec.WhichOneof("record_type") == "history":
+                row = rows.setdefault(rec.history.step.num, {})
+                for it in rec.history.item:
+                    row[it.key or "/".join(it.nested_key)] = json.loads(it.value_json)
+    return rows
 
 
 # --- the router's benchmark mode (--moe-router-force-load-balancing) ----------------------------------------------
@@ -441,3 +513,46 @@ def test_every_megatron_moe_flag_has_a_rule():
     names = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}
     missing = [names[d] for d in sorted(moe | set(MEGATRON_MOE_FLAGS)) if d in names and f"`{names[d]}`" not in doc]
     assert missing == []
+
+
+# --- MLA without YaRN (a short-context run: no --rotary-scaling-factor) ------------------------------------------
+
+
+@needs_training
+def test_mla_without_yarn_takes_plain_rope_and_no_op_yarn_flags(data):
+    """The script without `--rotary-scaling-factor` (Megatron-LM's MLA then takes YaRN at factor 1: plain RoPE),
+    with its `--mscale 1.0 --mscale-all-dim 1.0` left in (no effect at factor 1): accepted (a note); the model
+    is the block without YaRN — the plugin's layers with plain RoPE and scale 1/sqrt(d), the configuration
+    tests/parity/test_megatron_parity.py's no-YaRN case checks against the plugin's own (DeepSpeed-path) model — and
+    Megatron's own config of the flags builds (its fused-RoPE check used to raise for MLA without YaRN)."""
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    from dsv3_plugin.config import ConfigError, DSv3Config
+    from dsv3_plugin.megatron.config import to_transformer_config
+    from dsv3_plugin.megatron.gpt import megatron_base_config, transformer_config_from_args
+
+    drop = (*gpu_only_flags(), "--rotary-scaling-factor")
+    args, notes = _parse(argv(SCRIPT | SIZES, data["paths"], drop=drop), world_size=2)
+    assert args.dsv3_block["model"]["rope_scaling"] is None
+    # (--mscale 1.0 is the value a model without YaRN has anyway: no note)
+    assert (
+        "--mscale-all-dim 1.0: no effect at --rotary-scaling-factor 1 (no YaRN: plain RoPE, attention scale 1/sqrt(d))"
+        in notes
+    )
+    with pytest.raises(ValueError, match="apply_rope_fusion for MLA only works with YARN RoPE"):
+        core_transformer_config_from_args(args)  # what Megatron's own check says of these flags
+    got = transformer_config_from_args(args, megatron_base_config(args))
+    want = to_transformer_config(DSv3Config.from_block(args.dsv3_block))
+    keys = ("rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim", "apply_rope_fusion", "rotary_base")
+    assert {k: getattr(got, k) for k in keys} == {k: getattr(want, k) for k in keys}
+    assert (got.rope_type, got.rotary_scaling_factor, got.mscale_all_dim) == ("rope", 1.0, 0.0)
+    # a factor other than 1 is YaRN: with a dsv3 block without YaRN it contradicts (it would change the numerics)
+    ds = data["tmp"] / "no_yarn.json"
+    ds.write_text(json.dumps({"dsv3": {"preset": "tiny", "model": {"rope_scaling": None}}}))
+    base = ["--micro-batch-size", "1", "--global-batch-size", "2", "--seq-length", "16", "--train-iters", "1"]
+    base += ["--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer", "--eval-interval", "1"]
+    base += ["--dsv3-config", str(ds)]
+    _, notes = _parse(base + ["--rope-type", "yarn", "--mscale-all-dim", "0.707"], world_size=2)
+    assert "--mscale-all-dim 0.707: no effect at --rotary-scaling-factor 1" in " ".join(notes)
+    with pytest.raises(ConfigError, match=r"^--rotary-scaling-factor 4\.0: contradicts .*rope_scaling"):
+        _parse(base + ["--rotary-scaling-factor", "4", "--mscale-all-dim", "1.0"], world_size=2)

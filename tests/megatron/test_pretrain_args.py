@@ -148,6 +148,18 @@ def test_cli_exit_code_2_names_the_flag(ds_json, capsys):
     assert "error: --moe-router-topk 2: contradicts" in capsys.readouterr().err
 
 
+def test_save_without_save_interval_is_one_line(ds_json, tmp_path, capsys):
+    """Megatron-LM 0.19 refuses `--save` without `--save-interval` (a bare assertion in its validate_args): here one
+    line naming both flags, exit 2."""
+    from dsv3_plugin.megatron.pretrain_gpt import main
+
+    ck = tmp_path / "ck"
+    assert main(BASE + ["--dsv3-config", ds_json, "--save", str(ck)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: --save {ck}: needs --save-interval N"), err
+    assert not ck.exists()
+
+
 def _build_worker(ds, extra):
     """One process: Megatron's parsing (+ tokenizer, padded vocab), then models built by the entry point's
     model_provider for several --spec values, from the same seed; logits on fixed tokens."""

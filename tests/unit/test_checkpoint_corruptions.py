@@ -479,7 +479,20 @@ MEG_CASES = {
         r"does not hold the rows of",
     ),
     "megatron_config_not_json": (_write_bytes("config.json", b"{"), r"config\.json: not valid JSON"),
+    # JSON that Python reads but safetensors' own parser refuses ("invalid JSON in header")
+    "megatron_header_lone_surrogate": (
+        lambda d: _rewrite_header(os.path.join(d, MEG_FILE), lambda raw: raw.replace(b'"format"', b'"\\ud800"', 1)),
+        re.escape(MEG_FILE) + r" \(safetensors header\): not valid JSON \(a lone surrogate",
+    ),
 }
+
+
+def _rewrite_header(p, edit):
+    with open(p, "rb") as f:
+        data = f.read()
+    (n,) = struct.unpack("<Q", data[:8])
+    raw = edit(data[8 : 8 + n].rstrip(b" "))
+    _put_shard(p, None, data[8 + n :], raw)
 
 
 @pytest.fixture(scope="module")
