@@ -37,6 +37,7 @@ __all__ = [
     "hf_from_pretrained",
     "run_entry_point",
     "dsv3_cli",
+    "run_module",
 ]
 
 
@@ -121,6 +122,37 @@ def dsv3_cli(*args, env: dict | None = None, cwd: str | None = None):
     from dsv3_plugin.cli import main
 
     return run_entry_point(main, [str(a) for a in args], env=subprocess_env() if env is None else env, cwd=cwd)
+
+
+# `python -m NAME` entry points `run_module` runs in the test process
+_IN_PROCESS = {
+    "dsv3_plugin": ("dsv3_plugin.cli", "main"),
+    "dsv3_plugin.megatron.pretrain_gpt": ("dsv3_plugin.megatron.pretrain_gpt", "main"),
+    "benchmarks": ("benchmarks.__main__", "main"),
+}
+
+
+def run_module(cmd: list[str], env: dict | None = None, cwd: str | None = None):
+    """`subprocess.run(cmd, capture_output=True, text=True)` for `cmd = [sys.executable, "-m", NAME, *args]` with NAME
+    one of this checkout's entry points (`dsv3_plugin`, `dsv3_plugin.megatron.pretrain_gpt`, `benchmarks`), run in
+    this process by `run_entry_point` (its `--nproc` ranks forked from the shared forkserver).
+
+    Args:
+        cmd: the command line as the subprocess would get it.
+        env: its environment (None: this process's).
+        cwd: its working directory (None: this process's).
+
+    Returns:
+        A `subprocess.CompletedProcess`.
+    """
+    import importlib
+    import sys
+
+    if len(cmd) < 3 or cmd[0] != sys.executable or cmd[1] != "-m" or cmd[2] not in _IN_PROCESS:
+        raise ValueError(f"run_module: not `python -m` of {sorted(_IN_PROCESS)}: {cmd[:3]}")
+    module, name = _IN_PROCESS[cmd[2]]
+    main = getattr(importlib.import_module(module), name)
+    return run_entry_point(main, [str(a) for a in cmd[3:]], env=env, cwd=cwd)
 
 
 # What the ranks of tests/dist and tests/megatron import, imported once by the forkserver they are forked from

@@ -8,12 +8,11 @@ Needs megatron-core >= 0.19 (`megatron.training` in the wheel): skipped on 0.16.
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
-from helpers import tiny_megatron_args
+from helpers import run_module, tiny_megatron_args
 
 pytest.importorskip("megatron.training", reason="megatron-core < 0.19: no megatron.training in the wheel")
 pytestmark = pytest.mark.dist
@@ -39,7 +38,7 @@ def saved(tmp_path_factory):
         str(tmp / "ck"),
     ]
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    p = run_module(cmd, cwd=ROOT, env=env)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     return tmp
 

@@ -17,12 +17,11 @@ import functools
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
-from helpers import HAVE_MEGATRON_TRAINING, needs_megatron_training
+from helpers import HAVE_MEGATRON_TRAINING, needs_megatron_training, run_module
 
 pytest.importorskip("megatron.core")
 
@@ -374,7 +373,7 @@ def test_megatron_lms_script_trains_with_the_plugin_added(data):
         "WANDB_MODE": "offline",
         "WANDB_SILENT": "true",
     }
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    p = run_module(cmd, cwd=ROOT, env=env)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     out = p.stdout
     assert "dsv3_plugin: no --dsv3-config: the model from the Megatron flags: 4 layers (1 dense, 3 MoE)" in out

@@ -20,11 +20,10 @@ import json
 import os
 import pickle
 import shutil
-import subprocess
 import sys
 
 import pytest
-from helpers import tiny_megatron_args
+from helpers import run_module, tiny_megatron_args
 
 pytest.importorskip("megatron.training", reason="megatron-core < 0.19: no megatron.training (Megatron's pretrain())")
 pytestmark = pytest.mark.dist
@@ -47,7 +46,7 @@ def _run(tmp, extra, env_extra=None):
     cmd = [sys.executable, "-m", "dsv3_plugin.megatron.pretrain_gpt", "--nproc", "1"]
     cmd += ["--dsv3-config", str(tmp / "ds.json")] + FLAGS + extra
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", **(env_extra or {})}
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    return run_module(cmd, cwd=ROOT, env=env)
 
 
 @pytest.fixture(scope="module")

@@ -19,12 +19,11 @@ run there in tests/megatron/test_dualpipev_chunks.py, without `pretrain()`).
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 
 import pytest
-from helpers import MEGATRON_SPEC, tiny_megatron_args
+from helpers import MEGATRON_SPEC, run_module, tiny_megatron_args
 
 pytest.importorskip(
     "megatron.training",
@@ -60,7 +59,7 @@ def _run(tmp, name, nproc, extra, config="ds.json"):
     )
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    p = run_module(cmd, cwd=ROOT, env=env)
     wall = time.perf_counter() - t0
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     iter_ms = [float(x) for x in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", p.stdout)]

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import tiny_megatron_args
+from helpers import run_module, tiny_megatron_args
 
 pytest.importorskip("megatron.training", reason="megatron-core < 0.19: no megatron.training in the wheel")
 pytestmark = [pytest.mark.dist, pytest.mark.long]
@@ -43,7 +43,10 @@ def _run(tmp, name, launcher, extra):
     )
     cmd += ["--dsv3-config", str(tmp / "ds.json"), "--dsv3-metrics", str(metrics)] + FLAGS + extra
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    if launcher == "nproc":
+        p = run_module(cmd, cwd=ROOT, env=env)
+    else:  # torchrun's agent: a process of its own
+        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     return [json.loads(l) for l in metrics.read_text().splitlines()], p.stdout
 

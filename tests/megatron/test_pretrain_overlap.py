@@ -16,11 +16,10 @@ Needs megatron-core >= 0.19 (`megatron.training`).
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
-from helpers import MEGATRON_SPEC, needs_megatron_training, tiny_megatron_args
+from helpers import MEGATRON_SPEC, needs_megatron_training, run_module, tiny_megatron_args
 
 pytestmark = [pytest.mark.dist, needs_megatron_training]
 
@@ -38,7 +37,7 @@ def _run(tmp, name, block, extra):
     cmd = [sys.executable, "-m", "dsv3_plugin.megatron.pretrain_gpt", "--nproc", "4", "--dsv3-config", str(cfg)]
     cmd += ["--dsv3-metrics", str(metrics)] + FLAGS + extra
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    p = run_module(cmd, cwd=ROOT, env=env)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     return {"metrics": [json.loads(line) for line in metrics.read_text().splitlines()], "log": p.stdout + p.stderr}
 
