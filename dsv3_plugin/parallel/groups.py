@@ -3,7 +3,8 @@ and the intra-node group used by node-deduplicated dispatch (`build_ep_groups`, 
 
 Layout (paper §3.1), world W, EP degree P: EP groups are contiguous blocks ``[i*P, (i+1)*P)`` (EP rank j owns
 experts ``[j*E/P, (j+1)*E/P)``), EDP groups join the ranks with the same EP rank, and "nodes" are blocks of
-``moe.ranks_per_node`` ranks: DeepSpeed's own EP/EDP layout. With pp > 1, EP is carved from each stage's
+``moe.ranks_per_node`` ranks: DeepSpeed's own EP/EDP layout (several launcher agents: the blocks must be theirs,
+`parallel.node_layout`). With pp > 1, EP is carved from each stage's
 data-parallel group (global rank = dp_rank·pp + pp_rank). NOTE: DeepSpeed's own group builder assumes pipeline
 stages are contiguous rank blocks (pp outermost); the DeepSpeed adapter registers these groups under
 DeepSpeed's names instead.
@@ -21,6 +22,7 @@ import torch.distributed as dist
 
 from dsv3_plugin.config import ConfigError
 from dsv3_plugin.parallel.distributed import peer_timeout, set_group_timeout
+from dsv3_plugin.parallel.node_layout import check_node_layout
 
 __all__ = ["EPGroups", "build_ep_groups", "ep_layout", "single_process_groups", "PipelineGroups", "pipeline_groups"]
 
@@ -140,6 +142,7 @@ def build_ep_groups(
             set_group_timeout(g, timeout)
         return out
     lay = ep_layout(world, ep, ranks_per_node, pp)
+    check_node_layout(lay["ep"], ranks_per_node)  # several launcher agents: their nodes must be the config's
     given = {"ep": ep_group, "edp": edp_group, "dp": dp_group if pp > 1 else dist.group.WORLD}
     mine: dict[str, Any] = {}
     mine_ranks: dict[str, list[int]] = {}
