@@ -27,6 +27,8 @@ def agent_key() -> str:
 
 
 def _span(ranks: list[int]) -> str:
+    if len(ranks) == 1:
+        return str(ranks[0])
     return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1)) else str(ranks)
 
 
@@ -71,8 +73,8 @@ def node_layout_error(ep_groups: list[list[int]], ranks_per_node: int, agent_of:
                 "one contiguous block of every EP group"
             )
         return (
-            f"dsv3.moe.ranks_per_node: {ranks_per_node} does not match the launch: {launch}, which puts EP group "
-            f"{_span(ranks)} on nodes as {where}; {fix}"
+            f"dsv3.moe.ranks_per_node: {ranks_per_node} does not match the launch: {launch}, which puts the ranks of "
+            f"EP group {_span(ranks)} on nodes as {where}; {fix}"
         )
     return None
 
