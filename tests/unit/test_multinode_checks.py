@@ -39,7 +39,7 @@ def test_nodes_smaller_than_the_launchs_are_refused():
     # ranks on one host would count as separate nodes: the routing limit and cross-node counts would be wrong
     msg = node_layout_error(ep_layout(8, 8, 2)["ep"], 2, _agents(4, 4))
     assert msg.startswith("dsv3.moe.ranks_per_node: 2 does not match the launch: the launch has 2 nodes")
-    assert "puts the ranks of EP group 0-7 on nodes as 0-3 on node 0, 4-7 on node 1; set dsv3.moe.ranks_per_node to 4" in msg
+    assert "EP group 0-7 on nodes as 0-3 on node 0, 4-7 on node 1; set dsv3.moe.ranks_per_node to 4" in msg
 
 
 def test_no_figure_fits_an_uneven_launch():
