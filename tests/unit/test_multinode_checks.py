@@ -45,15 +45,18 @@ def test_nodes_smaller_than_the_launchs_are_refused():
 def test_no_figure_fits_an_uneven_launch():
     msg = node_layout_error(ep_layout(8, 4, 2)["ep"], 2, _agents(3, 5))
     assert "of [3, 5] ranks" in msg and "EP group 0-3 on nodes as 0-2 on node 0, 3 on node 1" in msg
-    assert msg.endswith("no ranks_per_node fits: launch the same number of ranks on every node, so that each node "
-                        "holds one contiguous block of every EP group")
+    assert msg.endswith(
+        "no ranks_per_node fits: launch the same number of ranks on every node, so that each node "
+        "holds one contiguous block of every EP group"
+    )
 
 
 def test_launch_figure_named(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     msg = node_layout_error(ep_layout(8, 8, 8)["ep"], 8, _agents(4, 4))
     assert "2 nodes (launcher agents) of 4 rank(s) each (LOCAL_WORLD_SIZE 4)" in msg and msg.endswith(
-        "set dsv3.moe.ranks_per_node to 4 (this EP group's ranks per node)")
+        "set dsv3.moe.ranks_per_node to 4 (this EP group's ranks per node)"
+    )
 
 
 def test_shared_dir_error():
@@ -64,5 +67,7 @@ def test_shared_dir_error():
         "file system all nodes share, given as the same path on every node"
     )
     msg = shared_dir_error("--out", [(True, "a", "/r0"), (False, "a", "/r1")])
-    assert msg.startswith("--out /r1: not shared by all ranks: rank 1 on host a does not see the file rank 0 wrote "
-                          "there (rank 0 writes into /r0);")
+    assert msg.startswith(
+        "--out /r1: not shared by all ranks: rank 1 on host a does not see the file rank 0 wrote "
+        "there (rank 0 writes into /r0);"
+    )
