@@ -2,7 +2,8 @@
 srun / scontrol / torchrun (`helpers.slurm_launch_argv`: nothing starts), then the recorded torchrun line is
 checked: one agent per node meeting at a c10d rendezvous on the first node, `dsv3 train`'s own parser accepts the
 arguments, the config validates for the launch's world size, and its `moe.ranks_per_node` agrees with the launch's
-nodes (`parallel.node_layout`, as the ranks check it at start). The Megatron script: tests/megatron/test_launch_script.py.
+nodes (`parallel.node_layout`, as the ranks check it at start).
+The Megatron script: tests/megatron/test_launch_script.py.
 """
 
 import os
