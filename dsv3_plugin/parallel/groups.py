@@ -142,7 +142,6 @@ def build_ep_groups(
             set_group_timeout(g, timeout)
         return out
     lay = ep_layout(world, ep, ranks_per_node, pp)
-    check_node_layout(lay["ep"], ranks_per_node)  # several launcher agents: their nodes must be the config's
     given = {"ep": ep_group, "edp": edp_group, "dp": dp_group if pp > 1 else dist.group.WORLD}
     mine: dict[str, Any] = {}
     mine_ranks: dict[str, list[int]] = {}
@@ -169,6 +168,8 @@ def build_ep_groups(
             if rank in ranks:
                 mine[kind + "_b"] = g
                 created.append(g)
+    # several launcher agents: their nodes must be the config's (a gather over this rank's EP group)
+    check_node_layout(mine_ranks["ep"], ranks_per_node, mine["ep"] if mine["ep"] is not dist.group.WORLD else None)
     dp_ranks = mine_ranks["dp"]
     out = EPGroups(
         ep_size=ep,

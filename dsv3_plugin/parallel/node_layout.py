@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Mapping, Sequence
 
 import torch.distributed as dist
 
 from dsv3_plugin.config import ConfigError
 
-__all__ = ["agent_key", "node_layout_error", "check_node_layout"]
+__all__ = ["agent_key", "local_world_size", "node_layout_error", "check_node_layout"]
 
 
 def agent_key() -> str:
@@ -32,19 +33,29 @@ def _span(ranks: list[int]) -> str:
     return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1)) else str(ranks)
 
 
-def node_layout_error(ep_groups: list[list[int]], ranks_per_node: int, agent_of: list[str]) -> str | None:
+def node_layout_error(
+    ep_groups: list[list[int]],
+    ranks_per_node: int,
+    agent_of: Mapping[int, str] | Sequence[str],
+    local_world_size: int | None,
+    world: int,
+) -> str | None:
     """Why `ranks_per_node` disagrees with the launch (None when it agrees); pure.
 
     Args:
-        ep_groups: the global ranks of every EP group, in EP-rank order (`ep_layout(...)["ep"]`).
+        ep_groups: the global ranks of EP groups to check, each in EP-rank order (`ep_layout(...)["ep"]`).
         ranks_per_node: `moe.ranks_per_node`.
-        agent_of: [world] the launcher agent of every global rank (`agent_key`).
+        agent_of: global rank -> its launcher agent (`agent_key`), for every rank of `ep_groups`.
+        local_world_size: the launcher's ranks per agent (LOCAL_WORLD_SIZE; None if it exports none).
+        world: the world size.
 
     Returns:
         A one-line message naming `dsv3.moe.ranks_per_node`, the launch's figure and what to set, or None.
     """
-    agents = list(dict.fromkeys(agent_of))
-    if len(agents) <= 1:  # one agent: nodes inside it are simulated (module docstring)
+    several = (local_world_size is not None and local_world_size < world) or len(
+        {agent_of[r] for ranks in ep_groups for r in ranks}
+    ) > 1
+    if not several:  # one agent: nodes inside it are simulated (module docstring)
         return None
     for ranks in ep_groups:
         parts: list[list[int]] = []  # the group cut where the agent changes, in EP-rank order
@@ -56,16 +67,16 @@ def node_layout_error(ep_groups: list[list[int]], ranks_per_node: int, agent_of:
         blocks = [ranks[i : i + ranks_per_node] for i in range(0, len(ranks), ranks_per_node)]
         if parts == blocks:
             continue
+        agents = list(dict.fromkeys(agent_of[p[0]] for p in parts))
         sizes = sorted({len(p) for p in parts})
-        one_part_each = len({agent_of[p[0]] for p in parts}) == len(parts)
-        counts = sorted({agent_of.count(a) for a in agents})
-        per = f"{counts[0]} rank(s) each" if len(counts) == 1 else f"{counts} ranks"
-        local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")
-        launch = f"the launch has {len(agents)} nodes (launcher agents) of {per}" + (
-            f" (LOCAL_WORLD_SIZE {local})" if local else ""
-        )
+        if local_world_size is None:
+            launch = "the launch has several nodes (launcher agents)"
+        elif world % local_world_size:
+            launch = f"the launch's nodes (launcher agents) hold {local_world_size} of {world} ranks here"
+        else:
+            launch = f"the launch has {world // local_world_size} nodes (launcher agents) of {local_world_size} rank(s)"
         where = ", ".join(f"{_span(p)} on node {agents.index(agent_of[p[0]])}" for p in parts)
-        if len(sizes) == 1 and one_part_each:
+        if len(sizes) == 1 and len(agents) == len(parts):
             fix = f"set dsv3.moe.ranks_per_node to {sizes[0]} (this EP group's ranks per node)"
         else:
             fix = (
@@ -79,13 +90,31 @@ def node_layout_error(ep_groups: list[list[int]], ranks_per_node: int, agent_of:
     return None
 
 
-def check_node_layout(ep_groups: list[list[int]], ranks_per_node: int) -> None:
-    """Refuse (ConfigError, the same on every rank) a `ranks_per_node` that disagrees with the launch's nodes.
-    Collective over the world (one gather of `agent_key`); no-op without torch.distributed."""
+def local_world_size() -> int | None:
+    """The launcher's ranks per agent: torchrun's LOCAL_WORLD_SIZE, the deepspeed launcher's LOCAL_SIZE, or None."""
+    v = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")
+    return int(v) if v and v.isdigit() and int(v) > 0 else None
+
+
+def check_node_layout(ep_ranks: list[int], ranks_per_node: int, ep_group=None) -> None:
+    """Refuse (ConfigError) a `ranks_per_node` that disagrees with the launch's nodes, for this rank's EP group.
+    Collective over `ep_group` (one gather of `agent_key`; None: the world): only the ranks that hold MoE layers
+    build EP groups (a dense-only pipeline stage does not), and each EP group sits inside one stage. The ranks of
+    a group decide alike; every group of a launch with the same ranks per node, alike. No-op without
+    torch.distributed.
+
+    Args:
+        ep_ranks: this rank's EP group (global ranks, EP-rank order).
+        ranks_per_node: `moe.ranks_per_node`.
+        ep_group: the process group of `ep_ranks`.
+    """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
-    agent_of: list = [None] * dist.get_world_size()
-    dist.all_gather_object(agent_of, agent_key())
-    msg = node_layout_error(ep_groups, ranks_per_node, agent_of)
+    n = dist.get_world_size(ep_group)
+    members = [dist.get_global_rank(ep_group, i) for i in range(n)] if ep_group is not None else list(range(n))
+    box: list = [None] * n
+    dist.all_gather_object(box, agent_key(), group=ep_group)
+    agent_of = dict(zip(members, box))
+    msg = node_layout_error([ep_ranks], ranks_per_node, agent_of, local_world_size(), dist.get_world_size())
     if msg is not None:
         raise ConfigError(msg)

@@ -104,4 +104,4 @@ def test_slurm_script_passes_megatrons_validate_args(tmp_path):
     assert ep > rpn  # EP spans the nodes: node-limited routing between them
     # Megatron (TP = CP = 1) lays EP out as contiguous rank blocks: the plugin's pp = 1 layout over the world
     agents = [n for n in SLURM_NODES for _ in range(per_node)]
-    assert node_layout_error(ep_layout(world, ep, rpn)["ep"], rpn, agents) is None
+    assert node_layout_error(ep_layout(world, ep, rpn)["ep"], rpn, agents, per_node, world) is None

@@ -1,61 +1,62 @@
 """The two start-up checks of a run on several nodes, as pure functions (the two-agent launches in
-tests/dist/test_multinode.py run them for real): `moe.ranks_per_node` against the launch's agents
-(`parallel.node_layout`), and a run directory every rank sees (`training.shared_dir`)."""
+tests/dist/test_multinode.py and tests/megatron/test_pretrain_two_nodes.py run them for real): `moe.ranks_per_node`
+against the launch's agents (`parallel.node_layout`), and a run directory every rank sees (`training.shared_dir`)."""
 
 from dsv3_plugin.parallel.groups import ep_layout
 from dsv3_plugin.parallel.node_layout import node_layout_error
 from dsv3_plugin.training.shared_dir import shared_dir_error
 
 
-def _agents(*sizes):
-    """Global rank -> agent key, agents of `sizes` ranks in rank order (how torchrun numbers ranks)."""
-    return [f"host/{a}" for a, n in enumerate(sizes) for _ in range(n)]
+def _check(world, ep, rpn, sizes, pp=1, lws="same"):
+    """node_layout_error over every EP group, agents of `sizes` ranks in rank order (how torchrun numbers ranks);
+    LOCAL_WORLD_SIZE = the agents' size when they are all alike (else None)."""
+    agents = [f"host/{a}" for a, n in enumerate(sizes) for _ in range(n)]
+    if lws == "same":
+        lws = sizes[0] if len(set(sizes)) == 1 else None
+    return node_layout_error(ep_layout(world, ep, rpn, pp)["ep"], rpn, agents, lws, world)
 
 
 def test_one_agent_may_simulate_any_nodes():
     # self-spawned / single-host runs: the tests' way of exercising node-limited routing
     for rpn in (1, 2, 4):
-        assert node_layout_error(ep_layout(8, 4, rpn)["ep"], rpn, _agents(8)) is None
+        assert _check(8, 4, rpn, [8]) is None
+        assert _check(8, 4, rpn, [8], lws=None) is None
 
 
 def test_several_agents_agree():
-    assert node_layout_error(ep_layout(8, 8, 4)["ep"], 4, _agents(4, 4)) is None
-    assert node_layout_error(ep_layout(8, 4, 2)["ep"], 2, _agents(2, 2, 2, 2)) is None
-    assert node_layout_error(ep_layout(8, 4, 4)["ep"], 4, _agents(4, 4)) is None  # each EP group on one node
+    assert _check(8, 8, 4, [4, 4]) is None
+    assert _check(8, 4, 2, [2, 2, 2, 2]) is None
+    assert _check(8, 4, 4, [4, 4]) is None  # each EP group on one node
     # pp 2 x ep 2 on 2 agents of 2: the EP groups [0, 2] and [1, 3] have one rank on each agent
-    assert node_layout_error(ep_layout(4, 2, 1, pp=2)["ep"], 1, _agents(2, 2)) is None
+    assert _check(4, 2, 1, [2, 2], pp=2) is None
+    assert _check(16, 8, 4, [8, 8], pp=2) is None  # each node holds 4 ranks of every EP group
 
 
 def test_nodes_larger_than_the_launchs_are_refused():
-    msg = node_layout_error(ep_layout(4, 2, 2, pp=2)["ep"], 2, _agents(2, 2))
-    assert msg == (
+    assert _check(4, 2, 2, [2, 2], pp=2) == (
         "dsv3.moe.ranks_per_node: 2 does not match the launch: the launch has 2 nodes (launcher agents) of 2 "
-        "rank(s) each, which puts the ranks of EP group [0, 2] on nodes as 0 on node 0, 2 on node 1; set "
+        "rank(s), which puts the ranks of EP group [0, 2] on nodes as 0 on node 0, 2 on node 1; set "
         "dsv3.moe.ranks_per_node to 1 (this EP group's ranks per node)"
     )
 
 
 def test_nodes_smaller_than_the_launchs_are_refused():
     # ranks on one host would count as separate nodes: the routing limit and cross-node counts would be wrong
-    msg = node_layout_error(ep_layout(8, 8, 2)["ep"], 2, _agents(4, 4))
+    msg = _check(8, 8, 2, [4, 4])
     assert msg.startswith("dsv3.moe.ranks_per_node: 2 does not match the launch: the launch has 2 nodes")
     assert "EP group 0-7 on nodes as 0-3 on node 0, 4-7 on node 1; set dsv3.moe.ranks_per_node to 4" in msg
+    # an EP group inside one node of a launch of several: nodes of R < ep would be simulated inside a real one
+    msg = _check(16, 8, 4, [8, 8])
+    assert "EP group 0-7 on nodes as 0-7 on node 0; set dsv3.moe.ranks_per_node to 8" in msg
 
 
 def test_no_figure_fits_an_uneven_launch():
-    msg = node_layout_error(ep_layout(8, 4, 2)["ep"], 2, _agents(3, 5))
-    assert "of [3, 5] ranks" in msg and "EP group 0-3 on nodes as 0-2 on node 0, 3 on node 1" in msg
+    msg = _check(8, 4, 2, [3, 5])
+    assert "the launch has several nodes (launcher agents)" in msg
+    assert "EP group 0-3 on nodes as 0-2 on node 0, 3 on node 1" in msg
     assert msg.endswith(
         "no ranks_per_node fits: launch the same number of ranks on every node, so that each node "
         "holds one contiguous block of every EP group"
-    )
-
-
-def test_launch_figure_named(monkeypatch):
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    msg = node_layout_error(ep_layout(8, 8, 8)["ep"], 8, _agents(4, 4))
-    assert "2 nodes (launcher agents) of 4 rank(s) each (LOCAL_WORLD_SIZE 4)" in msg and msg.endswith(
-        "set dsv3.moe.ranks_per_node to 4 (this EP group's ranks per node)"
     )
 
 

@@ -44,7 +44,7 @@ def test_sbatch_launch_line(tmp_path):
     p, rpn = run.cfg.parallel, run.cfg.moe.ranks_per_node
     agents = [n for n in SLURM_NODES for _ in range(per_node)]  # torchrun numbers each agent's ranks in a block
     assert p.ep > rpn  # EP spans the nodes: node-limited routing between them
-    assert node_layout_error(ep_layout(world, p.ep, rpn, p.pp)["ep"], rpn, agents) is None
+    assert node_layout_error(ep_layout(world, p.ep, rpn, p.pp)["ep"], rpn, agents, per_node, world) is None
 
     # a resubmitted job continues the run in OUT
     (out / "ckpt").mkdir(parents=True)
