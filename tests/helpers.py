@@ -724,3 +724,42 @@ HAVE_MEGATRON_TRAINING = importlib.util.find_spec("megatron") is not None and (
 needs_megatron_training = pytest.mark.skipif(
     not HAVE_MEGATRON_TRAINING, reason="megatron-core < 0.19: no megatron.training"
 )
+
+
+SLURM_NODES = ("node-a", "node-b")  # the allocation `slurm_launch_argv` pretends to run in
+
+
+def slurm_launch_argv(script: str, tmp_path, env: dict | None = None) -> list[str]:
+    """Run an examples/slurm sbatch script with stand-ins for `srun` (runs its command once, its own options
+    dropped), `scontrol` (lists `SLURM_NODES`), `torchrun` (records its arguments and starts nothing) and `dsv3`
+    (never run: `command -v dsv3` finds it), in a 2-node allocation, job 42.
+
+    Args:
+        script: the sbatch script's path.
+        tmp_path: a fresh directory (pytest's `tmp_path`); the script runs from the repository root.
+        env: extra environment for the script (its CONFIG, OUT, ... variables).
+
+    Returns:
+        torchrun's arguments, as the script passed them.
+    """
+    import stat
+    import subprocess
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(parents=True)
+    fakes = {
+        "srun": 'while [ "${1#-}" != "$1" ]; do shift; done\nexec "$@"\n',
+        "scontrol": "".join(f"echo {n}\n" for n in SLURM_NODES),
+        "torchrun": 'printf "%s\\0" "$@" > "$DSV3_RECORD"\n',
+        "dsv3": "exit 3\n",
+    }
+    for name, body in fakes.items():
+        f = bin_dir / name
+        f.write_text("#!/usr/bin/env bash\n" + body)
+        f.chmod(f.stat().st_mode | stat.S_IEXEC)
+    record = tmp_path / "argv"
+    full = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "DSV3_RECORD": str(record)}
+    full |= {"SLURM_JOB_NODELIST": "node-[a-b]", "SLURM_NNODES": str(len(SLURM_NODES)), "SLURM_JOB_ID": "42"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run(["bash", script], env=full | (env or {}), check=True, cwd=root, timeout=60)
+    return record.read_text().split("\0")[:-1]

@@ -167,7 +167,11 @@ class MoEConfig(_Strict):
     # [0.0001, "extremely small"] Σ f_i P_i is ~1 at balance: α = 1 already weighs it like the language-model loss
     seq_aux_alpha: float = Field(0.0001, ge=0, le=1, description="α of the sequence-wise balance loss; 0 disables")
     ranks_per_node: int = Field(
-        1, gt=0, le=MAX_EXPERTS, description="EP ranks forming one simulated node (contiguous blocks)"
+        1,
+        gt=0,
+        le=MAX_EXPERTS,
+        description="EP ranks of one node (contiguous blocks): a launcher agent's share of an EP group when the "
+        "launch has several agents; simulated nodes under one agent",
     )
     dedup_dispatch: bool = Field(True, description="send a token once per node, then forward inside the node")
 

@@ -175,6 +175,28 @@ class DSv3FFN(MegatronModule):
                 if ".experts." in name:
                     self.config.init_method(p)
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+        """Megatron's generic sharded state dict, with each routed-expert tensor [E/P, ...] of EP rank j placed at
+        rows [j·E/P, (j+1)·E/P) of the global [E, ...] tensor and replicated over the expert-data-parallel group
+        (the replica id Megatron's own experts use). Without this, every EP rank would write its experts under
+        one key at offset 0: the checkpoint would hold EP rank 0's experts only and a load would give them to all.
+        The optimizer's state of these parameters follows (Megatron builds it from these tensors)."""
+        sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        if self.kind != "moe" or not isinstance(self.moe, ExpertParallelMoE):
+            return sd
+        from megatron.core import parallel_state as ps
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        ep, ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
+        replica = (0, 0, ps.get_expert_data_parallel_rank())
+        n = len(sharded_offsets)
+        for k, v in list(sd.items()):
+            if k.startswith(f"{prefix}moe.experts.") and isinstance(v, ShardedTensor):
+                sd[k] = ShardedTensor.from_rank_offsets(
+                    v.key, v.data, *sharded_offsets, (n, ep_rank, ep), replica_id=replica, prepend_axis_num=n
+                )
+        return sd
+
     @property
     def num_mtp_shift(self) -> int:
         """k for the k-th MTP layer (its last k positions are padding), 0 for decoder layers."""

@@ -3,7 +3,8 @@ and the intra-node group used by node-deduplicated dispatch (`build_ep_groups`, 
 
 Layout (paper §3.1), world W, EP degree P: EP groups are contiguous blocks ``[i*P, (i+1)*P)`` (EP rank j owns
 experts ``[j*E/P, (j+1)*E/P)``), EDP groups join the ranks with the same EP rank, and "nodes" are blocks of
-``moe.ranks_per_node`` ranks: DeepSpeed's own EP/EDP layout. With pp > 1, EP is carved from each stage's
+``moe.ranks_per_node`` ranks: DeepSpeed's own EP/EDP layout (several launcher agents: the blocks must be theirs,
+`parallel.node_layout`). With pp > 1, EP is carved from each stage's
 data-parallel group (global rank = dp_rank·pp + pp_rank). NOTE: DeepSpeed's own group builder assumes pipeline
 stages are contiguous rank blocks (pp outermost); the DeepSpeed adapter registers these groups under
 DeepSpeed's names instead.
@@ -21,6 +22,7 @@ import torch.distributed as dist
 
 from dsv3_plugin.config import ConfigError
 from dsv3_plugin.parallel.distributed import peer_timeout, set_group_timeout
+from dsv3_plugin.parallel.node_layout import check_node_layout
 
 __all__ = ["EPGroups", "build_ep_groups", "ep_layout", "single_process_groups", "PipelineGroups", "pipeline_groups"]
 
@@ -166,6 +168,8 @@ def build_ep_groups(
             if rank in ranks:
                 mine[kind + "_b"] = g
                 created.append(g)
+    # several launcher agents: their nodes must be the config's (a gather over this rank's EP group)
+    check_node_layout(mine_ranks["ep"], ranks_per_node, mine["ep"] if mine["ep"] is not dist.group.WORLD else None)
     dp_ranks = mine_ranks["dp"]
     out = EPGroups(
         ep_size=ep,

@@ -25,9 +25,10 @@ from dsv3_plugin.data.tokenizer import TOKENIZER_FILES
 from dsv3_plugin.errors import ConfigError, DataError
 from dsv3_plugin.parallel.distributed import _input_error
 from dsv3_plugin.safe_files import copy_regular
-from dsv3_plugin.training.checkpoint_tags import TAG_PATTERN, resume_source, save_tag
+from dsv3_plugin.training.checkpoint_tags import COMPLETE_MARKER, TAG_PATTERN, resume_source, save_tag
 from dsv3_plugin.training.metrics_file import metrics_line, read_jsonl
 from dsv3_plugin.training.run_record import RUN_RECORD, config_identity, identity_hash, write_run_record
+from dsv3_plugin.training.shared_dir import check_shared_dir
 
 __all__ = [
     "RunDir",
@@ -252,9 +253,18 @@ class RunDir:
         if d["error"] is not None:
             self.close()
             raise _input_error(*d["error"])
+        try:  # several ranks write (and read) one checkpoint: its directory must be the same on every node
+            if self.ckpt is not None:
+                check_shared_dir(out, "--out")
+            if d["resume_probe"] is not None and not self.same_dir:
+                check_shared_dir(self.resume_ckpt, "--resume", probe=d["resume_probe"])
+        except ConfigError:
+            self.close()
+            raise
 
     def _decide(self, out, resume, overwrite) -> dict:
         d = {"resume_ckpt": None, "resume_tag": None, "same_dir": False, "notes": [], "error": None}
+        d["resume_probe"] = None  # a file of the resume tag every rank must see (its completion marker)
         try:
             if out:  # lock first: nothing below may read a run directory another process is writing
                 self.lock = RunLock(out).acquire()
@@ -262,6 +272,9 @@ class RunDir:
                 d["resume_ckpt"], d["resume_tag"], note = resume_source(resume, self.cfg, self.world, self.data)
                 if note:
                     d["notes"].append(note)
+                probe = os.path.join(d["resume_tag"] or "", COMPLETE_MARKER)
+                if d["resume_tag"] and os.path.isfile(os.path.join(d["resume_ckpt"], probe)):
+                    d["resume_probe"] = probe
             if out:
                 d["same_dir"] = bool(resume) and (
                     os.path.realpath(d["resume_ckpt"]) == os.path.realpath(os.path.join(out, "ckpt"))

@@ -72,3 +72,36 @@ def test_wrong_world_size_is_refused_by_megatron(tmp_path):
     _, _, flags = _recorded_launch(tmp_path)
     with pytest.raises(ConfigError, match=r"^Megatron's argument check: .*8"):
         parse_megatron_args(flags, world_size=8, on_cpu=False, set_globals=False)
+
+
+def test_slurm_script_passes_megatrons_validate_args(tmp_path):
+    """examples/slurm/pretrain_megatron.sbatch (stand-ins for srun / scontrol / torchrun: nothing starts): one agent
+    per node at a c10d rendezvous on the first node; the module and its flags pass Megatron's `validate_args` for the
+    launch's world; the dsv3 block's `moe.ranks_per_node` agrees with the launch's nodes (as the ranks check it)."""
+    from helpers import SLURM_NODES, slurm_launch_argv
+
+    from dsv3_plugin.megatron.config import run_config
+    from dsv3_plugin.megatron.pretrain_gpt import parse_megatron_args
+    from dsv3_plugin.parallel.groups import ep_layout
+    from dsv3_plugin.parallel.node_layout import node_layout_error
+
+    argv = slurm_launch_argv(os.path.join(ROOT, "examples", "slurm", "pretrain_megatron.sbatch"), tmp_path)
+    i = argv.index("-m")
+    launcher, module, flags = argv[:i], argv[i + 1], argv[i + 2 :]
+    opts = dict(zip(launcher[::2], launcher[1::2]))
+    assert opts == {
+        "--nnodes": "2",
+        "--nproc-per-node": "8",
+        "--rdzv-backend": "c10d",
+        "--rdzv-endpoint": f"{SLURM_NODES[0]}:29500",
+        "--rdzv-id": "42",
+    }
+    assert module == "dsv3_plugin.megatron.pretrain_gpt"
+    world, per_node = 16, 8
+    args, _ = parse_megatron_args(flags, world_size=world, on_cpu=False, set_globals=False)
+    assert os.path.isabs(args.dsv3_config) or os.path.isfile(os.path.join(ROOT, args.dsv3_config))
+    ep, rpn = args.expert_model_parallel_size, run_config(args).moe.ranks_per_node
+    assert ep > rpn  # EP spans the nodes: node-limited routing between them
+    # Megatron (TP = CP = 1) lays EP out as contiguous rank blocks: the plugin's pp = 1 layout over the world
+    agents = [n for n in SLURM_NODES for _ in range(per_node)]
+    assert node_layout_error(ep_layout(world, ep, rpn)["ep"], rpn, agents, per_node, world) is None
