@@ -223,6 +223,17 @@ def _to_deepspeed_expert_adapters(layer: ExpertParallelMoE, timeout_s: float | N
     ex.lora_experts = new
 
 
+def _frozen_slab_as_buffers(experts: nn.Module) -> None:
+    """The frozen experts' high-precision weights (a LoRA base not stored in FP8) as non-persistent buffers, as the
+    FP8 storage holds its bytes: `deepspeed.initialize` broadcasts every parameter from data-parallel rank 0 (expert
+    parameters only over their expert-data-parallel group), which would overwrite the other EP ranks' experts with
+    rank 0's; and a LoRA checkpoint holds the adapters, not the base."""
+    for n, p in list(experts.named_parameters(recurse=False)):
+        if not p.requires_grad:
+            delattr(experts, n)
+            experts.register_buffer(n, p.data, persistent=False)
+
+
 @torch.no_grad()
 def _to_deepspeed_experts(layer: ExpertParallelMoE, timeout_s: float | None = None) -> None:
     old = layer.experts
@@ -254,8 +265,9 @@ def prepare_model(model: nn.Module, cfg: DSv3Config, dp_group=None) -> nn.Module
     Every process group made for this (ours and DeepSpeed's EP / EDP groups) waits at most
     `parallel.p2p_timeout_s`. With `parallel.pp` > 1 (the pipelined engine; `dp_group`: its data-parallel
     group) EP is carved from each pipeline stage's data-parallel group (`parallel.groups`). Under `dsv3.lora` the
-    frozen experts stay as they are; their adapters (`lora.experts`) move to a `DeepSpeedExpertAdapters` module
-    (reduced over the expert-data-parallel group, saved per expert)."""
+    frozen experts stay in their slab (high-precision weights as non-persistent buffers, as FP8 storage is: never
+    broadcast by DeepSpeed); their adapters (`lora.experts`) move to a `DeepSpeedExpertAdapters` module (reduced
+    over the expert-data-parallel group, saved per expert)."""
     ep = cfg.parallel.ep
     pp = cfg.parallel.pp if dist.is_initialized() else 1
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -269,6 +281,7 @@ def prepare_model(model: nn.Module, cfg: DSv3Config, dp_group=None) -> nn.Module
             if isinstance(m, ExpertParallelMoE) and not isinstance(m.experts, cls):
                 if cfg.lora is not None:  # a frozen base (LoRA): only expert adapters, if any, are reduced
                     _to_deepspeed_expert_adapters(m, cfg.parallel.p2p_timeout_s)
+                    _frozen_slab_as_buffers(m.experts)
                     continue
                 _to_deepspeed_experts(m, cfg.parallel.p2p_timeout_s)
     return model
