@@ -24,7 +24,8 @@ recompute mode once, under different schedules. FP8 is off where a parameter is 
 (DualPipe, 1F1B with MTP): there the gradient norm is compared with the single process at every step, which
 FP8's regrouped expert quantization (see `_curve_check`) would blur. EMA and resume are on in every schedule.
 The suite spends three spawns on this: 4 ranks running the 10-step runs in turn, 4 fresh ranks running the three
-resumes, one process running the references.
+resumes, one process running the references. The first and the last also run LoRA with adapters on the routed
+experts (2 steps, plain SGD) at the same layout against one process: losses, routing and every adapter after step 1.
 """
 import copy
 import re
