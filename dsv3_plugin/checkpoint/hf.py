@@ -240,7 +240,8 @@ def load_pretrained(
 
     Returns:
         The model, with the transforms its config asks for (`training.transforms.build_model`: FP8, recompute)
-        and `checkpoint_bytes_read` set (safetensors headers plus tensor data read).
+        and `checkpoint_bytes_read` set (safetensors headers plus tensor data read). With a `lora` override: the
+        frozen base with its adapters (`checkpoint.frozen_base.load_frozen_base`, which this calls).
 
     Raises:
         CheckpointError: as `pretrained_config`, and NaN/Inf in a weight or scale unless `allow_non_finite`;
@@ -249,6 +250,10 @@ def load_pretrained(
     """
     with CheckpointReader(path, allow_non_finite=allow_non_finite) as reader:
         cfg = _config_of(reader, config_overrides)
+        if cfg.lora is not None:  # the release is a frozen base with adapters: LoRA's own loader builds that
+            from dsv3_plugin.checkpoint.frozen_base import load_frozen_base  # (it imports this module)
+
+            return load_frozen_base(path, layout, dtype, device, allow_non_finite, **config_overrides)
         _reader_plan(reader, _state_shapes(cfg), cfg.model.num_hidden_layers)  # before allocating the model
         if layout is None:
             model = build_model(cfg)
