@@ -394,20 +394,20 @@ def test_pp2_dp2_dualpipev_fp8_off_curve(references, runs, run):
 
 
 @pytest.mark.dist
-def test_lora_with_expert_adapters_pp2_ep2_dp2_equals_one_process(references, runs, lora_release):
+def test_lora_with_expert_adapters_pp2_ep2_dp2_equals_one_process(references, runs):
     """LoRA with adapters on the routed experts at pp 2 × ep 2 × dp 2 (DualPipeV, W split) = one process holding
     every expert: the loss of steps 1 and 2 and the routing, and every adapter after step 1 as `dsv3 export` reads
     the run's step-1 checkpoint (dense adapters from the stages' files, expert adapters from the per-expert files of
     both EP ranks)."""
     from dsv3_plugin.checkpoint.run_checkpoint import find_run_checkpoint, run_config, run_lora
-    from dsv3_plugin.deepspeed.run_config import RunConfig, RunOverrides
     from tolerance import check_within, unit_roundoff
     tmp, full, _ = runs
     ref = references["lora"]
     hist = full[0]["lora"]["history"]
     drop = lambda h: [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in h]  # noqa: E731 (timing)
     assert all(drop(f["lora"]["history"]) == drop(hist) for f in full)
-    cfg = RunConfig.load(_lora_ds(True), overrides=RunOverrides(init_from=str(lora_release)), world_size=4).cfg
+    run = find_run_checkpoint(f"{tmp}/lora", tag="step1")
+    cfg, sd0 = run_config(run)  # the run's config (the release's shape)
     tokens = DP * DS["gradient_accumulation_steps"] * 16
     # what is reordered (as in `_curve_check`): micro-batch gradients accumulated per data-parallel rank then
     # all-reduced (the expert adapters' over their expert-data-parallel group, after the EP all-to-all brought every
@@ -417,9 +417,7 @@ def test_lora_with_expert_adapters_pp2_ep2_dp2_equals_one_process(references, ru
         assert abs(got - want) <= bound, (k, got, want, bound)
     assert [r["maxvio_layers"] for r in hist] == ref["maxvio_layers"]  # the same routing at both steps
     assert ref["losses"][1] < ref["losses"][0]
-    run = find_run_checkpoint(f"{tmp}/lora", tag="step1")
-    rc, sd0 = run_config(run)
-    got = run_lora(run, rc, sd0).adapters
+    got = run_lora(run, cfg, sd0).adapters
     assert set(got) == set(ref["after1"]) and any(".mlp.experts.w" in n for n in got)
     fails = []
     for n, want in ref["after1"].items():
