@@ -306,13 +306,13 @@ def test_megatron_lora_save_exports_as_peft_and_merged(setup, tmp_path, capsys):
     assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)  # the same adapters merged
 
 
-def test_load_pretrained_with_a_lora_override_is_the_frozen_base_with_adapters(setup):
-    """`load_pretrained(base, lora=...)` (once a KeyError on the adapters, or a refusal of the MTP tensors the LoRA
-    model leaves out): the model `load_frozen_base` builds, tensor for tensor, with `lora.mtp` "frozen" too."""
+def test_load_pretrained_with_a_lora_override_is_refused_naming_the_loader(setup):
+    """`load_pretrained(base, lora=...)` (once a KeyError on the adapters the release does not hold, or a refusal
+    of the MTP tensors the LoRA model leaves out): one ConfigError naming `dsv3.lora` and LoRA's loader."""
+    from dsv3_plugin.config import ConfigError
+
     for lora in (LORA, {**LORA, "mtp": "frozen"}):
-        got, want = load_pretrained(setup["base"], lora=lora), load_frozen_base(setup["base"], lora=lora)
-        assert got.lora_report.targets == want.lora_report.targets and got.base_fingerprint == want.base_fingerprint
-        g, w = {**dict(got.named_parameters()), **dict(got.named_buffers())}, dict(want.named_parameters())
-        w.update(want.named_buffers())
-        assert g.keys() == w.keys() and all(torch.equal(g[n], w[n]) for n in w)
-        assert (len(got.mtp) > 0) is (lora.get("mtp") == "frozen")
+        with pytest.raises(ConfigError, match=r"^dsv3\.lora: load_pretrained loads the released model itself; .*"
+                           r"load_frozen_base\(path, lora=\.\.\.\)"):  # fmt: skip
+            load_pretrained(setup["base"], lora=lora)
+    assert load_frozen_base(setup["base"], lora=LORA).lora_report is not None  # the loader named
