@@ -4,7 +4,8 @@ group, dense parameters over the data-parallel group, through DeepSpeed's own Mo
 `prepare_model(model, cfg)` (before `deepspeed.initialize`, idempotent) turns each expert-parallel MoE layer's
 routed experts into `DeepSpeedExperts` (a `deepspeed.moe.layer.MoE` that holds this rank's E/P experts and computes
 them with our grouped kernel; dispatch/combine stays ours); `stacking_order` hands ZeRO the expert weights so that
-each stack is a view of its flat buffer; `moe_param_groups` splits optimizer groups the way DeepSpeed needs.
+each stack is a view of its flat buffer; `moe_param_groups` splits optimizer groups the way DeepSpeed needs. Under
+LoRA the frozen experts stay ours and their adapters become a `DeepSpeedExpertAdapters` (the same conventions).
 Design notes (what DeepSpeed 0.19 requires, gradient scaling): docs/deepspeed.md ("moe_layer.py").
 """
 
