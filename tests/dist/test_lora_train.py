@@ -2,7 +2,8 @@
 frozen FP8 storage (each rank its experts), `prepare_model` + `initialize`, a few steps on one batch (the loss
 falls), only the adapters in the optimizer, the adapters equal on both ranks, the released router bias untouched,
 and a checkpoint holding adapters + optimizer state + the base's fingerprint, which a resume on another base
-refuses. In the same spawn the pipelined engine (pp = 2, DualPipeV) against one process. Then through `dsv3 train`
+refuses. In the same spawn the pipelined engine (pp = 2, DualPipeV) against one process, and adapters on the routed
+experts at ep = 2 (one SGD step against one process, saved per expert, resumed, exported). Then through `dsv3 train`
 (self-spawned --nproc 2): real text, held-out eval_loss, bit-exact resume, another base refused."""
 
 from __future__ import annotations
