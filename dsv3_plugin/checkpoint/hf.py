@@ -18,7 +18,7 @@ import torch
 
 from dsv3_plugin.checkpoint.names import is_runtime_state, native_to_released, parse_native, released_to_native
 from dsv3_plugin.checkpoint.reader import CheckpointReader
-from dsv3_plugin.config import DSv3Config
+from dsv3_plugin.config import ConfigError, DSv3Config
 from dsv3_plugin.errors import CheckpointError
 from dsv3_plugin.model.transformer import DSv3Model
 from dsv3_plugin.training.rank_local import RankLayout, build_rank_local
@@ -245,10 +245,17 @@ def load_pretrained(
     Raises:
         CheckpointError: as `pretrained_config`, and NaN/Inf in a weight or scale unless `allow_non_finite`;
             the message names the file and the tensor.
-        ConfigError: an override is invalid (the message names its key).
+        ConfigError: an override is invalid (the message names its key), or a `lora` section (LoRA's base is
+            `checkpoint.frozen_base.load_frozen_base`).
     """
     with CheckpointReader(path, allow_non_finite=allow_non_finite) as reader:
         cfg = _config_of(reader, config_overrides)
+        if cfg.lora is not None:  # (the transforms would add adapters the release does not hold: a KeyError)
+            raise ConfigError(
+                "dsv3.lora: load_pretrained loads the released model itself; a frozen base with LoRA adapters is "
+                "checkpoint.frozen_base.load_frozen_base(path, lora=...), a trained adapter "
+                "checkpoint.adapted_model.load_adapted(path, adapter)"
+            )
         _reader_plan(reader, _state_shapes(cfg), cfg.model.num_hidden_layers)  # before allocating the model
         if layout is None:
             model = build_model(cfg)

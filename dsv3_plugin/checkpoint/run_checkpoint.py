@@ -44,6 +44,9 @@ _DS_EXPERT = re.compile(
     r"^(.+)\.experts\.deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.(gate_proj|up_proj|down_proj)$"
 )
 _DS_EXPERT_INDEX = re.compile(r"\.deepspeed_experts\.(\d+)\.")
+_DS_ADAPTER = re.compile(
+    r"^(.+\.experts)\.lora_experts\.deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.(w[123]_lora_[AB])$"
+)
 
 
 @dataclass(frozen=True)
@@ -367,21 +370,58 @@ class RunLoRA:
     router_bias: dict[str, torch.Tensor]
 
 
-def _adapter_native(names: _Names, name: str, mp_rank: int, where: str) -> str:
-    """A stored adapter name -> its `DSv3Model` name (pipeline chunk prefix dropped, stage layer made global)."""
+def _adapter_native(names: _Names, name: str, mp_rank: int, where: str) -> tuple[str, int | None]:
+    """A stored adapter name -> (its `DSv3Model` name (pipeline chunk prefix dropped, stage layer made global), the
+    global expert of a per-expert routed-expert adapter (`deepspeed.moe_layer.DeepSpeedExpertAdapters`, ep > 1),
+    else None)."""
     name = names.unstaged(name, mp_rank, where)
-    if ".deepspeed_experts." in name:
-        raise CheckpointError(
-            f"{name} in {where}: routed-expert adapters of an expert-parallel run (parallel.ep > 1) are not read by "
-            "export; train with lora.experts false or ep = 1"
-        )
-    return name
+    m = _DS_ADAPTER.match(name)
+    if m:
+        return f"{m.group(1)}.{m.group(3)}", int(m.group(2))
+    return name, None
+
+
+def _expert_adapter_rows(
+    rows: dict[str, dict[int, torch.Tensor]], run: RunCheckpoint, names: _Names, expert_files, mp_rank: int
+) -> set[str]:
+    """Routed-expert adapters of pipeline rank `mp_rank` from its per-expert files (ep > 1; DeepSpeed writes one
+    file per expert holding its adapters) into `rows` {native: {global expert: tensor}}. Returns the stored names
+    read, with the expert index as `*` (what the LoRA record's names are compared by)."""
+    seen = set()
+    for p, f in expert_files:
+        if p != mp_rank:
+            continue
+        for n, t in _load_pt(f).items():
+            if not is_adapter(n):
+                raise CheckpointError(f"{n} in {f}: not a LoRA adapter (a LoRA run's expert files hold adapters)")
+            native, e = _adapter_native(names, n, p, f)
+            if e is None:
+                raise CheckpointError(f"{n} in {f}: not a per-expert adapter")
+            rows.setdefault(native, {})[e] = t.detach().float().clone()
+            seen.add(_any_expert(n))
+    return seen
+
+
+def _any_expert(name: str) -> str:
+    return _DS_EXPERT_INDEX.sub(".deepspeed_experts.*.", name)
+
+
+def _stacked_rows(rows: dict[str, dict[int, torch.Tensor]], n_experts: int, where: str) -> dict[str, torch.Tensor]:
+    """{native: [E, ...]} from the per-expert rows; every expert must be there."""
+    out = {}
+    for native, by_e in rows.items():
+        missing = sorted(set(range(n_experts)) - set(by_e))
+        if missing:
+            raise CheckpointError(f"{native}: {where} holds no adapter of expert(s) {missing[:4]} (of {n_experts})")
+        out[native] = torch.stack([by_e[e] for e in range(n_experts)])
+    return out
 
 
 def run_lora(run: RunCheckpoint, cfg: DSv3Config, sd0: dict) -> RunLoRA | None:
     """The LoRA state of a run's checkpoint (None when the run has no `dsv3.lora`): the adapters from the module
     states of every pipeline rank (ZeRO's FP32 masters when the module holds BF16 copies), checked against the
-    run's record of their names.
+    run's record of their names; routed-expert adapters of an ep > 1 run (one DeepSpeed module per expert) from
+    the per-expert files (or ZeRO's expert partitions), stacked over all experts.
 
     Raises:
         CheckpointError: no LoRA record in the checkpoint, or adapters missing from / not in the record.
@@ -389,9 +429,10 @@ def run_lora(run: RunCheckpoint, cfg: DSv3Config, sd0: dict) -> RunLoRA | None:
     if cfg.lora is None:
         return None
     names = _Names(cfg)
-    model_files, _ = _model_files(run, cfg.parallel.pp)
+    model_files, expert_files = _model_files(run, cfg.parallel.pp)
     masters = is_bf16_masters(sd0)
     adapters: dict[str, torch.Tensor] = {}
+    rows: dict[str, dict[int, torch.Tensor]] = {}  # routed-expert adapters at ep > 1, per global expert
     bias: dict[str, torch.Tensor] = {}
     rec0 = None
     for p, f in enumerate(model_files):
@@ -404,18 +445,29 @@ def run_lora(run: RunCheckpoint, cfg: DSv3Config, sd0: dict) -> RunLoRA | None:
         rec0 = rec0 or rec
         stored = dict(_zero_masters(run, p, names, cfg, _params_of(sd))) if masters else module
         here = [n for n in stored if is_adapter(n)]
-        if set(here) != set(rec["adapters"]):  # each rank records its own adapters
-            missing, extra = sorted(set(rec["adapters"]) - set(here)), sorted(set(here) - set(rec["adapters"]))
+        # each rank records its own adapters; per-expert ones (ep > 1) by local index, compared with `*` for it
+        have = {_any_expert(n) for n in here}
+        if not masters:  # the per-expert adapters are in the expert files (DeepSpeed keeps them out of `module`)
+            have |= _expert_adapter_rows(rows, run, names, expert_files, p)
+        want = {_any_expert(n) for n in rec["adapters"]}
+        if have != want:
+            missing, extra = sorted(want - have), sorted(have - want)
             raise CheckpointError(
                 f"{f}: adapters differ from its LoRA record (missing {missing[:3]}, extra {extra[:3]})"
             )
         for n in here:
-            adapters.setdefault(_adapter_native(names, n, p, f), stored[n].detach().float().clone())
+            native, e = _adapter_native(names, n, p, f)
+            t = stored[n].detach().float().clone()
+            if e is None:
+                adapters.setdefault(native, t)
+            else:
+                rows.setdefault(native, {})[e] = t
         if cfg.lora.bias_update:
             for n, t in module.items():
                 if n.endswith("e_score_correction_bias"):
                     native, _ = names.native(n, p, f)
                     bias.setdefault(native, t.float().clone())
+    adapters.update(_stacked_rows(rows, cfg.moe.n_routed_experts, run.path))
     rec = rec0
     fp, bp = rec.get("base_fingerprint"), rec.get("base_path")
     return RunLoRA(adapters, cfg.lora, fp if isinstance(fp, str) else None, bp if isinstance(bp, str) else None, bias)

@@ -4,7 +4,8 @@ tokenizer it ships, the bytes it will read, and its tensors under DeepSeek-V3's 
 - `RunSource`: a `dsv3 train` run (DeepSpeed, any pp x ep x dp layout; `run_checkpoint`); of a LoRA run, its
   adapters and the released base they were trained on (`lora`, `base`: fingerprint checked).
 - `MegatronLMSource`: a Megatron-LM torch_dist checkpoint of the plugin's `pretrain_gpt` (`megatron_dist`), with
-  the config it was trained with given separately (it records none).
+  the config it was trained with given separately (it records none); of a LoRA run, its adapters
+  (`megatron_lora`) and their base.
 - `LayoutSource`: a Megatron-layout directory (`layout.json`, `dsv3 convert --to megatron`).
 
 `open_source` tells them apart; `export.export` writes any of them.
@@ -25,6 +26,7 @@ from dsv3_plugin.checkpoint.frozen_base import base_fingerprint
 from dsv3_plugin.checkpoint.hf import model_config
 from dsv3_plugin.checkpoint.integrity import load_json
 from dsv3_plugin.checkpoint.megatron_dist import MegatronDistReader, megatron_iteration_dir
+from dsv3_plugin.checkpoint.megatron_lora import RECORD_NAME, megatron_lora
 from dsv3_plugin.checkpoint.names import parse_released, released_shapes
 from dsv3_plugin.checkpoint.reader import open_safetensors
 from dsv3_plugin.checkpoint.run_checkpoint import (
@@ -40,6 +42,7 @@ from dsv3_plugin.checkpoint.run_checkpoint import (
 from dsv3_plugin.config import ConfigError, DSv3Config, load_config
 from dsv3_plugin.errors import CheckpointError
 from dsv3_plugin.safe_files import opened_path
+from dsv3_plugin.training.lora import lora_model_config
 from dsv3_plugin.training.run_dir import TOKENIZER_DIR
 
 __all__ = [
@@ -249,9 +252,13 @@ class MegatronLMSource(Source):
     hf: dict
     input_bytes: int
     notes: list[str] = field(default_factory=list)
+    lora: RunLoRA | None = None
+    base: str | None = None
 
     @classmethod
-    def open(cls, path: str, iteration_dir: str, config: str | None) -> MegatronLMSource:
+    def open(cls, path: str, iteration_dir: str, config: str | None, base: str | None = None) -> MegatronLMSource:
+        """`base`: for a LoRA run's `--save` (it holds `dsv3_lora.json`): its released base (default: the one
+        recorded), fingerprint checked."""
         if config is None:
             raise ConfigError(
                 f"--config: {path} is a Megatron-LM checkpoint, which does not record the model; pass the "
@@ -259,13 +266,25 @@ class MegatronLMSource(Source):
             )
         cfg, hf = _config_file(config)
         reader = MegatronDistReader(iteration_dir)
-        return cls(path, os.path.basename(iteration_dir), reader, cfg, hf, _megatron_lm_input_bytes(reader, hf))
+        save_dir = os.path.dirname(os.path.abspath(iteration_dir))  # the record sits beside the iterations
+        lora = megatron_lora(reader, save_dir)
+        if lora is None:
+            if base is not None:
+                raise ConfigError(f"--base: only for a LoRA run; {save_dir} has no {RECORD_NAME}")
+            return cls(path, os.path.basename(iteration_dir), reader, cfg, hf, _megatron_lm_input_bytes(reader, hf))
+        # the model the adapters sit on: the run's config with the recorded LoRA settings (no MTP under mtp "off")
+        cfg = lora_model_config(cfg.model_copy(update={"lora": lora.lora}))
+        base_dir = lora_base(lora, base, os.path.join(save_dir, RECORD_NAME))
+        notes = [f"LoRA run: its adapters on the base {base_dir} (fingerprint {lora.base_fingerprint})"]
+        nbytes = sum(reader.nbytes(k) for k in reader.tensor_keys() if not k.startswith("optimizer."))
+        return cls(path, os.path.basename(iteration_dir), reader, cfg, hf, nbytes, notes, lora, base_dir)
+
+    @property
+    def default_tokenizer(self) -> str | None:
+        return self.base  # a LoRA run: its base's tokenizer (a Megatron checkpoint ships none)
 
     def no_adapters_reason(self) -> str:
-        return (
-            "reading LoRA adapters from a Megatron-LM checkpoint is not supported (export reads its full model "
-            "weights only)"
-        )
+        return f"it is not a LoRA run's --save (no {RECORD_NAME} beside its iterations)"
 
     def _groups(self) -> dict[str, list[tuple[str, int | None]]]:
         """{stored Megatron name: [(released name, expert row or None)]}: each released tensor's Megatron name
@@ -283,6 +302,8 @@ class MegatronLMSource(Source):
     def tensors(self, on_read: Callable[[int], None]) -> Tensors:
         """One global tensor at a time: the FP32 master (`optimizer.state.fp32_param.<name>`) when the run kept one,
         stacked experts split per expert."""
+        if self.lora is not None:  # the checkpoint holds adapters, not the model: the writers merge with `base`
+            raise CheckpointError(f"{self.path}: a LoRA run's checkpoint holds adapters only (merged with its base)")
         reader = self.reader
         for mname, targets in self._groups().items():
             master = f"optimizer.state.fp32_param.{mname}"
@@ -331,8 +352,8 @@ def open_source(
             Megatron-LM checkpoint the iteration (default: the tracker file's). Refused for a layout.
         config: for a Megatron-LM checkpoint only (required there): the `--dsv3-config` JSON of its run, or a
             released config.json.
-        base: for a LoRA run only: its released base directory (default: the one the run recorded); its
-            fingerprint must be the run's.
+        base: for a LoRA run only (a `dsv3 train` run or a Megatron-LM `--save` with `dsv3_lora.json`): its
+            released base directory (default: the one the run recorded); its fingerprint must be the run's.
 
     Returns:
         The opened source; its files are checked as far as they can be without reading the tensors.
@@ -349,10 +370,11 @@ def open_source(
     mlm_dir = None if is_layout else megatron_iteration_dir(src, tag)
     if config is not None and mlm_dir is None:
         raise ConfigError("--config: only for a Megatron-LM checkpoint (runs and Megatron-layout dirs carry theirs)")
-    if base is not None and (is_layout or mlm_dir is not None):
-        raise ConfigError("--base: only for a LoRA dsv3 train run (a Megatron checkpoint carries no base reference)")
+    if base is not None and is_layout:
+        raise ConfigError("--base: only for a LoRA run (a Megatron-layout directory carries no adapters)")
     if is_layout:
         return LayoutSource.open(src, tag)
     if mlm_dir is not None:
-        return MegatronLMSource.open(src, mlm_dir, None if config is None else os.fspath(config))
+        cfg_path = None if config is None else os.fspath(config)
+        return MegatronLMSource.open(src, mlm_dir, cfg_path, None if base is None else os.fspath(base))
     return RunSource.open(src, tag, None if base is None else os.fspath(base))

@@ -66,16 +66,10 @@ def deepspeed_path_rules(cfg: DSv3Config, ds: dict) -> None:
 
 def lora_rules(cfg: DSv3Config) -> None:
     """What `dsv3.lora` needs on the DeepSpeed path, checked on the merged block (a release's shape included):
-    frozen routed experts under expert parallelism, the blockwise recipe of the frozen FP8 base, and an MTP module
-    for `lora.mtp` "frozen"."""
-    lo, p = cfg.lora, cfg.parallel
+    the blockwise recipe of the frozen FP8 base, and an MTP module for `lora.mtp` "frozen"."""
+    lo = cfg.lora
     if lo is None:
         return
-    if lo.experts and p.ep > 1:
-        raise ConfigError(
-            f"dsv3.lora.experts: adapters on the routed experts with parallel.ep = {p.ep} are not supported on the "
-            "DeepSpeed path (their gradients need the expert-data-parallel reduction); set lora.experts false or ep 1"
-        )
     if cfg.fp8.enabled and cfg.fp8.recipe == "tensorwise":
         raise ConfigError(
             "dsv3.fp8.recipe: 'tensorwise' with dsv3.lora: the frozen FP8 base keeps the release's 128x128 "

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from dsv3_plugin.checkpoint.frozen_base import base_fingerprint
+from dsv3_plugin.checkpoint.megatron_lora import RECORD_NAME, megatron_native_name, read_lora_record
 from dsv3_plugin.checkpoint.names import LAYER
 from dsv3_plugin.checkpoint.reader import CheckpointReader
 from dsv3_plugin.config import ConfigError, DSv3Config, LoRAConfig, lora_targets
@@ -63,7 +64,6 @@ __all__ = [
     "LoRAChunk",
 ]
 
-RECORD_NAME = "dsv3_lora.json"  # in --save: what the adapters there sit on
 _FLAGS = ("dsv3_lora_rank", "dsv3_lora_alpha", "dsv3_lora_targets", "dsv3_lora_experts")
 
 # Megatron module (below `decoder.layers.{i}.`) -> (released name, `DSv3Model` module below `layers.{g}.`): the
@@ -134,22 +134,14 @@ def _lora_from_flags(args, cfg: DSv3Config, where: str) -> dict | None:
 
 
 def lora_record(args) -> dict:
-    """What `--save` records beside the adapters (`RECORD_NAME`): the base's fingerprint and the LoRA settings."""
-    return {"base_fingerprint": args.dsv3_lora_base, "lora": args.dsv3_lora}
-
-
-def _read_record(path: str) -> dict | None:
-    f = os.path.join(path, RECORD_NAME)
-    if not os.path.isfile(f):
-        return None
-    try:
-        with open(f) as fh:
-            rec = json.load(fh)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{f}: not a readable LoRA record ({e})") from None
-    if not isinstance(rec, dict) or not isinstance(rec.get("lora"), dict):
-        raise CheckpointError(f"{f}: not a LoRA record (no lora settings)")
-    return rec
+    """What `--save` records beside the adapters (`RECORD_NAME`): the base's fingerprint and directory (where
+    `dsv3 export --to peft / hf` finds it) and the LoRA settings."""
+    init = getattr(args, "dsv3_init_from", None)
+    return {
+        "base_fingerprint": args.dsv3_lora_base,
+        "base_path": os.path.abspath(init) if init else None,
+        "lora": args.dsv3_lora,
+    }
 
 
 def _check_record(flag: str, path: str, rec: dict | None, args) -> None:
@@ -186,7 +178,7 @@ def resolve_lora_args(args, cfg: DSv3Config, where: str) -> list[str]:
     args.dsv3_lora_base = None
     load = getattr(args, "load", None)
     if lora is None:
-        if load and _read_record(load) is not None:
+        if load and read_lora_record(load) is not None:
             raise ConfigError(
                 f"--load {load}: holds LoRA adapters ({RECORD_NAME}), not a model; resume it with the same "
                 "--dsv3-lora-* flags and --dsv3-init-from of its base"
@@ -229,7 +221,7 @@ def resolve_lora_args(args, cfg: DSv3Config, where: str) -> list[str]:
     for flag, path in (("--load", load), ("--save", getattr(args, "save", None))):
         if not path:
             continue
-        rec = _read_record(path)
+        rec = read_lora_record(path)
         has_ckpt = os.path.isfile(os.path.join(path, TRACKER)) or (
             flag == "--load" and step and os.path.isdir(os.path.join(path, f"iter_{int(step):07d}"))
         )
@@ -333,16 +325,9 @@ def native_name(name: str, offset: int) -> str | None:
     """The `DSv3Model` name of a chunk's adapter or adapted module (`decoder.layers.{i}.…`, layer i of a chunk whose
     first global layer is `offset`): what seeds its A, as in `dsv3 train`. None outside the decoder's GEMMs."""
     parts = name.split(".", 3)
-    if len(parts) < 4 or parts[:2] != ["decoder", "layers"] or not parts[2].isdigit():
+    if len(parts) < 4 or not any(parts[3] == m or parts[3].startswith(m + ".") for m in (*_GEMMS, _EXPERTS_MODULE[0])):
         return None
-    layer, sub = f"layers.{offset + int(parts[2])}.", parts[3]
-    for msub, leaf in ((sub, ""), tuple(sub.rsplit(".", 1)) if "." in sub else (sub, "")):
-        tail = f".{leaf}" if leaf else ""
-        if msub in _GEMMS:
-            return layer + _GEMMS[msub][1] + tail
-        if msub == _EXPERTS_MODULE[0]:
-            return layer + _EXPERTS_MODULE[1] + tail
-    return None
+    return megatron_native_name(name, offset)
 
 
 def _expert_offset(mod: GroupedExperts) -> int:

@@ -181,11 +181,11 @@ class LoRAExpertKernel(SplitKernel):
         self.base, self.owner, self.scale, self.dropout, self.which = base, owner, scale, dropout, which
 
     def _adapters(self):
-        return tuple(
-            getattr(self.owner, f"{k}_lora_{ab}") if k in self.which else None
-            for k in ("w1", "w3", "w2")
-            for ab in "AB"
-        )
+        # under DeepSpeed expert parallelism the adapters live per expert in `owner.lora_experts`
+        # (`deepspeed.moe_layer.DeepSpeedExpertAdapters`), read back stacked; otherwise on `owner` itself
+        per_expert = getattr(self.owner, "lora_experts", None)
+        get = (lambda n: getattr(self.owner, n)) if per_expert is None else per_expert.stacked
+        return tuple(get(f"{k}_lora_{ab}") if k in self.which else None for k in ("w1", "w3", "w2") for ab in "AB")
 
     def call(self, via, x_NH, counts, w1_EIH, w3_EIH, w2_EHI, scale_N=None):
         if sum(counts) != x_NH.shape[0]:

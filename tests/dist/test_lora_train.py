@@ -2,13 +2,15 @@
 frozen FP8 storage (each rank its experts), `prepare_model` + `initialize`, a few steps on one batch (the loss
 falls), only the adapters in the optimizer, the adapters equal on both ranks, the released router bias untouched,
 and a checkpoint holding adapters + optimizer state + the base's fingerprint, which a resume on another base
-refuses. In the same spawn the pipelined engine (pp = 2, DualPipeV) against one process. Then through `dsv3 train`
+refuses. In the same spawn the pipelined engine (pp = 2, DualPipeV) against one process, and adapters on the routed
+experts at ep = 2 (one SGD step against one process, saved per expert, resumed, exported). Then through `dsv3 train`
 (self-spawned --nproc 2): real text, held-out eval_loss, bit-exact resume, another base refused."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -102,20 +104,24 @@ def release(tmp_path_factory):
     return write_tiny_release(tmp_path_factory.mktemp("lora_release") / "ckpt", fp8=True)
 
 
-def _both(release: str, ckdir: str, ckdir_pp: str) -> tuple[dict, dict]:
-    """One spawn, both engines: ZeRO-1 at ep = 2 (`_rank`), then the pipelined engine at pp = 2 (`_pipelined`)."""
-    return _rank(release, ckdir), _pipelined(release, ckdir_pp)
+def _both(release: str, ckdir: str, ckdir_pp: str, ckdir_ex: str) -> tuple[dict, dict, dict]:
+    """One spawn, all engines: ZeRO-1 at ep = 2 (`_rank`), the pipelined engine at pp = 2 (`_pipelined`), ZeRO-1 at
+    ep = 2 with adapters on the routed experts (`_expert_adapters`)."""
+    zero, ex = _rank(release, ckdir), _expert_adapters(release, ckdir_ex)
+    return zero, _pipelined(release, ckdir_pp), ex  # (the pipelined engine last: it sets DeepSpeed's global mpu)
 
 
 @pytest.fixture(scope="module")
 def trained(release, tmp_path_factory):
-    """The 2-rank run, once for the module: (per-rank (ZeRO-1, pipelined) results, the ZeRO-1 checkpoint dir)."""
+    """The 2-rank run, once for the module: (per-rank (ZeRO-1, pipelined, expert adapters) results, the ZeRO-1
+    checkpoint dir, the expert-adapter run's checkpoint dir)."""
     tmp = tmp_path_factory.mktemp("lora_ranks")
-    return run_ranks(_both, 2, str(release), str(tmp / "ck"), str(tmp / "ck_pp")), tmp / "ck"
+    ranks = run_ranks(_both, 2, str(release), str(tmp / "ck"), str(tmp / "ck_pp"), str(tmp / "ck_ex"))
+    return ranks, tmp / "ck", tmp / "ck_ex"
 
 
 def test_lora_trains_the_adapters_only_and_checkpoints_them(trained):
-    ranks = [zero for zero, _ in trained[0]]
+    ranks = [zero for zero, *_ in trained[0]]
     r = ranks[0]
     assert all(x["local_experts"] == 8 and x["same_on_ranks"] and x["resumed"] for x in ranks)  # 16 experts / ep 2
     assert r["steps"] == 3
@@ -200,7 +206,7 @@ def test_lora_on_the_pipelined_engine_equals_one_process_and_resumes(trained):
 
     from tests.tolerance import reorder_bound
 
-    for r in (pp for _, pp in trained[0]):
+    for r in (pp for _, pp, _ in trained[0]):
         ref = torch.tensor(r["ref"], dtype=torch.float64)
         # each micro-batch's forward is the same op sequence on both sides (stages cut between layers); their
         # float64 mean is summed in another order
@@ -321,10 +327,141 @@ def test_the_lora_checkpoint_exports_as_peft_and_merged(release, trained, tmp_pa
     from dsv3_plugin.checkpoint.hf import pretrained_config
     from dsv3_plugin.checkpoint.peft_adapter import read_peft_adapter
 
-    ranks, ck = [zero for zero, _ in trained[0]], trained[1]
+    ranks, ck = [zero for zero, *_ in trained[0]], trained[1]
     out = export(ck, tmp_path / "peft", "peft", progress=False)
     back, lora = read_peft_adapter(tmp_path / "peft", pretrained_config(str(release), **DS["dsv3"]))
     assert set(back) == set(ranks[0]["adapters"]) and out["tensors"] == len(back)
     assert lora.rank == LORA["rank"] and lora.alpha == LORA["alpha"]
     merged = export(ck, tmp_path / "m", "hf", progress=False)
     assert merged["tensors"] > len(back)
+
+
+# ---- adapters on the routed experts at ep = 2: reduced over the expert-data-parallel group, saved per expert -------
+
+EX_DS = {
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 1,
+    # plain SGD at lr 1: one step moves each adapter by exactly its averaged gradient (AdamW's first step is about
+    # lr·sign(g), blind to a wrongly scaled or mixed reduction); no clipping (DeepSpeed's norm of expert groups is
+    # its own convention, not the norm over all experts)
+    "optimizer": {"type": "SGD", "params": {"lr": 1.0}},
+    "zero_allow_untested_optimizer": True,
+    "gradient_clipping": 0.0,
+    "zero_optimization": {"stage": 1},
+    "dsv3": {"fp8": {"enabled": True}, "lora": {"rank": 4, "alpha": 8.0, "experts": True}, "parallel": {"ep": 2}},
+}
+
+
+def _expert_adapters(release: str, ckdir: str) -> dict:
+    """ZeRO-1 at ep = 2 (dp = 2, so each expert-data-parallel group is one rank) with adapters on the routed experts:
+    one SGD step on each rank's batch, against one process holding every expert that runs both batches (each
+    backward unscaled as on its rank, the gradients then averaged: the same FP8 gradient tiles); then a checkpoint
+    resumed into a fresh engine. Returns the comparisons and this rank's adapters after the step."""
+    import torch
+    import torch.distributed as dist
+
+    import dsv3_plugin.deepspeed as dsv3_ds
+    from dsv3_plugin.checkpoint.frozen_base import load_frozen_base
+    from dsv3_plugin.checkpoint.hf import pretrained_config
+    from dsv3_plugin.deepspeed.moe_layer import prepare_model
+    from dsv3_plugin.training.lora import lora_model_config
+    from dsv3_plugin.training.rank_local import RankLayout
+    from tests.tolerance import check_within, model_bound, unit_roundoff
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    secs = EX_DS["dsv3"]
+    cfg = lora_model_config(pretrained_config(release, **secs))
+    layout = RankLayout.for_rank(cfg, rank, world)
+    batches = [torch.randint(0, 1024, (2, 17), generator=torch.Generator().manual_seed(10 + r)) for r in range(world)]
+
+    one = load_frozen_base(release, **{**secs, "parallel": {}})  # every expert in one process
+    ref_losses = []
+    for ids in batches:
+        out = one(ids[:, :-1], labels=ids[:, 1:])
+        out.loss.backward()
+        ref_losses.append(float(out.loss.detach()))
+    ref = {n: (p.detach() - p.grad / world) for n, p in one.named_parameters() if p.requires_grad}
+    grads = {n: p.grad / world for n, p in one.named_parameters() if p.requires_grad}
+
+    def build():
+        torch.manual_seed(0)
+        m = load_frozen_base(release, layout=layout, **secs)
+        return prepare_model(m, m.cfg)
+
+    model = build()
+    engine, *_ = dsv3_ds.initialize(model, EX_DS)
+    ids = batches[rank]
+    out = engine(ids[:, :-1], labels=ids[:, 1:])
+    engine.backward(out.loss)
+    engine.step()
+    e_local = cfg.moe.n_routed_experts // world
+    per_expert = re.compile(r"^(.+)\.lora_experts\.deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.(.+)$")
+    fails, n_expert = [], 0
+    tokens = world * ids[:, 1:].numel()
+    # what is reordered: the routed experts' rows arrive through the all-to-all and are combined after it, and each
+    # adapter's gradient is summed over the two batches by the all-reduce instead of in one process (model_bound of
+    # g); x - g/2 is then rounded once on each side (u·|x - g/2| each)
+    for n, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        m = per_expert.match(n)
+        if m:  # local expert i of this rank is global expert rank·E/P + i
+            n_expert += 1
+            e = rank * e_local + int(m.group(2))
+            want, g = ref[f"{m.group(1)}.{m.group(3)}"][e], grads[f"{m.group(1)}.{m.group(3)}"][e]
+        else:
+            want, g = ref[n], grads[n]
+        mb = model_bound(g, cfg, tokens)
+        bound = mb + 2 * unit_roundoff() * (want.abs() + mb)
+        fails.append(check_within(p.detach(), want, bound, f"{n}: the adapter after one SGD step"))
+    engine.save_checkpoint(ckdir, tag="t1")
+    after = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    files = sorted(os.listdir(os.path.join(ckdir, "t1")))
+    model2 = build()
+    engine2, *_ = dsv3_ds.initialize(model2, EX_DS)
+    engine2.load_checkpoint(ckdir, tag="t1")
+    return {
+        "loss": float(out.loss.detach()),
+        "ref_loss": ref_losses[rank],
+        "loss_bound": float(model_bound(torch.tensor(ref_losses[rank]), cfg, ids[:, 1:].numel(), passes=1)),
+        "fails": [f for f in fails if f is not None],
+        "n_expert": n_expert,
+        "expert_groups": sum(1 for g in engine.optimizer.optimizer.param_groups if g.get("moe")),
+        "files": files,
+        "resumed": all(torch.equal(p, after[n]) for n, p in model2.named_parameters() if p.requires_grad),
+        "after": {n: t for n, t in after.items() if per_expert.match(n)},
+        "grad_max": max(float(g.abs().max()) for n, g in grads.items() if "experts." in n and "lora_B" in n),
+    }
+
+
+def test_expert_adapters_at_ep2_reduce_over_their_expert_group_checkpoint_and_export(release, trained, tmp_path):
+    """Adapters on the routed experts with parallel.ep = 2: after one step each rank's adapters (dense ones and its
+    own experts') equal one process's on both batches; DeepSpeed writes one file per expert with its adapters; a
+    fresh engine resumes them; `dsv3 export --to peft` gathers all experts' adapters from both EP ranks' files."""
+    import torch
+
+    from dsv3_plugin.checkpoint.export import export
+    from dsv3_plugin.checkpoint.hf import pretrained_config
+    from dsv3_plugin.checkpoint.peft_adapter import read_peft_adapter
+
+    ranks = [ex for *_, ex in trained[0]]
+    for r in ranks:
+        assert abs(r["loss"] - r["ref_loss"]) <= r["loss_bound"], r
+        assert r["fails"] == [], r["fails"][:2]
+        assert r["n_expert"] > 0 and r["expert_groups"] >= 1 and r["grad_max"] > 0  # the experts' B moved
+        assert r["resumed"]
+    files = ranks[0]["files"]
+    n_experts = pretrained_config(str(release)).moe.n_routed_experts
+    assert sum(f.startswith("layer_0_expert_") for f in files) == n_experts  # every expert's adapters, both EP ranks
+    out = export(trained[2], tmp_path / "peft", "peft", progress=False)
+    back, lora = read_peft_adapter(tmp_path / "peft", pretrained_config(str(release), **EX_DS["dsv3"]))
+    assert lora.experts and out["tensors"] > 0  # (peft fuses gate and up: fewer tensors than adapters)
+    e_local = n_experts // 2
+    stacked = [n for n in back if ".mlp.experts." in n]
+    assert stacked and all(back[n].shape[0] == n_experts for n in stacked)
+    for rank, r in enumerate(ranks):  # each rank's experts are rows rank·E/2 .. of the exported stacks
+        for n, t in r["after"].items():
+            m = re.match(r"^(.+)\.lora_experts\.deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.(.+)$", n)
+            assert torch.equal(back[f"{m.group(1)}.{m.group(3)}"][rank * e_local + int(m.group(2))], t.float()), n
+    merged = export(trained[2], tmp_path / "m", "hf", progress=False)
+    assert merged["tensors"] > 0

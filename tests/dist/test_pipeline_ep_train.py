@@ -24,7 +24,8 @@ recompute mode once, under different schedules. FP8 is off where a parameter is 
 (DualPipe, 1F1B with MTP): there the gradient norm is compared with the single process at every step, which
 FP8's regrouped expert quantization (see `_curve_check`) would blur. EMA and resume are on in every schedule.
 The suite spends three spawns on this: 4 ranks running the 10-step runs in turn, 4 fresh ranks running the three
-resumes, one process running the references.
+resumes, one process running the references. The first and the last also run LoRA with adapters on the routed
+experts (2 steps, plain SGD) at the same layout against one process: losses, routing and every adapter after step 1.
 """
 import copy
 import re
@@ -74,9 +75,10 @@ def _ref_ds(fp8: bool, bf16_moments: bool, first_k_dense_replace: int | None) ->
     return ds
 
 
-def _reference(configs):
+def _reference(configs, lora=None):
     """Single process (world 1): the engine `dsv3 train` uses at pp = 1, fed the data-parallel ranks'
-    micro-batches in order (rank 0's 4, then rank 1's)."""
+    micro-batches in order (rank 0's 4, then rank 1's). `lora`: (its DeepSpeed dict, the release) for the LoRA
+    reference too (`_lora_reference`), returned after the curves."""
     from dsv3_plugin.config import DSv3Config, load_config
     from dsv3_plugin.deepspeed import initialize
     from dsv3_plugin.deepspeed.train import _setup_process
@@ -112,6 +114,45 @@ def _reference(configs):
         for h in hooks:
             h.remove()
         out.append(hist)
+    return out if lora is None else (out, _lora_reference(*lora))
+
+
+def _lora_reference(ds: dict, release: str) -> dict:
+    """The LoRA run in one process: the whole frozen base, every expert and its adapters, the data-parallel ranks'
+    micro-batches accumulated as in `_reference`. Returns the loss per step, the adapters before training and after
+    step 1."""
+    from dsv3_plugin.checkpoint.frozen_base import load_frozen_base
+    from dsv3_plugin.data.synthetic import MarkovData
+    from dsv3_plugin.deepspeed import initialize
+    from dsv3_plugin.deepspeed.run_config import RunConfig, RunOverrides
+    from dsv3_plugin.deepspeed.train import _setup_process
+    run = RunConfig.load(ds, overrides=RunOverrides(init_from=release), world_size=1)
+    cfg = run.cfg
+    _setup_process(cfg)
+    d = cfg.to_dict()
+    model = load_frozen_base(release, **{k: d[k] for k in ("moe", "mtp", "parallel", "fp8", "train", "lora")})
+    engine, *_ = initialize(model, run)
+    data = MarkovData(cfg.model.vocab_size, cfg.train.seq_len, seed=cfg.train.seed)
+    gas = DS["gradient_accumulation_steps"]
+    hooks = [p.register_hook(lambda g: g * (1.0 / DP)) for p in model.parameters() if p.requires_grad]
+    adapters = lambda: {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}  # noqa: E731
+    out = {"init": adapters(), "losses": [], "maxvio_layers": []}
+    for step in range(LORA_STEPS):
+        total = 0.0
+        for r in range(DP):
+            for micro in range(gas):
+                ids, labels = data.batch(step, micro, r, 1)
+                o = engine(ids, labels=labels)
+                engine.backward(o.loss / gas, scale_wrt_gas=False)
+                engine.step()
+                total += float(o.loss.detach())
+        out["losses"].append(total / (DP * gas))
+        out["maxvio_layers"].append([st["maxvio"] for st in engine.dsv3.state.last_stats])
+        if step == 0:
+            out["after1"] = adapters()
+    engine.dsv3.remove()
+    for h in hooks:
+        h.remove()
     return out
 
 
@@ -135,10 +176,32 @@ def _no_ep_ds() -> dict:
     return ds
 
 
-def _full_runs(tmp):
-    """Every schedule's 10-step run, one after the other in the same 4 processes (one spawn for all)."""
+# LoRA with adapters on the routed experts too, pp 2 x ep 2 x dp 2 (DualPipeV, the W split on): plain SGD, so a step
+# moves each adapter by exactly its averaged gradient (AdamW's first step is about lr·sign(g), blind to a wrongly
+# scaled reduction); no clipping (DeepSpeed's norm of expert groups is its own convention)
+LORA_STEPS, LORA_LR = 2, 1.0
+
+
+def _lora_ds(pipelined: bool) -> dict:
+    ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4, "gradient_clipping": 0.0,
+          "steps_per_print": 10 ** 9, "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True,
+          "optimizer": {"type": "SGD", "params": {"lr": LORA_LR}},
+          "dsv3": {"fp8": {"enabled": False}, "lora": {"rank": 4, "alpha": 8.0, "experts": True},
+                   "train": {"seq_len": 16, "steps": LORA_STEPS, "seed": 1234, "save_every": 1}}}
+    if pipelined:
+        ds["dsv3"]["parallel"] = {"pp": PP, "ep": EP, "schedule": "dualpipev"}
+    else:  # the single process: both data-parallel ranks' micro-batches accumulated
+        ds["gradient_accumulation_steps"] = DP * DS["gradient_accumulation_steps"]
+    return ds
+
+
+def _full_runs(tmp, release):
+    """Every schedule's 10-step run, one after the other in the same 4 processes (one spawn for all), and the LoRA
+    run on `release` (2 steps, saved after each)."""
     from dsv3_plugin.deepspeed.train import train
     out = {s: train(_config(s), steps=STEPS, out=f"{tmp}/{s}/full", progress=False, echo=False) for s in CASES}
+    out["lora"] = train(_lora_ds(True), steps=LORA_STEPS, out=f"{tmp}/lora", init_from=release, progress=False,
+                        echo=False)
     sched, c = EXTRA
     out["extra"] = train(_ds(sched, c["fp8"], c["recompute"], c["bf16_moments"]), steps=STEPS, progress=False,
                          echo=False, save=False)
@@ -166,9 +229,16 @@ def _resumed_runs(tmp):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def lora_release(tmp_path_factory):
+    """A tiny BF16 release (the LoRA run's frozen base: FP32 in the model, `load_frozen_base`)."""
+    from dsv3_plugin.checkpoint.tiny_release import write_tiny_release
+    return write_tiny_release(tmp_path_factory.mktemp("lora_release") / "rel", fp8=False)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, lora_release):
     tmp = str(tmp_path_factory.mktemp("layouts"))
-    full = run_ranks(_full_runs, PP * DP, tmp, timeout_s=1500)
+    full = run_ranks(_full_runs, PP * DP, tmp, str(lora_release), timeout_s=1500)
     for s in CASES:
         _stopped_after_half(f"{tmp}/{s}")
     resumed = run_ranks(_resumed_runs, PP * DP, tmp, timeout_s=1200)
@@ -180,11 +250,12 @@ def _ref_key(c: dict) -> tuple:
 
 
 @pytest.fixture(scope="module")
-def references():
+def references(lora_release):
     # recompute gives bit-identical gradients (tests/unit), so one reference per (FP8, BF16 moments, dense layers)
     keys = sorted({_ref_key(c) for c in [*CASES.values(), EXTRA[1]]}, key=str)
-    hists = run_ranks(_reference, 1, [_ref_ds(*k) for k in keys], timeout_s=600)[0]
-    return dict(zip(keys, hists))
+    lora = (_lora_ds(False), str(lora_release))
+    hists, lora_ref = run_ranks(_reference, 1, [_ref_ds(*k) for k in keys], lora, timeout_s=600)[0]
+    return {**dict(zip(keys, hists)), "lora": lora_ref}
 
 
 def _layer_biases(schedule: str, pp_rank: int, biases: dict) -> dict:
@@ -320,3 +391,40 @@ def test_pp2_dp2_dualpipev_fp8_off_curve(references, runs, run):
     for rank, r in enumerate(full):
         for key, b in _layer_biases(sched, rank % PP, r[run]["router_bias"]).items():
             assert seen.setdefault(key, b) == b, (key, rank)
+
+
+@pytest.mark.dist
+def test_lora_with_expert_adapters_pp2_ep2_dp2_equals_one_process(references, runs):
+    """LoRA with adapters on the routed experts at pp 2 × ep 2 × dp 2 (DualPipeV, W split) = one process holding
+    every expert: the loss of steps 1 and 2 and the routing, and every adapter after step 1 as `dsv3 export` reads
+    the run's step-1 checkpoint (dense adapters from the stages' files, expert adapters from the per-expert files of
+    both EP ranks)."""
+    from dsv3_plugin.checkpoint.run_checkpoint import find_run_checkpoint, run_config, run_lora
+    from tolerance import check_within, unit_roundoff
+    tmp, full, _ = runs
+    ref = references["lora"]
+    hist = full[0]["lora"]["history"]
+    drop = lambda h: [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in h]  # noqa: E731 (timing)
+    assert all(drop(f["lora"]["history"]) == drop(hist) for f in full)
+    run = find_run_checkpoint(f"{tmp}/lora", tag="step1")
+    cfg, sd0 = run_config(run)  # the run's config (the release's shape)
+    tokens = DP * DS["gradient_accumulation_steps"] * 16
+    # what is reordered (as in `_curve_check`): micro-batch gradients accumulated per data-parallel rank then
+    # all-reduced (the expert adapters' over their expert-data-parallel group, after the EP all-to-all brought every
+    # rank's rows) vs one accumulation over 8; DualPipeV's mirror stages; losses averaged per rank then over ranks
+    for k, (got, want) in enumerate(zip([r["loss"] for r in hist], ref["losses"]), start=1):
+        bound = float(model_bound(torch.tensor(want), cfg, tokens=tokens, passes=2 * k - 1))
+        assert abs(got - want) <= bound, (k, got, want, bound)
+    assert [r["maxvio_layers"] for r in hist] == ref["maxvio_layers"]  # the same routing at both steps
+    assert ref["losses"][1] < ref["losses"][0]
+    got = run_lora(run, cfg, sd0).adapters
+    assert set(got) == set(ref["after1"]) and any(".mlp.experts.w" in n for n in got)
+    fails = []
+    for n, want in ref["after1"].items():
+        g = (ref["init"][n] - want) / LORA_LR  # the step's gradient (its magnitude for the bound)
+        mb = LORA_LR * model_bound(g, cfg, tokens=tokens, passes=2)
+        bound = mb + 2 * unit_roundoff() * (want.abs() + mb)  # x - lr·g rounded once on each side
+        fails.append(check_within(got[n], want, bound, f"{n}: the adapter after step 1"))
+    assert [f for f in fails if f is not None] == []
+    moved = [n for n in got if ".mlp.experts.w" in n and n.endswith("lora_B") and bool(got[n].abs().max() > 0)]
+    assert moved  # the expert adapters' B trained (B = 0 at init)

@@ -8,7 +8,7 @@ One 2-rank `pretrain()` launch under the plugin's DualPipeV hook (PP = 2, the V:
 - the adapters equal the single-process reference's (`checkpoint.frozen_base.load_frozen_base`, the DeepSpeed
   path's model), and the first iteration's LM loss equals that model's on the recorded batches (bound below);
 - `--save` holds the adapters and their optimizer state only (B moved from 0), and `dsv3_lora.json` the base's
-  fingerprint.
+  fingerprint; `dsv3 export --to peft` of it loads in peft with our adapted model's logits.
 Bad flags and a `--load` of adapters trained on another base: one-line errors before any rank starts (no launch).
 
 Needs megatron-core >= 0.19 (`megatron.training`): skipped on 0.16.1.
@@ -238,6 +238,49 @@ def test_save_holds_the_adapters_their_optimizer_state_and_the_base_fingerprint(
     rec = json.loads((run["ck"] / "dsv3_lora.json").read_text())
     assert rec["base_fingerprint"] == base_fingerprint(data["rel"])
     assert rec["lora"]["rank"] == RANK and rec["lora"]["alpha"] == ALPHA and rec["lora"]["mtp"] == "off"
+
+
+def test_the_save_exports_as_peft_that_peft_loads_with_our_logits(run, data, tmp_path):
+    """`dsv3 export CK DST --to peft --config DS` of that --save: the base found from its dsv3_lora.json, the saved
+    adapters as they are, and peft's adapted DeepseekV3 (transformers) of the base = our adapted model; the merged
+    `--to hf-bf16` export writes every released tensor."""
+    from helpers import hf_from_pretrained
+    from peft import PeftModel
+    from tolerance import REDUCTIONS_PER_BLOCK, assert_within, model_bound
+
+    from dsv3_plugin.checkpoint.adapted_model import load_adapted
+    from dsv3_plugin.checkpoint.export import export
+    from dsv3_plugin.checkpoint.hf import pretrained_config
+    from dsv3_plugin.checkpoint.lora_merge import write_merged_release
+    from dsv3_plugin.checkpoint.megatron_dist import MegatronDistReader, megatron_iteration_dir
+    from dsv3_plugin.checkpoint.megatron_lora import megatron_native_name
+    from dsv3_plugin.checkpoint.peft_adapter import read_peft_adapter
+
+    rel, ds = str(data["rel"]), data["tmp"] / "ds.json"
+    out = export(run["ck"], tmp_path / "peft", "peft", progress=False, config=ds)
+    assert out["base"] == rel  # the recorded base (fingerprint checked)
+    cfg = pretrained_config(rel, lora={"rank": RANK, "alpha": ALPHA})
+    back, lora = read_peft_adapter(tmp_path / "peft", cfg)
+    assert (lora.rank, lora.alpha) == (RANK, ALPHA)
+    reader = MegatronDistReader(megatron_iteration_dir(str(run["ck"])))
+    saved = {megatron_native_name(k): reader.get(k) for k in reader.tensor_keys() if not k.startswith("optimizer.")}
+    assert back.keys() == saved.keys()
+    for n, t in saved.items():
+        assert torch.equal(back[n], t.float()), n  # the adapters as Megatron saved them, renamed
+    # transformers has no CPU FP8 loader: peft's base is the release dequantized by the merge (no adapters), which is
+    # what our loader dequantizes it to as well
+    write_merged_release(rel, tmp_path / "deq", {}, cfg, cfg.lora, to="hf-fp32")
+    pm = PeftModel.from_pretrained(hf_from_pretrained(tmp_path / "deq"), str(tmp_path / "peft")).eval()
+    ours = load_adapted(rel, tmp_path / "peft")
+    ids = torch.randint(0, cfg.model.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, ref = pm(ids).logits.float(), ours(ids).logits.float()
+    # as in tests/parity/test_peft_parity.py: (W + s·B A) x in FP32 in different orders, model_bound's stages per
+    # block plus 3 per adapted GEMM (A x or BA, the B product, the sum) for at most 8 adapted GEMMs a block
+    bound = model_bound(ref, cfg, ids.numel(), passes=1) * (REDUCTIONS_PER_BLOCK + 3 * 8) / REDUCTIONS_PER_BLOCK
+    assert_within(got, ref, bound, "Megatron LoRA --to peft: peft's adapted model vs ours (fp32)")
+    merged = export(run["ck"], tmp_path / "m", "hf-bf16", progress=False, config=ds)
+    assert merged["tensors"] > len(back)
 
 
 # --- bad input: refused while parsing, before any rank starts (no launch) ---------------------------------------

@@ -250,3 +250,69 @@ def test_bad_inputs_exit_2_with_one_line_and_write_nothing(setup, tmp_path, caps
     wide = write_tiny_release(tmp_path / "wide", fp8=False, block={"preset": "tiny", "model": {"vocab_size": 1088,
                               "intermediate_size": 192}})  # fmt: skip
     _one_line_exit_2(capsys, "generate", "--model", wide, "--adapter", str(clean), *ids, match="the base model needs")
+
+
+def _megatron_name(native: str) -> str:
+    """A native adapter name (`layers.{g}.{module}.{leaf}`) under the plugin's Megatron modules (its `--save` keys:
+    `decoder.layers.{g}.{module}.{leaf}`), from the name table."""
+    from dsv3_plugin.checkpoint.names import LAYER
+
+    _, g, rest = native.split(".", 2)
+    module, leaf = rest.rsplit(".", 1)
+    if module == "mlp.experts":
+        return f"decoder.layers.{g}.mlp.moe.experts.{leaf}"
+    (row,) = [r for r in LAYER if not r.is_expert and r.native.removesuffix(".weight") == module]
+    return f"decoder.layers.{g}.{row.megatron.removesuffix('.weight')}.{leaf}"
+
+
+def test_megatron_lora_save_exports_as_peft_and_merged(setup, tmp_path, capsys):
+    """A Megatron-LM LoRA run's --save as `pretrain_gpt` writes it (torch_dist: the chunks' adapters only, under the
+    plugin's Megatron names with global layers, FP32 masters beside them; `dsv3_lora.json` with the base's
+    fingerprint and directory; a real one is exported in tests/megatron/test_lora_megatron.py): `--to peft` holds
+    exactly the run's adapters, the merged `--to hf-bf16` equals the DeepSpeed run's merged export; `--base` of a
+    checkpoint without a record is refused."""
+    from test_export import _dcp_save
+
+    from dsv3_plugin.checkpoint.frozen_base import base_fingerprint
+    from dsv3_plugin.checkpoint.peft_adapter import read_peft_adapter
+
+    ad = setup["adapters"]
+    state = {}
+    for n, t in ad.items():
+        state[_megatron_name(n)] = t.bfloat16()  # the module's BF16 copy ...
+        state["optimizer.state.fp32_param." + _megatron_name(n)] = t  # ... and the FP32 master, which is read
+    ck = tmp_path / "ck"
+    _dcp_save(state, str(ck / "iter_0000003"))
+    (ck / "latest_checkpointed_iteration.txt").write_text("3")
+    (tmp_path / "ds.json").write_text(json.dumps({"dsv3": setup["cfg"].to_dict()}))
+    cfg_flag = ["--config", str(tmp_path / "ds.json"), "--no-progress"]
+    _one_line_exit_2(capsys, "export", str(ck), str(tmp_path / "x"), "--to", "peft", *cfg_flag,
+                     match="has no LoRA adapters")  # fmt: skip
+    _one_line_exit_2(capsys, "export", str(ck), str(tmp_path / "x"), "--to", "hf", "--base", setup["base"],
+                     *cfg_flag, match="--base: only for a LoRA run")  # fmt: skip
+    lora = {k: v for k, v in setup["cfg"].lora.model_dump().items()}
+    rec = {"base_fingerprint": base_fingerprint(setup["base"]), "base_path": setup["base"], "lora": lora}
+    (ck / "dsv3_lora.json").write_text(json.dumps(rec))
+    rc, out, err = _cli(capsys, "export", str(ck), str(tmp_path / "peft"), "--to", "peft", *cfg_flag)
+    assert rc == 0, err
+    assert json.loads(out)["base"] == setup["base"] and "LoRA run" in err  # the recorded base
+    back, lo = read_peft_adapter(tmp_path / "peft", setup["cfg"])
+    assert lo == setup["cfg"].lora and back.keys() == ad.keys()
+    for n, t in ad.items():
+        assert torch.equal(back[n], t), n  # the FP32 masters, renamed
+    assert _cli(capsys, "export", str(ck), str(tmp_path / "m"), "--to", "hf-bf16", *cfg_flag)[0] == 0
+    assert _cli(capsys, "export", setup["run"], str(tmp_path / "m_run"), "--to", "hf-bf16", "--no-progress")[0] == 0
+    got, want = _merged_tensors(tmp_path / "m"), _merged_tensors(tmp_path / "m_run")
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)  # the same adapters merged
+
+
+def test_load_pretrained_with_a_lora_override_is_refused_naming_the_loader(setup):
+    """`load_pretrained(base, lora=...)` (once a KeyError on the adapters the release does not hold, or a refusal
+    of the MTP tensors the LoRA model leaves out): one ConfigError naming `dsv3.lora` and LoRA's loader."""
+    from dsv3_plugin.config import ConfigError
+
+    for lora in (LORA, {**LORA, "mtp": "frozen"}):
+        with pytest.raises(ConfigError, match=r"^dsv3\.lora: load_pretrained loads the released model itself; .*"
+                           r"load_frozen_base\(path, lora=\.\.\.\)"):  # fmt: skip
+            load_pretrained(setup["base"], lora=lora)
+    assert load_frozen_base(setup["base"], lora=LORA).lora_report is not None  # the loader named

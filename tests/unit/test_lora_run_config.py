@@ -55,12 +55,13 @@ def test_lora_config_is_accepted_with_a_release(tmp_path, releases, capsys):
     piped["gradient_accumulation_steps"] = 4  # DualPipeV: >= 2·pp micro-batches a step
     pp = RunConfig.load(piped, overrides=RunOverrides(init_from=releases["fp8"]), world_size=2)
     assert pp.cfg.lora is not None and pp.cfg.parallel.pp == 2  # the pipelined engine trains adapters too
+    experts = _file(tmp_path, lora={"experts": True}, parallel={"ep": 2})  # expert adapters sharded with them
+    assert main(["check-config", experts, "--nproc", "2", "--init-from", releases["fp8"]]) == 0
 
 
 REFUSED = [
     # (dsv3 sections over DS, release, nproc, the one line)
     ({}, None, 2, "error: dsv3.lora: LoRA trains adapters on a released base: pass --init-from DIR\n"),
-    ({"lora": {"experts": True}, "parallel": {"ep": 2}}, "fp8", 2, "error: dsv3.lora.experts: adapters on the routed"),
     ({"fp8": None}, "fp8", 2, "error: dsv3.fp8.enabled: --init-from "),
     ({"fp8": {"recipe": "tensorwise"}}, "fp8", 2, "error: dsv3.fp8.recipe: 'tensorwise' with dsv3.lora"),
     ({"lora": {"mtp": "frozen"}, "mtp": {"depth": 0}}, "fp8", 2, "error: dsv3.lora.mtp: 'frozen' trains through"),
