@@ -30,6 +30,7 @@ from dsv3_plugin.precision.fp8.quant import (
     TILE,
     fp8_combine_grad_qdq,
     fp8_dispatch_qdq,
+    fp8_grouped_gemm_emulated,
     quantize_blockwise,
     widen_fp8,
 )
@@ -93,6 +94,18 @@ class FrozenFp8Gemm:
     def dgrad_q(self, dyq: tuple, q_OK: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         """dy · W: [M, K] fp32, dy given as `quant(dy)` (or `rows` of one)."""
         return self.resolved(dyq[0].device).gemm(*dyq, q_OK.t(), s.t(), "block")
+
+    def grouped(self, xq: tuple, spans, q_EOK: torch.Tensor, s_E: torch.Tensor, dgrad: bool = False) -> torch.Tensor:
+        """Per expert e over its rows (`spans`, covering every row): x · W_eᵀ, or with `dgrad` dy · W_e; [N, ·]
+        fp32, x / dy given as `quant` of all rows. The emulation runs `fp8_grouped_gemm_emulated` (the same bits
+        as one GEMM per expert); other backends one GEMM per expert."""
+        if type(self.resolved(xq[0].device)) is EmulatedBackend:
+            return fp8_grouped_gemm_emulated(xq[0], xq[1], spans, q_EOK, s_E, transpose=dgrad)
+        gemm = self.dgrad_q if dgrad else self.fwd_q
+        out = xq[0].new_zeros(xq[0].shape[0], q_EOK.shape[2 if dgrad else 1], dtype=torch.float32)
+        for e, a, b in spans:
+            out[a:b] = gemm(self.rows(xq, a, b), q_EOK[e], s_E[e])
+        return out
 
     def fwd(self, x_MK: torch.Tensor, q_OK: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         """x · Wᵀ: [M, O] fp32."""
@@ -235,32 +248,23 @@ class FrozenFp8ExpertKernel(SplitKernel):
         counts, (s1, s3, s2) = static
         x_NH, s_N = x_NH if isinstance(x_NH, tuple) else (x_NH, None)
         w1, w3, w2 = weights
-        dt, fwd, rows = x_NH.dtype, self.gemm.fwd_q, self.gemm.rows
-        g_NI = x_NH.new_empty(x_NH.shape[0], w1.shape[1])
-        u_NI = torch.empty_like(g_NI)
-        y_NH = x_NH.new_empty(x_NH.shape[0], w2.shape[1])
+        dt, gemm = x_NH.dtype, self.gemm
         spans = expert_spans(counts)
-        xq = self.gemm.quant(x_NH) if spans else None  # once for all experts' rows (and W1 and W3)
-        for e, a, b in spans:
-            g_NI[a:b] = fwd(rows(xq, a, b), w1[e], s1[e]).to(dt)
-            u_NI[a:b] = fwd(rows(xq, a, b), w3[e], s3[e]).to(dt)
+        xq = gemm.quant(x_NH)  # once for all experts' rows, W1's and W3's
+        g_NI = gemm.grouped(xq, spans, w1, s1).to(dt)
+        u_NI = gemm.grouped(xq, spans, w3, s3).to(dt)
         h_NI = F.silu(g_NI) * u_NI
         if s_N is not None:
             h_NI = h_NI * s_N[:, None].to(dt)  # the routing weight, before W2
-        hq = self.gemm.quant(h_NI) if spans else None
-        for e, a, b in spans:
-            y_NH[a:b] = fwd(rows(hq, a, b), w2[e], s2[e]).to(dt)
+        y_NH = gemm.grouped(gemm.quant(h_NI), spans, w2, s2).to(dt)
         return y_NH, (g_NI, u_NI, s_N, w1, w3, w2), (spans, (s1, s3, s2), dt)
 
     def input_grad(self, saved, meta, dy_NH, need):
         g_NI, u_NI, s_N, w1, w3, w2 = saved
         spans, (s1, s3, s2), dt = meta
         need_x, need_s = need[0] if s_N is not None else (need[0], False)
-        dgrad, rows, quant = self.gemm.dgrad_q, self.gemm.rows, self.gemm.quant
-        dh_NI = torch.zeros_like(g_NI, dtype=torch.float32)
-        dyq = quant(dy_NH) if spans else None
-        for e, a, b in spans:
-            dh_NI[a:b] = dgrad(rows(dyq, a, b), w2[e], s2[e])  # dL/d(s·h)
+        gemm = self.gemm
+        dh_NI = gemm.grouped(gemm.quant(dy_NH), spans, w2, s2, dgrad=True)  # dL/d(s·h)
         g, u = g_NI.float(), u_NI.float()
         sig = torch.sigmoid(g)
         silu = g * sig
@@ -271,10 +275,8 @@ class FrozenFp8ExpertKernel(SplitKernel):
         if need_x:
             dg = dh_NI * u * (sig * (1 + g * (1 - sig)))  # silu'(g) = σ(g)(1 + g(1 − σ(g)))
             du = dh_NI * silu
-            dx_NH = torch.zeros(dy_NH.shape[0], w1.shape[2], dtype=dt, device=dy_NH.device)
-            dgq, duq = (quant(d) if spans else None for d in (dg, du))
-            for e, a, b in spans:
-                dx_NH[a:b] = (dgrad(rows(dgq, a, b), w1[e], s1[e]) + dgrad(rows(duq, a, b), w3[e], s3[e])).to(dt)
+            dx_NH = gemm.grouped(gemm.quant(dg), spans, w1, s1, dgrad=True)
+            dx_NH = dx_NH.add_(gemm.grouped(gemm.quant(du), spans, w3, s3, dgrad=True)).to(dt)
         return (dx_NH if s_N is None else (dx_NH, ds_N)), None
 
     def weight_grads(self, saved, meta, carry, need_w):
