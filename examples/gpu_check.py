@@ -415,17 +415,19 @@ def lora_linear_pair(w, A, B, scale: float, dev):
     return lin8, linb, w_d
 
 
-def fp8_vs_bf16_bound(a, a_q, w_d, out8, outb):
+def fp8_vs_bf16_bound(a, a_q, w_q, w_s, out8, outb):
     """Per-element bound on |out8 − outb| for out = a · Wᵀ (+ the same adapter term z on both sides) with a [M, K]
-    the BF16 operand, a_q its 1×128 FP8 quantization (`quant` triple), w_d [N, K] the dequantized FP8 weight: FP8
+    the BF16 operand, a_q its 1×128 FP8 quantization (`quant` triple), W [N, K] the FP8 weight w_q (E4M3) with its
+    128×128 scales w_s, on the BF16 side W dequantized and rounded to BF16. `out8` / `outb`: (base term, output). FP8
     side |a_q − a|·|W| (the activation's quantization, measured) + the FP8 GEMM's bound (exact emulation and a
     tensor-core chain per 128); BF16 side |a|·|W − bf16(W)| + γ_K |a|·|bf16(W)| (FP32 accumulation in any order);
     each side's two BF16 roundings (the GEMM's output, then + z) u·(|base| + |out|). First order in u (BF16's unit
     roundoff, 2⁻⁸), with u·|computed value| standing for u·|exact value|."""
     from dsv3_plugin.precision.fp8.hopper import emulation_error_bound, hopper_error_bound
-    from dsv3_plugin.precision.fp8.quant import dequantize_tilewise
+    from dsv3_plugin.precision.fp8.quant import dequantize_blockwise, dequantize_tilewise
 
-    (q, s, k), wq = a_q, quantize_blockwise(w_d)
+    (q, s, k), wq = a_q, (w_q.cpu(), w_s.cpu())
+    w_d = dequantize_blockwise(*wq)
     a64, w64 = a.double().cpu(), w_d.double()
     wb = w_d.bfloat16().double()
     K, u, u32 = a.shape[1], 2.0**-8, 2.0**-24
@@ -444,7 +446,7 @@ def _lora_layer_agreement(dev, M, K, N) -> dict:
     w = torch.randn(N, K, generator=g) * 0.02
     A, B = torch.randn(8, K, generator=g) * 0.05, torch.randn(N, 8, generator=g) * 0.05
     x, dy = torch.randn(M, K, generator=g).bfloat16(), torch.randn(M, N, generator=g).bfloat16()
-    lin8, linb, w_d = lora_linear_pair(w, A, B, 2.0, dev)
+    lin8, linb, _ = lora_linear_pair(w, A, B, 2.0, dev)
     r, out, ok = Fp8Recipe(), {}, True
     got, xd, dyd = {}, x.to(dev), dy.to(dev)
     with torch.no_grad():  # each side's base term alone (its first BF16 rounding)
@@ -458,9 +460,10 @@ def _lora_layer_agreement(dev, M, K, N) -> dict:
         y = m(xx)
         y.backward(dyd)
         got[name] = {"y": (y.detach(), base[name][0]), "dx": (xx.grad, base[name][1])}
-    for k, (a, wt) in {"y": (x, w_d), "dx": (dy, w_d.t().contiguous())}.items():
+    q, sq = lin8.weight, lin8.weight_scale_inv
+    for k, (a, wq) in {"y": (x, (q, sq)), "dx": (dy, (q.t().contiguous(), sq.t().contiguous()))}.items():
         (o8, b8), (ob, bb) = got["fp8"][k], got["bf16"][k]
-        bound = fp8_vs_bf16_bound(a, r.act(a.float()), wt, (b8, o8), (bb, ob))
+        bound = fp8_vs_bf16_bound(a, r.act(a.float()), *wq, (b8, o8), (bb, ob))
         out[k] = {**_diff(o8, ob), "within_bound": _within(o8, ob, bound)}
         ok &= out[k]["within_bound"]
     return {"shape_MKN": [M, K, N], **out, "ok": ok}

@@ -89,13 +89,14 @@ def test_lora_fp8_base_bound_holds_and_catches_a_wrong_base():
         torch.randn(64, 4, generator=g),
     )
     x = torch.randn(8, 256, generator=g).bfloat16()
-    lin8, linb, w_d = gc.lora_linear_pair(w, A, B, 0.5, torch.device("cpu"))
+    lin8, linb, _ = gc.lora_linear_pair(w, A, B, 0.5, torch.device("cpu"))
     gemm = lin8.kernel.inner.gemm
+    w_q, w_s = lin8.weight.clone(), lin8.weight_scale_inv.clone()  # the base both sides should hold
 
     def within():
         y8, yb = lin8(x), linb(x)
         base8 = gemm.fwd(x, lin8.weight, lin8.weight_scale_inv).bfloat16()
-        bound = gc.fp8_vs_bf16_bound(x, gc.Fp8Recipe().act(x.float()), w_d, (base8, y8), (x @ linb.weight.t(), yb))
+        bound = gc.fp8_vs_bf16_bound(x, gc.Fp8Recipe().act(x.float()), w_q, w_s, (base8, y8), (x @ linb.weight.t(), yb))
         return gc._within(y8, yb, bound)
 
     assert within()
