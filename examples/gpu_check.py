@@ -15,6 +15,9 @@ Sections (each {"status": "ok" | "fail" | "skipped" | "error", ...}; a skipped s
   tiny_logits     the tiny model's fp32 logits on CUDA vs CPU (≤ 1e-5, TF32 off)
   fp8_model_steps 5 training steps of the tiny model, FP8 auto backend on the GPU vs the emulation
   grouped_mm      routed experts through `grouped_mm` vs the loop kernel (BF16 on the GPU), forward and grads
+  lora_fp8_base   LoRA forward + backward on a frozen base kept in FP8 vs the same base dequantized to BF16 (same
+                  adapters, batch): ms and peak memory of each (the `small` shape); one adapted Linear's y and dx
+                  within the derived bound of FP8 (1×128 activations, the GEMM's bound) against BF16 (rounding)
   moe             MoE layer forward+backward at DeepSeek-V3 shapes (hidden 7168, expert width 2048, top-8; 8 and
                   32 local experts, as a rank of 256 experts under EP 32 / 8): tokens/s and TFLOP/s in BF16 and FP8
                   against transformers' DeepseekV3MoE and Megatron-Core's MoELayer (TE grouped GEMM, BF16 and its
@@ -45,8 +48,9 @@ from dsv3_plugin.precision.fp8.linear import (
     select_backend,
     torch_blockwise_available,
 )
+from dsv3_plugin.precision.fp8.quant import quantize_blockwise  # noqa: E402
 
-SECTIONS = ("env", "fp8_gemm", "te_linear", "tiny_logits", "fp8_model_steps", "grouped_mm", "moe")
+SECTIONS = ("env", "fp8_gemm", "te_linear", "tiny_logits", "fp8_model_steps", "grouped_mm", "lora_fp8_base", "moe")
 # Dense (no sparsity) peak tensor throughput, TFLOP/s, from NVIDIA's data sheets: (BF16, FP8).
 PEAKS = {
     "H200": (989.4, 1978.9),
@@ -65,6 +69,7 @@ FULL = {
     "moe_ffn": 2048,
     "moe_local_experts": (8, 32),
     "grouped": (2048, 7168, 2048, 8),
+    "lora_model": ("small", 8, 512),  # preset, B, T
     "repeats": 5,
 }
 DRY = {
@@ -75,6 +80,7 @@ DRY = {
     "moe_ffn": 32,
     "moe_local_experts": (8, 32),
     "grouped": (40, 64, 32, 4),
+    "lora_model": ("tiny", 2, 16),
     "repeats": 1,
 }
 
@@ -138,7 +144,7 @@ def sec_env(args, res):
     }
     if args.device.type == "cuda":
         if not torch.cuda.is_available():
-            return {"status": "error", "reason": "no CUDA device (use --dry-run on a machine without a GPU)", **out}
+            return {**out, "status": "error", "reason": "no CUDA device (use --dry-run on a machine without a GPU)"}
         name = torch.cuda.get_device_name(args.device)
         out.update(gpu=name, capability=list(torch.cuda.get_device_capability(args.device)))
         peak = next((v for k, v in PEAKS.items() if k.lower() in name.lower()), None)
@@ -384,6 +390,151 @@ def sec_grouped_mm(args, res):
         ok &= within
     out["status"] = "ok" if ok else "fail"
     return out
+
+
+def lora_linear_pair(w, A, B, scale: float, dev):
+    """One adapted Linear twice, same adapters (BF16): on the FP8 blocks of w (`FrozenFp8Linear`, the auto FP8
+    backend) and on those blocks dequantized to BF16. Returns (fp8 module, bf16 module, dequantized w fp32)."""
+    from dsv3_plugin.model.kernels import KernelLinear, PlainLinearKernel
+    from dsv3_plugin.precision.fp8.frozen import FrozenFp8Gemm, FrozenFp8Linear
+    from dsv3_plugin.precision.fp8.linear import AutoBackend
+    from dsv3_plugin.precision.fp8.quant import dequantize_blockwise
+    from dsv3_plugin.training.lora import LoRALinearKernel
+
+    N, K = w.shape
+    lin8 = FrozenFp8Linear(K, N, FrozenFp8Gemm(Fp8Recipe(), AutoBackend(FP8Config(enabled=True))), device=dev)
+    lin8.weight, lin8.weight_scale_inv = (t.to(dev) for t in quantize_blockwise(w))
+    w_d = dequantize_blockwise(lin8.weight.cpu(), lin8.weight_scale_inv.cpu())
+    linb = torch.nn.Linear(K, N, bias=False, device=dev, dtype=torch.bfloat16).requires_grad_(False)
+    linb.weight.copy_(w_d)
+    linb.__class__, linb.kernel = KernelLinear, PlainLinearKernel()
+    for m in (lin8, linb):
+        m.lora_A = torch.nn.Parameter(A.to(dev, torch.bfloat16))
+        m.lora_B = torch.nn.Parameter(B.to(dev, torch.bfloat16))
+        m.kernel = LoRALinearKernel(m.kernel, m, scale)
+    return lin8, linb, w_d
+
+
+def fp8_vs_bf16_bound(a, a_q, w_q, w_s, out8, outb):
+    """Per-element bound on |out8 − outb| for out = a · Wᵀ (+ the same adapter term z on both sides) with a [M, K]
+    the BF16 operand, a_q its 1×128 FP8 quantization (`quant` triple), W [N, K] the FP8 weight w_q (E4M3) with its
+    128×128 scales w_s, on the BF16 side W dequantized and rounded to BF16. `out8` / `outb`: (base term, output). FP8
+    side |a_q − a|·|W| (the activation's quantization, measured) + the FP8 GEMM's bound (exact emulation and a
+    tensor-core chain per 128); BF16 side |a|·|W − bf16(W)| + γ_K |a|·|bf16(W)| (FP32 accumulation in any order);
+    each side's two BF16 roundings (the GEMM's output, then + z) u·(|base| + |out|). First order in u (BF16's unit
+    roundoff, 2⁻⁸), with u·|computed value| standing for u·|exact value|."""
+    from dsv3_plugin.precision.fp8.hopper import emulation_error_bound, hopper_error_bound
+    from dsv3_plugin.precision.fp8.quant import dequantize_blockwise, dequantize_tilewise
+
+    (q, s, k), wq = a_q, (w_q.cpu(), w_s.cpu())
+    w_d = dequantize_blockwise(*wq)
+    a64, w64 = a.double().cpu(), w_d.double()
+    wb = w_d.bfloat16().double()
+    K, u, u32 = a.shape[1], 2.0**-8, 2.0**-24
+    gamma = K * u32 / (1 - K * u32)
+    d_a = (dequantize_tilewise(q.cpu(), s.cpu(), dtype=torch.float64) - a64).abs()
+    gemm = emulation_error_bound(q.cpu(), wq[0], s.cpu(), k, wq[1], "block")
+    gemm = gemm + hopper_error_bound(q.cpu(), wq[0], 128, s.cpu(), k, wq[1], "block")
+    bound = d_a @ w64.abs().t() + gemm.double() + a64.abs() @ (w64 - wb).abs().t() + gamma * (a64.abs() @ wb.abs().t())
+    for base, out in out8, outb:
+        bound = bound + u * (base.double().cpu().abs() + out.double().cpu().abs())
+    return bound
+
+
+def _lora_layer_agreement(dev, M, K, N) -> dict:
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(N, K, generator=g) * 0.02
+    A, B = torch.randn(8, K, generator=g) * 0.05, torch.randn(N, 8, generator=g) * 0.05
+    x, dy = torch.randn(M, K, generator=g).bfloat16(), torch.randn(M, N, generator=g).bfloat16()
+    lin8, linb, _ = lora_linear_pair(w, A, B, 2.0, dev)
+    r, out, ok = Fp8Recipe(), {}, True
+    got, xd, dyd = {}, x.to(dev), dy.to(dev)
+    with torch.no_grad():  # each side's base term alone (its first BF16 rounding)
+        g8, q8, s8 = lin8.kernel.inner.gemm, lin8.weight, lin8.weight_scale_inv
+        base = {
+            "fp8": (g8.fwd(xd, q8, s8).bfloat16(), g8.dgrad(dyd, q8, s8).bfloat16()),
+            "bf16": (xd @ linb.weight.t(), dyd @ linb.weight),
+        }
+    for name, m in ("fp8", lin8), ("bf16", linb):
+        xx = xd.clone().requires_grad_()
+        y = m(xx)
+        y.backward(dyd)
+        got[name] = {"y": (y.detach(), base[name][0]), "dx": (xx.grad, base[name][1])}
+    q, sq = lin8.weight, lin8.weight_scale_inv
+    for k, (a, wq) in {"y": (x, (q, sq)), "dx": (dy, (q.t().contiguous(), sq.t().contiguous()))}.items():
+        (o8, b8), (ob, bb) = got["fp8"][k], got["bf16"][k]
+        bound = fp8_vs_bf16_bound(a, r.act(a.float()), *wq, (b8, o8), (bb, ob))
+        out[k] = {**_diff(o8, ob), "within_bound": _within(o8, ob, bound)}
+        ok &= out[k]["within_bound"]
+    return {"shape_MKN": [M, K, N], **out, "ok": ok}
+
+
+def _lora_model_step(path: str, fp8: bool, ids, dev, repeats: int) -> dict:
+    """ms per LoRA forward + backward (median of `repeats` after one warm-up) and peak memory of one model."""
+    from dsv3_plugin.checkpoint.frozen_base import load_frozen_base
+    from dsv3_plugin.checkpoint.hf import load_pretrained, pretrained_config
+    from dsv3_plugin.training.lora import apply_lora
+
+    lora, train = {"rank": 16, "alpha": 32.0, "dropout": 0.0}, {"seed": 0}
+    if fp8:
+        m = load_frozen_base(path, dtype=torch.bfloat16, fp8={"enabled": True}, lora=lora, train=train)
+    else:
+        m = load_pretrained(path, torch.bfloat16, train=train)
+        apply_lora(m, pretrained_config(path, lora=lora, train=train))
+    m = m.to(dev).train()
+    frozen = sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()] if not t.requires_grad)
+    labels = torch.roll(ids, -1, 1)
+    ts, loss = [], None
+    for i in range(repeats + 1):
+        if i == 1 and dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        _sync(dev)
+        t0 = time.perf_counter()
+        m.zero_grad(set_to_none=True)
+        loss = m(ids, labels=labels).loss
+        loss.backward()
+        _sync(dev)
+        ts.append(time.perf_counter() - t0)
+    grads = {n: p.grad.float().norm().item() for n, p in m.named_parameters() if p.requires_grad}
+    peak = torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else None
+    return {
+        "ms": sorted(ts[1:])[len(ts[1:]) // 2] * 1e3,
+        "peak_mib": peak,
+        "frozen_mib": frozen / 2**20,
+        "loss": loss.item(),
+        "adapter_grad_norm": math.sqrt(sum(v * v for v in grads.values())),
+        "backend": m.fp8_report.backend if fp8 else "bf16",
+    }
+
+
+def sec_lora_fp8_base(args, res):
+    import tempfile
+
+    from benchmarks.lora import write_base
+
+    dev = args.device
+    M, K, N = args.shapes["linear"]
+    out = {"status": "ok", "layer": _lora_layer_agreement(dev, M, K, N)}
+    preset, B, T = args.shapes["lora_model"]
+    with tempfile.TemporaryDirectory(prefix="gpu_check_lora_") as tmp:
+        path = write_base(os.path.join(tmp, "base"), preset, T, 0)
+        ids = torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(1)).to(dev)
+        rows = {k: _lora_model_step(path, k == "fp8", ids, dev, args.shapes["repeats"]) for k in ("fp8", "bf16")}
+    out["model"] = {"preset": preset, "B": B, "T": T, **rows}
+    out["model"].update(lora_fp8_summary(rows["fp8"], rows["bf16"]))
+    if not out["layer"]["ok"]:
+        out["status"] = "fail"
+    return out
+
+
+def lora_fp8_summary(fp8: dict, bf16: dict) -> dict:
+    """BF16 / FP8 ratios of the model rows (> 1: the FP8 base is faster / smaller); peak None without CUDA."""
+    return {
+        "bf16_over_fp8_ms": bf16["ms"] / fp8["ms"],
+        "bf16_over_fp8_peak": None if fp8["peak_mib"] is None else bf16["peak_mib"] / fp8["peak_mib"],
+        "bf16_over_fp8_frozen": bf16["frozen_mib"] / fp8["frozen_mib"],
+        "loss_diff": abs(fp8["loss"] - bf16["loss"]),
+    }
 
 
 def _moe_pair(dev, dt, tokens, hidden, ffn, experts):

@@ -18,6 +18,7 @@ from dsv3_plugin.precision.fp8.quant import (
     dequantize_blockwise,
     dequantize_tilewise,
     fp8_gemm_emulated,
+    fp8_grouped_gemm_emulated,
     lowprec_gemm,
     pack_dispatch,
     quantize_blockwise,
@@ -26,6 +27,7 @@ from dsv3_plugin.precision.fp8.quant import (
     quantize_tilewise,
     truncate_mantissa,
     unpack_dispatch,
+    widen_fp8,
 )
 
 
@@ -416,3 +418,33 @@ def test_no_fp8_activation_cache_without_grad():
     lin.weight.requires_grad_(False)
     saved_no_wgrad = saved_activation_bytes(lin, lambda: lin(x.requires_grad_()))
     assert saved - saved_no_wgrad == 64 * 256 + 4 * 256  # 1 byte/elem + one fp32 scale per 128
+
+
+def test_widen_fp8_is_the_conversion_bit_for_bit():
+    codes = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE)  # every E4M3 code, NaNs included
+    want = codes.float()
+    assert torch.equal(widen_fp8(codes).view(torch.int32), want.view(torch.int32))
+    q = codes[torch.randperm(256, generator=torch.Generator().manual_seed(0))].reshape(16, 16)
+    for t in (q, q.t(), q[:, ::2]):  # contiguous, transposed (layout kept), other strides
+        assert torch.equal(widen_fp8(t).view(torch.int32), t.float().view(torch.int32))
+    assert widen_fp8(q.t()).stride() == q.t().float().stride()
+
+
+@pytest.mark.parametrize("O, K", [(136, 200), (256, 128)])  # ragged blocks; O a multiple of 128
+@pytest.mark.parametrize("transpose", [False, True])
+def test_grouped_emulated_gemm_is_one_emulated_gemm_per_expert_bit_for_bit(O, K, transpose):
+    g = torch.Generator().manual_seed(1)
+    E, counts = 4, [3, 0, 7, 2]
+    q = torch.empty(E, O, K, dtype=FP8_DTYPE)
+    s = torch.empty(E, math.ceil(O / 128), math.ceil(K / 128))
+    for e in range(E):
+        q[e], s[e] = quantize_blockwise(torch.randn(O, K, generator=g) * (e + 1))
+    aq, sa = quantize_tilewise(torch.randn(sum(counts), O if transpose else K, generator=g))
+    spans = [(0, 0, 3), (2, 3, 10), (3, 10, 12)]
+    got = fp8_grouped_gemm_emulated(aq, sa, spans, q, s, transpose=transpose)
+    for e, a, b in spans:
+        w, ws = (q[e].t(), s[e].t()) if transpose else (q[e], s[e])
+        assert torch.equal(got[a:b], fp8_gemm_emulated(aq[a:b], sa[a:b], w, ws))
+    assert torch.equal(fp8_grouped_gemm_emulated(widen_fp8(aq), sa, spans, q, s, transpose=transpose), got)
+    with pytest.raises(ValueError, match="cover"):
+        fp8_grouped_gemm_emulated(aq, sa, spans[:2], q, s, transpose=transpose)

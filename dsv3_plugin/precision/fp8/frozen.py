@@ -24,8 +24,16 @@ from dsv3_plugin.model.kernels import SplitKernel, UsesKernel, apply_split, expe
 from dsv3_plugin.model.moe.layer import DenseMLP, GroupedExperts
 from dsv3_plugin.model.transformer import DecoderLayer
 from dsv3_plugin.precision.fp8.experts import Fp8SwiGLUAct
-from dsv3_plugin.precision.fp8.linear import AutoBackend, Fp8Recipe, Fp8Report
-from dsv3_plugin.precision.fp8.quant import FP8_DTYPE, TILE, fp8_combine_grad_qdq, fp8_dispatch_qdq, quantize_blockwise
+from dsv3_plugin.precision.fp8.linear import AutoBackend, EmulatedBackend, Fp8Recipe, Fp8Report
+from dsv3_plugin.precision.fp8.quant import (
+    FP8_DTYPE,
+    TILE,
+    fp8_combine_grad_qdq,
+    fp8_dispatch_qdq,
+    fp8_grouped_gemm_emulated,
+    quantize_blockwise,
+    widen_fp8,
+)
 
 __all__ = [
     "SCALE_SUFFIX",
@@ -65,13 +73,47 @@ class FrozenFp8Gemm:
     def resolved(self, device: torch.device):
         return self.backend.resolve(device) if isinstance(self.backend, AutoBackend) else self.backend
 
+    def quant(self, x_MK: torch.Tensor) -> tuple:
+        """x's 1×128 tiles (q, s, kind), for GEMMs over row slices of x (`rows`): tiles lie within a row, so a
+        slice of them is, byte for byte, the quantization of that slice. For the emulation q comes widened to FP32
+        (`widen_fp8`, the same values), so that it is converted once, not once per slice."""
+        q, s, kind = self.recipe.act(x_MK)
+        if type(self.resolved(x_MK.device)) is EmulatedBackend:
+            q = widen_fp8(q)
+        return q, s, kind
+
+    @staticmethod
+    def rows(xq: tuple, a: int, b: int) -> tuple:
+        """Rows a:b of a `quant` result."""
+        return xq[0][a:b], xq[1][a:b], xq[2]
+
+    def fwd_q(self, xq: tuple, q_OK: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        """x · Wᵀ: [M, O] fp32, x given as `quant(x)` (or `rows` of one)."""
+        return self.resolved(xq[0].device).gemm(*xq, q_OK, s, "block")
+
+    def dgrad_q(self, dyq: tuple, q_OK: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        """dy · W: [M, K] fp32, dy given as `quant(dy)` (or `rows` of one)."""
+        return self.resolved(dyq[0].device).gemm(*dyq, q_OK.t(), s.t(), "block")
+
+    def grouped(self, xq: tuple, spans, q_EOK: torch.Tensor, s_E: torch.Tensor, dgrad: bool = False) -> torch.Tensor:
+        """Per expert e over its rows (`spans`, covering every row): x · W_eᵀ, or with `dgrad` dy · W_e; [N, ·]
+        fp32, x / dy given as `quant` of all rows. The emulation runs `fp8_grouped_gemm_emulated` (the same bits
+        as one GEMM per expert); other backends one GEMM per expert."""
+        if type(self.resolved(xq[0].device)) is EmulatedBackend:
+            return fp8_grouped_gemm_emulated(xq[0], xq[1], spans, q_EOK, s_E, transpose=dgrad)
+        gemm = self.dgrad_q if dgrad else self.fwd_q
+        out = xq[0].new_zeros(xq[0].shape[0], q_EOK.shape[2 if dgrad else 1], dtype=torch.float32)
+        for e, a, b in spans:
+            out[a:b] = gemm(self.rows(xq, a, b), q_EOK[e], s_E[e])
+        return out
+
     def fwd(self, x_MK: torch.Tensor, q_OK: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         """x · Wᵀ: [M, O] fp32."""
-        return self.resolved(x_MK.device).gemm(*self.recipe.act(x_MK), q_OK, s, "block")
+        return self.fwd_q(self.quant(x_MK), q_OK, s)
 
     def dgrad(self, dy_MO: torch.Tensor, q_OK: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         """dy · W: [M, K] fp32."""
-        return self.resolved(dy_MO.device).gemm(*self.recipe.act(dy_MO), q_OK.t(), s.t(), "block")
+        return self.dgrad_q(self.quant(dy_MO), q_OK, s)
 
     @property
     def name(self) -> str:
@@ -206,29 +248,23 @@ class FrozenFp8ExpertKernel(SplitKernel):
         counts, (s1, s3, s2) = static
         x_NH, s_N = x_NH if isinstance(x_NH, tuple) else (x_NH, None)
         w1, w3, w2 = weights
-        dt, fwd = x_NH.dtype, self.gemm.fwd
-        g_NI = x_NH.new_empty(x_NH.shape[0], w1.shape[1])
-        u_NI = torch.empty_like(g_NI)
-        y_NH = x_NH.new_empty(x_NH.shape[0], w2.shape[1])
+        dt, gemm = x_NH.dtype, self.gemm
         spans = expert_spans(counts)
-        for e, a, b in spans:
-            g_NI[a:b] = fwd(x_NH[a:b], w1[e], s1[e]).to(dt)
-            u_NI[a:b] = fwd(x_NH[a:b], w3[e], s3[e]).to(dt)
+        xq = gemm.quant(x_NH)  # once for all experts' rows, W1's and W3's
+        g_NI = gemm.grouped(xq, spans, w1, s1).to(dt)
+        u_NI = gemm.grouped(xq, spans, w3, s3).to(dt)
         h_NI = F.silu(g_NI) * u_NI
         if s_N is not None:
             h_NI = h_NI * s_N[:, None].to(dt)  # the routing weight, before W2
-        for e, a, b in spans:
-            y_NH[a:b] = fwd(h_NI[a:b], w2[e], s2[e]).to(dt)
+        y_NH = gemm.grouped(gemm.quant(h_NI), spans, w2, s2).to(dt)
         return y_NH, (g_NI, u_NI, s_N, w1, w3, w2), (spans, (s1, s3, s2), dt)
 
     def input_grad(self, saved, meta, dy_NH, need):
         g_NI, u_NI, s_N, w1, w3, w2 = saved
         spans, (s1, s3, s2), dt = meta
         need_x, need_s = need[0] if s_N is not None else (need[0], False)
-        dgrad = self.gemm.dgrad
-        dh_NI = torch.zeros_like(g_NI, dtype=torch.float32)
-        for e, a, b in spans:
-            dh_NI[a:b] = dgrad(dy_NH[a:b], w2[e], s2[e])  # dL/d(s·h)
+        gemm = self.gemm
+        dh_NI = gemm.grouped(gemm.quant(dy_NH), spans, w2, s2, dgrad=True)  # dL/d(s·h)
         g, u = g_NI.float(), u_NI.float()
         sig = torch.sigmoid(g)
         silu = g * sig
@@ -239,9 +275,8 @@ class FrozenFp8ExpertKernel(SplitKernel):
         if need_x:
             dg = dh_NI * u * (sig * (1 + g * (1 - sig)))  # silu'(g) = σ(g)(1 + g(1 − σ(g)))
             du = dh_NI * silu
-            dx_NH = torch.zeros(dy_NH.shape[0], w1.shape[2], dtype=dt, device=dy_NH.device)
-            for e, a, b in spans:
-                dx_NH[a:b] = (dgrad(dg[a:b], w1[e], s1[e]) + dgrad(du[a:b], w3[e], s3[e])).to(dt)
+            dx_NH = gemm.grouped(gemm.quant(dg), spans, w1, s1, dgrad=True)
+            dx_NH = dx_NH.add_(gemm.grouped(gemm.quant(du), spans, w3, s3, dgrad=True)).to(dt)
         return (dx_NH if s_N is None else (dx_NH, ds_N)), None
 
     def weight_grads(self, saved, meta, carry, need_w):

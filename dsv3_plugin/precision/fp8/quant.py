@@ -27,6 +27,8 @@ __all__ = [
     "quantize_tensorwise",
     "truncate_mantissa",
     "fp8_gemm_emulated",
+    "widen_fp8",
+    "fp8_grouped_gemm_emulated",
     "lowprec_gemm",
     "quantize_dispatch",
     "dequantize_dispatch",
@@ -187,6 +189,25 @@ def _rows_chunks(s: torch.Tensor, rows: int, Kc: int, kind: str, block: int) -> 
     raise ValueError(f"unknown scale kind {kind!r}")
 
 
+_WIDE: dict = {}  # device -> the 256 E4M3 codes' FP32 values
+
+
+def widen_fp8(q: torch.Tensor) -> torch.Tensor:
+    """The FP32 values of E4M3 `q` (any layout; NaN codes give NaN), bit for bit `q.float()`: a lookup in the 256
+    codes' values, several times cheaper on CPU than torch's elementwise conversion. Contiguous `q` (or its
+    transpose) keeps its layout; other strides go through `q.float()`."""
+    if q.dtype != FP8_DTYPE:
+        return q.float()
+    if q.dim() == 2 and not q.is_contiguous() and q.t().is_contiguous():
+        return widen_fp8(q.t()).t()
+    if not q.is_contiguous():
+        return q.float()
+    table = _WIDE.get(q.device)
+    if table is None:
+        table = _WIDE[q.device] = torch.arange(256, dtype=torch.uint8, device=q.device).view(FP8_DTYPE).float()
+    return table.index_select(0, q.view(torch.uint8).reshape(-1).int()).view(q.shape)
+
+
 def fp8_gemm_emulated(
     a_q: torch.Tensor,
     a_s: torch.Tensor,
@@ -203,7 +224,8 @@ def fp8_gemm_emulated(
     exact in FP32) and promoted into the FP32 accumulator with its two scales, in chunk order, as the
     reference `fp8_gemm` does. `acc_mantissa_bits` (e.g. 13 for H800's ~14-bit accumulation) truncates
     the running sum inside each chunk to model the tensor cores; None keeps FP32 inside the chunk.
-    Kinds: "tile" (scale per row per chunk), "block" (128×128), "tensor" (one scale).
+    Kinds: "tile" (scale per row per chunk), "block" (128×128), "tensor" (one scale). `a_q` / `b_q` may also be
+    FP32 tensors holding E4M3 values (`widen_fp8` of the codes, done once by a caller that slices them): same result.
     """
     M, K = a_q.shape
     N = b_q.shape[0]
@@ -212,7 +234,7 @@ def fp8_gemm_emulated(
     Kc = math.ceil(K / tile)
     sa = _rows_chunks(a_s, M, Kc, a_kind, tile)  # [M, Kc]
     sb = _rows_chunks(b_s, N, Kc, b_kind, tile)  # [N, Kc]
-    a32, b32 = a_q.float(), b_q.float()
+    a32, b32 = widen_fp8(a_q), widen_fp8(b_q)
     out = None
     for c in range(Kc):
         lo, hi = c * tile, min(K, (c + 1) * tile)
@@ -220,9 +242,59 @@ def fp8_gemm_emulated(
             part = a32[:, lo:hi] @ b32[:, lo:hi].t()  # [M, N] FP32 partial of one chunk
         else:
             part = lowprec_gemm(a32[:, lo:hi], b32[:, lo:hi], acc_mantissa_bits)
-        part = part * sa[:, c, None] * sb[None, :, c]
+        part = part.mul_(sa[:, c, None]).mul_(sb[None, :, c])  # in place: the same two roundings, no temporaries
         out = part if out is None else out.add_(part)  # FP32 accumulator, chunk order
     return out if out is not None else a_q.new_zeros(M, N, dtype=torch.float32)
+
+
+def fp8_grouped_gemm_emulated(
+    a_q: torch.Tensor,
+    a_s: torch.Tensor,
+    spans,
+    w_q: torch.Tensor,
+    w_s: torch.Tensor,
+    transpose: bool = False,
+    tile: int = TILE,
+) -> torch.Tensor:
+    """`fp8_gemm_emulated` of every expert's rows at once, bit for bit: for (e, lo, hi) in `spans` (consecutive,
+    covering all N rows), out[lo:hi] = fp8_gemm_emulated(a_q[lo:hi], a_s[lo:hi], B_e, S_e, "tile", "block") with
+    B_e = w_q[e] ([O, K]; its transpose with `transpose`, the Dgrad's) and S_e its 128×128 scales. Each chunk's
+    GEMM runs per expert into one [N, O] buffer; the scaling (× a_s, then × S_e) and the chunk sum run once over
+    all rows, the same element-wise operations in the same order. a_q [N, K]: E4M3, or widened (`widen_fp8`).
+    Each expert's weight is widened to FP32 for its GEMMs only."""
+    N, K = a_q.shape
+    O = w_q.shape[2] if transpose else w_q.shape[1]
+    Kc = math.ceil(K / tile)
+    a32, sa = widen_fp8(a_q), a_s.float()  # [N, K], [N, Kc]
+    parts = a32.new_empty(Kc, N, O)
+    counts, end = [], 0
+    for e, lo, hi in spans:
+        if lo != end:
+            raise ValueError(f"fp8_grouped_gemm_emulated: spans must be consecutive from row 0 (got {lo} after {end})")
+        counts.append((e, hi - lo))
+        w32 = widen_fp8(w_q[e])
+        b32 = w32.t() if transpose else w32  # [O, K]
+        for c in range(Kc):
+            c0, c1 = c * tile, min(K, (c + 1) * tile)
+            torch.mm(a32[lo:hi, c0:c1], b32[:, c0:c1].t(), out=parts[c, lo:hi])
+        end = hi
+    if end != N:
+        raise ValueError(f"fp8_grouped_gemm_emulated: spans cover {end} of {N} rows")
+    if not spans:
+        return a32.new_zeros(N, O)
+    ids = torch.tensor([e for e, _ in counts], device=a_q.device)
+    e_N = torch.repeat_interleave(ids, torch.tensor([n for _, n in counts], device=a_q.device))
+    s_E = w_s.float().transpose(1, 2) if transpose else w_s.float()  # [E, ceil(O/tile), Kc]
+    out = None
+    for c in range(Kc):
+        sb_NB = s_E[:, :, c].index_select(0, e_N)  # [N, ceil(O/tile)]: S_e of each row's expert
+        part = parts[c].mul_(sa[:, c, None])
+        if O % tile == 0:  # each scale over its 128 output columns, as a broadcast (no [N, O] copy of the scales)
+            part.view(N, O // tile, tile).mul_(sb_NB[:, :, None])
+        else:
+            part.mul_(sb_NB.repeat_interleave(tile, 1)[:, :O])
+        out = part if out is None else out.add_(part)
+    return out
 
 
 # --------------------------------------------------------------------------------------------------
