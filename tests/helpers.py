@@ -26,7 +26,6 @@ __all__ = [
     "mtp_reference_logits",
     "MEGATRON_SPEC",
     "tiny_megatron_args",
-    "PRETRAIN_GPT_COUNTING_CONFIG_BUILDS",
     "pretrain_gpt_counting_config_builds",
     "config_builds",
     "subprocess_env",
@@ -601,11 +600,6 @@ def tiny_megatron_args(
 
 
 # `python -c` code: `python -m dsv3_plugin.megatron.pretrain_gpt ARGS` through the function below (tests/ on PYTHONPATH)
-PRETRAIN_GPT_COUNTING_CONFIG_BUILDS = (
-    "import sys, helpers; sys.exit(helpers.pretrain_gpt_counting_config_builds(sys.argv[1:]))"
-)
-
-
 def pretrain_gpt_counting_config_builds(argv: list[str]) -> int:
     """`dsv3_plugin.megatron.pretrain_gpt.main(argv)` (with `--nproc N`), each process printing how many run configs
     it built (`megatron.config.CONFIG_BUILDS`) when done: `config builds: parent <n>`, `config builds: rank <r> <n>`.
@@ -618,9 +612,13 @@ def pretrain_gpt_counting_config_builds(argv: list[str]) -> int:
     """
     from dsv3_plugin.megatron import config, pretrain_gpt
 
-    # `main` spawns the rank function it finds under this name when it runs; the ranks import the module afresh
-    pretrain_gpt._spawned = _spawned_counting_config_builds
-    code = pretrain_gpt.main(argv)
+    # `main` spawns the rank function it finds under this name when it runs; the ranks import the module afresh.
+    # Put back afterwards, and the count started from 0: this may run inside a test process (`run_entry_point`).
+    spawned, pretrain_gpt._spawned, config.CONFIG_BUILDS = pretrain_gpt._spawned, _spawned_counting_config_builds, 0
+    try:
+        code = pretrain_gpt.main(argv)
+    finally:
+        pretrain_gpt._spawned = spawned
     _say(f"config builds: parent {config.CONFIG_BUILDS}")
     return code
 

@@ -15,11 +15,9 @@ is covered there by tests/megatron/test_dualpipev_chunks.py).
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
-from helpers import PRETRAIN_GPT_COUNTING_CONFIG_BUILDS, config_builds
+from helpers import config_builds, pretrain_gpt_counting_config_builds, run_entry_point
 
 pytest.importorskip("megatron.training", reason="megatron-core < 0.19: no megatron.training in the wheel")
 pytestmark = pytest.mark.dist
@@ -37,10 +35,11 @@ def _run(tmp, rel, name, nproc, extra):
     flags += ["--tokenizer-model", str(rel), "--dsv3-init-from", str(rel)]
     flags += ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"]
     # `python -m dsv3_plugin.megatron.pretrain_gpt`, each process reporting the run configs it built
-    cmd = [sys.executable, "-c", PRETRAIN_GPT_COUNTING_CONFIG_BUILDS, "--nproc", str(nproc)]
-    cmd += ["--dsv3-config", str(tmp / "ds.json"), "--dsv3-metrics", str(metrics), *flags, *extra]
+    # (run in this process: its ranks are forks of the shared forkserver)
+    argv = ["--nproc", str(nproc), "--dsv3-config", str(tmp / "ds.json"), "--dsv3-metrics", str(metrics)]
+    argv += [*flags, *extra]
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.path.join(ROOT, "tests"), "OMP_NUM_THREADS": "1"}
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    p = run_entry_point(pretrain_gpt_counting_config_builds, argv, env=env, cwd=ROOT)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     return {"rows": [json.loads(line) for line in metrics.read_text().splitlines()], "log": p.stdout}
 
