@@ -15,7 +15,8 @@ GRACE_S = 10.0
 
 @pytest.fixture(autouse=True)
 def no_process_left_behind(shared_rank_server):
-    # (the forkserver the tests share, `shared_rank_server`, runs before the snapshot: only what the test started counts)
+    # (the forkserver the tests share, `shared_rank_server`, runs before the snapshot: only what the test started
+    # counts)
     with subreaper():
         before = snapshot()
         yield

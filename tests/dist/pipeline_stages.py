@@ -1,4 +1,5 @@
 """Tiny pipeline stages and a single-process reference shared by the pipeline tests."""
+
 from __future__ import annotations
 
 import copy
@@ -26,6 +27,7 @@ class MLPStage(nn.Module):
 
 class OverlapStage(MLPStage):
     """Same math; records that the runtime used the overlap hook (F of one chunk + B of another)."""
+
     calls = 0
 
     @classmethod
@@ -79,5 +81,5 @@ def grad_bound(ref_grad, n_stages: int, C: int):
     dW sum over a micro-batch's 6 tokens), plus the MSE mean (K = 6·H) and the sum over micro-batches;
     magnitude max|ref| of the gradient."""
     from tolerance import reorder_bound
-    return reorder_bound(max(6 * H, C), ref_grad.abs().max(), stages=5 * n_stages + 2)
 
+    return reorder_bound(max(6 * H, C), ref_grad.abs().max(), stages=5 * n_stages + 2)

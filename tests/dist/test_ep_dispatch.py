@@ -1,12 +1,13 @@
 """Dispatch/combine over 4 gloo ranks equals a single-process reference (outputs and gradients), for
 per-expert and node-deduplicated dispatch, with EP = world and EP < world (DP x EP)."""
+
 import torch
+from helpers import run_ranks
+from tolerance import assert_within, reorder_bound, unit_roundoff
 
 from dsv3_plugin.parallel.dispatch import BF16Codec, moe_dispatch_combine
 from dsv3_plugin.parallel.distributed import init_distributed
 from dsv3_plugin.parallel.groups import build_ep_groups
-from helpers import run_ranks
-from tolerance import assert_within, reorder_bound, unit_roundoff
 
 E, H, K = 8, 6, 3
 
@@ -14,7 +15,7 @@ E, H, K = 8, 6, 3
 def _data(rank, T):
     g = torch.Generator().manual_seed(100 + rank)
     x = torch.randn(T, H, generator=g, dtype=torch.float64)
-    idx = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K]        # K distinct experts per token
+    idx = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K]  # K distinct experts per token
     w = torch.rand(T, K, generator=g, dtype=torch.float64)
     gout = torch.randn(T, H, generator=g, dtype=torch.float64)
     return x, idx, w, gout
@@ -27,6 +28,7 @@ def _weights():
 def _toy_expert(W_LHH):
     def fn(x_NH, e_N):
         return torch.tanh(torch.bmm(x_NH.unsqueeze(1), W_LHH[e_N]).squeeze(1))
+
     return fn
 
 
@@ -59,7 +61,7 @@ def _run_layout(ep, rpn, tokens):
         for codec in (None, BF16Codec()) if dedup else (None,):
             g = build_ep_groups(ep, rpn)
             W = _weights()
-            W_loc = W[g.local_expert_range(E).start:g.local_expert_range(E).stop].clone().requires_grad_(True)
+            W_loc = W[g.local_expert_range(E).start : g.local_expert_range(E).stop].clone().requires_grad_(True)
             x, idx, w, gout = _data(rank, tokens[rank])
             x.requires_grad_(True)
             w.requires_grad_(True)
@@ -70,8 +72,13 @@ def _run_layout(ep, rpn, tokens):
             # (got, ref) pairs, float64; checked in the parent (_check)
             pairs = {"out": (out.detach(), ref_out[rank])}
             if codec is None:
-                pairs.update({"x.grad": (x.grad, ref_grads[rank][0]), "w.grad": (w.grad, ref_grads[rank][1]),
-                              "W.grad": (W_loc.grad, ref_W[lr.start:lr.stop])})
+                pairs.update(
+                    {
+                        "x.grad": (x.grad, ref_grads[rank][0]),
+                        "w.grad": (w.grad, ref_grads[rank][1]),
+                        "W.grad": (W_loc.grad, ref_W[lr.start : lr.stop]),
+                    }
+                )
             else:  # BF16 payload: forward within bf16 rounding, backward still flows
                 pairs["W.grad nonzero"] = bool(W_loc.grad.abs().sum() > 0)
             res.append(((dedup, codec is not None), pairs, st.as_dict()))
@@ -94,7 +101,7 @@ def _check(results, ep, rpn, tokens):
     # Magnitude: max|ref| of the compared tensor.
     K = max(H, sum(tokens))
     for rank, rank_res in enumerate(results):
-        for (mode, pairs, st) in rank_res:
+        for mode, pairs, st in rank_res:
             what = f"EP={ep} ranks/node={rpn} rank {rank} dedup={mode[0]} bf16={mode[1]}"
             got, ref = pairs["out"]
             fp64 = reorder_bound(K, ref.abs().max() if ref.numel() else 0.0, torch.float64, stages=2)
@@ -112,7 +119,7 @@ def _check(results, ep, rpn, tokens):
 
 
 def test_dispatch_four_ranks_nodes_and_dp():
-    tokens = [11, 0, 7, 5]                       # an empty rank exercises zero-size splits
+    tokens = [11, 0, 7, 5]  # an empty rank exercises zero-size splits
     # EP=4 over two 2-rank nodes; EP=2 x DP=2 with 1-rank nodes
     res = run_ranks(_run, 4, [(4, 2), (2, 1)], tokens)
     _check([r[0] for r in res], 4, 2, tokens)
@@ -121,5 +128,3 @@ def test_dispatch_four_ranks_nodes_and_dp():
     for r in res:
         per_expert, dedup = r[0][0][2], r[0][1][2]
         assert dedup["cross_node_copies"] <= per_expert["cross_node_copies"]
-
-

@@ -1,25 +1,34 @@
-"""Expert-parallel DeepSeekMoE on 4 gloo ranks (EP=4 over 4 or 2 nodes, and EP=2 x DP=2) equals the single-process layer (EP = 1) on the same
-tokens and weights: outputs and gradients within the float32 bound for the reductions EP reorders (and
-gradients <= 1e-5 relative, the README's figure); with and without shared experts, node limits and
-node-deduplicated dispatch; EP = world and EP x DP. Also: router counts, no dropped tokens, cross-node
-copies <= M per token with dedup."""
+"""Expert-parallel DeepSeekMoE on 4 gloo ranks (EP=4 over 4 or 2 nodes, and EP=2 x DP=2) equals the single-process
+layer (EP = 1) on the same tokens and weights: outputs and gradients within the float32 bound for the reductions
+EP reorders (and gradients <= 1e-5 relative, the README's figure); with and without shared experts, node limits
+and node-deduplicated dispatch; EP = world and EP x DP. Also: router counts, no dropped tokens, cross-node copies
+<= M per token with dedup."""
+
 import torch
 import torch.distributed as dist
-
-from dsv3_plugin.config import MoEConfig
-from dsv3_plugin.parallel.distributed import init_distributed
-from dsv3_plugin.model.moe.layer import DeepSeekMoE
-from dsv3_plugin.parallel.expert_parallel import ExpertParallelMoE
-from dsv3_plugin.parallel.groups import build_ep_groups
 from helpers import run_ranks
 from tolerance import assert_within, model_bound, reorder_bound
+
+from dsv3_plugin.config import MoEConfig
+from dsv3_plugin.model.moe.layer import DeepSeekMoE
+from dsv3_plugin.parallel.distributed import init_distributed
+from dsv3_plugin.parallel.expert_parallel import ExpertParallelMoE
+from dsv3_plugin.parallel.groups import build_ep_groups
 
 H = 16
 
 
 def _cfg(shared, M):
-    return MoEConfig(n_routed_experts=8, n_shared_experts=shared, intermediate_size=8, top_k=4, n_group=4,
-                     topk_group=M, route_scale=2.5, seq_aux_alpha=0.01)
+    return MoEConfig(
+        n_routed_experts=8,
+        n_shared_experts=shared,
+        intermediate_size=8,
+        top_k=4,
+        n_group=4,
+        topk_group=M,
+        route_scale=2.5,
+        seq_aux_alpha=0.01,
+    )
 
 
 def _reference_module(cfg):
@@ -34,7 +43,7 @@ def _reference_module(cfg):
 
 def _data(rank):
     g = torch.Generator().manual_seed(50 + rank)
-    T = 3 + 2 * rank                                # ranks hold different numbers of tokens
+    T = 3 + 2 * rank  # ranks hold different numbers of tokens
     return torch.randn(2, T, H, generator=g), torch.randn(2, T, H, generator=g)
 
 
@@ -57,16 +66,21 @@ def _one(ep, rpn, shared, M, dedup):
     out = par(x)
     ((out * gout).sum() + par.aux_loss).backward()
     # (got, ref) pairs; the tokens of the EP group bound the longest reduction (a weight gradient's)
-    errs = {"out": (out.detach(), ref_out[rank][0]), "x": (x.grad, ref_out[rank][1]),
-            "tokens": sum(_data(r)[0].shape[0] * _data(r)[0].shape[1] for r in groups.ep_ranks)}
+    errs = {
+        "out": (out.detach(), ref_out[rank][0]),
+        "x": (x.grad, ref_out[rank][1]),
+        "tokens": sum(_data(r)[0].shape[0] * _data(r)[0].shape[1] for r in groups.ep_ranks),
+    }
     sl = slice(par.local_experts.start, par.local_experts.stop)
     for n in ("gate_proj", "up_proj", "down_proj"):
         errs[f"experts.{n}"] = (getattr(par.experts, n).grad, getattr(ref.experts, n).grad[sl])
     # replicated params: DP would sum their gradients over the ranks; the reference summed over tokens
     repl = [("gate.weight", par.gate.weight, ref.gate.weight)]
     if shared:
-        repl += [(f"shared.{n}", getattr(par.shared_experts, n).weight, getattr(ref.shared_experts, n).weight)
-                 for n in ("gate_proj", "up_proj", "down_proj")]
+        repl += [
+            (f"shared.{n}", getattr(par.shared_experts, n).weight, getattr(ref.shared_experts, n).weight)
+            for n in ("gate_proj", "up_proj", "down_proj")
+        ]
     for name, p, q in repl:
         gsum = p.grad.clone()
         dist.all_reduce(gsum, group=groups.ep_group)
@@ -84,9 +98,10 @@ def _one(ep, rpn, shared, M, dedup):
 def _model_level(ep, rpn):
     """Whole tiny model (MoE layers incl. the MTP block's) with expert_parallel: same loss and logits as EP=1,
     dense-parameter gradients equal after summing over the EP group."""
-    from dsv3_plugin.config import DSv3Config, load_config
-    from dsv3_plugin.training.transforms import build_model
+    from dsv3_plugin.config import DSv3Config
     from dsv3_plugin.parallel.expert_parallel import expert_parallel
+    from dsv3_plugin.training.transforms import build_model
+
     rank = dist.get_rank()
     groups = build_ep_groups(ep, rpn)
     cfg = DSv3Config.from_block({"preset": "tiny", "parallel": {"ep": ep}, "moe": {"ranks_per_node": rpn}})
@@ -106,9 +121,12 @@ def _model_level(ep, rpn):
     out.loss.backward()
     g = par.embed_tokens.weight.grad.clone()
     dist.all_reduce(g, group=groups.ep_group)
-    return {"loss": (out.loss.detach(), torch.tensor(ref_loss[rank][0])),
-            "logits": (out.logits.detach(), ref_loss[rank][1]),
-            "embed_grad": (g, ref.embed_tokens.weight.grad), "tokens": 2 * 8 * len(groups.ep_ranks)}
+    return {
+        "loss": (out.loss.detach(), torch.tensor(ref_loss[rank][0])),
+        "logits": (out.logits.detach(), ref_loss[rank][1]),
+        "embed_grad": (g, ref.embed_tokens.weight.grad),
+        "tokens": 2 * 8 * len(groups.ep_ranks),
+    }
 
 
 def _run(layouts):
@@ -122,7 +140,8 @@ def _run(layouts):
 
 
 def _check(results):
-    from dsv3_plugin.config import DSv3Config, load_config
+    from dsv3_plugin.config import DSv3Config
+
     tiny = DSv3Config.from_block({"preset": "tiny"})
     for r, rank_res in enumerate(results):
         for key, e in rank_res:
@@ -147,8 +166,9 @@ def _check(results):
                     continue
                 got, ref = pair
                 assert ref.abs().max() > 0, f"{n}: reference gradient is zero: the comparison would prove nothing"
-                assert_within(got, ref, reorder_bound(max(H, e["tokens"]), ref.abs().max(), stages=7),
-                              f"rank {r} {key} {n}.grad")
+                assert_within(
+                    got, ref, reorder_bound(max(H, e["tokens"]), ref.abs().max(), stages=7), f"rank {r} {key} {n}.grad"
+                )
                 _readme_grad_figure(got, ref, f"rank {r} {key} {n}.grad")
             assert e["counts"] == 0 and e["dropped"] == 0, (key, e)
             assert e["cross_per_token_over_M"] <= 0, (key, e)

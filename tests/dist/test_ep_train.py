@@ -1,7 +1,6 @@
 """`dsv3 train` with expert parallelism (EP=2 on 2 ranks, one rank per simulated node): the JSON lines carry
 the routing telemetry (loads, MaxVio_batch/global, cross-node copies per token, dropped tokens = 0) and the
 router biases end identical on every rank."""
-import copy
 
 from helpers import run_ranks
 
@@ -9,6 +8,7 @@ from helpers import run_ranks
 def _train_ep2():
     from dsv3_plugin.deepspeed.run_config import default_ds_config
     from dsv3_plugin.deepspeed.train import train
+
     ds = default_ds_config()
     ds["dsv3"]["parallel"] = {"ep": 2}
     ds["dsv3"]["train"]["seq_len"] = 32
@@ -18,11 +18,12 @@ def _train_ep2():
 
 def test_train_ep2_telemetry():
     (hist, bias0), (hist1, bias1) = run_ranks(_train_ep2, 2)
-    assert bias0 == bias1                                    # counts all-reduced over DP x EP
-    assert any(v != 0 for b in bias0.values() for v in b)    # and the bias did move
+    assert bias0 == bias1  # counts all-reduced over DP x EP
+    assert any(v != 0 for b in bias0.values() for v in b)  # and the bias did move
     drop = lambda h: [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in h]  # noqa: E731 (timing)
-    assert drop(hist) == drop(hist1)                         # every rank recorded the same step metrics
-    from dsv3_plugin.config import DSv3Config, load_config
+    assert drop(hist) == drop(hist1)  # every rank recorded the same step metrics
+    from dsv3_plugin.config import DSv3Config
+
     M = DSv3Config.from_block({"preset": "tiny"}).moe.topk_group
     for rec in hist:
         assert rec["tokens_dropped"] == 0

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -57,7 +55,7 @@ def run(tmp_path_factory):
 def _eval_rows(run):
     """The run's held-out micro-batches, both data-parallel ranks (what `eval_loss` averaged)."""
     from dsv3_plugin.checkpoint.init_from import init_from_config
-    from dsv3_plugin.config import DSv3Config, load_config
+    from dsv3_plugin.config import DSv3Config
     from dsv3_plugin.data.packed import open_data
 
     cfg = DSv3Config.from_block(init_from_config(run["ds"], run["rel"])["dsv3"])

@@ -9,9 +9,9 @@ B. EP = 2 (experts sharded over Megatron's expert-parallel group) equals EP = 1:
 C. Checkpoints written by `dsv3 convert --to megatron` (ep 1 and ep 2) load into the model built from our spec and
    give the released-format checkpoint's logits.
 """
+
 import pytest
 import torch
-
 from helpers import make_tiny_hf_checkpoint, run_ranks
 from tolerance import LOGITS_FP32_ABS, assert_within, model_bound, reorder_bound
 
@@ -19,7 +19,8 @@ pytestmark = pytest.mark.dist
 
 
 def _tiny():
-    from dsv3_plugin.config import DSv3Config, load_config
+    from dsv3_plugin.config import DSv3Config
+
     return DSv3Config.from_block({"preset": "tiny"})
 
 
@@ -30,16 +31,16 @@ def _phase(ckpt, converted, ep, rank, world):
     from megatron.core.distributed import finalize_model_grads
 
     from dsv3_plugin import load_pretrained
-    from dsv3_plugin.model.moe.balancing import routers_of, update_expert_bias
     from dsv3_plugin.megatron.gpt import build_gpt_model, causal_inputs, forward_logits
     from dsv3_plugin.megatron.runtime import init_megatron, shutdown_megatron, wrap_ddp
     from dsv3_plugin.megatron.weights import load_hf_checkpoint, load_megatron_checkpoint
+    from dsv3_plugin.model.moe.balancing import routers_of, update_expert_bias
 
     init_megatron(ep=ep)
     ours = load_pretrained(ckpt)
     cfg = ours.cfg
     ids = torch.randint(0, cfg.model.vocab_size, (2 * world, 16), generator=torch.Generator().manual_seed(1))
-    ids = ids[2 * rank: 2 * rank + 2]
+    ids = ids[2 * rank : 2 * rank + 2]
 
     from_converted = build_gpt_model(cfg).eval()
     load_megatron_checkpoint(from_converted, converted)
@@ -50,11 +51,16 @@ def _phase(ckpt, converted, ep, rank, world):
         logits, mtp = forward_logits(model, ids)
         conv_logits, conv_mtp = forward_logits(from_converted, ids)
         ref_logits = ours.eval()(ids).logits
-    out = {"n_local": model.decoder.layers[1].mlp.moe.experts.gate_proj.shape[0],
-           "logits": logits, "mtp": mtp, "loss": None,
-           "converted": max([(conv_logits - logits).abs().max().item()]
-                            + [(a - b).abs().max().item() for a, b in zip(conv_mtp, mtp)]),
-           "vs_standalone": (logits, ref_logits)}
+    out = {
+        "n_local": model.decoder.layers[1].mlp.moe.experts.gate_proj.shape[0],
+        "logits": logits,
+        "mtp": mtp,
+        "loss": None,
+        "converted": max(
+            [(conv_logits - logits).abs().max().item()] + [(a - b).abs().max().item() for a, b in zip(conv_mtp, mtp)]
+        ),
+        "vs_standalone": (logits, ref_logits),
+    }
 
     ddp = wrap_ddp(model)
     ddp.train()
@@ -75,10 +81,11 @@ def _phase(ckpt, converted, ep, rank, world):
     ours.train()
     ours(ids)
     ours_loads = [r.tokens_per_expert.clone() for r in routers_of(ours)]
-    update_expert_bias(ours, cfg.moe.gamma(0.0))             # all-reduce over the world (= DP)
+    update_expert_bias(ours, cfg.moe.gamma(0.0))  # all-reduce over the world (= DP)
     out["loads_vs_standalone"] = [(a - b).abs().max().item() for a, b in zip(loads, ours_loads)]
-    out["bias_vs_standalone"] = [(a - b).abs().max().item()
-                                 for a, b in zip(after, [r.e_score_correction_bias for r in routers_of(ours)])]
+    out["bias_vs_standalone"] = [
+        (a - b).abs().max().item() for a, b in zip(after, [r.e_score_correction_bias for r in routers_of(ours)])
+    ]
     out["gamma"] = cfg.moe.gamma(0.0)
     out["max_bias"] = max(b.abs().max().item() for b in before)
     out["tokens"] = ids.numel() * world
@@ -88,11 +95,23 @@ def _phase(ckpt, converted, ep, rank, world):
 
 def _worker(ckpt, conv1, conv2):
     from dsv3_plugin.parallel.distributed import init_distributed
+
     rank, world = init_distributed()
     one = _phase(ckpt, conv1, 1, rank, world)
     two = _phase(ckpt, conv2, 2, rank, world)
-    res = {k: one[k] for k in ("zeroed", "moved", "loads_vs_standalone", "bias_vs_standalone", "gamma",
-                                "vs_standalone", "max_bias", "tokens")}
+    res = {
+        k: one[k]
+        for k in (
+            "zeroed",
+            "moved",
+            "loads_vs_standalone",
+            "bias_vs_standalone",
+            "gamma",
+            "vs_standalone",
+            "max_bias",
+            "tokens",
+        )
+    }
     res["converted"] = (one["converted"], two["converted"])
     res["n_local"] = (one["n_local"], two["n_local"])
     res["ep_logits"] = (two["logits"], one["logits"])
@@ -103,7 +122,7 @@ def _worker(ckpt, conv1, conv2):
     for n, g2 in two["grads"].items():
         g1 = one["grads"][n]
         if ".mlp.moe.experts." in n:
-            g1 = g1[lo: lo + two["n_local"]]
+            g1 = g1[lo : lo + two["n_local"]]
             n_expert += 1
         grads[n] = (g2, g1)
     res["ep_grads"], res["n_expert_grads"] = grads, n_expert
@@ -113,7 +132,8 @@ def _worker(ckpt, conv1, conv2):
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     from dsv3_plugin.checkpoint.convert import convert
-    from dsv3_plugin.config import DSv3Config, load_config
+    from dsv3_plugin.config import DSv3Config
+
     root = tmp_path_factory.mktemp("mega_parallel")
     ckpt = root / "hf"
     make_tiny_hf_checkpoint(ckpt, DSv3Config.from_block({"preset": "tiny"}), seed=11, bias_scale=0.05)
@@ -124,20 +144,20 @@ def results(tmp_path_factory):
 
 def test_finalize_model_grads_updates_our_router_bias(results):
     for r in results:
-        assert_within(*r["vs_standalone"], LOGITS_FP32_ABS, "GPTModel logits vs DSv3Model")   # README figure
-        assert r["loads_vs_standalone"] == [0.0, 0.0, 0.0]      # 2 MoE decoder layers + the MTP layer
+        assert_within(*r["vs_standalone"], LOGITS_FP32_ABS, "GPTModel logits vs DSv3Model")  # README figure
+        assert r["loads_vs_standalone"] == [0.0, 0.0, 0.0]  # 2 MoE decoder layers + the MTP layer
         # same loads, so the same b + γ·sign(mean − load): at most the final add rounds differently
         # (<= u·(|b| + γ) each way); a flipped sign would differ by 2γ
         add = reorder_bound(1, r["max_bias"] + r["gamma"])
         assert all(d <= add for d in r["bias_vs_standalone"]), r
-        assert all(abs(m - r["gamma"]) <= add for m in r["moved"]), r      # (b + γ) − b = γ up to that rounding
+        assert all(abs(m - r["gamma"]) <= add for m in r["moved"]), r  # (b + γ) − b = γ up to that rounding
         assert r["zeroed"]
 
 
 def test_ep2_equals_ep1_through_megatron_parallel_state(results):
     for r in results:
         assert r["n_local"] == (16, 8)
-        assert r["n_expert_grads"] == 9                           # (gate, up, down) x 3 MoE layers
+        assert r["n_expert_grads"] == 9  # (gate, up, down) x 3 MoE layers
         # README's fp32 logits figure for the logits (main and MTP); the loss and the gradients within what
         # float32 allows when EP reorders the expert GEMMs' rows, the k-sum and the all-reduces
         assert_within(*r["ep_logits"], LOGITS_FP32_ABS, "EP=2 vs EP=1 logits")

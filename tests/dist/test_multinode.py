@@ -7,6 +7,7 @@ every token to experts of one node only (node-limited routing across the agents)
 - two agents given different `--out` (nodes without a shared file system) are refused before any step, with one
   line saying that `--out` must be shared, every rank exiting with status 2 (torchrun reports each rank's code).
 The `moe.ranks_per_node` refusal is a pure function of the gathered layout: tests/unit/test_multinode_checks.py."""
+
 import json
 import os
 import shutil
@@ -20,11 +21,20 @@ from dsv3_plugin.parallel.distributed import free_port
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DSV3 = shutil.which("dsv3", path=os.path.dirname(sys.executable))
 pytestmark = pytest.mark.skipif(DSV3 is None, reason="needs the installed `dsv3` script (make venv)")
-DS = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
-      "steps_per_print": 10**9, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-      "dsv3": {"preset": "tiny", "model": {"num_hidden_layers": 4}, "parallel": {"pp": 2, "ep": 2},
-               "moe": {"ranks_per_node": 1, "n_group": 2, "topk_group": 1},
-               "train": {"seq_len": 16, "seed": 5, "save_every": 2}}}
+DS = {
+    "train_micro_batch_size_per_gpu": 1,
+    "gradient_accumulation_steps": 2,
+    "gradient_clipping": 1.0,
+    "steps_per_print": 10**9,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+    "dsv3": {
+        "preset": "tiny",
+        "model": {"num_hidden_layers": 4},
+        "parallel": {"pp": 2, "ep": 2},
+        "moe": {"ranks_per_node": 1, "n_group": 2, "topk_group": 1},
+        "train": {"seq_len": 16, "seed": 5, "save_every": 2},
+    },
+}
 # what a step computes (not how fast): equal bit for bit between the straight and the resumed run
 SAME = ("loss", "lm_loss", "mtp_loss", "balance_loss", "maxvio", "maxvio_layers", "grad_norm", "lr", "tokens_seen")
 
@@ -33,14 +43,37 @@ def _agents(tmp, outs, nproc, config, *args):
     """One torchrun per entry of `outs` (that agent's --out), all joining one rendezvous; returns (exit codes, the
     JSON lines of all agents' stdout, all output)."""
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1",
-           "DS_ACCELERATOR": "cpu"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "OMP_NUM_THREADS": "1",
+        "DS_ACCELERATOR": "cpu",
+    }
     procs, logs = [], []
     for i, out in enumerate(outs):
         log = open(tmp / f"agent{i}_{port}.log", "w+")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(outs)), "--nproc-per-node",
-               str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", DSV3, "train",
-               "--config", str(config), "--out", str(out), "--json", "--no-progress", *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            str(len(outs)),
+            "--nproc-per-node",
+            str(nproc),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            DSV3,
+            "train",
+            "--config",
+            str(config),
+            "--out",
+            str(out),
+            "--json",
+            "--no-progress",
+            *args,
+        ]
         procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env))
         logs.append(log)
     codes = [p.wait(timeout=900) for p in procs]

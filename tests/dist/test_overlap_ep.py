@@ -12,29 +12,39 @@ pp 2 x dp 2 with EP 2 carved from each stage's data-parallel group, one spawn fo
   steps each, tiny model): `parallel.overlap_ep_comm` switches the FB path (hook vs none) and both give the same
   losses, the second step's after an optimizer step; the bench's summary and timeline (no timing asserted).
 """
+
 import dataclasses
 
 import pytest
 import torch
-
 from helpers import run_ranks
 
 PP, DP, EP = 2, 2, 2
-C, MB, T = 4, 1, 16                      # micro-batches per step, sequences per micro-batch, tokens
-BASE = {"preset": "tiny", "model": {"num_hidden_layers": 4}, "moe": {"ranks_per_node": 1},
-        "train": {"seq_len": T, "seed": 1234}}
+C, MB, T = 4, 1, 16  # micro-batches per step, sequences per micro-batch, tokens
+BASE = {
+    "preset": "tiny",
+    "model": {"num_hidden_layers": 4},
+    "moe": {"ranks_per_node": 1},
+    "train": {"seq_len": T, "seed": 1234},
+}
 # each schedule runs with and without FP8 dispatch; the two dispatch modes alternate between them
 # (schedule, FP8 dispatch, node-deduplicated dispatch, lockstep lanes). The lanes take turns as their all-to-alls
 # arrive, the backward lane on the second EP groups; the last case takes the groups' second groups away, so the
 # lanes pass the turn in program order on shared groups (the CUDA path's order, run on gloo).
-CASES = [("dualpipe", False, False, False), ("dualpipe", True, True, False), ("dualpipev", False, True, False),
-         ("dualpipev", True, False, False), ("dualpipev", False, True, True)]
+CASES = [
+    ("dualpipe", False, False, False),
+    ("dualpipe", True, True, False),
+    ("dualpipev", False, True, False),
+    ("dualpipev", True, False, False),
+    ("dualpipev", False, True, True),
+]
 NAMES = [f"{s} fp8_dispatch={f} dedup={d}" + (" lockstep" if ls else "") for s, f, d, ls in CASES]
 
 
 def _async_vs_sync(groups):
     """exchange_start + wait == AllToAll (forward values, input gradients), plain and FP8-encoded payloads."""
     from dsv3_plugin.parallel.dispatch import AllToAll, FP8Codec, exchange_start
+
     g = torch.Generator().manual_seed(10 + groups.ep_rank)
     send = [3, 5] if groups.ep_rank == 0 else [4, 2]
     recv = [3, 4] if groups.ep_rank == 0 else [5, 2]
@@ -53,14 +63,17 @@ def _async_vs_sync(groups):
         vs = AllToAll.apply(ws, recv, send, groups.ep_group)
         ids_s = AllToAll.apply(ids, recv, send, groups.ep_group)
         torch.autograd.backward([ys, vs], [gy, gw])
-        out.append(all(torch.equal(a, b) for a, b in
-                       [(ya, ys), (va, vs), (ida, ids_s), (xa.grad, xs.grad), (wa.grad, ws.grad)]))
+        out.append(
+            all(
+                torch.equal(a, b) for a, b in [(ya, ys), (va, vs), (ida, ids_s), (xa.grad, xs.grad), (wa.grad, ws.grad)]
+            )
+        )
     return out
 
 
 def _pipeline_case(schedule, fp8_dispatch, dedup, lockstep, pg):
     """One step with the overlap hook and one F-then-B, same stages, inputs and criterion."""
-    from dsv3_plugin.config import DSv3Config, load_config
+    from dsv3_plugin.config import DSv3Config
     from dsv3_plugin.parallel.dispatch import FP8Codec
     from dsv3_plugin.parallel.expert_parallel import expert_parallel
     from dsv3_plugin.parallel.groups import build_ep_groups
@@ -68,6 +81,7 @@ def _pipeline_case(schedule, fp8_dispatch, dedup, lockstep, pg):
     from dsv3_plugin.parallel.pipeline import PipelineRuntime
     from dsv3_plugin.parallel.pipeline.stages import DSv3PipelineLoss, build_stages, n_stages_of, stage_ids_for_rank
     from dsv3_plugin.training.transforms import build_model
+
     cfg = DSv3Config.from_block({**BASE, "parallel": {"pp": PP, "ep": EP, "schedule": schedule}})
     torch.manual_seed(0)
     model = build_model(cfg)
@@ -87,37 +101,58 @@ def _pipeline_case(schedule, fp8_dispatch, dedup, lockstep, pg):
         rt = PipelineRuntime(stages, schedule=schedule, process_group=pg.pp_group, overlap=overlap)
         h0, l0 = wait_clock().handovers, wait_clock().lockstep_pairs
         out = rt.step(ids, num_chunks=C, criterion=DSv3PipelineLoss(cfg, scale=1.0 / C), labels=(labels,))
-        res[overlap] = {"losses": out.losses, "grads": [None if p.grad is None else p.grad.clone() for p in params],
-                        "fb_hook": rt.last_step["fb_hook"], "handovers": wait_clock().handovers - h0,
-                        "lockstep_pairs": wait_clock().lockstep_pairs - l0,
-                        "a2a_waits": rt.last_step["a2a_wait_s"]}
+        res[overlap] = {
+            "losses": out.losses,
+            "grads": [None if p.grad is None else p.grad.clone() for p in params],
+            "fb_hook": rt.last_step["fb_hook"],
+            "handovers": wait_clock().handovers - h0,
+            "lockstep_pairs": wait_clock().lockstep_pairs - l0,
+            "a2a_waits": rt.last_step["a2a_wait_s"],
+        }
     on, off = res[True], res[False]
-    return {"losses_equal": (on["losses"] is None and off["losses"] is None) or torch.equal(on["losses"], off["losses"]),
-            "has_losses": on["losses"] is not None,
-            "grads_equal": all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
-                               for a, b in zip(on["grads"], off["grads"])),
-            "n_grads": sum(g is not None for g in on["grads"]),
-            "fb_hook": (on["fb_hook"], off["fb_hook"]), "handovers": (on["handovers"], off["handovers"]),
-            "lockstep": on["lockstep_pairs"] == on["fb_hook"] > 0 and not off["lockstep_pairs"],
-            "turns": on["lockstep_pairs"] == off["lockstep_pairs"] == 0}
+    return {
+        "losses_equal": (on["losses"] is None and off["losses"] is None) or torch.equal(on["losses"], off["losses"]),
+        "has_losses": on["losses"] is not None,
+        "grads_equal": all(
+            (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+            for a, b in zip(on["grads"], off["grads"])
+        ),
+        "n_grads": sum(g is not None for g in on["grads"]),
+        "fb_hook": (on["fb_hook"], off["fb_hook"]),
+        "handovers": (on["handovers"], off["handovers"]),
+        "lockstep": on["lockstep_pairs"] == on["fb_hook"] > 0 and not off["lockstep_pairs"],
+        "turns": on["lockstep_pairs"] == off["lockstep_pairs"] == 0,
+    }
 
 
 def _main():
-    from dsv3_plugin.parallel.groups import pipeline_groups
     from dsv3_plugin.parallel.distributed import init_distributed
-    from dsv3_plugin.parallel.groups import build_ep_groups
+    from dsv3_plugin.parallel.groups import build_ep_groups, pipeline_groups
+
     init_distributed("gloo")
     torch.set_num_threads(1)
     pg = pipeline_groups(PP, timeout_s=120)
     res = {"async": _async_vs_sync(build_ep_groups(EP, 1, pp=PP, dp_group=pg.dp_group))}
     res["pipeline"] = {name: _pipeline_case(*case, pg) for name, case in zip(NAMES, CASES)}
     from benchmarks.overlap import _rank_main
-    res["bench"] = _rank_main(BENCH)      # two PipelinedEngines, parallel.overlap_ep_comm true / false
+
+    res["bench"] = _rank_main(BENCH)  # two PipelinedEngines, parallel.overlap_ep_comm true / false
     return res
 
 
-BENCH = {"pp": PP, "ep": EP, "schedule": "dualpipev", "preset": "tiny", "layers": 8, "seq_len": T, "mtp_depth": 0,
-         "micro_batch": MB, "chunks": C, "steps": 1, "fp8_dispatch": False}
+BENCH = {
+    "pp": PP,
+    "ep": EP,
+    "schedule": "dualpipev",
+    "preset": "tiny",
+    "layers": 8,
+    "seq_len": T,
+    "mtp_depth": 0,
+    "micro_batch": MB,
+    "chunks": C,
+    "steps": 1,
+    "fp8_dispatch": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +163,7 @@ def ranks():
 @pytest.mark.dist
 def test_async_all_to_all_equals_sync(ranks):
     for r in ranks:
-        assert r["async"] == [True, True]      # plain, FP8 dispatch codec
+        assert r["async"] == [True, True]  # plain, FP8 dispatch codec
 
 
 @pytest.mark.dist
@@ -136,13 +171,13 @@ def test_async_all_to_all_equals_sync(ranks):
 def test_overlap_hook_equals_f_then_b(ranks, case):
     for rank, r in enumerate(ranks):
         c = r["pipeline"][case]
-        assert c["fb_hook"][0] > 0 and c["fb_hook"][1] == 0, (rank, c["fb_hook"])   # the hook ran (only with it)
-        assert c["handovers"][0] > 0 and c["handovers"][1] == 0, (rank, c["handovers"])   # the lanes alternated
+        assert c["fb_hook"][0] > 0 and c["fb_hook"][1] == 0, (rank, c["fb_hook"])  # the hook ran (only with it)
+        assert c["handovers"][0] > 0 and c["handovers"][1] == 0, (rank, c["handovers"])  # the lanes alternated
         assert c["lockstep"] if case.endswith("lockstep") else c["turns"], (case, rank)
         assert c["n_grads"] > 0
         assert c["losses_equal"], (case, rank)
         assert c["grads_equal"], (case, rank)
-    assert ranks[0]["pipeline"][case]["has_losses"]        # the loss rank of DualPipe(V): pipeline rank 0
+    assert ranks[0]["pipeline"][case]["has_losses"]  # the loss rank of DualPipe(V): pipeline rank 0
 
 
 @pytest.mark.dist
@@ -160,6 +195,7 @@ def test_train_key_switches_the_fb_path(ranks):
 def test_bench_overlap_measures_both_variants(ranks, tmp_path):
     from benchmarks.overlap import summarize
     from dsv3_plugin.parallel.pipeline.overlap_timeline import plot_overlap_timeline
+
     res = summarize([r["bench"] for r in ranks], BENCH)
     assert res["losses_equal"]
     assert {"ours", "baseline", "ratio", "fb_pair_wall_s", "step_wall_s"} <= res.keys()
@@ -170,7 +206,7 @@ def test_bench_overlap_measures_both_variants(ranks, tmp_path):
         for v in ("hook", "sequential"):
             fb = row[v]["per_op"]["FB"]
             assert fb["op_s"] > 0 and fb["a2a_wait_s"] >= 0 and fb["compute_s"] > 0
-    ev = res["_events"]        # pipeline rank 0's middle FB pair: both chunks compute and communicate
+    ev = res["_events"]  # pipeline rank 0's middle FB pair: both chunks compute and communicate
     assert {(e["lane"], e["chunk"]) for e in ev} == {("compute", "F"), ("compute", "B"), ("comm", "F"), ("comm", "B")}
     assert {e["label"] for e in ev if e["lane"] == "compute"} == {"attention", "mlp"}
     assert {e["label"] for e in ev if e["lane"] == "comm"} == {"dispatch", "combine"}

@@ -129,7 +129,7 @@ def _reference(model, batches, gamma, short=0):
 
 
 def _pipelined(schedule, split):
-    from dsv3_plugin.config import DSv3Config, load_config
+    from dsv3_plugin.config import DSv3Config
     from dsv3_plugin.deepspeed.run_config import RunConfig
     from dsv3_plugin.deepspeed.train import PipelinedStepEngine
     from dsv3_plugin.parallel.distributed import init_distributed
@@ -183,7 +183,7 @@ def _pipelined(schedule, split):
 def _zero():
     import torch.distributed as dist
 
-    from dsv3_plugin.config import DSv3Config, load_config
+    from dsv3_plugin.config import DSv3Config
     from dsv3_plugin.deepspeed.run_config import RunConfig
     from dsv3_plugin.deepspeed.train import ZeroStepEngine
     from dsv3_plugin.parallel.distributed import init_distributed
@@ -243,7 +243,7 @@ def _check_terms(result, terms, where, cfg=None):
 @pytest.mark.dist
 @pytest.mark.parametrize("which", range(len(SCHEDULES)))
 def test_pipelined_engine_on_packed_batches_equals_single_process(runs, which):
-    from dsv3_plugin.config import DSv3Config, load_config
+    from dsv3_plugin.config import DSv3Config
 
     schedule, split = SCHEDULES[which]
     cfg = DSv3Config.from_block({**DSV3})
@@ -287,7 +287,7 @@ def test_zero_engine_on_packed_batches_and_eval_loss(runs):
     """pp = 1, dp = 2, ep = 2: each rank's experts compute the other rank's tokens too, and the combine sums the k
     expert outputs of a token in another order than one process does (`model_bound`, forward only); the routing
     decisions, hence the integer loads and the bias update, are the same."""
-    from dsv3_plugin.config import DSv3Config, load_config
+    from dsv3_plugin.config import DSv3Config
 
     cfg = DSv3Config.from_block({**DSV3, "parallel": {"ep": 2}})
     z0, z1 = runs[0][1], runs[1][1]

@@ -1,14 +1,12 @@
 """`parallel.p2p_timeout_s` reaches every process group a `dsv3 train` rank waits on: the world group, the
-expert-parallel groups (ours, which DeepSpeed's MoE layer also uses as its EP / EDP groups) and DeepSpeed's clone of the world group (over
-which ZeRO-1 reduces gradients). torch gives a group created without `timeout=` 30 minutes on gloo, so a group
-missed here would let a stopped peer hang the job that long (the end-to-end check with a SIGSTOPped rank is
-tests/dist/test_pipeline_stopped_peer.py).
+expert-parallel groups (ours, which DeepSpeed's MoE layer also uses as its EP / EDP groups) and DeepSpeed's clone
+of the world group (over which ZeRO-1 reduces gradients). torch gives a group created without `timeout=` 30
+minutes on gloo, so a group missed here would let a stopped peer hang the job that long (the end-to-end check with
+a SIGSTOPped rank is tests/dist/test_pipeline_stopped_peer.py).
 
 Each rank lists the groups torch knows it is a member of after training and reads each one's timeout from its
 gloo backend. A second run in the same processes with another value must re-bound the groups the first run
 created (both our EP groups and DeepSpeed's are cached per process)."""
-import copy
-from datetime import timedelta
 
 from helpers import run_ranks
 
@@ -16,6 +14,7 @@ from helpers import run_ranks
 def _timeouts() -> list[float]:
     import torch
     import torch.distributed as dist
+
     groups = list(dist.distributed_c10d._world.pg_map)
     return [g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in groups]
 
@@ -23,6 +22,7 @@ def _timeouts() -> list[float]:
 def _train_twice():
     from dsv3_plugin.deepspeed.run_config import default_ds_config
     from dsv3_plugin.deepspeed.train import train
+
     seen = []
     for timeout_s in (7.0, 11.0):
         ds = default_ds_config()

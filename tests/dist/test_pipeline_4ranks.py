@@ -12,21 +12,28 @@
 3. Failures, last: a wrong shape raises on both sides; a stuck peer raises after the timeout; a dead peer
    raises when its connection drops — all as PipelineError, no hang.
 """
+
 import copy
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
-
-from dsv3_plugin.config import DSv3Config, load_config
-from dsv3_plugin.parallel.distributed import init_distributed
-from dsv3_plugin.training.transforms import build_model
-from dsv3_plugin.parallel.pipeline import DualPipe, DualPipeV, OneFOneB, PipelineError, ZeroBubble1P, split_weight_grads
-from dsv3_plugin.parallel.pipeline.stages import DSv3PipelineLoss, build_stages, n_stages_of, stage_ids_for_rank, sync_tied_embedding
 from helpers import run_ranks
 from pipeline_stages import H, MLPStage, OverlapStage, criterion, grad_bound, make_batch, make_stages, reference
 from tolerance import check_within, model_bound
+
+from dsv3_plugin.config import DSv3Config
+from dsv3_plugin.parallel.distributed import init_distributed
+from dsv3_plugin.parallel.pipeline import DualPipe, DualPipeV, OneFOneB, PipelineError, ZeroBubble1P, split_weight_grads
+from dsv3_plugin.parallel.pipeline.stages import (
+    DSv3PipelineLoss,
+    build_stages,
+    n_stages_of,
+    stage_ids_for_rank,
+    sync_tied_embedding,
+)
+from dsv3_plugin.training.transforms import build_model
 
 # a 3 s peer timeout: `make test` runs these alone, with the cores to themselves (pyproject's `serial` marker)
 pytestmark = pytest.mark.serial
@@ -34,8 +41,15 @@ pytestmark = pytest.mark.serial
 RUNTIMES = {"1f1b": OneFOneB, "zb1p": ZeroBubble1P, "dualpipe": DualPipe, "dualpipev": DualPipeV}
 TIMEOUT = 3.0
 # (schedule, micro-batches, overlap hook[, p2p_order]); "pairwise" is the NCCL-safe issue order
-CASES4 = [("1f1b", 4, False), ("zb1p", 6, False), ("dualpipe", 8, True), ("dualpipev", 8, False),
-          ("dualpipev", 10, True), ("dualpipe", 8, False, "pairwise"), ("dualpipev", 9, False, "pairwise")]
+CASES4 = [
+    ("1f1b", 4, False),
+    ("zb1p", 6, False),
+    ("dualpipe", 8, True),
+    ("dualpipev", 8, False),
+    ("dualpipev", 10, True),
+    ("dualpipe", 8, False, "pairwise"),
+    ("dualpipev", 9, False, "pairwise"),
+]
 CASES_A = [("1f1b", 3, False), ("dualpipe", 4, False), ("dualpipev", 5, True)]
 CASES_B = [("zb1p", 4, False), ("dualpipe", 6, True), ("dualpipev", 4, False, "pairwise")]
 
@@ -56,7 +70,7 @@ def _check(name, P, r, C, stage_cls, seed, group=None, mapping=None, order=None)
     local = [copy.deepcopy(full[i]) for i in ids]
     rt = RUNTIMES[name](local, process_group=group, rank_mapping=mapping, timeout_s=60, p2p_order=order)
     report = {"order": rt.p2p_order == (order or "sender")}
-    for it in range(2):                         # two steps: no state may leak between them
+    for it in range(2):  # two steps: no state may leak between them
         for m in local:
             m.zero_grad(set_to_none=True)
         x, y = make_batch(2 * C, seed=10 * seed + it)
@@ -69,8 +83,7 @@ def _check(name, P, r, C, stage_cls, seed, group=None, mapping=None, order=None)
         errs = []
         for sid, m in zip(ids, local):
             for (n, p), (_, q) in zip(m.named_parameters(), ref_stages[sid].named_parameters()):
-                errs.append(check_within(p.grad, q.grad, grad_bound(q.grad, n_stages, C),
-                                         f"step {it} stage {sid} {n}"))
+                errs.append(check_within(p.grad, q.grad, grad_bound(q.grad, n_stages, C), f"step {it} stage {sid} {n}"))
         report[f"grad_err_{it}"] = [e for e in errs if e]
     with torch.no_grad():
         x, y = make_batch(2 * C, seed=99)
@@ -84,8 +97,17 @@ def _check(name, P, r, C, stage_cls, seed, group=None, mapping=None, order=None)
 def _run_cases(P, r, cases, group, mapping, out, tag):
     for i, (name, C, overlap, *order) in enumerate(cases):
         OverlapStage.calls = 0
-        rep = _check(name, P, r, C, OverlapStage if overlap else MLPStage, seed=i + 1, group=group,
-                     mapping=mapping, order=order[0] if order else None)
+        rep = _check(
+            name,
+            P,
+            r,
+            C,
+            OverlapStage if overlap else MLPStage,
+            seed=i + 1,
+            group=group,
+            mapping=mapping,
+            order=order[0] if order else None,
+        )
         if overlap:
             rep["overlap_calls"] = OverlapStage.calls
         out[f"{tag}/{name}/C={C}/overlap={overlap}/{order}"] = rep
@@ -119,8 +141,8 @@ def _run(r, groups, schedule, cls, split):
     model = _model()
     ref = copy.deepcopy(model)
     ref_losses = []
-    for i in range(C_DS):     # the reference: one micro-batch at a time, gradients accumulate
-        out = ref(ids[i:i + 1], labels[i:i + 1])
+    for i in range(C_DS):  # the reference: one micro-batch at a time, gradients accumulate
+        out = ref(ids[i : i + 1], labels[i : i + 1])
         out.loss.backward()
         ref_losses.append(out.loss.detach())
     stages = build_stages(model, n_stages_of(schedule, 2), stage_ids_for_rank(schedule, 2, pr))
@@ -130,8 +152,12 @@ def _run(r, groups, schedule, cls, split):
     rt = cls(stages, process_group=groups[r // 2], timeout_s=60)
     crit = DSv3PipelineLoss(model)
     losses, _ = rt.step(ids, num_chunks=C_DS, criterion=crit, labels=(labels,))
-    rep = {"schedule": schedule, "pipeline_rank": pr, "loss_rank": rt.loss_rank,
-           "tied_sync": sync_tied_embedding(rt, stages)}
+    rep = {
+        "schedule": schedule,
+        "pipeline_rank": pr,
+        "loss_rank": rt.loss_rank,
+        "tied_sync": sync_tied_embedding(rt, stages),
+    }
     if pr == rt.loss_rank:
         rep["loss_equal"] = bool(torch.equal(losses, torch.stack(ref_losses)))
     if len(stages) == 2 and pr == 0:
@@ -148,8 +174,11 @@ def _run(r, groups, schedule, cls, split):
             q = ref_params[full]
             # forward identical (losses equal); the backward reordered: micro-batch sums, the tied
             # embedding's sync, and with `split` the deferred W-GEMMs
-            errs.append(check_within(p.grad, q.grad, model_bound(q.grad, model.cfg, ids.numel(), passes=1),
-                               f"{schedule} {full}.grad"))
+            errs.append(
+                check_within(
+                    p.grad, q.grad, model_bound(q.grad, model.cfg, ids.numel(), passes=1), f"{schedule} {full}.grad"
+                )
+            )
     rep["grad_errors"] = [e for e in errs if e]
     rep["n_params"] = len(errs)
     return rep
@@ -181,8 +210,8 @@ def _failures(r, pair_a, pair_b, pair_c):
         rt = DualPipeV(mods, process_group=pair_a, timeout_s=TIMEOUT, p2p_shapes=[((2, 3, H), torch.float32)])
         return {"shape": _attempt(rt, x, num_chunks=4, criterion=criterion, labels=(y,))}
     if r == 3:
-        time.sleep(TIMEOUT + 2)        # alive but silent for longer than the timeout ...
-        return {}                      # ... then gone: returning ends this process and closes its sockets
+        time.sleep(TIMEOUT + 2)  # alive but silent for longer than the timeout ...
+        return {}  # ... then gone: returning ends this process and closes its sockets
     stuck = _attempt(OneFOneB([MLPStage()], process_group=pair_b, timeout_s=TIMEOUT), x, num_chunks=2)
     dead = _attempt(OneFOneB([MLPStage()], process_group=pair_c, timeout_s=TIMEOUT + 30), x, num_chunks=2)
     return {"stuck": stuck, "dead": dead}
@@ -192,7 +221,7 @@ def _worker():
     r, world = init_distributed()
     assert world == 4
     pair_a, pair_b = dist.new_group([0, 1]), dist.new_group([2, 3])
-    pair_c = dist.new_group([2, 3])             # a fresh pair for the dead-peer step after the timeout
+    pair_c = dist.new_group([2, 3])  # a fresh pair for the dead-peer step after the timeout
     generic = {}
     _run_cases(4, r, CASES4, None, None, generic, "pp4")
     if r < 2:
@@ -237,7 +266,7 @@ def test_dsv3_model_through_all_schedules(results):
             assert rep["shared_embedding"] is True, rep
         assert rep["tied_sync"] is (rep["schedule"] in ("1f1b", "zb1p")), rep
     n_total = len(list(_model().parameters()))
-    assert out[0][0]["n_params"] + out[1][0]["n_params"] == n_total   # DualPipeV: each parameter on one rank
+    assert out[0][0]["n_params"] + out[1][0]["n_params"] == n_total  # DualPipeV: each parameter on one rank
 
 
 @pytest.mark.dist

@@ -1,13 +1,13 @@
 """`dsv3 train` with every layout feature at once: 4 gloo ranks = pp 2 × dp 2, EP 2 carved from the data-parallel
 group of each stage, MTP, EMA, `--resume`, for each pipeline schedule.
 
-For each schedule: one 10-step run saving at steps 5 and 10, and (in fresh processes) steps 6-10 resumed from its
-step-5 checkpoint; and one single-process run on the same global batch (2 data-parallel ranks × 4 micro-batches of 1 × 16 tokens = 8
-micro-batches in one process, the same model, optimizer, warm-up LR, clipping and bias updates). Asserted:
-- the 10-step loss curve (loss, LM, MTP, balance terms) equals the single-process curve within a derived float32
+For each schedule: one 6-step run saving at steps 3 and 6, and (in fresh processes) steps 4-6 resumed from its step-3
+checkpoint; and one single-process run on the same global batch (2 data-parallel ranks × 4 micro-batches of 1 × 16
+tokens = 8 micro-batches in one process, the same model, optimizer, warm-up LR, clipping and bias updates). Asserted:
+- the 6-step loss curve (loss, LM, MTP, balance terms) equals the single-process curve within a derived float32
   bound, and the per-layer expert loads (MaxVio of each MoE layer) are equal: the same routing decisions;
 - the router biases are identical on every rank holding a layer (data-parallel replicas; DualPipe's mirrors);
-- 5 + 5 resumed steps = 10 steps bit for bit: every metric, the router biases, each rank's parameters and
+- 3 + 3 resumed steps = 6 steps bit for bit: every metric, the router biases, each rank's parameters and
   EMA shard.
 
 Which combinations, and why that covers the matrix {1f1b, dualpipe, dualpipev} × fp8 × recompute × EMA × resume:
@@ -15,7 +15,7 @@ Which combinations, and why that covers the matrix {1f1b, dualpipe, dualpipev} �
     dualpipe   fp8 off, recompute full,            EMA, BF16 AdamW moments (memory.bf16_moments)
     1f1b       fp8 off, recompute none,            EMA, first_k_dense_replace = 3: stage 0 (layers 0-2) holds no
                                                         MoE layer, stage 1 (layer 3, MTP) does
-    dualpipev  fp8 off, recompute none,            EMA   (10-step curve only, no resume)
+    dualpipev  fp8 off, recompute none,            EMA   (6-step curve only, no resume)
 The schedule decides where micro-batches run, which ranks hold a stage twice (DualPipe's mirror: counts and
 gradients summed over the pair, norm counted once), where the losses end and where the embedding MTP reuses
 lives (1F1B: two copies; DualPipe(V): one); FP8 and recompute change only how a stage computes (per-token
@@ -23,39 +23,59 @@ quantization, a second forward in backward) and interact with none of that, so F
 recompute mode once, under different schedules. FP8 is off where a parameter is held twice in a pipeline
 (DualPipe, 1F1B with MTP): there the gradient norm is compared with the single process at every step, which
 FP8's regrouped expert quantization (see `_curve_check`) would blur. EMA and resume are on in every schedule.
-The suite spends three spawns on this: 4 ranks running the 10-step runs in turn, 4 fresh ranks running the three
+The suite spends three spawns on this: 4 ranks running the 6-step runs in turn, 4 fresh ranks running the three
 resumes, one process running the references. The first and the last also run LoRA with adapters on the routed
 experts (2 steps, plain SGD) at the same layout against one process: losses, routing and every adapter after step 1.
 """
+
 import copy
 import re
 
 import pytest
 import torch
-
 from helpers import run_ranks
 from tolerance import model_bound
 
-STEPS, HALF = 10, 5
-DS = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4, "gradient_clipping": 1.0,
-      "steps_per_print": 10 ** 9, "zero_optimization": {"stage": 1},
-      "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
-                                                "torch_adam": True}},
-      "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 3e-4, "warmup_max_lr": 3e-3,
-                                                   "warmup_num_steps": 10, "warmup_type": "linear"}},
-      "dsv3": {"preset": "tiny", "model": {"num_hidden_layers": 4}, "moe": {"bias_update_speed": 0.01},
-               "memory": {"ema": True, "ema_decay": 0.9},
-               "train": {"seq_len": 16, "steps": STEPS, "seed": 1234}}}
+STEPS, HALF = 6, 3  # (CI time: 10 and 5 until 2026-12; the schedules differ from step 1)
+DS = {
+    "train_micro_batch_size_per_gpu": 1,
+    "gradient_accumulation_steps": 4,
+    "gradient_clipping": 1.0,
+    "steps_per_print": 10**9,
+    "zero_optimization": {"stage": 1},
+    "optimizer": {
+        "type": "AdamW",
+        "params": {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "torch_adam": True},
+    },
+    "scheduler": {
+        "type": "WarmupLR",
+        "params": {"warmup_min_lr": 3e-4, "warmup_max_lr": 3e-3, "warmup_num_steps": 10, "warmup_type": "linear"},
+    },
+    "dsv3": {
+        "preset": "tiny",
+        "model": {"num_hidden_layers": 4},
+        "moe": {"bias_update_speed": 0.01},
+        "memory": {"ema": True, "ema_decay": 0.9},
+        "train": {"seq_len": 16, "steps": STEPS, "seed": 1234},
+    },
+}
 DP, PP, EP = 2, 2, 2
 
-CASES = {"dualpipev": {"fp8": True, "recompute": "norm_and_mla_up", "bf16_moments": False},
-         "dualpipe": {"fp8": False, "recompute": "full", "bf16_moments": True},
-         "1f1b": {"fp8": False, "recompute": "none", "bf16_moments": False, "first_k_dense_replace": 3}}
+CASES = {
+    "dualpipev": {"fp8": True, "recompute": "norm_and_mla_up", "bf16_moments": False},
+    "dualpipe": {"fp8": False, "recompute": "full", "bf16_moments": True},
+    "1f1b": {"fp8": False, "recompute": "none", "bf16_moments": False, "first_k_dense_replace": 3},
+}
 KEYS = ("loss", "lm_loss", "mtp_loss", "balance_loss")
 
 
-def _ds(schedule: str | None, fp8: bool, recompute: str, bf16_moments: bool = False,
-        first_k_dense_replace: int | None = None) -> dict:
+def _ds(
+    schedule: str | None,
+    fp8: bool,
+    recompute: str,
+    bf16_moments: bool = False,
+    first_k_dense_replace: int | None = None,
+) -> dict:
     ds = copy.deepcopy(DS)
     if first_k_dense_replace is not None:
         ds["dsv3"]["model"]["first_k_dense_replace"] = first_k_dense_replace
@@ -79,17 +99,18 @@ def _reference(configs, lora=None):
     """Single process (world 1): the engine `dsv3 train` uses at pp = 1, fed the data-parallel ranks'
     micro-batches in order (rank 0's 4, then rank 1's). `lora`: (its DeepSpeed dict, the release) for the LoRA
     reference too (`_lora_reference`), returned after the curves."""
-    from dsv3_plugin.config import DSv3Config, load_config
+    from dsv3_plugin.config import DSv3Config
+    from dsv3_plugin.data.synthetic import MarkovData
     from dsv3_plugin.deepspeed import initialize
     from dsv3_plugin.deepspeed.train import _setup_process
     from dsv3_plugin.parallel.distributed import init_distributed
-    from dsv3_plugin.data.synthetic import MarkovData
     from dsv3_plugin.training.transforms import build_model
+
     init_distributed()
     out = []
     for ds in configs:
         cfg = DSv3Config.from_block(ds["dsv3"])
-        _setup_process(cfg)                      # the weights' seed, as dsv3 train
+        _setup_process(cfg)  # the weights' seed, as dsv3 train
         engine, *_ = initialize(build_model(cfg), copy.deepcopy(ds))
         data = MarkovData(cfg.model.vocab_size, cfg.train.seq_len, seed=cfg.train.seed)
         gas = DS["gradient_accumulation_steps"]
@@ -108,8 +129,13 @@ def _reference(configs, lora=None):
                     engine.step()
                     sums += torch.tensor([float(getattr(o, k).detach()) for k in KEYS], dtype=torch.float64)
             mv = [s["maxvio"] for s in engine.dsv3.state.last_stats]
-            hist.append({**dict(zip(KEYS, (sums / (DP * gas)).tolist())), "maxvio_layers": mv,
-                         "grad_norm": float(engine.get_global_grad_norm())})
+            hist.append(
+                {
+                    **dict(zip(KEYS, (sums / (DP * gas)).tolist())),
+                    "maxvio_layers": mv,
+                    "grad_norm": float(engine.get_global_grad_norm()),
+                }
+            )
         engine.dsv3.remove()
         for h in hooks:
             h.remove()
@@ -126,6 +152,7 @@ def _lora_reference(ds: dict, release: str) -> dict:
     from dsv3_plugin.deepspeed import initialize
     from dsv3_plugin.deepspeed.run_config import RunConfig, RunOverrides
     from dsv3_plugin.deepspeed.train import _setup_process
+
     run = RunConfig.load(ds, overrides=RunOverrides(init_from=release), world_size=1)
     cfg = run.cfg
     _setup_process(cfg)
@@ -183,11 +210,20 @@ LORA_STEPS, LORA_LR = 2, 1.0
 
 
 def _lora_ds(pipelined: bool) -> dict:
-    ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4, "gradient_clipping": 0.0,
-          "steps_per_print": 10 ** 9, "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True,
-          "optimizer": {"type": "SGD", "params": {"lr": LORA_LR}},
-          "dsv3": {"fp8": {"enabled": False}, "lora": {"rank": 4, "alpha": 8.0, "experts": True},
-                   "train": {"seq_len": 16, "steps": LORA_STEPS, "seed": 1234, "save_every": 1}}}
+    ds = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 4,
+        "gradient_clipping": 0.0,
+        "steps_per_print": 10**9,
+        "zero_optimization": {"stage": 1},
+        "zero_allow_untested_optimizer": True,
+        "optimizer": {"type": "SGD", "params": {"lr": LORA_LR}},
+        "dsv3": {
+            "fp8": {"enabled": False},
+            "lora": {"rank": 4, "alpha": 8.0, "experts": True},
+            "train": {"seq_len": 16, "steps": LORA_STEPS, "seed": 1234, "save_every": 1},
+        },
+    }
     if pipelined:
         ds["dsv3"]["parallel"] = {"pp": PP, "ep": EP, "schedule": "dualpipev"}
     else:  # the single process: both data-parallel ranks' micro-batches accumulated
@@ -196,24 +232,28 @@ def _lora_ds(pipelined: bool) -> dict:
 
 
 def _full_runs(tmp, release):
-    """Every schedule's 10-step run, one after the other in the same 4 processes (one spawn for all), and the LoRA
+    """Every schedule's STEPS-step run, one after the other in the same 4 processes (one spawn for all), and the LoRA
     run on `release` (2 steps, saved after each)."""
     from dsv3_plugin.deepspeed.train import train
+
     out = {s: train(_config(s), steps=STEPS, out=f"{tmp}/{s}/full", progress=False, echo=False) for s in CASES}
-    out["lora"] = train(_lora_ds(True), steps=LORA_STEPS, out=f"{tmp}/lora", init_from=release, progress=False,
-                        echo=False)
+    out["lora"] = train(
+        _lora_ds(True), steps=LORA_STEPS, out=f"{tmp}/lora", init_from=release, progress=False, echo=False
+    )
     sched, c = EXTRA
-    out["extra"] = train(_ds(sched, c["fp8"], c["recompute"], c["bf16_moments"]), steps=STEPS, progress=False,
-                         echo=False, save=False)
+    out["extra"] = train(
+        _ds(sched, c["fp8"], c["recompute"], c["bf16_moments"]), steps=STEPS, progress=False, echo=False, save=False
+    )
     out["no_ep"] = train(_no_ep_ds(), steps=STEPS, progress=False, echo=False, save=False)
     return out
 
 
 def _stopped_after_half(run: str):
-    """The run as a job stopped after step HALF leaves it: its step-HALF checkpoint is the newest (a 5-step run
-    computes exactly the full run's first 5 steps, so this saves running one)."""
+    """The run as a job stopped after step HALF leaves it: its step-HALF checkpoint is the newest (a HALF-step run
+    computes exactly the full run's first HALF steps, so this saves running one)."""
     import os
     import shutil
+
     shutil.copytree(f"{run}/full", f"{run}/half")
     shutil.rmtree(f"{run}/half/ckpt/step{STEPS}")
     with open(f"{run}/half/ckpt/latest", "w") as f:
@@ -222,16 +262,20 @@ def _stopped_after_half(run: str):
 
 
 def _resumed_runs(tmp):
-    """Fresh processes: every schedule resumed from its step-5 checkpoint to step 10."""
+    """Fresh processes: every schedule resumed from its step-HALF checkpoint to step STEPS."""
     from dsv3_plugin.deepspeed.train import train
-    return {s: train(_config(s), steps=STEPS, out=f"{tmp}/{s}/half", resume=f"{tmp}/{s}/half", progress=False,
-                     echo=False) for s in CASES}
+
+    return {
+        s: train(_config(s), steps=STEPS, out=f"{tmp}/{s}/half", resume=f"{tmp}/{s}/half", progress=False, echo=False)
+        for s in CASES
+    }
 
 
 @pytest.fixture(scope="module")
 def lora_release(tmp_path_factory):
     """A tiny BF16 release (the LoRA run's frozen base: FP32 in the model, `load_frozen_base`)."""
     from dsv3_plugin.checkpoint.tiny_release import write_tiny_release
+
     return write_tiny_release(tmp_path_factory.mktemp("lora_release") / "rel", fp8=False)
 
 
@@ -261,6 +305,7 @@ def references(lora_release):
 def _layer_biases(schedule: str, pp_rank: int, biases: dict) -> dict:
     """{("layer", i) | ("mtp", k): bias} from a rank's buffer names (stages.<chunk>.layers.<j> / .mtp.<k>)."""
     from dsv3_plugin.parallel.pipeline.stages import model_stage_layers, n_stages_of, stage_ids_for_rank
+
     ranges = model_stage_layers(DS["dsv3"]["model"]["num_hidden_layers"], 1, n_stages_of(schedule, PP))
     ids = stage_ids_for_rank(schedule, PP, pp_rank)
     out = {}
@@ -309,7 +354,8 @@ def _curve_check(schedule, got, ref, cfg, fp8: bool):
 def test_pp2_dp2_ep2_curve_biases_resume(schedule, references, runs):
     import os
 
-    from dsv3_plugin.config import DSv3Config, load_config
+    from dsv3_plugin.config import DSv3Config
+
     c = CASES[schedule]
     ds = _config(schedule)
     tmp, full, second = runs
@@ -317,7 +363,7 @@ def test_pp2_dp2_ep2_curve_biases_resume(schedule, references, runs):
     second = [r[schedule] for r in second]
     tmp_path = f"{tmp}/{schedule}"
     drop = lambda h: [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in h]  # noqa: E731 (timing)
-    assert all(drop(f["history"]) == drop(full[0]["history"]) for f in full)   # one set of metrics per step
+    assert all(drop(f["history"]) == drop(full[0]["history"]) for f in full)  # one set of metrics per step
 
     # 1. the loss curve of the single process on the same global batch
     cfg = DSv3Config.from_block(ds["dsv3"])
@@ -326,11 +372,15 @@ def test_pp2_dp2_ep2_curve_biases_resume(schedule, references, runs):
         assert len(hist) == len(ref) == STEPS
         worst = _curve_check(f"{schedule} fp8={fp8}", hist, ref, cfg, fp8)
         if os.environ.get("TOL_REPORT"):
-            print(f"[tol] {schedule} grad norms: pipelined {[r['grad_norm'] for r in hist]} single "
-                  f"{[r['grad_norm'] for r in ref]}")
-            print(f"[tol] {schedule} fp8={fp8}: worst |diff| {worst[0]:.3g} at step {worst[2]} (bound "
-                  f"{worst[1]:.3g}); pipelined {[round(r['loss'], 6) for r in hist]} single "
-                  f"{[round(r['loss'], 6) for r in ref]}")
+            print(
+                f"[tol] {schedule} grad norms: pipelined {[r['grad_norm'] for r in hist]} single "
+                f"{[r['grad_norm'] for r in ref]}"
+            )
+            print(
+                f"[tol] {schedule} fp8={fp8}: worst |diff| {worst[0]:.3g} at step {worst[2]} (bound "
+                f"{worst[1]:.3g}); pipelined {[round(r['loss'], 6) for r in hist]} single "
+                f"{[round(r['loss'], 6) for r in ref]}"
+            )
         assert hist[-1]["loss"] < hist[0]["loss"]
 
     # 2. router biases: identical on every rank that holds the layer (DP replicas, DualPipe mirrors)
@@ -339,7 +389,7 @@ def test_pp2_dp2_ep2_curve_biases_resume(schedule, references, runs):
         for rank, r in enumerate(res):
             for key, b in _layer_biases(schedule, rank % PP, r["router_bias"]).items():
                 assert seen.setdefault(key, b) == b, (schedule, key, rank)
-        moe_layers = {("layer", i) for i in range(4) if cfg.is_moe_layer(i)}   # tiny: 1-3; the 1F1B case: 3
+        moe_layers = {("layer", i) for i in range(4) if cfg.is_moe_layer(i)}  # tiny: 1-3; the 1F1B case: 3
         assert set(seen) == moe_layers | {("mtp", 0)}
         assert any(v != 0 for b in seen.values() for v in b)
 
@@ -351,7 +401,7 @@ def test_pp2_dp2_ep2_curve_biases_resume(schedule, references, runs):
         assert r["busy_s"] > 0 and r["busy_s"] + r["idle_s"] + r["grad_sync_s"] <= r["wall_s"]
     assert ("mirror gradient exchange" in full[0]["summary"]["text"]) is (schedule == "dualpipe")
 
-    # 4. 5 + 5 resumed steps = 10 steps, bit for bit
+    # 4. HALF + HALF resumed steps = STEPS steps, bit for bit
     keys = ["loss", "lm_loss", "mtp_loss", "balance_loss", "maxvio", "maxvio_layers", "tokens_seen", "gamma", "lr"]
     for rank in range(PP * DP):
         resumed = second[rank]
@@ -375,7 +425,8 @@ def test_pp2_dp2_dualpipev_fp8_off_curve(references, runs, run):
     the single process."""
     import os
 
-    from dsv3_plugin.config import DSv3Config, load_config
+    from dsv3_plugin.config import DSv3Config
+
     sched, c = EXTRA
     _, full, _ = runs
     assert all(f[run]["history"][-1]["loss"] == full[0][run]["history"][-1]["loss"] for f in full)
@@ -384,9 +435,11 @@ def test_pp2_dp2_dualpipev_fp8_off_curve(references, runs, run):
     cfg = DSv3Config.from_block(_ds(sched, c["fp8"], c["recompute"])["dsv3"])
     worst = _curve_check(f"{sched} {run} fp8=False", hist, ref, cfg, fp8=False)
     if os.environ.get("TOL_REPORT"):
-        print(f"[tol] {sched} {run} fp8=False: worst |diff| {worst[0]:.3g} at step {worst[2]} (bound "
-              f"{worst[1]:.3g}); pipelined {[round(r['loss'], 6) for r in hist]} single "
-              f"{[round(r['loss'], 6) for r in ref]}")
+        print(
+            f"[tol] {sched} {run} fp8=False: worst |diff| {worst[0]:.3g} at step {worst[2]} (bound "
+            f"{worst[1]:.3g}); pipelined {[round(r['loss'], 6) for r in hist]} single "
+            f"{[round(r['loss'], 6) for r in ref]}"
+        )
     seen: dict = {}
     for rank, r in enumerate(full):
         for key, b in _layer_biases(sched, rank % PP, r[run]["router_bias"]).items():
@@ -399,8 +452,10 @@ def test_lora_with_expert_adapters_pp2_ep2_dp2_equals_one_process(references, ru
     every expert: the loss of steps 1 and 2 and the routing, and every adapter after step 1 as `dsv3 export` reads
     the run's step-1 checkpoint (dense adapters from the stages' files, expert adapters from the per-expert files of
     both EP ranks)."""
-    from dsv3_plugin.checkpoint.run_checkpoint import find_run_checkpoint, run_config, run_lora
     from tolerance import check_within, unit_roundoff
+
+    from dsv3_plugin.checkpoint.run_checkpoint import find_run_checkpoint, run_config, run_lora
+
     tmp, full, _ = runs
     ref = references["lora"]
     hist = full[0]["lora"]["history"]

@@ -4,18 +4,19 @@ returns the same per-micro-batch losses (on the last pipeline rank, as Megatron 
 no-pipelining schedule on the whole model.
 The patch's version guard, config choice and exact revert are checked in the same processes (Megatron's
 import is the slow part)."""
+
 import copy
 import functools
 
 import pytest
 import torch
+from helpers import run_ranks
 from torch import nn
 
-from dsv3_plugin.config import DSv3Config, load_config
+from dsv3_plugin.config import DSv3Config
 from dsv3_plugin.parallel.distributed import init_distributed
-from dsv3_plugin.training.transforms import build_model
 from dsv3_plugin.parallel.pipeline.stages import DSv3PipelineLoss, build_stages
-from helpers import run_ranks
+from dsv3_plugin.training.transforms import build_model
 
 C, T = 4, 8
 CFG = {"preset": "tiny", "model": {"num_hidden_layers": 4}, "parallel": {"pp": 2, "schedule": "dualpipev"}}
@@ -66,30 +67,41 @@ def _patch_checks():
     import megatron.core.pipeline_parallel as pp_pkg
     from megatron.core import package_info
     from megatron.core.pipeline_parallel import schedules
+
     from dsv3_plugin.megatron.schedules import (
         forward_backward_1f1b,
         forward_backward_dualpipe,
         forward_backward_dualpipev,
     )
     from dsv3_plugin_patches import megatron_dualpipe as mdp
+
     original = schedules.get_forward_backward_func
     out = {}
     assert mdp.apply(CFG) is True and mdp.apply(CFG) is False
     out["pp2"] = pp_pkg.get_forward_backward_func(pp_size=2, vp_size=None) is forward_backward_dualpipev
     out["pp1"] = pp_pkg.get_forward_backward_func(pp_size=1, vp_size=None) is schedules.forward_backward_no_pipelining
-    out["reverted"] = mdp.revert() is True and schedules.get_forward_backward_func is original \
-        and pp_pkg.get_forward_backward_func is original and mdp.revert() is False
+    out["reverted"] = (
+        mdp.revert() is True
+        and schedules.get_forward_backward_func is original
+        and pp_pkg.get_forward_backward_func is original
+        and mdp.revert() is False
+    )
     # a dsv3 block's "1f1b" leaves Megatron's own 1F1B; the name "1f1b" (--dsv3-pipeline-schedule) selects ours
     with mdp.dualpipe_schedule({"preset": "tiny", "parallel": {"pp": 2, "schedule": "1f1b"}}):
-        out["1f1b_native"] = (pp_pkg.get_forward_backward_func(pp_size=2, vp_size=None)
-                              is schedules.forward_backward_pipelining_without_interleaving)
+        out["1f1b_native"] = (
+            pp_pkg.get_forward_backward_func(pp_size=2, vp_size=None)
+            is schedules.forward_backward_pipelining_without_interleaving
+        )
     with mdp.dualpipe_schedule("1f1b"):
         out["1f1b_ours"] = pp_pkg.get_forward_backward_func(pp_size=2, vp_size=None) is forward_backward_1f1b
-        out["1f1b_pp1"] = (pp_pkg.get_forward_backward_func(pp_size=1, vp_size=None)
-                           is schedules.forward_backward_no_pipelining)
+        out["1f1b_pp1"] = (
+            pp_pkg.get_forward_backward_func(pp_size=1, vp_size=None) is schedules.forward_backward_no_pipelining
+        )
     with mdp.dualpipe_schedule("megatron"):
-        out["megatron"] = (pp_pkg.get_forward_backward_func(pp_size=2, vp_size=None)
-                           is schedules.forward_backward_pipelining_without_interleaving)
+        out["megatron"] = (
+            pp_pkg.get_forward_backward_func(pp_size=2, vp_size=None)
+            is schedules.forward_backward_pipelining_without_interleaving
+        )
     saved = package_info.__version__
     package_info.__version__ = "0.99.0"
     try:
@@ -109,11 +121,12 @@ def _patch_checks():
 def _worker():
     r, _ = init_distributed()
     checks = _patch_checks() if r == 1 else None
+    import megatron.core.pipeline_parallel as pp_pkg
     from megatron.core import parallel_state
     from megatron.core.transformer.transformer_config import TransformerConfig
-    import megatron.core.pipeline_parallel as pp_pkg
-    from dsv3_plugin_patches import megatron_dualpipe
+
     from dsv3_plugin.megatron.schedules import forward_backward_dualpipev
+    from dsv3_plugin_patches import megatron_dualpipe
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=2)
     cfg = DSv3Config.from_block(CFG)
@@ -122,10 +135,14 @@ def _worker():
     model.train()
     ref_model = copy.deepcopy(model)
     g = torch.Generator().manual_seed(5)
-    data = [(torch.randint(0, 256, (1, T), generator=g), torch.randint(0, 256, (1, T), generator=g))
-            for _ in range(C)]
-    mcfg = TransformerConfig(num_layers=4, hidden_size=64, num_attention_heads=4, pipeline_dtype=torch.float32,
-                             pipeline_model_parallel_size=2)
+    data = [(torch.randint(0, 256, (1, T), generator=g), torch.randint(0, 256, (1, T), generator=g)) for _ in range(C)]
+    mcfg = TransformerConfig(
+        num_layers=4,
+        hidden_size=64,
+        num_attention_heads=4,
+        pipeline_dtype=torch.float32,
+        pipeline_model_parallel_size=2,
+    )
     crit = DSv3PipelineLoss(cfg)
 
     # DualPipeV through the patched Megatron entry point: rank r holds stages r and 3 - r
@@ -135,8 +152,14 @@ def _worker():
     with megatron_dualpipe.dualpipe_schedule(CFG):
         fb = pp_pkg.get_forward_backward_func()
         assert fb is forward_backward_dualpipev
-        store = fb(forward_step_func=functools.partial(_forward_step, crit), data_iterator=iter(data),
-                   model=chunks, num_microbatches=C, seq_length=T, micro_batch_size=1)
+        store = fb(
+            forward_step_func=functools.partial(_forward_step, crit),
+            data_iterator=iter(data),
+            model=chunks,
+            num_microbatches=C,
+            seq_length=T,
+            micro_batch_size=1,
+        )
     reverted = pp_pkg.get_forward_backward_func is original
 
     # Megatron's native schedule on the whole (unsplit) model
@@ -144,15 +167,22 @@ def _worker():
     full = MegatronStyleChunk(build_stages(ref_model, 1), mcfg)
     full.model_type = None
     with _CudaToCPU():
-        ref_store = native(forward_step_func=functools.partial(_forward_step, DSv3PipelineLoss(cfg)),
-                           data_iterator=iter(data), model=[full], num_microbatches=C, seq_length=T,
-                           micro_batch_size=1)
+        ref_store = native(
+            forward_step_func=functools.partial(_forward_step, DSv3PipelineLoss(cfg)),
+            data_iterator=iter(data),
+            model=[full],
+            num_microbatches=C,
+            seq_length=T,
+            micro_batch_size=1,
+        )
     rep = {"native": native.__name__, "reverted": reverted, "n_store": len(store), "patch_checks": checks}
-    if r == 1:     # the loss dicts come back where Megatron reads them: the last pipeline rank
+    if r == 1:  # the loss dicts come back where Megatron reads them: the last pipeline rank
         rep["losses_equal"] = len(store) == len(ref_store) and all(
-            torch.equal(a["lm loss"], b["lm loss"]) for a, b in zip(store, ref_store))
+            torch.equal(a["lm loss"], b["lm loss"]) for a, b in zip(store, ref_store)
+        )
         rep["n_ref"] = len(ref_store)
     from tolerance import check_within, model_bound
+
     ref_params = dict(ref_model.named_parameters())
     errs = []
     for s in stages:

@@ -14,6 +14,7 @@ The bound checked is a bound on a hang, not a speed figure: 4 x the timeout plus
 propagate on a loaded machine, against a run that would otherwise go on for hours (100 000 steps), or wait
 30 minutes per operation on a group created with torch's default.
 """
+
 import json
 import os
 import signal
@@ -29,10 +30,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 TIMEOUT_S = 8
 LAYOUTS = {
     # name: (nproc, DeepSpeed JSON without the "dsv3" block's train section, the "dsv3" block)
-    "pp2": (2, {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2},
-            {"preset": "tiny", "parallel": {"pp": 2, "schedule": "1f1b", "p2p_timeout_s": TIMEOUT_S}}),
-    "ep2x2": (4, {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1},
-              {"preset": "tiny", "parallel": {"ep": 2, "p2p_timeout_s": TIMEOUT_S}}),
+    "pp2": (
+        2,
+        {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2},
+        {"preset": "tiny", "parallel": {"pp": 2, "schedule": "1f1b", "p2p_timeout_s": TIMEOUT_S}},
+    ),
+    "ep2x2": (
+        4,
+        {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1},
+        {"preset": "tiny", "parallel": {"ep": 2, "p2p_timeout_s": TIMEOUT_S}},
+    ),
 }
 
 # an 8 s peer timeout: `make test` runs these alone, with the cores to themselves (pyproject's `serial` marker)
@@ -43,9 +50,14 @@ def config(path, layout: str, timeout_s: float = TIMEOUT_S) -> str:
     nproc, ds_batch, block = LAYOUTS[layout]
     block = json.loads(json.dumps(block))
     block["parallel"]["p2p_timeout_s"] = timeout_s
-    ds = {**ds_batch, "gradient_clipping": 1.0, "steps_per_print": 10**9, "zero_optimization": {"stage": 1},
-          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-          "dsv3": {**block, "train": {"seq_len": 16, "steps": 100000, "seed": 3, "save_every": 0}}}
+    ds = {
+        **ds_batch,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**9,
+        "zero_optimization": {"stage": 1},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "dsv3": {**block, "train": {"seq_len": 16, "steps": 100000, "seed": 3, "save_every": 0}},
+    }
     with open(path, "w") as f:
         json.dump(ds, f)
     return str(path)
@@ -68,13 +80,30 @@ def stop_a_rank(tmp_path, layout: str, victim: int, timeout_s: float = TIMEOUT_S
     """Run `dsv3 train` in `layout`, SIGSTOP rank `victim` after the first step line, wait for the job to end.
     Returns {"rc", "stderr", "after_stop_s"} ("rc" None: still running at 4 x timeout + 60 s, then killed)."""
     nproc = LAYOUTS[layout][0]
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", **(env or {})}
-    cmd = [sys.executable, "-m", "dsv3_plugin", "train", "--config",
-           config(os.path.join(tmp_path, "c.json"), layout, timeout_s), "--nproc", str(nproc),
-           "--out", os.path.join(tmp_path, "run"), "--no-progress", "--json"]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                         start_new_session=True)
+    env = {
+        **os.environ,
+        "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "OMP_NUM_THREADS": "1",
+        "DS_ACCELERATOR": "cpu",
+        **(env or {}),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "dsv3_plugin",
+        "train",
+        "--config",
+        config(os.path.join(tmp_path, "c.json"), layout, timeout_s),
+        "--nproc",
+        str(nproc),
+        "--out",
+        os.path.join(tmp_path, "run"),
+        "--no-progress",
+        "--json",
+    ]
+    p = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
     stderr: list[str] = []
     reader = threading.Thread(target=lambda: stderr.extend(p.stderr), daemon=True)
     reader.start()
@@ -119,9 +148,11 @@ def stop_a_rank(tmp_path, layout: str, victim: int, timeout_s: float = TIMEOUT_S
 def test_stopped_peer_fails_within_configured_timeout(tmp_path, layout, victim):
     r = stop_a_rank(str(tmp_path), layout, victim)
     err = r["stderr"]
-    assert r["rc"] is not None, (f"still running {4 * TIMEOUT_S + 60}s after SIGSTOP of rank {victim} "
-                                 f"(parallel.p2p_timeout_s = {TIMEOUT_S}):\n{err[-3000:]}")
+    assert r["rc"] is not None, (
+        f"still running {4 * TIMEOUT_S + 60}s after SIGSTOP of rank {victim} "
+        f"(parallel.p2p_timeout_s = {TIMEOUT_S}):\n{err[-3000:]}"
+    )
     assert r["rc"] != 0, err[-3000:]
     assert f"p2p_timeout_s = {TIMEOUT_S}s" in err, err[-3000:]
     assert "peer dead or stuck" in err or "peer dead, or silent" in err, err[-3000:]
-    assert "Traceback" not in err, err[-3000:]   # an environment failure, reported in one message
+    assert "Traceback" not in err, err[-3000:]  # an environment failure, reported in one message

@@ -2,32 +2,44 @@
 `parallel.split_weight_grads` really changes what runs, and the gradients (and the parameters after an
 optimizer step) equal those without it up to the reordering it introduces. Also: the run's summary reports
 each rank's busy / idle time of the pipeline steps."""
+
 import copy
 
 import pytest
 import torch
-
-from dsv3_plugin.parallel.distributed import init_distributed
 from helpers import run_ranks
 from tolerance import check_within, model_bound, reorder_bound
 
+from dsv3_plugin.parallel.distributed import init_distributed
+
 GAS, MBS, SEQ, LR = 4, 1, 16, 0.5
-DS = {"train_micro_batch_size_per_gpu": MBS, "gradient_accumulation_steps": GAS, "steps_per_print": 1000000,
-      "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True,
-      # plain SGD without clipping: p' = p - lr * g, so a parameter differs by at most lr x its gradient's bound
-      "optimizer": {"type": "SGD", "params": {"lr": LR}},
-      "dsv3": {"preset": "tiny", "model": {"num_hidden_layers": 4}, "moe": {"bias_update_speed": 0.01},
-               "parallel": {"pp": 2, "schedule": "dualpipev"}, "train": {"seq_len": SEQ, "steps": 2, "seed": 1234}}}
+DS = {
+    "train_micro_batch_size_per_gpu": MBS,
+    "gradient_accumulation_steps": GAS,
+    "steps_per_print": 1000000,
+    "zero_optimization": {"stage": 1},
+    "zero_allow_untested_optimizer": True,
+    # plain SGD without clipping: p' = p - lr * g, so a parameter differs by at most lr x its gradient's bound
+    "optimizer": {"type": "SGD", "params": {"lr": LR}},
+    "dsv3": {
+        "preset": "tiny",
+        "model": {"num_hidden_layers": 4},
+        "moe": {"bias_update_speed": 0.01},
+        "parallel": {"pp": 2, "schedule": "dualpipev"},
+        "train": {"seq_len": SEQ, "steps": 2, "seed": 1234},
+    },
+}
 
 
 def _one_step(ds):
     """One PipelinedEngine.train_step (what `dsv3 train` runs per optimizer step) from the seed's weights:
     losses, the gradients it produced (before ZeRO's reduction), the parameters after the step, W jobs run."""
     init_distributed()
-    from dsv3_plugin.config import DSv3Config, load_config
-    from dsv3_plugin.deepspeed.pipeline import PipelinedEngine
+    from dsv3_plugin.config import DSv3Config
     from dsv3_plugin.data.synthetic import MarkovData
+    from dsv3_plugin.deepspeed.pipeline import PipelinedEngine
     from dsv3_plugin.training.transforms import build_model
+
     cfg = DSv3Config.from_block(ds["dsv3"])
     torch.manual_seed(cfg.train.seed)
     pe = PipelinedEngine(build_model(cfg), ds, cfg)
@@ -44,8 +56,14 @@ def _one_step(ds):
     parts = [data.batch(0, micro, pe.g.dp_rank, pe.micro_batch) for micro in range(pe.gas)]
     m = pe.train_step(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))
     after = {n: p.detach().clone() for n, p in pe.module.named_parameters()}
-    return {"losses": m, "grads": grads, "before": before, "after": after, "split": pe.split_w,
-            "w_closures": pe.runtime.last_step["w_closures"]}
+    return {
+        "losses": m,
+        "grads": grads,
+        "before": before,
+        "after": after,
+        "split": pe.split_w,
+        "w_closures": pe.runtime.last_step["w_closures"],
+    }
 
 
 PRECISIONS = ("fp32", "fp8", "bf16")
@@ -54,7 +72,7 @@ PRECISIONS = ("fp32", "fp8", "bf16")
 def _step_config(precision: str, split: bool) -> dict:
     ds = copy.deepcopy(DS)
     ds["dsv3"]["fp8"] = {"enabled": precision == "fp8", "backend": "emulate"}
-    if precision == "bf16":   # BF16 parameters and gradients, FP32 masters in ZeRO-1
+    if precision == "bf16":  # BF16 parameters and gradients, FP32 masters in ZeRO-1
         ds["bf16"] = {"enabled": True}
     ds["dsv3"]["parallel"]["split_weight_grads"] = split
     return ds
@@ -78,8 +96,9 @@ def _all_runs(step_configs, train_configs):
 @pytest.fixture(scope="module")
 def runs():
     keys = [(p, split) for p in PRECISIONS for split in (True, False)]
-    per_rank = run_ranks(_all_runs, 2, [_step_config(*k) for k in keys], [_train_config(s) for s in (True, False)],
-                         timeout_s=900)
+    per_rank = run_ranks(
+        _all_runs, 2, [_step_config(*k) for k in keys], [_train_config(s) for s in (True, False)], timeout_s=900
+    )
     steps = {k: [r[0][i] for r in per_rank] for i, k in enumerate(keys)}
     trains = {s: [r[1][i] for r in per_rank] for i, s in enumerate((True, False))}
     return steps, trains
@@ -93,7 +112,8 @@ def test_dualpipev_pp2_split_on_off_same_losses_and_gradients(runs, precision):
     on = _step_config(precision, True)
     dt = torch.bfloat16 if precision == "bf16" else torch.float32
     got, ref = runs[0][(precision, True)], runs[0][(precision, False)]
-    from dsv3_plugin.config import DSv3Config, load_config
+    from dsv3_plugin.config import DSv3Config
+
     cfg = DSv3Config.from_block({**on["dsv3"]})
     tokens = GAS * MBS * SEQ
     problems = []
@@ -105,7 +125,7 @@ def test_dualpipev_pp2_split_on_off_same_losses_and_gradients(runs, precision):
         assert a["losses"] == b["losses"], (a["losses"], b["losses"])
         assert a["grads"].keys() == b["grads"].keys() == a["after"].keys() and a["grads"]
         for n, p0 in a["before"].items():
-            assert torch.equal(p0, b["before"][n]), n            # the same start
+            assert torch.equal(p0, b["before"][n]), n  # the same start
         for n, g_ref in b["grads"].items():
             # Reordered: each deferred GEMM's dW is one matmul in W instead of autograd's linear/grouped backward
             # (another blocking), and a weight used twice in one micro-batch (lm_head by the head and MTP, the
@@ -129,6 +149,7 @@ def test_dualpipev_pp2_split_on_off_same_losses_and_gradients(runs, precision):
 def _train(ds):
     init_distributed()
     from dsv3_plugin.deepspeed.train import train
+
     return train(ds, progress=False, echo=False, save=False)["summary"]
 
 
@@ -137,13 +158,13 @@ def test_train_summary_reports_per_rank_busy_idle_and_the_flag_changes_what_runs
     for split in (True, False):
         summaries = runs[1][split]
         pipe = summaries[0]["pipeline"]
-        assert all(s["pipeline"] == pipe for s in summaries)          # gathered: the same report everywhere
+        assert all(s["pipeline"] == pipe for s in summaries)  # gathered: the same report everywhere
         assert pipe["schedule"] == "dualpipev" and pipe["split_weight_grads"] is split
-        assert pipe["steps_measured"] == 1                            # 2 steps, the first one left out
+        assert pipe["steps_measured"] == 1  # 2 steps, the first one left out
         assert [r["rank"] for r in pipe["ranks"]] == [0, 1] and [r["pp_rank"] for r in pipe["ranks"]] == [0, 1]
         for r in pipe["ranks"]:
             assert r["busy_s"] > 0 and r["idle_s"] >= 0
             assert r["idle_fraction"] == pytest.approx(r["idle_s"] / (r["busy_s"] + r["idle_s"]), rel=1e-12)
             assert (r["w_closures"] > 0) is split
-            assert r["grad_sync_s"] == 0 and r["busy_s"] + r["idle_s"] <= r["wall_s"]   # DualPipeV: no mirror pair
+            assert r["grad_sync_s"] == 0 and r["busy_s"] + r["idle_s"] <= r["wall_s"]  # DualPipeV: no mirror pair
         assert "idle fraction per rank" in summaries[0]["text"]

@@ -25,16 +25,35 @@ BIN = os.path.dirname(sys.executable)
 DSV3 = shutil.which("dsv3", path=BIN)
 pytestmark = pytest.mark.skipif(DSV3 is None, reason="needs the installed `dsv3` script (make venv)")
 STEPS = 14
-KEYS = ["loss", "lm_loss", "mtp_loss", "balance_loss", "maxvio", "maxvio_layers", "tokens_seen", "gamma", "lr",
-        "grad_norm"]
+KEYS = [
+    "loss",
+    "lm_loss",
+    "mtp_loss",
+    "balance_loss",
+    "maxvio",
+    "maxvio_layers",
+    "tokens_seen",
+    "gamma",
+    "lr",
+    "grad_norm",
+]
 
 
 def _ds(**dsv3):
-    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
-            "steps_per_print": 10**9, "zero_optimization": {"stage": 1},
-            "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}},
-            "dsv3": {"preset": "tiny", "moe": {"bias_update_speed": 0.01},
-                     "train": {"seq_len": 16, "seed": 7, **dsv3.pop("train", {})}, **dsv3}}
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**9,
+        "zero_optimization": {"stage": 1},
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}},
+        "dsv3": {
+            "preset": "tiny",
+            "moe": {"bias_update_speed": 0.01},
+            "train": {"seq_len": 16, "seed": 7, **dsv3.pop("train", {})},
+            **dsv3,
+        },
+    }
 
 
 def _run(cmd, **kw):
@@ -99,8 +118,23 @@ def test_sigterm_to_the_launcher_real_data_ep2(tmp_path, prepared):
     at = random.Random(seed).randrange(2, STEPS - 2)
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps(_ds(parallel={"ep": 2}, train={"seq_len": 32})))
-    common = [DSV3, "train", "--nproc", "2", "--config", str(cfg), "--steps", str(STEPS), "--no-progress",
-              "--init-from", prepared["rel"], "--data", prepared["train"], "--valid-data", prepared["valid"]]
+    common = [
+        DSV3,
+        "train",
+        "--nproc",
+        "2",
+        "--config",
+        str(cfg),
+        "--steps",
+        str(STEPS),
+        "--no-progress",
+        "--init-from",
+        prepared["rel"],
+        "--data",
+        prepared["train"],
+        "--valid-data",
+        prepared["valid"],
+    ]
     ref, out = str(tmp_path / "ref"), str(tmp_path / "run")
     r = _run([*common, "--out", ref])
     assert r.returncode == 0, r.stderr[-3000:]
@@ -133,13 +167,25 @@ def test_sigusr1_to_one_rank_under_torchrun_pp2(tmp_path):
     ref, out = str(tmp_path / "ref"), str(tmp_path / "run")
 
     def torchrun(*a):
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                str(free_port()), DSV3, "train", *args, *a]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            DSV3,
+            "train",
+            *args,
+            *a,
+        ]
 
     r = _run(torchrun("--out", ref))
     assert r.returncode == 0, r.stderr[-3000:]
-    rc, err = _interrupt(torchrun("--out", out), out, at,
-                         lambda p: _worker_pids(p.pid, 2)[1].send_signal(signal.SIGUSR1))  # rank 1 only
+    rc, err = _interrupt(
+        torchrun("--out", out), out, at, lambda p: _worker_pids(p.pid, 2)[1].send_signal(signal.SIGUSR1)
+    )  # rank 1 only
     # torchrun reports a worker's non-zero exit as its own failure (exit 1) with the worker's status in its report
     assert rc != 0 and f"exitcode  : {128 + signal.SIGUSR1}" in err, (seed, err[-3000:])
     stop = [x for x in err.splitlines() if "dsv3 train: stopped after step" in x]
@@ -156,8 +202,23 @@ def test_exit_after_minutes_saves_and_exits_0(tmp_path):
     cfg.write_text(json.dumps(_ds()))
     out = str(tmp_path / "run")
     # a budget the run cannot finish in (10^6 steps): it must stop itself, save, and say how to continue
-    r = _run([DSV3, "train", "--nproc", "2", "--config", str(cfg), "--steps", "1000000", "--no-progress",
-              "--out", out, "--exit-after-minutes", "0.3"])
+    r = _run(
+        [
+            DSV3,
+            "train",
+            "--nproc",
+            "2",
+            "--config",
+            str(cfg),
+            "--steps",
+            "1000000",
+            "--no-progress",
+            "--out",
+            out,
+            "--exit-after-minutes",
+            "0.3",
+        ]
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     stop = [x for x in r.stderr.splitlines() if "dsv3 train: stopped after step" in x]
     assert len(stop) == 1 and "exit_after_minutes = 0.3" in stop[0], r.stderr[-3000:]
@@ -179,8 +240,22 @@ def test_sigterm_to_the_deepspeed_launchers_process_group(tmp_path):
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps(_ds()))
     out = str(tmp_path / "run")
-    cmd = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()), DSV3, "train", "--config", str(cfg),
-           "--steps", "1000", "--no-progress", "--out", out]
+    cmd = [
+        DEEPSPEED,
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(free_port()),
+        DSV3,
+        "train",
+        "--config",
+        str(cfg),
+        "--steps",
+        "1000",
+        "--no-progress",
+        "--out",
+        out,
+    ]
     t0 = time.monotonic()
     rc, err = _interrupt(cmd, out, 3, lambda p: os.killpg(p.pid, signal.SIGTERM), start_new_session=True)
     assert time.monotonic() - t0 < 600
@@ -190,6 +265,21 @@ def test_sigterm_to_the_deepspeed_launchers_process_group(tmp_path):
     done = int(stop[0].split("stopped after step ")[1].split()[0])
     assert open(os.path.join(out, "ckpt", "latest")).read().strip() == f"step{done}"
     assert os.path.isfile(os.path.join(out, "ckpt", f"step{done}", "dsv3_complete.json"))
-    r = _run([DSV3, "train", "--nproc", "2", "--config", str(cfg), "--steps", str(done + 1), "--no-progress",
-              "--out", out, "--resume", out])
+    r = _run(
+        [
+            DSV3,
+            "train",
+            "--nproc",
+            "2",
+            "--config",
+            str(cfg),
+            "--steps",
+            str(done + 1),
+            "--no-progress",
+            "--out",
+            out,
+            "--resume",
+            out,
+        ]
+    )
     assert r.returncode == 0 and f"steps {done + 1}-{done + 1}" in r.stdout, r.stderr[-3000:]

@@ -1,15 +1,14 @@
 """`dsv3.memory.bf16_moments` in `dsv3 train` (paper §3.3: AdamW moments kept in BF16): the engine hands DeepSpeed an
 `AdamWBF16Moments` as the client optimizer, ZeRO-1 wraps it and partitions its BF16 state over the data-parallel
 ranks (2 gloo ranks here), a short run tracks the FP32-moment run, and `--resume` is bit-exact, moments included."""
+
 import copy
 
 import pytest
 import torch
-
 from helpers import run_ranks, zero1_ds
 
-DS = zero1_ds({"preset": "tiny", "train": {"seq_len": 16, "seed": 3}, "memory": {"bf16_moments": True}},
-              warmup_steps=5)
+DS = zero1_ds({"preset": "tiny", "train": {"seq_len": 16, "seed": 3}, "memory": {"bf16_moments": True}}, warmup_steps=5)
 STEPS = 10
 
 
@@ -22,13 +21,15 @@ def _fp32(ds):
 def _live_state(ds, pp=1):
     """The optimizer DeepSpeed runs, inspected after one optimizer step: (wrapper, inner optimizer, per-state
     dtypes, moment elements on this rank, parameters of the model)."""
-    from dsv3_plugin.config import DSv3Config, load_config
+    from dsv3_plugin.config import DSv3Config
     from dsv3_plugin.training.transforms import build_model
+
     torch.manual_seed(0)
     model = build_model(DSv3Config.from_block(ds["dsv3"]))
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if pp == 1:
         from dsv3_plugin.deepspeed import initialize
+
         engine, *_ = initialize(model, copy.deepcopy(ds))
         ids = torch.randint(0, 256, (2, 16))
         for _ in range(ds["gradient_accumulation_steps"]):
@@ -39,6 +40,7 @@ def _live_state(ds, pp=1):
     else:
         from dsv3_plugin.deepspeed.pipeline import PipelinedEngine
         from dsv3_plugin.deepspeed.run_config import validate_ds_config
+
         checked = validate_ds_config(copy.deepcopy(ds), target="train", world_size=2)
         pe = PipelinedEngine(model, checked.ds, checked.cfg)
         ids = torch.randint(0, 256, (2 * pe.gas, 16))
@@ -46,32 +48,40 @@ def _live_state(ds, pp=1):
         engine = pe.engine
     inner = engine.optimizer.optimizer
     states = [s for s in inner.state.values() if s]
-    return {"wrapper": type(engine.optimizer).__name__, "inner": type(inner).__name__,
-            "dtypes": sorted({f"{k}:{v.dtype}" for s in states for k, v in s.items() if torch.is_tensor(v)}),
-            "moment_numel": sum(s["exp_avg"].numel() for s in states),
-            "moments_nonzero": all(bool(s["exp_avg_sq"].abs().sum() > 0) for s in states),
-            "state_bytes": inner.state_bytes(), "n_params": n_params,
-            "n_local": sum(p.numel() for p in engine.module.parameters() if p.requires_grad)}
+    return {
+        "wrapper": type(engine.optimizer).__name__,
+        "inner": type(inner).__name__,
+        "dtypes": sorted({f"{k}:{v.dtype}" for s in states for k, v in s.items() if torch.is_tensor(v)}),
+        "moment_numel": sum(s["exp_avg"].numel() for s in states),
+        "moments_nonzero": all(bool(s["exp_avg_sq"].abs().sum() > 0) for s in states),
+        "state_bytes": inner.state_bytes(),
+        "n_params": n_params,
+        "n_local": sum(p.numel() for p in engine.module.parameters() if p.requires_grad),
+    }
 
 
 def _first_leg(tmp):
-    from dsv3_plugin.parallel.distributed import init_distributed
     from dsv3_plugin.deepspeed.train import train
+    from dsv3_plugin.parallel.distributed import init_distributed
+
     init_distributed()
     pp2 = copy.deepcopy(DS)
     pp2["gradient_accumulation_steps"] = 4
     pp2["dsv3"]["parallel"] = {"pp": 2, "schedule": "dualpipev"}
     pp2["dsv3"]["model"] = {"num_hidden_layers": 2}
-    out = {"live": _live_state(DS),
-           "fp32": train(_fp32(DS), steps=STEPS, out=f"{tmp}/fp32", progress=False),
-           "full": train(copy.deepcopy(DS), steps=STEPS, out=f"{tmp}/full", progress=False),
-           "half": train(copy.deepcopy(DS), steps=STEPS // 2, out=f"{tmp}/half", progress=False)}
-    out["live_pp2"] = _live_state(pp2, pp=2)   # last: DeepSpeed keeps the pipeline's mpu in its global state
+    out = {
+        "live": _live_state(DS),
+        "fp32": train(_fp32(DS), steps=STEPS, out=f"{tmp}/fp32", progress=False),
+        "full": train(copy.deepcopy(DS), steps=STEPS, out=f"{tmp}/full", progress=False),
+        "half": train(copy.deepcopy(DS), steps=STEPS // 2, out=f"{tmp}/half", progress=False),
+    }
+    out["live_pp2"] = _live_state(pp2, pp=2)  # last: DeepSpeed keeps the pipeline's mpu in its global state
     return out
 
 
 def _second_leg(tmp):
     from dsv3_plugin.deepspeed.train import train
+
     return train(copy.deepcopy(DS), steps=STEPS, out=f"{tmp}/half", resume=f"{tmp}/half", progress=False)
 
 
@@ -91,7 +101,7 @@ def test_moments_are_bf16_in_the_live_zero1_optimizer(legs):
         assert live["wrapper"] == "DeepSpeedZeroOptimizer" and live["inner"] == "AdamWBF16Moments", live
         assert live["dtypes"] == ["exp_avg:torch.bfloat16", "exp_avg_sq:torch.bfloat16"], live
         assert live["moments_nonzero"], live
-        assert live["state_bytes"] == 2 * 2 * live["moment_numel"]   # 4 bytes per element (FP32 moments: 8)
+        assert live["state_bytes"] == 2 * 2 * live["moment_numel"]  # 4 bytes per element (FP32 moments: 8)
     # ZeRO-1 partitions the moments over the 2 data-parallel ranks: each holds its share, together all of them
     # (DeepSpeed pads each rank's partition to an equal size)
     shares = [first[r]["live"]["moment_numel"] for r in range(2)]
@@ -133,6 +143,7 @@ def _moments(path):
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
+
     out = {}
     with torch.serialization.safe_globals([LossScaler, ZeroStageEnum, fragment_address]):
         for f in sorted(glob.glob(f"{path}/zero_pp_rank_*_optim_states.pt")):
@@ -160,4 +171,4 @@ def test_resume_is_bit_exact_moments_included(legs):
                 assert va.dtype == vb.dtype == torch.bfloat16, key
                 assert torch.equal(va, vb), (fa, key)
             else:
-                assert va == vb == STEPS, key     # the optimizer's step count
+                assert va == vb == STEPS, key  # the optimizer's step count

@@ -1,5 +1,6 @@
 """`dsv3 train` end to end: self-spawned (--nproc 2) from a released-format checkpoint (--init-from), then
 resumed under torchrun; JSON lines on stdout, metrics.jsonl, PNG, checkpoint, summary; bad input exits 2."""
+
 import json
 import os
 import subprocess
@@ -7,19 +8,23 @@ import sys
 
 import pytest
 import torch
+from tolerance import model_bound
 
 from dsv3_plugin.cli import main
-from dsv3_plugin.config import DSv3Config, load_config
-from tolerance import model_bound
+from dsv3_plugin.config import DSv3Config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KEYS = {"step", "loss", "lm_loss", "mtp_loss", "balance_loss", "maxvio", "tokens_per_s", "tokens_seen", "gamma", "lr"}
 
 
 def _ds(**dsv3):
-    return {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "steps_per_print": 10**9,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-            "dsv3": {"preset": "tiny", "train": {"seq_len": 16, "seed": 5}, **dsv3}}
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**9,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "dsv3": {"preset": "tiny", "train": {"seq_len": 16, "seed": 5}, **dsv3},
+    }
 
 
 def _write(path, obj):
@@ -29,28 +34,43 @@ def _write(path, obj):
 
 
 def _env():
-    return {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-            "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    return {
+        **os.environ,
+        "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "OMP_NUM_THREADS": "1",
+        "DS_ACCELERATOR": "cpu",
+    }
 
 
 def test_example_config_is_the_default():
     from dsv3_plugin.deepspeed.run_config import DEFAULT_DS_CONFIG_PATH
-    with open(os.path.join(ROOT, "examples", "deepspeed", "ds_config.json"), "rb") as f, \
-            open(DEFAULT_DS_CONFIG_PATH, "rb") as g:
+
+    with (
+        open(os.path.join(ROOT, "examples", "deepspeed", "ds_config.json"), "rb") as f,
+        open(DEFAULT_DS_CONFIG_PATH, "rb") as g,
+    ):
         assert f.read() == g.read()  # the user-facing copy of the packaged default
     assert main(["check-config", os.path.join(ROOT, "examples", "deepspeed", "ds_config.json")]) == 0
 
 
-@pytest.mark.parametrize("mutate, needle", [
-    (lambda d: d["dsv3"].update(moe={"top_k": 9}), "dsv3.moe.top_k"),
-    (lambda d: d.update(zero_optimization={"stage": 3}), "zero_optimization.stage"),
-    (lambda d: d.update(gradient_clipping=-1), "gradient_clipping"),
-    (lambda d: d["dsv3"].update(parallel={"pp": 2, "schedule": "dualpipev"}), "gradient_accumulation_steps"),
-    (lambda d: d.update(gradient_accumulation_steps=4) or d["dsv3"].update(
-        parallel={"pp": 2, "schedule": "dualpipev", "num_chunks": 8}), "dsv3.parallel.num_chunks"),
-    (lambda d: d.pop("dsv3"), "\"dsv3\" block"),
-    (lambda d: d["dsv3"]["train"].update(stepz=3), "dsv3.train.stepz"),
-])
+@pytest.mark.parametrize(
+    "mutate, needle",
+    [
+        (lambda d: d["dsv3"].update(moe={"top_k": 9}), "dsv3.moe.top_k"),
+        (lambda d: d.update(zero_optimization={"stage": 3}), "zero_optimization.stage"),
+        (lambda d: d.update(gradient_clipping=-1), "gradient_clipping"),
+        (lambda d: d["dsv3"].update(parallel={"pp": 2, "schedule": "dualpipev"}), "gradient_accumulation_steps"),
+        (
+            lambda d: (
+                d.update(gradient_accumulation_steps=4)
+                or d["dsv3"].update(parallel={"pp": 2, "schedule": "dualpipev", "num_chunks": 8})
+            ),
+            "dsv3.parallel.num_chunks",
+        ),
+        (lambda d: d.pop("dsv3"), '"dsv3" block'),
+        (lambda d: d["dsv3"]["train"].update(stepz=3), "dsv3.train.stepz"),
+    ],
+)
 def test_bad_config_exits_2(tmp_path, capsys, mutate, needle):
     d = _ds()
     mutate(d)
@@ -72,6 +92,7 @@ def _reference_first_lm_loss(ck, seq_len, seed, mbs):
     """Mean over both ranks of the loaded model's LM loss on each rank's first micro-batch."""
     from dsv3_plugin import load_pretrained
     from dsv3_plugin.data.synthetic import MarkovData
+
     model = load_pretrained(ck)
     data = MarkovData(model.cfg.model.vocab_size, seq_len, seed=seed)
     losses = []
@@ -84,13 +105,15 @@ def _reference_first_lm_loss(ck, seq_len, seed, mbs):
 
 def test_train_cli_spawned_then_resumed_under_torchrun(tmp_path):
     from helpers import dsv3_cli, make_tiny_hf_checkpoint
+
     ck = str(tmp_path / "hf")
     make_tiny_hf_checkpoint(ck, DSv3Config.from_block({"preset": "tiny"}), seed=1)
     cfg = _write(tmp_path / "c.json", _ds(moe={"bias_update_speed": 0.01}))
     out = str(tmp_path / "run")
 
-    p = dsv3_cli("train", "--config", cfg, "--nproc", "2", "--steps", "3", "--out", out, "--init-from", ck, "--json",
-                 env=_env())
+    p = dsv3_cli(
+        "train", "--config", cfg, "--nproc", "2", "--steps", "3", "--out", out, "--init-from", ck, "--json", env=_env()
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     lines = [json.loads(x) for x in p.stdout.strip().splitlines()]  # --json: stdout is JSON only
     rows, summary = lines[:-1], lines[-1]["summary"]
@@ -112,12 +135,38 @@ def test_train_cli_spawned_then_resumed_under_torchrun(tmp_path):
     assert rows[0]["gamma"] == 0.01 and rows[-1]["tokens_seen"] == 3 * 2 * 2 * 16
 
     # Resume under torchrun, with dsv3.train.log_every = 2: JSON lines for steps 4 and 6 (6 = the last) only.
-    cfg2 = _write(tmp_path / "c2.json", _ds(moe={"bias_update_speed": 0.01}, train={"seq_len": 16, "seed": 5,
-                                                                                     "log_every": 2}))
-    t = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        "-m", "dsv3_plugin", "train", "--config", cfg2, "--steps", "6", "--out", out,
-                        "--resume", out, "--init-from", ck, "--no-progress", "--json"],
-                       capture_output=True, text=True, env=_env(), timeout=600)
+    cfg2 = _write(
+        tmp_path / "c2.json", _ds(moe={"bias_update_speed": 0.01}, train={"seq_len": 16, "seed": 5, "log_every": 2})
+    )
+    t = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "dsv3_plugin",
+            "train",
+            "--config",
+            cfg2,
+            "--steps",
+            "6",
+            "--out",
+            out,
+            "--resume",
+            out,
+            "--init-from",
+            ck,
+            "--no-progress",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=600,
+    )
     assert t.returncode == 0, t.stderr[-3000:]
     more = [json.loads(x) for x in t.stdout.strip().splitlines()]
     assert [r["step"] for r in more[:-1]] == [4, 6] and more[0]["tokens_seen"] == 4 * 64
@@ -133,16 +182,27 @@ def test_terminal_output_is_a_bar_and_a_short_summary(tmp_path):
     tests/call_counter/sitecustomize.py in every process).
     The same run has DeepSpeed's monitor blocks on (TensorBoard, CSV, W&B offline): `_check_trackers`."""
     from dsv3_plugin.training.run_report import window_maxvio
+
     cfg = _write(tmp_path / "c.json", {**_ds(moe={"bias_update_speed": 0.01}), **_trackers(tmp_path)})
     out = str(tmp_path / "run")
     counts = tmp_path / "counts"
     counts.mkdir()
     env = _env()
-    env.update(PYTHONPATH=os.path.join(ROOT, "tests", "call_counter") + os.pathsep + env["PYTHONPATH"],
-               DSV3_COUNT_DIR=str(counts), DSV3_COUNT_FILE=cfg,
-               WANDB_MODE="offline", WANDB_DIR=str(tmp_path / "wandb"), WANDB_SILENT="true")
-    p = subprocess.run([sys.executable, "-m", "dsv3_plugin", "train", "--config", cfg, "--nproc", "2", "--steps",
-                        "12", "--out", out], capture_output=True, text=True, env=env, timeout=600)
+    env.update(
+        PYTHONPATH=os.path.join(ROOT, "tests", "call_counter") + os.pathsep + env["PYTHONPATH"],
+        DSV3_COUNT_DIR=str(counts),
+        DSV3_COUNT_FILE=cfg,
+        WANDB_MODE="offline",
+        WANDB_DIR=str(tmp_path / "wandb"),
+        WANDB_SILENT="true",
+    )
+    p = subprocess.run(
+        [sys.executable, "-m", "dsv3_plugin", "train", "--config", cfg, "--nproc", "2", "--steps", "12", "--out", out],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     logs = [f.read_text().split() for f in counts.iterdir()]
     launcher = [x for x in logs if "start" in x and "validate_ds_config" in x]
@@ -172,9 +232,11 @@ def test_terminal_output_is_a_bar_and_a_short_summary(tmp_path):
 
 def _trackers(tmp_path):
     (tmp_path / "wandb").mkdir()
-    return {"tensorboard": {"enabled": True, "output_path": str(tmp_path / "tb"), "job_name": "j"},
-            "csv_monitor": {"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "j"},
-            "wandb": {"enabled": True, "project": "dsv3-test"}}
+    return {
+        "tensorboard": {"enabled": True, "output_path": str(tmp_path / "tb"), "job_name": "j"},
+        "csv_monitor": {"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "j"},
+        "wandb": {"enabled": True, "project": "dsv3-test"},
+    }
 
 
 def _check_trackers(tmp_path, rows, samples_per_step):
@@ -185,20 +247,42 @@ def _check_trackers(tmp_path, rows, samples_per_step):
     from tracker_files import csv_scalars, tensorboard_scalars, wandb_history
 
     from dsv3_plugin.deepspeed.monitor import metric_events
+
     want = {}
     for row in rows:
         x = row["step"] * samples_per_step
         for name, value, at in metric_events(row, samples_per_step) + [("Train/Samples/lr", row["lr"], x)]:
             assert at == x
             want.setdefault(name, {})[x] = value
-    for name in ("loss", "lm_loss", "mtp_loss", "balance_loss", "maxvio", "maxvio_global", "maxvio_layers/0",
-                 "maxvio_global/layers.1.mlp", "tokens_per_s", "grad_norm", "tokens_dropped", "step", "gamma"):
-        assert want["Train/Samples/" + name] == {r["step"] * samples_per_step: (
-            r[name] if "/" not in name else r["maxvio_layers"][0] if name.startswith("maxvio_layers")
-            else r["moe_layers"]["layers.1.mlp"]["maxvio_global"]) for r in rows}, name
+    for name in (
+        "loss",
+        "lm_loss",
+        "mtp_loss",
+        "balance_loss",
+        "maxvio",
+        "maxvio_global",
+        "maxvio_layers/0",
+        "maxvio_global/layers.1.mlp",
+        "tokens_per_s",
+        "grad_norm",
+        "tokens_dropped",
+        "step",
+        "gamma",
+    ):
+        assert want["Train/Samples/" + name] == {
+            r["step"] * samples_per_step: (
+                r[name]
+                if "/" not in name
+                else r["maxvio_layers"][0]
+                if name.startswith("maxvio_layers")
+                else r["moe_layers"]["layers.1.mlp"]["maxvio_global"]
+            )
+            for r in rows
+        }, name
     tb = tensorboard_scalars(str(tmp_path / "tb" / "j"))
-    assert tb == {k: {x: torch.tensor(v, dtype=torch.float32).item() for x, v in pts.items()}
-                  for k, pts in want.items()}
+    assert tb == {
+        k: {x: torch.tensor(v, dtype=torch.float32).item() for x, v in pts.items()} for k, pts in want.items()
+    }
     assert csv_scalars(str(tmp_path / "csv" / "j")) == {k.replace("/", "_"): v for k, v in want.items()}
     wb = wandb_history(str(tmp_path / "wandb"))
     assert {k: v for k, v in wb.items() if not k.startswith("_")} == want

@@ -1,11 +1,9 @@
 """Bad input to `dsv3 train` found by the self-spawned ranks (or before them) gives ONE `error:` line naming the
 key / file / tensor, exit code 2 and no traceback (under torchrun and the deepspeed launcher:
 test_train_launchers.py)."""
-import copy
+
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,8 +14,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _env():
-    return {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-            "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    return {
+        **os.environ,
+        "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "OMP_NUM_THREADS": "1",
+        "DS_ACCELERATOR": "cpu",
+    }
 
 
 def _config(tmp_path, **dsv3):
@@ -47,22 +49,31 @@ def _train(*args):
 @pytest.fixture(scope="module")
 def truncated_checkpoint(tmp_path_factory):
     from helpers import make_truncated_checkpoint
+
     return make_truncated_checkpoint(str(tmp_path_factory.mktemp("trunc") / "hf"))
 
 
 def test_truncated_shard_with_init_from(tmp_path, truncated_checkpoint):
     ck, shard = truncated_checkpoint
-    _one_error(_train("--config", _config(tmp_path), "--out", str(tmp_path / "o"), "--init-from", ck),
-               f"{shard}: data ends at byte")
+    _one_error(
+        _train("--config", _config(tmp_path), "--out", str(tmp_path / "o"), "--init-from", ck),
+        f"{shard}: data ends at byte",
+    )
 
 
-@pytest.mark.parametrize("dsv3, needle", [
-    ({"parallel": {"ep": 4}}, "dsv3.parallel.ep"),
-    ({"parallel": {"pp": 3}}, "dsv3.parallel.pp"),
-    ({"parallel": {"pp": 2, "schedule": "dualpipe"}}, "gradient_accumulation_steps"),   # 1 < 2·pp micro-batches
-    pytest.param({"fp8": {"enabled": True, "backend": "te"}}, "dsv3.fp8.backend",
-                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="TE may run on a GPU")),
-])
+@pytest.mark.parametrize(
+    "dsv3, needle",
+    [
+        ({"parallel": {"ep": 4}}, "dsv3.parallel.ep"),
+        ({"parallel": {"pp": 3}}, "dsv3.parallel.pp"),
+        ({"parallel": {"pp": 2, "schedule": "dualpipe"}}, "gradient_accumulation_steps"),  # 1 < 2·pp micro-batches
+        pytest.param(
+            {"fp8": {"enabled": True, "backend": "te"}},
+            "dsv3.fp8.backend",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="TE may run on a GPU"),
+        ),
+    ],
+)
 def test_config_refused_by_the_ranks(tmp_path, dsv3, needle):
     _one_error(_train("--config", _config(tmp_path, **dsv3), "--out", str(tmp_path / "o")), needle)
 

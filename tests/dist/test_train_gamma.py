@@ -1,10 +1,8 @@
 """`train` on 2 ranks: the loss falls clearly and the aux-loss-free bias update (γ > 0) ends with a lower
 MaxVio than γ = 0, everything else (seed, data, model) equal. The CLI's 60-step default run shows the same
 (see docs/deepspeed.md); here the sequences are shorter to fit the test budget."""
-import copy
 
 import pytest
-
 from helpers import run_ranks
 
 STEPS = 60
@@ -13,6 +11,7 @@ STEPS = 60
 def _runs():
     from dsv3_plugin.deepspeed.run_config import default_ds_config
     from dsv3_plugin.deepspeed.train import train
+
     out = {}
     for gamma in (0.01, 0.0):
         ds = default_ds_config()

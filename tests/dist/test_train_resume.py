@@ -1,25 +1,33 @@
 """Resume is bit-exact on CPU: 20 steps, save, resume in fresh processes, 20 more = 40 uninterrupted steps
 (every logged metric, the router biases and the weights), on 2 ranks with gradient accumulation 2,
 ZeRO-1, torch Adam, a warm-up LR schedule and gradient clipping."""
+
 import copy
 
 import pytest
 import torch
-
 from helpers import run_ranks, zero1_ds
 
 DS = zero1_ds(
     # γ switches schedule piece mid-run (after 12 steps' tokens) and λ too: schedule state must resume.
-    {"preset": "tiny", "train": {"seq_len": 16, "seed": 3}, "memory": {"ema": True, "ema_decay": 0.9},
-     "moe": {"bias_update_schedule": [{"until_tokens": 12 * 128, "value": 0.01},
-                                      {"until_tokens": None, "value": 0.003}]},
-     "mtp": {"loss_weight_schedule": [{"until_tokens": 25 * 128, "value": 0.3},
-                                      {"until_tokens": None, "value": 0.1}]}},
-    warmup_steps=30)
+    {
+        "preset": "tiny",
+        "train": {"seq_len": 16, "seed": 3},
+        "memory": {"ema": True, "ema_decay": 0.9},
+        "moe": {
+            "bias_update_schedule": [{"until_tokens": 12 * 128, "value": 0.01}, {"until_tokens": None, "value": 0.003}]
+        },
+        "mtp": {
+            "loss_weight_schedule": [{"until_tokens": 25 * 128, "value": 0.3}, {"until_tokens": None, "value": 0.1}]
+        },
+    },
+    warmup_steps=30,
+)
 
 
 def _first_leg(tmp):
     from dsv3_plugin.deepspeed.train import train
+
     full = train(copy.deepcopy(DS), steps=40, out=f"{tmp}/full", progress=False, echo=False)
     half = train(copy.deepcopy(DS), steps=20, out=f"{tmp}/half", progress=False, echo=False)
     return {"full": full, "half": half, "rng": _rng_roundtrip(f"{tmp}/rng")}
@@ -29,9 +37,10 @@ def _rng_roundtrip(ckdir):
     """Each rank's RNG state comes back from the checkpoint (DeepSpeed saves client_state on rank 0 only)."""
     import torch.distributed as dist
 
-    from dsv3_plugin.config import DSv3Config, load_config
+    from dsv3_plugin.config import DSv3Config
     from dsv3_plugin.deepspeed import initialize
     from dsv3_plugin.training.transforms import build_model
+
     rank = dist.get_rank()
     engine, *_ = initialize(build_model(DSv3Config.from_block(DS["dsv3"])), copy.deepcopy(DS))
     torch.manual_seed(100 + rank)
@@ -45,6 +54,7 @@ def _rng_roundtrip(ckdir):
 
 def _second_leg(tmp):
     from dsv3_plugin.deepspeed.train import train
+
     return train(copy.deepcopy(DS), steps=40, out=f"{tmp}/half", resume=f"{tmp}/half", progress=False, echo=False)
 
 
@@ -73,6 +83,7 @@ def test_resume_is_bit_exact(legs):
     assert second[1]["param_checksum"] == second[0]["param_checksum"]
     # the resumed run appended to the same metrics file: 40 lines, steps 1..40
     import json
+
     with open(f"{tmp}/half/metrics.jsonl") as f:
         assert [json.loads(x)["step"] for x in f] == list(range(1, 41))
 

@@ -13,7 +13,6 @@ import sys
 import time
 
 import pytest
-
 from helpers import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -169,8 +168,8 @@ def test_resume_refuses_a_checkpoint_of_another_config(runs, tmp_path):
         "checkpoint's run, 96 in this config)",
     )
     # training knobs may change: a different γ resumes (pre-check passes; the run itself is not started here)
-    from dsv3_plugin.training.checkpoint_tags import resume_source
     from dsv3_plugin.deepspeed.train import TrainRequest, prepare_run
+    from dsv3_plugin.training.checkpoint_tags import resume_source
 
     knob = copy.deepcopy(DS)
     knob["dsv3"]["moe"]["bias_update_speed"] = 0.001

@@ -115,7 +115,7 @@ def test_chunked_step_not_applied_says_why():
 
 def _pipelined(chunked: bool) -> dict:
     """3 steps of `dsv3 train`'s pipelined engine (pp = 2, DualPipeV, torch AdamW, clipping 1.0) on MarkovData."""
-    from dsv3_plugin.config import DSv3Config, load_config
+    from dsv3_plugin.config import DSv3Config
     from dsv3_plugin.data.synthetic import MarkovData
     from dsv3_plugin.deepspeed.pipeline import PipelinedEngine
     from dsv3_plugin.training.transforms import build_model

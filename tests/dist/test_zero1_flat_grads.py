@@ -54,6 +54,7 @@ def _train(flat: bool, ds: dict, norm: str = "fp64", inf_step: int | None = None
     # the FP32 masters this rank steps (DeepSpeed's ZeRO-1 optimizer, or its BF16_Optimizer where the patch is off)
     master_groups = getattr(opt, "single_partition_of_fp32_groups", None) or opt.fp32_groups_flat_partition
     first = master_groups[0].detach().clone()  # (BF16: the module's weights may not move in 3 small steps)
+
     def extra(s):  # `sometimes` gets a gradient in even steps only; an inf one at `inf_step`
         if s == inf_step:
             return model.sometimes.sum() * float("inf")

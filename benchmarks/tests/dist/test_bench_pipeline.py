@@ -1,6 +1,7 @@
 """`python -m benchmarks pipeline` measures `dsv3 train`'s pipelined step (PipelinedEngine on spawned gloo ranks)
 with the W split on and off in the same run: its report has both variants per rank, and the split really ran
 deferred W jobs only where it was on. No timed assertions: the idle fractions are whatever the machine gave."""
+
 import json
 
 import pytest
@@ -10,8 +11,7 @@ from benchmarks.__main__ import main
 
 @pytest.mark.dist
 def test_pipeline_bench_reports_split_and_baseline_per_rank(capsys):
-    assert main(["pipeline", "--json", "--steps", "1", "--chunks", "4",
-                 "--seq-len", "8", "--micro-batch", "1"]) == 0
+    assert main(["pipeline", "--json", "--steps", "1", "--chunks", "4", "--seq-len", "8", "--micro-batch", "1"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert sorted(out["schedules"]) == ["dualpipe", "dualpipev"] and out["pp"] == 2
     for name, s in out["schedules"].items():
@@ -25,7 +25,7 @@ def test_pipeline_bench_reports_split_and_baseline_per_rank(capsys):
                 # and the exchange are disjoint parts of the step's wall time
                 assert (v["grad_sync_s"] > 0) is (name == "dualpipe")
                 assert v["busy_s"] + v["idle_s"] + v["grad_sync_s"] <= v["wall_s"]
-    s = out["schedules"]["dualpipe"]    # the first schedule measured: the headline figures
+    s = out["schedules"]["dualpipe"]  # the first schedule measured: the headline figures
     mean = sum(s["idle_fraction_split"]) / 2
     assert out["ours"] == s["idle_fraction_split_mean"] == pytest.approx(mean, rel=1e-12)
     assert out["ratio"] == pytest.approx(s["idle_fraction_no_split_mean"] / s["idle_fraction_split_mean"], rel=1e-12)
