@@ -31,7 +31,8 @@ SEQ, MBS, GBS, ITERS, SEED = 32, 1, 4, 8, 1234  # 4 micro-batches: DualPipeV at 
 RANK, ALPHA = 4, 8.0
 # a held-out quarter of the documents, evaluated after every iteration on EVAL_ITERS global batches
 EVAL_ITERS = 2
-EVAL = {"lr": "1e-1", "eval_interval": 1, "eval_iters": EVAL_ITERS, "split": "75,25,0"}
+SPLIT = "75,25,0"
+EVAL = {"lr": "1e-1", "eval_interval": 1, "eval_iters": EVAL_ITERS, "split": SPLIT}
 
 # One rank of the entry as torchrun starts it, recording (per chunk, at its first forward) its frozen FP8 buffers,
 # trainable parameters, state-dict keys and DDP bucket parameters, and rank 0's first-chunk micro-batches (the
@@ -328,6 +329,80 @@ def test_the_save_exports_as_peft_that_peft_loads_with_our_logits(run, data, tmp
     assert merged["tensors"] > len(back)
 
 
+# --- adapters on the routed experts at expert parallel size 2 ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ep_run(data, run):
+    """A 2-rank `pretrain_gpt --nproc 2` run at EP = 2 (DP = 2) with `--dsv3-lora-experts`: one iteration on the same
+    text (same split and seed, so its global batch is the main launch's first), `--save` at the end. After `run`: its
+    recorded batches are the reference's input."""
+    from helpers import run_module
+
+    tmp = data["tmp"]
+    flags = _flags(tmp, data["rel"], "--train-iters", "1", *LORA, "--dsv3-lora-experts", lr=str(EP_LR), split=SPLIT)
+    flags += ["--expert-model-parallel-size", "2", "--weight-decay", "0", "--dsv3-metrics", str(tmp / "ep.jsonl")]
+    flags += ["--save", str(tmp / "ep_ck"), "--save-interval", "1"]
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    cmd = [sys.executable, "-m", "dsv3_plugin.megatron.pretrain_gpt", "--nproc", "2", *flags]
+    p = run_module(cmd, cwd=ROOT, env=env)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
+    rows = [json.loads(line) for line in (tmp / "ep.jsonl").read_text().splitlines()]
+    return {"rows": rows, "ck": tmp / "ep_ck", "log": p.stdout + p.stderr}
+
+
+EP_LR = 1e-3
+
+
+def test_expert_adapters_at_ep2_first_step_loss_save_and_export(ep_run, run, data, tmp_path):
+    """EP = 2 with routed-expert adapters: the first iteration's LM loss equals the single-process reference's (its
+    adapters on the experts too) on the same global batch; the save holds each expert adapter as one [E, ...] tensor
+    whose rows are each EP rank's experts (A: the reference's, exactly; B: one Adam step from 0 on both EP ranks'
+    rows), and `dsv3 export --to peft` of it gives those tensors back."""
+    from tolerance import assert_within, model_bound
+
+    from dsv3_plugin.checkpoint.export import export
+    from dsv3_plugin.checkpoint.hf import load_pretrained, pretrained_config
+    from dsv3_plugin.checkpoint.megatron_dist import MegatronDistReader, megatron_iteration_dir
+    from dsv3_plugin.checkpoint.megatron_lora import megatron_native_name
+    from dsv3_plugin.checkpoint.peft_adapter import read_peft_adapter
+
+    assert "(routed experts too)" in ep_run["log"]
+    ref_model = _reference(data, experts=True)
+    batches = run["recs"][0]["batches"]
+    ref, ref_fp32 = _lm_loss(ref_model, batches), _lm_loss(load_pretrained(data["rel"]).eval(), batches)
+    n_tokens = sum(b["tokens"].numel() for b in batches)
+    # as the first-step test (B = 0: the base on both sides); the two data-parallel ranks' loss sums added are a reorder
+    # of the token sum model_bound covers
+    bound = model_bound(ref, ref_model.cfg, n_tokens, passes=1) + 2 * (ref - ref_fp32).abs()
+    got = torch.tensor(ep_run["rows"][0]["lm_loss"])
+    assert_within(got, ref, bound, "first-step LM loss: Megatron LoRA with expert adapters at EP 2 vs the reference")
+
+    reader = MegatronDistReader(megatron_iteration_dir(str(ep_run["ck"])))
+    saved = {megatron_native_name(k): reader.get(k) for k in reader.tensor_keys() if not k.startswith("optimizer.")}
+    init = {n: p.detach() for n, p in ref_model.named_parameters() if p.requires_grad}
+    assert saved.keys() == init.keys()
+    E = ref_model.cfg.moe.n_routed_experts
+    experts = [n for n in saved if ".mlp.experts." in n]
+    assert len(experts) == 3 * 6  # 3 MoE layers x w1/w2/w3 x A/B
+    for n in experts:
+        t = saved[n].float()
+        assert t.shape == init[n].shape and t.shape[0] == E, n
+        if n.endswith("lora_A"):  # B = 0 at the step: A's gradient is exactly 0, so is Adam's step (no decay)
+            assert torch.equal(t, init[n].float()), n  # each EP rank's experts at their rows, seeded as the reference
+        else:  # Adam's first step moves each element by lr·|m̂ / (√v̂ + eps)| <= lr (no weight decay)
+            assert bool((t.abs() <= EP_LR * (1 + 1e-6)).all()), n
+            # B moved from 0 on both EP ranks' experts: each rank's gradient reached its rows
+            moved = t.abs().sum(dim=(1, 2)) > 0
+            assert bool(moved[: E // 2].any()) and bool(moved[E // 2 :].any()), n
+    cfg = pretrained_config(str(data["rel"]), lora={"rank": RANK, "alpha": ALPHA, "experts": True})
+    export(ep_run["ck"], tmp_path / "peft", "peft", progress=False, config=data["tmp"] / "ds.json")
+    back, lora = read_peft_adapter(tmp_path / "peft", cfg)
+    assert lora.experts and back.keys() == saved.keys()
+    for n, t in saved.items():
+        assert torch.equal(back[n], t.float()), n
+
+
 # --- bad input: refused while parsing, before any rank starts (no launch) ---------------------------------------
 
 NO_RANK = pytest.mark.filterwarnings("ignore:Could not determine rank from torch\\.distributed:UserWarning:megatron")
@@ -356,14 +431,15 @@ def test_bad_lora_flags_are_refused_in_one_line(data, capsys):
         _parse(data, "--dsv3-lora-alpha", "8")
     with pytest.raises(ConfigError, match=r"^--dsv3-lora-targets q_proj: names no module of this model \(it has q_a"):
         _parse(data, *LORA, "--dsv3-lora-targets", "q_a_proj", "q_proj")
-    with pytest.raises(ConfigError, match=r"^--expert-model-parallel-size 2: adapters on the routed experts run at"):
-        parse_megatron_args(
-            _flags(data["tmp"], data["rel"], "--train-iters", "1", *LORA, "--dsv3-lora-experts")
-            + ["--expert-model-parallel-size", "2"],
-            world_size=2,
-            on_cpu=True,
-            set_globals=False,
-        )
+    # adapters on the routed experts at EP 2: accepted (each EP rank adapts, reduces and saves its own experts)
+    args, _ = parse_megatron_args(
+        _flags(data["tmp"], data["rel"], "--train-iters", "1", *LORA, "--dsv3-lora-experts")
+        + ["--expert-model-parallel-size", "2"],
+        world_size=2,
+        on_cpu=True,
+        set_globals=False,
+    )
+    assert args.dsv3_lora["experts"] and args.expert_model_parallel_size == 2
     # the entry's own main(): exit 2, one line
     flags = _flags(data["tmp"], data["rel"], "--train-iters", "1", "--dsv3-lora-rank", "0")
     assert main(flags) == 2
