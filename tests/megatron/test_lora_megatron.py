@@ -395,6 +395,10 @@ def test_expert_adapters_at_ep2_first_step_loss_save_and_export(ep_run, run, dat
             # B moved from 0 on both EP ranks' experts: each rank's gradient reached its rows
             moved = t.abs().sum(dim=(1, 2)) > 0
             assert bool(moved[: E // 2].any()) and bool(moved[E // 2 :].any()), n
+            # ... its own: had DDP averaged them over the data-parallel group (both EP ranks) instead of the
+            # expert-data-parallel one (this rank alone), local expert i of both ranks would get one gradient, so
+            # one step from B = 0 would leave rows i and E/2 + i equal
+            assert not torch.equal(t[: E // 2], t[E // 2 :]), n
     cfg = pretrained_config(str(data["rel"]), lora={"rank": RANK, "alpha": ALPHA, "experts": True})
     export(ep_run["ck"], tmp_path / "peft", "peft", progress=False, config=data["tmp"] / "ds.json")
     back, lora = read_peft_adapter(tmp_path / "peft", cfg)
