@@ -170,8 +170,8 @@ def resolve_lora_args(args, cfg: DSv3Config, where: str) -> list[str]:
 
     Raises:
         ConfigError: LoRA without `--dsv3-init-from` (or with a converted one), a rank < 1, a target naming no module,
-            an FP8 release without FP8 (or not blockwise), Transformer Engine layers, TP > 1, expert adapters at
-            EP > 1, a `--load` / `--save` holding a checkpoint of another kind (one line naming the flag).
+            an FP8 release without FP8 (or not blockwise), Transformer Engine layers, TP > 1, a `--load` / `--save`
+            holding a checkpoint of another kind (one line naming the flag).
         CheckpointError: `--load`'s / `--save`'s record names another base or other adapters.
     """
     args.dsv3_lora = lora = _lora_from_flags(args, cfg, where)
@@ -194,11 +194,6 @@ def resolve_lora_args(args, cfg: DSv3Config, where: str) -> list[str]:
         raise ConfigError(
             f"{how}: the adapters attach through the plugin's kernel seams, which Transformer Engine's layers lack; "
             "pass --transformer-impl local"
-        )
-    if lora["experts"] and (getattr(args, "expert_model_parallel_size", 1) or 1) > 1:
-        raise ConfigError(
-            f"--expert-model-parallel-size {args.expert_model_parallel_size}: adapters on the routed experts run at "
-            "expert parallel size 1 (their checkpoint shards are not laid out per EP rank); drop --dsv3-lora-experts"
         )
     if getattr(args, "tensor_model_parallel_size", 1) > 1:
         raise ConfigError(f"{how}: LoRA runs at --tensor-model-parallel-size 1 (the weight loader's limit)")
@@ -344,7 +339,10 @@ def _expert_offset(mod: GroupedExperts) -> int:
 def attach_lora(model, args) -> LoRAReport | None:
     """Under LoRA, after the base is loaded: adapters on `model`'s decoder layers (`lora_targets`; routed experts
     with `lora.experts`), seeded by their `DSv3Model` names from `--seed` (rank- and layout-independent); the chunk's
-    state dict then holds the adapters only (`LoRAChunk`). Returns the report, or None without LoRA."""
+    state dict then holds the adapters only (`LoRAChunk`). At EP > 1 each rank adapts its own experts (seeded by
+    their global index), Megatron's DDP reduces their gradients over the expert-data-parallel group
+    (`allreduce = False`, as the experts' own weights), and `DSv3FFN.sharded_state_dict` saves them at their EP
+    rank's rows of one [E, ...] tensor. Returns the report, or None without LoRA."""
     if getattr(args, "dsv3_lora", None) is None:
         return None
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset

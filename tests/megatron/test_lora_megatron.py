@@ -2,11 +2,12 @@
 --dsv3-lora-alpha A` with `--dsv3-init-from` a tiny FP8 release, on real text prepared by `dsv3 prepare-data`.
 
 One 2-rank `pretrain()` launch under the plugin's DualPipeV hook (PP = 2, the V: both ends of the model on rank 0),
-3 iterations, `--save` at the end:
+8 iterations on three quarters of the documents, the rest held out (evaluated as the run goes), `--save` at the end:
 - the frozen base is the release's FP8 bytes as stored (E4M3 + weight_scale_inv buffers, no high-precision copy),
   nothing but the adapters requires grad, and Megatron's DDP buckets hold exactly the adapters;
 - the adapters equal the single-process reference's (`checkpoint.frozen_base.load_frozen_base`, the DeepSpeed
   path's model), and the first iteration's LM loss equals that model's on the recorded batches (bound below);
+- Megatron's validation loss on the held-out text falls below the base's (that model, B = 0, on the same batches);
 - `--save` holds the adapters and their optimizer state only (B moved from 0), and `dsv3_lora.json` the base's
   fingerprint; `dsv3 export --to peft` of it loads in peft with our adapted model's logits.
 Bad flags and a `--load` of adapters trained on another base: one-line errors before any rank starts (no launch).
@@ -16,6 +17,7 @@ Needs megatron-core >= 0.19 (`megatron.training`): skipped on 0.16.1.
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -25,26 +27,36 @@ import torch
 pytest.importorskip("megatron.training", reason="megatron-core < 0.19: no megatron.training in the wheel")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SEQ, MBS, GBS, ITERS, SEED = 32, 1, 4, 3, 1234  # 4 micro-batches: DualPipeV at P = 2 needs >= 2P
+SEQ, MBS, GBS, ITERS, SEED = 32, 1, 4, 8, 1234  # 4 micro-batches: DualPipeV at P = 2 needs >= 2P
 RANK, ALPHA = 4, 8.0
+# a held-out quarter of the documents, evaluated after every iteration on EVAL_ITERS global batches
+EVAL_ITERS = 2
+SPLIT = "75,25,0"
+EVAL = {"lr": "1e-1", "eval_interval": 1, "eval_iters": EVAL_ITERS, "split": SPLIT}
 
 # One rank of the entry as torchrun starts it, recording (per chunk, at its first forward) its frozen FP8 buffers,
-# trainable parameters, state-dict keys and DDP bucket parameters, and rank 0's first-chunk micro-batches.
+# trainable parameters, state-dict keys and DDP bucket parameters, and rank 0's first-chunk micro-batches (the
+# first training step's, and every evaluation's in order).
 RECORDER = """
 import os, sys, torch
 import dsv3_plugin.megatron.pretrain_gpt as pg
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-out, rec = os.environ["RECORD_TO"], {"batches": [], "chunks": {}}
-get_batch, forward_step = pg.get_batch, pg.forward_step
+out, rec = os.environ["RECORD_TO"], {"batches": [], "eval": [], "chunks": {}}
+get_batch, forward_step, training = pg.get_batch, pg.forward_step, [True]
 def recording_get_batch(it, vp_stage=None):
     b = get_batch(it, vp_stage)
-    if b[0] is not None and not vp_stage and len(rec["batches"]) < int(os.environ["GBS"]):
-        rec["batches"].append({"tokens": b[0], "labels": b[1], "loss_mask": b[2]})
+    if b[0] is not None and not vp_stage:
+        batch = {"tokens": b[0], "labels": b[1], "loss_mask": b[2]}
+        if not training[0]:
+            rec["eval"].append(batch)
+        elif len(rec["batches"]) < int(os.environ["GBS"]):
+            rec["batches"].append(batch)
     return b
 def recording_forward_step(it, model, return_schedule_plan=False):
     ddp, m = model, model
     while hasattr(m, "module"):
         m = m.module
+    training[0] = m.training  # Megatron's evaluate() puts the chunks in eval mode
     if m.vp_stage not in rec["chunks"]:
         names = {id(p): n for n, p in m.named_parameters()}
         rec["chunks"][m.vp_stage] = {
@@ -64,11 +76,11 @@ sys.exit(pg.main(sys.argv[1:]))
 """
 
 
-def _flags(tmp, rel, *extra):
+def _flags(tmp, rel, *extra, lr="1e-3", eval_interval=100, eval_iters=0, split="100,0,0"):
     f = ["--dsv3-config", str(tmp / "ds.json"), "--micro-batch-size", str(MBS), "--global-batch-size", str(GBS)]
-    f += ["--seq-length", str(SEQ), "--lr", "1e-3", "--log-interval", "1", "--eval-interval", "100"]
-    f += ["--eval-iters", "0", "--seed", str(SEED), "--tokenizer-type", "HuggingFaceTokenizer"]
-    f += ["--tokenizer-model", str(rel), "--data-path", str(tmp / "text"), "--split", "100,0,0"]
+    f += ["--seq-length", str(SEQ), "--lr", lr, "--log-interval", "1", "--eval-interval", str(eval_interval)]
+    f += ["--eval-iters", str(eval_iters), "--seed", str(SEED), "--tokenizer-type", "HuggingFaceTokenizer"]
+    f += ["--tokenizer-model", str(rel), "--data-path", str(tmp / "text"), "--split", split]
     return f + ["--dsv3-init-from", str(rel), *extra]
 
 
@@ -99,9 +111,9 @@ def run(data):
     from dsv3_plugin.parallel.distributed import free_port
 
     tmp, rel = data["tmp"], data["rel"]
-    flags = _flags(tmp, rel, "--train-iters", str(ITERS), *LORA, "--dsv3-metrics", str(tmp / "metrics.jsonl"))
+    flags = _flags(tmp, rel, "--train-iters", str(ITERS), *LORA, "--dsv3-metrics", str(tmp / "metrics.jsonl"), **EVAL)
     flags += ["--pipeline-model-parallel-size", "2", "--dsv3-pipeline-schedule", "dualpipev"]
-    flags += ["--save", str(tmp / "ck"), "--save-interval", str(ITERS)]
+    flags += ["--save", str(tmp / "ck"), "--save-interval", str(ITERS), "--lr-decay-style", "constant"]
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "GBS": str(GBS)}
     env.update(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     procs = []
@@ -128,7 +140,10 @@ def run(data):
         assert p.returncode == 0, log[-6000:]
     rows = [json.loads(line) for line in (tmp / "metrics.jsonl").read_text().splitlines()]
     recs = [torch.load(tmp / f"rank{r}.pt", weights_only=True) for r in range(2)]
-    return {"rows": rows, "recs": recs, "log": logs[0], "ck": tmp / "ck"}
+    # what Megatron reports of each evaluation (printed by the last rank): `validation loss at iteration N | lm loss
+    # value: X` after iterations 1..ITERS, then the final one after training (`... at iteration N on validation set`)
+    evals = [float(x) for x in re.findall(r"validation loss at iteration \d+[^|]*\| lm loss value: (\S+) \|", logs[1])]
+    return {"rows": rows, "recs": recs, "log": logs[0], "ck": tmp / "ck", "evals": evals}
 
 
 def _chunks(run):
@@ -142,6 +157,14 @@ def _reference(data, **lora):
     return load_frozen_base(
         data["rel"], fp8=data["fp8"], lora={"rank": RANK, "alpha": ALPHA, **lora}, train={"seed": SEED}
     ).eval()
+
+
+def _lm_loss(model, batches):
+    """`model`'s mean LM loss over the recorded micro-batches (every label counted: plain text, loss_mask all 1)."""
+    tokens, labels = torch.cat([b["tokens"] for b in batches]), torch.cat([b["labels"] for b in batches])
+    with torch.no_grad():
+        logits = model(tokens).logits.float()  # GPTDataset without reset flags: positions 0..T-1, causal
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
 def test_the_frozen_base_is_the_releases_fp8_bytes_and_only_adapters_train(run, data):
@@ -194,15 +217,8 @@ def test_adapters_and_first_step_loss_equal_the_single_process_reference(run, da
     batches = run["recs"][0]["batches"]
     assert len(batches) == GBS
     tokens = torch.cat([b["tokens"] for b in batches])
-    labels = torch.cat([b["labels"] for b in batches])
     assert bool(torch.cat([b["loss_mask"] for b in batches]).eq(1).all())  # plain text: every label trained on
-
-    def lm_loss(model):
-        with torch.no_grad():
-            logits = model(tokens).logits.float()  # GPTDataset without reset flags: positions 0..T-1, causal
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-
-    ref, ref_fp32 = lm_loss(ref_model), lm_loss(load_pretrained(data["rel"]).eval())
+    ref, ref_fp32 = _lm_loss(ref_model, batches), _lm_loss(load_pretrained(data["rel"]).eval(), batches)
     got = torch.tensor(run["rows"][0]["lm_loss"])
     assert run["rows"][0]["iteration"] == 1
     # B = 0: the adapters add exactly zero, so both sides are their base. Reordered: Megatron's MLA, linear layers
@@ -215,6 +231,36 @@ def test_adapters_and_first_step_loss_equal_the_single_process_reference(run, da
     assert all(torch.isfinite(torch.tensor(r["lm_loss"])) for r in run["rows"])
     assert [r["iteration"] for r in run["rows"]] == list(range(1, ITERS + 1))
     assert {r["router_bias_abs_sum"] for r in run["rows"]} == {0.0}  # lora.bias_update false: the release's bias
+
+
+def test_held_out_loss_falls_below_the_bases(run, data):
+    """Megatron's validation loss (a held-out quarter of the documents) after each iteration, against the frozen
+    base's (B = 0, our reference model) on the same recorded held-out micro-batches: below it from the first
+    evaluation on, and further below at the last."""
+    from tolerance import model_bound
+
+    from dsv3_plugin.checkpoint.hf import load_pretrained
+
+    evals, batches, n = run["evals"], run["recs"][0]["eval"], EVAL_ITERS * GBS
+    assert len(evals) == ITERS + 1  # after each iteration, and once more after training
+    assert len(batches) == n * len(evals)  # each evaluation's micro-batches, in order
+    assert bool(torch.cat([b["loss_mask"] for b in batches]).eq(1).all())
+    train = {tuple(t.tolist()) for rec in run["recs"] for b in rec["batches"] for t in b["tokens"]}
+    assert not train & {tuple(t.tolist()) for b in batches for t in b["tokens"]}  # held out: no training sample
+    base_model, fp32_model = _reference(data), load_pretrained(data["rel"]).eval()
+    gain, bounds = [], []
+    for i, got in enumerate(evals):
+        held = batches[i * n : (i + 1) * n]
+        base, base_fp32 = _lm_loss(base_model, held), _lm_loss(fp32_model, held)
+        # Megatron's forward of the base vs ours on these tokens may differ by this much (as the first-step bound:
+        # reordered reductions, and E4M3 boundary crossings up to the FP8 effect per side)
+        bounds.append(float(model_bound(base, base_model.cfg, n * SEQ, passes=1) + 2 * (base - base_fp32).abs()))
+        gain.append(float(base) - got)
+    assert gain[0] >= -bounds[0], (gain, bounds)  # one step in: at most the base's held-out loss
+    assert gain[-1] > bounds[-1], (gain, bounds)  # the last: below the base's by more than the two forwards differ
+    assert gain[-1] > gain[0], (gain, evals)  # more of the held-out text learned at the last evaluation
+    assert evals[-1] < evals[0], evals  # (other held-out samples each time: Megatron's iterator moves on)
+    assert evals[-1] < evals[0], evals
 
 
 def test_save_holds_the_adapters_their_optimizer_state_and_the_base_fingerprint(run, data):
@@ -283,6 +329,84 @@ def test_the_save_exports_as_peft_that_peft_loads_with_our_logits(run, data, tmp
     assert merged["tensors"] > len(back)
 
 
+# --- adapters on the routed experts at expert parallel size 2 ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ep_run(data, run):
+    """A 2-rank `pretrain_gpt --nproc 2` run at EP = 2 (DP = 2) with `--dsv3-lora-experts`: one iteration on the same
+    text (same split and seed, so its global batch is the main launch's first), `--save` at the end. After `run`: its
+    recorded batches are the reference's input."""
+    from helpers import run_module
+
+    tmp = data["tmp"]
+    flags = _flags(tmp, data["rel"], "--train-iters", "1", *LORA, "--dsv3-lora-experts", lr=str(EP_LR), split=SPLIT)
+    flags += ["--expert-model-parallel-size", "2", "--weight-decay", "0", "--dsv3-metrics", str(tmp / "ep.jsonl")]
+    flags += ["--save", str(tmp / "ep_ck"), "--save-interval", "1"]
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    cmd = [sys.executable, "-m", "dsv3_plugin.megatron.pretrain_gpt", "--nproc", "2", *flags]
+    p = run_module(cmd, cwd=ROOT, env=env)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
+    rows = [json.loads(line) for line in (tmp / "ep.jsonl").read_text().splitlines()]
+    return {"rows": rows, "ck": tmp / "ep_ck", "log": p.stdout + p.stderr}
+
+
+EP_LR = 1e-3
+
+
+def test_expert_adapters_at_ep2_first_step_loss_save_and_export(ep_run, run, data, tmp_path):
+    """EP = 2 with routed-expert adapters: the first iteration's LM loss equals the single-process reference's (its
+    adapters on the experts too) on the same global batch; the save holds each expert adapter as one [E, ...] tensor
+    whose rows are each EP rank's experts (A: the reference's, exactly; B: one Adam step from 0 on both EP ranks'
+    rows), and `dsv3 export --to peft` of it gives those tensors back."""
+    from tolerance import assert_within, model_bound
+
+    from dsv3_plugin.checkpoint.export import export
+    from dsv3_plugin.checkpoint.hf import load_pretrained, pretrained_config
+    from dsv3_plugin.checkpoint.megatron_dist import MegatronDistReader, megatron_iteration_dir
+    from dsv3_plugin.checkpoint.megatron_lora import megatron_native_name
+    from dsv3_plugin.checkpoint.peft_adapter import read_peft_adapter
+
+    assert "(routed experts too)" in ep_run["log"]
+    ref_model = _reference(data, experts=True)
+    batches = run["recs"][0]["batches"]
+    ref, ref_fp32 = _lm_loss(ref_model, batches), _lm_loss(load_pretrained(data["rel"]).eval(), batches)
+    n_tokens = sum(b["tokens"].numel() for b in batches)
+    # as the first-step test (B = 0: the base on both sides); the two data-parallel ranks' loss sums added are a reorder
+    # of the token sum model_bound covers
+    bound = model_bound(ref, ref_model.cfg, n_tokens, passes=1) + 2 * (ref - ref_fp32).abs()
+    got = torch.tensor(ep_run["rows"][0]["lm_loss"])
+    assert_within(got, ref, bound, "first-step LM loss: Megatron LoRA with expert adapters at EP 2 vs the reference")
+
+    reader = MegatronDistReader(megatron_iteration_dir(str(ep_run["ck"])))
+    saved = {megatron_native_name(k): reader.get(k) for k in reader.tensor_keys() if not k.startswith("optimizer.")}
+    init = {n: p.detach() for n, p in ref_model.named_parameters() if p.requires_grad}
+    assert saved.keys() == init.keys()
+    E = ref_model.cfg.moe.n_routed_experts
+    experts = [n for n in saved if ".mlp.experts." in n]
+    assert len(experts) == 3 * 6  # 3 MoE layers x w1/w2/w3 x A/B
+    for n in experts:
+        t = saved[n].float()
+        assert t.shape == init[n].shape and t.shape[0] == E, n
+        if n.endswith("lora_A"):  # B = 0 at the step: A's gradient is exactly 0, so is Adam's step (no decay)
+            assert torch.equal(t, init[n].float()), n  # each EP rank's experts at their rows, seeded as the reference
+        else:  # Adam's first step moves each element by lr·|m̂ / (√v̂ + eps)| <= lr (no weight decay)
+            assert bool((t.abs() <= EP_LR * (1 + 1e-6)).all()), n
+            # B moved from 0 on both EP ranks' experts: each rank's gradient reached its rows
+            moved = t.abs().sum(dim=(1, 2)) > 0
+            assert bool(moved[: E // 2].any()) and bool(moved[E // 2 :].any()), n
+            # ... its own: had DDP averaged them over the data-parallel group (both EP ranks) instead of the
+            # expert-data-parallel one (this rank alone), local expert i of both ranks would get one gradient, so
+            # one step from B = 0 would leave rows i and E/2 + i equal
+            assert not torch.equal(t[: E // 2], t[E // 2 :]), n
+    cfg = pretrained_config(str(data["rel"]), lora={"rank": RANK, "alpha": ALPHA, "experts": True})
+    export(ep_run["ck"], tmp_path / "peft", "peft", progress=False, config=data["tmp"] / "ds.json")
+    back, lora = read_peft_adapter(tmp_path / "peft", cfg)
+    assert lora.experts and back.keys() == saved.keys()
+    for n, t in saved.items():
+        assert torch.equal(back[n], t.float()), n
+
+
 # --- bad input: refused while parsing, before any rank starts (no launch) ---------------------------------------
 
 NO_RANK = pytest.mark.filterwarnings("ignore:Could not determine rank from torch\\.distributed:UserWarning:megatron")
@@ -311,14 +435,15 @@ def test_bad_lora_flags_are_refused_in_one_line(data, capsys):
         _parse(data, "--dsv3-lora-alpha", "8")
     with pytest.raises(ConfigError, match=r"^--dsv3-lora-targets q_proj: names no module of this model \(it has q_a"):
         _parse(data, *LORA, "--dsv3-lora-targets", "q_a_proj", "q_proj")
-    with pytest.raises(ConfigError, match=r"^--expert-model-parallel-size 2: adapters on the routed experts run at"):
-        parse_megatron_args(
-            _flags(data["tmp"], data["rel"], "--train-iters", "1", *LORA, "--dsv3-lora-experts")
-            + ["--expert-model-parallel-size", "2"],
-            world_size=2,
-            on_cpu=True,
-            set_globals=False,
-        )
+    # adapters on the routed experts at EP 2: accepted (each EP rank adapts, reduces and saves its own experts)
+    args, _ = parse_megatron_args(
+        _flags(data["tmp"], data["rel"], "--train-iters", "1", *LORA, "--dsv3-lora-experts")
+        + ["--expert-model-parallel-size", "2"],
+        world_size=2,
+        on_cpu=True,
+        set_globals=False,
+    )
+    assert args.dsv3_lora["experts"] and args.expert_model_parallel_size == 2
     # the entry's own main(): exit 2, one line
     flags = _flags(data["tmp"], data["rel"], "--train-iters", "1", "--dsv3-lora-rank", "0")
     assert main(flags) == 2
