@@ -37,6 +37,7 @@ __all__ = [
     "run_entry_point",
     "dsv3_cli",
     "run_module",
+    "torchrun_agents",
 ]
 
 
@@ -761,3 +762,38 @@ def slurm_launch_argv(script: str, tmp_path, env: dict | None = None) -> list[st
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     subprocess.run(["bash", script], env=full | (env or {}), check=True, cwd=root, timeout=60)
     return record.read_text().split("\0")[:-1]
+
+
+def torchrun_agents(cmds: list[list[str]], logs_dir, env: dict, cwd: str | None = None) -> tuple[list[int], str]:
+    """Start one torchrun agent per command line (each `python -m torch.distributed.run --nnodes N ...` joining the
+    same rendezvous, i.e. N "nodes" on this host) and wait for all of them.
+
+    Args:
+        cmds: the agents' command lines.
+        logs_dir: a directory for each agent's combined stdout / stderr.
+        env: their environment.
+        cwd: their working directory (None: this process's).
+
+    Returns:
+        (exit codes in agent order, every agent's output one after the other).
+    """
+    import subprocess
+    import tempfile
+
+    logs = [
+        tempfile.NamedTemporaryFile("w+", dir=logs_dir, suffix=f"_agent{i}.log", delete=False) for i in range(len(cmds))
+    ]
+    try:
+        procs = [
+            subprocess.Popen(c, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+            for c, log in zip(cmds, logs)
+        ]
+        codes = [p.wait(timeout=900) for p in procs]
+        text = ""
+        for log in logs:
+            log.seek(0)
+            text += log.read()
+    finally:
+        for log in logs:
+            log.close()
+    return codes, text

@@ -11,10 +11,10 @@ The `moe.ranks_per_node` refusal is a pure function of the gathered layout: test
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
+from helpers import torchrun_agents
 
 from dsv3_plugin.parallel.distributed import free_port
 
@@ -49,39 +49,18 @@ def _agents(tmp, outs, nproc, config, *args):
         "OMP_NUM_THREADS": "1",
         "DS_ACCELERATOR": "cpu",
     }
-    procs, logs = [], []
-    for i, out in enumerate(outs):
-        log = open(tmp / f"agent{i}_{port}.log", "w+")
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes",
-            str(len(outs)),
-            "--nproc-per-node",
-            str(nproc),
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            f"127.0.0.1:{port}",
-            DSV3,
-            "train",
-            "--config",
-            str(config),
-            "--out",
-            str(out),
-            "--json",
-            "--no-progress",
-            *args,
-        ]
-        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env))
-        logs.append(log)
-    codes = [p.wait(timeout=900) for p in procs]
-    text = ""
-    for log in logs:
-        log.seek(0)
-        text += log.read()
-        log.close()
+    launcher = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(len(outs)),
+        "--nproc-per-node",
+        str(nproc),
+    ]
+    launcher += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"]
+    train = ["train", "--config", str(config), "--json", "--no-progress", *args]
+    codes, text = torchrun_agents([[*launcher, DSV3, *train, "--out", str(out)] for out in outs], tmp, env)
     return codes, [json.loads(x) for x in text.splitlines() if x.startswith("{")], text
 
 

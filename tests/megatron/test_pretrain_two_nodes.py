@@ -11,11 +11,10 @@ Needs megatron-core >= 0.19 (`megatron.training`).
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
-from helpers import MEGATRON_SPEC, needs_megatron_training, tiny_megatron_args
+from helpers import MEGATRON_SPEC, needs_megatron_training, tiny_megatron_args, torchrun_agents
 
 from dsv3_plugin.parallel.distributed import free_port
 
@@ -36,14 +35,7 @@ def _two_agents(tmp, name, extra):
     cmd = launcher + ["-m", "dsv3_plugin.megatron.pretrain_gpt", "--dsv3-config", str(cfg)]
     cmd += ["--dsv3-metrics", str(metrics)] + FLAGS + extra
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    logs = [open(tmp / f"{name}_{i}.log", "w+") for i in range(2)]
-    procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT) for log in logs]
-    codes = [p.wait(timeout=900) for p in procs]
-    text = ""
-    for log in logs:
-        log.seek(0)
-        text += log.read()
-        log.close()
+    codes, text = torchrun_agents([cmd, cmd], tmp, env, cwd=ROOT)
     assert codes == [0, 0], text[-6000:]
     return [json.loads(line) for line in metrics.read_text().splitlines()], text
 
