@@ -5,7 +5,8 @@ DeepSpeed's own events (`Train/Samples/lr`) use. The blocks are checked once wit
 
 Names: `Train/Samples/<key>` for a number, `Train/Samples/<key>/<i>` for a list's i-th number (`maxvio_layers`),
 `Train/Samples/<field>/<layer>` for the routing telemetry's per-layer numbers (`moe_layers`); `lr` is DeepSpeed's
-own event, per-expert loads stay in metrics.jsonl. Table: docs/deepspeed.md ("Experiment trackers").
+own event, per-expert loads stay in metrics.jsonl. The run's end-of-run figures (data wait, per pipeline rank busy /
+idle seconds) go once, at the last step, as `Train/Summary/<key>`. Table: docs/deepspeed.md.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import importlib
 from dsv3_plugin.config import ConfigError, short_json, value_with_type
 from dsv3_plugin.deepspeed.backend import import_deepspeed
 
-__all__ = ["MONITOR_BLOCKS", "check_monitor_blocks", "metric_events", "MonitorSink", "monitor_sink"]
+__all__ = ["MONITOR_BLOCKS", "check_monitor_blocks", "metric_events", "summary_events", "MonitorSink", "monitor_sink"]
 
 # DeepSpeed's monitor blocks -> (its pydantic model in deepspeed.monitor.config, the package its writer imports)
 MONITOR_BLOCKS = {
@@ -28,6 +29,7 @@ MONITOR_BLOCKS = {
 }
 _COMET_MIN = (3, 41, 0)  # deepspeed.monitor.utils.check_comet_availability refuses older comet_ml
 PREFIX = "Train/Samples/"
+SUMMARY_PREFIX = "Train/Summary/"
 _DEEPSPEED_OWN = ("lr",)  # written by DeepSpeed's engine at every optimizer step, same name and x
 
 
@@ -141,6 +143,29 @@ def metric_events(rec: dict, samples_per_step: int) -> list[tuple[str, float, in
     return events
 
 
+def summary_events(summary: dict, step: int, samples_per_step: int) -> list[tuple[str, float, int]]:
+    """The monitor events of a run's summary (`training.run_report.finish`): what is measured over the whole run,
+    not per step — the data wait (largest rank) and, at pp > 1, every number of each pipeline rank's report (busy /
+    idle seconds, idle fraction, mirror-gradient exchange, deferred W closures).
+
+    Args:
+        summary: the run's summary dict (rank 0's: it holds every rank's figures).
+        step: the run's last step.
+        samples_per_step: DeepSpeed's train_batch_size.
+
+    Returns:
+        [(name, value, x)] at x = step x samples_per_step: `Train/Summary/<key>` and
+        `Train/Summary/pipeline/<field>/rank<r>`.
+    """
+    x = int(step) * int(samples_per_step)
+    events = [(SUMMARY_PREFIX + k, summary[k], x) for k in ("data_wait_s", "data_wait_pct") if _number(summary.get(k))]
+    for i, r in enumerate((summary.get("pipeline") or {}).get("ranks", [])):
+        rank = r.get("rank", i)
+        name = f"{SUMMARY_PREFIX}pipeline/{{}}/rank{rank}"
+        events += [(name.format(f), v, x) for f, v in r.items() if not f.endswith("rank") and _number(v)]
+    return events
+
+
 class MonitorSink:
     """The loop's metrics sink (`training.loop.run(metrics_sink=...)`): writes each logged record through a
     DeepSpeed engine's `MonitorMaster` (which writes on global rank 0 only); `close()` at the end of the run
@@ -153,6 +178,12 @@ class MonitorSink:
 
     def __call__(self, rec: dict) -> None:
         events = metric_events(rec, self.samples_per_step)
+        if events:
+            self.monitor.write_events(events)
+
+    def summary(self, summary: dict, step: int) -> None:
+        """Write the run's end-of-run figures (`summary_events`) at its last step."""
+        events = summary_events(summary, step, self.samples_per_step)
         if events:
             self.monitor.write_events(events)
 

@@ -165,7 +165,7 @@ def train(request: TrainRequest | RunConfig | str | os.PathLike | dict | None = 
                     f"{(engine.micro_batch, engine.gas, engine.dp)} (micro-batch, accumulation, data-parallel), "
                     f"the data was cut for {(data.micro_batch, data.gas, data.dp)}"
                 )
-            return loop.run(
+            result = loop.run(
                 engine,
                 data,
                 rundir,
@@ -180,6 +180,9 @@ def train(request: TrainRequest | RunConfig | str | os.PathLike | dict | None = 
                 data_note=note,
                 metrics_sink=sink,
             )
+            if sink is not None and result["history"]:
+                sink.summary(result["summary"], result["history"][-1]["step"])
+            return result
         finally:
             if sink is not None:
                 sink.close()

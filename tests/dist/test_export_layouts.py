@@ -355,4 +355,10 @@ def test_pipelined_run_writes_its_metrics_through_deepspeeds_monitor(exported):
         for name, value, x in metric_events(r, 2) + [("Train/Samples/lr", r["lr"], r["step"] * 2)]:
             want.setdefault(name.replace("/", "_"), {})[x] = value
     assert {"Train_Samples_loss", "Train_Samples_maxvio_layers_0", "Train_Samples_grad_norm"} <= set(want)
-    assert csv_scalars(f"{tmp}/csv/j") == want
+    got = csv_scalars(f"{tmp}/csv/j")
+    # the end-of-run figures (`summary_events`: timings, so checked for shape): once, at the last step, per rank
+    summary = {k: got.pop(k) for k in list(got) if k.startswith("Train_Summary_")}
+    assert {"Train_Summary_data_wait_s", "Train_Summary_pipeline_idle_fraction_rank0"} <= set(summary), summary
+    assert {"Train_Summary_pipeline_idle_fraction_rank1", "Train_Summary_pipeline_busy_s_rank1"} <= set(summary)
+    assert all(list(pts) == [rows[-1]["step"] * 2] for pts in summary.values()), summary
+    assert got == want

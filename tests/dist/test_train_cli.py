@@ -279,10 +279,16 @@ def _check_trackers(tmp_path, rows, samples_per_step):
             )
             for r in rows
         }, name
+    wb = wandb_history(str(tmp_path / "wandb"))
+    # the run's end-of-run figures (`summary_events`; pp = 1: the data wait only), once, at the last step
+    last = rows[-1]["step"] * samples_per_step
+    summary = {k: v for k, v in wb.items() if k.startswith("Train/Summary/")}
+    assert set(summary) == {"Train/Summary/data_wait_s", "Train/Summary/data_wait_pct"}, sorted(summary)
+    assert all(list(pts) == [last] and pts[last] >= 0 for pts in summary.values()), summary
+    want.update(summary)
     tb = tensorboard_scalars(str(tmp_path / "tb" / "j"))
     assert tb == {
         k: {x: torch.tensor(v, dtype=torch.float32).item() for x, v in pts.items()} for k, pts in want.items()
     }
     assert csv_scalars(str(tmp_path / "csv" / "j")) == {k.replace("/", "_"): v for k, v in want.items()}
-    wb = wandb_history(str(tmp_path / "wandb"))
     assert {k: v for k, v in wb.items() if not k.startswith("_")} == want

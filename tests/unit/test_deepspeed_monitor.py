@@ -97,3 +97,20 @@ def test_metric_events_names_values_and_axis():
         "Train/Samples/maxvio_global/layers.1.mlp": 0.5,
         "Train/Samples/eval_loss": 2.0,
     }
+
+
+def test_summary_events_once_at_the_last_step():
+    from dsv3_plugin.deepspeed.monitor import summary_events
+
+    summ = {
+        "data_wait_s": 0.5,
+        "data_wait_pct": None,  # not measured: no event
+        "line": "dsv3 train: ...",
+        "pipeline": {"ranks": [{"rank": 0, "idle_fraction": 0.25, "a2a_wait_s": 0.1}, {"rank": 1, "busy_s": 2.0}]},
+    }
+    assert summary_events(summ, step=6, samples_per_step=4) == [
+        ("Train/Summary/data_wait_s", 0.5, 24),
+        ("Train/Summary/pipeline/idle_fraction/rank0", 0.25, 24),
+        ("Train/Summary/pipeline/a2a_wait_s/rank0", 0.1, 24),
+        ("Train/Summary/pipeline/busy_s/rank1", 2.0, 24),
+    ]
