@@ -5,7 +5,8 @@ driver code runs unpatched on GPUs. Importing this module changes nothing; `appl
 `cpu_shims()` context manager) switch the shims on and off, restoring the exact original objects. Patched
 (megatron-core 0.16.1 and 0.19.2): `torch.cuda.current_device`, the CUDA RNG tracker and RNG state, the
 optimizer's literal `device='cuda'` allocations and CUDA-only grad clipping, `multi_latent_attention.HAVE_TE`,
-CUDA streams, and (0.16.1 without TE) the unbound `moe_utils.te_general_gemm` of Megatron's own MoE router. An
+CUDA streams, and (0.16.1 without TE) the unbound `moe_utils.te_general_gemm` of Megatron's own MoE router;
+torch.compile's stance is `force_eager` (Megatron's `jit_fuser` functions run as written, not compiled). An
 untested Megatron-Core version is refused with an error naming it (`force=True` tries anyway).
 
 What each shim does and why: docs/design_notes.md#patches-megatron-cpu
@@ -241,6 +242,13 @@ def __getattr__(name):  # the tracker class needs Megatron; build it lazily (imp
     raise AttributeError(name)
 
 
+def _compile_stance():
+    """torch.compile's current stance (`set_stance` returns none): what `revert()` puts back."""
+    import torch._dynamo.eval_frame as eval_frame
+
+    return eval_frame._stance
+
+
 def is_applied() -> bool:
     return _saved is not None
 
@@ -264,6 +272,7 @@ def apply(force: bool = False) -> bool:
         "tracker_init": mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED,
         "mla_have_te": mla.HAVE_TE,
         "sites": [],
+        "compile_stance": _compile_stance(),
     }
     for module, path, *since in _CUDA_LITERAL_SITES:
         if since and _version_tuple(megatron_core_version()) < since[0]:
@@ -281,6 +290,9 @@ def apply(force: bool = False) -> bool:
     mrandom._CUDA_RNG_STATE_TRACKER = _tracker_class()()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     mla.HAVE_TE = False
+    # Megatron's `jit_fuser` is torch.compile: on CPU inductor generates and loads C++ for a few element-wise
+    # functions in every process (~8 s of CPU a rank, measured; the losses are equal bit for bit without it)
+    torch.compiler.set_stance("force_eager")
     # 0.16.1 without TE never binds `te_general_gemm` in moe_utils (0.19 binds it to None), so Megatron's own MoE
     # router raises NameError on its first GEMM; None is what its `is not None` check expects when TE is absent
     import megatron.core.transformer.moe.moe_utils as moe_utils
@@ -304,6 +316,9 @@ def revert() -> None:
     mrandom._CUDA_RNG_STATE_TRACKER = _saved["tracker"]
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = _saved["tracker_init"]
     mla.HAVE_TE = _saved["mla_have_te"]
+    stance = _saved["compile_stance"]
+    torch.compiler.set_stance(stance.stance, skip_guard_eval_unsafe=stance.skip_guard_eval_unsafe,
+                              force_backend=stance.backend)  # fmt: skip
     for owner, attr, orig in reversed(_saved["sites"]):
         setattr(owner, attr, orig)
     if "moe_te_gemm_added" in _saved:

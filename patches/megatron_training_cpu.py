@@ -6,7 +6,8 @@ For CI and laptops only: `apply()` does nothing (returns False) when CUDA is ava
 ships `megatron.training`); other versions are refused with a message naming the version (`force=True` overrides).
 Patched: `initialize_megatron` (allow_no_cuda), the model-parallel groups and RNG seeding Megatron skips without
 a GPU, `torch.cuda.get_rng_state` / `set_rng_state`, `torch.cuda.memory_stats` (the process's resident memory,
-for `--log-memory-to-tensorboard`); `cuda_literals_on_cpu()` wraps the `pretrain()` call.
+for `--log-memory-to-tensorboard`), the torch_dist writer's results queue of a synchronous save (in-process, not a
+spawned Manager); `cuda_literals_on_cpu()` wraps the `pretrain()` call.
 
 What each shim does and why: docs/design_notes.md#patches-megatron-training-cpu
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import queue
 
 import torch
 
@@ -108,6 +110,32 @@ def _cpu_memory_stats(device=None) -> dict:
     }
 
 
+_SYNC_RESULTS: queue.Queue | None = None
+
+
+def _wrap_results_queue(orig):
+    """Without `--async-save` the torch_dist writer runs in the saving process, so its results can travel through an
+    in-process queue; Megatron's default, a `spawn` Manager, starts a fresh interpreter per rank that re-imports the
+    launch module (~6 s of CPU a rank on the first save). With `--async-save` (another process writes): Megatron's."""
+
+    @functools.wraps(orig)
+    def wrapper(mp_mode: str = "spawn"):
+        global _SYNC_RESULTS
+        from megatron.training.global_vars import get_args
+
+        try:
+            async_save = get_args().async_save
+        except AssertionError:  # Megatron's args not parsed: not a pretrain() save, Megatron's own queue
+            return orig(mp_mode)
+        if async_save:
+            return orig(mp_mode)
+        if _SYNC_RESULTS is None:
+            _SYNC_RESULTS = queue.Queue()
+        return _SYNC_RESULTS
+
+    return wrapper
+
+
 def apply(force: bool = False) -> bool:
     """Install the shims. Returns True if installed now or already, False when CUDA is available."""
     global _saved
@@ -123,10 +151,12 @@ def apply(force: bool = False) -> bool:
             f"dsv3_plugin_patches.megatron_training_cpu: megatron-core {v} is untested (tested: "
             f"{', '.join(TESTED_VERSIONS)}); refusing to patch it (force=True to try anyway)"
         )
+    import megatron.core.dist_checkpointing.strategies.filesystem_async as fs_async
     import megatron.training.initialize as init
     import megatron.training.training as tr
 
     _saved = {
+        (fs_async, "get_write_results_queue"): fs_async.get_write_results_queue,
         (tr, "initialize_megatron"): tr.initialize_megatron,
         (init, "_initialize_distributed"): init._initialize_distributed,
         (init, "_set_random_seed"): init._set_random_seed,
@@ -140,6 +170,7 @@ def apply(force: bool = False) -> bool:
     torch.cuda.get_rng_state = _cpu_get_rng_state
     torch.cuda.set_rng_state = _cpu_set_rng_state
     torch.cuda.memory_stats = _cpu_memory_stats
+    fs_async.get_write_results_queue = _wrap_results_queue(_saved[(fs_async, "get_write_results_queue")])
     return True
 
 

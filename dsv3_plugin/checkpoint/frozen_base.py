@@ -6,9 +6,9 @@ release's weights are quantized once, in the release's own 128×128 blocks); eve
 norms, routers, MTP's `eh_proj`) is read as `load_pretrained` reads it, in the model dtype, and frozen. Without
 `fp8.enabled` a BF16 release stays BF16; an FP8 release is refused (it would need a dequantized copy).
 
-`base_fingerprint`: a cheap identity of a release (config.json and every safetensors header, not the data) that
-adapter checkpoints record so that a resume or an export can check they sit on the same base
-(`check_resume_base`: before any rank starts).
+`base_fingerprint`: a cheap identity of a release (config.json, every safetensors header, every `weight_scale_inv`
+in full and the first 4 KiB of every other tensor) that adapter checkpoints record so that a resume or an export can
+check they sit on the same base (`check_resume_base`: before any rank starts).
 """
 
 from __future__ import annotations
@@ -35,9 +35,15 @@ from dsv3_plugin.training.transforms import apply_transforms
 __all__ = ["load_frozen_base", "base_fingerprint", "check_resume_base"]
 
 
+# bytes of each tensor's data the fingerprint reads (scales: all of them); a fine-tune of the same architecture
+# changes every tensor, so its first page differs; reading 4 KiB of each of the 671B release's ~92k tensors is ~0.4 GB
+SAMPLE_BYTES = 4096
+
+
 def base_fingerprint(path: str | os.PathLike) -> str:
-    """ "sha256:<hex>" of a released directory's config.json (as parsed) and of every stored tensor's name, shard,
-    dtype, shape and byte size plus each shard's header metadata. Reads headers only (no tensor data).
+    """ "sha256:<hex>" of a released directory's config.json (as parsed), every stored tensor's name, shard, dtype,
+    shape and byte size, each shard's header metadata, and data: every `weight_scale_inv` whole and the first
+    `SAMPLE_BYTES` of every other tensor (so another base of the same shapes, e.g. another fine-tune, differs).
 
     Raises:
         CheckpointError: the directory is not a valid released checkpoint (as `CheckpointReader`).
@@ -48,6 +54,8 @@ def base_fingerprint(path: str | os.PathLike) -> str:
         for name in sorted(r.stored):
             i = r.stored[name]
             h.update(json.dumps([name, os.path.basename(i.file), i.dtype, list(i.shape), i.nbytes]).encode())
+            data_U8 = r.raw(name).reshape(-1).view(torch.uint8)  # mapped: only the pages sliced are read
+            h.update((data_U8 if name.endswith(SCALE_SUFFIX) else data_U8[:SAMPLE_BYTES]).numpy().tobytes())
         for f in sorted(r.metadata):
             h.update(json.dumps([os.path.basename(f), r.metadata[f]], sort_keys=True, default=str).encode())
     return "sha256:" + h.hexdigest()

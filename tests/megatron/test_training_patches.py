@@ -14,10 +14,12 @@ helpers = importlib.import_module("dsv3_plugin_patches.megatron_dataset_helpers"
 
 
 def _state():
+    import megatron.core.dist_checkpointing.strategies.filesystem_async as fs_async
     import megatron.training.initialize as init
     import megatron.training.training as tr
 
     return (
+        fs_async.get_write_results_queue,
         tr.initialize_megatron,
         init._initialize_distributed,
         init._set_random_seed,

@@ -330,6 +330,29 @@ def test_released_fp8_base_loads_into_frozen_storage_as_stored(release):
     assert torch.isfinite(m(ids).logits).all()
 
 
+def test_base_fingerprint_tells_apart_a_base_of_the_same_shapes(release, tmp_path):
+    """Another fine-tune of the same architecture has the same headers: the fingerprint reads data too (the first
+    bytes of every tensor, every scale whole)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from dsv3_plugin.checkpoint.reader import CheckpointReader
+
+    fp = base_fingerprint(release)
+    assert fp == base_fingerprint(release)
+    for name in ("model.layers.1.self_attn.q_a_proj.weight", "model.layers.1.self_attn.q_a_proj.weight_scale_inv"):
+        other = tmp_path / name.rsplit(".", 1)[-1]
+        shutil.copytree(release, other)
+        with CheckpointReader(release) as r:
+            shard = other / os.path.basename(r.info(name).file)
+        with safe_open(str(shard), "pt") as f:
+            tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+        flat_U8 = tensors[name].view(-1).view(torch.uint8)
+        flat_U8[0] ^= 1  # one bit of the first element: same shapes and headers
+        save_file(tensors, str(shard), metadata=meta)
+        assert base_fingerprint(other) != fp, name
+
+
 def test_loading_refuses_mismatched_tensors_and_an_fp8_release_without_fp8(release, tmp_path):
     with pytest.raises(ConfigError, match="fp8.enabled"):
         load_frozen_base(release, lora={"rank": 4})

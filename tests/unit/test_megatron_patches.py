@@ -20,8 +20,10 @@ def _megatron_state():
     import megatron.core.tensor_parallel.random as mrandom
     import megatron.core.transformer.moe.moe_utils as moe_utils
     import megatron.core.transformer.multi_latent_attention as mla
+    import torch._dynamo.eval_frame as eval_frame
 
     return (
+        eval_frame._stance,  # torch.compile's stance: force_eager while applied
         "te_general_gemm" in vars(moe_utils),
         torch.cuda.current_device,
         mrandom._CUDA_RNG_STATE_TRACKER,
