@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 
+from dsv3_plugin.cli.train import RANK_IMPORTS
 from dsv3_plugin.parallel.distributed import shared_forkserver, spawn
 
 __all__ = [
@@ -160,6 +161,7 @@ def run_module(cmd: list[str], env: dict | None = None, cwd: str | None = None):
 # the environment lacks (megatron.training on megatron-core 0.16.1) is skipped there.
 RANK_PRELOAD = (
     "deepspeed",
+    *RANK_IMPORTS,  # `dsv3 train`'s own (torch._dynamo)
     "dsv3_plugin.deepspeed.train",
     "dsv3_plugin.deepspeed.pipeline",
     "dsv3_plugin.checkpoint.hf",

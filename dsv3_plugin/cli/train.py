@@ -34,6 +34,10 @@ from dsv3_plugin.training import run_dir as rd
 from dsv3_plugin.training.loop import data_fingerprint
 from dsv3_plugin.training.preemption import REPEAT_WINDOW_S, SIGNALS
 
+# what every rank imports on its way to the first step, once in the forkserver instead of once per rank (without
+# CUDA; see `spawn`): DeepSpeed, and torch._dynamo (torch.optim's constructors import it)
+RANK_IMPORTS = ("deepspeed", "torch._dynamo")
+
 
 def register(sub):
     p = sub.add_parser(
@@ -169,6 +173,7 @@ def run(args) -> int:
             timeout_s=24 * 3600.0,
             forward_signals=SIGNALS,
             repeat_window_s=REPEAT_WINDOW_S,
+            preload=RANK_IMPORTS,
         )
     except Preempted as e:  # every rank saved and stopped at the same step: not a failure, a status
         print(e, file=sys.stderr)

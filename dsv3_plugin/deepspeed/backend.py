@@ -21,9 +21,10 @@ def import_deepspeed():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
 
-    from dsv3_plugin_patches import deepspeed_safe_load, deepspeed_shm_comm
+    from dsv3_plugin_patches import deepspeed_muon_import, deepspeed_safe_load, deepspeed_shm_comm
 
     deepspeed_shm_comm.apply()  # CPU: no JIT build of an inference-only op, no print on stdout
+    deepspeed_muon_import.apply()  # an AdamW engine does not import Muon (and torch._inductor with it)
     deepspeed_safe_load.apply()  # checkpoints read with torch.load(weights_only=True): no unpickling of code
     return deepspeed
 

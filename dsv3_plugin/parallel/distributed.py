@@ -715,6 +715,7 @@ def spawn(
     timeout_s: float = 600.0,
     forward_signals: tuple[int, ...] = (),
     repeat_window_s: float = 0.0,
+    preload: tuple[str, ...] = (),
 ) -> list[Any]:
     """Run `fn(*args)` on `nproc` loopback ranks (each sets the torchrun env vars); return results by rank.
 
@@ -733,6 +734,9 @@ def spawn(
         repeat_window_s: with forward_signals, the first signal again within this many seconds is the same
             request delivered twice (a scheduler signalling the whole process group, then this process), not
             the second signal that aborts.
+        preload: modules every rank imports (e.g. "deepspeed"), imported once by a new forkserver instead of by
+            each rank; only where no CUDA device is visible (an import that touched the CUDA driver in the server
+            would break the forks), and not by a forkserver already running.
 
     Returns:
         fn's return value on each rank, by rank.
@@ -753,10 +757,10 @@ def spawn(
     forwarder = _Forwarder(forward_signals, repeat_window_s) if forward_signals else None
     helpers = _Helpers()
     try:
-        preload = _rank_module(fn)
-        ctx = helpers.start(preload)
+        own = _rank_module(fn)
+        ctx = helpers.start(own + (tuple(preload) if own and not torch.cuda.is_available() else ()))
         shared = helpers.forkserver is None and ctx.get_start_method() == "forkserver"  # one started before
-        module_file = sys.modules[fn.__module__].__file__ if preload else None
+        module_file = sys.modules[fn.__module__].__file__ if own else None
         return _run_ranks(
             ctx, fn, nproc, args, env, timeout_s, forwarder, dict(os.environ) if shared else None, module_file
         )
