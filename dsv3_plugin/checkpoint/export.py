@@ -370,6 +370,7 @@ def export(
     with atomic_output_dir(dst, writer.expected_bytes(source) + _tokenizer_bytes(tok_dir)) as tmp:
         with _progress(source.input_bytes, progress) as bar:
             summary = writer.write(source, tmp, shard_bytes, bar.update)
+        notes += summary.pop("notes", [])
         copied = _copy_tokenizer(tok_dir, tmp) if tok_dir else []
     return {
         "to": to,

@@ -145,11 +145,6 @@ def _plan(sites, adapters, cfg: DSv3Config, lora: LoRAConfig):
     gu = [t for t in ("gate_proj", "up_proj") if t in expert_t]
     params += [_GATE_UP] if gu else []
     params += [_DOWN] if "down_proj" in expert_t else []
-    if params and lora.dropout > 0:
-        raise CheckpointError(
-            f"lora.dropout = {lora.dropout}: peft 0.21.2 refuses lora_dropout != 0 for target_parameters, which "
-            "DeepseekV3's MLP and expert adapters need; export merged instead"
-        )
     ranks, alphas = {}, {}
     R = lora.rank * len(gu)
     if len(gu) == 2:
@@ -205,7 +200,7 @@ def write_peft_adapter(
 
     Raises:
         CheckpointError: bad adapters (`adapter_sites`), or what peft cannot express: MTP-layer adapters, a target
-            adapted on some layers only, `lora.dropout` > 0 with MLP/expert adapters, `lora.bias_update`.
+            adapted on some layers only, `lora.bias_update`.
     """
     with atomic_output_dir(os.fspath(dst), peft_adapter_bytes(adapters) + (1 << 16)) as tmp:
         write_peft_files(tmp, adapters, cfg, lora, base_model_name_or_path)
@@ -221,7 +216,10 @@ def write_peft_files(
     out: str, adapters: Mapping[str, torch.Tensor], cfg: DSv3Config, lora: LoRAConfig, base_model_name_or_path: str
 ) -> dict:
     """`adapter_config.json` and `adapter_model.safetensors` written into the existing directory `out` (the
-    non-atomic part of `write_peft_adapter`; same Args and Raises). Returns {"tensors", "files", "output_bytes"}."""
+    non-atomic part of `write_peft_adapter`; same Args and Raises). Returns {"tensors", "files", "output_bytes",
+    "notes"}. NOTE: peft 0.21.2 refuses `lora_dropout` != 0 with `target_parameters` (DeepseekV3's MLP and expert
+    adapters), so there the config says 0 (a note says so; the metadata keeps the run's value): dropout acts in
+    training only, the adapter computes the same."""
     if lora.bias_update:
         raise CheckpointError(
             "lora.bias_update = true: the run changed the router bias, which a PEFT adapter cannot carry; "
@@ -229,7 +227,14 @@ def write_peft_files(
         )
     sites = adapter_sites(adapters, cfg, lora)
     tensors, modules, params, ranks, alphas = _plan(sites, adapters, cfg, lora)
-    conf = peft_config_dict(lora, modules, params, ranks, alphas, base_model_name_or_path)
+    written = lora.model_copy(update={"dropout": _written_dropout(lora.dropout, params)})
+    conf = peft_config_dict(written, modules, params, ranks, alphas, base_model_name_or_path)
+    notes = []
+    if written.dropout != lora.dropout:
+        notes.append(
+            f"adapter_config.json: lora_dropout 0 (the run trained with {lora.dropout}): peft 0.21.2 refuses dropout "
+            "on target_parameters, which the MLP / expert adapters are; dropout acts in training only"
+        )
     with open(os.path.join(out, ADAPTER_CONFIG), "w") as f:
         f.write(json.dumps(conf, indent=2, sort_keys=True) + "\n")
     specs = [(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()]
@@ -237,7 +242,12 @@ def write_peft_files(
     with StreamingSafetensorsWriter(os.path.join(out, ADAPTER_WEIGHTS), specs, meta) as w:
         for k, t in tensors.items():
             w.write(k, t)
-    return {"tensors": len(tensors), "files": 1, "output_bytes": w.total_bytes}
+    return {"tensors": len(tensors), "files": 1, "output_bytes": w.total_bytes, "notes": notes}
+
+
+def _written_dropout(dropout: float, target_parameters) -> float:
+    """The `lora_dropout` peft 0.21.2 accepts: 0 with `target_parameters` (it refuses anything else there)."""
+    return 0.0 if target_parameters else dropout
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -438,7 +448,7 @@ def read_peft_adapter(src: str | os.PathLike, cfg: DSv3Config) -> tuple[dict[str
     targets = [t for t in LORA_TARGETS if any(g[1] == t for g in groups)]
     experts = any(g[0] == "experts" for g in groups)
     lora = meta_lora or _lora_config(r, alpha, dropout, rs, targets, experts, cpath)
-    if (lora.rank, lora.alpha, lora.dropout, lora.use_rslora) != (r, alpha, dropout, rs):
+    if (lora.rank, lora.alpha, _written_dropout(lora.dropout, params), lora.use_rslora) != (r, alpha, dropout, rs):
         raise CheckpointError(f"{wpath}: metadata {_META} disagrees with {cpath} (rank, alpha, dropout, rsLoRA)")
     want = config_groups(cfg, lora)
     if want != groups:
