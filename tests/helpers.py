@@ -162,6 +162,8 @@ def run_module(cmd: list[str], env: dict | None = None, cwd: str | None = None):
 RANK_PRELOAD = (
     "deepspeed",
     *RANK_IMPORTS,  # `dsv3 train`'s own (torch._dynamo)
+    "matplotlib.pyplot",  # rank 0 of every `dsv3 train` run draws train.png / routing.png at the end
+    "matplotlib.backends.backend_agg",
     "dsv3_plugin.deepspeed.train",
     "dsv3_plugin.deepspeed.pipeline",
     "dsv3_plugin.checkpoint.hf",
