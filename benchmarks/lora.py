@@ -1,13 +1,16 @@
 """LoRA training step (forward + LM loss + backward + AdamW on the adapters; rank r on attention + dense / shared-expert
-MLPs) of ours vs peft's `get_peft_model` on transformers' DeepseekV3ForCausalLM, and vs our full fine-tune step.
+MLPs) of ours vs peft's `get_peft_model` on transformers' DeepseekV3ForCausalLM, and vs our full fine-tune step of
+the same model (FP32, and FP8 training for the FP8 base).
 
 One released-format FP8 base (E4M3 + 128x128 `weight_scale_inv`, N(0, 0.02) weights) feeds every model: ours with
 the frozen base kept in FP8 (`load_frozen_base`: the GEMMs emulated on CPU, activations quantized in 1x128 tiles)
-and with it dequantized to FP32 (`load_pretrained`); peft and our full fine-tune on the same FP32 weights. Same
+and with it dequantized to FP32 (`load_pretrained`); peft and our full fine-tunes on the same FP32 weights. Same
 batch, rank, alpha, targets, AdamW; no dropout, MTP, balance loss or YaRN. One child process per model, children
 interleaved round by round; per step the median CPU and wall time; per child the peak RSS over its steps (VmHWM
 reset after the build) and over its whole life. The first step's loss of every model is reported (B = 0: each
-equals its base's). `ratio`: peft's CPU time / ours (> 1: ours faster), per base precision.
+equals its base's). `ratio`: peft's CPU time / ours (> 1: ours faster), per base precision. One more step per
+child runs under torch.profiler: the share of its CPU time in matrix products and fused attention (`GEMM_OPS`), so
+that the JSON says how much of a step no implementation detail around the GEMMs can remove.
 """
 
 from __future__ import annotations
@@ -32,9 +35,30 @@ IMPLS = {
     "lora_fp32": "ours: LoRA, frozen base dequantized to FP32",
     "peft_fp32": "peft get_peft_model on transformers' DeepseekV3ForCausalLM, base dequantized to FP32",
     "full_fp32": "ours: full fine-tune (every parameter trains), FP32 weights",
+    "full_fp8": "ours: full fine-tune with FP8 training (decoder GEMMs in FP8, FP32 master weights; emulated on CPU)",
+}
+# each LoRA child against the full fine-tune of the same model (the same GEMM precision), and the FP8 one against
+# the FP32 full fine-tune too
+LORA_VS_FULL = {
+    "fp8_base": ("lora_fp8", "full_fp8"),
+    "fp32_base": ("lora_fp32", "full_fp32"),
+    "fp8_base_vs_full_fp32": ("lora_fp8", "full_fp32"),
 }
 _MIB = 2**20
 IGNORE_INDEX = -100
+# torch ops that are matrix products or fused attention (their self CPU time: the step's GEMM floor)
+GEMM_OPS = frozenset(
+    {
+        "aten::mm",
+        "aten::addmm",
+        "aten::addmm_",
+        "aten::bmm",
+        "aten::baddbmm",
+        "aten::_grouped_mm",
+        "aten::_scaled_dot_product_flash_attention_for_cpu",
+        "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+    }
+)
 
 
 def add_arguments(p) -> None:
@@ -104,7 +128,7 @@ def run(args) -> dict:
     counts = {i: per[i]["trainable"] for i in ("lora_fp8", "lora_fp32", "peft_fp32")}
     if len(set(counts.values())) != 1:
         raise RuntimeError(f"bench lora: the adapters differ in size ({counts}): not the same LoRA")
-    o8, o32, pf, full = (per[i] for i in IMPLS)
+    o8, o32, pf = (per[i] for i in ("lora_fp8", "lora_fp32", "peft_fp32"))
     return {
         "bench": "lora",
         "figure": "ms per LoRA training step (CPU time, median): ours by frozen-base precision; baseline peft",
@@ -123,16 +147,20 @@ def run(args) -> dict:
             "fp32_base": pf["step_peak_over_imports_mib"] / o32["step_peak_over_imports_mib"],
         },
         "lora_vs_full": {
-            f"{b}_base": {
-                "full_over_lora_cpu": full["cpu_ms"] / lo["cpu_ms"],
-                "full_over_lora_step_peak_rss": full["step_peak_rss_mib"] / lo["step_peak_rss_mib"],
-                "full_over_lora_step_peak_over_imports": full["step_peak_over_imports_mib"]
-                / lo["step_peak_over_imports_mib"],
-                "lora_faster": lo["cpu_ms"] < full["cpu_ms"],
-                "lora_lower_step_peak": lo["step_peak_rss_mib"] < full["step_peak_rss_mib"],
+            key: {
+                "full": full_i,
+                "full_over_lora_cpu": per[full_i]["cpu_ms"] / per[lo_i]["cpu_ms"],
+                "full_over_lora_step_peak_rss": per[full_i]["step_peak_rss_mib"] / per[lo_i]["step_peak_rss_mib"],
+                "full_over_lora_step_peak_over_imports": per[full_i]["step_peak_over_imports_mib"]
+                / per[lo_i]["step_peak_over_imports_mib"],
+                "lora_faster": per[lo_i]["cpu_ms"] < per[full_i]["cpu_ms"],
+                "lora_lower_step_peak": per[lo_i]["step_peak_rss_mib"] < per[full_i]["step_peak_rss_mib"],
             }
-            for b, lo in (("fp8", o8), ("fp32", o32))
+            for key, (lo_i, full_i) in LORA_VS_FULL.items()
         },
+        # ms of each step in GEMM_OPS (profiled share x median CPU time), and the step ours needs for 1.5x peft
+        "gemm_ms": {i: per[i]["gemm_share"] * per[i]["cpu_ms"] for i in IMPLS},
+        "step_ms_for_1_5x_peft": pf["cpu_ms"] / 1.5,
         "first_step_loss": {i: per[i]["first_loss"] for i in IMPLS},
         "base_precision": {
             "release": "FP8 E4M3 with 128x128 weight_scale_inv (written by the bench, N(0, 0.02) weights)",
@@ -166,6 +194,7 @@ def _summary(rs: list[dict]) -> dict:
         cpu_ms=statistics.median(cpu) * 1e3,
         wall_ms=statistics.median(wall) * 1e3,
         **{k: max(r[k] for r in rs) for k in ("rss_imports_mib", "rss_built_mib", "step_peak_rss_mib", "peak_rss_mib")},
+        gemm_share=statistics.median(r["gemm_share"] for r in rs),
     )
     # what the model, its optimizer and the steps hold on top of the child's imports
     out["step_peak_over_imports_mib"] = max(r["step_peak_rss_mib"] - r["rss_imports_mib"] for r in rs)
@@ -210,7 +239,7 @@ def _lora_block(spec: dict) -> dict:
 
 
 def build_ours(impl: str, spec: dict):
-    """Our model for child `impl` ("lora_fp8", "lora_fp32", "full_fp32") from the base at `spec["base"]`.
+    """Our model for child `impl` ("lora_fp8", "lora_fp32", "full_fp32", "full_fp8") from the base at `spec["base"]`.
 
     Returns:
         (model, step: ids_BT -> loss, base precision in words, LoRA targets, name)."""
@@ -229,9 +258,12 @@ def build_ours(impl: str, spec: dict):
         model = load_pretrained(spec["base"], torch.float32, train=train)
         apply_lora(model, pretrained_config(spec["base"], lora=_lora_block(spec), train=train))
         base = "FP32 (the FP8 release dequantized on load; frozen)"
-    else:
+    elif impl == "full_fp32":
         model = load_pretrained(spec["base"], torch.float32, train=train)
         base = "FP32 (the FP8 release dequantized on load; trained)"
+    else:
+        model = load_pretrained(spec["base"], torch.float32, train=train, fp8={"enabled": True})
+        base = "FP32 master weights (the FP8 release dequantized on load; trained), FP8 GEMMs"
     model.train()
     labels = None
 
@@ -316,6 +348,26 @@ def _load_hf(model, path: str, reader_cls) -> None:
         raise RuntimeError(f"bench lora: transformers' tensors not in the release: {sorted(todo)[:5]}")
 
 
+def _train_step(opt, step, ids_BT):
+    opt.zero_grad(set_to_none=True)
+    loss = step(ids_BT)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def _gemm_share(run_step) -> float:
+    """Fraction of one profiled step's self CPU time spent in `GEMM_OPS` (after the timed steps: the peak RSS
+    and the timings are taken without the profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run_step()
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    return sum(e.self_cpu_time_total for e in events if e.key in GEMM_OPS) / total
+
+
 def _child(impl: str, spec_json: str) -> None:
     spec = json.loads(spec_json)
     import torch
@@ -349,10 +401,7 @@ def _child(impl: str, spec_json: str) -> None:
     cpu, wall, losses = [], [], []
     for i in range(spec["warmup"] + spec["steps"]):
         c0, w0 = time.process_time(), time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        loss = step(ids_BT)
-        loss.backward()
-        opt.step()
+        loss = _train_step(opt, step, ids_BT)
         c1, w1 = time.process_time(), time.perf_counter()
         losses.append(float(loss.detach()))
         if i >= spec["warmup"]:
@@ -372,6 +421,7 @@ def _child(impl: str, spec_json: str) -> None:
         "step_peak_rss_mib": _status_mib("VmHWM"),
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / _MIB,
     }
+    out["gemm_share"] = _gemm_share(lambda: _train_step(opt, step, ids_BT))  # after the peaks: the profiler's memory
     print(json.dumps(out))
 
 

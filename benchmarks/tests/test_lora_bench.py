@@ -32,26 +32,32 @@ def test_tiny_run_reports_the_figures_of_one_lora_on_one_base_and_batch(tmp_path
     d = _run()
     assert d["bench"] == "lora" and {"ours", "baseline", "ratio", "env"} <= set(d)
     bases = {"fp8_base", "fp32_base"}
-    assert set(d["ours"]) == set(d["ratio"]) == set(d["lora_vs_full"]) == set(d["ratio_step_peak_rss"]) == bases
-    assert set(d["ratio_step_peak_over_imports"]) == bases
+    assert set(d["ours"]) == set(d["ratio"]) == set(d["ratio_step_peak_rss"]) == bases
+    assert set(d["ratio_step_peak_over_imports"]) == bases and set(d["lora_vs_full"]) == set(lora.LORA_VS_FULL)
     res = d["results"]
     for b in ("fp8_base", "fp32_base"):
-        lo, full = res["lora_" + b.removesuffix("_base")], res["full_fp32"]
+        lo = res["lora_" + b.removesuffix("_base")]
         assert d["ratio"][b] == d["baseline"] / d["ours"][b] and d["ours"][b] == lo["cpu_ms"] > 0
-        vs = d["lora_vs_full"][b]
+    for key, (lo_i, full_i) in lora.LORA_VS_FULL.items():  # LoRA vs the full fine-tune of the same model
+        lo, full, vs = res[lo_i], res[full_i], d["lora_vs_full"][key]
+        assert vs["full"] == full_i
         assert vs["full_over_lora_cpu"] == full["cpu_ms"] / lo["cpu_ms"]
         assert vs["lora_faster"] == (lo["cpu_ms"] < full["cpu_ms"])
         assert vs["lora_lower_step_peak"] == (lo["step_peak_rss_mib"] < full["step_peak_rss_mib"])
-    assert set(d["base_precision"]) == {"release", *lora.IMPLS}
+    assert set(d["base_precision"]) == {"release", *lora.IMPLS} == {"release", *d["gemm_ms"]}
+    for i, r in res.items():  # a step's GEMMs and fused attention: part of it, never all of it
+        assert 0 < r["gemm_share"] < 1 and d["gemm_ms"][i] == r["gemm_share"] * r["cpu_ms"], i
+    assert d["step_ms_for_1_5x_peft"] == d["baseline"] / 1.5
     targets = res["lora_fp32"]["targets"]
     assert targets == res["lora_fp8"]["targets"] == d["setup"]["targets"] and "o_proj" in targets
     assert res["lora_fp8"]["trainable"] == res["lora_fp32"]["trainable"] == res["peft_fp32"]["trainable"] > 0
-    assert res["full_fp32"]["trainable"] > res["lora_fp32"]["trainable"]
+    assert res["full_fp32"]["trainable"] == res["full_fp8"]["trainable"] > res["lora_fp32"]["trainable"]
     assert res["lora_fp8"]["frozen_mib"] < res["lora_fp32"]["frozen_mib"]  # 1 byte a GEMM weight, not 4
 
     loss = {i: torch.tensor(v, dtype=torch.float32) for i, v in d["first_step_loss"].items()}
-    # our LoRA with B = 0 adds exact zeros to our full model's op sequence
-    assert torch.equal(loss["lora_fp32"], loss["full_fp32"])
+    # our LoRA with B = 0 adds exact zeros to our full model's op sequence; FP8 training re-quantizes the dequantized
+    # release into the same blocks and runs the frozen FP8 base's forward op for op: the same model in both pairs
+    assert torch.equal(loss["lora_fp32"], loss["full_fp32"]) and torch.equal(loss["lora_fp8"], loss["full_fp8"])
     # transformers + peft: the same math on the same FP32 weights, reductions ordered differently (forward only)
     bound = model_bound(loss["lora_fp32"], DSv3Config.from_block(lora._block("tiny", T)), tokens=B * T, passes=1)
     assert_within(loss["peft_fp32"], loss["lora_fp32"], bound, "peft's first-step loss")
