@@ -26,14 +26,15 @@ EPS32 = torch.finfo(torch.float32).eps
 U_BF16 = 2.0**-8
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def _train_and_export(tmp, fp8: bool, dsv3: dict, steps: int, exports: dict) -> dict:
+    """The tiny release (FP8 or BF16) in `tmp`, Python's docs prepared as train / held-out sets, `dsv3 train` on 2
+    ranks (FP32, `dsv3` over the shared block) for `steps` steps, then `dsv3 export` of the run to each
+    `{dir: --to}` of `exports` -> {tmp, rel, ds, eval_loss (the run's last)}."""
     from dsv3_plugin.checkpoint.tiny_release import write_tiny_release
     from dsv3_plugin.data.prepare import prepare
     from dsv3_plugin.data.tokenizer import pydoc_texts
 
-    tmp = tmp_path_factory.mktemp("export_eval")
-    rel = write_tiny_release(tmp / "release", fp8=True)
+    rel = write_tiny_release(tmp / "release", fp8=fp8)
     texts = pydoc_texts()
     for name, docs in (("train", texts[4:40]), ("valid", texts[:4])):
         with open(tmp / f"{name}.jsonl", "w") as f:
@@ -41,17 +42,24 @@ def run(tmp_path_factory):
                 f.write(json.dumps({"text": t}) + "\n")
         prepare([str(tmp / f"{name}.jsonl")], rel, str(tmp / name), progress=False)
     data = {"train": [str(tmp / "train")], "valid": [str(tmp / "valid")], "packing": False, "eval_batches": 1}
-    ds = zero1_ds({"train": {"seq_len": 64, "seed": 3, "data": data}, "moe": {"bias_update_speed": 0.01}}, 2)
+    ds = zero1_ds({"train": {"seq_len": 64, "seed": 3, "data": data}, **dsv3}, 2)
     (tmp / "ds.json").write_text(json.dumps(ds))
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     cmd = ["train", "--config", str(tmp / "ds.json"), "--init-from", rel]
-    cmd += ["--nproc", "2", "--steps", "3", "--out", str(tmp / "run"), "--json", "--no-progress"]
+    cmd += ["--nproc", "2", "--steps", str(steps), "--out", str(tmp / "run"), "--json", "--no-progress"]
     p = dsv3_cli(*cmd, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     summary = [json.loads(x) for x in p.stdout.splitlines() if x.startswith('{"summary"')][-1]["summary"]
-    e = dsv3_cli("export", str(tmp / "run"), str(tmp / "bf16"), "--to", "hf-bf16", env=env)
-    assert e.returncode == 0, e.stderr[-3000:]
+    for dst, to in exports.items():
+        e = dsv3_cli("export", str(tmp / "run"), str(tmp / dst), "--to", to, "--no-progress", env=env)
+        assert e.returncode == 0, e.stderr[-3000:]
     return {"tmp": tmp, "rel": rel, "ds": ds, "eval_loss": summary["eval_loss"]}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("export_eval")
+    return _train_and_export(tmp, True, {"moe": {"bias_update_speed": 0.01}}, 3, {"bf16": "hf-bf16"})
 
 
 def _eval_rows(run):
@@ -121,34 +129,10 @@ def test_transformers_on_the_export_scores_the_runs_eval_loss(run):
 
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory):
-    """`dsv3 train` (2 ranks, FP32) with `dsv3.lora` on a BF16 tiny release: the frozen base holds the release's BF16
-    values in FP32, as transformers' model loaded in FP32 does, so the two differ only by reordered sums."""
-    from dsv3_plugin.checkpoint.tiny_release import write_tiny_release
-    from dsv3_plugin.data.prepare import prepare
-    from dsv3_plugin.data.tokenizer import pydoc_texts
-
+    """`dsv3 train` with `dsv3.lora` on a BF16 tiny release: the frozen base holds the release's BF16 values in FP32,
+    as transformers' model loaded in FP32 does, so the two differ only by reordered sums."""
     tmp = tmp_path_factory.mktemp("lora_eval")
-    rel = write_tiny_release(tmp / "release", fp8=False)
-    texts = pydoc_texts()
-    for name, docs in (("train", texts[4:40]), ("valid", texts[:4])):
-        with open(tmp / f"{name}.jsonl", "w") as f:
-            for t in docs:
-                f.write(json.dumps({"text": t}) + "\n")
-        prepare([str(tmp / f"{name}.jsonl")], rel, str(tmp / name), progress=False)
-    data = {"train": [str(tmp / "train")], "valid": [str(tmp / "valid")], "packing": False, "eval_batches": 1}
-    lora = {"rank": 8, "alpha": 16}
-    ds = zero1_ds({"train": {"seq_len": 64, "seed": 3, "data": data}, "lora": lora}, 2)
-    (tmp / "ds.json").write_text(json.dumps(ds))
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    cmd = ["train", "--config", str(tmp / "ds.json"), "--init-from", rel]
-    cmd += ["--nproc", "2", "--steps", "4", "--out", str(tmp / "run"), "--json", "--no-progress"]
-    p = dsv3_cli(*cmd, env=env)
-    assert p.returncode == 0, p.stderr[-3000:]
-    summary = [json.loads(x) for x in p.stdout.splitlines() if x.startswith('{"summary"')][-1]["summary"]
-    for to in ("peft", "hf-bf16"):
-        e = dsv3_cli("export", str(tmp / "run"), str(tmp / to), "--to", to, "--no-progress", env=env)
-        assert e.returncode == 0, e.stderr[-3000:]
-    return {"tmp": tmp, "rel": rel, "ds": ds, "eval_loss": summary["eval_loss"]}
+    return _train_and_export(tmp, False, {"lora": {"rank": 8, "alpha": 16}}, 4, {"peft": "peft", "hf-bf16": "hf-bf16"})
 
 
 def _hf_loss(model, rows, n_tokens) -> torch.Tensor:
