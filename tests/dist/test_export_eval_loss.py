@@ -80,6 +80,18 @@ def _ce_sum(logits_BTV, labels_BT) -> torch.Tensor:
     )
 
 
+def _our_loss(model, rows, n_tokens: int) -> torch.Tensor:
+    """Our model's mean token loss over the held-out `rows`, with its graph (for the first-order rounding bound)."""
+    return sum(_ce_sum(model(b.input_ids, token_mask=b.token_mask).logits, b.labels) for b in rows) / n_tokens
+
+
+def _hf_loss(model, rows, n_tokens: int) -> torch.Tensor:
+    """A transformers (or peft) model's mean token loss over the held-out `rows`, as `eval_loss` averages it."""
+    with torch.no_grad():
+        total = sum(_ce_sum(model(b.input_ids, attention_mask=b.token_mask.long()).logits, b.labels) for b in rows)
+    return total / n_tokens
+
+
 def test_transformers_on_the_export_scores_the_runs_eval_loss(run):
     from transformers import DeepseekV3ForCausalLM
 
@@ -100,7 +112,7 @@ def test_transformers_on_the_export_scores_the_runs_eval_loss(run):
     ours32 = load_pretrained(run["tmp"] / "bf16", dtype=torch.float32)
     ours32.load_state_dict(states["module"])
     ours32.eval()
-    loss32 = sum(_ce_sum(ours32(b.input_ids, token_mask=b.token_mask).logits, b.labels) for b in rows) / n_tokens
+    loss32 = _our_loss(ours32, rows, n_tokens)
     loss32.backward()  # (1) below: dL/dw at the run's weights
     # (2) the run's eval_loss is this sum, reduced per rank and all-reduced
     V, H = ours32.cfg.model.vocab_size, ours32.cfg.model.hidden_size
@@ -112,10 +124,7 @@ def test_transformers_on_the_export_scores_the_runs_eval_loss(run):
     rounding = 2 * U_BF16 * first_order
 
     hf = DeepseekV3ForCausalLM.from_pretrained(run["tmp"] / "bf16", dtype=torch.float32).eval()
-    with torch.no_grad():
-        loss_hf = (
-            sum(_ce_sum(hf(b.input_ids, attention_mask=b.token_mask.long()).logits, b.labels) for b in rows) / n_tokens
-        )
+    loss_hf = _hf_loss(hf, rows, n_tokens)
     bound = rounding + 2 * reorder
     assert abs(float(loss_hf) - run["eval_loss"]) <= bound, (float(loss_hf), run["eval_loss"], rounding, reorder)
     # the bound is informative: the rounding term is a small fraction of the loss
@@ -133,13 +142,6 @@ def lora_run(tmp_path_factory):
     as transformers' model loaded in FP32 does, so the two differ only by reordered sums."""
     tmp = tmp_path_factory.mktemp("lora_eval")
     return _train_and_export(tmp, False, {"lora": {"rank": 8, "alpha": 16}}, 4, {"peft": "peft", "hf-bf16": "hf-bf16"})
-
-
-def _hf_loss(model, rows, n_tokens) -> torch.Tensor:
-    with torch.no_grad():
-        return sum(_ce_sum(model(b.input_ids, attention_mask=b.token_mask.long()).logits, b.labels) for b in rows) / (
-            n_tokens
-        )
 
 
 def test_peft_and_the_merged_export_score_the_lora_runs_eval_loss(lora_run):
@@ -165,7 +167,7 @@ def test_peft_and_the_merged_export_score_the_lora_runs_eval_loss(lora_run):
 
     # the merged export: W + s·B·A rounded to BF16 once; first-order effect of that rounding, taken at the merged
     # weights over the tensors the adapters changed (the rest are the release's BF16 values, unchanged)
-    loss32 = sum(_ce_sum(merged32(b.input_ids, token_mask=b.token_mask).logits, b.labels) for b in rows) / n_tokens
+    loss32 = _our_loss(merged32, rows, n_tokens)
     loss32.backward()
     base32 = load_pretrained(rel, dtype=torch.float32)
     base_w = dict(base32.named_parameters())
